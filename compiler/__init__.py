@@ -1,0 +1,22 @@
+"""A compiler for PyTorch training code: capture → SymPy autodiff → fused Triton kernels.
+
+    import compiler
+
+    @compiler.compile
+    def step(x, y):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step(); opt.zero_grad()
+        return loss
+
+See ``compile`` and ``explain``.
+"""
+
+from runtime.backends import prepare_process as _prepare_process
+
+_prepare_process()  # before anything imports triton: interpreter mode on CPU-only machines
+
+from compiler.api import compile, explain  # noqa: E402
+from runtime.fallback import CompileError  # noqa: E402
+
+__all__ = ["compile", "explain", "CompileError"]

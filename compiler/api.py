@@ -1,0 +1,116 @@
+"""The public face: ``compile`` and ``explain``. It wires the compiler (capture → autodiff →
+fusion → codegen) to the runtime's dispatcher, which calls ``_build`` on a cache miss."""
+
+from __future__ import annotations
+
+import logging
+
+import torch.fx as fx
+
+from compiler.build import build_region
+from compiler.capture import capture
+from compiler.report import KernelInfo, Report
+from runtime.dispatch import CompiledFunction, Entry
+from runtime.fallback import CompileError
+from runtime.replay import _name
+
+log = logging.getLogger("compiler")
+
+
+def compile(fn=None, *, backend: str = "auto", fullgraph: bool = False):
+    """Compile ``fn``: its torch ops become fused Triton kernels, forward and backward.
+
+    Usable as ``@compiler.compile`` or ``@compiler.compile(backend=..., fullgraph=...)``.
+    Backends: ``"triton"`` (CUDA tensors), ``"interpret"`` (the same kernels in Triton's
+    interpreter, CPU tensors), ``"eager"`` (the function unmodified) and ``"auto"``
+    (triton on CUDA, interpret on CPU). The first call with new shapes runs eagerly while
+    it records; later calls run the compiled kernels. With ``fullgraph=True``, anything that
+    would run eagerly raises ``CompileError`` instead.
+
+    >>> import torch, compiler
+    >>> @compiler.compile
+    ... def f(x, y):
+    ...     return (torch.sin(x) * y + torch.exp(-x)).sum()
+    >>> x = torch.randn(8, requires_grad=True)
+    >>> _ = f(x, torch.randn(8)); loss = f(x, torch.randn(8)); loss.backward()
+    """
+    if fn is None:
+        return lambda f: compile(f, backend=backend, fullgraph=fullgraph)
+    if isinstance(fn, CompiledFunction):
+        fn = fn.fn
+    return CompiledFunction(fn, _build, backend=backend, fullgraph=fullgraph)
+
+
+def explain(fn, *args, **kwargs) -> Report:
+    """Record and compile ``fn`` for these arguments and report every stage.
+
+    Runs ``fn`` once, eagerly (as its first compiled call would). The report has ``.graph``,
+    ``.backward_graph``, ``.kernels`` (each with ``.name`` and ``.source``) and
+    ``.fallbacks``; ``print(report)`` shows them all.
+
+    >>> import torch, compiler
+    >>> report = compiler.explain(lambda x: (x.sin() * 2).sum(), torch.randn(4, requires_grad=True))
+    >>> len(report.kernels), report.fallbacks
+    (2, [])
+    """
+    compiled = fn if isinstance(fn, CompiledFunction) else compile(fn)
+    entry = compiled.build(args, kwargs)
+    return entry.report
+
+
+def _build(fn, args, kwargs, *, fullgraph=False, stats=None):
+    result, trace = capture(fn, args, kwargs)
+    fallbacks = list(trace.fallbacks)
+    if fullgraph and fallbacks:
+        raise CompileError(f"{getattr(fn, '__name__', fn)} cannot be compiled whole: " + "; ".join(fallbacks))
+    regions, kernels = [], []
+    for index, plan in enumerate(trace.regions):
+        captured = _copy(plan.graph)
+        info = {"captured": captured}
+        try:
+            plan.compiled, details = build_region(plan.graph)
+            plan.compiled.stats = stats if stats is not None else {}
+            info["backward_graph"] = details["backward_graph"]
+            info["kernels"] = (
+                [KernelInfo(k.name, k.source, "forward", index, k.bytes_moved) for k in details["forward_kernels"]]
+                + [KernelInfo(k.name, k.source, "backward", index, k.bytes_moved) for k in details["backward_kernels"]])
+            kernels.extend(info["kernels"])
+        except Exception as e:  # noqa: BLE001 — a compiler failure must not break the user's program
+            if fullgraph:
+                raise CompileError(f"region {index} failed to compile: {type(e).__name__}: {e}") from e
+            plan.compiled = None
+            plan.reason = f"region {index} failed to compile ({type(e).__name__}: {e}); its ops run eagerly"
+            info["reason"] = plan.reason
+            fallbacks.append(plan.reason)
+            log.debug("region compile failure", exc_info=True)
+        regions.append(info)
+    eager_calls = list(dict.fromkeys(_name(c.func) for c in trace.calls if c.kind == "eager"))
+    report = Report(
+        graph=_merged_graph(regions),
+        backward_graph=next((r["backward_graph"] for r in regions if r.get("backward_graph") is not None), None),
+        kernels=kernels, fallbacks=fallbacks, eager_calls=eager_calls, regions=regions)
+    return result, Entry(trace, report)
+
+
+def _copy(graph: fx.Graph) -> fx.Graph:
+    new = fx.Graph()
+    env = {}
+    for node in graph.nodes:
+        env[node] = new.node_copy(node, lambda n: env[n])
+    return new
+
+
+def _merged_graph(regions) -> fx.Graph:
+    if len(regions) == 1:
+        return regions[0]["captured"]
+    merged = fx.Graph()
+    outputs = []
+    for r in regions:
+        env = {}
+        for node in r["captured"].nodes:
+            if node.op == "output":
+                outputs.extend(env[o] for o in node.args[0])
+                continue
+            env[node] = merged.node_copy(node, lambda n: env[n])
+    merged.output(tuple(outputs))
+    return merged

@@ -1,0 +1,156 @@
+"""Reverse-mode differentiation of a region graph, and the forward/backward partition.
+
+``differentiate`` appends the backward to the forward graph (a joint graph), node by node
+in reverse order, with each op's VJP from the catalog; gradients reaching one value are
+summed, and broadcasting is undone by ``catalog.sum_to_shape``. ``partition`` then splits
+the joint graph into the forward program (which also returns what backward must keep) and
+the backward program.
+
+NOTE (memory): forward values that backward needs are recomputed inside the backward
+kernels when they are cheap pointwise/view chains of saved values, and saved otherwise —
+the policy of AOTAutograd's min-cut partitioner, in its simplest form. A fused elementwise
+chain then saves only its inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from compiler.ir import GraphBuilder
+from compiler.ops import catalog as C
+
+
+@dataclass
+class Partitioned:
+    forward: fx.Graph          # inputs -> (*user outputs, *saved intermediates)
+    backward: fx.Graph | None  # (*saved, *grad_outputs) -> grads of inputs (None where no grad)
+    num_user_outputs: int
+    saved: list                # descriptors: ("input", i) or ("output", j) of the forward
+    grad_output_for: list      # indices of user outputs that receive a gradient
+    input_needs_grad: list     # per forward input
+
+
+def differentiate(graph: fx.Graph):
+    """Append gradient nodes to ``graph``; return (grad_output placeholders, input grads)."""
+    nodes = list(graph.nodes)
+    inputs = [n for n in nodes if n.op == "placeholder"]
+    output_node = next(n for n in nodes if n.op == "output")
+    outputs = list(output_node.args[0])
+    b = GraphBuilder(graph)
+    grads: dict = {}
+    grad_placeholders = []
+    with graph.inserting_before(output_node):
+        for i, out in enumerate(outputs):
+            if _differentiable(out):
+                g = b.placeholder(f"grad_out{i}", out.meta["shape"], out.meta["dtype"])
+                grad_placeholders.append((i, g))
+                grads[out] = _accumulate(b, grads.get(out), g)
+        for node in reversed(nodes):
+            if node.op != "call_function" or node not in grads:
+                continue
+            contributions = C.vjp(b, node, grads[node])
+            for arg, contribution in zip(node.args, contributions):
+                if contribution is None or not _differentiable(arg):
+                    continue
+                contribution = C.sum_to_shape(b, contribution, arg.meta["shape"])
+                grads[arg] = _accumulate(b, grads.get(arg), contribution)
+    return grad_placeholders, [grads.get(x) if x.meta["requires_grad"] else None for x in inputs]
+
+
+def _differentiable(node) -> bool:
+    return isinstance(node, fx.Node) and node.meta["requires_grad"] and node.meta["dtype"].is_floating_point
+
+
+def _accumulate(b, existing, new):
+    if existing is None:
+        return new
+    return C.emit_pointwise(b, "add", [existing, new], dtype=existing.meta["dtype"], requires_grad=False)
+
+
+def partition(graph: fx.Graph) -> Partitioned:
+    """Differentiate a forward region graph and split it into forward and backward programs."""
+    forward_nodes = list(graph.nodes)
+    inputs = [n for n in forward_nodes if n.op == "placeholder"]
+    user_outputs = list(next(n for n in forward_nodes if n.op == "output").args[0])
+    input_needs_grad = [x.meta["requires_grad"] for x in inputs]
+    if not any(_differentiable(o) for o in user_outputs) or not any(input_needs_grad):
+        return Partitioned(graph, None, len(user_outputs), [], [], [False] * len(inputs))
+
+    forward_set = set(forward_nodes)
+    grad_placeholders, input_grads = differentiate(graph)
+
+    backward = fx.Graph()
+    env: dict = {}
+    saved_nodes: list = []
+    saved_placeholders: list = []
+
+    def fetch(node):
+        """The backward graph's version of a forward value: recomputed, or saved."""
+        if node in env:
+            return env[node]
+        kind = getattr(node.target, "kind", None)
+        if node.op == "placeholder" or node in user_outputs or kind in ("reduction", "extern"):
+            saved_nodes.append(node)
+            p = backward.placeholder(f"saved_{node.name}")
+            p.meta.update(node.meta)
+            saved_placeholders.append(p)
+            env[node] = p
+        else:  # cheap pointwise or view: recompute it from what backward has anyway
+            env[node] = backward.node_copy(node, fetch)
+        return env[node]
+
+    grad_inputs = {}
+    for i, g in grad_placeholders:
+        p = backward.placeholder(f"grad_out{i}")
+        p.meta.update(g.meta)
+        grad_inputs[g] = p
+
+    def copy_backward(node):
+        if node in env:
+            return env[node]
+        if node in forward_set:
+            return fetch(node)
+        if node in grad_inputs:
+            return grad_inputs[node]
+        env[node] = backward.node_copy(node, copy_backward)
+        return env[node]
+
+    results = [copy_backward(g) if g is not None else None for g in input_grads]
+    backward.output(tuple(results))
+    # fx keeps placeholders where they were created; put them first: saved, then grads.
+    _reorder_placeholders(backward, saved_placeholders + [grad_inputs[g] for _, g in grad_placeholders])
+
+    # The forward program: strip the backward nodes, return user outputs + saved values.
+    forward = fx.Graph()
+    fenv: dict = {}
+    for node in forward_nodes:
+        if node.op == "output":
+            break
+        fenv[node] = forward.node_copy(node, lambda n: fenv[n])
+    saved = []
+    extra = []
+    for node in saved_nodes:
+        if node.op == "placeholder":
+            saved.append(("input", inputs.index(node)))
+        elif node in user_outputs:
+            saved.append(("output", user_outputs.index(node)))
+        else:
+            saved.append(("output", len(user_outputs) + len(extra)))
+            extra.append(node)
+    forward.output(tuple(fenv[o] if isinstance(o, fx.Node) else o for o in user_outputs + extra))
+    return Partitioned(forward, backward, len(user_outputs), saved,
+                       [i for i, _ in grad_placeholders], input_needs_grad)
+
+
+def _reorder_placeholders(graph: fx.Graph, order):
+    anchor = None
+    for p in order:
+        if anchor is None:
+            first = next(iter(graph.nodes))
+            if p is not first:
+                first.prepend(p)
+        else:
+            anchor.append(p)
+        anchor = p

@@ -1,0 +1,101 @@
+"""From a region graph to a runnable ``CompiledRegion``: partition, fuse, render, assemble.
+
+``build_region`` is the whole compiler for one region; ``lower`` turns one fused schedule
+into a runtime ``Program`` (value slots, kernel launches, matmul calls, view outputs).
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from compiler.autodiff import partition
+from compiler.codegen.triton_kernel import render_kernel
+from compiler.fusion import Schedule, fuse
+from runtime.autograd_bridge import CompiledRegion
+from runtime.program import ExternCall, KernelLaunch, Program, ValueRef
+
+
+def build_region(graph: fx.Graph):
+    """Compile one captured region. Returns (CompiledRegion, details for ``explain``)."""
+    parts = partition(graph)
+    forward_schedule = fuse(parts.forward)
+    forward_program, forward_kernels = lower(parts.forward, forward_schedule)
+    backward_program, backward_kernels = None, []
+    if parts.backward is not None:
+        backward_schedule = fuse(parts.backward)
+        backward_program, backward_kernels = lower(parts.backward, backward_schedule)
+    outputs = list(next(n for n in parts.forward.nodes if n.op == "output").args[0])[: parts.num_user_outputs]
+    differentiable = [o.meta["requires_grad"] and o.meta["dtype"].is_floating_point for o in outputs]
+    region = CompiledRegion(forward_program, backward_program, parts.num_user_outputs, parts.saved,
+                            parts.grad_output_for, differentiable)
+    details = {
+        "forward_graph": parts.forward,
+        "backward_graph": parts.backward,
+        "forward_kernels": forward_kernels,
+        "backward_kernels": backward_kernels,
+    }
+    return region, details
+
+
+def lower(graph: fx.Graph, schedule: Schedule):
+    """Assign slots to buffers and turn the schedule's steps into runtime steps."""
+    slots: dict = {}
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for p in placeholders:
+        slots[p] = len(slots)
+
+    def ref(node) -> ValueRef:
+        views = []
+        while node not in slots:
+            op = node.target
+            if op.name == "permute":
+                views.append(("permute", tuple(node.kwargs["dims"])))
+            elif op.name == "expand":
+                views.append(("expand", tuple(node.kwargs["shape"])))
+            else:
+                views.append(("reshape", tuple(node.kwargs["shape"])))
+            node = node.args[0]
+        return ValueRef(slots[node], tuple(reversed(views)))
+
+    steps, sources = [], []
+    for kind, item in schedule.steps:
+        if kind == "extern":
+            slots[item] = len(slots)
+            steps.append(ExternCall(item.target.name, [ref(a) for a in item.args], slots[item]))
+            continue
+        src = render_kernel(item, schedule.buffers)
+        for node in src.stores:
+            slots[node] = len(slots)
+        steps.append(KernelLaunch(
+            src.name, src.source, [slots[n] for n in src.loads],
+            [(slots[n], n.meta["shape"], n.meta["dtype"]) for n in src.stores],
+            src.grid, _constant(src.source, "XBLOCK_DEFAULT"), _constant(src.source, "RBLOCK_DEFAULT"),
+            src.bytes_moved))
+        sources.append(src)
+    outputs = [ref(o) if isinstance(o, fx.Node) else None
+               for o in next(n for n in graph.nodes if n.op == "output").args[0]]
+    program = Program(len(placeholders), len(slots), steps, outputs)
+    program.frees = _liveness(program)
+    return program, sources
+
+
+def _constant(source: str, name: str) -> int:
+    for line in source.splitlines():
+        if line.startswith(f"{name} = "):
+            return int(line.split("=")[1])
+    raise KeyError(name)
+
+
+def _liveness(program: Program):
+    """Per step, the slots no later step or output reads: freed as soon as possible."""
+    keep = {o.slot for o in program.outputs if o is not None}
+    last_use = {}
+    for i, step in enumerate(program.steps):
+        reads = step.loads if isinstance(step, KernelLaunch) else [a.slot for a in step.args]
+        for slot in reads:
+            last_use[slot] = i
+    frees = [[] for _ in program.steps]
+    for slot, i in last_use.items():
+        if slot not in keep:
+            frees[i].append(slot)
+    return frees

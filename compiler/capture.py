@@ -1,0 +1,271 @@
+"""Capture: run the user's function once, eagerly, recording its torch calls.
+
+A ``TorchFunctionMode`` sees every torch-level call. Each call runs for real (so this first
+call returns eager PyTorch's results) and is recorded. Calls with a binding in the op
+catalog are also appended, as catalog ops, to the graph of the current *region*; any other
+call — ``backward()``, an optimizer's in-place update, an op the catalog lacks, reading a
+value with ``.item()`` — is recorded as an eager call and closes the region.
+
+After the function returns, escape analysis decides which region values must be
+materialized: those returned, read by eager calls or later regions, or still alive
+(kept by the user in a list, a module attribute...). The rest stay inside fused kernels.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from compiler.ir import GraphBuilder
+from compiler.ops.bindings import Unsupported, lookup
+from runtime.replay import _name, is_metadata
+from runtime.trace import RegionPlan, TensorMeta, Trace, TraceCall, ValueId
+
+# Eager calls that are part of a training step, not gaps in the compiled graph.
+_AUTOGRAD_CALLS = {torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad,
+                   torch._C._set_grad_enabled, torch.Tensor.requires_grad_, torch.Tensor.retain_grad,
+                   torch.Tensor.register_hook, torch.Tensor.detach, torch.Tensor.zero_}
+_STATE_ATTRS = {"grad", "data", "grad_fn", "_base", "_version"}
+_SUPPORTED_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool,
+                     torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8}
+
+
+@dataclass
+class _Region:
+    index: int
+    grad_enabled: bool
+    device: torch.device
+    builder: GraphBuilder = field(default_factory=GraphBuilder)
+    nodes: dict = field(default_factory=dict)       # value id -> graph node
+    inputs: list = field(default_factory=list)      # value ids that became placeholders
+    produced: list = field(default_factory=list)    # value ids made here, in order
+    calls: list = field(default_factory=list)
+
+
+class Capture(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.calls: list[TraceCall] = []
+        self.regions: list[_Region] = []
+        self.current: _Region | None = None
+        self.ids: dict = {}          # id(tensor) -> (weakref, value id)
+        self.refs: dict = {}         # value id -> weakref (for escape analysis)
+        self.meta: dict = {}         # value id -> TensorMeta when produced
+        self.externals: dict = {}
+        self.arg_ids: list = []
+        self.produced_by: dict = {}
+        self.next_id = 0
+        self.breaks: list = []       # reasons the graph was broken
+
+    # -- value ids -----------------------------------------------------------------------
+    def _new_id(self, t: torch.Tensor) -> ValueId:
+        vid = ValueId(self.next_id)
+        self.next_id += 1
+        self.ids[id(t)] = (weakref.ref(t), vid)
+        self.refs[vid] = weakref.ref(t)
+        self.meta[vid] = TensorMeta.of(t)
+        return vid
+
+    def id_of(self, t: torch.Tensor) -> ValueId:
+        entry = self.ids.get(id(t))
+        if entry is not None and entry[0]() is t:
+            return entry[1]
+        vid = self._new_id(t)
+        self.externals[vid] = (weakref.ref(t), TensorMeta.of(t))
+        return vid
+
+    def add_args(self, leaves):
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                entry = self.ids.get(id(leaf))
+                if entry is not None and entry[0]() is leaf:
+                    self.arg_ids.append(entry[1])  # the same tensor passed twice
+                else:
+                    self.arg_ids.append(self._new_id(leaf))
+
+    # -- the mode ------------------------------------------------------------------------
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if is_metadata(func):
+            return func(*args, **kwargs)
+        leaves, spec = tree_flatten((args, kwargs))
+        recorded = [self.id_of(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+        result = func(*args, **kwargs)
+        out_leaves, out_spec = tree_flatten(result)
+        out_tensors = [t for t in out_leaves if isinstance(t, torch.Tensor)]
+
+        reason = None
+        region = None
+        nodes = None
+        binding = _binding(func)
+        if binding is not None:
+            try:
+                region, nodes = self._emit(func, binding, args, kwargs, leaves, recorded, out_tensors)
+            except Unsupported as e:
+                reason = f"{_name(func)}: {e}"
+        elif not _expected_eager(func, leaves):
+            reason = f"{_name(func)} is not supported by the compiler yet"
+
+        outputs = []
+        for t in out_tensors:
+            entry = self.ids.get(id(t))
+            if entry is not None and entry[0]() is t:
+                outputs.append(entry[1])        # returned an existing tensor (in-place, self)
+            else:
+                outputs.append(self._new_id(t))
+        index = len(self.calls)
+        if region is not None:
+            for vid, node in zip(outputs, nodes):
+                region.nodes[vid] = node
+                region.produced.append(vid)
+                self.produced_by[vid] = index
+            region.calls.append(index)
+            self.calls.append(TraceCall(func, "compute", region.index, spec, recorded, outputs, out_spec))
+        else:
+            self.current = None  # an eager call closes the region
+            for vid in outputs:
+                self.produced_by.setdefault(vid, index)
+            self.calls.append(TraceCall(func, "eager", None, spec, recorded, outputs, out_spec, reason))
+            if reason:
+                self.breaks.append(reason)
+        return result
+
+    def _emit(self, func, binding, args, kwargs, leaves, recorded, out_tensors):
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        if not tensors or not out_tensors:
+            raise Unsupported("no tensor inputs or outputs")
+        for t in tensors + out_tensors:
+            if type(t) not in (torch.Tensor, torch.nn.Parameter):
+                raise Unsupported(f"tensor subclass {type(t).__name__}")
+            if t.layout != torch.strided:
+                raise Unsupported(f"{t.layout} tensors")
+            if t.dtype not in _SUPPORTED_DTYPES:
+                raise Unsupported(f"{t.dtype} tensors are not supported yet")
+        devices = {t.device for t in tensors + out_tensors}
+        if len(devices) != 1:
+            raise Unsupported("tensors on several devices in one call")
+        device = devices.pop()
+        grad_enabled = torch.is_grad_enabled()
+        region = self.current
+        if region is None or region.device != device or region.grad_enabled != grad_enabled:
+            region = _Region(len(self.regions), grad_enabled, device)
+        b = region.builder
+        mapped = []
+        for x, vid in zip(leaves, recorded):
+            if isinstance(x, torch.Tensor):
+                node = region.nodes.get(vid)
+                if node is None:
+                    node = b.placeholder(f"v{vid}", x.shape, x.dtype, x.requires_grad and grad_enabled)
+                    region.nodes[vid] = node
+                    region.inputs.append(vid)
+                mapped.append(node)
+            else:
+                mapped.append(x)
+        from torch.utils._pytree import tree_unflatten
+        a, k = tree_unflatten(mapped, tree_flatten((args, kwargs))[1])
+        result = binding(b, *a, **k)
+        nodes = list(result) if isinstance(result, (tuple, list)) else [result]
+        if len(nodes) != len(out_tensors):
+            raise Unsupported("internal: the binding returned a different number of results than eager")
+        for node, t in zip(nodes, out_tensors):
+            if node.meta["shape"] != tuple(t.shape) or node.meta["dtype"] != t.dtype:
+                raise Unsupported(
+                    f"internal: the binding computed {node.meta['dtype']}{list(node.meta['shape'])} "
+                    f"where eager gave {t.dtype}{list(t.shape)}")
+            if node.meta["requires_grad"] != t.requires_grad:
+                node.meta["requires_grad"] = t.requires_grad
+        if region is not self.current:
+            self.regions.append(region)
+            self.current = region
+        return region, nodes
+
+    # -- after the run -------------------------------------------------------------------
+    def finish(self, result) -> Trace:
+        """Escape analysis, then the trace with one RegionPlan per region."""
+        returned = {self.ids[id(t)][1] for t in tree_flatten(result)[0]
+                    if isinstance(t, torch.Tensor) and id(t) in self.ids and self.ids[id(t)][0]() is t}
+        region_of = {}
+        for r in self.regions:
+            for vid in r.produced:
+                region_of[vid] = r.index
+        used_outside = set(returned)
+        for call in self.calls:
+            for leaf in call.leaves:
+                if isinstance(leaf, ValueId) and leaf in region_of:
+                    if call.kind == "eager" or call.region != region_of[leaf]:
+                        used_outside.add(leaf)
+        plans = []
+        for r in self.regions:
+            outputs, internal = [], {}
+            seen = set()
+            for vid in r.produced:
+                if vid in seen:
+                    continue
+                seen.add(vid)
+                alive = self.refs[vid]() is not None
+                if vid in used_outside or alive:
+                    outputs.append(vid)
+                else:
+                    internal[vid] = self.meta[vid]
+            b = r.builder
+            output_nodes = [r.nodes[v] for v in outputs]
+            b.output(output_nodes)
+            b.graph.eliminate_dead_code()
+            plans.append(RegionPlan(r.calls, list(r.inputs), outputs, internal, r.grad_enabled))
+            plans[-1].graph = b.graph
+        return Trace(self.calls, plans, self.arg_ids, dict(self.externals), dict(self.produced_by),
+                     list(dict.fromkeys(self.breaks)))
+
+
+def _binding(func):
+    if getattr(func, "__name__", None) == "__get__":
+        return lookup(getattr(func, "__self__", None))
+    return lookup(func)
+
+
+def _expected_eager(func, leaves) -> bool:
+    """Eager calls that belong to a training step rather than to the model's math."""
+    if func in _AUTOGRAD_CALLS:
+        return True
+    name = getattr(func, "__name__", "") or ""
+    if name in ("__get__", "__set__", "__delete__"):
+        return getattr(getattr(func, "__self__", None), "__name__", None) in _STATE_ATTRS
+    module = getattr(func, "__module__", "") or ""
+    if "profiler" in module or "record_function" in name:
+        return True
+    if name.startswith("_foreach_") or (name.endswith("_") and not name.startswith("__") and not torch.is_grad_enabled()):
+        return True  # optimizer updates: in place, under no_grad
+    return False
+
+
+def capture(fn, args, kwargs):
+    """Run ``fn`` eagerly, recording it. Returns (the function's result, Trace)."""
+    mode = Capture()
+    leaves, _ = tree_flatten((args, kwargs))
+    mode.add_args(leaves)
+    # NOTE: autograd keeps every tensor a backward needs alive, which would make every
+    # intermediate look "kept by the user". Packing saved tensors as detached aliases (same
+    # storage and version counter) lets escape analysis see the user's references only.
+    # Skipped when the user has saved-tensor hooks of their own: theirs must run.
+    hooks_active = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    if hooks_active:
+        with mode:
+            result = fn(*args, **kwargs)
+    else:
+        with torch.autograd.graph.saved_tensors_hooks(_detach, _identity), mode:
+            result = fn(*args, **kwargs)
+    del leaves
+    return result, mode.finish(result)
+
+
+def _detach(t):
+    return t.detach()
+
+
+def _identity(t):
+    return t

@@ -1,0 +1,289 @@
+"""Writes the Triton source of one fused kernel.
+
+A kernel walks an iteration space (``plan.shape``); non-reduced dims are spread over
+programs in blocks of XBLOCK, reduced dims are looped over in blocks of RBLOCK. Every value
+is computed at a multi-index: buffers are loaded at ``sum(index * stride)`` (strides are
+kernel arguments, so any input layout works), pointwise nodes print their SymPy expression
+over their arguments' values, and views rewrite the index (``View.index_map``). Values are
+shared within a kernel by (node, index), so a fused chain is computed once per element.
+
+Sizes are baked into the source (shapes are guarded), strides are arguments; the kernel's
+name is a hash of its body, so identical kernels are compiled once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import sympy
+import torch
+import torch.fx as fx
+
+from compiler.codegen.triton_printer import TritonPrinter
+from compiler.fusion import KernelPlan, kind_of
+from compiler.ir import contiguous_strides, numel
+
+TL_DTYPE = {
+    torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32",
+    torch.float64: "tl.float64", torch.int8: "tl.int8", torch.int16: "tl.int16",
+    torch.int32: "tl.int32", torch.int64: "tl.int64", torch.uint8: "tl.uint8", torch.bool: "tl.int1",
+}
+SIGNATURE_DTYPE = {
+    torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
+    torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8",
+    torch.bool: "i1",
+}
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Half types are loaded, computed in float32 and stored back, as Inductor does."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+@dataclass
+class KernelSource:
+    name: str
+    source: str            # a complete Python module defining the @triton.jit kernel
+    loads: list            # buffer nodes read, in argument order (pointer + one stride per dim)
+    stores: list           # root nodes written (contiguous), in argument order
+    grid: int              # number of programs
+    signature: dict        # argument name -> Triton type, for ahead-of-time compilation
+    bytes_moved: int       # bytes loaded and stored, counting each buffer once
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class KernelWriter:
+    def __init__(self, plan: KernelPlan, buffers: set):
+        self.plan = plan
+        self.buffers = buffers
+        self.roots = set(plan.roots)
+        self.lines: list[str] = []
+        self.values: dict = {}
+        self.load_args: dict = {}
+        self.counter = 0
+
+    # -- helpers -----------------------------------------------------------------------
+    def tmp(self, text: str) -> str:
+        name = f"t{self.counter}"
+        self.counter += 1
+        self.lines.append(f"{name} = {text}")
+        return name
+
+    def load(self, node: fx.Node, index) -> tuple[str, torch.dtype]:
+        if node not in self.load_args:
+            self.load_args[node] = f"in{len(self.load_args)}"
+        arg = self.load_args[node]
+        terms = [f"({idx}) * {arg}_s{d}" for d, (idx, size) in enumerate(zip(index, node.meta["shape"]))
+                 if size != 1 and idx != "0"]
+        if not terms:  # one element for the whole block: a scalar load, broadcast on use
+            return self.tmp(f"tl.load({arg}_ptr)"), node.meta["dtype"]
+        return self.tmp(f"tl.load({arg}_ptr + {' + '.join(terms)}, mask=MASK, other=0)"), node.meta["dtype"]
+
+    def cast(self, value: str, have: torch.dtype, want: torch.dtype) -> str:
+        if have == want:
+            return value
+        return self.tmp(f"{value}.to({TL_DTYPE[want]})")
+
+    # -- values ------------------------------------------------------------------------
+    def value(self, node: fx.Node, index: tuple) -> tuple[str, torch.dtype]:
+        key = (node, index)
+        if key in self.values:
+            return self.values[key]
+        kind = kind_of(node)
+        if (node in self.buffers and node not in self.roots) or kind not in ("pointwise", "view", "reduction"):
+            result = self.load(node, index)
+        elif kind == "view":
+            result = self.value(node.args[0], tuple(node.target.index_map(node, list(index))))
+        elif kind == "pointwise":
+            result = self.pointwise(node, index)
+        else:
+            raise AssertionError(f"reduction {node.name} read inside the kernel that computes it")
+        self.values[key] = result
+        return result
+
+    def pointwise(self, node: fx.Node, index: tuple):
+        out_shape = node.meta["shape"]
+        expr = node.meta["expr"]
+        is_compare = getattr(node.target, "name", "") in ("lt", "le", "gt", "ge", "eq", "ne")
+        args = []
+        for arg in node.args:
+            args.append(self.value(arg, _broadcast_index(index, out_shape, arg.meta["shape"])))
+        if is_compare:
+            want = compute_dtype(torch.promote_types(args[0][1], args[1][1]) if len(args) == 2 else args[0][1])
+        else:
+            want = compute_dtype(node.meta["dtype"])
+        names = {}
+        for i, (var, have) in enumerate(args):
+            symbol = sympy.Symbol(f"a{i}", real=True)
+            is_condition = getattr(node.target, "name", "") == "where" and i == 0
+            if node.target.name == "pointwise" and have == torch.bool and _used_as_condition(expr, symbol):
+                is_condition = True
+            names[symbol] = var if is_condition else self.cast(var, have, want)
+        replacements, (reduced,) = sympy.cse([expr], symbols=_cse_symbols(self), order="none")
+        printer = TritonPrinter(names)
+        for sym, sub in replacements:
+            names[sym] = self.tmp(printer(sub))
+        text = printer(reduced)
+        result_dtype = torch.bool if is_compare else want
+        var = self.tmp(text if not is_compare else text)
+        if not is_compare and reduced.is_number:  # a constant: give it the block's shape
+            var = self.tmp(f"tl.full(SHAPE, {var}, {TL_DTYPE[want]})")
+        return var, result_dtype
+
+    # -- the kernel --------------------------------------------------------------------
+    def write(self) -> KernelSource:
+        plan = self.plan
+        shape = tuple(plan.shape)
+        rdims = tuple(plan.reduce_dims)
+        xdims = tuple(d for d in range(len(shape)) if d not in rdims)
+        xnumel = numel([shape[d] for d in xdims])
+        rnumel = numel([shape[d] for d in rdims])
+        reduction = bool(rdims)
+        wide = numel(shape) >= 2**31
+        if reduction:
+            rblock = min(_next_pow2(max(rnumel, 1)), 1024)
+            xblock = max(1, min(_next_pow2(max(xnumel, 1)), 4096 // rblock, 64))
+        else:
+            rblock, xblock = 1, min(_next_pow2(max(xnumel, 1)), 1024)
+        index = [None] * len(shape)
+        header = []
+        pid = "tl.program_id(0).to(tl.int64)" if wide else "tl.program_id(0)"
+        if reduction:
+            header.append(f"xindex = {pid} * XBLOCK + tl.arange(0, XBLOCK)[:, None]")
+        else:
+            header.append(f"xindex = {pid} * XBLOCK + tl.arange(0, XBLOCK)")
+        header.append(f"xmask = xindex < {xnumel}")
+        body_prefix = []
+        for dims, var, target in ((xdims, "xindex", header), (rdims, "rindex", body_prefix)):
+            sizes = [shape[d] for d in dims]
+            strides = contiguous_strides(sizes)
+            for d, size, stride in zip(dims, sizes, strides):
+                if size == 1:
+                    index[d] = "0"
+                    continue
+                term = var if stride == 1 else f"({var} // {stride})"
+                if stride * size < numel(sizes):
+                    term = f"({term} % {size})"
+                target.append(f"i{d} = {term}")
+                index[d] = f"i{d}"
+        index = tuple(index)
+
+        stores = []
+        accumulators = []
+        for root in plan.roots:
+            if kind_of(root) == "reduction":
+                src = root.args[0]
+                var, have = self.value(src, index)
+                acc_dtype = compute_dtype(root.meta["dtype"])
+                var = self.cast(var, have, acc_dtype)
+                acc = f"acc{len(accumulators)}"
+                self.lines.append(f"{acc} = {acc} + tl.where(MASK, {var}, 0)")
+                accumulators.append((root, acc, acc_dtype))
+            else:
+                var, have = self.value(root, index)
+                out = f"out{len(stores)}"
+                stores.append(root)
+                offsets = contiguous_strides(shape)
+                terms = [f"({i}) * {st}" if st != 1 else f"({i})" for i, st, size in zip(index, offsets, shape)
+                         if size != 1 and i != "0"]
+                var = self.cast(var, have, root.meta["dtype"])
+                self.lines.append(f"tl.store({out}_ptr + {' + '.join(terms) or '0'}, {var}, mask=MASK)")
+
+        body = [line.replace("MASK", "xmask & rmask" if reduction else "xmask")
+                .replace("SHAPE", "[XBLOCK, RBLOCK]" if reduction else "[XBLOCK]") for line in self.lines]
+        src = []
+        src += header
+        if reduction:
+            for root, acc, acc_dtype in accumulators:
+                src.append(f"{acc} = tl.zeros([XBLOCK, RBLOCK], {TL_DTYPE[acc_dtype]})")
+            src.append(f"for roffset in range(0, {rnumel}, RBLOCK):")
+            loop = [f"rindex = roffset + tl.arange(0, RBLOCK)[None, :]", f"rmask = rindex < {rnumel}"]
+            loop += body_prefix + body
+            src += ["    " + line for line in loop]
+            for root, acc, acc_dtype in accumulators:
+                out = f"out{len(stores)}"
+                stores.append(root)
+                scale = root.target.scale(root)
+                total = f"tl.sum({acc}, 1)[:, None]"
+                if scale != 1.0:
+                    total = f"{total} * {scale!r}"
+                src.append(f"tl.store({out}_ptr + xindex, ({total}).to({TL_DTYPE[root.meta['dtype']]}), mask=xmask)")
+        else:
+            src += body_prefix + body
+
+        loads = list(self.load_args)
+        params, signature = [], {}
+        for node, arg in self.load_args.items():
+            params.append(f"{arg}_ptr")
+            signature[f"{arg}_ptr"] = "*" + SIGNATURE_DTYPE[node.meta["dtype"]]
+            for d in range(len(node.meta["shape"])):
+                params.append(f"{arg}_s{d}")
+                signature[f"{arg}_s{d}"] = "i64" if wide else "i32"
+        for i, node in enumerate(stores):
+            params.append(f"out{i}_ptr")
+            signature[f"out{i}_ptr"] = "*" + SIGNATURE_DTYPE[node.meta["dtype"]]
+        signature["XBLOCK"] = "constexpr"
+        signature["RBLOCK"] = "constexpr"
+        body_text = "\n".join("    " + line for line in src)
+        digest = hashlib.sha256((",".join(params) + body_text + f"{xblock},{rblock}").encode()).hexdigest()[:12]
+        name = f"{_describe(plan)}_{digest}"
+        source = "\n".join([
+            "import triton",
+            "import triton.language as tl",
+            "from runtime.triton_math import libdevice",
+            "",
+            f"XBLOCK_DEFAULT = {xblock}",
+            f"RBLOCK_DEFAULT = {rblock}",
+            f"SIGNATURE = {signature!r}",
+            "",
+            "",
+            "@triton.jit",
+            f"def {name}({', '.join(params + ['XBLOCK: tl.constexpr', 'RBLOCK: tl.constexpr'])}):",
+            body_text,
+            "",
+        ])
+        grid = -(-xnumel // xblock)
+        moved = sum(numel(n.meta["shape"]) * n.meta["dtype"].itemsize for n in loads + stores)
+        return KernelSource(name, source, loads, stores, grid, signature, moved)
+
+
+def _cse_symbols(writer):
+    i = 0
+    while True:
+        yield sympy.Symbol(f"cse{writer.counter}_{i}", real=True)
+        i += 1
+
+
+def _used_as_condition(expr, symbol) -> bool:
+    from compiler.ops import scalar as S
+    return any(w.args[0] == symbol for w in expr.atoms(S.Where))
+
+
+def _broadcast_index(index: tuple, out_shape: tuple, arg_shape: tuple) -> tuple:
+    lead = len(out_shape) - len(arg_shape)
+    return tuple("0" if size == 1 else index[lead + d] for d, size in enumerate(arg_shape))
+
+
+def _describe(plan: KernelPlan) -> str:
+    ops = []
+    for root in plan.roots:
+        stack, seen = [root], set()
+        while stack:
+            n = stack.pop()
+            if n in seen or not isinstance(n, fx.Node) or n.op != "call_function":
+                continue
+            seen.add(n)
+            name = getattr(n.target, "name", "op")
+            if name not in ops and kind_of(n) != "view":
+                ops.append(name)
+            if kind_of(n) in ("pointwise", "view") or n is root:
+                stack.extend(n.args)
+    return "fused_" + "_".join(reversed(ops[:4])).replace("pointwise", "pw")
+
+
+def render_kernel(plan: KernelPlan, buffers: set) -> KernelSource:
+    return KernelWriter(plan, buffers).write()

@@ -1,0 +1,121 @@
+"""SymPy scalar expressions → Triton expressions.
+
+Every C-vs-Python difference is decided here rather than left to a generic printer:
+numbers print as float literals with 17 significant digits (so `2/3` never becomes integer
+division), integer powers print as products, and each function of ``ops/scalar.py`` prints
+with PyTorch's semantics (NaN-propagating maximum, relu(nan) = nan, sign(0) = 0).
+"""
+
+from __future__ import annotations
+
+import sympy
+
+from compiler.ops import scalar as S
+
+
+class NotPrintable(Exception):
+    """The expression uses something the Triton printer cannot express."""
+
+
+_UNARY = {
+    sympy.exp: "tl.exp",
+    sympy.log: "tl.log",
+    sympy.sin: "tl.sin",
+    sympy.cos: "tl.cos",
+    sympy.tanh: "libdevice.tanh",
+    sympy.erf: "tl.erf",
+    S.Abs: "tl.abs",
+}
+_COMPARE = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
+
+
+def literal(value) -> str:
+    value = float(value)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise NotPrintable(f"non-finite constant {value}")
+    return repr(value)
+
+
+class TritonPrinter:
+    """Prints one expression; ``names`` maps each free symbol to a Triton variable."""
+
+    def __init__(self, names: dict):
+        self.names = names
+
+    def __call__(self, expr) -> str:
+        return self.p(expr)
+
+    def p(self, e) -> str:
+        if e.is_Symbol:
+            return self.names[e]
+        if e.is_number and not isinstance(e, sympy.Function):
+            if e.is_real is False:
+                raise NotPrintable(f"complex constant {e}")
+            return literal(e)
+        if e.is_Add:
+            return "(" + " + ".join(self.p(a) for a in e.args) + ")"
+        if e.is_Mul:
+            return self._mul(e)
+        if e.is_Pow:
+            return self._pow(e.base, e.exp)
+        func = e.func
+        if func in _UNARY:
+            return f"{_UNARY[func]}({self.p(e.args[0])})"
+        if func is S.Sigmoid:
+            return f"(1.0 / (1.0 + tl.exp(-{self.p(e.args[0])})))"
+        if func is S.Relu:
+            x = self.p(e.args[0])
+            return f"tl.where({x} < 0, 0.0, {x})"
+        if func is S.Step:
+            return f"tl.where({self.p(e.args[0])} > 0, 1.0, 0.0)"
+        if func is S.Sign:
+            x = self.p(e.args[0])
+            return f"tl.where({x} > 0, 1.0, tl.where({x} < 0, -1.0, 0.0))"
+        if func in (S.Maximum, S.Minimum):
+            a, b = self.p(e.args[0]), self.p(e.args[1])
+            op = ">" if func is S.Maximum else "<"
+            return f"tl.where(({a} {op} {b}) | ({a} != {a}), {a}, {b})"
+        if func is S.TieShare:
+            a, b = self.p(e.args[0]), self.p(e.args[1])
+            return f"tl.where({a} > {b}, 1.0, tl.where({a} == {b}, 0.5, 0.0))"
+        if func is S.Where:
+            return f"tl.where({self.p(e.args[0])}, {self.p(e.args[1])}, {self.p(e.args[2])})"
+        if func is S.Compare:
+            op = _COMPARE[S.COMPARE_OPS[int(e.args[0])]]
+            return f"({self.p(e.args[1])} {op} {self.p(e.args[2])})"
+        raise NotPrintable(f"no Triton lowering for {func.__name__}")
+
+    def _mul(self, e) -> str:
+        num, den = [], []
+        for factor in e.args:
+            if factor.is_Pow and factor.exp.is_number and factor.exp.is_negative and factor.exp.is_Integer:
+                den.append(self._pow(factor.base, -factor.exp))
+            elif factor.is_Rational and not factor.is_Integer:
+                num.append(literal(factor))
+            else:
+                num.append(self.p(factor))
+        text = " * ".join(num) if num else "1.0"
+        if den:
+            text = f"{text} / ({' * '.join(den)})"
+        return f"({text})"
+
+    def _pow(self, base, exp) -> str:
+        b = self.p(base)
+        if exp.is_Integer:
+            n = int(exp)
+            if n == 0:
+                return "1.0"
+            if 0 < n <= 8:
+                return "(" + " * ".join([b] * n) + ")"
+            if -8 <= n < 0:
+                return "(1.0 / (" + " * ".join([b] * -n) + "))"
+        if exp == sympy.Rational(1, 2):
+            return f"tl.sqrt_rn({b})"
+        if exp == sympy.Rational(-1, 2):
+            return f"(1.0 / tl.sqrt_rn({b}))"
+        if exp == sympy.Rational(-3, 2):
+            return f"(1.0 / (tl.sqrt_rn({b}) * {b}))"
+        if exp.is_number:
+            # libdevice wants both operands in one dtype: broadcast the literal like the base.
+            return f"libdevice.pow({b}, tl.full([1], {literal(exp)}, {b}.dtype))"
+        return f"libdevice.pow({b}, {self.p(exp)})"

@@ -1,0 +1,113 @@
+"""Fusion: decide which values live in memory and group the rest into kernels.
+
+Every pointwise op and view is *inlined* into the kernels that consume it, with views
+turned into index arithmetic, so a chain of elementwise ops with broadcasts, views and a
+trailing reduction is one kernel. A value is materialized (a *buffer*) only where it must
+be: graph inputs, matmul results, reductions, values the graph returns, and matmul
+operands. Kernels are formed over an iteration space (a shape, plus the dims a reduction
+runs over): consecutive roots that share it share one kernel, so a backward that produces
+the gradients of several inputs of one shape is one kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+
+@dataclass
+class KernelPlan:
+    shape: tuple                 # the iteration space
+    reduce_dims: tuple           # dims of ``shape`` reduced by the reduction roots
+    roots: list = field(default_factory=list)   # nodes this kernel stores
+
+    def accepts(self, shape, reduce_dims) -> bool:
+        if shape != self.shape:
+            return False
+        return not reduce_dims or not self.reduce_dims or reduce_dims == self.reduce_dims
+
+
+@dataclass
+class Schedule:
+    """What runs, in order: ("kernel", KernelPlan) or ("extern", node) steps."""
+
+    steps: list
+    buffers: set                 # nodes whose value lives in memory
+    host_views: set              # view nodes applied to buffers on the host (no copy)
+
+    @property
+    def kernels(self):
+        return [plan for kind, plan in self.steps if kind == "kernel"]
+
+
+def kind_of(node: fx.Node) -> str:
+    if node.op == "placeholder":
+        return "input"
+    return getattr(node.target, "kind", "other")
+
+
+def fuse(graph: fx.Graph) -> Schedule:
+    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    outputs = [o for o in next(n for n in graph.nodes if n.op == "output").args[0] if isinstance(o, fx.Node)]
+    buffers = {n for n in graph.nodes if kind_of(n) in ("input", "extern", "reduction")}
+    host_views: set = set()
+
+    def needs_memory(value: fx.Node):
+        """``value`` must be readable as a tensor: a buffer, or views of one."""
+        chain = []
+        while kind_of(value) == "view":
+            chain.append(value)
+            value = value.args[0]
+        if value not in buffers:
+            buffers.add(value)  # a pointwise result: becomes a kernel root
+        host_views.update(chain)
+
+    for node in nodes:
+        if kind_of(node) == "extern":
+            for arg in node.args:
+                needs_memory(arg)
+    for out in outputs:
+        needs_memory(out)
+
+    steps: list = []
+    reduction_roots_of: dict = {}
+    for node in nodes:
+        kind = kind_of(node)
+        if kind == "extern":
+            steps.append(("extern", node))
+            continue
+        if node not in buffers or kind not in ("pointwise", "reduction"):
+            continue
+        if kind == "reduction":
+            space = (node.args[0].meta["shape"], node.kwargs["dims"])
+        else:
+            space = (node.meta["shape"], ())
+        last = steps[-1][1] if steps and steps[-1][0] == "kernel" else None
+        if last is not None and last.accepts(*space) and not _depends_on(node, reduction_roots_of.get(id(last), ()), buffers):
+            last.roots.append(node)
+            last.reduce_dims = last.reduce_dims or space[1]
+        else:
+            last = KernelPlan(space[0], space[1], [node])
+            steps.append(("kernel", last))
+        if kind == "reduction":
+            reduction_roots_of.setdefault(id(last), []).append(node)
+    return Schedule(steps, buffers, host_views)
+
+
+def _depends_on(node: fx.Node, targets, buffers) -> bool:
+    """Whether ``node`` reads any of ``targets`` (searching through inlined values)."""
+    if not targets:
+        return False
+    targets = set(targets)
+    stack, seen = list(node.args), set()
+    while stack:
+        n = stack.pop()
+        if not isinstance(n, fx.Node) or n in seen:
+            continue
+        seen.add(n)
+        if n in targets:
+            return True
+        if kind_of(n) in ("pointwise", "view") or n in targets:
+            stack.extend(n.args)
+    return False

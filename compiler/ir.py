@@ -1,0 +1,141 @@
+"""The IR every stage shares: a ``torch.fx.Graph`` whose call nodes target catalog ops.
+
+Each node carries in ``node.meta``:
+  ``shape``         tuple of ints
+  ``dtype``         torch.dtype
+  ``requires_grad`` bool (whether a gradient flows to this value)
+  ``expr``          pointwise nodes only: a SymPy expression over the symbols ``a0, a1, ...``
+                    standing for the node's tensor arguments, in order.
+
+``GraphBuilder`` is the one way stages add nodes, so metadata is always filled in.
+``format_graph`` prints a graph as Python-like text with ``# f32[4, 8]`` comments.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import sympy
+import torch
+import torch.fx as fx
+
+ARG_SYMBOLS = tuple(sympy.Symbol(f"a{i}", real=True) for i in range(64))
+
+
+def arg_symbol(i: int) -> sympy.Symbol:
+    return ARG_SYMBOLS[i]
+
+
+DTYPE_SHORT = {
+    torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32", torch.float64: "f64",
+    torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64",
+    torch.uint8: "u8", torch.bool: "b8", torch.complex64: "c64", torch.complex128: "c128",
+}
+
+
+def type_str(node: fx.Node) -> str:
+    shape = node.meta.get("shape")
+    dtype = node.meta.get("dtype")
+    if shape is None:
+        return ""
+    return f"{DTYPE_SHORT.get(dtype, str(dtype))}{list(shape)}"
+
+
+@functools.lru_cache(maxsize=4096)
+def _promote(key):
+    operands = []
+    for item in key:
+        if isinstance(item, tuple):  # (dtype, is_zero_dim)
+            dtype, zero_dim = item
+            operands.append(torch.empty(() if zero_dim else (1,), dtype=dtype, device="meta"))
+        else:
+            operands.append(item)
+    result = operands[0] if isinstance(operands[0], torch.Tensor) else None
+    dtype = None
+    # torch.result_type takes two operands; fold left the way elementwise ops promote.
+    acc = operands[0]
+    for other in operands[1:]:
+        dtype = torch.result_type(acc, other)
+        acc = torch.empty((1,), dtype=dtype, device="meta")
+    if dtype is None:
+        dtype = result.dtype if result is not None else torch.get_default_dtype()
+    return dtype
+
+
+def result_dtype(operands) -> torch.dtype:
+    """Eager PyTorch's type promotion for an elementwise op over nodes and Python scalars."""
+    key = []
+    for item in operands:
+        if isinstance(item, fx.Node):
+            key.append((item.meta["dtype"], len(item.meta["shape"]) == 0))
+        elif isinstance(item, bool):
+            key.append(True)
+        elif isinstance(item, int):
+            key.append(1)
+        elif isinstance(item, float):
+            key.append(1.0)
+        else:
+            key.append(item)
+    return _promote(tuple(key))
+
+
+def broadcast_shapes(*shapes) -> tuple:
+    return tuple(torch.broadcast_shapes(*shapes))
+
+
+def numel(shape) -> int:
+    return math.prod(shape)
+
+
+def contiguous_strides(shape) -> tuple:
+    strides, acc = [], 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= size
+    return tuple(reversed(strides))
+
+
+class GraphBuilder:
+    """Appends catalog ops to an fx.Graph with their metadata filled in."""
+
+    def __init__(self, graph: fx.Graph | None = None):
+        self.graph = graph if graph is not None else fx.Graph()
+
+    def placeholder(self, name, shape, dtype, requires_grad=False) -> fx.Node:
+        node = self.graph.placeholder(name)
+        node.meta.update(shape=tuple(shape), dtype=dtype, requires_grad=requires_grad)
+        return node
+
+    def call(self, op, args, kwargs=None, *, shape, dtype, requires_grad, expr=None) -> fx.Node:
+        node = self.graph.call_function(op, tuple(args), dict(kwargs or {}))
+        node.meta.update(shape=tuple(shape), dtype=dtype, requires_grad=requires_grad)
+        if expr is not None:
+            node.meta["expr"] = expr
+        return node
+
+    def output(self, values):
+        return self.graph.output(tuple(values))
+
+
+def format_graph(graph: fx.Graph, title: str = "graph") -> str:
+    """Python-like text of a graph, one line per node, with dtype/shape comments."""
+    lines = []
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    lines.append(f"def {title}({', '.join(n.name for n in inputs)}):")
+    for n in inputs:
+        lines.append(f"    # {n.name}: {type_str(n)}{'  (requires grad)' if n.meta.get('requires_grad') else ''}")
+    for n in graph.nodes:
+        if n.op == "call_function":
+            op_name = getattr(n.target, "name", getattr(n.target, "__name__", str(n.target)))
+            args = [a.name if isinstance(a, fx.Node) else repr(a) for a in n.args]
+            args += [f"{k}={v!r}" for k, v in n.kwargs.items()]
+            text = f"    {n.name} = {op_name}({', '.join(args)})"
+            if "expr" in n.meta and op_name == "pointwise":
+                text += f"  [{n.meta['expr']}]"
+            lines.append(f"{text}  # {type_str(n)}")
+        elif n.op == "output":
+            outs = n.args[0]
+            names = [o.name if isinstance(o, fx.Node) else repr(o) for o in outs]
+            lines.append(f"    return ({', '.join(names)})")
+    return "\n".join(lines)

@@ -1,0 +1,373 @@
+"""How each torch function a user's code calls is expressed with catalog ops.
+
+A binding receives the call's arguments with every tensor replaced by its graph node and
+appends catalog ops to the graph. Functions with no binding, and bindings that meet an
+argument they do not handle (raising ``Unsupported``), run eagerly: the reason is reported.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from compiler.ir import GraphBuilder, result_dtype
+from compiler.ops import catalog as C
+
+
+class Unsupported(Exception):
+    """This call cannot be compiled; the message says why (shown to the user)."""
+
+
+BINDINGS: dict = {}
+
+
+def binds(*funcs):
+    def register(fn):
+        for f in funcs:
+            BINDINGS[f] = fn
+        return fn
+    return register
+
+
+def lookup(func):
+    return BINDINGS.get(func)
+
+
+def _t(name):
+    return getattr(torch.Tensor, name)
+
+
+def _no_out(kwargs):
+    if kwargs.get("out") is not None:
+        raise Unsupported("out= arguments are not supported")
+
+
+def _pointwise(b, name, operands, float_result=False):
+    dtype = result_dtype(operands)
+    if name in C.BOOL_RESULT_OPS:
+        dtype = torch.bool
+    elif float_result and not (dtype.is_floating_point or dtype.is_complex):
+        dtype = torch.get_default_dtype()
+    if any(isinstance(o, fx.Node) and o.meta["dtype"].is_complex for o in operands):
+        raise Unsupported("complex tensors are not supported yet")
+    return C.emit_pointwise(b, name, operands, dtype=dtype)
+
+
+def _unary(name):
+    def bind(b, x, **kwargs):
+        _no_out(kwargs)
+        return _pointwise(b, name, [x], float_result=name in C.FLOAT_RESULT_OPS)
+    return bind
+
+
+for _name in ("exp", "log", "sqrt", "rsqrt", "sin", "cos", "tanh", "sigmoid", "relu", "abs",
+              "neg", "reciprocal", "square"):
+    _funcs = [getattr(torch, _name), _t(_name)]
+    binds(*_funcs)(_unary(_name))
+binds(_t("__neg__"), torch.negative, _t("negative"))(_unary("neg"))
+binds(_t("__abs__"), torch.absolute)(_unary("abs"))
+binds(F.sigmoid)(_unary("sigmoid"))
+
+
+@binds(F.relu)
+def _relu(b, x, inplace=False):
+    if inplace:
+        raise Unsupported("in-place relu is not supported yet")
+    return _pointwise(b, "relu", [x])
+
+
+@binds(F.silu)
+def _silu(b, x, inplace=False):
+    if inplace:
+        raise Unsupported("in-place silu is not supported yet")
+    return _pointwise(b, "silu", [x], float_result=True)
+
+
+@binds(F.gelu)
+def _gelu(b, x, approximate="none"):
+    if approximate not in ("none", "tanh"):
+        raise Unsupported(f"gelu(approximate={approximate!r}) is not a PyTorch option")
+    return _pointwise(b, "gelu" if approximate == "none" else "gelu_tanh", [x], float_result=True)
+
+
+def _with_alpha(b, name, x, y, alpha):
+    if alpha != 1:
+        y = _pointwise(b, "mul", [y, alpha])
+    return _pointwise(b, name, [x, y])
+
+
+@binds(torch.add, _t("add"), _t("__add__"), _t("__radd__"))
+def _add(b, x, y, *, alpha=1, out=None):
+    _no_out({"out": out})
+    return _with_alpha(b, "add", x, y, alpha)
+
+
+@binds(torch.sub, torch.subtract, _t("sub"), _t("subtract"), _t("__sub__"))
+def _sub(b, x, y, *, alpha=1, out=None):
+    _no_out({"out": out})
+    return _with_alpha(b, "sub", x, y, alpha)
+
+
+@binds(torch.rsub, _t("__rsub__"))
+def _rsub(b, x, y, *, alpha=1):
+    return _with_alpha(b, "sub", y, x, alpha)
+
+
+@binds(torch.mul, torch.multiply, _t("mul"), _t("multiply"), _t("__mul__"), _t("__rmul__"))
+def _mul(b, x, y, *, out=None):
+    _no_out({"out": out})
+    return _pointwise(b, "mul", [x, y])
+
+
+@binds(torch.div, torch.divide, torch.true_divide, _t("div"), _t("divide"), _t("true_divide"),
+       _t("__truediv__"))
+def _div(b, x, y, *, rounding_mode=None, out=None):
+    _no_out({"out": out})
+    if rounding_mode is not None:
+        raise Unsupported(f"div(rounding_mode={rounding_mode!r}) is not supported yet")
+    return _pointwise(b, "div", [x, y], float_result=True)
+
+
+@binds(_t("__rtruediv__"))
+def _rdiv(b, x, y):
+    return _pointwise(b, "div", [y, x], float_result=True)
+
+
+@binds(torch.pow, _t("pow"), _t("__pow__"))
+def _pow(b, x, y, *, out=None):
+    _no_out({"out": out})
+    return _pointwise(b, "pow", [x, y])
+
+
+@binds(_t("__rpow__"))
+def _rpow(b, x, y):
+    return _pointwise(b, "pow", [y, x])
+
+
+for _name in ("maximum", "minimum"):
+    binds(getattr(torch, _name), _t(_name))(lambda b, x, y, *, out=None, _n=_name: (_no_out({"out": out}), _pointwise(b, _n, [x, y]))[1])
+
+for _name in ("lt", "le", "gt", "ge", "eq", "ne"):
+    binds(getattr(torch, _name), _t(_name), _t(f"__{_name}__"))(
+        lambda b, x, y, *, out=None, _n=_name: (_no_out({"out": out}), _pointwise(b, _n, [x, y]))[1])
+
+
+@binds(torch.where)
+def _where(b, cond, x=None, y=None, *, out=None):
+    _no_out({"out": out})
+    if x is None or y is None:
+        raise Unsupported("torch.where(cond) (the nonzero form) has a data-dependent shape")
+    dtype = result_dtype([x, y])
+    if not isinstance(cond, fx.Node):
+        raise Unsupported("where() needs a tensor condition")
+    return C.emit_pointwise(b, "where", [cond, x, y], dtype=dtype)
+
+
+@binds(_t("where"))
+def _tensor_where(b, x, cond, y):
+    return _where(b, cond, x, y)
+
+
+@binds(_t("to"), _t("type"))
+def _to(b, x, *args, **kwargs):
+    name = getattr(b, "_current_func_name", None)
+    dtype = None
+    for a in list(args) + [kwargs.get("dtype")]:
+        if isinstance(a, torch.dtype):
+            dtype = a
+        elif a is not None and not isinstance(a, (torch.device, str, bool)):
+            raise Unsupported("Tensor.to() with these arguments is not supported yet")
+    if isinstance(kwargs.get("device"), (torch.device, str)) or any(isinstance(a, (torch.device, str)) for a in args):
+        raise Unsupported("moving tensors between devices inside a compiled function is not supported yet")
+    if dtype is None:
+        raise Unsupported(f"Tensor.{name or 'to'}() without a dtype is not supported yet")
+    if dtype == x.meta["dtype"]:
+        return x
+    return C.emit_pointwise(b, "identity", [x], dtype=dtype,
+                            requires_grad=x.meta["requires_grad"] and dtype.is_floating_point)
+
+
+binds(_t("float"))(lambda b, x: _to(b, x, torch.float32))
+binds(_t("double"))(lambda b, x: _to(b, x, torch.float64))
+
+
+# ----------------------------------------------------------------------------- reductions
+def _dims(x, dim):
+    ndim = len(x.meta["shape"])
+    if dim is None or (isinstance(dim, (tuple, list)) and len(dim) == 0):
+        return tuple(range(ndim))
+    if isinstance(dim, int):
+        return (dim,)
+    return tuple(dim)
+
+
+def _reduce(name):
+    def bind(b, x, dim=None, keepdim=False, *, dtype=None, out=None):
+        _no_out({"out": out})
+        if not isinstance(x, fx.Node):
+            raise Unsupported(f"{name} of a non-tensor")
+        if name == "mean" and not (x.meta["dtype"].is_floating_point or dtype is not None):
+            raise Unsupported("mean of an integer tensor (eager raises)")
+        if dtype is None and name == "sum" and not x.meta["dtype"].is_floating_point:
+            dtype = torch.int64
+        return C.emit_reduction(b, name, x, _dims(x, dim), keepdim, dtype)
+    return bind
+
+
+binds(torch.sum, _t("sum"))(_reduce("sum"))
+binds(torch.mean, _t("mean"))(_reduce("mean"))
+
+
+# ----------------------------------------------------------------------------- views
+def _shape_arg(x, shape):
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+        shape = tuple(shape[0])
+    if not all(isinstance(s, int) for s in shape):
+        raise Unsupported("view/reshape with a non-integer size")
+    total = C.numel(x.meta["shape"])
+    if shape.count(-1) > 1:
+        raise Unsupported("more than one -1 in a shape")
+    if -1 in shape:
+        known = C.numel([s for s in shape if s != -1])
+        shape = tuple(total // known if s == -1 else s for s in shape)
+    if C.numel(shape) != total:
+        raise Unsupported(f"shape {list(shape)} is invalid for input of size {total}")
+    return tuple(shape)
+
+
+@binds(torch.reshape, _t("reshape"), _t("view"))
+def _reshape(b, x, *shape):
+    if len(shape) == 1 and isinstance(shape[0], torch.dtype):
+        raise Unsupported("Tensor.view(dtype) is not supported yet")
+    return C.emit_view(b, "reshape", x, shape=_shape_arg(x, shape))
+
+
+@binds(_t("view_as"), _t("reshape_as"))
+def _view_as(b, x, other):
+    return C.emit_view(b, "reshape", x, shape=other.meta["shape"])
+
+
+@binds(torch.flatten, _t("flatten"))
+def _flatten(b, x, start_dim=0, end_dim=-1):
+    shape = list(x.meta["shape"])
+    if not shape:
+        return C.emit_view(b, "reshape", x, shape=(1,))
+    s, e = start_dim % len(shape), end_dim % len(shape)
+    return C.emit_view(b, "reshape", x, shape=shape[:s] + [C.numel(shape[s:e + 1])] + shape[e + 1:])
+
+
+@binds(torch.unsqueeze, _t("unsqueeze"))
+def _unsqueeze(b, x, dim):
+    shape = list(x.meta["shape"])
+    shape.insert(dim % (len(shape) + 1), 1)
+    return C.emit_view(b, "reshape", x, shape=shape)
+
+
+@binds(torch.squeeze, _t("squeeze"))
+def _squeeze(b, x, dim=None):
+    shape = x.meta["shape"]
+    dims = range(len(shape)) if dim is None else [d % max(len(shape), 1) for d in ((dim,) if isinstance(dim, int) else dim)]
+    new = [s for i, s in enumerate(shape) if not (i in dims and s == 1)]
+    return C.emit_view(b, "reshape", x, shape=new)
+
+
+@binds(torch.permute, _t("permute"))
+def _permute(b, x, *dims):
+    if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
+        dims = tuple(dims[0])
+    ndim = len(x.meta["shape"])
+    return C.emit_view(b, "permute", x, dims=tuple(d % ndim for d in dims))
+
+
+@binds(torch.transpose, _t("transpose"), torch.swapaxes, _t("swapaxes"))
+def _transpose(b, x, dim0, dim1):
+    ndim = len(x.meta["shape"])
+    dims = list(range(ndim))
+    if ndim:
+        dims[dim0 % ndim], dims[dim1 % ndim] = dims[dim1 % ndim], dims[dim0 % ndim]
+    return C.emit_view(b, "permute", x, dims=tuple(dims))
+
+
+@binds(torch.t, _t("t"))
+def _t_(b, x):
+    if len(x.meta["shape"]) < 2:
+        return x
+    return C.emit_view(b, "permute", x, dims=(1, 0))
+
+
+@binds(_t("T"), _t("mT"))
+def _mT(b, x):
+    return _transpose(b, x, -2, -1)
+
+
+@binds(_t("expand"))
+def _expand(b, x, *shape):
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+        shape = tuple(shape[0])
+    lead = len(shape) - len(x.meta["shape"])
+    full = tuple(x.meta["shape"][i - lead] if s == -1 else s for i, s in enumerate(shape))
+    if lead:
+        x = C.emit_view(b, "reshape", x, shape=(1,) * lead + tuple(x.meta["shape"]))
+    return C.emit_view(b, "expand", x, shape=full)
+
+
+@binds(_t("expand_as"))
+def _expand_as(b, x, other):
+    return _expand(b, x, other.meta["shape"])
+
+
+# ----------------------------------------------------------------------------- matmul
+def _matmul_nodes(b, a, w):
+    sa, sw = a.meta["shape"], w.meta["shape"]
+    if a.meta["dtype"] != w.meta["dtype"]:
+        raise Unsupported("matmul of tensors with different dtypes (eager raises)")
+    if len(sa) == 0 or len(sw) == 0:
+        raise Unsupported("matmul of a 0-d tensor (eager raises)")
+    if len(sa) == 1 and len(sw) == 1:
+        return C.emit_reduction(b, "sum", _pointwise(b, "mul", [a, w]), (0,))
+    if len(sw) == 1:  # [.., M, K] @ [K] -> [.., M]
+        out = _matmul_nodes(b, a, C.emit_view(b, "reshape", w, shape=(sw[0], 1)))
+        return C.emit_view(b, "reshape", out, shape=out.meta["shape"][:-1])
+    if len(sa) == 1:  # [K] @ [.., K, N] -> [.., N]
+        out = _matmul_nodes(b, C.emit_view(b, "reshape", a, shape=(1, sa[0])), w)
+        return C.emit_view(b, "reshape", out, shape=out.meta["shape"][:-2] + out.meta["shape"][-1:])
+    if sa[-1] != sw[-2]:
+        raise Unsupported(f"matmul shapes {list(sa)} and {list(sw)} do not match (eager raises)")
+    if len(sw) == 2:  # the common case: activations @ weight — one mm over all rows
+        rows = C.emit_view(b, "reshape", a, shape=(C.numel(sa[:-1]), sa[-1]))
+        out = C.emit_extern(b, "mm", rows, w)
+        return C.emit_view(b, "reshape", out, shape=tuple(sa[:-1]) + (sw[-1],))
+    batch = tuple(torch.broadcast_shapes(sa[:-2], sw[:-2]))
+    nb = C.numel(batch)
+    a3 = C.emit_view(b, "reshape", _expand(b, a, batch + tuple(sa[-2:])), shape=(nb,) + tuple(sa[-2:]))
+    w3 = C.emit_view(b, "reshape", _expand(b, w, batch + tuple(sw[-2:])), shape=(nb,) + tuple(sw[-2:]))
+    out = C.emit_extern(b, "bmm", a3, w3)
+    return C.emit_view(b, "reshape", out, shape=batch + (sa[-2], sw[-1]))
+
+
+@binds(torch.matmul, _t("matmul"), _t("__matmul__"), torch.mm, _t("mm"), torch.bmm, _t("bmm"))
+def _matmul(b, a, w, *, out=None):
+    _no_out({"out": out})
+    return _matmul_nodes(b, a, w)
+
+
+@binds(F.linear)
+def _linear(b, x, weight, bias=None):
+    out = _matmul_nodes(b, x, _t_(b, weight))
+    if bias is not None:
+        out = _pointwise(b, "add", [out, bias])
+    return out
+
+
+@binds(F.mse_loss)
+def _mse_loss(b, x, target, size_average=None, reduce=None, reduction="mean", weight=None):
+    if size_average is not None or reduce is not None or weight is not None:
+        raise Unsupported("mse_loss with legacy size_average/reduce or weight arguments")
+    diff = _pointwise(b, "sub", [x, target])
+    sq = _pointwise(b, "pow", [diff, 2])
+    if reduction == "none":
+        return sq
+    if reduction not in ("mean", "sum"):
+        raise Unsupported(f"mse_loss(reduction={reduction!r})")
+    return C.emit_reduction(b, reduction, sq, tuple(range(len(sq.meta["shape"]))))

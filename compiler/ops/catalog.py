@@ -1,0 +1,343 @@
+"""The op catalog: the one place that knows each op.
+
+Four kinds of op, each with everything the stages need next to it:
+
+* ``Pointwise`` — a scalar SymPy expression (``node.meta["expr"]``). Its shape rule is
+  broadcasting, its derivative comes from SymPy (``pointwise_vjp``), its lowering is the
+  Triton printer. Adding an elementwise op is adding one entry to ``SCALAR_FUNCTIONS``.
+* ``Reduction`` — sum and mean over dims: shape rule, VJP (expand back), lowering as a
+  fused reduction loop.
+* ``View`` — reshape, permute, expand: shape rule, VJP, and an *index map* that says which
+  element of the input each output element reads, so views fuse into kernels for free.
+* ``Extern`` — matmuls, run by PyTorch (cuBLAS on GPU); hand-written VJPs.
+
+Gradients flow as graph nodes built from these same ops, so backward graphs fuse exactly
+like forward graphs (tinygrad's habit). Broadcasting is undone in one place: ``sum_to_shape``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import sympy
+import torch
+import torch.fx as fx
+
+from compiler.ir import GraphBuilder, arg_symbol, contiguous_strides, numel
+from compiler.ops import scalar as S
+
+GRAD_SYMBOL = sympy.Symbol("g", real=True)
+RESULT_SYMBOL = sympy.Symbol("y", real=True)
+
+
+class OpDef:
+    kind = "op"
+
+    def __init__(self, name: str):
+        self.name = name
+        self.__name__ = name
+
+    def __repr__(self):
+        return self.name
+
+    def __call__(self, *args, **kwargs):  # fx wants callable targets; we never call them
+        raise RuntimeError(f"catalog op {self.name} is lowered by the compiler, not called")
+
+
+# ----------------------------------------------------------------------------- pointwise
+# Every elementwise op the compiler knows, as a function of SymPy scalars. The derivative,
+# the kernel code and the broadcasting all follow from this one expression.
+SCALAR_FUNCTIONS = {
+    "add": lambda a, b: a + b,
+    "sub": lambda a, b: a - b,
+    "mul": lambda a, b: a * b,
+    "div": lambda a, b: a / b,
+    "neg": lambda a: -a,
+    "pow": lambda a, b: a**b,
+    "exp": sympy.exp,
+    "log": sympy.log,
+    "sqrt": sympy.sqrt,
+    "rsqrt": lambda a: 1 / sympy.sqrt(a),
+    "reciprocal": lambda a: 1 / a,
+    "square": lambda a: a * a,
+    "sin": sympy.sin,
+    "cos": sympy.cos,
+    "tanh": sympy.tanh,
+    "sigmoid": S.Sigmoid,
+    "relu": S.Relu,
+    "gelu": lambda a: a * (1 + sympy.erf(a / sympy.sqrt(2))) / 2,
+    "gelu_tanh": lambda a: a * (1 + sympy.tanh(sympy.sqrt(2 / sympy.pi) * (a + sympy.Float("0.044715") * a**3))) / 2,
+    "silu": lambda a: a * S.Sigmoid(a),
+    "abs": S.Abs,
+    "maximum": S.Maximum,
+    "minimum": S.Minimum,
+    "where": S.Where,
+    "identity": lambda a: a,  # dtype conversion: the node's dtype says what to convert to
+}
+for _i, _cmp in enumerate(S.COMPARE_OPS):
+    SCALAR_FUNCTIONS[_cmp] = functools.partial(lambda i, a, b: S.Compare(sympy.Integer(i), a, b), _i)
+
+# Ops whose integer inputs give a floating result (sin of an int tensor is float).
+FLOAT_RESULT_OPS = {"exp", "log", "sqrt", "rsqrt", "reciprocal", "sin", "cos", "tanh", "sigmoid",
+                    "gelu", "gelu_tanh", "silu"}
+BOOL_RESULT_OPS = set(S.COMPARE_OPS)
+
+
+class Pointwise(OpDef):
+    kind = "pointwise"
+
+
+POINTWISE = {name: Pointwise(name) for name in SCALAR_FUNCTIONS}
+DERIVED = Pointwise("pointwise")  # nodes made by differentiation: the expression says it all
+
+
+def scalar_expr(name: str, operands) -> tuple[sympy.Expr, list]:
+    """The expression of op ``name`` over ``operands`` (nodes or Python scalars).
+
+    Returns the expression over a0..a{k-1} and the k tensor operands it refers to; Python
+    scalars become numbers inside the expression.
+    """
+    tensors, symbols = [], []
+    for item in operands:
+        if isinstance(item, fx.Node):
+            symbols.append(arg_symbol(len(tensors)))
+            tensors.append(item)
+        elif isinstance(item, bool):
+            symbols.append(sympy.Integer(int(item)))
+        elif isinstance(item, int):
+            symbols.append(sympy.Integer(item))
+        elif isinstance(item, float):
+            symbols.append(_float(item))
+        else:
+            raise TypeError(f"unsupported scalar operand {item!r}")
+    return SCALAR_FUNCTIONS[name](*symbols), tensors
+
+
+def _float(value: float) -> sympy.Expr:
+    if math.isinf(value):
+        return sympy.oo if value > 0 else -sympy.oo
+    if math.isnan(value):
+        return sympy.nan
+    if value == int(value) and abs(value) < 2**53:
+        return sympy.Float(value)  # keep it a float: 2.0 must print as a float literal
+    return sympy.Float(value, 17)
+
+
+@functools.lru_cache(maxsize=16384)
+def partial_derivative(expr: sympy.Expr, index: int) -> sympy.Expr:
+    """d expr / d a_index, with the forward result replaced by ``y`` where it appears.
+
+    NOTE: rules follow PyTorch's conventions through the functions in ``scalar.py``; the
+    result is reused where PyTorch reuses it (exp' = y, sigmoid' = y(1-y), tanh' = 1-y²).
+    Cached: the same op signature is differentiated once per process.
+    """
+    derivative = sympy.diff(expr, arg_symbol(index))
+    if not isinstance(expr, sympy.Symbol):
+        derivative = derivative.xreplace({expr: RESULT_SYMBOL})
+    return derivative
+
+
+def pointwise_vjp(b: GraphBuilder, node: fx.Node, grad_out: fx.Node):
+    """Gradients of a pointwise node: grad_in_i = grad_out * d expr / d a_i (node's shape)."""
+    expr = node.meta["expr"]
+    grads = []
+    for i, arg in enumerate(node.args):
+        if not arg.meta["requires_grad"] or not arg.meta["dtype"].is_floating_point:
+            grads.append(None)
+            continue
+        derivative = partial_derivative(expr, i)
+        if derivative == 0:
+            grads.append(None)
+            continue
+        if derivative == 1 and grad_out.meta["dtype"] == arg.meta["dtype"]:
+            grads.append(grad_out)  # add, sub, identity: the gradient passes through
+            continue
+        grads.append(derived_pointwise(
+            b, GRAD_SYMBOL * derivative,
+            {GRAD_SYMBOL: grad_out, RESULT_SYMBOL: node, **{arg_symbol(j): a for j, a in enumerate(node.args)}},
+            shape=node.meta["shape"], dtype=arg.meta["dtype"]))
+    return grads
+
+
+def derived_pointwise(b: GraphBuilder, expr, bindings: dict, *, shape, dtype) -> fx.Node:
+    """A pointwise node for ``expr``, whose free symbols are bound to nodes by ``bindings``."""
+    used = sorted(expr.free_symbols, key=lambda s: s.name)
+    args = [bindings[s] for s in used]
+    renamed = expr.xreplace({s: arg_symbol(i) for i, s in enumerate(used)})
+    return b.call(DERIVED, args, shape=shape, dtype=dtype, requires_grad=False, expr=renamed)
+
+
+def emit_pointwise(b: GraphBuilder, name: str, operands, *, dtype, requires_grad=None) -> fx.Node:
+    """Append the catalog op ``name`` applied to ``operands`` (nodes and Python scalars)."""
+    expr, tensors = scalar_expr(name, operands)
+    shape = torch.broadcast_shapes(*[t.meta["shape"] for t in tensors]) if tensors else ()
+    if requires_grad is None:
+        requires_grad = name not in BOOL_RESULT_OPS and any(t.meta["requires_grad"] for t in tensors)
+    return b.call(POINTWISE[name], tensors, shape=shape, dtype=dtype, requires_grad=requires_grad, expr=expr)
+
+
+# ----------------------------------------------------------------------------- reductions
+class Reduction(OpDef):
+    """sum / mean over ``dims`` (a sorted tuple); ``keepdim`` as in PyTorch."""
+
+    kind = "reduction"
+
+    def out_shape(self, in_shape, dims, keepdim):
+        if keepdim:
+            return tuple(1 if d in dims else s for d, s in enumerate(in_shape))
+        return tuple(s for d, s in enumerate(in_shape) if d not in dims)
+
+    def scale(self, node: fx.Node) -> float:
+        if self.name != "mean":
+            return 1.0
+        shape = node.args[0].meta["shape"]
+        count = numel([shape[d] for d in node.kwargs["dims"]])
+        return 1.0 / count if count else math.nan
+
+    def vjp(self, b, node, grad_out):
+        (x,) = node.args
+        dims, keepdim = node.kwargs["dims"], node.kwargs["keepdim"]
+        in_shape = x.meta["shape"]
+        g = grad_out
+        if not keepdim:
+            g = emit_view(b, "reshape", g, shape=self.out_shape(in_shape, dims, True))
+        g = emit_view(b, "expand", g, shape=in_shape)
+        if self.name == "mean":
+            g = emit_pointwise(b, "mul", [g, self.scale(node)], dtype=x.meta["dtype"], requires_grad=False)
+        return [g]
+
+
+REDUCTIONS = {name: Reduction(name) for name in ("sum", "mean")}
+
+
+def emit_reduction(b, name, x, dims, keepdim=False, dtype=None) -> fx.Node:
+    ndim = len(x.meta["shape"])
+    dims = tuple(sorted({d % ndim for d in dims})) if ndim else ()
+    op = REDUCTIONS[name]
+    return b.call(op, [x], {"dims": dims, "keepdim": keepdim},
+                  shape=op.out_shape(x.meta["shape"], dims, keepdim),
+                  dtype=dtype or x.meta["dtype"], requires_grad=x.meta["requires_grad"])
+
+
+def sum_to_shape(b: GraphBuilder, g: fx.Node, shape) -> fx.Node:
+    """Undo broadcasting: sum ``g`` down to ``shape``. The only place this is done."""
+    shape = tuple(shape)
+    g_shape = g.meta["shape"]
+    if g_shape == shape:
+        return g
+    lead = len(g_shape) - len(shape)
+    dims = tuple(range(lead)) + tuple(lead + i for i, s in enumerate(shape) if s == 1 and g_shape[lead + i] != 1)
+    if dims:
+        g = emit_reduction(b, "sum", g, dims, keepdim=True)
+    if g.meta["shape"] != shape:
+        g = emit_view(b, "reshape", g, shape=shape)
+    return g
+
+
+# ----------------------------------------------------------------------------- views
+class View(OpDef):
+    """A view: no data moves. ``index_map`` turns an output index into the input index."""
+
+    kind = "view"
+
+    def out_shape(self, in_shape, params):
+        if self.name == "permute":
+            return tuple(in_shape[d] for d in params["dims"])
+        return tuple(params["shape"])
+
+    def index_map(self, node: fx.Node, out_index: list[str]) -> list[str]:
+        in_shape = node.args[0].meta["shape"]
+        out_shape = node.meta["shape"]
+        if self.name == "permute":
+            result = [None] * len(in_shape)
+            for out_dim, in_dim in enumerate(node.kwargs["dims"]):
+                result[in_dim] = out_index[out_dim]
+            return result
+        if self.name == "expand":
+            lead = len(out_shape) - len(in_shape)
+            return ["0" if size == 1 else out_index[lead + i] for i, size in enumerate(in_shape)]
+        # reshape: through the linear (row-major) position of the element.
+        strides = contiguous_strides(out_shape)
+        terms = [f"({idx}) * {st}" if st != 1 else f"({idx})"
+                 for idx, st, size in zip(out_index, strides, out_shape) if size != 1]
+        linear = " + ".join(terms) if terms else "0"
+        in_strides = contiguous_strides(in_shape)
+        result = []
+        for d, (size, st) in enumerate(zip(in_shape, in_strides)):
+            if size == 1:
+                result.append("0")
+                continue
+            term = f"({linear})" if st == 1 else f"(({linear}) // {st})"
+            result.append(term if d == 0 else f"({term} % {size})")
+        return result
+
+    def vjp(self, b, node, grad_out):
+        x = node.args[0]
+        if self.name == "permute":
+            inverse = [0] * len(node.kwargs["dims"])
+            for i, d in enumerate(node.kwargs["dims"]):
+                inverse[d] = i
+            return [emit_view(b, "permute", grad_out, dims=tuple(inverse))]
+        if self.name == "expand":
+            return [sum_to_shape(b, grad_out, x.meta["shape"])]
+        return [emit_view(b, "reshape", grad_out, shape=x.meta["shape"])]
+
+    def host(self, tensor: torch.Tensor, node: fx.Node) -> torch.Tensor:
+        """Apply the view to a real tensor (used when the source is already in memory)."""
+        if self.name == "permute":
+            return tensor.permute(node.kwargs["dims"])
+        if self.name == "expand":
+            return tensor.expand(node.kwargs["shape"])
+        return tensor.reshape(node.kwargs["shape"])
+
+
+VIEWS = {name: View(name) for name in ("reshape", "permute", "expand")}
+
+
+def emit_view(b, name, x, **params) -> fx.Node:
+    op = VIEWS[name]
+    if "shape" in params:
+        params["shape"] = tuple(params["shape"])
+    shape = op.out_shape(x.meta["shape"], params)
+    if name != "permute" and shape == x.meta["shape"]:
+        return x
+    if name == "permute" and tuple(params["dims"]) == tuple(range(len(shape))):
+        return x
+    return b.call(op, [x], params, shape=shape, dtype=x.meta["dtype"], requires_grad=x.meta["requires_grad"])
+
+
+# ----------------------------------------------------------------------------- extern
+class Extern(OpDef):
+    """Matrix products, run by PyTorch (cuBLAS on GPU)."""
+
+    kind = "extern"
+
+    def __init__(self, name, torch_fn):
+        super().__init__(name)
+        self.torch_fn = torch_fn
+
+    def vjp(self, b, node, grad_out):
+        a, w = node.args
+        t = (1, 0) if self.name == "mm" else (0, 2, 1)
+        ga = emit_extern(b, self.name, grad_out, emit_view(b, "permute", w, dims=t)) if a.meta["requires_grad"] else None
+        gw = emit_extern(b, self.name, emit_view(b, "permute", a, dims=t), grad_out) if w.meta["requires_grad"] else None
+        return [ga, gw]
+
+
+EXTERNS = {"mm": Extern("mm", torch.mm), "bmm": Extern("bmm", torch.bmm)}
+
+
+def emit_extern(b, name, a, w) -> fx.Node:
+    sa, sw = a.meta["shape"], w.meta["shape"]
+    shape = (sa[0], sw[1]) if name == "mm" else (sa[0], sa[1], sw[2])
+    dtype = torch.promote_types(a.meta["dtype"], w.meta["dtype"])
+    return b.call(EXTERNS[name], [a, w], shape=shape, dtype=dtype,
+                  requires_grad=a.meta["requires_grad"] or w.meta["requires_grad"])
+
+
+def vjp(b: GraphBuilder, node: fx.Node, grad_out: fx.Node):
+    """Gradient contributions for each tensor argument of ``node`` (None: no gradient)."""
+    if node.target.kind == "pointwise":
+        return pointwise_vjp(b, node, grad_out)
+    return node.target.vjp(b, node, grad_out)

@@ -1,0 +1,119 @@
+"""Scalar functions whose derivatives follow PyTorch's conventions, not SymPy's.
+
+SymPy's own rules differ from eager PyTorch at non-differentiable points: ``Heaviside(0)``
+is 1/2 (``relu'(0)`` must be 0), ``diff(Max)`` splits ties with a Heaviside, ``diff(sign)``
+is a DiracDelta. Each function here is a ``sympy.Function`` whose ``fdiff`` states the
+PyTorch rule directly, and which the Triton printer knows how to print.
+
+NOTE: the autograd notes, "Gradients for non-differentiable functions": where a function is
+not differentiable, PyTorch uses a chosen subgradient (relu'(0) = 0, abs'(0) = 0,
+maximum/minimum split the gradient evenly between equal inputs).
+"""
+
+from __future__ import annotations
+
+import sympy
+
+
+class Relu(sympy.Function):
+    """max(x, 0) that keeps NaN; d/dx is 1 where x > 0 and 0 elsewhere (relu'(0) = 0)."""
+
+    nargs = 1
+
+    def fdiff(self, argindex=1):
+        return Step(self.args[0])
+
+
+class Step(sympy.Function):
+    """1 where x > 0, else 0. The derivative of relu; its own derivative is taken as 0."""
+
+    nargs = 1
+
+    def fdiff(self, argindex=1):
+        return sympy.Integer(0)
+
+
+class Sign(sympy.Function):
+    """sign(x) with sign(0) = 0; derivative 0 everywhere (PyTorch's convention)."""
+
+    nargs = 1
+
+    def fdiff(self, argindex=1):
+        return sympy.Integer(0)
+
+
+class Abs(sympy.Function):
+    """|x| for real x; d/dx = sign(x), so abs'(0) = 0 as in eager PyTorch."""
+
+    nargs = 1
+
+    def fdiff(self, argindex=1):
+        return Sign(self.args[0])
+
+
+class Sigmoid(sympy.Function):
+    """1 / (1 + exp(-x)); derivative written as y(1 - y) so it reuses the forward result."""
+
+    nargs = 1
+
+    def fdiff(self, argindex=1):
+        return self * (1 - self)
+
+
+class Maximum(sympy.Function):
+    """Elementwise max that propagates NaN; equal inputs share the gradient evenly."""
+
+    nargs = 2
+
+    def fdiff(self, argindex=1):
+        a, b = self.args
+        return TieShare(a, b) if argindex == 1 else TieShare(b, a)
+
+
+class Minimum(sympy.Function):
+    """Elementwise min that propagates NaN; equal inputs share the gradient evenly."""
+
+    nargs = 2
+
+    def fdiff(self, argindex=1):
+        a, b = self.args
+        return TieShare(b, a) if argindex == 1 else TieShare(a, b)
+
+
+class TieShare(sympy.Function):
+    """1 where a > b, 1/2 where a == b, else 0: the share of the gradient that goes to a."""
+
+    nargs = 2
+
+    def fdiff(self, argindex=1):
+        return sympy.Integer(0)
+
+
+class Where(sympy.Function):
+    """cond ? a : b. The condition gets no gradient; each branch gets it where chosen."""
+
+    nargs = 3
+
+    def fdiff(self, argindex=1):
+        cond = self.args[0]
+        if argindex == 2:
+            return Where(cond, sympy.Integer(1), sympy.Integer(0))
+        if argindex == 3:
+            return Where(cond, sympy.Integer(0), sympy.Integer(1))
+        return sympy.Integer(0)
+
+
+class Compare(sympy.Function):
+    """a <op> b for op in (lt, le, gt, ge, eq, ne), as a boolean; not differentiable.
+
+    SymPy's own relationals would evaluate `x < x` to False and cannot be differentiated;
+    this keeps the comparison opaque until it is printed.
+    """
+
+    nargs = 3  # (op code, a, b); the op code is an Integer index into COMPARE_OPS
+
+    def fdiff(self, argindex=1):
+        return sympy.Integer(0)
+
+
+COMPARE_OPS = ("lt", "le", "gt", "ge", "eq", "ne")

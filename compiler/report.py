@@ -1,0 +1,62 @@
+"""``explain``'s report: every stage of one compiled call, printable."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+from compiler.ir import format_graph
+
+
+@dataclass
+class KernelInfo:
+    name: str
+    source: str
+    phase: str          # "forward" | "backward"
+    region: int
+    bytes_moved: int
+
+    def __repr__(self):
+        return f"KernelInfo({self.phase} {self.name}, {self.bytes_moved} bytes)"
+
+
+@dataclass
+class Report:
+    graph: fx.Graph                     # the captured forward computation (all regions)
+    backward_graph: fx.Graph | None     # the derived backward (of the first differentiable region)
+    kernels: list                       # KernelInfo, forward then backward, region by region
+    fallbacks: list                     # why anything runs eagerly; empty when fully compiled
+    eager_calls: list                   # calls run as they are (backward(), optimizer updates)
+    regions: list = field(default_factory=list)   # per region: dict of graphs and kernels
+    backend: str = ""
+    backend_reason: str = ""
+
+    @property
+    def forward_kernels(self):
+        return [k for k in self.kernels if k.phase == "forward"]
+
+    @property
+    def backward_kernels(self):
+        return [k for k in self.kernels if k.phase == "backward"]
+
+    def __str__(self):
+        out = [f"backend: {self.backend} ({self.backend_reason})" if self.backend else "backend: -"]
+        out.append(f"regions: {len(self.regions)}   kernels: {len(self.forward_kernels)} forward, "
+                   f"{len(self.backward_kernels)} backward")
+        for i, region in enumerate(self.regions):
+            out.append("")
+            out.append(f"== region {i}: captured graph")
+            out.append(format_graph(region["captured"], "forward"))
+            if region.get("backward_graph") is not None:
+                out.append(f"== region {i}: backward graph")
+                out.append(format_graph(region["backward_graph"], "backward"))
+            for k in region.get("kernels", []):
+                out.append(f"   [{k.phase}] {k.name}  ({k.bytes_moved} bytes moved)")
+            if region.get("reason"):
+                out.append(f"   runs eagerly: {region['reason']}")
+        out.append("")
+        out.append("eager calls: " + (", ".join(self.eager_calls) if self.eager_calls else "none"))
+        out.append("fallbacks: " + ("none" if not self.fallbacks else ""))
+        out.extend(f"  - {reason}" for reason in self.fallbacks)
+        return "\n".join(out)

@@ -1,0 +1,61 @@
+"""One compiled region as one ``torch.autograd.Function``.
+
+The forward program's results are the region's outputs plus what backward needs; the latter
+go through ``ctx.save_for_backward``, so saved-tensor hooks, in-place version checks and
+"backward through the graph a second time" errors are PyTorch's own. Outputs carry a
+grad_fn; ``.grad`` accumulation and its hooks stay with PyTorch's engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.program import Program
+
+
+@dataclass
+class CompiledRegion:
+    forward: Program
+    backward: Program | None
+    num_outputs: int            # user-visible outputs (the forward may return more: saved values)
+    saved: list                 # ("input", i) | ("output", j) per saved value, backward's first inputs
+    grad_output_for: list       # which outputs receive a gradient in backward
+    differentiable: list        # per output: whether it can carry a gradient
+    stats: dict = field(default_factory=dict)
+
+    def __call__(self, inputs):
+        if self.backward is None or not torch.is_grad_enabled():
+            outs = self.forward.run(inputs, self.stats)
+            return outs[: self.num_outputs]
+        return list(_RegionFunction.apply(self, *inputs))
+
+
+class _RegionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, region: CompiledRegion, *inputs):
+        outs = region.forward.run(list(inputs), region.stats)
+        saved = [inputs[i] if kind == "input" else outs[i] for kind, i in region.saved]
+        ctx.save_for_backward(*saved)
+        ctx.region = region
+        user = outs[: region.num_outputs]
+        ctx.shapes = [(o.shape, o.dtype, o.device) for o in user]
+        non_diff = [o for o, d in zip(user, region.differentiable) if not d]
+        if non_diff:
+            ctx.mark_non_differentiable(*non_diff)
+        return tuple(user)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        region: CompiledRegion = ctx.region
+        saved = list(ctx.saved_tensors)
+        grads = []
+        for i in region.grad_output_for:
+            g = grad_outputs[i]
+            if g is None:
+                shape, dtype, device = ctx.shapes[i]
+                g = torch.zeros(shape, dtype=dtype, device=device)
+            grads.append(g)
+        results = region.backward.run(saved + grads, region.stats)
+        return (None, *results)

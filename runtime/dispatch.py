@@ -1,0 +1,148 @@
+"""The compiled function: guards, the cache of recorded programs, replay, eager fallback.
+
+On each call the guard key — every tensor argument's shape, dtype, device and
+requires_grad, the other arguments' values, and the grad mode — selects a recorded entry.
+A miss calls the compiler's builder, which runs the function eagerly once while recording
+it (that call's results are eager's) and compiles it; later calls replay the entry with its
+compiled regions. Tensors reached inside the function (parameters, closed-over tensors) are
+guarded by identity and metadata at replay. Thread-safe: recording is serialized, replays
+run concurrently (modes are thread-local).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from runtime import backends
+from runtime.fallback import CompileError, say_once
+from runtime.replay import Replay
+
+MAX_RECAPTURES = 8
+
+
+class Entry:
+    """One recorded program for one guard key."""
+
+    def __init__(self, trace, report):
+        self.trace = trace
+        self.report = report
+        self.stale = False
+
+
+class CompiledFunction:
+    def __init__(self, fn, builder, backend="auto", fullgraph=False):
+        functools.update_wrapper(self, fn)
+        if backend not in backends.BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(backends.BACKENDS)}")
+        self.fn = fn
+        self.builder = builder
+        self.backend = backend
+        self.fullgraph = fullgraph
+        self.cache: dict = {}
+        self.lock = threading.RLock()
+        self.recaptures = 0
+        self.disabled: str | None = None
+        self.stats = {"calls": 0, "captures": 0, "replays": 0, "eager_calls": 0, "divergences": 0,
+                      "kernel_launches": 0}
+        self.last_backend: str | None = None
+        self.last_entry: Entry | None = None
+
+    def __get__(self, obj, objtype=None):  # decorating a method
+        if obj is None:
+            return self
+        return functools.partial(self, obj)
+
+    def __repr__(self):
+        return f"<compiled {getattr(self.fn, '__qualname__', self.fn)} backend={self.backend}>"
+
+    # -- the call --------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        self.stats["calls"] += 1
+        if self.backend == "eager":
+            self.last_backend = "eager"
+            return self.fn(*args, **kwargs)
+        leaves, spec = tree_flatten((args, kwargs))
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        device = tensors[0].device.type if tensors else None
+        try:
+            backend, why = backends.choose(self.backend, device)
+        except backends.BackendUnavailable as e:
+            if self.backend != "auto" or self.fullgraph:
+                raise
+            return self._eager(str(e), args, kwargs)
+        if self.disabled:
+            return self._eager(self.disabled, args, kwargs)
+        key = _guard_key(spec, leaves)
+        entry = self.cache.get(key)
+        if entry is None or entry.stale:
+            return self._record(key, entry, backend, why, args, kwargs)
+        externals = entry.trace.external_values()
+        if externals is None:
+            return self._record(key, entry, backend, why, args, kwargs)
+        self.last_backend = backend
+        self.last_entry = entry
+        self.stats["replays"] += 1
+        mode = Replay(entry.trace, tensors, externals)
+        with mode:
+            result = self.fn(*args, **kwargs)
+        mode.finish()
+        if mode.diverged:
+            entry.stale = True
+            self.stats["divergences"] += 1
+            say_once(self.__name__, f"this call did not follow its recording ({mode.diverged}); "
+                     "the rest of the call ran eagerly and the function will be recorded again")
+        return result
+
+    def _record(self, key, old, backend, why, args, kwargs):
+        with self.lock:
+            if old is not None:
+                self.recaptures += 1
+                if self.recaptures > MAX_RECAPTURES:
+                    self.disabled = (f"recorded {self.recaptures} times: its torch calls change from call "
+                                     "to call (Python control flow or changing constants); running eagerly")
+                    return self._eager(self.disabled, args, kwargs)
+            self.stats["captures"] += 1
+            result, entry = self.builder(self.fn, args, kwargs, fullgraph=self.fullgraph, stats=self.stats)
+            entry.report.backend = backend
+            entry.report.backend_reason = why
+            self.cache[key] = entry
+            self.last_entry = entry
+            self.last_backend = "eager (recording)"
+            for reason in entry.report.fallbacks:
+                say_once(self.__name__, reason)
+            return result
+
+    def _eager(self, reason, args, kwargs):
+        if self.fullgraph:
+            raise CompileError(f"{self.__name__}: {reason}")
+        say_once(self.__name__, reason)
+        self.stats["eager_calls"] += 1
+        self.last_backend = "eager"
+        return self.fn(*args, **kwargs)
+
+    def build(self, args, kwargs):
+        """Record and compile for these arguments now (runs the function once, eagerly)."""
+        leaves, spec = tree_flatten((args, kwargs))
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        backend, why = backends.choose("auto" if self.backend == "eager" else self.backend,
+                                       tensors[0].device.type if tensors else None)
+        self._record(_guard_key(spec, leaves), None, backend, why, args, kwargs)
+        return self.last_entry
+
+
+def _guard_key(spec, leaves):
+    parts = [spec, torch.is_grad_enabled()]
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            parts.append((tuple(x.shape), x.dtype, x.device, x.requires_grad))
+        else:
+            try:
+                hash(x)
+                parts.append((type(x), x))
+            except TypeError:
+                parts.append((type(x), id(x)))
+    return tuple(parts)

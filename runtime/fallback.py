@@ -1,0 +1,23 @@
+"""Telling the user, once, why something runs eagerly."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+log = logging.getLogger("compiler")
+_said: set = set()
+_lock = threading.Lock()
+
+
+def say_once(fn_name: str, reason: str) -> None:
+    key = (fn_name, reason)
+    with _lock:
+        if key in _said:
+            return
+        _said.add(key)
+    log.warning("compiler: %s runs eagerly: %s", fn_name, reason)
+
+
+class CompileError(RuntimeError):
+    """Raised with ``fullgraph=True`` where the compiler would otherwise fall back to eager."""

@@ -1,0 +1,97 @@
+"""A compiled program: kernel launches and matmuls over numbered value slots.
+
+The compiler builds ``Program`` objects; the runtime runs them. A program reads its inputs
+into slots ``0..num_inputs-1``, runs its steps in order (each writes new slots), frees each
+slot after its last use, and returns its outputs. An output or matmul operand may be a
+*view* of a slot, applied with PyTorch's view functions on the host (no copy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.kernels import load_kernel
+
+
+@dataclass(frozen=True)
+class ValueRef:
+    slot: int
+    views: tuple = ()      # (("permute", dims) | ("expand", shape) | ("reshape", shape)), applied in order
+
+    def resolve(self, env):
+        value = env[self.slot]
+        for kind, param in self.views:
+            if kind == "permute":
+                value = value.permute(param)
+            elif kind == "expand":
+                value = value.expand(param)
+            else:
+                value = value.reshape(param)
+        return value
+
+
+@dataclass
+class KernelLaunch:
+    name: str
+    source: str
+    loads: list            # slots read
+    stores: list           # (slot, shape, dtype) written, allocated contiguous
+    grid: int
+    xblock: int
+    rblock: int
+    bytes_moved: int
+    _fn: object = None
+
+    def run(self, env, device):
+        fn = self._fn
+        if fn is None:
+            fn = self._fn = load_kernel(self.name, self.source)
+        args = []
+        for slot in self.loads:
+            t = env[slot]
+            args.append(t)
+            args.extend(t.stride())
+        outs = []
+        for slot, shape, dtype in self.stores:
+            out = torch.empty(shape, dtype=dtype, device=device)
+            env[slot] = out
+            args.append(out)
+        if self.grid:  # an empty iteration space: outputs stay empty
+            fn[(self.grid,)](*args, XBLOCK=self.xblock, RBLOCK=self.rblock)
+
+
+@dataclass
+class ExternCall:
+    name: str              # "mm" | "bmm"
+    args: list             # ValueRefs
+    out: int
+
+    def run(self, env, device):
+        fn = torch.mm if self.name == "mm" else torch.bmm
+        env[self.out] = fn(*[a.resolve(env) for a in self.args])
+
+
+@dataclass
+class Program:
+    num_inputs: int
+    num_slots: int
+    steps: list
+    outputs: list                          # ValueRef or None (no value, e.g. no gradient)
+    frees: list = field(default_factory=list)  # per step: slots dead after it
+
+    @property
+    def kernels(self):
+        return [s for s in self.steps if isinstance(s, KernelLaunch)]
+
+    def run(self, inputs, stats=None) -> list:
+        env = list(inputs) + [None] * (self.num_slots - self.num_inputs)
+        device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+        for step, dead in zip(self.steps, self.frees):
+            step.run(env, device)
+            for slot in dead:
+                env[slot] = None
+        if stats is not None:
+            stats["kernel_launches"] = stats.get("kernel_launches", 0) + len(self.kernels)
+        return [o.resolve(env) if o is not None else None for o in self.outputs]

@@ -1,0 +1,182 @@
+"""Running a recorded function again with its regions compiled.
+
+The user's function runs again, as Python, under a ``TorchFunctionMode``. Each torch call is
+checked against the recording (same function, same tensors, same constants); at the first
+call of a region the whole region runs as fused kernels, and each of the region's calls
+then just hands back its result. Values that never leave the region are not materialized:
+Python receives a stand-in of the right shape, dtype and device (capture proved nothing
+outside reads it). Eager calls (backward, optimizer updates) run for real.
+
+If the function does something else this time (Python control flow took another path), the
+replay *diverges*: stand-ins the function still holds are recomputed eagerly from the
+recording, the rest of the call runs eagerly — so results stay right — and the dispatcher
+records the function again next time.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from runtime.trace import Trace, ValueId
+
+_METADATA_ATTRS = {
+    "shape", "dtype", "device", "ndim", "requires_grad", "is_leaf", "layout", "is_cuda", "is_cpu",
+    "is_sparse", "is_quantized", "is_meta", "is_nested", "names", "itemsize", "nbytes",
+}
+_METADATA_METHODS = {
+    torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.__len__,
+    torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.element_size,
+    torch.Tensor.get_device, torch.Tensor.nelement, torch.Tensor.ndimension, torch.Tensor.__hash__,
+}
+
+
+def is_metadata(func) -> bool:
+    """Calls that only read metadata (guarded anyway): run directly, never recorded."""
+    if func in _METADATA_METHODS:
+        return True
+    if getattr(func, "__name__", None) == "__get__":
+        return getattr(getattr(func, "__self__", None), "__name__", None) in _METADATA_ATTRS
+    return False
+
+
+class Diverged(Exception):
+    pass
+
+
+def stand_in(meta) -> torch.Tensor:
+    """A tensor with a value's metadata but no data of its own (one element, expanded)."""
+    t = torch.empty((), dtype=meta.dtype, device=meta.device).expand(meta.shape)
+    if meta.requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+class Replay(TorchFunctionMode):
+    def __init__(self, trace: Trace, arg_leaves: list, externals: dict):
+        super().__init__()
+        self.trace = trace
+        self.pos = 0
+        self.env = dict(externals)          # value id -> real tensor
+        self.shown = dict(externals)        # value id -> the object Python holds
+        for vid, t in zip(trace.arg_ids, arg_leaves):
+            self.env[vid] = t
+            self.shown[vid] = t
+        self.stand_ins: dict = {}           # id(stand-in) -> value id
+        self.done_regions: set = set()
+        self.diverged: str | None = None
+
+    # -- the mode ----------------------------------------------------------------------
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if is_metadata(func):
+            return func(*args, **kwargs)
+        if self.diverged:
+            return self._eager(func, args, kwargs)
+        try:
+            return self._replay(func, args, kwargs)
+        except Diverged as e:
+            self.diverged = str(e)
+            return self._eager(func, args, kwargs)
+
+    def finish(self):
+        if not self.diverged and self.pos != len(self.trace.calls):
+            self.diverged = f"the function made {self.pos} of the {len(self.trace.calls)} recorded torch calls"
+
+    # -- replaying a recorded call --------------------------------------------------------
+    def _replay(self, func, args, kwargs):
+        calls = self.trace.calls
+        if self.pos >= len(calls):
+            raise Diverged(f"an extra call to {_name(func)} that was not recorded")
+        rec = calls[self.pos]
+        if func is not rec.func and func != rec.func:
+            raise Diverged(f"called {_name(func)} where the recording has {_name(rec.func)}")
+        leaves, spec = tree_flatten((args, kwargs))
+        if spec != rec.spec:
+            raise Diverged(f"{_name(func)} called with differently structured arguments")
+        for leaf, expected in zip(leaves, rec.leaves):
+            if isinstance(expected, ValueId):
+                if leaf is not self.shown.get(expected):
+                    raise Diverged(f"{_name(func)} called on a different tensor")
+            elif isinstance(leaf, torch.Tensor) or not _same_constant(leaf, expected):
+                raise Diverged(f"{_name(func)} called with a different constant ({leaf!r} != {expected!r})")
+        if rec.kind == "compute":
+            region = self.trace.regions[rec.region]
+            if rec.region not in self.done_regions:
+                self._run_region(rec.region)
+            if region.compiled is not None:
+                self.pos += 1
+                outs = [self.shown[v] for v in rec.outputs]
+                return tree_unflatten(outs, rec.out_spec)
+        self.pos += 1
+        real = [self.env[x] if isinstance(x, ValueId) else leaf for leaf, x in zip(leaves, rec.leaves)]
+        a, k = tree_unflatten(real, spec)
+        result = func(*a, **k)
+        out_leaves, _ = tree_flatten(result)
+        tensors = [t for t in out_leaves if isinstance(t, torch.Tensor)]
+        for vid, t in zip(rec.outputs, tensors):
+            self.env[vid] = t
+            self.shown[vid] = t
+        return result
+
+    def _run_region(self, index: int):
+        region = self.trace.regions[index]
+        self.done_regions.add(index)
+        if region.compiled is None:
+            return  # runs call by call, eagerly
+        inputs = [self.env[v] for v in region.input_ids]
+        with torch.set_grad_enabled(region.grad_enabled):
+            outs = region.compiled(inputs)
+        for vid, t in zip(region.output_ids, outs):
+            self.env[vid] = t
+            self.shown[vid] = t
+        for vid, meta in region.internal.items():
+            s = stand_in(meta)
+            self.shown[vid] = s
+            self.stand_ins[id(s)] = vid
+
+    # -- after a divergence: everything eagerly, stand-ins recomputed -------------------------
+    def _eager(self, func, args, kwargs):
+        leaves, spec = tree_flatten((args, kwargs))
+        real = [self._real(leaf) for leaf in leaves]
+        a, k = tree_unflatten(real, spec)
+        return func(*a, **k)
+
+    def _real(self, leaf):
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        vid = self.stand_ins.get(id(leaf))
+        if vid is None or self.shown.get(vid) is not leaf:
+            return leaf
+        return self._materialize(vid)
+
+    def _materialize(self, vid):
+        if vid in self.env:
+            return self.env[vid]
+        rec = self.trace.calls[self.trace.produced_by[vid]]
+        real = [self._materialize(x) if isinstance(x, ValueId) else x for x in rec.leaves]
+        a, k = tree_unflatten(real, rec.spec)
+        result = rec.func(*a, **k)
+        tensors = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
+        for out_vid, t in zip(rec.outputs, tensors):
+            self.env.setdefault(out_vid, t)
+        return self.env[vid]
+
+
+def _same_constant(a, b) -> bool:
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float) and a != a:
+        return b != b
+    try:
+        return bool(a == b)
+    except Exception:
+        return a is b
+
+
+def _name(func) -> str:
+    qual = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    if qual == "__get__" or qual.endswith(".__get__"):
+        return f"Tensor.{getattr(getattr(func, '__self__', None), '__name__', '?')}"
+    return qual.replace("TensorBase.", "Tensor.")

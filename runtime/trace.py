@@ -1,0 +1,81 @@
+"""What a recorded call of a user's function is: the torch calls it made, in order.
+
+Capture (in ``compiler``) records every torch call the function makes. Runs of calls the
+compiler understands form *regions*, each compiled to one ``CompiledRegion``; every other
+call (``loss.backward()``, the optimizer's in-place updates, an unsupported op) is an
+*eager* call, run as it is on replay. Values are numbered (value ids); a call's tensor
+arguments are recorded as value ids and its other arguments as constants.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+
+class ValueId(int):
+    """A recorded tensor value, distinct from an integer constant in a call's arguments."""
+
+
+@dataclass
+class TraceCall:
+    func: object
+    kind: str                  # "compute" (inside a region) | "eager"
+    region: int | None
+    spec: object               # pytree spec of (args, kwargs)
+    leaves: list               # ValueId for tensors, the value itself for constants
+    outputs: list              # ValueId per tensor leaf of the result, in order
+    out_spec: object = None
+    reason: str | None = None  # for an eager call that breaks a region: why
+
+
+@dataclass
+class TensorMeta:
+    shape: tuple
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+
+    @staticmethod
+    def of(t: torch.Tensor) -> "TensorMeta":
+        return TensorMeta(tuple(t.shape), t.dtype, t.device, t.requires_grad)
+
+    def matches(self, t: torch.Tensor) -> bool:
+        return (tuple(t.shape) == self.shape and t.dtype == self.dtype and t.device == self.device
+                and t.requires_grad == self.requires_grad)
+
+
+@dataclass
+class RegionPlan:
+    calls: list                # indices into Trace.calls
+    input_ids: list            # value ids read (not produced inside)
+    output_ids: list           # value ids produced inside and visible outside (materialized)
+    internal: dict             # value id -> TensorMeta of values never seen outside
+    grad_enabled: bool
+    compiled: object = None    # CompiledRegion, or None: run this region's calls eagerly
+    reason: str | None = None  # why it runs eagerly
+
+
+@dataclass
+class Trace:
+    calls: list
+    regions: list
+    arg_ids: list              # value id per tensor leaf of the function's (args, kwargs)
+    externals: dict            # value id -> (weakref to a tensor reached inside, TensorMeta)
+    produced_by: dict          # value id -> index of the call that made it
+    fallbacks: list = field(default_factory=list)
+
+    def external_values(self):
+        values = {}
+        for vid, (ref, meta) in self.externals.items():
+            t = ref()
+            if t is None or not meta.matches(t):
+                return None
+            values[vid] = t
+        return values
+
+
+def tensor_ref(t: torch.Tensor):
+    return weakref.ref(t)

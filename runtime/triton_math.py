@@ -1,0 +1,43 @@
+"""``libdevice`` for generated kernels: Triton's own on GPU, a NumPy stand-in in the interpreter.
+
+Triton's interpreter does not implement ``libdevice`` (tanh, pow, ...: "cannot convert None
+to tensor"). Generated kernels import ``libdevice`` from here, so the same kernel source runs
+on a GPU and, for tests, on CPU tensors through the interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+
+from triton.language.extra import libdevice as _triton_libdevice
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+class _InterpreterLibdevice:
+    """The few libdevice functions our kernels emit, evaluated with NumPy."""
+
+    @staticmethod
+    def _wrap(fn):
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime.interpreter import TensorHandle
+
+        def apply(*args):
+            tensors = [a for a in args if isinstance(a, tl.tensor)]
+            data = [a.handle.data if isinstance(a, tl.tensor) else np.asarray(a) for a in args]
+            out = np.asarray(fn(*np.broadcast_arrays(*data)))
+            ref = max(tensors, key=lambda t: t.handle.data.size)
+            out = out.astype(ref.handle.data.dtype, copy=False)
+            return tl.tensor(TensorHandle(out, ref.handle.dtype.scalar), ref.type)
+
+        return apply
+
+    def __init__(self):
+        import numpy as np
+
+        self.tanh = self._wrap(np.tanh)
+        self.pow = self._wrap(np.power)
+
+
+libdevice = _InterpreterLibdevice() if INTERPRETING else _triton_libdevice
