@@ -71,10 +71,12 @@ def fuse(graph: fx.Graph) -> Schedule:
         needs_memory(out)
 
     steps: list = []
+    step_of: dict = {}            # buffer node -> index of the step that writes it
     reduction_roots_of: dict = {}
     for node in nodes:
         kind = kind_of(node)
         if kind == "extern":
+            step_of[node] = len(steps)
             steps.append(("extern", node))
             continue
         if node not in buffers or kind not in ("pointwise", "reduction"):
@@ -83,16 +85,43 @@ def fuse(graph: fx.Graph) -> Schedule:
             space = (node.args[0].meta["shape"], node.kwargs["dims"])
         else:
             space = (node.meta["shape"], ())
-        last = steps[-1][1] if steps and steps[-1][0] == "kernel" else None
-        if last is not None and last.accepts(*space) and not _depends_on(node, reduction_roots_of.get(id(last), ()), buffers):
-            last.roots.append(node)
-            last.reduce_dims = last.reduce_dims or space[1]
-        else:
-            last = KernelPlan(space[0], space[1], [node])
-            steps.append(("kernel", last))
+        # The earliest kernel that can take this root: at or after the last step that
+        # writes something it reads, same iteration space, not reading its reductions.
+        barrier = max((step_of[b] for b in _reads(node, buffers) if b in step_of), default=0)
+        target = None
+        for i in range(barrier, len(steps)):
+            kind_i, plan = steps[i]
+            if kind_i == "kernel" and plan.accepts(*space) and not _depends_on(
+                    node, reduction_roots_of.get(id(plan), ()), buffers):
+                target = i
+                break
+        if target is None:
+            target = len(steps)
+            steps.append(("kernel", KernelPlan(space[0], space[1], [])))
+        plan = steps[target][1]
+        plan.roots.append(node)
+        plan.reduce_dims = plan.reduce_dims or space[1]
+        step_of[node] = target
         if kind == "reduction":
-            reduction_roots_of.setdefault(id(last), []).append(node)
+            reduction_roots_of.setdefault(id(plan), []).append(node)
     return Schedule(steps, buffers, host_views)
+
+
+def _reads(node: fx.Node, buffers) -> set:
+    """The buffers a root reads, looking through the values it computes inline."""
+    found, stack, seen = set(), list(node.args), set()
+    while stack:
+        n = stack.pop()
+        if not isinstance(n, fx.Node) or n in seen:
+            continue
+        seen.add(n)
+        if n in buffers:
+            found.add(n)
+            if kind_of(n) != "pointwise":
+                continue
+        if kind_of(n) in ("pointwise", "view"):
+            stack.extend(n.args)
+    return found
 
 
 def _depends_on(node: fx.Node, targets, buffers) -> bool:

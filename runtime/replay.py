@@ -99,7 +99,8 @@ class Replay(TorchFunctionMode):
             if isinstance(expected, ValueId):
                 if leaf is not self.shown.get(expected):
                     raise Diverged(f"{_name(func)} called on a different tensor")
-            elif isinstance(leaf, torch.Tensor) or not _same_constant(leaf, expected):
+            elif isinstance(leaf, torch.Tensor) or (
+                    (rec.kind == "compute" or _is_plain(expected)) and not _same_constant(leaf, expected)):
                 raise Diverged(f"{_name(func)} called with a different constant ({leaf!r} != {expected!r})")
         if rec.kind == "compute":
             region = self.trace.regions[rec.region]
@@ -164,6 +165,16 @@ class Replay(TorchFunctionMode):
         return self.env[vid]
 
 
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.Size, torch.memory_format,
+          torch.layout, tuple, list, slice)
+
+
+def _is_plain(value) -> bool:
+    """Constants that decide what a call does. Opaque handles (a profiler's record-function
+    object, say) are new every call and are passed through as they are."""
+    return isinstance(value, _PLAIN)
+
+
 def _same_constant(a, b) -> bool:
     if type(a) is not type(b):
         return False
@@ -176,7 +187,11 @@ def _same_constant(a, b) -> bool:
 
 
 def _name(func) -> str:
-    qual = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
-    if qual == "__get__" or qual.endswith(".__get__"):
-        return f"Tensor.{getattr(getattr(func, '__self__', None), '__name__', '?')}"
+    name = getattr(func, "__name__", None)
+    if name in ("__get__", "__set__", "__delete__"):
+        attr = getattr(getattr(func, "__self__", None), "__name__", "?")
+        return f"Tensor.{attr}" + {"__get__": "", "__set__": " = ...", "__delete__": " (del)"}[name]
+    qual = getattr(func, "__qualname__", None) or name or repr(func)
+    if "pybind11" in qual or "._" in qual and name:
+        qual = name if "pybind11" in qual else qual
     return qual.replace("TensorBase.", "Tensor.")

@@ -124,14 +124,17 @@ class KernelWriter:
                 is_condition = True
             names[symbol] = var if is_condition else self.cast(var, have, want)
         replacements, (reduced,) = sympy.cse([expr], symbols=_cse_symbols(self), order="none")
-        printer = TritonPrinter(names)
+        printer = TritonPrinter(names, want)
         for sym, sub in replacements:
-            names[sym] = self.tmp(printer(sub))
+            # NOTE: a number stays a literal: a Triton variable holding a Python float is a
+            # float32 scalar, which would round fp64 constants.
+            names[sym] = printer(sub) if sub.is_number else self.tmp(printer(sub))
         text = printer(reduced)
         result_dtype = torch.bool if is_compare else want
-        var = self.tmp(text if not is_compare else text)
         if not is_compare and reduced.is_number:  # a constant: give it the block's shape
-            var = self.tmp(f"tl.full(SHAPE, {var}, {TL_DTYPE[want]})")
+            var = self.tmp(f"tl.full(SHAPE, {text}, {TL_DTYPE[want]})")
+        else:
+            var = self.tmp(text)
         return var, result_dtype
 
     # -- the kernel --------------------------------------------------------------------

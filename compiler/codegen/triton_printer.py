@@ -39,8 +39,10 @@ def literal(value) -> str:
 class TritonPrinter:
     """Prints one expression; ``names`` maps each free symbol to a Triton variable."""
 
-    def __init__(self, names: dict):
+    def __init__(self, names: dict, dtype=None):
         self.names = names
+        # tl.sqrt_rn (IEEE-rounded, as eager) exists for fp32 only; fp64's tl.sqrt is IEEE.
+        self.sqrt = "tl.sqrt" if str(dtype) == "torch.float64" else "tl.sqrt_rn"
 
     def __call__(self, expr) -> str:
         return self.p(expr)
@@ -110,11 +112,11 @@ class TritonPrinter:
             if -8 <= n < 0:
                 return "(1.0 / (" + " * ".join([b] * -n) + "))"
         if exp == sympy.Rational(1, 2):
-            return f"tl.sqrt_rn({b})"
+            return f"{self.sqrt}({b})"
         if exp == sympy.Rational(-1, 2):
-            return f"(1.0 / tl.sqrt_rn({b}))"
+            return f"(1.0 / {self.sqrt}({b}))"
         if exp == sympy.Rational(-3, 2):
-            return f"(1.0 / (tl.sqrt_rn({b}) * {b}))"
+            return f"(1.0 / ({self.sqrt}({b}) * {b}))"
         if exp.is_number:
             # libdevice wants both operands in one dtype: broadcast the literal like the base.
             return f"libdevice.pow({b}, tl.full([1], {literal(exp)}, {b}.dtype))"

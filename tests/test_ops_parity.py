@@ -1,0 +1,174 @@
+"""Every op of the foundation, float32 and float64: value and gradient parity with eager,
+through the generated Triton kernels (interpreter), forward and backward."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import compiler
+from tests.parity import TOLERANCE as TOL
+from tests.parity import check_parity
+
+DTYPES = [torch.float32, torch.float64]
+
+
+def positive(*shape):
+    return lambda dtype: (torch.rand(*shape, dtype=dtype) + 0.5)
+
+
+def normal(*shape):
+    return lambda dtype: torch.randn(*shape, dtype=dtype)
+
+
+UNARY = {
+    "neg": (lambda x: -x, normal(5, 7)),
+    "exp": (torch.exp, normal(5, 7)),
+    "log": (torch.log, positive(5, 7)),
+    "sqrt": (torch.sqrt, positive(5, 7)),
+    "rsqrt": (torch.rsqrt, positive(5, 7)),
+    "sin": (torch.sin, normal(5, 7)),
+    "cos": (lambda x: x.cos(), normal(5, 7)),
+    "tanh": (torch.tanh, normal(5, 7)),
+    "sigmoid": (torch.sigmoid, normal(5, 7)),
+    "relu": (F.relu, normal(5, 7)),
+    "gelu": (F.gelu, normal(5, 7)),
+    "gelu_tanh": (lambda x: F.gelu(x, approximate="tanh"), normal(5, 7)),
+    "silu": (F.silu, normal(5, 7)),
+    "abs": (torch.abs, normal(5, 7)),
+    "pow_scalar": (lambda x: x ** 3, normal(5, 7)),
+    "pow_fractional": (lambda x: torch.pow(x, 2.5), positive(5, 7)),
+    "rpow": (lambda x: 2.0 ** x, normal(5, 7)),
+    "reciprocal": (lambda x: 1 / x, positive(5, 7)),
+    "scalar_chain": (lambda x: (x * 3 - 1.5) / 2 + 0.25, normal(5, 7)),
+    "rsub": (lambda x: 1 - x, normal(5, 7)),
+}
+
+BINARY = {
+    "add": (torch.add, (5, 7), (5, 7)),
+    "add_alpha": (lambda a, b: torch.add(a, b, alpha=0.5), (5, 7), (5, 7)),
+    "sub": (lambda a, b: a - b, (5, 7), (5, 7)),
+    "mul": (torch.mul, (5, 7), (5, 7)),
+    "div": (lambda a, b: a / (b.abs() + 1), (5, 7), (5, 7)),
+    "pow_tensor": (lambda a, b: (a.abs() + 0.5) ** b, (5, 7), (5, 7)),
+    "maximum": (torch.maximum, (5, 7), (5, 7)),
+    "minimum": (torch.minimum, (5, 7), (5, 7)),
+    "broadcast_row": (lambda a, b: a * b, (5, 7), (7,)),
+    "broadcast_col": (lambda a, b: a + b, (5, 7), (5, 1)),
+    "broadcast_both": (lambda a, b: a * b.exp(), (5, 1), (1, 7)),
+    "broadcast_rank": (lambda a, b: a - b, (3, 5, 7), (7,)),
+    "where": (lambda a, b: torch.where(a > b, a * 2, b.sin()), (5, 7), (5, 7)),
+    "comparison_mask": (lambda a, b: (a >= b) * a + (a < b).to(a.dtype) * b, (5, 7), (5, 7)),
+}
+
+REDUCTIONS = {
+    "sum_all": lambda x: x.sum(),
+    "sum_dim0": lambda x: x.sum(0),
+    "sum_dim1_keepdim": lambda x: x.sum(dim=1, keepdim=True),
+    "sum_dims": lambda x: torch.sum(x, dim=(0, 2)),
+    "mean_all": lambda x: x.mean(),
+    "mean_dim": lambda x: x.mean(-1),
+    "mean_of_chain": lambda x: (x.sin() * x).mean(dim=(1,)),
+}
+
+STRUCTURAL = {
+    "reshape": lambda x: (x.reshape(4, 30).sin() * 2).reshape(-1),
+    "view": lambda x: x.view(12, 10).exp(),
+    "transpose": lambda x: x.transpose(0, 2).sin(),
+    "permute": lambda x: x.permute(2, 0, 1) * 3,
+    "expand": lambda x: x[0:1].expand(4, 3, 10) if False else x.sum(0, keepdim=True).expand(6, 3, 10) * 2,
+    "flatten_unsqueeze": lambda x: x.flatten(1).unsqueeze(0).squeeze(0).cos(),
+    "t_matmul": lambda x: x.reshape(12, 10).t() @ x.reshape(12, 10),
+    "view_after_pointwise": lambda x: (x * x).view(3, 40).tanh(),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", sorted(UNARY))
+def test_unary(name, dtype):
+    fn, make = UNARY[name]
+    x = make(dtype).requires_grad_()
+    check_parity(fn, [x], dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", sorted(BINARY))
+def test_binary(name, dtype):
+    fn, sa, sb = BINARY[name]
+    a = torch.randn(*sa, dtype=dtype, requires_grad=True)
+    b = torch.randn(*sb, dtype=dtype, requires_grad=True)
+    check_parity(fn, [a, b], dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", sorted(REDUCTIONS))
+def test_reduction(name, dtype):
+    x = torch.randn(4, 6, 5, dtype=dtype, requires_grad=True)
+    check_parity(REDUCTIONS[name], [x], dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", sorted(STRUCTURAL))
+def test_structural(name, dtype):
+    x = torch.randn(4, 3, 10, dtype=dtype, requires_grad=True)
+    check_parity(STRUCTURAL[name], [x], dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_matmul_and_linear(dtype):
+    x = torch.randn(6, 4, 8, dtype=dtype, requires_grad=True)
+    w = torch.randn(5, 8, dtype=dtype, requires_grad=True)
+    b = torch.randn(5, dtype=dtype, requires_grad=True)
+    check_parity(lambda x, w, b: F.linear(x, w, b).relu().sum(-1), [x, w, b], dtype=dtype)
+    m = torch.randn(8, 3, dtype=dtype, requires_grad=True)
+    check_parity(lambda x, m: torch.matmul(x, m).tanh(), [x, m], dtype=dtype)
+    bm = torch.randn(6, 8, 3, dtype=dtype, requires_grad=True)
+    check_parity(lambda x, m: (x @ m).sigmoid(), [x, bm], dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_mse_loss(dtype, reduction):
+    a = torch.randn(8, 3, dtype=dtype, requires_grad=True)
+    t = torch.randn(8, 3, dtype=dtype)
+    check_parity(lambda a, t: F.mse_loss(a, t, reduction=reduction), [a, t], dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_modules_forward(dtype):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.GELU(), torch.nn.Linear(12, 12),
+                                torch.nn.ReLU(), torch.nn.Linear(12, 2)).to(dtype)
+    reference = copy.deepcopy(model)
+    x = torch.randn(9, 6, dtype=dtype)
+    compiled = compiler.compile(lambda x: model(x), backend="interpret", fullgraph=True)
+    compiled(x)
+    model.zero_grad()
+    out = compiled(x)
+    out.pow(2).sum().backward()
+    expected = reference(x)
+    expected.pow(2).sum().backward()
+    torch.testing.assert_close(out, expected, **TOL[dtype])
+    # the parameters are graph inputs reached inside the function: gradients reach them
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **TOL[dtype])
+    assert compiled.stats["captures"] == 1 and compiled.stats["kernel_launches"] > 0
+
+
+def test_gelu_tanh_module():
+    x = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
+    check_parity(lambda x: torch.nn.GELU(approximate="tanh")(x).sum(), [x])
+
+
+def test_input_without_grad_and_integer_free_args():
+    x = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(5, 7, dtype=torch.float64)  # no grad: backward computes only x's
+    check_parity(lambda x, y, scale: (x * y * scale).sum(), [x, y, 0.5])
+
+
+def test_noncontiguous_inputs():
+    base = torch.randn(7, 5, dtype=torch.float64)
+    x = base.t().requires_grad_()  # a transposed leaf: kernels read it through its strides
+    assert not x.is_contiguous()
+    check_parity(lambda x: (x.sin() * 2).sum(0), [x])
