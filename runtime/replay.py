@@ -194,4 +194,4 @@ def _name(func) -> str:
     qual = getattr(func, "__qualname__", None) or name or repr(func)
     if "pybind11" in qual or "._" in qual and name:
         qual = name if "pybind11" in qual else qual
-    return qual.replace("TensorBase.", "Tensor.")
+    return qual.replace("TensorBase.", "Tensor.").replace("_VariableFunctionsClass.", "torch.")

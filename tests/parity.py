@@ -35,7 +35,7 @@ def check_parity(fn, args, *, dtype=None, tol=None, grad_seed=None, expect_kerne
     compiled = compiler.compile(fn, backend="interpret", fullgraph=True)
     ref_out, ref_grads = run_eager(fn, args, grad_seed)
     first = compiled(*clone_inputs(args))               # records (runs eagerly)
-    torch.testing.assert_close(first, ref_out, **(tol or TOLERANCE.get(dtype or ref_out.dtype, {})))
+    torch.testing.assert_close(first, ref_out, equal_nan=True, **(tol or TOLERANCE.get(dtype or ref_out.dtype, {})))
     launches = compiled.stats["kernel_launches"]
     inputs = clone_inputs(args)
     out = compiled(*inputs)                             # replays with the compiled kernels

@@ -69,7 +69,7 @@ class TritonPrinter:
             x = self.p(e.args[0])
             return f"tl.where({x} < 0, 0.0, {x})"
         if func is S.Step:
-            return f"tl.where({self.p(e.args[0])} > 0, 1.0, 0.0)"
+            return f"tl.where({self.p(e.args[0])} <= 0, 0.0, 1.0)"
         if func is S.Sign:
             x = self.p(e.args[0])
             return f"tl.where({x} > 0, 1.0, tl.where({x} < 0, -1.0, 0.0))"
@@ -79,7 +79,7 @@ class TritonPrinter:
             return f"tl.where(({a} {op} {b}) | ({a} != {a}), {a}, {b})"
         if func is S.TieShare:
             a, b = self.p(e.args[0]), self.p(e.args[1])
-            return f"tl.where({a} > {b}, 1.0, tl.where({a} == {b}, 0.5, 0.0))"
+            return f"tl.where({a} == {b}, 0.5, tl.where({a} < {b}, 0.0, 1.0))"
         if func is S.Where:
             return f"tl.where({self.p(e.args[0])}, {self.p(e.args[1])}, {self.p(e.args[2])})"
         if func is S.Compare:

@@ -15,19 +15,33 @@ from __future__ import annotations
 import sympy
 
 
+def _number(*args) -> bool:
+    return all(a.is_number for a in args)
+
+
 class Relu(sympy.Function):
-    """max(x, 0) that keeps NaN; d/dx is 1 where x > 0 and 0 elsewhere (relu'(0) = 0)."""
+    """max(x, 0) that keeps NaN; d/dx is 0 where x <= 0 and 1 elsewhere (relu'(0) = 0)."""
 
     nargs = 1
+
+    @classmethod
+    def eval(cls, x):
+        if _number(x) and x.is_real:
+            return x if x > 0 else sympy.Integer(0)
 
     def fdiff(self, argindex=1):
         return Step(self.args[0])
 
 
 class Step(sympy.Function):
-    """1 where x > 0, else 0. The derivative of relu; its own derivative is taken as 0."""
+    """0 where x <= 0, else 1 (so 1 at NaN, as eager's threshold_backward). relu's derivative."""
 
     nargs = 1
+
+    @classmethod
+    def eval(cls, x):
+        if _number(x) and x.is_real:
+            return sympy.Integer(0 if x <= 0 else 1)
 
     def fdiff(self, argindex=1):
         return sympy.Integer(0)
@@ -38,6 +52,11 @@ class Sign(sympy.Function):
 
     nargs = 1
 
+    @classmethod
+    def eval(cls, x):
+        if _number(x) and x.is_real:
+            return sympy.sign(x)
+
     def fdiff(self, argindex=1):
         return sympy.Integer(0)
 
@@ -46,6 +65,11 @@ class Abs(sympy.Function):
     """|x| for real x; d/dx = sign(x), so abs'(0) = 0 as in eager PyTorch."""
 
     nargs = 1
+
+    @classmethod
+    def eval(cls, x):
+        if _number(x) and x.is_real:
+            return abs(x)
 
     def fdiff(self, argindex=1):
         return Sign(self.args[0])
@@ -81,9 +105,15 @@ class Minimum(sympy.Function):
 
 
 class TieShare(sympy.Function):
-    """1 where a > b, 1/2 where a == b, else 0: the share of the gradient that goes to a."""
+    """1/2 where a == b, 0 where a < b, else 1 (NaN included): the share of the gradient
+    that reaches a of maximum(a, b), as eager's maximum/minimum backward computes it."""
 
     nargs = 2
+
+    @classmethod
+    def eval(cls, a, b):
+        if _number(a, b) and a.is_real and b.is_real:
+            return sympy.Rational(1, 2) if a == b else sympy.Integer(0 if a < b else 1)
 
     def fdiff(self, argindex=1):
         return sympy.Integer(0)

@@ -1,0 +1,70 @@
+"""Kernel counts: fused chains are one kernel forward and one backward."""
+
+import torch
+import torch.nn.functional as F
+
+import compiler
+from tests.parity import check_parity
+
+
+def issue_example(x, y):
+    return (torch.sin(x) * y + torch.exp(-x)).sum()
+
+
+def test_issue_example_is_one_kernel_each_way():
+    x = torch.randn(64, 32, requires_grad=True)
+    y = torch.randn(64, 32, requires_grad=True)
+    report = compiler.explain(issue_example, x, y)
+    assert report.fallbacks == []
+    assert len(report.forward_kernels) == 1
+    assert len(report.backward_kernels) == 1
+    assert "tl.sin" in report.forward_kernels[0].source and "tl.sum" in report.forward_kernels[0].source
+    text = str(report)
+    assert "backward graph" in text and "fallbacks: none" in text
+    assert any(n.op == "call_function" for n in report.graph.nodes)
+    assert report.backward_graph is not None
+    compiled = check_parity(issue_example, [x, y])
+    assert compiled.stats["kernel_launches"] == 2  # one forward, one backward
+
+
+def test_broadcast_chain_with_reduction_is_one_kernel():
+    def f(x, b):
+        return (torch.tanh(x * b + 1) - x).mean(dim=1)
+    x = torch.randn(16, 24, requires_grad=True)
+    b = torch.randn(24, requires_grad=True)
+    report = compiler.explain(f, x, b)
+    assert len(report.forward_kernels) == 1
+    # backward: x's gradient (pointwise) and b's (a sum over rows) share one kernel
+    assert len(report.backward_kernels) == 1
+    check_parity(f, [x, b])
+
+
+def test_views_fuse_into_the_kernel():
+    def f(x):
+        return (x.t() * 2).reshape(-1).sin().sum()
+    x = torch.randn(6, 10, requires_grad=True)
+    report = compiler.explain(f, x)
+    assert len(report.forward_kernels) == 1 and len(report.backward_kernels) == 1
+    check_parity(f, [x])
+
+
+def test_mlp_kernel_counts():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    report = compiler.explain(lambda x, y: F.mse_loss(model(x), y), x, y)
+    # forward: bias+GELU after the first matmul, then bias+loss+mean after the second
+    assert len(report.forward_kernels) == 2
+    # backward: dloss (with the second bias's gradient), then GELU' (with the first bias's)
+    assert len(report.backward_kernels) == 2
+    assert report.fallbacks == []
+
+
+def test_kernels_are_cached_by_source():
+    from runtime.kernels import _loaded
+    x = torch.randn(5, 7, requires_grad=True)
+    f1 = compiler.compile(lambda x: (x.sin() * 3).sum(), backend="interpret")
+    f2 = compiler.compile(lambda x: (x.sin() * 3).sum(), backend="interpret")
+    f1(x), f1(x)
+    loaded = len(_loaded)
+    f2(x), f2(x)
+    assert len(_loaded) == loaded
