@@ -194,7 +194,9 @@ class KernelWriter:
                 terms = [f"({i}) * {st}" if st != 1 else f"({i})" for i, st, size in zip(index, offsets, shape)
                          if size != 1 and i != "0"]
                 var = self.cast(var, have, root.meta["dtype"])
-                self.lines.append(f"tl.store({out}_ptr + {' + '.join(terms) or '0'}, {var}, mask=MASK)")
+                # one element: any lane index works as the offset, the mask keeps lane 0 only
+                offset = " + ".join(terms) or ("(xindex + rindex)" if plan.reduce_dims else "xindex")
+                self.lines.append(f"tl.store({out}_ptr + {offset}, {var}, mask=MASK)")
 
         body = [line.replace("MASK", "xmask & rmask" if reduction else "xmask")
                 .replace("SHAPE", "[XBLOCK, RBLOCK]" if reduction else "[XBLOCK]") for line in self.lines]

@@ -1,0 +1,90 @@
+"""Guards decide when a recording may be reused; anything else records again."""
+
+import torch
+
+import compiler
+
+
+def test_shape_dtype_and_requires_grad_changes_record_again():
+    compiled = compiler.compile(lambda x: (x * 2).sin(), backend="interpret")
+    a = torch.randn(4)
+    compiled(a), compiled(a)
+    assert compiled.stats["captures"] == 1
+    compiled(torch.randn(5))
+    compiled(torch.randn(4, dtype=torch.float64))
+    compiled(torch.randn(4, requires_grad=True))
+    assert compiled.stats["captures"] == 4
+    with torch.no_grad():
+        compiled(a)
+    assert compiled.stats["captures"] == 5  # grad mode is part of the key
+
+
+def test_parameters_are_guarded_by_identity_and_requires_grad():
+    lin = torch.nn.Linear(3, 2)
+    compiled = compiler.compile(lambda x: lin(x).relu(), backend="interpret")
+    x = torch.randn(4, 3)
+    compiled(x), compiled(x)
+    assert compiled.stats["captures"] == 1
+    lin.weight = torch.nn.Parameter(torch.randn(2, 3))  # a new tensor: record again
+    torch.testing.assert_close(compiled(x), lin(x).relu())
+    assert compiled.stats["captures"] == 2
+    lin.weight.requires_grad_(False)                     # frozen: record again
+    out = compiled(x)
+    assert compiled.stats["captures"] == 3
+    out.sum().backward()
+    assert lin.weight.grad is None and lin.bias.grad is not None
+
+
+def test_in_place_update_of_a_parameter_is_seen():
+    w = torch.randn(3, requires_grad=True)
+    compiled = compiler.compile(lambda x: (x * w).sum(), backend="interpret")
+    x = torch.randn(3)
+    compiled(x), compiled(x)
+    with torch.no_grad():
+        w.add_(1.0)
+    torch.testing.assert_close(compiled(x), (x * w).sum())
+    assert compiled.stats["captures"] == 1
+
+
+def test_python_control_flow_divergence_stays_correct():
+    state = {"n": 0}
+
+    def f(x):
+        state["n"] += 1
+        y = x.sin()
+        if state["n"] % 2:  # Python-side control flow the guards cannot see
+            y = y * 2
+        return (y + 1).sum()
+    compiled = compiler.compile(f, backend="interpret")
+    x = torch.randn(5, requires_grad=True)
+    for _ in range(6):
+        out = compiled(x)
+        expected = ((x.sin() * 2 if state["n"] % 2 else x.sin()) + 1).sum()
+        torch.testing.assert_close(out, expected)
+        g, = torch.autograd.grad(out, x)
+        g_ref, = torch.autograd.grad(expected, x)
+        torch.testing.assert_close(g, g_ref)
+    assert compiled.stats["divergences"] >= 1
+
+
+def test_intermediates_kept_by_the_user_are_materialized():
+    kept = []
+
+    def f(x):
+        h = x.exp()
+        kept.append(h)  # escapes through a list: must be a real value
+        return (h * 2).sum()
+    compiled = compiler.compile(f, backend="interpret")
+    x = torch.randn(4)
+    compiled(x)
+    kept.clear()
+    compiled(x)
+    torch.testing.assert_close(kept[0], x.exp())
+
+
+def test_scalar_arguments_are_part_of_the_key():
+    compiled = compiler.compile(lambda x, s: x * s, backend="interpret")
+    x = torch.randn(3)
+    for s in (2.0, 3.0, 2.0, 3.0):
+        torch.testing.assert_close(compiled(x, s), x * s)
+    assert compiled.stats["captures"] == 2 and compiled.stats["divergences"] == 0
