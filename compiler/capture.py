@@ -61,6 +61,7 @@ class Capture(TorchFunctionMode):
         self.produced_by: dict = {}
         self.next_id = 0
         self.breaks: list = []       # reasons the graph was broken
+        self.entry_grad_mode = torch.is_grad_enabled()
 
     # -- value ids -----------------------------------------------------------------------
     def _new_id(self, t: torch.Tensor) -> ValueId:
@@ -103,12 +104,17 @@ class Capture(TorchFunctionMode):
         region = None
         nodes = None
         binding = _binding(func)
+        # NOTE: math the function itself runs under no_grad (an optimizer's update, with a
+        # step size that changes every step) runs eagerly; a whole call made under no_grad
+        # (inference) compiles.
+        if not torch.is_grad_enabled() and self.entry_grad_mode:
+            binding = None
         if binding is not None:
             try:
                 region, nodes = self._emit(func, binding, args, kwargs, leaves, recorded, out_tensors)
             except Unsupported as e:
                 reason = f"{_name(func)}: {e}"
-        elif not _expected_eager(func, leaves):
+        elif not _expected_eager(func, self._reads_region_value(recorded)):
             reason = f"{_name(func)} is not supported by the compiler yet"
 
         outputs = []
@@ -184,6 +190,10 @@ class Capture(TorchFunctionMode):
             self.current = region
         return region, nodes
 
+    def _reads_region_value(self, recorded) -> bool:
+        return any(isinstance(v, ValueId) and v in r.nodes and v not in r.inputs
+                   for v in recorded for r in self.regions)
+
     # -- after the run -------------------------------------------------------------------
     def finish(self, result) -> Trace:
         """Escape analysis, then the trace with one RegionPlan per region."""
@@ -228,9 +238,13 @@ def _binding(func):
     return lookup(func)
 
 
-def _expected_eager(func, leaves) -> bool:
-    """Eager calls that belong to a training step rather than to the model's math."""
+def _expected_eager(func, reads_region_value: bool) -> bool:
+    """Eager calls that belong to a training step rather than to the model's math: autograd
+    calls, parameter state, and bookkeeping under no_grad (an optimizer's update) that reads
+    nothing computed by a compiled region."""
     if func in _AUTOGRAD_CALLS:
+        return True
+    if not torch.is_grad_enabled() and not reads_region_value:
         return True
     name = getattr(func, "__name__", "") or ""
     if name in ("__get__", "__set__", "__delete__"):
@@ -238,8 +252,6 @@ def _expected_eager(func, leaves) -> bool:
     module = getattr(func, "__module__", "") or ""
     if "profiler" in module or "record_function" in name:
         return True
-    if name.startswith("_foreach_") or (name.endswith("_") and not name.startswith("__") and not torch.is_grad_enabled()):
-        return True  # optimizer updates: in place, under no_grad
     return False
 
 

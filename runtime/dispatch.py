@@ -12,6 +12,7 @@ run concurrently (modes are thread-local).
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 
 import torch
@@ -93,8 +94,11 @@ class CompiledFunction:
         if mode.diverged:
             entry.stale = True
             self.stats["divergences"] += 1
+            # INFO, not WARNING: expected once in a training step (an optimizer's first step
+            # creates its state), and the results are right either way.
             say_once(self.__name__, f"this call did not follow its recording ({mode.diverged}); "
-                     "the rest of the call ran eagerly and the function will be recorded again")
+                     "the rest of the call ran eagerly and the function will be recorded again",
+                     logging.INFO)
         return result
 
     def _record(self, key, old, backend, why, args, kwargs):

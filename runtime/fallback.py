@@ -10,13 +10,13 @@ _said: set = set()
 _lock = threading.Lock()
 
 
-def say_once(fn_name: str, reason: str) -> None:
+def say_once(fn_name: str, reason: str, level: int = logging.WARNING) -> None:
     key = (fn_name, reason)
     with _lock:
         if key in _said:
             return
         _said.add(key)
-    log.warning("compiler: %s runs eagerly: %s", fn_name, reason)
+    log.log(level, "compiler: %s runs eagerly: %s", fn_name, reason)
 
 
 class CompileError(RuntimeError):

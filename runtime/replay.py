@@ -99,8 +99,9 @@ class Replay(TorchFunctionMode):
             if isinstance(expected, ValueId):
                 if leaf is not self.shown.get(expected):
                     raise Diverged(f"{_name(func)} called on a different tensor")
-            elif isinstance(leaf, torch.Tensor) or (
-                    (rec.kind == "compute" or _is_plain(expected)) and not _same_constant(leaf, expected)):
+            elif isinstance(leaf, torch.Tensor) or (rec.kind == "compute" and not _same_constant(leaf, expected)):
+                # NOTE: only compiled calls have their constants baked into kernels; an eager
+                # call runs with this call's values (an optimizer's step size changes per step).
                 raise Diverged(f"{_name(func)} called with a different constant ({leaf!r} != {expected!r})")
         if rec.kind == "compute":
             region = self.trace.regions[rec.region]
@@ -163,16 +164,6 @@ class Replay(TorchFunctionMode):
         for out_vid, t in zip(rec.outputs, tensors):
             self.env.setdefault(out_vid, t)
         return self.env[vid]
-
-
-_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.Size, torch.memory_format,
-          torch.layout, tuple, list, slice)
-
-
-def _is_plain(value) -> bool:
-    """Constants that decide what a call does. Opaque handles (a profiler's record-function
-    object, say) are new every call and are passed through as they are."""
-    return isinstance(value, _PLAIN)
 
 
 def _same_constant(a, b) -> bool:
