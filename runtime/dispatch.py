@@ -93,6 +93,7 @@ class CompiledFunction:
         mode.finish()
         if mode.diverged:
             entry.stale = True
+            self.last_backend = f"{backend}, then eager (the call left its recording)"
             self.stats["divergences"] += 1
             # INFO, not WARNING: expected once in a training step (an optimizer's first step
             # creates its state), and the results are right either way.
