@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten
 
 from compiler.ir import GraphBuilder
 from compiler.ops.bindings import Unsupported, lookup
+from runtime.calls import flatten_call, unflatten_call
 from runtime.replay import _name, is_metadata
 from runtime.trace import RegionPlan, TensorMeta, Trace, TraceCall, ValueId
 
@@ -94,11 +95,14 @@ class Capture(TorchFunctionMode):
         kwargs = kwargs or {}
         if is_metadata(func):
             return func(*args, **kwargs)
-        leaves, spec = tree_flatten((args, kwargs))
+        leaves, spec = flatten_call(args, kwargs)
         recorded = [self.id_of(x) if isinstance(x, torch.Tensor) else x for x in leaves]
         result = func(*args, **kwargs)
-        out_leaves, out_spec = tree_flatten(result)
-        out_tensors = [t for t in out_leaves if isinstance(t, torch.Tensor)]
+        if isinstance(result, torch.Tensor):
+            out_tensors, out_spec = [result], None
+        else:
+            out_leaves, out_spec = tree_flatten(result)
+            out_tensors = [t for t in out_leaves if isinstance(t, torch.Tensor)]
 
         reason = None
         region = None
@@ -172,8 +176,7 @@ class Capture(TorchFunctionMode):
                 mapped.append(node)
             else:
                 mapped.append(x)
-        from torch.utils._pytree import tree_unflatten
-        a, k = tree_unflatten(mapped, tree_flatten((args, kwargs))[1])
+        a, k = unflatten_call(mapped, flatten_call(args, kwargs)[1])
         result = binding(b, *a, **k)
         nodes = list(result) if isinstance(result, (tuple, list)) else [result]
         if len(nodes) != len(out_tensors):

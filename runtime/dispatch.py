@@ -16,9 +16,9 @@ import logging
 import threading
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from runtime import backends
+from runtime.calls import flatten_call
 from runtime.fallback import CompileError, say_once
 from runtime.replay import Replay
 
@@ -66,7 +66,7 @@ class CompiledFunction:
         if self.backend == "eager":
             self.last_backend = "eager"
             return self.fn(*args, **kwargs)
-        leaves, spec = tree_flatten((args, kwargs))
+        leaves, spec = flatten_call(args, kwargs)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         device = tensors[0].device.type if tensors else None
         try:
@@ -131,7 +131,7 @@ class CompiledFunction:
 
     def build(self, args, kwargs):
         """Record and compile for these arguments now (runs the function once, eagerly)."""
-        leaves, spec = tree_flatten((args, kwargs))
+        leaves, spec = flatten_call(args, kwargs)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         backend, why = backends.choose("auto" if self.backend == "eager" else self.backend,
                                        tensors[0].device.type if tensors else None)

@@ -19,6 +19,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from runtime.calls import flatten_call, unflatten_call
+
 from runtime.trace import Trace, ValueId
 
 _METADATA_ATTRS = {
@@ -92,7 +94,7 @@ class Replay(TorchFunctionMode):
         rec = calls[self.pos]
         if func is not rec.func and func != rec.func:
             raise Diverged(f"called {_name(func)} where the recording has {_name(rec.func)}")
-        leaves, spec = tree_flatten((args, kwargs))
+        leaves, spec = flatten_call(args, kwargs)
         if spec != rec.spec:
             raise Diverged(f"{_name(func)} called with differently structured arguments")
         for leaf, expected in zip(leaves, rec.leaves):
@@ -109,14 +111,15 @@ class Replay(TorchFunctionMode):
                 self._run_region(rec.region)
             if region.compiled is not None:
                 self.pos += 1
-                outs = [self.shown[v] for v in rec.outputs]
-                return tree_unflatten(outs, rec.out_spec)
+                if rec.out_spec is None:  # the common case: one tensor
+                    return self.shown[rec.outputs[0]]
+                return tree_unflatten([self.shown[v] for v in rec.outputs], rec.out_spec)
         self.pos += 1
         real = [self.env[x] if isinstance(x, ValueId) else leaf for leaf, x in zip(leaves, rec.leaves)]
-        a, k = tree_unflatten(real, spec)
+        a, k = unflatten_call(real, spec)
         result = func(*a, **k)
-        out_leaves, _ = tree_flatten(result)
-        tensors = [t for t in out_leaves if isinstance(t, torch.Tensor)]
+        tensors = [result] if isinstance(result, torch.Tensor) else [
+            t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
         for vid, t in zip(rec.outputs, tensors):
             self.env[vid] = t
             self.shown[vid] = t
@@ -133,16 +136,19 @@ class Replay(TorchFunctionMode):
         for vid, t in zip(region.output_ids, outs):
             self.env[vid] = t
             self.shown[vid] = t
-        for vid, meta in region.internal.items():
-            s = stand_in(meta)
+        # Stand-ins are made once per region and reused: capture proved no one keeps them.
+        stand_ins = region.stand_ins
+        if stand_ins is None:
+            stand_ins = region.stand_ins = {vid: stand_in(meta) for vid, meta in region.internal.items()}
+        for vid, s in stand_ins.items():
             self.shown[vid] = s
             self.stand_ins[id(s)] = vid
 
     # -- after a divergence: everything eagerly, stand-ins recomputed -------------------------
     def _eager(self, func, args, kwargs):
-        leaves, spec = tree_flatten((args, kwargs))
+        leaves, spec = flatten_call(args, kwargs)
         real = [self._real(leaf) for leaf in leaves]
-        a, k = tree_unflatten(real, spec)
+        a, k = unflatten_call(real, spec)
         return func(*a, **k)
 
     def _real(self, leaf):
@@ -158,7 +164,7 @@ class Replay(TorchFunctionMode):
             return self.env[vid]
         rec = self.trace.calls[self.trace.produced_by[vid]]
         real = [self._materialize(x) if isinstance(x, ValueId) else x for x in rec.leaves]
-        a, k = tree_unflatten(real, rec.spec)
+        a, k = unflatten_call(real, rec.spec)
         result = rec.func(*a, **k)
         tensors = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
         for out_vid, t in zip(rec.outputs, tensors):

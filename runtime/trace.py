@@ -56,6 +56,7 @@ class RegionPlan:
     grad_enabled: bool
     compiled: object = None    # CompiledRegion, or None: run this region's calls eagerly
     reason: str | None = None  # why it runs eagerly
+    stand_ins: dict | None = None  # value id -> stand-in tensor, made at the first replay
 
 
 @dataclass
