@@ -17,7 +17,6 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
-import torch.fx as fx
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 

@@ -131,7 +131,7 @@ def format_graph(graph: fx.Graph, title: str = "graph") -> str:
             args = [a.name if isinstance(a, fx.Node) else repr(a) for a in n.args]
             args += [f"{k}={v!r}" for k, v in n.kwargs.items()]
             text = f"    {n.name} = {op_name}({', '.join(args)})"
-            if "expr" in n.meta and (op_name == "pointwise" or len(n.args) < len(n.meta["expr"].atoms(sympy.Number)) + len(n.args)):
+            if "expr" in n.meta and (op_name == "pointwise" or n.meta["expr"].atoms(sympy.Float)):
                 text += f"  [{n.meta['expr']}]"
             lines.append(f"{text}  # {type_str(n)}")
         elif n.op == "output":

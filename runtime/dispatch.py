@@ -36,7 +36,7 @@ class Entry:
 
 class CompiledFunction:
     def __init__(self, fn, builder, backend="auto", fullgraph=False):
-        functools.update_wrapper(self, fn)
+        functools.update_wrapper(self, fn, updated=())  # not __dict__: fn may be a Module
         if backend not in backends.BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(backends.BACKENDS)}")
         self.fn = fn

@@ -18,7 +18,8 @@ _loaded: dict = {}
 
 
 def cache_dir() -> str:
-    path = os.environ.get("SYMGRAD_CACHE_DIR") or os.path.join(tempfile.gettempdir(), f"symgrad-{os.getuid()}", "kernels")
+    path = os.environ.get("SYMGRAD_CACHE_DIR") or os.path.join(
+        tempfile.gettempdir(), f"symgrad-{os.getuid()}", "kernels")
     os.makedirs(path, exist_ok=True)
     return path
 

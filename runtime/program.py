@@ -53,7 +53,6 @@ class KernelLaunch:
             t = env[slot]
             args.append(t)
             args.extend(t.stride())
-        outs = []
         for slot, shape, dtype in self.stores:
             out = torch.empty(shape, dtype=dtype, device=device)
             env[slot] = out

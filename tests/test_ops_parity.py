@@ -43,6 +43,9 @@ UNARY = {
     "reciprocal": (lambda x: 1 / x, positive(5, 7)),
     "scalar_chain": (lambda x: (x * 3 - 1.5) / 2 + 0.25, normal(5, 7)),
     "rsub": (lambda x: 1 - x, normal(5, 7)),
+    "zeros_like_where": (lambda x: torch.where(x > 0, x, torch.zeros_like(x)), normal(5, 7)),
+    "ones_full_like": (lambda x: x * torch.ones_like(x) + torch.full_like(x, 0.5) * x, normal(5, 7)),
+    "to_dtype": (lambda x: x.to(torch.float64).sin().to(x.dtype), normal(5, 7)),
 }
 
 BINARY = {

@@ -41,7 +41,7 @@ def test_compiled_training_step_tracks_eager(dtype, optimizer):
     x = torch.randn(64, 8, dtype=dtype)
     y = torch.randn(64, 1, dtype=dtype)
     tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-9, atol=1e-10)
-    for step in range(5):
+    for _ in range(5):
         loss = compiled(model, opt, x, y)
         ref_loss = train_step(reference, ref_opt, x, y)
         torch.testing.assert_close(loss, ref_loss, **tol)

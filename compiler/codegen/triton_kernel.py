@@ -203,13 +203,13 @@ class KernelWriter:
         src = []
         src += header
         if reduction:
-            for root, acc, acc_dtype in accumulators:
+            for _, acc, acc_dtype in accumulators:
                 src.append(f"{acc} = tl.zeros([XBLOCK, RBLOCK], {TL_DTYPE[acc_dtype]})")
             src.append(f"for roffset in range(0, {rnumel}, RBLOCK):")
-            loop = [f"rindex = roffset + tl.arange(0, RBLOCK)[None, :]", f"rmask = rindex < {rnumel}"]
+            loop = ["rindex = roffset + tl.arange(0, RBLOCK)[None, :]", f"rmask = rindex < {rnumel}"]
             loop += body_prefix + body
             src += ["    " + line for line in loop]
-            for root, acc, acc_dtype in accumulators:
+            for root, acc, _ in accumulators:
                 out = f"out{len(stores)}"
                 stores.append(root)
                 scale = root.target.scale(root)

@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from compiler.ir import GraphBuilder, result_dtype
+from compiler.ir import result_dtype
 from compiler.ops import catalog as C
 
 
@@ -145,12 +145,17 @@ def _rpow(b, x, y):
     return _pointwise(b, "pow", [y, x])
 
 
-for _name in ("maximum", "minimum"):
-    binds(getattr(torch, _name), _t(_name))(lambda b, x, y, *, out=None, _n=_name: (_no_out({"out": out}), _pointwise(b, _n, [x, y]))[1])
+def _binary(name):
+    def bind(b, x, y, *, out=None):
+        _no_out({"out": out})
+        return _pointwise(b, name, [x, y])
+    return bind
 
+
+for _name in ("maximum", "minimum"):
+    binds(getattr(torch, _name), _t(_name))(_binary(_name))
 for _name in ("lt", "le", "gt", "ge", "eq", "ne"):
-    binds(getattr(torch, _name), _t(_name), _t(f"__{_name}__"))(
-        lambda b, x, y, *, out=None, _n=_name: (_no_out({"out": out}), _pointwise(b, _n, [x, y]))[1])
+    binds(getattr(torch, _name), _t(_name), _t(f"__{_name}__"))(_binary(_name))
 
 
 @binds(torch.where)
@@ -267,7 +272,10 @@ def _unsqueeze(b, x, dim):
 @binds(torch.squeeze, _t("squeeze"))
 def _squeeze(b, x, dim=None):
     shape = x.meta["shape"]
-    dims = range(len(shape)) if dim is None else [d % max(len(shape), 1) for d in ((dim,) if isinstance(dim, int) else dim)]
+    if dim is None:
+        dims = range(len(shape))
+    else:
+        dims = [d % max(len(shape), 1) for d in ((dim,) if isinstance(dim, int) else dim)]
     new = [s for i, s in enumerate(shape) if not (i in dims and s == 1)]
     return C.emit_view(b, "reshape", x, shape=new)
 
@@ -371,3 +379,30 @@ def _mse_loss(b, x, target, size_average=None, reduce=None, reduction="mean", we
     if reduction not in ("mean", "sum"):
         raise Unsupported(f"mse_loss(reduction={reduction!r})")
     return C.emit_reduction(b, reduction, sq, tuple(range(len(sq.meta["shape"]))))
+
+
+# ----------------------------------------------------------------------------- constants
+def _filled(value):
+    def bind(b, x, *, dtype=None, layout=None, device=None, pin_memory=False, memory_format=None,
+             requires_grad=False, fill_value=None):
+        if device is not None or layout is not None or requires_grad:
+            raise Unsupported("*_like with device/layout/requires_grad arguments is not supported yet")
+        fill = value if fill_value is None else fill_value
+        out_dtype = dtype or x.meta["dtype"]
+        # a pointwise op of x that ignores x's values: it has x's shape and no gradient
+        node = C.emit_pointwise(b, "identity", [x], dtype=out_dtype, requires_grad=False)
+        node.target = C.POINTWISE["fill"]
+        node.meta["expr"] = C.scalar_expr("fill", [float(fill) if out_dtype.is_floating_point else int(fill)])[0]
+        node.args = ()
+        node.meta["shape"] = tuple(x.meta["shape"])
+        return node
+    return bind
+
+
+binds(torch.zeros_like)(_filled(0))
+binds(torch.ones_like)(_filled(1))
+
+
+@binds(torch.full_like)
+def _full_like(b, x, fill_value, **kwargs):
+    return _filled(fill_value)(b, x, **kwargs)

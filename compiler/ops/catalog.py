@@ -74,6 +74,7 @@ SCALAR_FUNCTIONS = {
     "minimum": S.Minimum,
     "where": S.Where,
     "identity": lambda a: a,  # dtype conversion: the node's dtype says what to convert to
+    "fill": lambda value: value,  # zeros_like & co: a constant over the node's shape
 }
 for _i, _cmp in enumerate(S.COMPARE_OPS):
     SCALAR_FUNCTIONS[_cmp] = functools.partial(lambda i, a, b: S.Compare(sympy.Integer(i), a, b), _i)
@@ -320,8 +321,11 @@ class Extern(OpDef):
     def vjp(self, b, node, grad_out):
         a, w = node.args
         t = (1, 0) if self.name == "mm" else (0, 2, 1)
-        ga = emit_extern(b, self.name, grad_out, emit_view(b, "permute", w, dims=t)) if a.meta["requires_grad"] else None
-        gw = emit_extern(b, self.name, emit_view(b, "permute", a, dims=t), grad_out) if w.meta["requires_grad"] else None
+        ga = gw = None
+        if a.meta["requires_grad"]:
+            ga = emit_extern(b, self.name, grad_out, emit_view(b, "permute", w, dims=t))
+        if w.meta["requires_grad"]:
+            gw = emit_extern(b, self.name, emit_view(b, "permute", a, dims=t), grad_out)
         return [ga, gw]
 
 
