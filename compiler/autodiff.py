@@ -60,7 +60,8 @@ def differentiate(graph: fx.Graph):
 
 
 def _differentiable(node) -> bool:
-    return isinstance(node, fx.Node) and node.meta["requires_grad"] and node.meta["dtype"].is_floating_point
+    dtype = node.meta["dtype"] if isinstance(node, fx.Node) else None
+    return dtype is not None and node.meta["requires_grad"] and (dtype.is_floating_point or dtype.is_complex)
 
 
 def _accumulate(b, existing, new):

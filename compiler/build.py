@@ -25,7 +25,8 @@ def build_region(graph: fx.Graph):
         backward_schedule = fuse(parts.backward)
         backward_program, backward_kernels = lower(parts.backward, backward_schedule)
     outputs = list(next(n for n in parts.forward.nodes if n.op == "output").args[0])[: parts.num_user_outputs]
-    differentiable = [o.meta["requires_grad"] and o.meta["dtype"].is_floating_point for o in outputs]
+    differentiable = [o.meta["requires_grad"] and (o.meta["dtype"].is_floating_point or o.meta["dtype"].is_complex)
+                      for o in outputs]
     region = CompiledRegion(forward_program, backward_program, parts.num_user_outputs, parts.saved,
                             parts.grad_output_for, differentiable)
     details = {
@@ -50,6 +51,8 @@ def lower(graph: fx.Graph, schedule: Schedule):
             op = node.target
             if op.name == "permute":
                 views.append(("permute", tuple(node.kwargs["dims"])))
+            elif op.name in ("view_as_real", "view_as_complex"):
+                views.append((op.name, None))
             elif op.name == "expand":
                 views.append(("expand", tuple(node.kwargs["shape"])))
             else:

@@ -32,7 +32,8 @@ _AUTOGRAD_CALLS = {torch.Tensor.backward, torch.autograd.backward, torch.autogra
                    torch.Tensor.register_hook, torch.Tensor.detach, torch.Tensor.zero_}
 _STATE_ATTRS = {"grad", "data", "grad_fn", "_base", "_version"}
 _SUPPORTED_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool,
-                     torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8}
+                     torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
+                     torch.complex64, torch.complex128}
 
 
 @dataclass

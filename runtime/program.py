@@ -25,6 +25,10 @@ class ValueRef:
         for kind, param in self.views:
             if kind == "permute":
                 value = value.permute(param)
+            elif kind == "view_as_real":
+                value = torch.view_as_real(value.resolve_conj())
+            elif kind == "view_as_complex":
+                value = torch.view_as_complex(value if value.stride(-1) == 1 else value.contiguous())
             elif kind == "expand":
                 value = value.expand(param)
             else:
@@ -51,12 +55,17 @@ class KernelLaunch:
         args = []
         for slot in self.loads:
             t = env[slot]
-            args.append(t)
-            args.extend(t.stride())
+            if t.is_complex():  # interleaved (real, imag): the kernel indexes the real view
+                t = torch.view_as_real(t.resolve_conj())
+                args.append(t)
+                args.extend(t.stride()[:-1])
+            else:
+                args.append(t)
+                args.extend(t.stride())
         for slot, shape, dtype in self.stores:
             out = torch.empty(shape, dtype=dtype, device=device)
             env[slot] = out
-            args.append(out)
+            args.append(torch.view_as_real(out) if dtype.is_complex else out)
         if self.grid:  # an empty iteration space: outputs stay empty
             fn[(self.grid,)](*args, XBLOCK=self.xblock, RBLOCK=self.rblock)
 

@@ -38,6 +38,7 @@ class _InterpreterLibdevice:
 
         self.tanh = self._wrap(np.tanh)
         self.pow = self._wrap(np.power)
+        self.atan2 = self._wrap(np.arctan2)
 
 
 libdevice = _InterpreterLibdevice() if INTERPRETING else _triton_libdevice

@@ -14,13 +14,16 @@ name is a hash of its body, so identical kernels are compiled once.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from dataclasses import dataclass
 
 import sympy
 import torch
 import torch.fx as fx
 
-from compiler.codegen.triton_printer import TritonPrinter
+from compiler.codegen.realify import IM, RE, realify
+from compiler.codegen.triton_printer import NotPrintable, TritonPrinter
+from compiler.ops import symbols as Y
 from compiler.fusion import KernelPlan, kind_of
 from compiler.ir import contiguous_strides, numel
 
@@ -52,6 +55,11 @@ class KernelSource:
     bytes_moved: int       # bytes loaded and stored, counting each buffer once
 
 
+def _storage_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Kernels see complex tensors as their real view (torch.view_as_real)."""
+    return dtype.to_real() if dtype.is_complex else dtype
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -73,29 +81,53 @@ class KernelWriter:
         self.lines.append(f"{name} = {text}")
         return name
 
-    def load(self, node: fx.Node, index) -> tuple[str, torch.dtype]:
+    def load(self, node: fx.Node, index):
+        """The element of buffer ``node`` at ``index``; complex: (real, imag) of it."""
         if node not in self.load_args:
             self.load_args[node] = f"in{len(self.load_args)}"
         arg = self.load_args[node]
+        dtype = node.meta["dtype"]
         terms = [f"({idx}) * {arg}_s{d}" for d, (idx, size) in enumerate(zip(index, node.meta["shape"]))
                  if size != 1 and idx != "0"]
-        if not terms:  # one element for the whole block: a scalar load, broadcast on use
-            return self.tmp(f"tl.load({arg}_ptr)"), node.meta["dtype"]
-        return self.tmp(f"tl.load({arg}_ptr + {' + '.join(terms)}, mask=MASK, other=0)"), node.meta["dtype"]
+        offset = " + ".join(terms)
+        if dtype.is_complex:  # interleaved storage: strides count real elements
+            if not offset:
+                return (self.tmp(f"tl.load({arg}_ptr)"), self.tmp(f"tl.load({arg}_ptr + 1)")), dtype
+            return (self.tmp(f"tl.load({arg}_ptr + {offset}, mask=MASK, other=0)"),
+                    self.tmp(f"tl.load({arg}_ptr + {offset} + 1, mask=MASK, other=0)")), dtype
+        if not offset:  # one element for the whole block: a scalar load, broadcast on use
+            return self.tmp(f"tl.load({arg}_ptr)"), dtype
+        return self.tmp(f"tl.load({arg}_ptr + {offset}, mask=MASK, other=0)"), dtype
 
-    def cast(self, value: str, have: torch.dtype, want: torch.dtype) -> str:
+    def cast(self, value, have: torch.dtype, want: torch.dtype):
+        """Convert a value; complex values convert componentwise, a real one gains 0j."""
         if have == want:
             return value
+        if want.is_complex:
+            part = want.to_real()
+            if have.is_complex:
+                return (self.cast(value[0], have.to_real(), part), self.cast(value[1], have.to_real(), part))
+            return (self.cast(value, have, part), "0.0")
+        if have.is_complex:
+            raise NotPrintable("a complex value used as a real one")
         return self.tmp(f"{value}.to({TL_DTYPE[want]})")
 
     # -- values ------------------------------------------------------------------------
-    def value(self, node: fx.Node, index: tuple) -> tuple[str, torch.dtype]:
+    def value(self, node: fx.Node, index: tuple):
+        """(Triton variable(s), dtype) of ``node`` at ``index``: loaded, or computed inline."""
         key = (node, index)
         if key in self.values:
             return self.values[key]
         kind = kind_of(node)
         if (node in self.buffers and node not in self.roots) or kind not in ("pointwise", "view", "reduction"):
             result = self.load(node, index)
+        elif kind == "view" and node.target.name == "view_as_real":
+            (re, im), dtype = self.value(node.args[0], index[:-1])
+            result = self.tmp(f"tl.where({index[-1]} == 0, {re}, {im})"), dtype.to_real()
+        elif kind == "view" and node.target.name == "view_as_complex":
+            re, dtype = self.value(node.args[0], index + ("0",))
+            im, _ = self.value(node.args[0], index + ("1",))
+            result = (re, im), node.meta["dtype"]
         elif kind == "view":
             result = self.value(node.args[0], tuple(node.target.index_map(node, list(index))))
         elif kind == "pointwise":
@@ -107,6 +139,7 @@ class KernelWriter:
 
     def pointwise(self, node: fx.Node, index: tuple):
         out_shape = node.meta["shape"]
+        out_dtype = node.meta["dtype"]
         expr = node.meta["expr"]
         is_compare = getattr(node.target, "name", "") in ("lt", "le", "gt", "ge", "eq", "ne")
         args = []
@@ -115,27 +148,55 @@ class KernelWriter:
         if is_compare:
             want = compute_dtype(torch.promote_types(args[0][1], args[1][1]) if len(args) == 2 else args[0][1])
         else:
-            want = compute_dtype(node.meta["dtype"])
+            want = compute_dtype(out_dtype)
+        complex_math = out_dtype.is_complex or any(dtype.is_complex for _, dtype in args)
+        if complex_math:
+            return self.complex_pointwise(node, expr, args, want)
         names = {}
         for i, (var, have) in enumerate(args):
-            symbol = sympy.Symbol(f"a{i}", real=True)
+            symbol = Y.REAL_ARGS[i]
             is_condition = getattr(node.target, "name", "") == "where" and i == 0
             if node.target.name == "pointwise" and have == torch.bool and _used_as_condition(expr, symbol):
                 is_condition = True
             names[symbol] = var if is_condition else self.cast(var, have, want)
-        replacements, (reduced,) = sympy.cse([expr], symbols=_cse_symbols(self), order="none")
-        printer = TritonPrinter(names, want)
+        text, = self.print_exprs([expr], names, want)
+        if is_compare:
+            return self.tmp(text), torch.bool
+        if expr.is_number:  # a constant: give it the block's shape
+            return self.tmp(f"tl.full(SHAPE, {text}, {TL_DTYPE[want]})"), want
+        return self.tmp(text), want
+
+    def complex_pointwise(self, node, expr, args, want):
+        """A pointwise op with complex operands or result, as real arithmetic on parts."""
+        part = want.to_real() if want.is_complex else want
+        names = {}
+        for i, (var, have) in enumerate(args):
+            if have.is_complex:
+                re, im = var
+                names[RE[i]] = self.cast(re, have.to_real(), part)
+                names[IM[i]] = self.cast(im, have.to_real(), part)
+            else:
+                names[Y.REAL_ARGS[i]] = self.cast(var, have, part)
+        re_expr, im_expr = realify(expr)
+        if not want.is_complex:
+            text, = self.print_exprs([re_expr], names, part)
+            return self._shaped(text, re_expr, part), want
+        re_text, im_text = self.print_exprs([re_expr, im_expr], names, part)
+        return (self._shaped(re_text, re_expr, part), self._shaped(im_text, im_expr, part)), want
+
+    def _shaped(self, text, expr, dtype):
+        if expr.is_number:
+            return self.tmp(f"tl.full(SHAPE, {text}, {TL_DTYPE[dtype]})")
+        return self.tmp(text)
+
+    def print_exprs(self, exprs, names, dtype):
+        replacements, reduced = sympy.cse(list(exprs), symbols=_cse_symbols(), order="none")
+        printer = TritonPrinter(names, dtype)
         for sym, sub in replacements:
             # NOTE: a number stays a literal: a Triton variable holding a Python float is a
             # float32 scalar, which would round fp64 constants.
             names[sym] = printer(sub) if sub.is_number else self.tmp(printer(sub))
-        text = printer(reduced)
-        result_dtype = torch.bool if is_compare else want
-        if not is_compare and reduced.is_number:  # a constant: give it the block's shape
-            var = self.tmp(f"tl.full(SHAPE, {text}, {TL_DTYPE[want]})")
-        else:
-            var = self.tmp(text)
-        return var, result_dtype
+        return [printer(e) for e in reduced]
 
     # -- the kernel --------------------------------------------------------------------
     def write(self) -> KernelSource:
@@ -176,16 +237,19 @@ class KernelWriter:
         index = tuple(index)
 
         stores = []
-        accumulators = []
+        accumulators = []   # (root, [accumulator per part], part dtype)
         for root in plan.roots:
             if kind_of(root) == "reduction":
-                src = root.args[0]
-                var, have = self.value(src, index)
+                var, have = self.value(root.args[0], index)
                 acc_dtype = compute_dtype(root.meta["dtype"])
                 var = self.cast(var, have, acc_dtype)
-                acc = f"acc{len(accumulators)}"
-                self.lines.append(f"{acc} = {acc} + tl.where(MASK, {var}, 0)")
-                accumulators.append((root, acc, acc_dtype))
+                parts = list(var) if acc_dtype.is_complex else [var]
+                names = []
+                for part in parts:
+                    acc = f"acc{sum(len(a[1]) for a in accumulators) + len(names)}"
+                    self.lines.append(f"{acc} = {acc} + tl.where(MASK, {part}, 0)")
+                    names.append(acc)
+                accumulators.append((root, names, acc_dtype.to_real() if acc_dtype.is_complex else acc_dtype))
             else:
                 var, have = self.value(root, index)
                 out = f"out{len(stores)}"
@@ -193,30 +257,40 @@ class KernelWriter:
                 offsets = contiguous_strides(shape)
                 terms = [f"({i}) * {st}" if st != 1 else f"({i})" for i, st, size in zip(index, offsets, shape)
                          if size != 1 and i != "0"]
-                var = self.cast(var, have, root.meta["dtype"])
+                dtype = root.meta["dtype"]
+                var = self.cast(var, have, dtype)
                 # one element: any lane index works as the offset, the mask keeps lane 0 only
                 offset = " + ".join(terms) or ("(xindex + rindex)" if plan.reduce_dims else "xindex")
-                self.lines.append(f"tl.store({out}_ptr + {offset}, {var}, mask=MASK)")
+                if dtype.is_complex:  # interleaved: real at 2·offset, imaginary next to it
+                    self.lines.append(f"tl.store({out}_ptr + 2 * ({offset}), {var[0]}, mask=MASK)")
+                    self.lines.append(f"tl.store({out}_ptr + 2 * ({offset}) + 1, {var[1]}, mask=MASK)")
+                else:
+                    self.lines.append(f"tl.store({out}_ptr + {offset}, {var}, mask=MASK)")
 
         body = [line.replace("MASK", "xmask & rmask" if reduction else "xmask")
                 .replace("SHAPE", "[XBLOCK, RBLOCK]" if reduction else "[XBLOCK]") for line in self.lines]
         src = []
         src += header
         if reduction:
-            for _, acc, acc_dtype in accumulators:
-                src.append(f"{acc} = tl.zeros([XBLOCK, RBLOCK], {TL_DTYPE[acc_dtype]})")
+            for _, accs, acc_dtype in accumulators:
+                for acc in accs:
+                    src.append(f"{acc} = tl.zeros([XBLOCK, RBLOCK], {TL_DTYPE[acc_dtype]})")
             src.append(f"for roffset in range(0, {rnumel}, RBLOCK):")
             loop = ["rindex = roffset + tl.arange(0, RBLOCK)[None, :]", f"rmask = rindex < {rnumel}"]
             loop += body_prefix + body
             src += ["    " + line for line in loop]
-            for root, acc, _ in accumulators:
+            for root, accs, _ in accumulators:
                 out = f"out{len(stores)}"
                 stores.append(root)
                 scale = root.target.scale(root)
-                total = f"tl.sum({acc}, 1)[:, None]"
-                if scale != 1.0:
-                    total = f"{total} * {scale!r}"
-                src.append(f"tl.store({out}_ptr + xindex, ({total}).to({TL_DTYPE[root.meta['dtype']]}), mask=xmask)")
+                dtype = root.meta["dtype"]
+                part_dtype = dtype.to_real() if dtype.is_complex else dtype
+                for k, acc in enumerate(accs):
+                    total = f"tl.sum({acc}, 1)[:, None]"
+                    if scale != 1.0:
+                        total = f"{total} * {scale!r}"
+                    where = f"2 * xindex + {k}" if dtype.is_complex else "xindex"
+                    src.append(f"tl.store({out}_ptr + {where}, ({total}).to({TL_DTYPE[part_dtype]}), mask=xmask)")
         else:
             src += body_prefix + body
 
@@ -224,13 +298,13 @@ class KernelWriter:
         params, signature = [], {}
         for node, arg in self.load_args.items():
             params.append(f"{arg}_ptr")
-            signature[f"{arg}_ptr"] = "*" + SIGNATURE_DTYPE[node.meta["dtype"]]
+            signature[f"{arg}_ptr"] = "*" + SIGNATURE_DTYPE[_storage_dtype(node.meta["dtype"])]
             for d in range(len(node.meta["shape"])):
                 params.append(f"{arg}_s{d}")
                 signature[f"{arg}_s{d}"] = "i64" if wide else "i32"
         for i, node in enumerate(stores):
             params.append(f"out{i}_ptr")
-            signature[f"out{i}_ptr"] = "*" + SIGNATURE_DTYPE[node.meta["dtype"]]
+            signature[f"out{i}_ptr"] = "*" + SIGNATURE_DTYPE[_storage_dtype(node.meta["dtype"])]
         signature["XBLOCK"] = "constexpr"
         signature["RBLOCK"] = "constexpr"
         body_text = "\n".join("    " + line for line in src)
@@ -256,11 +330,12 @@ class KernelWriter:
         return KernelSource(name, source, loads, stores, grid, signature, moved)
 
 
-def _cse_symbols(writer):
-    i = 0
+_cse_counter = itertools.count()
+
+
+def _cse_symbols():
     while True:
-        yield sympy.Symbol(f"cse{writer.counter}_{i}", real=True)
-        i += 1
+        yield sympy.Symbol(f"cse{next(_cse_counter)}", real=True)
 
 
 def _used_as_condition(expr, symbol) -> bool:

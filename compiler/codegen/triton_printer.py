@@ -25,6 +25,7 @@ _UNARY = {
     sympy.tanh: "libdevice.tanh",
     sympy.erf: "tl.erf",
     S.Abs: "tl.abs",
+    sympy.Abs: "tl.abs",
 }
 _COMPARE = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
 
@@ -63,6 +64,15 @@ class TritonPrinter:
         func = e.func
         if func in _UNARY:
             return f"{_UNARY[func]}({self.p(e.args[0])})"
+        if func is sympy.atan2:
+            return f"libdevice.atan2({self.p(e.args[0])}, {self.p(e.args[1])})"
+        if func in (sympy.sinh, sympy.cosh):
+            x = self.p(e.args[0])
+            sign = "-" if func is sympy.sinh else "+"
+            return f"((tl.exp({x}) {sign} tl.exp(-{x})) * 0.5)"
+        if func is S.RealAngle:
+            x = self.p(e.args[0])
+            return f"tl.where({x} < 0, 3.141592653589793, tl.where({x} != {x}, {x}, 0.0))"
         if func is S.Sigmoid:
             return f"(1.0 / (1.0 + tl.exp(-{self.p(e.args[0])})))"
         if func is S.Relu:

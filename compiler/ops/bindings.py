@@ -49,8 +49,6 @@ def _pointwise(b, name, operands, float_result=False):
         dtype = torch.bool
     elif float_result and not (dtype.is_floating_point or dtype.is_complex):
         dtype = torch.get_default_dtype()
-    if any(isinstance(o, fx.Node) and o.meta["dtype"].is_complex for o in operands):
-        raise Unsupported("complex tensors are not supported yet")
     return C.emit_pointwise(b, name, operands, dtype=dtype)
 
 
@@ -61,12 +59,61 @@ def _unary(name):
     return bind
 
 
-for _name in ("exp", "log", "sqrt", "rsqrt", "sin", "cos", "tanh", "sigmoid", "relu", "abs",
+for _name in ("exp", "log", "sqrt", "rsqrt", "sin", "cos", "tanh", "sigmoid", "relu",
               "neg", "reciprocal", "square"):
     _funcs = [getattr(torch, _name), _t(_name)]
     binds(*_funcs)(_unary(_name))
 binds(_t("__neg__"), torch.negative, _t("negative"))(_unary("neg"))
-binds(_t("__abs__"), torch.absolute)(_unary("abs"))
+
+
+# ----------------------------------------------------------------------------- complex
+def _to_real(name):
+    """Ops with a real result for complex input: abs, real, imag, angle."""
+    def bind(b, x, **kwargs):
+        _no_out(kwargs)
+        dtype = x.meta["dtype"]
+        if name == "real" and not dtype.is_complex:
+            return x
+        out = dtype.to_real() if dtype.is_complex else dtype
+        if name == "angle" and not (dtype.is_complex or dtype.is_floating_point):
+            out = torch.get_default_dtype()
+        return C.emit_pointwise(b, name, [x], dtype=out)
+    return bind
+
+
+binds(torch.abs, _t("abs"), _t("__abs__"), torch.absolute)(_to_real("abs"))
+binds(torch.real, _t("real"))(_to_real("real"))
+binds(torch.imag, _t("imag"))(_to_real("imag"))
+binds(torch.angle, _t("angle"))(_to_real("angle"))
+
+
+@binds(torch.conj, _t("conj"), torch.conj_physical, _t("conj_physical"))
+def _conj(b, x):
+    if not x.meta["dtype"].is_complex:
+        return x
+    return C.emit_pointwise(b, "conj", [x], dtype=x.meta["dtype"])
+
+
+@binds(torch.complex)
+def _complex(b, real, imag, *, out=None):
+    _no_out({"out": out})
+    return C.emit_pointwise(b, "complex", [real, imag], dtype=result_dtype([real, imag]).to_complex())
+
+
+@binds(torch.polar)
+def _polar(b, abs, angle, *, out=None):
+    _no_out({"out": out})
+    return C.emit_pointwise(b, "polar", [abs, angle], dtype=result_dtype([abs, angle]).to_complex())
+
+
+@binds(torch.view_as_real)
+def _view_as_real(b, x):
+    return C.emit_view(b, "view_as_real", x)
+
+
+@binds(torch.view_as_complex)
+def _view_as_complex(b, x):
+    return C.emit_view(b, "view_as_complex", x)
 binds(F.sigmoid)(_unary("sigmoid"))
 
 
@@ -212,9 +259,10 @@ def _reduce(name):
         _no_out({"out": out})
         if not isinstance(x, fx.Node):
             raise Unsupported(f"{name} of a non-tensor")
-        if name == "mean" and not (x.meta["dtype"].is_floating_point or dtype is not None):
+        inexact = x.meta["dtype"].is_floating_point or x.meta["dtype"].is_complex
+        if name == "mean" and not (inexact or dtype is not None):
             raise Unsupported("mean of an integer tensor (eager raises)")
-        if dtype is None and name == "sum" and not x.meta["dtype"].is_floating_point:
+        if dtype is None and name == "sum" and not inexact:
             dtype = torch.int64
         return C.emit_reduction(b, name, x, _dims(x, dim), keepdim, dtype)
     return bind

@@ -26,9 +26,11 @@ import torch.fx as fx
 
 from compiler.ir import GraphBuilder, arg_symbol, contiguous_strides, numel
 from compiler.ops import scalar as S
+from compiler.ops import symbols as Y
+from compiler.ops.symbols import conj
 
-GRAD_SYMBOL = sympy.Symbol("g", real=True)
-RESULT_SYMBOL = sympy.Symbol("y", real=True)
+GRAD_SYMBOL = Y.GRAD
+RESULT_SYMBOL = Y.RESULT
 
 
 class OpDef:
@@ -69,7 +71,13 @@ SCALAR_FUNCTIONS = {
     "gelu": lambda a: a * (1 + sympy.erf(a / sympy.sqrt(2))) / 2,
     "gelu_tanh": lambda a: a * (1 + sympy.tanh(sympy.sqrt(2 / sympy.pi) * (a + sympy.Float("0.044715") * a**3))) / 2,
     "silu": lambda a: a * S.Sigmoid(a),
-    "abs": S.Abs,
+    "abs": lambda a: S.CAbs(a, conj(a)) if Y.is_complex_symbol(a) else S.Abs(a),
+    "conj": conj,
+    "real": lambda a: (a + conj(a)) / 2 if Y.is_complex_symbol(a) else a,
+    "imag": lambda a: (a - conj(a)) / (2 * sympy.I),
+    "angle": lambda a: S.CAngle(a, conj(a)) if Y.is_complex_symbol(a) else S.RealAngle(a),
+    "complex": lambda re, im: re + sympy.I * im,
+    "polar": lambda r, theta: r * (sympy.cos(theta) + sympy.I * sympy.sin(theta)),
     "maximum": S.Maximum,
     "minimum": S.Minimum,
     "where": S.Where,
@@ -102,8 +110,10 @@ def scalar_expr(name: str, operands) -> tuple[sympy.Expr, list]:
     tensors, symbols = [], []
     for item in operands:
         if isinstance(item, fx.Node):
-            symbols.append(arg_symbol(len(tensors)))
+            symbols.append(Y.operand(len(tensors), item.meta["dtype"].is_complex))
             tensors.append(item)
+        elif isinstance(item, complex):
+            symbols.append(_float(item.real) + sympy.I * _float(item.imag))
         elif isinstance(item, bool):
             symbols.append(sympy.Integer(int(item)))
         elif isinstance(item, int):
@@ -127,46 +137,96 @@ def _float(value: float) -> sympy.Expr:
 
 @functools.lru_cache(maxsize=16384)
 def partial_derivative(expr: sympy.Expr, index: int) -> sympy.Expr:
-    """d expr / d a_index, with the forward result replaced by ``y`` where it appears.
+    """d expr / d a_index (a real argument), with the result replaced by ``y`` where it appears.
 
     NOTE: rules follow PyTorch's conventions through the functions in ``scalar.py``; the
     result is reused where PyTorch reuses it (exp' = y, sigmoid' = y(1-y), tanh' = 1-y²).
     Cached: the same op signature is differentiated once per process.
     """
-    derivative = sympy.diff(expr, arg_symbol(index))
-    if not isinstance(expr, sympy.Symbol):
-        derivative = derivative.xreplace({expr: RESULT_SYMBOL})
-    return derivative
+    return _reuse_result(sympy.diff(expr, arg_symbol(index)), expr, False)
+
+
+@functools.lru_cache(maxsize=16384)
+def wirtinger_gradient(expr: sympy.Expr, index: int, arg_complex: bool, out_complex: bool) -> sympy.Expr:
+    """The gradient reaching argument ``index`` of a pointwise op with a complex side.
+
+    NOTE: the autograd notes, "Autograd for Complex Numbers", equation (4):
+        grad_in = conj(grad_out) · ∂s/∂z̄ + grad_out · conj(∂s/∂z)
+    with z and z̄ independent symbols. A real output has a real grad_out (the C→R case,
+    2·grad_out·∂s/∂z̄, follows); a real input keeps the real part of its gradient.
+    """
+    g = Y.GRAD_Z if out_complex else Y.GRAD
+    gc = Y.GRAD_ZC if out_complex else Y.GRAD
+    if arg_complex:
+        ds_dz = sympy.diff(expr, Y.COMPLEX_ARGS[index])
+        ds_dzc = sympy.diff(expr, Y.CONJ_ARGS[index])
+        grad = gc * ds_dzc + g * conj(ds_dz)
+    else:
+        grad = g * conj(sympy.diff(expr, Y.REAL_ARGS[index]))
+        if out_complex or Y.has_complex(grad):
+            grad = (grad + conj(grad)) / 2  # a real input keeps the real part
+    return _reuse_result(grad, expr, out_complex)
+
+
+def _reuse_result(derivative, expr, out_complex):
+    if isinstance(expr, sympy.Symbol):
+        return derivative
+    if out_complex:
+        return derivative.xreplace({expr: Y.RESULT_Z, conj(expr): Y.RESULT_ZC})
+    return derivative.xreplace({expr: Y.RESULT})
 
 
 def pointwise_vjp(b: GraphBuilder, node: fx.Node, grad_out: fx.Node):
-    """Gradients of a pointwise node: grad_in_i = grad_out * d expr / d a_i (node's shape)."""
+    """Gradients of a pointwise node, in the node's shape (None where there is none).
+
+    Real ops: grad_in_i = grad_out * d expr / d a_i. With a complex input or output, the
+    Wirtinger form of ``wirtinger_gradient``.
+    """
     expr = node.meta["expr"]
+    out_complex = node.meta["dtype"].is_complex
+    any_complex = out_complex or any(a.meta["dtype"].is_complex for a in node.args)
     grads = []
     for i, arg in enumerate(node.args):
-        if not arg.meta["requires_grad"] or not arg.meta["dtype"].is_floating_point:
+        dtype = arg.meta["dtype"]
+        if not arg.meta["requires_grad"] or not (dtype.is_floating_point or dtype.is_complex):
             grads.append(None)
             continue
-        derivative = partial_derivative(expr, i)
-        if derivative == 0:
+        if any_complex:
+            grad_expr = wirtinger_gradient(expr, i, dtype.is_complex, out_complex)
+        else:
+            derivative = partial_derivative(expr, i)
+            if derivative == 1 and grad_out.meta["dtype"] == dtype:
+                grads.append(grad_out)  # add, sub, identity: the gradient passes through
+                continue
+            grad_expr = GRAD_SYMBOL * derivative
+        if grad_expr == 0:
             grads.append(None)
             continue
-        if derivative == 1 and grad_out.meta["dtype"] == arg.meta["dtype"]:
-            grads.append(grad_out)  # add, sub, identity: the gradient passes through
-            continue
-        grads.append(derived_pointwise(
-            b, GRAD_SYMBOL * derivative,
-            {GRAD_SYMBOL: grad_out, RESULT_SYMBOL: node, **{arg_symbol(j): a for j, a in enumerate(node.args)}},
-            shape=node.meta["shape"], dtype=arg.meta["dtype"]))
+        grads.append(derived_pointwise(b, grad_expr, node, grad_out, shape=node.meta["shape"], dtype=dtype))
     return grads
 
 
-def derived_pointwise(b: GraphBuilder, expr, bindings: dict, *, shape, dtype) -> fx.Node:
-    """A pointwise node for ``expr``, whose free symbols are bound to nodes by ``bindings``."""
+def derived_pointwise(b: GraphBuilder, expr, node, grad_out, *, shape, dtype) -> fx.Node:
+    """A pointwise node computing ``expr``, whose symbols stand for ``node``'s arguments,
+    ``node`` itself (the result) and ``grad_out``; renumbered over the nodes it uses."""
+    def bound(symbol):
+        kind, index, _ = Y.role(symbol)
+        return grad_out if kind == "grad" else node if kind == "result" else node.args[index]
+
     used = sorted(expr.free_symbols, key=lambda s: s.name)
-    args = [bindings[s] for s in used]
-    renamed = expr.xreplace({s: arg_symbol(i) for i, s in enumerate(used)})
-    return b.call(DERIVED, args, shape=shape, dtype=dtype, requires_grad=False, expr=renamed)
+    args: list = []
+    for s in used:
+        if bound(s) not in args:
+            args.append(bound(s))
+    renamed = {}
+    for s in used:
+        target = bound(s)
+        k = args.index(target)
+        if target.meta["dtype"].is_complex:
+            renamed[s] = Y.CONJ_ARGS[k] if Y.role(s)[2] else Y.COMPLEX_ARGS[k]
+        else:
+            renamed[s] = Y.REAL_ARGS[k]
+    return b.call(DERIVED, args, shape=shape, dtype=dtype, requires_grad=False, expr=expr.xreplace(renamed))
 
 
 def emit_pointwise(b: GraphBuilder, name: str, operands, *, dtype, requires_grad=None) -> fx.Node:
@@ -245,6 +305,10 @@ class View(OpDef):
     def out_shape(self, in_shape, params):
         if self.name == "permute":
             return tuple(in_shape[d] for d in params["dims"])
+        if self.name == "view_as_real":
+            return tuple(in_shape) + (2,)
+        if self.name == "view_as_complex":
+            return tuple(in_shape[:-1])
         return tuple(params["shape"])
 
     def index_map(self, node: fx.Node, out_index: list[str]) -> list[str]:
@@ -275,6 +339,10 @@ class View(OpDef):
 
     def vjp(self, b, node, grad_out):
         x = node.args[0]
+        if self.name == "view_as_real":  # the gradient of the parts is the complex gradient
+            return [emit_view(b, "view_as_complex", grad_out)]
+        if self.name == "view_as_complex":
+            return [emit_view(b, "view_as_real", grad_out)]
         if self.name == "permute":
             inverse = [0] * len(node.kwargs["dims"])
             for i, d in enumerate(node.kwargs["dims"]):
@@ -293,11 +361,17 @@ class View(OpDef):
         return tensor.reshape(node.kwargs["shape"])
 
 
-VIEWS = {name: View(name) for name in ("reshape", "permute", "expand")}
+# view_as_real / view_as_complex reinterpret interleaved storage; the kernel writer reads
+# them as (real, imag) parts rather than through an index map.
+VIEWS = {name: View(name) for name in ("reshape", "permute", "expand", "view_as_real", "view_as_complex")}
 
 
 def emit_view(b, name, x, **params) -> fx.Node:
     op = VIEWS[name]
+    if name in ("view_as_real", "view_as_complex"):
+        dtype = x.meta["dtype"].to_real() if name == "view_as_real" else x.meta["dtype"].to_complex()
+        return b.call(op, [x], shape=op.out_shape(x.meta["shape"], params), dtype=dtype,
+                      requires_grad=x.meta["requires_grad"])
     if "shape" in params:
         params["shape"] = tuple(params["shape"])
     shape = op.out_shape(x.meta["shape"], params)
@@ -319,13 +393,20 @@ class Extern(OpDef):
         self.torch_fn = torch_fn
 
     def vjp(self, b, node, grad_out):
+        """grad_a = g @ w^H, grad_w = a^H @ g (the conjugate transpose; a plain one if real)."""
         a, w = node.args
         t = (1, 0) if self.name == "mm" else (0, 2, 1)
+
+        def adjoint(x):
+            x = emit_view(b, "permute", x, dims=t)
+            if x.meta["dtype"].is_complex:
+                x = emit_pointwise(b, "conj", [x], dtype=x.meta["dtype"], requires_grad=False)
+            return x
         ga = gw = None
         if a.meta["requires_grad"]:
-            ga = emit_extern(b, self.name, grad_out, emit_view(b, "permute", w, dims=t))
+            ga = emit_extern(b, self.name, grad_out, adjoint(w))
         if w.meta["requires_grad"]:
-            gw = emit_extern(b, self.name, emit_view(b, "permute", a, dims=t), grad_out)
+            gw = emit_extern(b, self.name, adjoint(a), grad_out)
         return [ga, gw]
 
 

@@ -147,3 +147,50 @@ class Compare(sympy.Function):
 
 
 COMPARE_OPS = ("lt", "le", "gt", "ge", "eq", "ne")
+
+
+# ----------------------------------------------------------------------------- complex
+# Functions of a complex z written in (z, z̄), so Wirtinger derivatives come from diff.
+# Each has PyTorch's value at 0 where the formula would give 0/0.
+
+
+class CAbs(sympy.Function):
+    """|z| as a function of (z, z̄). ∂|z|/∂z̄ = sgn(z)/2, so the gradient is g·sgn(z), 0 at 0."""
+
+    nargs = 2
+
+    def fdiff(self, argindex=1):
+        z, zc = self.args
+        return CSgn(zc, z) / 2 if argindex == 1 else CSgn(z, zc) / 2
+
+
+class CSgn(sympy.Function):
+    """z / |z| (0 at z = 0, as torch.sgn), as a function of (z, z̄)."""
+
+    nargs = 2
+
+    def fdiff(self, argindex=1):
+        z, zc = self.args
+        # sgn = z^(1/2) z̄^(-1/2): ∂/∂z = 1/(2|z|), ∂/∂z̄ = -sgn/(2 z̄)
+        if argindex == 1:
+            return 1 / (2 * CAbs(z, zc))
+        return -self / (2 * zc)
+
+
+class CAngle(sympy.Function):
+    """arg(z) = atan2(Im z, Re z) of (z, z̄); ∂/∂z = -i/(2z), ∂/∂z̄ = i/(2z̄)."""
+
+    nargs = 2
+
+    def fdiff(self, argindex=1):
+        z, zc = self.args
+        return -sympy.I / (2 * z) if argindex == 1 else sympy.I / (2 * zc)
+
+
+class RealAngle(sympy.Function):
+    """angle of a real number: π where x < 0, else 0 (NaN stays NaN); derivative 0."""
+
+    nargs = 1
+
+    def fdiff(self, argindex=1):
+        return sympy.Integer(0)
