@@ -16,7 +16,9 @@ from runtime.backends import prepare_process as _prepare_process
 
 _prepare_process()  # before anything imports triton: interpreter mode on CPU-only machines
 
+from compiler import scalar_math as math  # noqa: E402
 from compiler.api import compile, explain  # noqa: E402
+from compiler.elementwise import elementwise  # noqa: E402
 from runtime.fallback import CompileError  # noqa: E402
 
-__all__ = ["compile", "explain", "CompileError"]
+__all__ = ["compile", "explain", "elementwise", "math", "CompileError"]

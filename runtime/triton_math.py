@@ -26,7 +26,8 @@ class _InterpreterLibdevice:
         def apply(*args):
             tensors = [a for a in args if isinstance(a, tl.tensor)]
             data = [a.handle.data if isinstance(a, tl.tensor) else np.asarray(a) for a in args]
-            out = np.asarray(fn(*np.broadcast_arrays(*data)))
+            with np.errstate(all="ignore"):  # masked-off lanes compute on padding
+                out = np.asarray(fn(*np.broadcast_arrays(*data)))
             ref = max(tensors, key=lambda t: t.handle.data.size)
             out = out.astype(ref.handle.data.dtype, copy=False)
             return tl.tensor(TensorHandle(out, ref.handle.dtype.scalar), ref.type)

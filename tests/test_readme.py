@@ -31,3 +31,12 @@ def test_example_trains_and_matches_eager():
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "ran: interpret" in result.stdout
     assert "fallbacks: none" in result.stdout
+
+
+def test_complex_filter_example_matches_eager():
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("TRITON_INTERPRET", None)
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "complex_filter.py"), "--steps", "6"],
+                            capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "ran: interpret" in result.stdout and "fallbacks: none" in result.stdout

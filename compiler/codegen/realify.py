@@ -122,6 +122,12 @@ def _cx(e):
         h = _hypot(a, b)
         is_zero = S.Compare(sympy.Integer(S.COMPARE_OPS.index("eq")), h, 0)
         return (S.Where(is_zero, 0, a / h), S.Where(is_zero, 0, b / h))
+    if f is S.Where:  # a real condition choosing between complex values
+        cond = _cx(e.args[0])
+        if cond[1] != 0:
+            raise NotPrintable("a complex condition")
+        (ar, ai), (br, bi) = _cx(e.args[1]), _cx(e.args[2])
+        return (S.Where(cond[0], ar, br), S.Where(cond[0], ai, bi) if (ai != 0 or bi != 0) else _ZERO)
     if f is S.CAngle:
         a, b = _cx(e.args[0])
         return (sympy.atan2(b, a), _ZERO)

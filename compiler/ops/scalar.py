@@ -178,13 +178,15 @@ class CSgn(sympy.Function):
 
 
 class CAngle(sympy.Function):
-    """arg(z) = atan2(Im z, Re z) of (z, z̄); ∂/∂z = -i/(2z), ∂/∂z̄ = i/(2z̄)."""
+    """arg(z) = atan2(Im z, Re z) of (z, z̄); ∂/∂z = -i/(2z), ∂/∂z̄ = i/(2z̄), and 0 at z = 0
+    (eager's angle_backward)."""
 
     nargs = 2
 
     def fdiff(self, argindex=1):
         z, zc = self.args
-        return -sympy.I / (2 * z) if argindex == 1 else sympy.I / (2 * zc)
+        at_zero = Compare(sympy.Integer(COMPARE_OPS.index("eq")), CAbs(z, zc), 0)
+        return Where(at_zero, 0, -sympy.I / (2 * z) if argindex == 1 else sympy.I / (2 * zc))
 
 
 class RealAngle(sympy.Function):
