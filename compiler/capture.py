@@ -29,7 +29,8 @@ from runtime.trace import RegionPlan, TensorMeta, Trace, TraceCall, ValueId
 # Eager calls that are part of a training step, not gaps in the compiled graph.
 _AUTOGRAD_CALLS = {torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad,
                    torch._C._set_grad_enabled, torch.Tensor.requires_grad_, torch.Tensor.retain_grad,
-                   torch.Tensor.register_hook, torch.Tensor.detach, torch.Tensor.zero_}
+                   torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook,
+                   torch.Tensor.detach, torch.Tensor.zero_}
 _STATE_ATTRS = {"grad", "data", "grad_fn", "_base", "_version"}
 _SUPPORTED_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool,
                      torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
@@ -63,6 +64,8 @@ class Capture(TorchFunctionMode):
         self.next_id = 0
         self.breaks: list = []       # reasons the graph was broken
         self.entry_grad_mode = torch.is_grad_enabled()
+        self.isolate: set = set()    # calls whose result's grad_fn the user reads
+        self.call_meta: dict = {}    # call index -> (input TensorMetas by value id, output metas)
 
     # -- value ids -----------------------------------------------------------------------
     def _new_id(self, t: torch.Tensor) -> ValueId:
@@ -97,28 +100,41 @@ class Capture(TorchFunctionMode):
             return func(*args, **kwargs)
         leaves, spec = flatten_call(args, kwargs)
         recorded = [self.id_of(x) if isinstance(x, torch.Tensor) else x for x in leaves]
-        result = func(*args, **kwargs)
+        try:
+            result = func(*args, **kwargs)
+        except Exception:
+            # eager raised (and the user may catch it): record the call, so replay raises too
+            self.current = None
+            self.calls.append(TraceCall(func, "eager", None, spec, recorded, [], None))
+            raise
         if isinstance(result, torch.Tensor):
             out_tensors, out_spec = [result], None
         else:
             out_leaves, out_spec = tree_flatten(result)
             out_tensors = [t for t in out_leaves if isinstance(t, torch.Tensor)]
 
+        if _is_grad_fn_access(func) and recorded and recorded[0] in self.produced_by:
+            # NOTE: the user inspects this value's Node (hooks on grad_fn): compile the op that
+            # made it as a region of its own, so its Node has that op's inputs, as in eager.
+            producer = self.produced_by[recorded[0]]
+            if self.calls[producer].kind == "compute":
+                self.isolate.add(producer)
         reason = None
         region = None
         nodes = None
         binding = _binding(func)
         # NOTE: math the function itself runs under no_grad (an optimizer's update, with a
-        # step size that changes every step) runs eagerly; a whole call made under no_grad
-        # (inference) compiles.
-        if not torch.is_grad_enabled() and self.entry_grad_mode:
+        # step size that changes every step; a custom autograd.Function's forward) runs
+        # eagerly by design, not as a fallback; a whole call made under no_grad compiles.
+        by_design = binding is not None and not torch.is_grad_enabled() and self.entry_grad_mode
+        if by_design:
             binding = None
         if binding is not None:
             try:
                 region, nodes = self._emit(func, binding, args, kwargs, leaves, recorded, out_tensors)
             except Unsupported as e:
                 reason = f"{_name(func)}: {e}"
-        elif not _expected_eager(func, self._reads_region_value(recorded)):
+        elif not by_design and not _expected_eager(func, self._reads_region_value(recorded)):
             reason = f"{_name(func)} is not supported by the compiler yet"
 
         outputs = []
@@ -130,6 +146,8 @@ class Capture(TorchFunctionMode):
                 outputs.append(self._new_id(t))
         index = len(self.calls)
         if region is not None:
+            self.call_meta[index] = ({v: TensorMeta.of(x) for v, x in zip(recorded, leaves) if isinstance(v, ValueId)},
+                                     [TensorMeta.of(t) for t in out_tensors])
             for vid, node in zip(outputs, nodes):
                 region.nodes[vid] = node
                 region.produced.append(vid)
@@ -198,8 +216,64 @@ class Capture(TorchFunctionMode):
                    for v in recorded for r in self.regions)
 
     # -- after the run -------------------------------------------------------------------
+    def _split_isolated(self):
+        """Rebuild regions so each isolated call is a region of its own."""
+        if not self.isolate:
+            return
+        regions = []
+        for r in self.regions:
+            segments, current = [], []
+            for c in r.calls:
+                if c in self.isolate:
+                    segments += [current, [c]] if current else [[c]]
+                    current = []
+                else:
+                    current.append(c)
+            if current:
+                segments.append(current)
+            if len(segments) == 1:
+                r.index = len(regions)
+                regions.append(r)
+                continue
+            for seg in segments:
+                regions.append(self._rebuild(len(regions), seg, r.grad_enabled, r.device))
+        for r in regions:
+            for c in r.calls:
+                self.calls[c].region = r.index
+        self.regions = regions
+
+    def _rebuild(self, index, call_indices, grad_enabled, device) -> _Region:
+        """A region's graph re-emitted from recorded calls (bindings need metadata only)."""
+        region = _Region(index, grad_enabled, device)
+        b = region.builder
+        for c in call_indices:
+            call = self.calls[c]
+            in_meta, out_meta = self.call_meta[c]
+            mapped = []
+            for leaf in call.leaves:
+                if isinstance(leaf, ValueId):
+                    node = region.nodes.get(leaf)
+                    if node is None:
+                        m = in_meta[leaf]
+                        node = b.placeholder(f"v{leaf}", m.shape, m.dtype, m.requires_grad and grad_enabled)
+                        region.nodes[leaf] = node
+                        region.inputs.append(leaf)
+                    mapped.append(node)
+                else:
+                    mapped.append(leaf)
+            a, k = unflatten_call(mapped, call.spec)
+            result = _binding(call.func)(b, *a, **k)
+            nodes = list(result) if isinstance(result, (tuple, list)) else [result]
+            for vid, node, m in zip(call.outputs, nodes, out_meta):
+                node.meta["requires_grad"] = m.requires_grad
+                region.nodes[vid] = node
+                region.produced.append(vid)
+            region.calls.append(c)
+        return region
+
     def finish(self, result) -> Trace:
         """Escape analysis, then the trace with one RegionPlan per region."""
+        self._split_isolated()
         returned = {self.ids[id(t)][1] for t in tree_flatten(result)[0]
                     if isinstance(t, torch.Tensor) and id(t) in self.ids and self.ids[id(t)][0]() is t}
         region_of = {}
@@ -233,6 +307,11 @@ class Capture(TorchFunctionMode):
             plans[-1].graph = b.graph
         return Trace(self.calls, plans, self.arg_ids, dict(self.externals), dict(self.produced_by),
                      list(dict.fromkeys(self.breaks)))
+
+
+def _is_grad_fn_access(func) -> bool:
+    return getattr(func, "__name__", None) == "__get__" and \
+        getattr(getattr(func, "__self__", None), "__name__", None) == "grad_fn"
 
 
 def _binding(func):

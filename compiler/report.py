@@ -37,13 +37,19 @@ class Report:
         return [k for k in self.kernels if k.phase == "forward"]
 
     @property
+    def backward_segments(self) -> int:
+        """Regions with a backward: the backward runs as this many fused segments, with the
+        user's hooks (on the values between them) running in between."""
+        return sum(1 for r in self.regions if r.get("backward_graph") is not None)
+
+    @property
     def backward_kernels(self):
         return [k for k in self.kernels if k.phase == "backward"]
 
     def __str__(self):
         out = [f"backend: {self.backend} ({self.backend_reason})" if self.backend else "backend: -"]
-        out.append(f"regions: {len(self.regions)}   kernels: {len(self.forward_kernels)} forward, "
-                   f"{len(self.backward_kernels)} backward")
+        out.append(f"regions: {len(self.regions)} (backward segments: {self.backward_segments})   "
+                   f"kernels: {len(self.forward_kernels)} forward, {len(self.backward_kernels)} backward")
         for i, region in enumerate(self.regions):
             out.append("")
             out.append(f"== region {i}: captured graph")
