@@ -67,8 +67,16 @@ def _build(fn, args, kwargs, *, fullgraph=False, stats=None):
     for index, plan in enumerate(trace.regions):
         captured = _copy(plan.graph)
         info = {"captured": captured}
+        if plan.reason:  # capture found this region cannot be compiled faithfully
+            if fullgraph:
+                raise CompileError(f"region {index}: {plan.reason}")
+            info["reason"] = plan.reason
+            fallbacks.append(plan.reason)
+            regions.append(info)
+            continue
         try:
-            plan.compiled, details = build_region(plan.graph)
+            mutated = {plan.input_ids.index(v) for v in plan.mutated}
+            plan.compiled, details = build_region(plan.graph, mutated)
             plan.compiled.stats = stats if stats is not None else {}
             info["backward_graph"] = details["backward_graph"]
             info["kernels"] = (

@@ -70,10 +70,15 @@ def _accumulate(b, existing, new):
     return C.emit_pointwise(b, "add", [existing, new], dtype=existing.meta["dtype"], requires_grad=False)
 
 
-def partition(graph: fx.Graph) -> Partitioned:
-    """Differentiate a forward region graph and split it into forward and backward programs."""
+def partition(graph: fx.Graph, mutated_inputs=frozenset()) -> Partitioned:
+    """Differentiate a forward region graph and split it into forward and backward programs.
+
+    ``mutated_inputs`` are positions of inputs the region overwrites in place: backward must
+    not recompute from them (their old value is gone), so values derived from them are saved.
+    """
     forward_nodes = list(graph.nodes)
     inputs = [n for n in forward_nodes if n.op == "placeholder"]
+    overwritten = {inputs[i] for i in mutated_inputs}
     user_outputs = list(next(n for n in forward_nodes if n.op == "output").args[0])
     input_needs_grad = [x.meta["requires_grad"] for x in inputs]
     if not any(_differentiable(o) for o in user_outputs) or not any(input_needs_grad):
@@ -86,13 +91,24 @@ def partition(graph: fx.Graph) -> Partitioned:
     env: dict = {}
     saved_nodes: list = []
     saved_placeholders: list = []
+    clones: list = []          # overwritten inputs whose old value backward needs
 
     def fetch(node):
         """The backward graph's version of a forward value: recomputed, or saved."""
         if node in env:
             return env[node]
         kind = getattr(node.target, "kind", None)
-        if node.op == "placeholder" or node in user_outputs or kind in ("reduction", "extern"):
+        if node in overwritten:
+            # NOTE: the region overwrites this input in place (eager keeps the original for
+            # such backwards too): the forward saves a copy of its old value.
+            clones.append(node)
+            saved_nodes.append(node)
+            p = backward.placeholder(f"saved_old_{node.name}")
+            p.meta.update(node.meta)
+            saved_placeholders.append(p)
+            env[node] = p
+        elif node.op == "placeholder" or node in user_outputs or kind in ("reduction", "extern") or \
+                _reaches(node, overwritten):
             saved_nodes.append(node)
             p = backward.placeholder(f"saved_{node.name}")
             p.meta.update(node.meta)
@@ -132,17 +148,42 @@ def partition(graph: fx.Graph) -> Partitioned:
         fenv[node] = forward.node_copy(node, lambda n: fenv[n])
     saved = []
     extra = []
+    copies = {}
+    for node in clones:  # a copy of the old value, made before the region overwrites it
+        copy = forward.call_function(C.POINTWISE["identity"], (fenv[node],))
+        copy.meta.update(node.meta, expr=C.scalar_expr("identity", [node])[0])
+        copies[node] = copy
     for node in saved_nodes:
-        if node.op == "placeholder":
+        if node in copies:
+            saved.append(("output", len(user_outputs) + len(extra)))
+            extra.append(node)
+        elif node.op == "placeholder":
             saved.append(("input", inputs.index(node)))
         elif node in user_outputs:
             saved.append(("output", user_outputs.index(node)))
         else:
             saved.append(("output", len(user_outputs) + len(extra)))
             extra.append(node)
-    forward.output(tuple(fenv[o] if isinstance(o, fx.Node) else o for o in user_outputs + extra))
+    forward.output(tuple([fenv[o] if isinstance(o, fx.Node) else o for o in user_outputs]
+                         + [copies[o] if o in copies else fenv[o] for o in extra]))
     return Partitioned(forward, backward, len(user_outputs), saved,
                        [i for i, _ in grad_placeholders], input_needs_grad)
+
+
+def _reaches(node, targets) -> bool:
+    """Whether recomputing ``node`` (through pointwise ops and views) would read ``targets``."""
+    if not targets:
+        return False
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in targets:
+            return True
+        if n in seen or not isinstance(n, fx.Node) or getattr(n.target, "kind", None) not in ("pointwise", "view"):
+            continue
+        seen.add(n)
+        stack.extend(a for a in n.args if isinstance(a, fx.Node))
+    return False
 
 
 def _reorder_placeholders(graph: fx.Graph, order):

@@ -15,9 +15,11 @@ from runtime.autograd_bridge import CompiledRegion
 from runtime.program import ExternCall, KernelLaunch, Program, ValueRef
 
 
-def build_region(graph: fx.Graph):
-    """Compile one captured region. Returns (CompiledRegion, details for ``explain``)."""
-    parts = partition(graph)
+def build_region(graph: fx.Graph, mutated_inputs=frozenset()):
+    """Compile one captured region. Returns (CompiledRegion, details for ``explain``).
+    ``mutated_inputs``: positions of inputs the region changes in place."""
+    input_views = _split_input_views(graph)
+    parts = partition(graph, mutated_inputs)
     forward_schedule = fuse(parts.forward)
     forward_program, forward_kernels = lower(parts.forward, forward_schedule)
     backward_program, backward_kernels = None, []
@@ -28,7 +30,7 @@ def build_region(graph: fx.Graph):
     differentiable = [o.meta["requires_grad"] and (o.meta["dtype"].is_floating_point or o.meta["dtype"].is_complex)
                       for o in outputs]
     region = CompiledRegion(forward_program, backward_program, parts.num_user_outputs, parts.saved,
-                            parts.grad_output_for, differentiable)
+                            parts.grad_output_for, differentiable, input_views=input_views)
     details = {
         "forward_graph": parts.forward,
         "backward_graph": parts.backward,
@@ -36,6 +38,41 @@ def build_region(graph: fx.Graph):
         "backward_kernels": backward_kernels,
     }
     return region, details
+
+
+def _split_input_views(graph: fx.Graph):
+    """Take outputs that are views of inputs (or inputs themselves) out of the graph.
+
+    NOTE: a ``torch.autograd.Function`` that returns a view of its input makes that output
+    a "view created inside a custom Function", which PyTorch refuses to modify in place; the
+    runtime applies these views to the real inputs after the region runs instead, so they
+    alias their base and take in-place ops exactly as eager views do.
+    Returns [(output position, input position, ((view kind, param), ...))].
+    """
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    output = next(n for n in graph.nodes if n.op == "output")
+    kept, views = [], []
+    for position, out in enumerate(output.args[0]):
+        chain, node = [], out
+        while getattr(node.target, "kind", None) == "view":
+            chain.append(_view_step(node))
+            node = node.args[0]
+        if node.op == "placeholder":
+            views.append((position, placeholders.index(node), tuple(reversed(chain))))
+        else:
+            kept.append(out)
+    if views:
+        output.args = (tuple(kept),)
+    return views
+
+
+def _view_step(node):
+    name = node.target.name
+    if name == "permute":
+        return ("permute", tuple(node.kwargs["dims"]))
+    if name in ("view_as_real", "view_as_complex"):
+        return (name, None)
+    return (name, tuple(node.kwargs["shape"]))
 
 
 def lower(graph: fx.Graph, schedule: Schedule):

@@ -21,6 +21,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from compiler.ir import GraphBuilder
+from compiler.ops import catalog as C
 from compiler.ops.bindings import Unsupported, lookup
 from runtime.calls import flatten_call, unflatten_call
 from runtime.replay import _name, is_metadata
@@ -47,6 +48,12 @@ class _Region:
     inputs: list = field(default_factory=list)      # value ids that became placeholders
     produced: list = field(default_factory=list)    # value ids made here, in order
     calls: list = field(default_factory=list)
+    view_mutation: bool = False                     # an in-place op changed a view
+    eager_reason: str | None = None                 # set when the region must run eagerly
+
+
+class _ViewMutation(Exception):
+    """A view changed in place in a way the functional capture cannot follow."""
 
 
 class Capture(TorchFunctionMode):
@@ -148,10 +155,19 @@ class Capture(TorchFunctionMode):
         if region is not None:
             self.call_meta[index] = ({v: TensorMeta.of(x) for v, x in zip(recorded, leaves) if isinstance(v, ValueId)},
                                      [TensorMeta.of(t) for t in out_tensors])
-            for vid, node in zip(outputs, nodes):
+            for vid, node, t in zip(outputs, nodes, out_tensors):
+                if region.nodes.get(vid) is node:
+                    continue  # returned its input as it is (x.to(x.dtype), x.reshape(x.shape))
+                old = region.nodes.get(vid)
                 region.nodes[vid] = node
                 region.produced.append(vid)
                 self.produced_by[vid] = index
+                if old is not None and t._base is not None:
+                    region.view_mutation = True
+                    try:
+                        self._update_base(region, vid, old, node, t._base, index)
+                    except _ViewMutation as e:
+                        region.eager_reason = f"{_name(func)}: {e}"
             region.calls.append(index)
             self.calls.append(TraceCall(func, "compute", region.index, spec, recorded, outputs, out_spec))
         else:
@@ -211,6 +227,38 @@ class Capture(TorchFunctionMode):
             self.current = region
         return region, nodes
 
+    def _update_base(self, region, vid, old_node, new_node, base, index):
+        """An in-place op changed a view: its base changes too (eager views share memory).
+
+        The base's new value is the view's new value mapped back through the view ops that
+        made the view (reshape and permute are invertible); the runtime writes it back.
+        """
+        entry = self.ids.get(id(base))
+        base_vid = entry[1] if entry is not None and entry[0]() is base else None
+        base_node = region.nodes.get(base_vid) if base_vid is not None else None
+        chain, node = [], old_node
+        while node is not base_node and getattr(node.target, "kind", None) == "view":
+            chain.append(node)
+            node = node.args[0]
+        if base_node is None or node is not base_node or any(n.target.name == "expand" for n in chain):
+            raise _ViewMutation(
+                "an in-place op on a view whose base is outside this region (or an expanded view); "
+                "the region runs eagerly")
+        b = region.builder
+        value = new_node
+        for view in chain:  # undo the views, last first
+            source_shape = view.args[0].meta["shape"]
+            if view.target.name == "permute":
+                inverse = [0] * len(view.kwargs["dims"])
+                for i, d in enumerate(view.kwargs["dims"]):
+                    inverse[d] = i
+                value = C.emit_view(b, "permute", value, dims=tuple(inverse))
+            else:
+                value = C.emit_view(b, "reshape", value, shape=source_shape)
+        region.nodes[base_vid] = value
+        region.produced.append(base_vid)
+        self.produced_by[base_vid] = index
+
     def _reads_region_value(self, recorded) -> bool:
         return any(isinstance(v, ValueId) and v in r.nodes and v not in r.inputs
                    for v in recorded for r in self.regions)
@@ -231,7 +279,7 @@ class Capture(TorchFunctionMode):
                     current.append(c)
             if current:
                 segments.append(current)
-            if len(segments) == 1:
+            if len(segments) == 1 or r.view_mutation:
                 r.index = len(regions)
                 regions.append(r)
                 continue
@@ -265,6 +313,8 @@ class Capture(TorchFunctionMode):
             result = _binding(call.func)(b, *a, **k)
             nodes = list(result) if isinstance(result, (tuple, list)) else [result]
             for vid, node, m in zip(call.outputs, nodes, out_meta):
+                if region.nodes.get(vid) is node:
+                    continue
                 node.meta["requires_grad"] = m.requires_grad
                 region.nodes[vid] = node
                 region.produced.append(vid)
@@ -276,16 +326,15 @@ class Capture(TorchFunctionMode):
         self._split_isolated()
         returned = {self.ids[id(t)][1] for t in tree_flatten(result)[0]
                     if isinstance(t, torch.Tensor) and id(t) in self.ids and self.ids[id(t)][0]() is t}
-        region_of = {}
-        for r in self.regions:
-            for vid in r.produced:
-                region_of[vid] = r.index
+        # Values read outside the region that computes them: by eager calls, and by other
+        # regions (a region's inputs). A region's own inputs that it mutates are among them:
+        # their final value is written back into the real tensor.
         used_outside = set(returned)
         for call in self.calls:
-            for leaf in call.leaves:
-                if isinstance(leaf, ValueId) and leaf in region_of:
-                    if call.kind == "eager" or call.region != region_of[leaf]:
-                        used_outside.add(leaf)
+            if call.kind == "eager":
+                used_outside.update(v for v in call.leaves if isinstance(v, ValueId))
+        for r in self.regions:
+            used_outside.update(r.inputs)
         plans = []
         for r in self.regions:
             outputs, internal = [], {}
@@ -303,7 +352,9 @@ class Capture(TorchFunctionMode):
             output_nodes = [r.nodes[v] for v in outputs]
             b.output(output_nodes)
             b.graph.eliminate_dead_code()
-            plans.append(RegionPlan(r.calls, list(r.inputs), outputs, internal, r.grad_enabled))
+            mutated = [v for v in r.inputs if v in seen]
+            plans.append(RegionPlan(r.calls, list(r.inputs), outputs, internal, r.grad_enabled, mutated=mutated,
+                                    reason=r.eager_reason))
             plans[-1].graph = b.graph
         return Trace(self.calls, plans, self.arg_ids, dict(self.externals), dict(self.produced_by),
                      list(dict.fromkeys(self.breaks)))

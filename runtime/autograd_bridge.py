@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.program import Program
+from runtime.program import Program, apply_views
 
 
 @dataclass
@@ -24,12 +24,16 @@ class CompiledRegion:
     grad_output_for: list       # which outputs receive a gradient in backward
     differentiable: list        # per output: whether it can carry a gradient
     stats: dict = field(default_factory=dict)
+    input_views: list = field(default_factory=list)  # (position, input, views): outputs that view inputs
 
     def __call__(self, inputs):
         if self.backward is None or not torch.is_grad_enabled():
-            outs = self.forward.run(inputs, self.stats)
-            return outs[: self.num_outputs]
-        return list(_RegionFunction.apply(self, *inputs))
+            outs = self.forward.run(inputs, self.stats)[: self.num_outputs]
+        else:
+            outs = list(_RegionFunction.apply(self, *inputs))
+        for position, index, views in self.input_views:  # views of inputs: made outside, by torch
+            outs.insert(position, apply_views(inputs[index], views))
+        return outs
 
 
 class _RegionFunction(torch.autograd.Function):

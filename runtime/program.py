@@ -21,19 +21,23 @@ class ValueRef:
     views: tuple = ()      # (("permute", dims) | ("expand", shape) | ("reshape", shape)), applied in order
 
     def resolve(self, env):
-        value = env[self.slot]
-        for kind, param in self.views:
-            if kind == "permute":
-                value = value.permute(param)
-            elif kind == "view_as_real":
-                value = torch.view_as_real(value.resolve_conj())
-            elif kind == "view_as_complex":
-                value = torch.view_as_complex(value if value.stride(-1) == 1 else value.contiguous())
-            elif kind == "expand":
-                value = value.expand(param)
-            else:
-                value = value.reshape(param)
-        return value
+        return apply_views(env[self.slot], self.views)
+
+
+def apply_views(value, views):
+    """Apply recorded view steps to a real tensor with PyTorch's own view functions."""
+    for kind, param in views:
+        if kind == "permute":
+            value = value.permute(param)
+        elif kind == "view_as_real":
+            value = torch.view_as_real(value.resolve_conj())
+        elif kind == "view_as_complex":
+            value = torch.view_as_complex(value if value.stride(-1) == 1 else value.contiguous())
+        elif kind == "expand":
+            value = value.expand(param)
+        else:
+            value = value.reshape(param)
+    return value
 
 
 @dataclass

@@ -133,7 +133,15 @@ class Replay(TorchFunctionMode):
         inputs = [self.env[v] for v in region.input_ids]
         with torch.set_grad_enabled(region.grad_enabled):
             outs = region.compiled(inputs)
-        for vid, t in zip(region.output_ids, outs):
+            written = dict(zip(region.output_ids, outs))
+            for vid in region.mutated:
+                # NOTE: in-place ops were compiled functionally; write the final value back
+                # into the real tensor, as eager's in-place op would have left it: same object,
+                # version counter bumped, autograd history through the compiled region.
+                target = self.env[vid]
+                target.copy_(written[vid])
+                written[vid] = target
+        for vid, t in written.items():
             self.env[vid] = t
             self.shown[vid] = t
         # Stand-ins are made once per region and reused: capture proved no one keeps them.

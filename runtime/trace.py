@@ -54,6 +54,7 @@ class RegionPlan:
     output_ids: list           # value ids produced inside and visible outside (materialized)
     internal: dict             # value id -> TensorMeta of values never seen outside
     grad_enabled: bool
+    mutated: list = field(default_factory=list)  # input value ids changed in place inside
     compiled: object = None    # CompiledRegion, or None: run this region's calls eagerly
     reason: str | None = None  # why it runs eagerly
     stand_ins: dict | None = None  # value id -> stand-in tensor, made at the first replay

@@ -238,7 +238,25 @@ def autograd_grad_with_grad_outputs_and_allow_unused(wrap, rec):
         rec.add("grads", list(grads))
 
 
-SCENARIOS = [hooks_on_input_param_intermediate_output, hook_returning_a_tensor_replaces_the_gradient,
+def hooks_before_and_after_an_in_place_op(wrap, rec):
+    # the notes: a hook registered before t.cos_() sees the gradient of the old t; one
+    # registered after sees the gradient of the new t
+    def f(x):
+        t = x.sin()
+        t.register_hook(rec.hook("before_cos_"))
+        t.cos_()
+        t.register_hook(rec.hook("after_cos_"))
+        return (t * 2).sum()
+    f = wrap(f)
+    for _ in range(3):
+        rec.events.clear()
+        x = torch.tensor([1.0, 0.5, -0.3], requires_grad=True)
+        f(x).backward()
+        rec.add("x.grad", x.grad)
+
+
+SCENARIOS = [hooks_before_and_after_an_in_place_op,
+             hooks_on_input_param_intermediate_output, hook_returning_a_tensor_replaces_the_gradient,
              retain_grad_on_intermediates, post_accumulate_grad_hooks, post_accumulate_on_non_leaf_raises,
              grad_fn_hooks, grad_fn_hooks_under_autograd_grad, order_of_the_six_steps, multi_grad_hook,
              module_full_backward_hooks, backward_with_inputs, autograd_grad_with_grad_outputs_and_allow_unused]

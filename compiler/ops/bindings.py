@@ -119,16 +119,14 @@ binds(F.sigmoid)(_unary("sigmoid"))
 
 @binds(F.relu)
 def _relu(b, x, inplace=False):
-    if inplace:
-        raise Unsupported("in-place relu is not supported yet")
-    return _pointwise(b, "relu", [x])
+    out = _pointwise(b, "relu", [x])
+    return _in_place(b, x, out) if inplace else out
 
 
 @binds(F.silu)
 def _silu(b, x, inplace=False):
-    if inplace:
-        raise Unsupported("in-place silu is not supported yet")
-    return _pointwise(b, "silu", [x], float_result=True)
+    out = _pointwise(b, "silu", [x], float_result=True)
+    return _in_place(b, x, out) if inplace else out
 
 
 @binds(F.gelu)
@@ -454,3 +452,71 @@ binds(torch.ones_like)(_filled(1))
 @binds(torch.full_like)
 def _full_like(b, x, fill_value, **kwargs):
     return _filled(fill_value)(b, x, **kwargs)
+
+
+# ----------------------------------------------------------------------------- in-place
+# NOTE: an in-place op is captured functionally: its result is a new value in the graph,
+# and the capture maps the mutated tensor to it. The runtime writes the final value back
+# into the real tensor with ``copy_`` after the region runs, so the tensor's version counter
+# and autograd history change as eager's do (a saved old value then fails eager's check).
+def _in_place(b, x, out):
+    if not isinstance(x, fx.Node):
+        raise Unsupported("in-place op on a non-tensor")
+    if tuple(out.meta["shape"]) != tuple(x.meta["shape"]):
+        raise Unsupported("in-place op whose result has a different shape (eager raises)")
+    if out.meta["dtype"] != x.meta["dtype"]:
+        out = C.emit_pointwise(b, "identity", [out], dtype=x.meta["dtype"],
+                               requires_grad=out.meta["requires_grad"] and x.meta["dtype"].is_floating_point)
+    return out
+
+
+def _in_place_variant(bind):
+    def in_place(b, x, *args, **kwargs):
+        return _in_place(b, x, bind(b, x, *args, **kwargs))
+    return in_place
+
+
+for _name in ("add", "sub", "mul", "div", "pow", "exp", "log", "sqrt", "rsqrt", "sin", "cos", "tanh",
+              "sigmoid", "relu", "neg", "reciprocal", "abs", "square"):
+    _source = BINDINGS.get(getattr(torch.Tensor, _name))
+    if _source is not None and hasattr(torch.Tensor, f"{_name}_"):
+        binds(getattr(torch.Tensor, f"{_name}_"))(_in_place_variant(_source))
+binds(torch.Tensor.__iadd__)(_in_place_variant(_add))
+binds(torch.Tensor.__isub__)(_in_place_variant(_sub))
+binds(torch.Tensor.__imul__)(_in_place_variant(_mul))
+binds(torch.Tensor.__itruediv__)(_in_place_variant(_div))
+binds(torch.relu_)(_in_place_variant(_unary("relu")))
+
+
+@binds(torch.masked_fill, _t("masked_fill"))
+def _masked_fill(b, x, mask, value):
+    if isinstance(value, fx.Node) and value.meta["shape"] != ():
+        raise Unsupported("masked_fill with a non-scalar value tensor")
+    dtype = x.meta["dtype"]
+    if isinstance(value, fx.Node):
+        value = C.emit_pointwise(b, "identity", [value], dtype=dtype) if value.meta["dtype"] != dtype else value
+    elif not dtype.is_floating_point and not dtype.is_complex:
+        value = int(value)
+    return C.emit_pointwise(b, "where", [mask, value, x], dtype=dtype)
+
+
+binds(_t("masked_fill_"))(_in_place_variant(_masked_fill))
+
+
+@binds(_t("copy_"))
+def _copy_(b, x, src, non_blocking=False):
+    if not isinstance(src, fx.Node):
+        raise Unsupported("copy_ from a non-tensor")
+    value = src
+    if src.meta["shape"] != x.meta["shape"]:
+        value = _expand(b, src, x.meta["shape"])
+    out = C.emit_pointwise(b, "identity", [value], dtype=x.meta["dtype"],
+                           requires_grad=value.meta["requires_grad"])
+    return out
+
+
+@binds(_t("fill_"))
+def _fill_(b, x, value):
+    if isinstance(value, fx.Node):
+        raise Unsupported("fill_ with a tensor value")
+    return _filled(value)(b, x)
