@@ -380,7 +380,9 @@ def _expected_eager(func, reads_region_value: bool) -> bool:
     if not torch.is_grad_enabled() and not reads_region_value:
         return True
     name = getattr(func, "__name__", "") or ""
-    if name in ("__get__", "__set__", "__delete__"):
+    if name in ("__set__", "__delete__"):
+        return True  # setting a tensor's attribute (.grad, hooks) is state, not math
+    if name == "__get__":
         return getattr(getattr(func, "__self__", None), "__name__", None) in _STATE_ATTRS
     module = getattr(func, "__module__", "") or ""
     if "profiler" in module or "record_function" in name:

@@ -8,11 +8,18 @@ slot after its last use, and returns its outputs. An output or matmul operand ma
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass, field
 
 import torch
 
 from runtime.kernels import load_kernel
+from runtime.triton_math import INTERPRETING
+
+# NOTE: Triton's interpreter patches triton.language's globals while a kernel runs, so two
+# threads interpreting at once corrupt each other; compiled GPU kernels need no such lock.
+_interpreter_lock = threading.Lock() if INTERPRETING else contextlib.nullcontext()
 
 
 @dataclass(frozen=True)
@@ -71,7 +78,8 @@ class KernelLaunch:
             env[slot] = out
             args.append(torch.view_as_real(out) if dtype.is_complex else out)
         if self.grid:  # an empty iteration space: outputs stay empty
-            fn[(self.grid,)](*args, XBLOCK=self.xblock, RBLOCK=self.rblock)
+            with _interpreter_lock:
+                fn[(self.grid,)](*args, XBLOCK=self.xblock, RBLOCK=self.rblock)
 
 
 @dataclass

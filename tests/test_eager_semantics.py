@@ -1,0 +1,322 @@
+"""Eager autograd semantics kept under compile: saved tensors and their hooks, grad modes,
+graph retention, custom autograd.Functions, non-deterministic ops, threads. Each check
+runs the same code eagerly and compiled (interpreter backend) and expects the same
+results and the same errors."""
+
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+
+import compiler
+
+F64 = torch.float64
+
+
+def compiled(fn):
+    return compiler.compile(fn, backend="interpret")
+
+
+def warm(fn, *args):
+    """Call once (the recording) so later calls run compiled."""
+    fn(*args)
+    return fn
+
+
+# -- saved tensors ------------------------------------------------------------------------
+
+def test_saved_tensor_hooks_pack_once_per_saved_tensor_and_unpack_when_needed():
+    x = torch.randn(8, dtype=F64, requires_grad=True)
+    w = torch.randn(8, dtype=F64, requires_grad=True)
+    f = warm(compiled(lambda x, w: (x.sin() * w).sum()), x, w)
+    packed, unpacked = [], []
+
+    def pack(t):
+        packed.append(t.shape)
+        return ("box", t.clone())
+
+    def unpack(box):
+        unpacked.append(box[1].shape)
+        return box[1] * 1  # the unpacked value is the one used
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        out = f(x, w)
+    assert len(packed) >= 1 and all(s == (8,) for s in packed)
+    assert unpacked == []
+    out.backward()
+    assert len(unpacked) == len(packed)  # each saved tensor unpacked once by this backward
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    (x.sin() * w).sum().backward()
+    torch.testing.assert_close(gx, x.grad)
+    torch.testing.assert_close(gw, w.grad)
+
+
+def test_unpacked_value_is_what_backward_uses():
+    x = torch.randn(5, dtype=F64, requires_grad=True)
+    f = warm(compiled(lambda x: (x * x).sum()), x)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: torch.zeros_like(t)):
+        out = f(x)
+    out.backward()
+    assert torch.equal(x.grad, torch.zeros_like(x))  # eager gives zeros too
+    x2 = x.detach().clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: torch.zeros_like(t)):
+        (x2 * x2).sum().backward()
+    assert torch.equal(x2.grad, x.grad)
+
+
+def test_save_on_cpu():
+    x = torch.randn(6, dtype=F64, requires_grad=True)
+    f = warm(compiled(lambda x: (x.exp() * x).sum()), x)
+    with torch.autograd.graph.save_on_cpu():
+        out = f(x)
+    out.backward()
+    torch.testing.assert_close(x.grad, (x.exp() * (x + 1)).detach())
+
+
+def test_saved_tensors_are_released_no_growth_over_1000_iterations():
+    x = torch.randn(16, requires_grad=True)
+    f = warm(compiled(lambda x: (x.sin() * x).sum()), x)
+    alive = weakref.WeakSet()
+
+    class Box:
+        def __init__(self, t):
+            self.t = t
+
+    def pack_box(t):
+        box = Box(t)
+        alive.add(box)
+        return box
+
+    counts = []
+    with torch.autograd.graph.saved_tensors_hooks(pack_box, lambda b: b.t):
+        for i in range(1000):
+            f(x).backward()
+            if i % 250 == 0:
+                gc.collect()
+                counts.append(len(alive))
+    gc.collect()
+    assert len(alive) == 0 and max(counts) <= 1, counts
+
+
+# -- grad modes ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "set_grad_enabled_false"])
+def test_grad_modes_around_the_call(mode):
+    ctx = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode,
+           "set_grad_enabled_false": lambda: torch.set_grad_enabled(False)}[mode]
+    x = torch.randn(4, requires_grad=True)
+    f = compiled(lambda x: x.sin() * 2)
+    with ctx():
+        f(x)
+        out = f(x)
+        ref = x.sin() * 2
+    assert out.requires_grad == ref.requires_grad == False  # noqa: E712
+    assert out.is_inference() == ref.is_inference()
+    torch.testing.assert_close(out, ref)
+    assert f.stats["kernel_launches"] > 0
+    if mode == "inference_mode":  # eager's error for inference tensors saved for backward
+        w = torch.randn(4, requires_grad=True)
+        with pytest.raises(RuntimeError, match="Inference tensors cannot be saved for backward"):
+            out * w
+
+
+def test_grad_modes_inside_the_function():
+    x = torch.randn(4, requires_grad=True)
+
+    def f(x):
+        with torch.no_grad():
+            a = x * 2
+        with torch.enable_grad():
+            b = x.exp()
+        with torch.set_grad_enabled(False):
+            c = x + 1
+        return a, b, c
+    cf = warm(compiled(f), x)
+    for mine, theirs in zip(cf(x), f(x)):
+        assert mine.requires_grad == theirs.requires_grad
+        torch.testing.assert_close(mine, theirs)
+    with torch.no_grad():  # enable_grad inside no_grad, as in eager
+        cf(x)
+        mine, theirs = cf(x), f(x)
+    assert [t.requires_grad for t in mine] == [t.requires_grad for t in theirs] == [False, True, False]
+
+
+def test_frozen_parameters_get_no_grad_and_backward_skips_them():
+    lin = torch.nn.Linear(4, 3)
+    f = compiled(lambda x: lin(x).tanh().sum())
+    x = torch.randn(2, 4)
+    f(x)
+    f(x).backward()
+    assert lin.weight.grad is not None
+    lin.zero_grad(set_to_none=True)
+    lin.weight.requires_grad_(False)
+    f(x)
+    f(x).backward()
+    assert lin.weight.grad is None and lin.bias.grad is not None
+    report = compiler.explain(f, x)
+    assert "permute" not in str(report.backward_graph).split("return")[-1]  # no weight gradient
+
+
+def test_eval_and_train_stay_orthogonal():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+    f = compiled(lambda x: model(x))
+    x = torch.randn(64, 4)
+    model.eval()
+    f(x)
+    torch.testing.assert_close(f(x), model(x))  # dropout off in eval
+    model.train()
+    f(x)
+    out = f(x)
+    assert (out == 0).float().mean() > 0.2  # dropout on in train
+
+
+# -- graph retention ----------------------------------------------------------------------
+
+def test_second_backward_raises_unless_retain_graph_and_then_accumulates():
+    x = torch.randn(5, dtype=F64, requires_grad=True)
+    f = warm(compiled(lambda x: (x.sin() * x).sum()), x)
+    out = f(x)
+    out.backward()
+    with pytest.raises(RuntimeError, match="Trying to backward through the graph a second time"):
+        out.backward()
+    x.grad = None
+    out = f(x)
+    out.backward(retain_graph=True)
+    once = x.grad.clone()
+    out.backward()
+    torch.testing.assert_close(x.grad, 2 * once)
+
+
+# -- custom autograd.Function -------------------------------------------------------------
+
+class ScaleAndFlag(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, y):
+        ctx.save_for_backward(x)
+        ctx.set_materialize_grads(False)
+        flag = (x > 0).to(x.dtype)
+        ctx.mark_non_differentiable(flag)
+        return x * 3 + y, flag
+
+    @staticmethod
+    def backward(ctx, g, g_flag):
+        (x,) = ctx.saved_tensors
+        gx = g * 3 if ctx.needs_input_grad[0] else None
+        gy = g if ctx.needs_input_grad[1] else None
+        return gx, gy
+
+
+class AddOneInPlace(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        x.add_(1)
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        return g * 2
+
+
+def test_custom_function_inside_a_compiled_function():
+    def f(x, y):
+        out, flag = ScaleAndFlag.apply(x.sin(), y)
+        z = AddOneInPlace.apply(out * 1)
+        return (z * flag + z.exp()).sum(), flag
+    x = torch.randn(6, dtype=F64, requires_grad=True)
+    y = torch.randn(6, dtype=F64)   # needs_input_grad[1] is False
+    cf = warm(compiled(f), x, y)
+    out, flag = cf(x, y)
+    assert not flag.requires_grad
+    out.backward()
+    mine = x.grad.clone()
+    x.grad = None
+    ref, _ = f(x, y)
+    ref.backward()
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(mine, x.grad)
+    assert cf.last_entry.report.fallbacks == []
+
+
+# -- non-deterministic ops (rule 6 of the notes) ------------------------------------------
+
+def test_non_deterministic_op_gradient_as_in_eager():
+    # bernoulli is not a mathematical function of p: eager gives it no gradient
+    p = torch.full((8,), 0.5, requires_grad=True)
+    f = compiled(lambda p: torch.bernoulli(p * 1) * 2 + p)
+    f(p)
+    f(p).sum().backward()
+    mine = p.grad.clone()
+    p.grad = None
+    (torch.bernoulli(p * 1) * 2 + p).sum().backward()
+    torch.testing.assert_close(mine, p.grad)
+
+
+# -- threads ------------------------------------------------------------------------------
+
+def test_eight_threads_hogwild_style():
+    def train_fn(results, i):
+        x = torch.full((5, 5), float(i), requires_grad=True)
+        y = step(x)
+        y.sum().backward()
+        results[i] = (y.detach(), x.grad.clone())
+
+    step = compiled(lambda x: (x + 3) * (x + 4) * 0.5)  # the notes' example
+    step(torch.ones(5, 5, requires_grad=True))            # record once
+    results = {}
+    threads = [threading.Thread(target=train_fn, args=(results, i)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(8):
+        x = torch.full((5, 5), float(i), requires_grad=True)
+        y = (x + 3) * (x + 4) * 0.5
+        y.sum().backward()
+        torch.testing.assert_close(results[i][0], y.detach())
+        torch.testing.assert_close(results[i][1], x.grad)
+    assert step.stats["divergences"] == 0 and step.stats["replays"] >= 8
+
+
+def test_threads_recording_different_shapes_concurrently():
+    f = compiled(lambda x: (x.sin() * 2).sum())
+    errors = []
+
+    def run(n):
+        try:
+            for _ in range(3):
+                x = torch.randn(n, requires_grad=True)
+                out = f(x)
+                out.backward()
+                torch.testing.assert_close(x.grad, 2 * x.detach().cos())
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+    threads = [threading.Thread(target=run, args=(n,)) for n in range(3, 11)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def test_shared_graph_between_threads_needs_retain_graph():
+    x = torch.randn(4, requires_grad=True)
+    f = warm(compiled(lambda x: x.exp() * 2), x)
+    shared = f(x)  # the first part of the graph, shared by the threads
+    errors = []
+
+    def run():
+        try:
+            shared.sum().backward()
+        except RuntimeError as e:
+            errors.append(str(e))
+    for _ in range(2):  # one after the other: the second finds the shared part freed
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+    assert len(errors) == 1 and "retain_graph=True" in errors[0]
