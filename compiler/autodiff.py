@@ -30,6 +30,7 @@ class Partitioned:
     saved: list                # descriptors: ("input", i) or ("output", j) of the forward
     grad_output_for: list      # indices of user outputs that receive a gradient
     input_needs_grad: list     # per forward input
+    joint: fx.Graph | None = None  # (*inputs, *grad_outputs) -> input grads: for double backward
 
 
 def differentiate(graph: fx.Graph):
@@ -86,6 +87,7 @@ def partition(graph: fx.Graph, mutated_inputs=frozenset()) -> Partitioned:
 
     forward_set = set(forward_nodes)
     grad_placeholders, input_grads = differentiate(graph)
+    joint = _joint(inputs, [g for _, g in grad_placeholders], input_grads)
 
     backward = fx.Graph()
     env: dict = {}
@@ -167,7 +169,44 @@ def partition(graph: fx.Graph, mutated_inputs=frozenset()) -> Partitioned:
     forward.output(tuple([fenv[o] if isinstance(o, fx.Node) else o for o in user_outputs]
                          + [copies[o] if o in copies else fenv[o] for o in extra]))
     return Partitioned(forward, backward, len(user_outputs), saved,
-                       [i for i, _ in grad_placeholders], input_needs_grad)
+                       [i for i, _ in grad_placeholders], input_needs_grad, joint)
+
+
+def _joint(inputs, grad_placeholders, input_grads) -> fx.Graph:
+    """The backward as a function of the forward's *inputs* and the output gradients,
+    recomputing what the first-order backward would read from saved values.
+
+    NOTE: double backward (create_graph=True) differentiates this graph: its inputs are real
+    tensors with autograd history, so every path from the inputs to the gradients is seen.
+    """
+    joint = fx.Graph()
+    env: dict = {}
+    for p in list(inputs) + list(grad_placeholders):
+        env[p] = joint.placeholder(p.name)
+        env[p].meta.update(p.meta)
+
+    def copy(node):
+        if node not in env:
+            env[node] = joint.node_copy(node, copy)
+        return env[node]
+    joint.output(tuple(copy(g) if g is not None else None for g in input_grads))
+    return joint
+
+
+def propagate_requires_grad(graph: fx.Graph, placeholder_flags) -> None:
+    """Set every node's requires_grad from the placeholders' (given in order), as autograd
+    would: a value requires grad when a differentiable op reads one that does."""
+    flags = iter(placeholder_flags)
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            node.meta["requires_grad"] = next(flags)
+        elif node.op == "call_function":
+            name = getattr(node.target, "name", "")
+            dtype = node.meta["dtype"]
+            node.meta["requires_grad"] = (
+                (dtype.is_floating_point or dtype.is_complex) and name not in C.BOOL_RESULT_OPS
+                and name != "fill"
+                and any(isinstance(a, fx.Node) and a.meta["requires_grad"] for a in node.args))
 
 
 def _reaches(node, targets) -> bool:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from compiler.autodiff import partition
+import threading
+
+from compiler.autodiff import partition, propagate_requires_grad
 from compiler.codegen.triton_kernel import render_kernel
 from compiler.fusion import Schedule, fuse
 from runtime.autograd_bridge import CompiledRegion
@@ -31,6 +33,8 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset()):
                       for o in outputs]
     region = CompiledRegion(forward_program, backward_program, parts.num_user_outputs, parts.saved,
                             parts.grad_output_for, differentiable, input_views=input_views)
+    if parts.joint is not None:
+        region.build_double_backward = _double_backward_builder(parts.joint)
     details = {
         "forward_graph": parts.forward,
         "backward_graph": parts.backward,
@@ -38,6 +42,30 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset()):
         "backward_kernels": backward_kernels,
     }
     return region, details
+
+
+def _double_backward_builder(joint: fx.Graph):
+    """For create_graph=True: the backward as a compiled, differentiable region of its own,
+    built per pattern of which of its inputs require grad (the same machinery, one order up)."""
+    cache: dict = {}
+    lock = threading.Lock()
+
+    def build(requires_grad: tuple):
+        with lock:
+            if requires_grad not in cache:
+                graph = _copy_graph(joint)
+                propagate_requires_grad(graph, requires_grad)
+                cache[requires_grad], _ = build_region(graph)
+            return cache[requires_grad]
+    return build
+
+
+def _copy_graph(graph: fx.Graph) -> fx.Graph:
+    new = fx.Graph()
+    env: dict = {}
+    for node in graph.nodes:
+        env[node] = new.node_copy(node, lambda n: env[n])
+    return new
 
 
 def _split_input_views(graph: fx.Graph):

@@ -25,6 +25,7 @@ class CompiledRegion:
     differentiable: list        # per output: whether it can carry a gradient
     stats: dict = field(default_factory=dict)
     input_views: list = field(default_factory=list)  # (position, input, views): outputs that view inputs
+    build_double_backward: object = None  # requires_grad pattern -> CompiledRegion of the backward
 
     def __call__(self, inputs):
         if self.backward is None or not torch.is_grad_enabled():
@@ -43,6 +44,10 @@ class _RegionFunction(torch.autograd.Function):
         saved = [inputs[i] if kind == "input" else outs[i] for kind, i in region.saved]
         ctx.save_for_backward(*saved)
         ctx.region = region
+        # For create_graph=True the backward is recomputed from the inputs themselves, so
+        # keep them (their versions too: eager's in-place check still applies).
+        ctx.inputs = inputs
+        ctx.versions = [t._version if isinstance(t, torch.Tensor) else None for t in inputs]
         user = outs[: region.num_outputs]
         ctx.shapes = [(o.shape, o.dtype, o.device) for o in user]
         non_diff = [o for o, d in zip(user, region.differentiable) if not d]
@@ -61,5 +66,23 @@ class _RegionFunction(torch.autograd.Function):
                 shape, dtype, device = ctx.shapes[i]
                 g = torch.zeros(shape, dtype=dtype, device=device)
             grads.append(g)
+        if torch.is_grad_enabled() and region.build_double_backward is not None:
+            return (None, *_differentiable_backward(ctx, region, grads))
         results = region.backward.run(saved + grads, region.stats)
         return (None, *results)
+
+
+def _differentiable_backward(ctx, region: CompiledRegion, grads):
+    """create_graph=True: run the backward as a compiled region with its own backward."""
+    inputs = list(ctx.inputs)
+    for t, version in zip(inputs, ctx.versions):
+        if isinstance(t, torch.Tensor) and t._version != version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: [{t.type()} {list(t.shape)}] is at version {t._version}; expected version "
+                f"{version} instead (compiled region, create_graph=True)")
+    pattern = tuple(t.requires_grad for t in inputs + grads)
+    backward_region = region.build_double_backward(pattern)
+    backward_region.stats = region.stats
+    results = backward_region(inputs + grads)
+    return [r if needs else None for r, needs in zip(results, ctx.needs_input_grad[1:])]
