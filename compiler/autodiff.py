@@ -51,7 +51,10 @@ def differentiate(graph: fx.Graph):
         for node in reversed(nodes):
             if node.op != "call_function" or node not in grads:
                 continue
+            start = len(b.created)
             contributions = C.vjp(b, node, grads[node])
+            for made in b.created[start:]:  # for errors that name the forward op (anomaly mode)
+                made.meta.setdefault("origin", (node.meta.get("torch_op", node.target.name), node.meta.get("source")))
             for arg, contribution in zip(node.args, contributions):
                 if contribution is None or not _differentiable(arg):
                     continue

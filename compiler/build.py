@@ -13,6 +13,7 @@ import threading
 from compiler.autodiff import partition, propagate_requires_grad
 from compiler.codegen.triton_kernel import render_kernel
 from compiler.fusion import Schedule, fuse
+from compiler.reference import first_nan
 from runtime.autograd_bridge import CompiledRegion
 from runtime.program import ExternCall, KernelLaunch, Program, ValueRef
 
@@ -35,6 +36,7 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset()):
                             parts.grad_output_for, differentiable, input_views=input_views)
     if parts.joint is not None:
         region.build_double_backward = _double_backward_builder(parts.joint)
+        region.explain_nan = _nan_explainer(parts.backward)
     details = {
         "forward_graph": parts.forward,
         "backward_graph": parts.backward,
@@ -58,6 +60,19 @@ def _double_backward_builder(joint: fx.Graph):
                 cache[requires_grad], _ = build_region(graph)
             return cache[requires_grad]
     return build
+
+
+def _nan_explainer(backward: fx.Graph):
+    """Under detect_anomaly: which forward op's derivative made the NaN (op by op, eagerly)."""
+    def explain(inputs) -> str:
+        node = first_nan(backward, inputs)
+        if node is None:
+            return "Function '_RegionFunctionBackward' returned nan values (compiled region backward)"
+        op, source = node.meta.get("origin", (node.target.name, None))
+        return (f"Function '{op}' (compiled region backward) returned nan values: the derivative of "
+                f"{op} called at {source or '?'} turned finite values into NaN "
+                f"(backward graph node {node.name}: {node.meta.get('expr', node.target.name)})")
+    return explain
 
 
 def _copy_graph(graph: fx.Graph) -> fx.Graph:

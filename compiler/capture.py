@@ -13,6 +13,8 @@ materialized: those returned, read by eager calls or later regions, or still ali
 
 from __future__ import annotations
 
+import os
+import sys
 import weakref
 from dataclasses import dataclass, field
 
@@ -211,7 +213,11 @@ class Capture(TorchFunctionMode):
             else:
                 mapped.append(x)
         a, k = unflatten_call(mapped, flatten_call(args, kwargs)[1])
+        start = len(b.created)
         result = binding(b, *a, **k)
+        source, op_name = _user_frame(), _name(func)
+        for made in b.created[start:]:
+            made.meta["source"], made.meta["torch_op"] = source, op_name
         nodes = list(result) if isinstance(result, (tuple, list)) else [result]
         if len(nodes) != len(out_tensors):
             raise Unsupported("internal: the binding returned a different number of results than eager")
@@ -358,6 +364,20 @@ class Capture(TorchFunctionMode):
             plans[-1].graph = b.graph
         return Trace(self.calls, plans, self.arg_ids, dict(self.externals), dict(self.produced_by),
                      list(dict.fromkeys(self.breaks)))
+
+
+def _user_frame() -> str:
+    """file:line of the user's code that made the current torch call."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not any(part in path for part in _LIBRARY_PATHS):
+            return f"{path}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back
+    return "?"
+
+
+_LIBRARY_PATHS = (os.sep + "torch" + os.sep, os.sep + "compiler" + os.sep, os.sep + "runtime" + os.sep)
 
 
 def _is_grad_fn_access(func) -> bool:

@@ -101,6 +101,7 @@ class GraphBuilder:
 
     def __init__(self, graph: fx.Graph | None = None):
         self.graph = graph if graph is not None else fx.Graph()
+        self.created: list = []   # call nodes in creation order (stages tag what they made)
 
     def placeholder(self, name, shape, dtype, requires_grad=False) -> fx.Node:
         node = self.graph.placeholder(name)
@@ -109,6 +110,7 @@ class GraphBuilder:
 
     def call(self, op, args, kwargs=None, *, shape, dtype, requires_grad, expr=None) -> fx.Node:
         node = self.graph.call_function(op, tuple(args), dict(kwargs or {}))
+        self.created.append(node)
         node.meta.update(shape=tuple(shape), dtype=dtype, requires_grad=requires_grad)
         if expr is not None:
             node.meta["expr"] = expr

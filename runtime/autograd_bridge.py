@@ -26,6 +26,7 @@ class CompiledRegion:
     stats: dict = field(default_factory=dict)
     input_views: list = field(default_factory=list)  # (position, input, views): outputs that view inputs
     build_double_backward: object = None  # requires_grad pattern -> CompiledRegion of the backward
+    explain_nan: object = None  # backward inputs -> message naming the forward op that made NaN
 
     def __call__(self, inputs):
         if self.backward is None or not torch.is_grad_enabled():
@@ -69,7 +70,15 @@ class _RegionFunction(torch.autograd.Function):
         if torch.is_grad_enabled() and region.build_double_backward is not None:
             return (None, *_differentiable_backward(ctx, region, grads))
         results = region.backward.run(saved + grads, region.stats)
+        if torch.is_anomaly_enabled() and region.explain_nan is not None and _has_nan(results) \
+                and not _has_nan(grads):
+            raise RuntimeError(region.explain_nan(saved + grads))
         return (None, *results)
+
+
+def _has_nan(tensors) -> bool:
+    return any(isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+               and bool(torch.isnan(t).any()) for t in tensors)
 
 
 def _differentiable_backward(ctx, region: CompiledRegion, grads):

@@ -320,3 +320,21 @@ def test_shared_graph_between_threads_needs_retain_graph():
         t.start()
         t.join()
     assert len(errors) == 1 and "retain_graph=True" in errors[0]
+
+
+# -- anomaly detection --------------------------------------------------------------------
+
+def test_anomaly_detection_names_the_forward_op():
+    x = torch.tensor([0.0, 1.0], dtype=F64, requires_grad=True)
+
+    def g(x):
+        return (torch.sqrt(x) * 0).sum()  # d/dx = 0 * inf = NaN at x = 0
+    c = warm(compiled(g), x)
+    with pytest.warns(UserWarning), torch.autograd.detect_anomaly(check_nan=True):
+        out = c(x)
+        with pytest.raises(RuntimeError, match="returned nan values") as err:
+            out.backward()
+    assert "sqrt" in str(err.value) and "test_eager_semantics.py" in str(err.value)
+    with pytest.warns(UserWarning), torch.autograd.detect_anomaly(check_nan=True):  # eager raises too
+        with pytest.raises(RuntimeError, match="returned nan values"):
+            g(x.detach().clone().requires_grad_()).backward()

@@ -1,0 +1,83 @@
+"""Running an IR graph op by op with PyTorch: a reference executor.
+
+Used where each intermediate value matters more than speed: under
+``torch.autograd.detect_anomaly()`` it finds the first op of a backward graph that turned
+finite values into NaN, so the error can name the forward op responsible.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from compiler.ops import symbols as Y
+from compiler.ops.evaluate import evaluate
+
+
+def run_graph(graph: fx.Graph, inputs, on_value=None):
+    """Evaluate ``graph`` on ``inputs``; ``on_value(node, value, args)`` sees every value."""
+    env: dict = {}
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, inputs):
+        env[node] = value
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        args = [env[a] if isinstance(a, fx.Node) else a for a in node.args]
+        value = _evaluate_node(node, args)
+        env[node] = value
+        if on_value is not None and on_value(node, value, args):
+            break
+    output = next(n for n in graph.nodes if n.op == "output")
+    return [env.get(o) if isinstance(o, fx.Node) else o for o in output.args[0]]
+
+
+def _evaluate_node(node, args):
+    op = node.target
+    kind = op.kind
+    dtype = node.meta["dtype"]
+    if kind == "pointwise":
+        binding = {}
+        for i, (arg, value) in enumerate(zip(node.args, args)):
+            binding[Y.operand(i, arg.meta["dtype"].is_complex)] = value
+        value = evaluate(node.meta["expr"], binding)
+        value = torch.as_tensor(value, device=args[0].device if args else None)
+        if value.is_complex() and not dtype.is_complex:
+            value = value.real
+        return value.to(dtype).expand(node.meta["shape"])
+    if kind == "reduction":
+        x = args[0]
+        dims, keepdim = node.kwargs["dims"], node.kwargs["keepdim"]
+        fn = torch.sum if op.name == "sum" else torch.mean
+        return (fn(x, dim=dims, keepdim=keepdim) if dims else x.clone()).to(dtype)
+    if kind == "view":
+        x = args[0]
+        if op.name == "permute":
+            return x.permute(node.kwargs["dims"])
+        if op.name == "expand":
+            return x.expand(node.kwargs["shape"])
+        if op.name == "view_as_real":
+            return torch.view_as_real(x.resolve_conj())
+        if op.name == "view_as_complex":
+            return torch.view_as_complex(x.contiguous())
+        return x.reshape(node.kwargs["shape"])
+    if kind == "extern":
+        return op.torch_fn(*args)
+    raise NotImplementedError(f"reference execution of {op}")
+
+
+def first_nan(graph: fx.Graph, inputs):
+    """The first node that produces NaN from NaN-free arguments, or None."""
+    found = []
+
+    def check(node, value, args):
+        if _has_nan(value) and not any(_has_nan(a) for a in args if isinstance(a, torch.Tensor)):
+            found.append(node)
+            return True
+        return False
+    run_graph(graph, inputs, check)
+    return found[0] if found else None
+
+
+def _has_nan(t) -> bool:
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) and bool(torch.isnan(t).any())
