@@ -221,7 +221,8 @@ def _reaches(node, targets) -> bool:
         n = stack.pop()
         if n in targets:
             return True
-        if n in seen or not isinstance(n, fx.Node) or getattr(n.target, "kind", None) not in ("pointwise", "view"):
+        if n in seen or not isinstance(n, fx.Node) or \
+                getattr(n.target, "kind", None) not in ("pointwise", "scatter", "view"):
             continue
         seen.add(n)
         stack.extend(a for a in n.args if isinstance(a, fx.Node))

@@ -115,6 +115,8 @@ def _view_step(node):
         return ("permute", tuple(node.kwargs["dims"]))
     if name in ("view_as_real", "view_as_complex"):
         return (name, None)
+    if name == "slice":
+        return ("slice", tuple(node.kwargs[k] for k in ("dim", "start", "step", "length")))
     return (name, tuple(node.kwargs["shape"]))
 
 

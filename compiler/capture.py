@@ -118,6 +118,8 @@ class Capture(TorchFunctionMode):
             raise
         if isinstance(result, torch.Tensor):
             out_tensors, out_spec = [result], None
+        elif func is torch.Tensor.__setitem__:
+            out_tensors, out_spec = [args[0]], "setitem"  # mutates args[0], returns None
         else:
             out_leaves, out_spec = tree_flatten(result)
             out_tensors = [t for t in out_leaves if isinstance(t, torch.Tensor)]
@@ -246,15 +248,19 @@ class Capture(TorchFunctionMode):
         while node is not base_node and getattr(node.target, "kind", None) == "view":
             chain.append(node)
             node = node.args[0]
-        if base_node is None or node is not base_node or any(n.target.name == "expand" for n in chain):
+        if base_node is None or node is not base_node or any(
+                n.target.name not in ("reshape", "permute", "slice") for n in chain):
             raise _ViewMutation(
-                "an in-place op on a view whose base is outside this region (or an expanded view); "
+                "an in-place op on a view whose base is outside this region, or made by a view op "
+                "other than reshape, permute or slicing; "
                 "the region runs eagerly")
         b = region.builder
         value = new_node
         for view in chain:  # undo the views, last first
             source_shape = view.args[0].meta["shape"]
-            if view.target.name == "permute":
+            if view.target.name == "slice":  # write the slice back into the (old) source
+                value = C.emit_slice_scatter(b, view.args[0], value, **view.kwargs)
+            elif view.target.name == "permute":
                 inverse = [0] * len(view.kwargs["dims"])
                 for i, d in enumerate(view.kwargs["dims"]):
                     inverse[d] = i

@@ -41,6 +41,9 @@ class Schedule:
         return [plan for kind, plan in self.steps if kind == "kernel"]
 
 
+INLINE_KINDS = ("pointwise", "scatter")  # computed per element inside the kernels that read them
+
+
 def kind_of(node: fx.Node) -> str:
     if node.op == "placeholder":
         return "input"
@@ -79,11 +82,11 @@ def fuse(graph: fx.Graph) -> Schedule:
             step_of[node] = len(steps)
             steps.append(("extern", node))
             continue
-        if node not in buffers or kind not in ("pointwise", "reduction"):
+        if node not in buffers or kind not in ("pointwise", "scatter", "reduction"):
             continue
         if kind == "reduction":
             space = (node.args[0].meta["shape"], node.kwargs["dims"])
-        else:
+        else:  # pointwise or scatter: one element per position of its shape
             space = (node.meta["shape"], ())
         # The earliest kernel that can take this root: at or after the last step that
         # writes something it reads, same iteration space, not reading its reductions.
@@ -117,9 +120,9 @@ def _reads(node: fx.Node, buffers) -> set:
         seen.add(n)
         if n in buffers:
             found.add(n)
-            if kind_of(n) != "pointwise":
+            if kind_of(n) not in INLINE_KINDS:
                 continue
-        if kind_of(n) in ("pointwise", "view"):
+        if kind_of(n) in INLINE_KINDS or kind_of(n) == "view":
             stack.extend(n.args)
     return found
 
@@ -137,6 +140,6 @@ def _depends_on(node: fx.Node, targets, buffers) -> bool:
         seen.add(n)
         if n in targets:
             return True
-        if kind_of(n) in ("pointwise", "view") or n in targets:
+        if kind_of(n) in INLINE_KINDS or kind_of(n) == "view" or n in targets:
             stack.extend(n.args)
     return False

@@ -11,6 +11,7 @@ import torch
 import torch.fx as fx
 
 from compiler.ops import symbols as Y
+from compiler.ops.catalog import slice_tensor
 from compiler.ops.evaluate import evaluate
 
 
@@ -50,8 +51,16 @@ def _evaluate_node(node, args):
         dims, keepdim = node.kwargs["dims"], node.kwargs["keepdim"]
         fn = torch.sum if op.name == "sum" else torch.mean
         return (fn(x, dim=dims, keepdim=keepdim) if dims else x.clone()).to(dtype)
+    if kind == "scatter":
+        base, src = args
+        out = base.clone()
+        view = slice_tensor(out, **node.kwargs)
+        view.copy_(src.expand(view.shape) if src.dim() else src)
+        return out
     if kind == "view":
         x = args[0]
+        if op.name == "slice":
+            return slice_tensor(x, **node.kwargs)
         if op.name == "permute":
             return x.permute(node.kwargs["dims"])
         if op.name == "expand":

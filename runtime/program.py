@@ -42,6 +42,9 @@ def apply_views(value, views):
             value = torch.view_as_complex(value if value.stride(-1) == 1 else value.contiguous())
         elif kind == "expand":
             value = value.expand(param)
+        elif kind == "slice":
+            dim, start, step, length = param
+            value = value[(slice(None),) * dim + (slice(start, start + length * step, step),)]
         else:
             value = value.reshape(param)
     return value

@@ -113,13 +113,18 @@ class Replay(TorchFunctionMode):
                 self.pos += 1
                 if rec.out_spec is None:  # the common case: one tensor
                     return self.shown[rec.outputs[0]]
+                if rec.out_spec == "setitem":  # x[i] = v changed x (written back by the region)
+                    return None
                 return tree_unflatten([self.shown[v] for v in rec.outputs], rec.out_spec)
         self.pos += 1
         real = [self.env[x] if isinstance(x, ValueId) else leaf for leaf, x in zip(leaves, rec.leaves)]
         a, k = unflatten_call(real, spec)
         result = func(*a, **k)
-        tensors = [result] if isinstance(result, torch.Tensor) else [
-            t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
+        if rec.out_spec == "setitem":
+            tensors = [a[0]]
+        else:
+            tensors = [result] if isinstance(result, torch.Tensor) else [
+                t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
         for vid, t in zip(rec.outputs, tensors):
             self.env[vid] = t
             self.shown[vid] = t

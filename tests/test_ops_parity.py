@@ -84,6 +84,9 @@ STRUCTURAL = {
     "flatten_unsqueeze": lambda x: x.flatten(1).unsqueeze(0).squeeze(0).cos(),
     "t_matmul": lambda x: x.reshape(12, 10).t() @ x.reshape(12, 10),
     "view_after_pointwise": lambda x: (x * x).view(3, 40).tanh(),
+    "getitem_int_slice": lambda x: x[1, :, 2:8:3].exp() * x[-1, 0, :2],
+    "getitem_none_ellipsis": lambda x: (x[..., 0][None] * 2).sum(0),
+    "narrow_select": lambda x: x.narrow(2, 1, 4).sin() + x.select(0, 2)[None, :, 1:5],
 }
 
 

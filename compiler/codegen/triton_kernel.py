@@ -14,6 +14,7 @@ name is a hash of its body, so identical kernels are compiled once.
 from __future__ import annotations
 
 import hashlib
+import re
 import itertools
 from dataclasses import dataclass
 
@@ -90,6 +91,11 @@ class KernelWriter:
         terms = [f"({idx}) * {arg}_s{d}" for d, (idx, size) in enumerate(zip(index, node.meta["shape"]))
                  if size != 1 and idx != "0"]
         offset = " + ".join(terms)
+        if offset and all(idx.isdigit() for idx in index):  # a fixed element: scalar load
+            if dtype.is_complex:
+                return (self.tmp(f"tl.load({arg}_ptr + {offset})"),
+                        self.tmp(f"tl.load({arg}_ptr + {offset} + 1)")), dtype
+            return self.tmp(f"tl.load({arg}_ptr + {offset})"), dtype
         if dtype.is_complex:  # interleaved storage: strides count real elements
             if not offset:
                 return (self.tmp(f"tl.load({arg}_ptr)"), self.tmp(f"tl.load({arg}_ptr + 1)")), dtype
@@ -115,11 +121,13 @@ class KernelWriter:
     # -- values ------------------------------------------------------------------------
     def value(self, node: fx.Node, index: tuple):
         """(Triton variable(s), dtype) of ``node`` at ``index``: loaded, or computed inline."""
+        index = tuple(_fold(i) for i in index)
         key = (node, index)
         if key in self.values:
             return self.values[key]
         kind = kind_of(node)
-        if (node in self.buffers and node not in self.roots) or kind not in ("pointwise", "view", "reduction"):
+        if (node in self.buffers and node not in self.roots) or \
+                kind not in ("pointwise", "scatter", "view", "reduction"):
             result = self.load(node, index)
         elif kind == "view" and node.target.name == "view_as_real":
             (re, im), dtype = self.value(node.args[0], index[:-1])
@@ -132,6 +140,8 @@ class KernelWriter:
             result = self.value(node.args[0], tuple(node.target.index_map(node, list(index))))
         elif kind == "pointwise":
             result = self.pointwise(node, index)
+        elif kind == "scatter":
+            result = self.slice_scatter(node, index)
         else:
             raise AssertionError(f"reduction {node.name} read inside the kernel that computes it")
         self.values[key] = result
@@ -165,6 +175,39 @@ class KernelWriter:
         if expr.is_number:  # a constant: give it the block's shape
             return self.tmp(f"tl.full(SHAPE, {text}, {TL_DTYPE[want]})"), want
         return self.tmp(text), want
+
+    def slice_scatter(self, node, index: tuple):
+        """base[idx], or src at the slice position when idx lies in the slice."""
+        base, src = node.args
+        d, start, step, length = (node.kwargs[k] for k in ("dim", "start", "step", "length"))
+        dtype = compute_dtype(node.meta["dtype"])
+        base_value, base_dtype = self.value(base, index)
+        base_value = self.cast(base_value, base_dtype, dtype)
+        if length == 0:
+            return base_value, dtype
+        if index[d].isdigit():  # a known position: whether it is in the slice is known now
+            at = int(index[d]) - start
+            if not (0 <= at < length * step and at % step == 0):
+                return base_value, dtype
+            src_index = tuple(str(at // step) if i == d else idx for i, idx in enumerate(index))
+            src_index = _broadcast_index(src_index, node.meta["shape"], src.meta["shape"])
+            src_value, src_dtype = self.value(src, src_index)
+            return self.cast(src_value, src_dtype, dtype), dtype
+        rel = self.tmp(f"{index[d]} - {start}")
+        inside = f"({rel} >= 0) & ({rel} < {length * step})"
+        if step != 1:
+            inside += f" & ({rel} % {step} == 0)"
+        inside = self.tmp(inside)
+        # clamp, so positions outside the slice still read inside src (their value is unused)
+        position = self.tmp(f"tl.minimum(tl.maximum({rel} // {step}, 0), {length - 1})")
+        src_index = tuple(position if i == d else idx for i, idx in enumerate(index))
+        src_index = _broadcast_index(src_index, node.meta["shape"], src.meta["shape"])
+        src_value, src_dtype = self.value(src, src_index)
+        src_value = self.cast(src_value, src_dtype, dtype)
+        if dtype.is_complex:
+            return (self.tmp(f"tl.where({inside}, {src_value[0]}, {base_value[0]})"),
+                    self.tmp(f"tl.where({inside}, {src_value[1]}, {base_value[1]})")), dtype
+        return self.tmp(f"tl.where({inside}, {src_value}, {base_value})"), dtype
 
     def complex_pointwise(self, node, expr, args, want):
         """A pointwise op with complex operands or result, as real arithmetic on parts."""
@@ -343,6 +386,13 @@ def _used_as_condition(expr, symbol) -> bool:
     return any(w.args[0] == symbol for w in expr.atoms(S.Where))
 
 
+def _fold(index: str) -> str:
+    """An index expression with no variables in it, as its integer value ("(((0)))" -> "0")."""
+    if index.isdigit() or re.search(r"[A-Za-z_]", index):
+        return index
+    return str(eval(index, {"__builtins__": {}}))  # digits, operators and parentheses only
+
+
 def _broadcast_index(index: tuple, out_shape: tuple, arg_shape: tuple) -> tuple:
     lead = len(out_shape) - len(arg_shape)
     return tuple("0" if size == 1 else index[lead + d] for d, size in enumerate(arg_shape))
@@ -360,7 +410,7 @@ def _describe(plan: KernelPlan) -> str:
             name = getattr(n.target, "name", "op")
             if name not in ops and kind_of(n) != "view":
                 ops.append(name)
-            if kind_of(n) in ("pointwise", "view") or n is root:
+            if kind_of(n) in ("pointwise", "scatter", "view") or n is root:
                 stack.extend(n.args)
     return "fused_" + "_".join(reversed(ops[:4])).replace("pointwise", "pw")
 

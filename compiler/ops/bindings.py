@@ -520,3 +520,90 @@ def _fill_(b, x, value):
     if isinstance(value, fx.Node):
         raise Unsupported("fill_ with a tensor value")
     return _filled(value)(b, x)
+
+
+# ----------------------------------------------------------------------------- indexing
+def _basic_index(x, index):
+    """Split a basic index (ints, slices, None, ...) into per-dim slices of ``x`` and the final
+    shape; advanced (tensor) indexing is not supported yet."""
+    items = index if isinstance(index, tuple) else (index,)
+    shape = x.meta["shape"]
+    consuming = [i for i in items if i is not None and i is not Ellipsis]
+    if any(isinstance(i, (fx.Node, list, bool)) or (not isinstance(i, (int, slice))) for i in consuming):
+        raise Unsupported("indexing with tensors, lists or booleans (advanced indexing) is not supported yet")
+    if sum(1 for i in items if i is Ellipsis) > 1:
+        raise Unsupported("an index can only have a single ellipsis (eager raises)")
+    if Ellipsis in items:
+        at = items.index(Ellipsis)
+        fill = (slice(None),) * (len(shape) - len(consuming))
+        items = items[:at] + fill + items[at + 1:]
+    slices, final, dim = [], [], 0
+    for item in items:
+        if item is None:
+            final.append(1)
+            continue
+        size = shape[dim]
+        if isinstance(item, int):
+            i = item + size if item < 0 else item
+            slices.append((dim, i, 1, 1))
+        else:
+            start, stop, step = item.indices(size)
+            if step <= 0:
+                raise Unsupported("step must be greater than zero (eager raises)")
+            length = max(0, -(-(stop - start) // step))
+            slices.append((dim, start, step, length))
+            final.append(length)
+        dim += 1
+    final += list(shape[dim:])
+    return slices, tuple(final)
+
+
+@binds(_t("__getitem__"))
+def _getitem(b, x, index):
+    slices, final = _basic_index(x, index)
+    out = x
+    for dim, start, step, length in slices:
+        out = C.emit_slice(b, out, dim, start, step, length)
+    return C.emit_view(b, "reshape", out, shape=final)
+
+
+@binds(_t("__setitem__"))
+def _setitem(b, x, index, value):
+    """x[index] = value, functionally: x with value scattered into the indexed positions."""
+    if index is None or (isinstance(index, tuple) and None in index):
+        raise Unsupported("assignment through an index with None")
+    slices, final = _basic_index(x, index)
+    shape = x.meta["shape"]
+    slices = [s for s in slices if s[1:] != (0, 1, shape[s[0]])]  # whole dims need no scatter
+    chain = [x]
+    for dim, start, step, length in slices:
+        chain.append(C.emit_slice(b, chain[-1], dim, start, step, length))
+    target_shape = chain[-1].meta["shape"]
+    dtype = x.meta["dtype"]
+    if isinstance(value, fx.Node):
+        if value.meta["shape"] != tuple(final):
+            value = _expand(b, value, final)
+        new = C.emit_view(b, "reshape", value, shape=target_shape)
+        if new.meta["dtype"] != dtype:
+            new = C.emit_pointwise(b, "identity", [new], dtype=dtype, requires_grad=new.meta["requires_grad"])
+    else:
+        new = C.emit_fill(b, target_shape, dtype, value)
+    for (dim, start, step, length), base in zip(reversed(slices), reversed(chain[:-1])):
+        new = C.emit_slice_scatter(b, base, new, dim, start, step, length)
+    return new
+
+
+@binds(torch.narrow, _t("narrow"))
+def _narrow(b, x, dim, start, length):
+    if isinstance(start, fx.Node):
+        raise Unsupported("narrow with a tensor start")
+    dim %= len(x.meta["shape"])
+    start = start + x.meta["shape"][dim] if start < 0 else start
+    return C.emit_slice(b, x, dim, start, 1, length)
+
+
+@binds(torch.select, _t("select"))
+def _select(b, x, dim, index):
+    dim %= len(x.meta["shape"])
+    items = (slice(None),) * dim + (index,)
+    return _getitem(b, x, items)

@@ -305,6 +305,10 @@ class View(OpDef):
     def out_shape(self, in_shape, params):
         if self.name == "permute":
             return tuple(in_shape[d] for d in params["dims"])
+        if self.name == "slice":
+            shape = list(in_shape)
+            shape[params["dim"]] = params["length"]
+            return tuple(shape)
         if self.name == "view_as_real":
             return tuple(in_shape) + (2,)
         if self.name == "view_as_complex":
@@ -318,6 +322,12 @@ class View(OpDef):
             result = [None] * len(in_shape)
             for out_dim, in_dim in enumerate(node.kwargs["dims"]):
                 result[in_dim] = out_index[out_dim]
+            return result
+        if self.name == "slice":
+            result = list(out_index)
+            d, start, step = node.kwargs["dim"], node.kwargs["start"], node.kwargs["step"]
+            scaled = result[d] if step == 1 else f"({result[d]}) * {step}"
+            result[d] = scaled if start == 0 else f"{start} + {scaled}"
             return result
         if self.name == "expand":
             lead = len(out_shape) - len(in_shape)
@@ -350,6 +360,9 @@ class View(OpDef):
             return [emit_view(b, "permute", grad_out, dims=tuple(inverse))]
         if self.name == "expand":
             return [sum_to_shape(b, grad_out, x.meta["shape"])]
+        if self.name == "slice":  # the gradient goes back to the sliced positions, 0 elsewhere
+            zeros = emit_fill(b, x.meta["shape"], grad_out.meta["dtype"], 0)
+            return [emit_slice_scatter(b, zeros, grad_out, **node.kwargs)]
         return [emit_view(b, "reshape", grad_out, shape=x.meta["shape"])]
 
     def host(self, tensor: torch.Tensor, node: fx.Node) -> torch.Tensor:
@@ -361,9 +374,16 @@ class View(OpDef):
         return tensor.reshape(node.kwargs["shape"])
 
 
+def slice_tensor(tensor, dim, start, step, length):
+    """The real view ``tensor[..., start:start+length*step:step, ...]`` along ``dim``."""
+    index = (slice(None),) * dim + (slice(start, start + length * step, step),)
+    return tensor[index]
+
+
 # view_as_real / view_as_complex reinterpret interleaved storage; the kernel writer reads
 # them as (real, imag) parts rather than through an index map.
-VIEWS = {name: View(name) for name in ("reshape", "permute", "expand", "view_as_real", "view_as_complex")}
+VIEWS = {name: View(name) for name in ("reshape", "permute", "expand", "view_as_real", "view_as_complex",
+                                       "slice")}
 
 
 def emit_view(b, name, x, **params) -> fx.Node:
@@ -380,6 +400,49 @@ def emit_view(b, name, x, **params) -> fx.Node:
     if name == "permute" and tuple(params["dims"]) == tuple(range(len(shape))):
         return x
     return b.call(op, [x], params, shape=shape, dtype=x.meta["dtype"], requires_grad=x.meta["requires_grad"])
+
+
+def emit_slice(b, x, dim, start, step, length) -> fx.Node:
+    if start == 0 and step == 1 and length == x.meta["shape"][dim]:
+        return x
+    return b.call(VIEWS["slice"], [x], {"dim": dim, "start": start, "step": step, "length": length},
+                  shape=VIEWS["slice"].out_shape(x.meta["shape"], {"dim": dim, "length": length}),
+                  dtype=x.meta["dtype"], requires_grad=x.meta["requires_grad"])
+
+
+def emit_fill(b, shape, dtype, value) -> fx.Node:
+    """A constant tensor of ``shape`` (no inputs)."""
+    expr = sympy.Float(value) if dtype.is_floating_point or dtype.is_complex else sympy.Integer(int(value))
+    return b.call(POINTWISE["fill"], [], shape=shape, dtype=dtype, requires_grad=False, expr=expr)
+
+
+# ----------------------------------------------------------------------------- scatter
+class SliceScatter(OpDef):
+    """``base`` with ``src`` written into the slice (dim, start, step, length): the
+    functional form of ``x[..., a:b:c] = v`` and the gradient of a slice. Inlined into
+    kernels like a pointwise op whose value depends on the index."""
+
+    kind = "scatter"
+
+    def vjp(self, b, node, grad_out):
+        base, src = node.args
+        params = node.kwargs
+        g_base = g_src = None
+        if base.meta["requires_grad"]:
+            zeros = emit_fill(b, src.meta["shape"], grad_out.meta["dtype"], 0)
+            g_base = emit_slice_scatter(b, grad_out, zeros, **params)
+        if src.meta["requires_grad"]:
+            g_src = emit_slice(b, grad_out, **params)
+        return [g_base, g_src]
+
+
+SLICE_SCATTER = SliceScatter("slice_scatter")
+
+
+def emit_slice_scatter(b, base, src, dim, start, step, length) -> fx.Node:
+    return b.call(SLICE_SCATTER, [base, src], {"dim": dim, "start": start, "step": step, "length": length},
+                  shape=base.meta["shape"], dtype=base.meta["dtype"],
+                  requires_grad=base.meta["requires_grad"] or src.meta["requires_grad"])
 
 
 # ----------------------------------------------------------------------------- extern
