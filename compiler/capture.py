@@ -203,18 +203,8 @@ class Capture(TorchFunctionMode):
         if region is None or region.device != device or region.grad_enabled != grad_enabled:
             region = _Region(len(self.regions), grad_enabled, device)
         b = region.builder
-        mapped = []
-        for x, vid in zip(leaves, recorded):
-            if isinstance(x, torch.Tensor):
-                node = region.nodes.get(vid)
-                if node is None:
-                    node = b.placeholder(f"v{vid}", x.shape, x.dtype, x.requires_grad and grad_enabled)
-                    region.nodes[vid] = node
-                    region.inputs.append(vid)
-                mapped.append(node)
-            else:
-                mapped.append(x)
-        a, k = unflatten_call(mapped, flatten_call(args, kwargs)[1])
+        metas = {vid: TensorMeta.of(x) for x, vid in zip(leaves, recorded) if isinstance(x, torch.Tensor)}
+        a, k = unflatten_call(_map_to_nodes(region, recorded, metas), flatten_call(args, kwargs)[1])
         start = len(b.created)
         result = binding(b, *a, **k)
         source, op_name = _user_frame(), _name(func)
@@ -309,19 +299,7 @@ class Capture(TorchFunctionMode):
         for c in call_indices:
             call = self.calls[c]
             in_meta, out_meta = self.call_meta[c]
-            mapped = []
-            for leaf in call.leaves:
-                if isinstance(leaf, ValueId):
-                    node = region.nodes.get(leaf)
-                    if node is None:
-                        m = in_meta[leaf]
-                        node = b.placeholder(f"v{leaf}", m.shape, m.dtype, m.requires_grad and grad_enabled)
-                        region.nodes[leaf] = node
-                        region.inputs.append(leaf)
-                    mapped.append(node)
-                else:
-                    mapped.append(leaf)
-            a, k = unflatten_call(mapped, call.spec)
+            a, k = unflatten_call(_map_to_nodes(region, call.leaves, in_meta), call.spec)
             result = _binding(call.func)(b, *a, **k)
             nodes = list(result) if isinstance(result, (tuple, list)) else [result]
             for vid, node, m in zip(call.outputs, nodes, out_meta):
@@ -370,6 +348,24 @@ class Capture(TorchFunctionMode):
             plans[-1].graph = b.graph
         return Trace(self.calls, plans, self.arg_ids, dict(self.externals), dict(self.produced_by),
                      list(dict.fromkeys(self.breaks)))
+
+
+def _map_to_nodes(region: _Region, recorded, metas) -> list:
+    """A call's recorded leaves with each value id replaced by the region's node for it;
+    a value the region has not seen yet becomes a placeholder (a region input)."""
+    mapped = []
+    for leaf in recorded:
+        if not isinstance(leaf, ValueId):
+            mapped.append(leaf)
+            continue
+        node = region.nodes.get(leaf)
+        if node is None:
+            m = metas[leaf]
+            node = region.builder.placeholder(f"v{leaf}", m.shape, m.dtype, m.requires_grad and region.grad_enabled)
+            region.nodes[leaf] = node
+            region.inputs.append(leaf)
+        mapped.append(node)
+    return mapped
 
 
 def _user_frame() -> str:

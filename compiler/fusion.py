@@ -110,36 +110,27 @@ def fuse(graph: fx.Graph) -> Schedule:
     return Schedule(steps, buffers, host_views)
 
 
-def _reads(node: fx.Node, buffers) -> set:
-    """The buffers a root reads, looking through the values it computes inline."""
-    found, stack, seen = set(), list(node.args), set()
-    while stack:
-        n = stack.pop()
-        if not isinstance(n, fx.Node) or n in seen:
-            continue
-        seen.add(n)
-        if n in buffers:
-            found.add(n)
-            if kind_of(n) not in INLINE_KINDS:
-                continue
-        if kind_of(n) in INLINE_KINDS or kind_of(n) == "view":
-            stack.extend(n.args)
-    return found
-
-
-def _depends_on(node: fx.Node, targets, buffers) -> bool:
-    """Whether ``node`` reads any of ``targets`` (searching through inlined values)."""
-    if not targets:
-        return False
-    targets = set(targets)
+def _inlined_reads(node: fx.Node):
+    """Every value ``node`` reads, looking through the values its kernel computes inline
+    (pointwise ops, scatters, views); buffers are yielded and their own inputs not followed,
+    except pointwise buffers, which a kernel that stores them also computes."""
     stack, seen = list(node.args), set()
     while stack:
         n = stack.pop()
         if not isinstance(n, fx.Node) or n in seen:
             continue
         seen.add(n)
-        if n in targets:
-            return True
-        if kind_of(n) in INLINE_KINDS or kind_of(n) == "view" or n in targets:
+        yield n
+        if kind_of(n) in INLINE_KINDS or kind_of(n) == "view":
             stack.extend(n.args)
-    return False
+
+
+def _reads(node: fx.Node, buffers) -> set:
+    """The buffers a root reads."""
+    return {n for n in _inlined_reads(node) if n in buffers}
+
+
+def _depends_on(node: fx.Node, targets, buffers) -> bool:
+    """Whether ``node`` reads any of ``targets`` (reductions of a kernel it would join)."""
+    targets = set(targets)
+    return bool(targets) and any(n in targets for n in _inlined_reads(node))
