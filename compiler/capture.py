@@ -34,6 +34,8 @@ _AUTOGRAD_CALLS = {torch.Tensor.backward, torch.autograd.backward, torch.autogra
                    torch._C._set_grad_enabled, torch.Tensor.requires_grad_, torch.Tensor.retain_grad,
                    torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook,
                    torch.Tensor.detach, torch.Tensor.zero_}
+_VALUE_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "__format__",
+                "__repr__", "__str__", "__array__"}
 _STATE_ATTRS = {"grad", "data", "grad_fn", "_base", "_version"}
 _SUPPORTED_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool,
                      torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
@@ -146,7 +148,11 @@ class Capture(TorchFunctionMode):
             except Unsupported as e:
                 reason = f"{_name(func)}: {e}"
         elif not by_design and not _expected_eager(func, self._reads_region_value(recorded)):
-            reason = f"{_name(func)} is not supported by the compiler yet"
+            if getattr(func, "__name__", "") in _VALUE_READS:
+                reason = (f"{_name(func)} reads a tensor's value into Python (a graph break: the compiled "
+                          "region ends there, and the call is recorded again if the value steers control flow)")
+            else:
+                reason = f"{_name(func)} is not supported by the compiler yet"
 
         outputs = []
         for t in out_tensors:

@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
+from compiler.ir import GraphBuilder, compute_dtype, numel
+from compiler.ops import catalog as C
+
 
 @dataclass
 class KernelPlan:
@@ -50,7 +53,38 @@ def kind_of(node: fx.Node) -> str:
     return getattr(node.target, "kind", "other")
 
 
+SPLIT_REDUCTION_MIN = 1 << 16   # a full reduction at least this large runs in two stages
+
+
+def split_large_reductions(graph: fx.Graph) -> None:
+    """A reduction of a large tensor to a single value becomes two: many programs reduce
+    chunks in parallel, one reduces their partial results (one program alone would use one
+    GPU core). The first stage fuses with the ops that feed it, as any reduction does."""
+    for node in list(graph.nodes):
+        if kind_of(node) != "reduction":
+            continue
+        x = node.args[0]
+        shape, dims = x.meta["shape"], node.kwargs["dims"]
+        rnumel = numel([shape[d] for d in dims])
+        if rnumel < SPLIT_REDUCTION_MIN or numel(shape) != rnumel:
+            continue
+        split = next((s for s in (1024, 512, 256, 128) if rnumel % s == 0), None)
+        if split is None:
+            continue
+        b = GraphBuilder(graph)
+        with graph.inserting_before(node):
+            flat = C.emit_view(b, "reshape", x, shape=(split, rnumel // split))
+            partial = C.emit_reduction(b, "sum", flat, (1,), dtype=compute_dtype(node.meta["dtype"]))
+            total = C.emit_reduction(b, node.target.name, partial, (0,), dtype=node.meta["dtype"])
+            if node.target.name == "mean":
+                total.kwargs = {**total.kwargs, "count": rnumel}
+            total = C.emit_view(b, "reshape", total, shape=node.meta["shape"])
+        node.replace_all_uses_with(total)
+        graph.erase_node(node)
+
+
 def fuse(graph: fx.Graph) -> Schedule:
+    split_large_reductions(graph)
     nodes = [n for n in graph.nodes if n.op == "call_function"]
     outputs = [o for o in next(n for n in graph.nodes if n.op == "output").args[0] if isinstance(o, fx.Node)]
     buffers = {n for n in graph.nodes if kind_of(n) in ("input", "extern", "reduction")}

@@ -80,6 +80,11 @@ def result_dtype(operands) -> torch.dtype:
     return _promote(tuple(key))
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Half types are loaded, computed in float32 and stored back, as Inductor does."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def broadcast_shapes(*shapes) -> tuple:
     return tuple(torch.broadcast_shapes(*shapes))
 

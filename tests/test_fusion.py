@@ -68,3 +68,15 @@ def test_kernels_are_cached_by_source():
     loaded = len(_loaded)
     f2(x), f2(x)
     assert len(_loaded) == loaded
+
+
+def test_large_full_reductions_run_in_two_stages():
+    # one program would reduce 2^17 elements alone: split into parallel chunks, then combine
+    x = torch.randn(512, 256, dtype=torch.float64, requires_grad=True)
+    report = compiler.explain(lambda x: (x.sin() * x).mean(), x)
+    assert len(report.forward_kernels) == 2
+    first = report.forward_kernels[0].source
+    assert "tl.sin" in first and "tl.sum" in first  # the chain fused into the first stage
+    check_parity(lambda x: (x.sin() * x).mean(), [x])
+    small = compiler.explain(lambda x: (x.sin() * x).mean(), torch.randn(64, 32, requires_grad=True))
+    assert len(small.forward_kernels) == 1

@@ -26,7 +26,7 @@ from compiler.codegen.realify import IM, RE, realify
 from compiler.codegen.triton_printer import NotPrintable, TritonPrinter
 from compiler.ops import symbols as Y
 from compiler.fusion import KernelPlan, kind_of
-from compiler.ir import contiguous_strides, numel
+from compiler.ir import compute_dtype, contiguous_strides, numel
 
 TL_DTYPE = {
     torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32",
@@ -38,11 +38,6 @@ SIGNATURE_DTYPE = {
     torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8",
     torch.bool: "i1",
 }
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Half types are loaded, computed in float32 and stored back, as Inductor does."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 @dataclass

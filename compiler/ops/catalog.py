@@ -253,7 +253,7 @@ class Reduction(OpDef):
         if self.name != "mean":
             return 1.0
         shape = node.args[0].meta["shape"]
-        count = numel([shape[d] for d in node.kwargs["dims"]])
+        count = node.kwargs.get("count") or numel([shape[d] for d in node.kwargs["dims"]])
         return 1.0 / count if count else math.nan
 
     def vjp(self, b, node, grad_out):
