@@ -46,10 +46,17 @@ def _evaluate_node(node, args):
         if value.is_complex() and not dtype.is_complex:
             value = value.real
         return value.to(dtype).expand(node.meta["shape"])
+    if kind == "iota":
+        shape, dim = node.meta["shape"], node.kwargs["dim"]
+        view = [1] * len(shape)
+        view[dim] = shape[dim]
+        return torch.arange(shape[dim]).reshape(view).expand(shape)
     if kind == "reduction":
         x = args[0]
         dims, keepdim = node.kwargs["dims"], node.kwargs["keepdim"]
-        fn = torch.sum if op.name == "sum" else torch.mean
+        fn = {"sum": torch.sum, "mean": torch.mean, "amax": torch.amax}[op.name]
+        if node.kwargs.get("count"):  # the second stage of a split mean
+            return (torch.sum(x, dim=dims, keepdim=keepdim) / node.kwargs["count"]).to(dtype)
         return (fn(x, dim=dims, keepdim=keepdim) if dims else x.clone()).to(dtype)
     if kind == "scatter":
         base, src = args

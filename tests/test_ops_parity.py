@@ -43,6 +43,7 @@ UNARY = {
     "reciprocal": (lambda x: 1 / x, positive(5, 7)),
     "scalar_chain": (lambda x: (x * 3 - 1.5) / 2 + 0.25, normal(5, 7)),
     "rsub": (lambda x: 1 - x, normal(5, 7)),
+    "clamp": (lambda x: x.clamp(-0.5, 0.5) + torch.clamp(x, min=0.0) + x.clamp_max(0.25), normal(5, 7)),
     "zeros_like_where": (lambda x: torch.where(x > 0, x, torch.zeros_like(x)), normal(5, 7)),
     "ones_full_like": (lambda x: x * torch.ones_like(x) + torch.full_like(x, 0.5) * x, normal(5, 7)),
     "to_dtype": (lambda x: x.to(torch.float64).sin().to(x.dtype), normal(5, 7)),
@@ -178,3 +179,41 @@ def test_noncontiguous_inputs():
     x = base.t().requires_grad_()  # a transposed leaf: kernels read it through its strides
     assert not x.is_contiguous()
     check_parity(lambda x: (x.sin() * 2).sum(0), [x])
+
+
+ARANGE = torch.arange(10.0)
+TARGET = torch.tensor([1, 0, 9, -100, 4, 4])
+LAYER_NORMS = {torch.float32: torch.nn.LayerNorm(10), torch.float64: torch.nn.LayerNorm(10).double()}
+
+NORMS_AND_LOSSES = {
+    "amax_max": lambda x, w, b: x.amax(1) * 2 + x.max(),
+    "softmax": lambda x, w, b: F.softmax(x, dim=1) * ARANGE.to(x.dtype),
+    "log_softmax": lambda x, w, b: x.log_softmax(-1).sum(0),
+    "logsumexp": lambda x, w, b: torch.logsumexp(x * w, 1),
+    "layer_norm": lambda x, w, b: F.layer_norm(x, (10,), w, b),
+    "layer_norm_module": lambda x, w, b: LAYER_NORMS[x.dtype](x) * w,
+    "rms_norm": lambda x, w, b: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w,
+    "cross_entropy": lambda x, w, b: F.cross_entropy(x * w, TARGET),
+    "cross_entropy_sum": lambda x, w, b: F.cross_entropy(x, TARGET, reduction="sum"),
+    "cross_entropy_none": lambda x, w, b: F.cross_entropy(x, TARGET.clamp(min=0), reduction="none"),
+    "cross_entropy_probabilities": lambda x, w, b: F.cross_entropy(x, F.softmax(b.detach().expand(6, 10), 1)),
+    "nll_loss": lambda x, w, b: F.nll_loss(F.log_softmax(x, 1), TARGET),
+}
+if hasattr(F, "rms_norm"):
+    NORMS_AND_LOSSES["rms_norm_functional"] = lambda x, w, b: F.rms_norm(x, (10,), w, eps=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", sorted(NORMS_AND_LOSSES))
+def test_norms_softmax_and_losses(name, dtype):
+    torch.manual_seed(0)
+    x = torch.randn(6, 10, dtype=dtype, requires_grad=True)
+    w = torch.randn(10, dtype=dtype, requires_grad=True)
+    b = torch.randn(10, dtype=dtype, requires_grad=True)
+    compiled = check_parity(NORMS_AND_LOSSES[name], [x, w, b], dtype=dtype)
+    assert compiled.last_entry.report.fallbacks == []
+
+
+def test_amax_propagates_nan_and_splits_ties():
+    x = torch.tensor([[1.0, 3.0, 3.0], [float("nan"), 0.0, 2.0]], dtype=torch.float64, requires_grad=True)
+    check_parity(lambda x: x.amax(1), [x])

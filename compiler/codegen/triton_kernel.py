@@ -121,6 +121,12 @@ class KernelWriter:
         if key in self.values:
             return self.values[key]
         kind = kind_of(node)
+        if kind == "iota" and not (node in self.buffers and node not in self.roots):
+            position = index[node.kwargs["dim"]]
+            result = self.tmp(f"tl.full(SHAPE, {position}, tl.int64)" if position.isdigit()
+                              else f"({position}).to(tl.int64)"), torch.int64
+            self.values[key] = result
+            return result
         if (node in self.buffers and node not in self.roots) or \
                 kind not in ("pointwise", "scatter", "view", "reduction"):
             result = self.load(node, index)
@@ -285,7 +291,11 @@ class KernelWriter:
                 names = []
                 for part in parts:
                     acc = f"acc{sum(len(a[1]) for a in accumulators) + len(names)}"
-                    self.lines.append(f"{acc} = {acc} + tl.where(MASK, {part}, 0)")
+                    if root.target.name == "amax":  # NaN wins, as in eager
+                        self.lines.append(f"{acc} = tl.where((MASK) & (({part} > {acc}) | ({part} != {part})), "
+                                          f"{part}, {acc})")
+                    else:
+                        self.lines.append(f"{acc} = {acc} + tl.where(MASK, {part}, 0)")
                     names.append(acc)
                 accumulators.append((root, names, acc_dtype.to_real() if acc_dtype.is_complex else acc_dtype))
             else:
@@ -310,9 +320,12 @@ class KernelWriter:
         src = []
         src += header
         if reduction:
-            for _, accs, acc_dtype in accumulators:
+            for root, accs, acc_dtype in accumulators:
                 for acc in accs:
-                    src.append(f"{acc} = tl.zeros([XBLOCK, RBLOCK], {TL_DTYPE[acc_dtype]})")
+                    if root.target.name == "amax":
+                        src.append(f"{acc} = tl.full([XBLOCK, RBLOCK], float(\"-inf\"), {TL_DTYPE[acc_dtype]})")
+                    else:
+                        src.append(f"{acc} = tl.zeros([XBLOCK, RBLOCK], {TL_DTYPE[acc_dtype]})")
             src.append(f"for roffset in range(0, {rnumel}, RBLOCK):")
             loop = ["rindex = roffset + tl.arange(0, RBLOCK)[None, :]", f"rmask = rindex < {rnumel}"]
             loop += body_prefix + body
@@ -325,6 +338,9 @@ class KernelWriter:
                 part_dtype = dtype.to_real() if dtype.is_complex else dtype
                 for k, acc in enumerate(accs):
                     total = f"tl.sum({acc}, 1)[:, None]"
+                    if root.target.name == "amax":  # the max, plus NaN if any element was NaN
+                        total = (f"(tl.max({acc}, 1)[:, None] + "
+                                 f"tl.sum(tl.where({acc} != {acc}, {acc}, 0.0), 1)[:, None])")
                     if scale != 1.0:
                         total = f"{total} * {scale!r}"
                     where = f"2 * xindex + {k}" if dtype.is_complex else "xindex"

@@ -32,8 +32,10 @@ _COMPARE = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="
 
 def literal(value) -> str:
     value = float(value)
-    if value != value or value in (float("inf"), float("-inf")):
-        raise NotPrintable(f"non-finite constant {value}")
+    if value != value:
+        return 'float("nan")'
+    if value in (float("inf"), float("-inf")):
+        return 'float("inf")' if value > 0 else '(-float("inf"))'
     return repr(value)
 
 
@@ -52,7 +54,7 @@ class TritonPrinter:
         if e.is_Symbol:
             return self.names[e]
         if e.is_number and not isinstance(e, sympy.Function):
-            if e.is_real is False:
+            if e.is_extended_real is False:
                 raise NotPrintable(f"complex constant {e}")
             return literal(e)
         if e.is_Add:

@@ -607,3 +607,178 @@ def _select(b, x, dim, index):
     dim %= len(x.meta["shape"])
     items = (slice(None),) * dim + (index,)
     return _getitem(b, x, items)
+
+
+# ----------------------------------------------------------------------------- max, softmax, norms, losses
+@binds(torch.amax, _t("amax"))
+def _amax(b, x, dim=(), keepdim=False, *, out=None):
+    _no_out({"out": out})
+    if not x.meta["dtype"].is_floating_point:
+        raise Unsupported("amax of an integer tensor is not supported yet")
+    return C.emit_reduction(b, "amax", x, _dims(x, dim), keepdim)
+
+
+@binds(torch.max, _t("max"))
+def _max(b, x, *args, **kwargs):
+    if args or kwargs:
+        raise Unsupported("max with a dim (values and indices) or of two tensors: use amax / maximum")
+    return _amax(b, x)
+
+
+def _detached(b, node):
+    """The same value without a gradient path (the stabilizing shift of softmax/logsumexp)."""
+    return C.emit_pointwise(b, "identity", [node], dtype=node.meta["dtype"], requires_grad=False)
+
+
+def _shifted(b, x, dim):
+    """(x - max, max): the max is finite-safe (0 where it is ±inf), as eager's logsumexp."""
+    m = _detached(b, C.emit_reduction(b, "amax", x, (dim,), keepdim=True))
+    m = C.emit_pointwise(b, "where", [C.emit_pointwise(b, "eq", [_pointwise(b, "abs", [m]), float("inf")],
+                                                        dtype=torch.bool), 0.0, m], dtype=m.meta["dtype"],
+                         requires_grad=False)
+    return _pointwise(b, "sub", [x, m]), m
+
+
+def _softmax_dtype(b, x, dtype):
+    if dtype is not None and dtype != x.meta["dtype"]:
+        x = C.emit_pointwise(b, "identity", [x], dtype=dtype)
+    if not x.meta["dtype"].is_floating_point:
+        raise Unsupported("softmax of a non-floating tensor")
+    return x
+
+
+@binds(F.softmax, torch.softmax, _t("softmax"))
+def _softmax(b, x, dim=None, _stacklevel=3, dtype=None):
+    if dim is None:
+        raise Unsupported("softmax without dim")
+    x = _softmax_dtype(b, x, dtype)
+    shifted, _ = _shifted(b, x, dim)
+    e = _pointwise(b, "exp", [shifted])
+    return _pointwise(b, "div", [e, C.emit_reduction(b, "sum", e, (dim,), keepdim=True)])
+
+
+@binds(F.log_softmax, torch.log_softmax, _t("log_softmax"))
+def _log_softmax(b, x, dim=None, _stacklevel=3, dtype=None):
+    if dim is None:
+        raise Unsupported("log_softmax without dim")
+    x = _softmax_dtype(b, x, dtype)
+    shifted, _ = _shifted(b, x, dim)
+    total = C.emit_reduction(b, "sum", _pointwise(b, "exp", [shifted]), (dim,), keepdim=True)
+    return _pointwise(b, "sub", [shifted, _pointwise(b, "log", [total])])
+
+
+@binds(torch.logsumexp, _t("logsumexp"))
+def _logsumexp(b, x, dim, keepdim=False, *, out=None):
+    _no_out({"out": out})
+    dims = _dims(x, dim)
+    if len(dims) != 1:
+        raise Unsupported("logsumexp over several dims is not supported yet")
+    shifted, m = _shifted(b, x, dims[0])
+    total = C.emit_reduction(b, "sum", _pointwise(b, "exp", [shifted]), dims, keepdim=True)
+    out = _pointwise(b, "add", [_pointwise(b, "log", [total]), m])
+    return out if keepdim else C.emit_view(b, "reshape", out, shape=C.Reduction("sum").out_shape(
+        x.meta["shape"], tuple(d % len(x.meta["shape"]) for d in dims), False))
+
+
+def _norm_dims(x, normalized_shape):
+    shape = x.meta["shape"]
+    normalized_shape = tuple(normalized_shape) if isinstance(normalized_shape, (tuple, list, torch.Size)) \
+        else (normalized_shape,)
+    if tuple(shape[len(shape) - len(normalized_shape):]) != normalized_shape:
+        raise Unsupported("normalized_shape does not match the input's last dims (eager raises)")
+    return tuple(range(len(shape) - len(normalized_shape), len(shape)))
+
+
+@binds(F.layer_norm, torch.layer_norm)
+def _layer_norm(b, x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
+    dims = _norm_dims(x, normalized_shape)
+    mean = C.emit_reduction(b, "mean", x, dims, keepdim=True)
+    centered = _pointwise(b, "sub", [x, mean])
+    var = C.emit_reduction(b, "mean", _pointwise(b, "mul", [centered, centered]), dims, keepdim=True)
+    out = _pointwise(b, "mul", [centered, _pointwise(b, "rsqrt", [_pointwise(b, "add", [var, float(eps)])])])
+    if weight is not None:
+        out = _pointwise(b, "mul", [out, weight])
+    if bias is not None:
+        out = _pointwise(b, "add", [out, bias])
+    return out
+
+
+if hasattr(F, "rms_norm"):
+    @binds(F.rms_norm)
+    def _rms_norm(b, x, normalized_shape, weight=None, eps=None):
+        dims = _norm_dims(x, normalized_shape)
+        if eps is None:
+            eps = torch.finfo(x.meta["dtype"]).eps
+        ms = C.emit_reduction(b, "mean", _pointwise(b, "mul", [x, x]), dims, keepdim=True)
+        out = _pointwise(b, "mul", [x, _pointwise(b, "rsqrt", [_pointwise(b, "add", [ms, float(eps)])])])
+        return _pointwise(b, "mul", [out, weight]) if weight is not None else out
+
+
+def _reduce_loss(b, loss, reduction, count=None):
+    if reduction == "none":
+        return loss
+    total = C.emit_reduction(b, "sum", loss, tuple(range(len(loss.meta["shape"]))))
+    if reduction == "sum":
+        return total
+    if reduction != "mean":
+        raise Unsupported(f"reduction={reduction!r}")
+    if count is None:
+        return _pointwise(b, "div", [total, float(C.numel(loss.meta["shape"]))])
+    return _pointwise(b, "div", [total, count])
+
+
+def _picked(b, values, target, ignore_index):
+    """values[n, target[n], ...] along dim 1 as a one-hot masked sum; positions whose target
+    is ``ignore_index`` give 0. Returns (picked, valid mask as values' dtype)."""
+    shape = values.meta["shape"]
+    classes = C.emit_iota(b, shape, 1)
+    t = C.emit_view(b, "reshape", target, shape=shape[:1] + (1,) + shape[2:])
+    hit = C.emit_pointwise(b, "eq", [t, classes], dtype=torch.bool)
+    picked = C.emit_reduction(b, "sum", C.emit_pointwise(b, "where", [hit, values, 0.0],
+                                                          dtype=values.meta["dtype"]), (1,))
+    valid = C.emit_pointwise(b, "ne", [target, ignore_index], dtype=torch.bool)
+    return C.emit_pointwise(b, "where", [valid, picked, 0.0], dtype=values.meta["dtype"]), \
+        C.emit_pointwise(b, "identity", [valid], dtype=values.meta["dtype"], requires_grad=False)
+
+
+@binds(F.nll_loss)
+def _nll_loss(b, x, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean"):
+    if weight is not None or size_average is not None or reduce is not None:
+        raise Unsupported("nll_loss with class weights or legacy arguments")
+    if len(x.meta["shape"]) < 2 or target.meta["dtype"].is_floating_point:
+        raise Unsupported("nll_loss needs (N, C, ...) log-probabilities and class-index targets")
+    picked, valid = _picked(b, x, target, ignore_index)
+    loss = _pointwise(b, "neg", [picked])
+    count = C.emit_reduction(b, "sum", valid, tuple(range(len(valid.meta["shape"])))) if reduction == "mean" else None
+    return _reduce_loss(b, loss, reduction, count)
+
+
+@binds(F.cross_entropy)
+def _cross_entropy(b, x, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                   reduction="mean", label_smoothing=0.0):
+    if weight is not None or size_average is not None or reduce is not None or label_smoothing:
+        raise Unsupported("cross_entropy with class weights, label smoothing or legacy arguments")
+    if len(x.meta["shape"]) < 2:
+        raise Unsupported("cross_entropy of an unbatched input")
+    log_probs = _log_softmax(b, x, 1)
+    if target.meta["dtype"].is_floating_point:  # class probabilities
+        loss = _pointwise(b, "neg", [C.emit_reduction(b, "sum", _pointwise(b, "mul", [log_probs, target]), (1,))])
+        return _reduce_loss(b, loss, reduction)
+    return _nll_loss(b, log_probs, target, ignore_index=ignore_index, reduction=reduction)
+
+
+@binds(torch.clamp, _t("clamp"), torch.clip, _t("clip"))
+def _clamp(b, x, min=None, max=None, *, out=None):
+    _no_out({"out": out})
+    if min is None and max is None:
+        raise Unsupported("clamp without min and max (eager raises)")
+    if min is None:
+        return _pointwise(b, "clamp_max", [x, max])
+    if max is None:
+        return _pointwise(b, "clamp_min", [x, min])
+    return _pointwise(b, "clamp", [x, min, max])
+
+
+binds(torch.clamp_min, _t("clamp_min"))(lambda b, x, min: _clamp(b, x, min=min))
+binds(torch.clamp_max, _t("clamp_max"))(lambda b, x, max: _clamp(b, x, max=max))
+binds(_t("clamp_"))(_in_place_variant(_clamp))

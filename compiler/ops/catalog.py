@@ -81,11 +81,19 @@ SCALAR_FUNCTIONS = {
     "maximum": S.Maximum,
     "minimum": S.Minimum,
     "where": S.Where,
+    # clamp: boundaries included in the pass-through region, as eager's backward does
+    "clamp": lambda x, lo, hi: S.Where(_compare("lt", x, lo), lo, S.Where(_compare("gt", x, hi), hi, x)),
+    "clamp_min": lambda x, lo: S.Where(_compare("lt", x, lo), lo, x),
+    "clamp_max": lambda x, hi: S.Where(_compare("gt", x, hi), hi, x),
     "identity": lambda a: a,  # dtype conversion: the node's dtype says what to convert to
     "fill": lambda value: value,  # zeros_like & co: a constant over the node's shape
 }
 for _i, _cmp in enumerate(S.COMPARE_OPS):
     SCALAR_FUNCTIONS[_cmp] = functools.partial(lambda i, a, b: S.Compare(sympy.Integer(i), a, b), _i)
+
+def _compare(name, a, b):
+    return S.Compare(sympy.Integer(S.COMPARE_OPS.index(name)), a, b)
+
 
 # Ops whose integer inputs give a floating result (sin of an int tensor is float).
 FLOAT_RESULT_OPS = {"exp", "log", "sqrt", "rsqrt", "reciprocal", "sin", "cos", "tanh", "sigmoid",
@@ -240,7 +248,7 @@ def emit_pointwise(b: GraphBuilder, name: str, operands, *, dtype, requires_grad
 
 # ----------------------------------------------------------------------------- reductions
 class Reduction(OpDef):
-    """sum / mean over ``dims`` (a sorted tuple); ``keepdim`` as in PyTorch."""
+    """sum / mean / amax over ``dims`` (a sorted tuple); ``keepdim`` as in PyTorch."""
 
     kind = "reduction"
 
@@ -261,15 +269,25 @@ class Reduction(OpDef):
         dims, keepdim = node.kwargs["dims"], node.kwargs["keepdim"]
         in_shape = x.meta["shape"]
         g = grad_out
+        kept = self.out_shape(in_shape, dims, True)
         if not keepdim:
-            g = emit_view(b, "reshape", g, shape=self.out_shape(in_shape, dims, True))
+            g = emit_view(b, "reshape", g, shape=kept)
         g = emit_view(b, "expand", g, shape=in_shape)
         if self.name == "mean":
             g = emit_pointwise(b, "mul", [g, self.scale(node)], dtype=x.meta["dtype"], requires_grad=False)
+        if self.name == "amax":
+            # eager's amax backward: the gradient is shared evenly among the maximal elements
+            dtype = x.meta["dtype"]
+            m = emit_view(b, "expand", emit_view(b, "reshape", node, shape=kept), shape=in_shape)
+            hit = emit_pointwise(b, "identity", [emit_pointwise(b, "eq", [x, m], dtype=torch.bool)],
+                                 dtype=dtype, requires_grad=False)
+            count = emit_view(b, "expand", emit_reduction(b, "sum", hit, dims, keepdim=True), shape=in_shape)
+            g = emit_pointwise(b, "div", [emit_pointwise(b, "mul", [g, hit], dtype=dtype, requires_grad=False),
+                                          count], dtype=dtype, requires_grad=False)
         return [g]
 
 
-REDUCTIONS = {name: Reduction(name) for name in ("sum", "mean")}
+REDUCTIONS = {name: Reduction(name) for name in ("sum", "mean", "amax")}
 
 
 def emit_reduction(b, name, x, dims, keepdim=False, dtype=None) -> fx.Node:
@@ -414,6 +432,20 @@ def emit_fill(b, shape, dtype, value) -> fx.Node:
     """A constant tensor of ``shape`` (no inputs)."""
     expr = sympy.Float(value) if dtype.is_floating_point or dtype.is_complex else sympy.Integer(int(value))
     return b.call(POINTWISE["fill"], [], shape=shape, dtype=dtype, requires_grad=False, expr=expr)
+
+
+class Iota(OpDef):
+    """The position along ``dim`` of each element of ``shape`` (an index-valued constant):
+    with a comparison it builds one-hot masks, as cross-entropy's target selection needs."""
+
+    kind = "iota"
+
+
+IOTA = Iota("iota")
+
+
+def emit_iota(b, shape, dim, dtype=torch.int64) -> fx.Node:
+    return b.call(IOTA, [], {"dim": dim}, shape=shape, dtype=dtype, requires_grad=False)
 
 
 # ----------------------------------------------------------------------------- scatter
