@@ -215,7 +215,7 @@ class Capture(TorchFunctionMode):
         result = binding(b, *a, **k)
         source, op_name = _user_frame(), _name(func)
         for made in b.created[start:]:
-            made.meta["source"], made.meta["torch_op"] = source, op_name
+            made.meta.update(source=source, torch_op=op_name, device=device)
         nodes = list(result) if isinstance(result, (tuple, list)) else [result]
         if len(nodes) != len(out_tensors):
             raise Unsupported("internal: the binding returned a different number of results than eager")
@@ -368,6 +368,7 @@ def _map_to_nodes(region: _Region, recorded, metas) -> list:
         if node is None:
             m = metas[leaf]
             node = region.builder.placeholder(f"v{leaf}", m.shape, m.dtype, m.requires_grad and region.grad_enabled)
+            node.meta["device"] = m.device
             region.nodes[leaf] = node
             region.inputs.append(leaf)
         mapped.append(node)

@@ -22,6 +22,9 @@ def test_issue_example_is_one_kernel_each_way():
     text = str(report)
     assert "backward graph" in text and "fallbacks: none" in text
     assert any(n.op == "call_function" for n in report.graph.nodes)
+    for node in report.graph.nodes:  # capture records each value's metadata
+        if node.op != "output":
+            assert {"shape", "dtype", "device", "requires_grad"} <= set(node.meta)
     assert report.backward_graph is not None
     compiled = check_parity(issue_example, [x, y])
     assert compiled.stats["kernel_launches"] == 2  # one forward, one backward
