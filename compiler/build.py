@@ -130,15 +130,7 @@ def lower(graph: fx.Graph, schedule: Schedule):
     def ref(node) -> ValueRef:
         views = []
         while node not in slots:
-            op = node.target
-            if op.name == "permute":
-                views.append(("permute", tuple(node.kwargs["dims"])))
-            elif op.name in ("view_as_real", "view_as_complex"):
-                views.append((op.name, None))
-            elif op.name == "expand":
-                views.append(("expand", tuple(node.kwargs["shape"])))
-            else:
-                views.append(("reshape", tuple(node.kwargs["shape"])))
+            views.append(_view_step(node))
             node = node.args[0]
         return ValueRef(slots[node], tuple(reversed(views)))
 

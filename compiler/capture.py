@@ -34,6 +34,9 @@ _AUTOGRAD_CALLS = {torch.Tensor.backward, torch.autograd.backward, torch.autogra
                    torch._C._set_grad_enabled, torch.Tensor.requires_grad_, torch.Tensor.retain_grad,
                    torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook,
                    torch.Tensor.detach, torch.Tensor.zero_}
+_FACTORIES = {torch.ones, torch.zeros, torch.full, torch.empty, torch.arange, torch.eye, torch.tensor,
+              torch.as_tensor, torch.linspace, torch.ones_like, torch.zeros_like, torch.full_like,
+              torch.empty_like, torch.randn, torch.rand, torch.randint, torch.randn_like, torch.rand_like}
 _VALUE_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "__format__",
                 "__repr__", "__str__", "__array__"}
 _STATE_ATTRS = {"grad", "data", "grad_fn", "_base", "_version"}
@@ -406,6 +409,8 @@ def _expected_eager(func, reads_region_value: bool) -> bool:
     nothing computed by a compiled region."""
     if func in _AUTOGRAD_CALLS:
         return True
+    if func in _FACTORIES and not reads_region_value:
+        return True  # a new constant tensor (a mask, positions): made eagerly, read by regions
     if not torch.is_grad_enabled() and not reads_region_value:
         return True
     name = getattr(func, "__name__", "") or ""

@@ -217,3 +217,27 @@ def test_norms_softmax_and_losses(name, dtype):
 def test_amax_propagates_nan_and_splits_ties():
     x = torch.tensor([[1.0, 3.0, 3.0], [float("nan"), 0.0, 2.0]], dtype=torch.float64, requires_grad=True)
     check_parity(lambda x: x.amax(1), [x])
+
+
+CAUSAL = torch.ones(6, 6, dtype=torch.bool).triu(1)
+
+JOIN_AND_SPLIT = {
+    "split": lambda x, y: sum(p.sin().sum() * (i + 1) for i, p in enumerate(x.split(3, dim=1))),
+    "chunk": lambda x, y: (lambda a, b: a * b)(*x.chunk(2, dim=0)),
+    "unbind": lambda x, y: (lambda r: r[0] + r[5] * 2)(x.unbind(0)),
+    "cat": lambda x, y: torch.cat([x, y.exp()], dim=1).tanh(),
+    "cat_dim0_three": lambda x, y: torch.cat((x[:2], y, x * 2), 0).sum(1),
+    "stack": lambda x, y: torch.stack([x, y], dim=1).sigmoid(),
+    "tril_triu": lambda x, y: torch.tril(x) + torch.triu(y, diagonal=1),
+    "causal_attention_scores": lambda x, y: F.softmax((x @ y.t()).masked_fill(CAUSAL, float("-inf")), -1),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", sorted(JOIN_AND_SPLIT))
+def test_split_cat_and_masks(name, dtype):
+    torch.manual_seed(0)
+    x = torch.randn(6, 8, dtype=dtype, requires_grad=True)
+    y = torch.randn(6, 8, dtype=dtype, requires_grad=True)
+    compiled = check_parity(JOIN_AND_SPLIT[name], [x, y], dtype=dtype)
+    assert compiled.last_entry.report.fallbacks == []

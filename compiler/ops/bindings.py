@@ -782,3 +782,90 @@ def _clamp(b, x, min=None, max=None, *, out=None):
 binds(torch.clamp_min, _t("clamp_min"))(lambda b, x, min: _clamp(b, x, min=min))
 binds(torch.clamp_max, _t("clamp_max"))(lambda b, x, max: _clamp(b, x, max=max))
 binds(_t("clamp_"))(_in_place_variant(_clamp))
+
+
+# ----------------------------------------------------------------------------- split, cat, masks
+@binds(torch.split, _t("split"))
+def _split(b, x, split_size_or_sections, dim=0):
+    size = x.meta["shape"][dim % len(x.meta["shape"])]
+    dim %= len(x.meta["shape"])
+    if isinstance(split_size_or_sections, int):
+        step = split_size_or_sections
+        sizes = [min(step, size - i) for i in range(0, size, step)] or [0]
+    else:
+        sizes = list(split_size_or_sections)
+    out, start = [], 0
+    for n in sizes:
+        out.append(C.emit_slice(b, x, dim, start, 1, n))
+        start += n
+    return tuple(out)
+
+
+@binds(torch.chunk, _t("chunk"))
+def _chunk(b, x, chunks, dim=0):
+    size = x.meta["shape"][dim % len(x.meta["shape"])]
+    step = -(-size // chunks)
+    return _split(b, x, step, dim)
+
+
+@binds(torch.unbind, _t("unbind"))
+def _unbind(b, x, dim=0):
+    dim %= len(x.meta["shape"])
+    shape = x.meta["shape"]
+    return tuple(C.emit_view(b, "reshape", C.emit_slice(b, x, dim, i, 1, 1), shape=shape[:dim] + shape[dim + 1:])
+                 for i in range(shape[dim]))
+
+
+@binds(torch.cat, torch.concat, torch.concatenate)
+def _cat(b, tensors, dim=0, *, out=None):
+    _no_out({"out": out})
+    tensors = [t for t in tensors if not (len(t.meta["shape"]) == 1 and t.meta["shape"][0] == 0)]
+    if not tensors or not all(isinstance(t, fx.Node) for t in tensors):
+        raise Unsupported("cat of non-tensors")
+    ndim = len(tensors[0].meta["shape"])
+    dim %= ndim
+    dtype = result_dtype(tensors)
+    shape = list(tensors[0].meta["shape"])
+    shape[dim] = sum(t.meta["shape"][dim] for t in tensors)
+    # NOTE: concatenation is a chain of slice-scatters into a buffer of the result's shape:
+    # each element reads exactly one input, and the gradient of each input is its slice.
+    out = C.emit_fill(b, tuple(shape), dtype, 0)
+    start = 0
+    for t in tensors:
+        n = t.meta["shape"][dim]
+        if t.meta["dtype"] != dtype:
+            t = C.emit_pointwise(b, "identity", [t], dtype=dtype)
+        out = C.emit_slice_scatter(b, out, t, dim, start, 1, n)
+        start += n
+    return out
+
+
+@binds(torch.stack)
+def _stack(b, tensors, dim=0, *, out=None):
+    _no_out({"out": out})
+    ndim = len(tensors[0].meta["shape"]) + 1
+    dim %= ndim
+    expanded = []
+    for t in tensors:
+        shape = list(t.meta["shape"])
+        shape.insert(dim, 1)
+        expanded.append(C.emit_view(b, "reshape", t, shape=shape))
+    return _cat(b, expanded, dim)
+
+
+def _triangle(keep_lower):
+    def bind(b, x, diagonal=0, *, out=None):
+        _no_out({"out": out})
+        shape = x.meta["shape"]
+        if len(shape) < 2:
+            raise Unsupported("tril/triu of a tensor with fewer than 2 dims (eager raises)")
+        rows = C.emit_iota(b, shape, len(shape) - 2)
+        cols = C.emit_iota(b, shape, len(shape) - 1)
+        shifted = C.emit_pointwise(b, "add", [rows, int(diagonal)], dtype=torch.int64)
+        keep = C.emit_pointwise(b, "le" if keep_lower else "ge", [cols, shifted], dtype=torch.bool)
+        return C.emit_pointwise(b, "where", [keep, x, 0], dtype=x.meta["dtype"])
+    return bind
+
+
+binds(torch.tril, _t("tril"))(_triangle(True))
+binds(torch.triu, _t("triu"))(_triangle(False))
