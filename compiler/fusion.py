@@ -30,6 +30,12 @@ class KernelPlan:
             return False
         return not reduce_dims or not self.reduce_dims or reduce_dims == self.reduce_dims
 
+    def persistent_with(self, reduce_dims) -> bool:
+        """Whether a row of the reduction fits one block, so values computed after the
+        reduction (softmax's division, layer norm's scaling) can use it in the same kernel."""
+        dims = self.reduce_dims or reduce_dims
+        return bool(dims) and numel([self.shape[d] for d in dims]) <= PERSISTENT_MAX
+
 
 @dataclass
 class Schedule:
@@ -54,6 +60,7 @@ def kind_of(node: fx.Node) -> str:
 
 
 SPLIT_REDUCTION_MIN = 1 << 16   # a full reduction at least this large runs in two stages
+PERSISTENT_MAX = 4096           # a reduced row up to this size is held in one block
 
 
 def split_large_reductions(graph: fx.Graph) -> None:
@@ -128,8 +135,10 @@ def fuse(graph: fx.Graph) -> Schedule:
         target = None
         for i in range(barrier, len(steps)):
             kind_i, plan = steps[i]
-            if kind_i == "kernel" and plan.accepts(*space) and not _depends_on(
-                    node, reduction_roots_of.get(id(plan), ()), buffers):
+            reductions = reduction_roots_of.get(id(plan), ())
+            if kind_i == "kernel" and plan.accepts(*space) and (
+                    not _depends_on(node, reductions, buffers) or
+                    (plan.persistent_with(space[1]) and _row_aligned(node, reductions))):
                 target = i
                 break
         if target is None:
@@ -162,6 +171,29 @@ def _inlined_reads(node: fx.Node):
 def _reads(node: fx.Node, buffers) -> set:
     """The buffers a root reads."""
     return {n for n in _inlined_reads(node) if n in buffers}
+
+
+def _row_aligned(node: fx.Node, reductions) -> bool:
+    """Whether ``node`` reads each of ``reductions`` only through pointwise ops, expands and
+    reshapes that add or drop size-1 dims: it then reads the reduction of its own row."""
+    reductions = set(reductions)
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen or not isinstance(n, fx.Node) or n in reductions:
+            continue
+        seen.add(n)
+        kind = kind_of(n)
+        if kind in INLINE_KINDS or kind == "reduction":
+            stack.extend(n.args)
+        elif kind == "view":
+            source = n.args[0]
+            squeezes = [s for s in n.meta["shape"] if s != 1] == [s for s in source.meta["shape"] if s != 1]
+            if not (n.target.name == "expand" or (n.target.name == "reshape" and squeezes)) and \
+                    _depends_on(n, reductions, ()):
+                return False
+            stack.append(source)
+    return True
 
 
 def _depends_on(node: fx.Node, targets, buffers) -> bool:

@@ -83,3 +83,16 @@ def test_large_full_reductions_run_in_two_stages():
     check_parity(lambda x: (x.sin() * x).mean(), [x])
     small = compiler.explain(lambda x: (x.sin() * x).mean(), torch.randn(64, 32, requires_grad=True))
     assert len(small.forward_kernels) == 1
+
+
+def test_softmax_and_layer_norm_are_one_kernel_each_way():
+    # rows that fit one block: the reductions and the values that use them share a kernel
+    x = torch.randn(16, 64, requires_grad=True)
+    w = torch.randn(64, requires_grad=True)
+    softmax = compiler.explain(lambda x: F.softmax(x, dim=-1), x)
+    assert (len(softmax.forward_kernels), len(softmax.backward_kernels)) == (1, 1)
+    layer_norm = compiler.explain(lambda x, w: F.layer_norm(x, (64,), w), x, w)
+    assert len(layer_norm.forward_kernels) == 1
+    assert len(layer_norm.backward_kernels) <= 2  # input grad per row; weight grad over rows
+    check_parity(lambda x: F.softmax(x, dim=-1), [x])
+    check_parity(lambda x, w: F.layer_norm(x, (64,), w), [x, w])

@@ -25,7 +25,7 @@ import torch.fx as fx
 from compiler.codegen.realify import IM, RE, realify
 from compiler.codegen.triton_printer import NotPrintable, TritonPrinter
 from compiler.ops import symbols as Y
-from compiler.fusion import KernelPlan, kind_of
+from compiler.fusion import PERSISTENT_MAX, KernelPlan, kind_of
 from compiler.ir import compute_dtype, contiguous_strides, numel
 
 TL_DTYPE = {
@@ -69,6 +69,9 @@ class KernelWriter:
         self.values: dict = {}
         self.load_args: dict = {}
         self.counter = 0
+        self.reductions: dict = {}   # persistent kernels: reduction root -> its row value
+        self.persistent = False
+        self.base_index: tuple = ()
 
     # -- helpers -----------------------------------------------------------------------
     def tmp(self, text: str) -> str:
@@ -139,6 +142,8 @@ class KernelWriter:
             result = (re, im), node.meta["dtype"]
         elif kind == "view":
             result = self.value(node.args[0], tuple(node.target.index_map(node, list(index))))
+        elif kind == "reduction" and self.persistent:
+            result = self.reduced(node, index)
         elif kind == "pointwise":
             result = self.pointwise(node, index)
         elif kind == "scatter":
@@ -176,6 +181,37 @@ class KernelWriter:
         if expr.is_number:  # a constant: give it the block's shape
             return self.tmp(f"tl.full(SHAPE, {text}, {TL_DTYPE[want]})"), want
         return self.tmp(text), want
+
+    def reduced(self, node, index):
+        """A reduction root of this persistent kernel, read by a later value of the same row."""
+        kept = [d for d in range(len(self.plan.shape)) if d not in self.plan.reduce_dims]
+        keepdim = node.kwargs["keepdim"]
+        wanted = [index[d] for d in kept] if keepdim else list(index)
+        if wanted != [self.base_index[d] for d in kept]:
+            raise NotPrintable("a reduction read at another row than the one it reduced")
+        if node not in self.reductions:
+            self.reductions[node] = self.reduce_row(node)
+        return self.reductions[node]
+
+    def reduce_row(self, node):
+        """Reduce the current rows of ``node``'s input held in registers: [XBLOCK, 1]."""
+        var, have = self.value(node.args[0], self.base_index)
+        acc_dtype = compute_dtype(node.meta["dtype"])
+        var = self.cast(var, have, acc_dtype)
+        scale = node.target.scale(node)
+        parts = list(var) if acc_dtype.is_complex else [var]
+        out = []
+        for part in parts:
+            if node.target.name == "amax":
+                masked = self.tmp(f"tl.where(MASK, {part}, float(\"-inf\"))")
+                total = (f"tl.max({masked}, 1)[:, None] + "
+                         f"tl.sum(tl.where({masked} != {masked}, {masked}, 0.0), 1)[:, None]")
+            else:
+                total = f"tl.sum(tl.where(MASK, {part}, 0), 1)[:, None]"
+            if scale != 1.0:
+                total = f"({total}) * {scale!r}"
+            out.append(self.tmp(total))
+        return (tuple(out) if acc_dtype.is_complex else out[0]), acc_dtype
 
     def slice_scatter(self, node, index: tuple):
         """base[idx], or src at the slice position when idx lies in the slice."""
@@ -252,7 +288,11 @@ class KernelWriter:
         rnumel = numel([shape[d] for d in rdims])
         reduction = bool(rdims)
         wide = numel(shape) >= 2**31
-        if reduction:
+        self.persistent = reduction and rnumel <= PERSISTENT_MAX
+        if self.persistent:  # a whole row in one block: no loop, values may use the reduction
+            rblock = _next_pow2(max(rnumel, 1))
+            xblock = max(1, min(_next_pow2(max(xnumel, 1)), 4096 // rblock, 64))
+        elif reduction:
             rblock = min(_next_pow2(max(rnumel, 1)), 1024)
             xblock = max(1, min(_next_pow2(max(xnumel, 1)), 4096 // rblock, 64))
         else:
@@ -279,6 +319,9 @@ class KernelWriter:
                 target.append(f"i{d} = {term}")
                 index[d] = f"i{d}"
         index = tuple(index)
+        self.base_index = index
+        if self.persistent:
+            return self.write_persistent(header, body_prefix, index, xnumel, rnumel, xblock, rblock, wide)
 
         stores = []
         accumulators = []   # (root, [accumulator per part], part dtype)
@@ -348,6 +391,48 @@ class KernelWriter:
         else:
             src += body_prefix + body
 
+        return self.finish(src, stores, xnumel, xblock, rblock, wide)
+
+    def write_persistent(self, header, body_prefix, index, xnumel, rnumel, xblock, rblock, wide):
+        """One block holds whole rows: reductions are computed once per row, in order, and
+        later values of the same row (pointwise roots, other reductions) read them."""
+        stores = []
+        for root in self.plan.roots:
+            out = f"out{len(stores)}"
+            stores.append(root)
+            dtype = root.meta["dtype"]
+            if kind_of(root) == "reduction":
+                var, have = self.reduced(root, self._reduced_index(root))
+                var = self.cast(var, have, dtype)
+                parts = var if dtype.is_complex else (var,)
+                for k, part in enumerate(parts):
+                    where = f"2 * xindex + {k}" if dtype.is_complex else "xindex"
+                    self.lines.append(f"tl.store({out}_ptr + {where}, {part}, mask=xmask)")
+                continue
+            var, have = self.value(root, index)
+            var = self.cast(var, have, dtype)
+            shape = self.plan.shape
+            offsets = contiguous_strides(shape)
+            terms = [f"({i}) * {st}" if st != 1 else f"({i})" for i, st, size in zip(index, offsets, shape)
+                     if size != 1 and i != "0"]
+            offset = " + ".join(terms) or "(xindex + rindex)"
+            if dtype.is_complex:
+                self.lines.append(f"tl.store({out}_ptr + 2 * ({offset}), {var[0]}, mask=MASK)")
+                self.lines.append(f"tl.store({out}_ptr + 2 * ({offset}) + 1, {var[1]}, mask=MASK)")
+            else:
+                self.lines.append(f"tl.store({out}_ptr + {offset}, {var}, mask=MASK)")
+        body = [line.replace("MASK", "xmask & rmask").replace("SHAPE", "[XBLOCK, RBLOCK]") for line in self.lines]
+        src = header + ["rindex = tl.arange(0, RBLOCK)[None, :]", f"rmask = rindex < {rnumel}"] + body_prefix + body
+        return self.finish(src, stores, xnumel, xblock, rblock, wide)
+
+    def _reduced_index(self, root):
+        kept = [d for d in range(len(self.plan.shape)) if d not in self.plan.reduce_dims]
+        if root.kwargs["keepdim"]:
+            return tuple("0" if d in self.plan.reduce_dims else self.base_index[d]
+                         for d in range(len(self.plan.shape)))
+        return tuple(self.base_index[d] for d in kept)
+
+    def finish(self, src, stores, xnumel, xblock, rblock, wide) -> KernelSource:
         loads = list(self.load_args)
         params, signature = [], {}
         for node, arg in self.load_args.items():
@@ -363,7 +448,7 @@ class KernelWriter:
         signature["RBLOCK"] = "constexpr"
         body_text = "\n".join("    " + line for line in src)
         digest = hashlib.sha256((",".join(params) + body_text + f"{xblock},{rblock}").encode()).hexdigest()[:12]
-        name = f"{_describe(plan)}_{digest}"
+        name = f"{_describe(self.plan)}_{digest}"
         source = "\n".join([
             "import triton",
             "import triton.language as tl",
