@@ -1,0 +1,68 @@
+"""``python -m benchmarks``: workloads × backends, results under ``benchmarks/results/``.
+See ``benchmarks/README.md``."""
+
+import compiler  # noqa: F401  (first: before anything imports triton, e.g. torch.optim)
+
+import argparse  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+
+from benchmarks import backends  # noqa: E402
+from benchmarks.harness import RESULTS, run  # noqa: E402
+from benchmarks.workloads import WORKLOADS  # noqa: E402
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=(
+        "Our compiler vs eager PyTorch vs torch.compile: workloads x backends; CSV, markdown table "
+        "and plots under benchmarks/results/. See benchmarks/README.md."))
+    sizes = parser.add_mutually_exclusive_group()
+    sizes.add_argument("--small", dest="size", action="store_const", const="small",
+                       help="small sizes (the default without a GPU: our kernels run in the interpreter)")
+    sizes.add_argument("--tiny", dest="size", action="store_const", const="tiny", help="tiny sizes, for tests")
+    sizes.add_argument("--full", dest="size", action="store_const", const="full",
+                       help="the full GPU sizes (the default with a GPU)")
+    parser.add_argument("--only", help=f"comma-separated workloads: {', '.join(WORKLOADS)}")
+    parser.add_argument("--backends", default=",".join(backends.DEFAULT),
+                        help=f"comma-separated, from {', '.join(backends.ALL)} (default: %(default)s)")
+    parser.add_argument("--all-modes", action="store_true",
+                        help="add torch.compile's max-autotune-no-cudagraphs and reduce-overhead modes (GPU)")
+    parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--no-cold", dest="cold", action="store_false",
+                        help="skip cold/warm compile times (two fresh processes per compiled backend)")
+    parser.add_argument("--rounds", type=int, help="interleaved timing rounds (default 10 on GPU, 5 on CPU)")
+    parser.add_argument("--out", default=RESULTS, help="output directory (default: %(default)s)")
+    parser.add_argument("--list", action="store_true", help="list the workloads and exit")
+    args = parser.parse_args(argv)
+
+    if args.list:
+        for w in WORKLOADS.values():
+            print(f"{w.name:18s} {w.group}  {w.description}")
+        return 0
+    chosen = [b.strip() for b in args.backends.split(",") if b.strip()]
+    unknown = [b for b in chosen if b not in backends.ALL]
+    if unknown:
+        parser.error(f"unknown backend(s) {', '.join(unknown)}; choose from {', '.join(backends.ALL)}")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.all_modes:
+        if device == "cuda":
+            chosen += [m for m in backends.GPU_MODES if m not in chosen]
+        else:
+            print("benchmarks: --all-modes adds GPU-only modes; skipped on CPU", file=sys.stderr)
+    if args.size is None and device == "cpu":
+        print("benchmarks: no GPU, so --small sizes (our kernels run in Triton's interpreter)", file=sys.stderr)
+    only = [w.strip() for w in args.only.split(",")] if args.only else None
+
+    start = time.perf_counter()
+    result = run(size=args.size, only=only, backends=chosen, device=device, out_dir=args.out, cold=args.cold,
+                 rounds=args.rounds)
+    print(f"benchmarks: {len(result.results)} results in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    for path in result.files:
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

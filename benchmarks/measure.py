@@ -1,0 +1,262 @@
+"""Measurements: step times, correctness against the reference, kernels per step, peak memory,
+copy bandwidth, and our per-call host overhead.
+
+Times on CUDA come from CUDA events around each step (the GPU's own clock, after warm-up),
+plus a wall-clock time per step over a synchronized round; on CPU from ``perf_counter``.
+Backends are timed in interleaved rounds (eager, compiled, eager, ...) so that clock and
+thermal drift hit them alike and their ratios stay fair.
+
+>>> t = interleaved({"a": lambda: sum(range(100))}, torch.device("cpu"), rounds=2)
+>>> t["a"].iterations > 0
+True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+# -- step times --------------------------------------------------------------------------------
+@dataclass
+class Timing:
+    median_ms: float
+    p20_ms: float
+    p80_ms: float
+    wall_ms: float          # per step, from a round of steps timed end to end (synchronized on CUDA)
+    iterations: int
+    method: str             # "cuda events" | "wall clock" | an interpreter label
+
+
+def _quantile(values, q):
+    values = sorted(values)
+    pos = (len(values) - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _round(step, device, iterations):
+    """Time ``iterations`` steps: per-step times (ms) and the round's wall time per step (ms)."""
+    if device.type == "cuda":
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(iterations)]
+    sync(device)
+    start_wall = time.perf_counter()
+    if device.type == "cuda":
+        for begin, end in events:
+            begin.record()
+            step()
+            end.record()
+        sync(device)
+        per_step = [begin.elapsed_time(end) for begin, end in events]
+    else:
+        per_step = []
+        for _ in range(iterations):
+            t0 = time.perf_counter()
+            step()
+            per_step.append((time.perf_counter() - t0) * 1e3)
+    sync(device)
+    wall = (time.perf_counter() - start_wall) * 1e3 / iterations
+    return per_step, wall
+
+
+def interleaved(steps: dict, device, rounds=5, round_s=0.05, max_iterations=200) -> dict:
+    """Time each of ``steps`` (name -> zero-argument callable, already warm) in interleaved
+    rounds; each round runs about ``round_s`` seconds of every step (one step first, not
+    counted, sizes the rounds)."""
+    per_round = {}
+    for name, step in steps.items():
+        _, wall = _round(step, device, 1)
+        per_round[name] = max(1, min(max_iterations, int(round_s * 1e3 / max(wall, 1e-3))))
+    samples = {name: [] for name in steps}
+    walls = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            per_step, wall = _round(step, device, per_round[name])
+            samples[name].extend(per_step)
+            walls[name].append(wall)
+    method = "cuda events" if device.type == "cuda" else "wall clock"
+    return {name: _timing(samples[name], walls[name], method) for name in steps}
+
+
+def few(step, device, iterations, method) -> Timing:
+    """A handful of steps, for a backend too slow to time properly (our interpreter on CPU)."""
+    per_step, wall = _round(step, device, iterations)
+    return _timing(per_step, [wall], method)
+
+
+def _timing(samples, walls, method):
+    return Timing(statistics.median(samples), _quantile(samples, 0.2), _quantile(samples, 0.8),
+                  statistics.median(walls), len(samples), method)
+
+
+# -- correctness ----------------------------------------------------------------------------------
+def max_error(outputs, reference) -> float:
+    """The largest error of any output, relative to the scale of its reference tensor
+    (max |out - ref| / max |ref|): a float32 result of a float64 computation should be near
+    float32's epsilon whatever its magnitude. NaN or inf where the reference has none is inf."""
+    if len(outputs) != len(reference):
+        return float("inf")
+    worst = 0.0
+    for out, ref in zip(outputs, reference):
+        if out is None or ref is None:
+            if out is not ref:
+                return float("inf")
+            continue
+        if out.shape != ref.shape:
+            return float("inf")
+        out = out.detach().to(ref.dtype)
+        ref = ref.detach()
+        finite = torch.isfinite(ref)
+        if not torch.equal(torch.isfinite(out), finite):
+            return float("inf")
+        if not ref.is_complex() and not torch.equal(_inf_signs(out[~finite]), _inf_signs(ref[~finite])):
+            return float("inf")  # +inf where the reference has -inf, or inf where it has NaN
+        if not finite.any():
+            continue
+        scale = ref[finite].abs().max().item()
+        err = (out[finite] - ref[finite]).abs().max().item()
+        worst = max(worst, err / scale if scale > 0 else err)
+    return worst
+
+
+def _inf_signs(t):
+    return torch.nan_to_num(t, nan=0.0, posinf=1.0, neginf=-1.0)
+
+
+# -- kernels per step ----------------------------------------------------------------------------
+# On CPU a "kernel" is an outermost compute operator, as a GPU would launch it: views,
+# allocations and metadata calls move no data, and the ops a composite operator calls
+# internally (linear -> addmm -> copy_) are part of its one launch.
+_NOT_KERNELS = {
+    "aten::as_strided", "aten::resolve_conj", "aten::resolve_neg", "aten::t", "aten::transpose",
+    "aten::view", "aten::_unsafe_view", "aten::reshape", "aten::_reshape_alias", "aten::expand",
+    "aten::permute", "aten::unsqueeze", "aten::squeeze", "aten::detach", "aten::detach_", "aten::alias",
+    "aten::slice", "aten::select", "aten::split", "aten::split_with_sizes", "aten::unbind", "aten::narrow",
+    "aten::chunk", "aten::broadcast_tensors", "aten::expand_as", "aten::view_as", "aten::flatten",
+    "aten::view_as_real", "aten::view_as_complex", "aten::_conj", "aten::conj", "aten::real", "aten::imag",
+    "aten::_neg_view", "aten::contiguous", "aten::to", "aten::type_as", "aten::requires_grad_",
+    "aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty", "aten::new_empty_strided",
+    "aten::empty_permuted", "aten::resize_", "aten::set_", "aten::lift_fresh", "aten::result_type",
+    "aten::is_nonzero", "aten::item", "aten::_local_scalar_dense", "aten::size", "aten::stride",
+    "aten::numel", "aten::dim", "aten::is_same_size", "aten::_has_compatible_shallow_copy_type",
+}
+
+
+def _is_cpu_kernel(name: str) -> bool:
+    # Inductor's C++ kernels are C functions named ``kernel`` in their compiled modules: the
+    # profiler's Python tracer (``with_stack=True``) sees their calls.
+    if name == "<built-in function kernel>" or "cpp_fused" in name:
+        return True
+    return name.startswith("aten::") and name not in _NOT_KERNELS
+
+
+def count_kernels(step, device, python_calls=False) -> int:
+    """Kernels one call of ``step`` launches, from ``torch.profiler``: on CUDA every GPU
+    activity (kernels, memcpy, memset); on CPU outermost compute operators, and with
+    ``python_calls`` (for torch.compile) Inductor's C++ kernels, seen by the Python tracer."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    # NOTE: not for ours: the Python tracer reads Tensor.grad of module parameters inside the
+    # call, which our replay sees as a call the recording lacks (it then runs eagerly).
+    with _quiet_stderr(), profile(activities=activities, with_stack=python_calls and device.type == "cpu") as prof:
+        step()
+        sync(device)
+    events = list(prof.events())
+    if device.type == "cuda":
+        return sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    return sum(1 for e in events if _is_cpu_kernel(e.name) and not _inside_kernel(e))
+
+
+def _inside_kernel(event) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if _is_cpu_kernel(parent.name):
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Kineto, the profiler's C++ side, prints a line to the process's stderr each time it
+    starts and stops; they would break the progress bar. Silence file descriptor 2 meanwhile."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+# -- memory and bandwidth -------------------------------------------------------------------------
+def peak_memory(step, device) -> int | None:
+    """Bytes allocated at the peak of one step, above what was allocated before it (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    step()
+    sync(device)
+    return torch.cuda.max_memory_allocated(device) - before
+
+
+def copy_bandwidth(device, nbytes=1 << 30) -> float | None:
+    """The machine's device-to-device copy bandwidth in GB/s (read + write), the ceiling that
+    memory-bound kernels are compared against (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    ms = _copy_ms(device, nbytes)
+    torch.cuda.empty_cache()  # the buffers are gone: give their memory back to the workloads
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def _copy_ms(device, nbytes):
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    return interleaved({"copy": lambda: dst.copy_(src)}, device, rounds=5)["copy"].median_ms
+
+
+# -- our host overhead ----------------------------------------------------------------------------
+@contextlib.contextmanager
+def kernels_stubbed():
+    """Our runtime with each Triton launch replaced by the allocation of its outputs.
+
+    What is left of a call is its host-side work — guards, replay, autograd bridge,
+    allocations — plus matmuls and eager ops: on CPU, where our kernels only run in the
+    interpreter, this is how per-call overhead and the non-Triton work of a step are measured.
+    Results are garbage: use throwaway arguments. Relies on ``runtime.program.KernelLaunch``.
+    """
+    from runtime import program
+
+    original = program.KernelLaunch.run
+
+    def allocate_only(self, env, device):
+        for slot, shape, dtype in self.stores:
+            env[slot] = torch.empty(shape, dtype=dtype, device=device)
+
+    program.KernelLaunch.run = allocate_only
+    try:
+        yield
+    finally:
+        program.KernelLaunch.run = original

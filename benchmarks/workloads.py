@@ -1,0 +1,323 @@
+"""The workloads, written as model code is written, each at three sizes.
+
+A workload builds a ``Case`` for one size on one device: the function every backend runs
+(``fn``), fresh seeded arguments in a dtype (``make_args``: float32 for the backends,
+float64 for the reference), one step (``step``: the call, and for forward+backward
+workloads the backward with a fixed ``grad_out``), and the tensors a step is checked by
+(``observe``: the output and every gradient, or a training step's loss and parameters).
+
+Sizes: ``full`` is the issue's GPU size, ``small`` fits Triton's CPU interpreter (our
+kernels run there on a machine without a GPU), ``tiny`` is for the test.
+
+>>> case = WORKLOADS["gelu"].build("tiny", torch.device("cpu"))
+>>> args = case.make_args(torch.float32)
+>>> [tuple(t.shape) for t in case.observe(args, case.step(case.fn, args))]
+[(8, 64), (8, 64)]
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SIZES = ("full", "small", "tiny")
+
+
+@dataclass
+class Case:
+    fn: Callable                  # what each backend runs (compiled or not)
+    make_args: Callable           # (dtype) -> fresh arguments, the same values for every dtype
+    step: Callable                # (fn, args) -> result of one step
+    observe: Callable             # (args, result) -> tensors to check against the reference
+    fn_args: Callable             # (args) -> the arguments ``fn`` itself is called with
+    shape: str                    # the sizes, for the report
+    flops: float | None = None    # per step, for matmul-bound workloads (TFLOP/s)
+
+
+@dataclass
+class Workload:
+    name: str
+    group: int                    # the issue's numbering (1 elementwise ... 7 overhead)
+    description: str
+    sizes: dict                   # size -> keyword arguments of make
+    make: Callable                # (device, **sizes) -> Case
+
+    def build(self, size: str, device: torch.device) -> Case:
+        return self.make(device, **self.sizes[size])
+
+
+# -- helpers ---------------------------------------------------------------------------------
+def _randn(gen, shape, device, dtype, scale=1.0, requires_grad=False):
+    # Drawn in float32 on the device, then cast: every dtype sees the same values, so the
+    # float64 reference computes on exactly the backends' inputs.
+    t = (torch.randn(shape, generator=gen, device=device) * scale).to(dtype)
+    return t.requires_grad_(requires_grad)
+
+
+def _generator(device, seed=0):
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def forward_backward(fn, make_inputs, shape, flops=None) -> Case:
+    """A function of tensors, then ``out.backward(grad_out)``: a layer's forward and backward.
+    ``make_inputs(dtype)`` returns (inputs, grad_out); grad_out None for a scalar loss."""
+
+    def make_args(dtype):
+        inputs, grad_out = make_inputs(dtype)
+        return (*inputs, grad_out)
+
+    def step(f, args):
+        *inputs, grad_out = args
+        for t in inputs:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.grad = None
+        out = f(*inputs)
+        out.backward(grad_out)
+        return out
+
+    def observe(args, out):
+        grads = [t.grad for t in args[:-1] if isinstance(t, torch.Tensor) and t.requires_grad]
+        return [out.detach(), *grads]
+
+    return Case(fn, make_args, step, observe, lambda args: tuple(args[:-1]), shape, flops)
+
+
+def training_step(fn, make_model, make_batch, shape, flops=None, lr=1e-2) -> Case:
+    """``fn(model, opt, *batch)``: forward, loss, backward, SGD step, zero_grad."""
+
+    def make_args(dtype):
+        torch.manual_seed(0)  # the same initial weights for every backend and dtype
+        model = make_model().to(device=make_batch.device, dtype=dtype)
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        return (model, opt, *make_batch(dtype))
+
+    def step(f, args):
+        return f(*args)
+
+    def observe(args, loss):
+        return [loss.detach(), *[p.detach() for p in args[0].parameters()]]
+
+    return Case(fn, make_args, step, observe, tuple, shape, flops)
+
+
+class _Batch:
+    """Seeded batch maker that remembers its device (training_step moves the model there)."""
+
+    def __init__(self, device, make):
+        self.device = device
+        self._make = make
+
+    def __call__(self, dtype):
+        return self._make(_generator(self.device, seed=1), dtype)
+
+
+# -- 1. elementwise chains -------------------------------------------------------------------
+def gelu(x):
+    return F.gelu(x, approximate="tanh")
+
+
+def swiglu(gate, up):
+    return F.silu(gate) * up
+
+
+def _make_gelu(device, t, i):
+    def inputs(dtype):
+        g = _generator(device)
+        return [_randn(g, (t, i), device, dtype, requires_grad=True)], _randn(g, (t, i), device, dtype)
+    return forward_backward(gelu, inputs, f"x {t}x{i}")
+
+
+def _make_swiglu(device, t, i):
+    def inputs(dtype):
+        g = _generator(device)
+        gate = _randn(g, (t, i), device, dtype, requires_grad=True)
+        up = _randn(g, (t, i), device, dtype, requires_grad=True)
+        return [gate, up], _randn(g, (t, i), device, dtype)
+    return forward_backward(swiglu, inputs, f"gate, up {t}x{i}")
+
+
+# -- 2. normalization --------------------------------------------------------------------------
+def rms_norm(x, weight, eps=1e-6):
+    # As LLaMA's reference code writes it.
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def layer_norm(x, weight, bias):
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps=1e-5)
+
+
+def _make_norm(kind):
+    def make(device, rows, cols):
+        def inputs(dtype):
+            g = _generator(device)
+            x = _randn(g, (rows, cols), device, dtype, requires_grad=True)
+            w = (1 + _randn(g, (cols,), device, dtype, scale=0.1)).requires_grad_(True)
+            params = [w] if kind == "rms" else [w, _randn(g, (cols,), device, dtype, 0.1, requires_grad=True)]
+            return [x, *params], _randn(g, (rows, cols), device, dtype)
+        return forward_backward(rms_norm if kind == "rms" else layer_norm, inputs, f"x {rows}x{cols}")
+    return make
+
+
+# -- 3. softmax and cross-entropy ----------------------------------------------------------------
+def softmax(logits):
+    return F.softmax(logits, dim=-1)
+
+
+def cross_entropy(logits, targets):
+    return F.cross_entropy(logits, targets)
+
+
+def _make_softmax(device, rows, vocab):
+    def inputs(dtype):
+        g = _generator(device)
+        x = _randn(g, (rows, vocab), device, dtype, scale=2.0, requires_grad=True)
+        return [x], _randn(g, (rows, vocab), device, dtype)
+    return forward_backward(softmax, inputs, f"logits {rows}x{vocab}")
+
+
+def _make_cross_entropy(device, rows, vocab):
+    def inputs(dtype):
+        g = _generator(device)
+        x = _randn(g, (rows, vocab), device, dtype, scale=2.0, requires_grad=True)
+        targets = torch.randint(0, vocab, (rows,), generator=g, device=device)
+        return [x, targets], None  # a scalar loss: backward() without grad_out
+    return forward_backward(cross_entropy, inputs, f"logits {rows}x{vocab}")
+
+
+# -- 4. MLP training step ------------------------------------------------------------------------
+def mlp_train_step(model, opt, x, y):
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def _make_mlp(device, batch, dim, hidden):
+    def make_model():
+        return nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+
+    def make_batch(g, dtype):
+        return _randn(g, (batch, dim), device, dtype), _randn(g, (batch, dim), device, dtype)
+
+    # forward 2 matmuls of 2*B*D*H flops; backward twice that (input and weight gradients)
+    return training_step(mlp_train_step, make_model, _Batch(device, make_batch),
+                         f"batch {batch}, {dim}->{hidden}->{dim}", flops=12.0 * batch * dim * hidden)
+
+
+# -- 5. complex-valued elementwise chain ---------------------------------------------------------
+def complex_gate(z, w, b):
+    # A learnable complex gain and bias, then a modulus-gated activation (as in complex-valued
+    # networks): u * sigmoid(|u|) keeps the phase of u and squashes its magnitude.
+    u = z * w + b
+    return u * torch.sigmoid(u.abs())
+
+
+def _make_complex(device, rows, cols):
+    def inputs(dtype):
+        g = _generator(device)  # complex64 from float32 parts, complex128 from float64
+
+        def c(shape, requires_grad=False):
+            re, im = _randn(g, shape, device, dtype), _randn(g, shape, device, dtype)
+            return torch.complex(re, im).requires_grad_(requires_grad)
+        return [c((rows, cols), True), c((cols,), True), c((cols,), True)], c((rows, cols))
+    return forward_backward(complex_gate, inputs, f"z {rows}x{cols} complex64")
+
+
+# -- 6. a small transformer block training step --------------------------------------------------
+class TinyTransformer(nn.Module):
+    """Token embedding, one pre-norm block (causal attention by matmuls, GELU MLP), final norm,
+    LM head and cross-entropy, in the style of nanoGPT."""
+
+    def __init__(self, vocab, dim, heads, seq):
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
+        self.ln1, self.ln2, self.ln_f = nn.LayerNorm(dim), nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc, self.out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.register_buffer("mask", torch.tril(torch.ones(seq, seq, dtype=torch.bool)))
+
+    def forward(self, idx, targets):
+        b, t = idx.shape
+        x = self.embed(idx) + self.pos[:t]
+        q, k, v = self.qkv(self.ln1(x)).split(x.shape[-1], dim=-1)
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+        att = att.masked_fill(~self.mask[:t, :t], float("-inf"))
+        y = F.softmax(att, dim=-1) @ v
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, -1))
+        x = x + self.out(F.gelu(self.fc(self.ln2(x))))
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def transformer_train_step(model, opt, idx, targets):
+    loss = model(idx, targets)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def _make_transformer(device, batch, seq, dim, heads, vocab):
+    def make_batch(g, dtype):
+        idx = torch.randint(0, vocab, (batch, seq), generator=g, device=device)
+        return idx, torch.randint(0, vocab, (batch, seq), generator=g, device=device)
+
+    # matmul flops per token, forward: qkv 6D², proj 2D², MLP 16D², head 2DV, attention 4TD;
+    # the backward is twice the forward.
+    per_token = 24 * dim * dim + 2 * dim * vocab + 4 * seq * dim
+    return training_step(transformer_train_step, lambda: TinyTransformer(vocab, dim, heads, seq),
+                         _Batch(device, make_batch), f"batch {batch}x{seq}, dim {dim}, {heads} heads, vocab {vocab}",
+                         flops=3.0 * per_token * batch * seq)
+
+
+# -- 7. a tiny overhead-bound step ----------------------------------------------------------------
+def _make_overhead(device, batch, dim, layers):
+    def make_model():
+        blocks = []
+        for i in range(layers):
+            blocks += [nn.Linear(dim, dim)] + ([nn.ReLU()] if i < layers - 1 else [])
+        return nn.Sequential(*blocks)
+
+    def make_batch(g, dtype):
+        return _randn(g, (batch, dim), device, dtype), _randn(g, (batch, dim), device, dtype)
+
+    return training_step(mlp_train_step, make_model, _Batch(device, make_batch),
+                         f"{layers}x Linear({dim}), batch {batch}", flops=6.0 * layers * batch * dim * dim)
+
+
+WORKLOADS = {w.name: w for w in [
+    Workload("gelu", 1, "GELU (tanh) forward+backward", make=_make_gelu, sizes={
+        "full": dict(t=8192, i=14336), "small": dict(t=64, i=512), "tiny": dict(t=8, i=64)}),
+    Workload("swiglu", 1, "SwiGLU silu(gate)*up forward+backward", make=_make_swiglu, sizes={
+        "full": dict(t=8192, i=14336), "small": dict(t=64, i=512), "tiny": dict(t=8, i=64)}),
+    Workload("rmsnorm", 2, "RMSNorm forward+backward", make=_make_norm("rms"), sizes={
+        "full": dict(rows=32768, cols=4096), "small": dict(rows=64, cols=512), "tiny": dict(rows=8, cols=64)}),
+    Workload("layernorm", 2, "LayerNorm (F.layer_norm) forward+backward", make=_make_norm("layer"), sizes={
+        "full": dict(rows=32768, cols=4096), "small": dict(rows=64, cols=512), "tiny": dict(rows=8, cols=64)}),
+    Workload("softmax", 3, "softmax forward+backward", make=_make_softmax, sizes={
+        "full": dict(rows=8192, vocab=32768), "small": dict(rows=32, vocab=1024), "tiny": dict(rows=4, vocab=64)}),
+    Workload("cross_entropy", 3, "cross-entropy forward+backward", make=_make_cross_entropy, sizes={
+        "full": dict(rows=8192, vocab=32768), "small": dict(rows=32, vocab=1024), "tiny": dict(rows=4, vocab=64)}),
+    Workload("mlp_step", 4, "MLP training step: Linear-GELU-Linear, MSE, SGD", make=_make_mlp, sizes={
+        "full": dict(batch=8192, dim=2048, hidden=8192), "small": dict(batch=64, dim=128, hidden=512),
+        "tiny": dict(batch=4, dim=16, hidden=32)}),
+    Workload("complex", 5, "complex elementwise chain forward+backward", make=_make_complex, sizes={
+        "full": dict(rows=8192, cols=8192), "small": dict(rows=64, cols=256), "tiny": dict(rows=4, cols=16)}),
+    Workload("transformer_step", 6, "transformer block training step", make=_make_transformer, sizes={
+        "full": dict(batch=8, seq=1024, dim=1024, heads=16, vocab=16384),
+        "small": dict(batch=2, seq=32, dim=64, heads=4, vocab=256),
+        "tiny": dict(batch=1, seq=8, dim=16, heads=2, vocab=32)}),
+    Workload("overhead_step", 7, "tiny training step, 4 Linear layers: per-call overhead", make=_make_overhead,
+             sizes={"full": dict(batch=16, dim=256, layers=4), "small": dict(batch=16, dim=256, layers=4),
+                    "tiny": dict(batch=4, dim=16, layers=4)}),
+]}

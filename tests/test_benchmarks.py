@@ -1,0 +1,90 @@
+"""The benchmark harness: a tiny workload end to end (checked, timed, counted, cold and warm
+compile in fresh processes, files written), and the pieces that decide what a result says."""
+
+import csv
+import os
+
+import torch
+
+import benchmarks
+from benchmarks import fresh_process, measure, report
+from benchmarks.harness import Result
+
+
+def test_tiny_workload_runs_through_the_harness_and_writes_csv_table_and_plot(tmp_path):
+    out = benchmarks.run(size="tiny", only=["overhead_step"], backends=("eager", "ours"), device="cpu",
+                         out_dir=str(tmp_path), progress=False)
+
+    rows = {r.backend: r for r in out.results}
+    assert set(rows) == {"eager", "ours"}
+    assert all(r.status == "ok" for r in out.results), [(r.backend, r.detail) for r in out.results]
+    eager, ours = rows["eager"], rows["ours"]
+    assert eager.step_ms > 0 and eager.kernels_per_step > 0 and eager.timing == "wall clock"
+    assert eager.speedup_vs_eager == 1.0
+    # ours on CPU: kernels in the interpreter, so its step time is labelled and never compared
+    assert ours.ran == "interpret" and ours.timing == report.INTERPRETER and ours.speedup_vs_eager is None
+    assert ours.fused_kernels > 0 and ours.bytes_moved > 0 and ours.fallbacks == []
+    assert ours.kernels_per_step > ours.fused_kernels  # plus matmuls and the eager optimizer update
+    assert ours.stubbed_ms > 0
+    assert ours.compile_cold_s is not None and ours.compile_warm_s is not None, ours.detail
+
+    assert sorted(os.listdir(tmp_path)) == ["cpu-tiny.csv", "cpu-tiny.md", "cpu-tiny.png"]
+    text = (tmp_path / "cpu-tiny.csv").read_text()
+    assert f"# torch: {torch.__version__}" in text
+    table = list(csv.DictReader(line for line in text.splitlines() if not line.startswith("#")))
+    assert [r["backend"] for r in table] == ["eager", "ours"]
+    assert table[1]["status"] == "ok" and int(table[1]["fused_kernels"]) == ours.fused_kernels
+    md = (tmp_path / "cpu-tiny.md").read_text()
+    assert f"| torch | {torch.__version__} |" in md and "| `overhead_step` | eager | ok" in md
+    assert (tmp_path / "cpu-tiny.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _result(backend, **fields):
+    defaults = dict(workload="layernorm", group=2, shape="x 8x64", backend=backend, device="cpu", status="ok",
+                    max_err=1e-7, step_ms=1.0, step_p20_ms=0.9, step_p80_ms=1.1, timing="wall clock")
+    return Result(**{**defaults, **fields})
+
+
+def test_report_shows_fallbacks_failures_and_the_interpreter_label():
+    results = [
+        _result("eager", speedup_vs_eager=1.0),
+        _result("torch.compile", status="error", detail="warm-up: RuntimeError: boom", step_ms=None),
+        _result("ours", ran="interpret", timing=report.INTERPRETER, fused_kernels=0, regions=0,
+                fallbacks=["layer_norm is not supported by the compiler yet"]),
+        _result("eager", workload="gelu"),
+        _result("ours", workload="gelu", status="mismatch", max_err=0.5, detail="max error 5.00e-01 > tolerance"),
+    ]
+    md = report.markdown(results, {"device": "cpu"}, "cpu-tiny", "tiny")
+    assert "  - layer_norm is not supported by the compiler yet" in md
+    assert "**ERROR**" in md and "warm-up: RuntimeError: boom" in md
+    assert "**MISMATCH** (5e-01)" in md
+    assert "1 (0.9–1.1) †" in md and report.INTERPRETER in md
+
+
+def test_max_error_is_relative_to_scale_and_flags_nan_and_shape():
+    ref = [torch.tensor([1000.0, -2000.0], dtype=torch.float64)]
+    assert measure.max_error([torch.tensor([1000.0, -2000.1])], ref) < 1e-4
+    assert measure.max_error([torch.tensor([1000.0, -1000.0])], ref) == 0.5
+    assert measure.max_error([torch.tensor([float("nan"), -2000.0])], ref) == float("inf")
+    assert measure.max_error([torch.tensor([1000.0])], ref) == float("inf")
+
+
+def test_kernel_count_on_cpu_counts_compute_ops_not_views():
+    x = torch.randn(8, 8)
+
+    def step():
+        return (x.t().reshape(64) * 2).sum()  # t and reshape of a copy: views; mul and sum: kernels
+    assert measure.count_kernels(step, torch.device("cpu")) == 3  # reshape of a transposed x copies
+
+
+def test_fresh_processes_see_their_own_environment_and_report_failures(tmp_path):
+    log = str(tmp_path / "log")
+    for fork in (False, True):  # a subprocess (GPU machines), a fork of a clean server (CPU)
+        seen = fresh_process.call("os:getenv", "SYMGRAD_CACHE_DIR", {"SYMGRAD_CACHE_DIR": str(tmp_path)}, log,
+                                  timeout=300, fork=fork)
+        assert seen == str(tmp_path)
+    request = {"workload": "gelu", "backend": "ours", "size": "tiny", "device": "cpu"}
+    assert fresh_process.call("benchmarks.compile_time:probe", request, {}, log, timeout=300)["compile_s"] > 0
+    failed = fresh_process.call("benchmarks.compile_time:probe", {**request, "workload": "nope"}, {}, log,
+                                timeout=300, fork=True)
+    assert failed["error"].startswith("KeyError")
