@@ -57,9 +57,32 @@ def _double_backward_builder(joint: fx.Graph):
             if requires_grad not in cache:
                 graph = _copy_graph(joint)
                 propagate_requires_grad(graph, requires_grad)
-                cache[requires_grad], _ = build_region(graph)
+                output = next(n for n in graph.nodes if n.op == "output")
+                present = [g is not None for g in output.args[0]]  # inputs with no gradient (indices)
+                output.args = (tuple(g for g in output.args[0] if g is not None),)
+                region, _ = build_region(graph)
+                cache[requires_grad] = region if all(present) else _WithAbsentOutputs(region, present)
             return cache[requires_grad]
     return build
+
+
+class _WithAbsentOutputs:
+    """A region whose graph had no value for some outputs: returns None in their places."""
+
+    def __init__(self, region, present):
+        self.region, self.present = region, present
+
+    @property
+    def stats(self):
+        return self.region.stats
+
+    @stats.setter
+    def stats(self, value):
+        self.region.stats = value
+
+    def __call__(self, inputs):
+        results = iter(self.region(inputs))
+        return [next(results) if p else None for p in self.present]
 
 
 def _nan_explainer(backward: fx.Graph):
@@ -138,7 +161,7 @@ def lower(graph: fx.Graph, schedule: Schedule):
     for kind, item in schedule.steps:
         if kind == "extern":
             slots[item] = len(slots)
-            steps.append(ExternCall(item.target.name, [ref(a) for a in item.args], slots[item]))
+            steps.append(ExternCall(item.target.name, [ref(a) for a in item.args], slots[item], dict(item.kwargs)))
             continue
         src = render_kernel(item, schedule.buffers)
         for node in src.stores:

@@ -42,6 +42,9 @@ def type_str(node: fx.Node) -> str:
     return f"{DTYPE_SHORT.get(dtype, str(dtype))}{list(shape)}"
 
 
+_SCALAR_OF_KIND = {"bool": True, "int": 1, "float": 1.0, "complex": 1j}
+
+
 @functools.lru_cache(maxsize=4096)
 def _promote(key):
     operands = []
@@ -50,7 +53,7 @@ def _promote(key):
             dtype, zero_dim = item
             operands.append(torch.empty(() if zero_dim else (1,), dtype=dtype, device="meta"))
         else:
-            operands.append(item)
+            operands.append(_SCALAR_OF_KIND.get(item, item))
     result = operands[0] if isinstance(operands[0], torch.Tensor) else None
     dtype = None
     # torch.result_type takes two operands; fold left the way elementwise ops promote.
@@ -69,12 +72,15 @@ def result_dtype(operands) -> torch.dtype:
     for item in operands:
         if isinstance(item, fx.Node):
             key.append((item.meta["dtype"], len(item.meta["shape"]) == 0))
+        # Python scalars by kind, as strings: 1, 1.0 and True are equal keys to the cache
         elif isinstance(item, bool):
-            key.append(True)
+            key.append("bool")
         elif isinstance(item, int):
-            key.append(1)
+            key.append("int")
         elif isinstance(item, float):
-            key.append(1.0)
+            key.append("float")
+        elif isinstance(item, complex):
+            key.append("complex")
         else:
             key.append(item)
     return _promote(tuple(key))

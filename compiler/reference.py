@@ -78,7 +78,7 @@ def _evaluate_node(node, args):
             return torch.view_as_complex(x.contiguous())
         return x.reshape(node.kwargs["shape"])
     if kind == "extern":
-        return op.torch_fn(*args)
+        return op.torch_fn(*args, **node.kwargs)
     raise NotImplementedError(f"reference execution of {op}")
 
 

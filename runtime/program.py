@@ -85,15 +85,39 @@ class KernelLaunch:
                 fn[(self.grid,)](*args, XBLOCK=self.xblock, RBLOCK=self.rblock)
 
 
+def _embedding(weight, indices, *, padding_idx=None, zero_padding=False):
+    """Rows of ``weight`` picked by ``indices``; ``zero_padding`` zeroes the rows picked at
+    ``padding_idx`` (the gradient of embedding's backward, which never writes that row)."""
+    out = torch.nn.functional.embedding(indices, weight)
+    if zero_padding and padding_idx is not None:
+        out = out.masked_fill((indices == padding_idx).unsqueeze(-1), 0)
+    return out
+
+
+def _embedding_backward(grad, indices, *, num_weights, padding_idx=None, scale_grad_by_freq=False):
+    return torch.ops.aten.embedding_dense_backward(
+        grad, indices, num_weights, -1 if padding_idx is None else padding_idx, scale_grad_by_freq)
+
+
+# Ops whose kernels are PyTorch's (cuBLAS matmuls on GPU, embedding's gather and scatter):
+# the compiler's catalog and its reference executor use this same table.
+EXTERN_KERNELS = {
+    "mm": torch.mm,
+    "bmm": torch.bmm,
+    "embedding": _embedding,
+    "embedding_backward": _embedding_backward,
+}
+
+
 @dataclass
 class ExternCall:
-    name: str              # "mm" | "bmm"
+    name: str              # a key of EXTERN_KERNELS
     args: list             # ValueRefs
     out: int
+    kwargs: dict = field(default_factory=dict)  # constant parameters (padding_idx, ...)
 
     def run(self, env, device):
-        fn = torch.mm if self.name == "mm" else torch.bmm
-        env[self.out] = fn(*[a.resolve(env) for a in self.args])
+        env[self.out] = EXTERN_KERNELS[self.name](*[a.resolve(env) for a in self.args], **self.kwargs)
 
 
 @dataclass

@@ -99,3 +99,26 @@ def test_in_place_change_before_double_backward_raises():
         w.add_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         torch.autograd.grad(out, x, create_graph=True)
+
+
+def test_double_backward_with_an_integer_input():
+    """The joint graph has no gradient for integer inputs (indices): create_graph=True still works."""
+    idx = torch.tensor([[1, 2, 3, 2], [0, 0, 4, 2]])
+
+    def penalty(w):
+        y = F.embedding(idx, w, padding_idx=2)
+        gw, = torch.autograd.grad((y.sin() * y).sum(), w, create_graph=True)
+        return (gw ** 2).sum()
+
+    w = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    compiled = compiler.compile(penalty, backend="interpret")
+    results = []
+    for fn in (penalty, compiled, compiled):
+        w.grad = None
+        out = fn(w)
+        out.backward()
+        results.append((out.detach(), w.grad.clone()))
+    assert compiled.last_backend == "interpret"
+    for out, grad in results[1:]:
+        torch.testing.assert_close(out, results[0][0])
+        torch.testing.assert_close(grad, results[0][1])

@@ -174,6 +174,16 @@ def test_input_without_grad_and_integer_free_args():
     check_parity(lambda x, y, scale: (x * y * scale).sum(), [x, y, 0.5])
 
 
+def test_python_scalars_promote_by_kind():
+    """1, 1.0 and True are equal (and hash alike) in Python; bool * 3 is int64, bool * 3.0
+    float32, whichever the compiler saw first."""
+    x = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
+    fn = lambda x: ((x > 0) * 2.0).to(x.dtype) * x + ((x < 0) * 3).to(x.dtype) + ((x > 0) * True).to(x.dtype)
+    compiled = check_parity(fn, [x])
+    dtypes = {n.name: n.meta["dtype"] for n in compiled.last_entry.report.graph.nodes if n.name.startswith("mul")}
+    assert torch.int64 in dtypes.values() and torch.float32 in dtypes.values() and torch.bool in dtypes.values()
+
+
 def test_noncontiguous_inputs():
     base = torch.randn(7, 5, dtype=torch.float64)
     x = base.t().requires_grad_()  # a transposed leaf: kernels read it through its strides
@@ -230,6 +240,9 @@ JOIN_AND_SPLIT = {
     "stack": lambda x, y: torch.stack([x, y], dim=1).sigmoid(),
     "tril_triu": lambda x, y: torch.tril(x) + torch.triu(y, diagonal=1),
     "causal_attention_scores": lambda x, y: F.softmax((x @ y.t()).masked_fill(CAUSAL, float("-inf")), -1),
+    "inverted_causal_mask": lambda x, y: F.softmax((x @ y.t()).masked_fill(~CAUSAL.logical_not(), float("-inf")), -1),
+    "boolean_logic": lambda x, y: torch.where((~(x > 0) & (y < 0.5)) | ((x > y) ^ (y > 1)), x, y * 2)
+    + torch.logical_and(x > 0, y > 0) * x + torch.logical_or(x < 0, y < 0) * 3 + torch.logical_xor(x > 0, y > 0),
 }
 
 
@@ -241,3 +254,36 @@ def test_split_cat_and_masks(name, dtype):
     y = torch.randn(6, 8, dtype=dtype, requires_grad=True)
     compiled = check_parity(JOIN_AND_SPLIT[name], [x, y], dtype=dtype)
     assert compiled.last_entry.report.fallbacks == []
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("padding_idx", [None, 2, -1])
+def test_embedding(dtype, padding_idx):
+    """Rows gathered by (repeated) indices; the gradient sums repeats and skips padding_idx."""
+    torch.manual_seed(0)
+    weight = torch.randn(11, 6, dtype=dtype, requires_grad=True)
+    pos = torch.randn(5, 6, dtype=dtype, requires_grad=True)
+    idx = torch.tensor([[1, 2, 3, 2, 10], [0, 0, 4, 5, 2]])
+    fn = lambda weight, pos: (F.embedding(idx, weight, padding_idx=padding_idx) + pos).sin() * 2
+    compiled = check_parity(fn, [weight, pos], dtype=dtype)
+    report = compiled.last_entry.report
+    assert report.fallbacks == [] and len(report.kernels) == 2  # the gather and scatter are PyTorch's
+
+
+def test_embedding_module_and_its_double_backward():
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(11, 6, padding_idx=2).double()
+    idx = torch.tensor([[1, 2, 3, 2, 10], [0, 0, 4, 5, 2]])
+    check_parity(lambda w: emb(idx).tanh().sum(1), [emb.weight])
+    compiled = compiler.compile(lambda w: F.embedding(idx, w).tanh(), backend="interpret", fullgraph=True)
+    w = torch.randn(11, 6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(compiled, (w,)) and torch.autograd.gradgradcheck(compiled, (w,))
+    assert compiled.stats["replays"] > 0 and compiled.stats["eager_calls"] == 0
+
+
+def test_embedding_options_not_supported_fall_back_with_a_reason():
+    idx = torch.tensor([1, 2])
+    w = torch.randn(4, 3, requires_grad=True)
+    compiled = compiler.compile(lambda w: F.embedding(idx, w, max_norm=1.0).sum(), backend="interpret")
+    report = compiler.explain(compiled, w.detach().clone().requires_grad_())
+    assert any("max_norm" in reason for reason in report.fallbacks)

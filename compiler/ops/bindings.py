@@ -203,6 +203,54 @@ for _name in ("lt", "le", "gt", "ge", "eq", "ne"):
     binds(getattr(torch, _name), _t(_name), _t(f"__{_name}__"))(_binary(_name))
 
 
+for _name in ("logical_and", "logical_or", "logical_xor"):
+    binds(getattr(torch, _name), _t(_name))(_binary(_name))
+binds(torch.logical_not, _t("logical_not"))(_unary("logical_not"))
+
+
+def _bitwise(name):
+    """~, &, |, ^ and bitwise_*: on booleans they are logic ops; on integers, bit operations
+    (not supported yet)."""
+    def bind(b, *operands, out=None):
+        _no_out({"out": out})
+        for x in operands:
+            dtype = x.meta["dtype"] if isinstance(x, fx.Node) else type(x)
+            if dtype not in (torch.bool, bool):
+                raise Unsupported(f"bitwise {name.split('_')[1]} on {dtype} (not bool) is not supported yet")
+        return _pointwise(b, name, list(operands))
+    return bind
+
+
+binds(_t("__invert__"), torch.bitwise_not, _t("bitwise_not"))(_bitwise("logical_not"))
+binds(_t("__and__"), torch.bitwise_and, _t("bitwise_and"))(_bitwise("logical_and"))
+binds(_t("__or__"), torch.bitwise_or, _t("bitwise_or"))(_bitwise("logical_or"))
+binds(_t("__xor__"), torch.bitwise_xor, _t("bitwise_xor"))(_bitwise("logical_xor"))
+
+
+@binds(F.embedding)
+def _embedding(b, input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
+               sparse=False):
+    if max_norm is not None:
+        raise Unsupported("embedding(max_norm=...) renormalizes the weight in place; not supported yet")
+    if scale_grad_by_freq or sparse:
+        raise Unsupported("embedding with scale_grad_by_freq or sparse gradients is not supported yet")
+    if not isinstance(input, fx.Node) or not isinstance(weight, fx.Node):
+        raise Unsupported("embedding needs tensor indices and weight")
+    if input.meta["dtype"] not in (torch.int64, torch.int32):
+        raise Unsupported(f"embedding indices must be int64 or int32, not {input.meta['dtype']}")
+    if len(weight.meta["shape"]) != 2:
+        raise Unsupported("embedding weight must be 2-D")
+    if padding_idx is not None and padding_idx < 0:
+        padding_idx += weight.meta["shape"][0]
+    return C.emit_embedding(b, weight, input, padding_idx)
+
+
+@binds(torch.embedding)
+def _torch_embedding(b, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    return _embedding(b, indices, weight, None if padding_idx == -1 else padding_idx,
+                      scale_grad_by_freq=scale_grad_by_freq, sparse=sparse)
+
+
 @binds(torch.where)
 def _where(b, cond, x=None, y=None, *, out=None):
     _no_out({"out": out})

@@ -9,7 +9,8 @@ Four kinds of op, each with everything the stages need next to it:
   fused reduction loop.
 * ``View`` — reshape, permute, expand: shape rule, VJP, and an *index map* that says which
   element of the input each output element reads, so views fuse into kernels for free.
-* ``Extern`` — matmuls, run by PyTorch (cuBLAS on GPU); hand-written VJPs.
+* ``Extern`` — matmuls and embedding's gather/scatter, run by PyTorch (cuBLAS on GPU);
+  hand-written VJPs.
 
 Gradients flow as graph nodes built from these same ops, so backward graphs fuse exactly
 like forward graphs (tinygrad's habit). Broadcasting is undone in one place: ``sum_to_shape``.
@@ -28,6 +29,7 @@ from compiler.ir import GraphBuilder, arg_symbol, contiguous_strides, numel
 from compiler.ops import scalar as S
 from compiler.ops import symbols as Y
 from compiler.ops.symbols import conj
+from runtime.program import EXTERN_KERNELS
 
 GRAD_SYMBOL = Y.GRAD
 RESULT_SYMBOL = Y.RESULT
@@ -85,6 +87,12 @@ SCALAR_FUNCTIONS = {
     "clamp": lambda x, lo, hi: S.Where(_compare("lt", x, lo), lo, S.Where(_compare("gt", x, hi), hi, x)),
     "clamp_min": lambda x, lo: S.Where(_compare("lt", x, lo), lo, x),
     "clamp_max": lambda x, hi: S.Where(_compare("gt", x, hi), hi, x),
+    # logic on booleans (any nonzero value is true, as in torch.logical_*)
+    "logical_not": lambda a: _compare("eq", a, 0),
+    # (the outer comparison keeps the result a boolean when it is inlined into a condition)
+    "logical_and": lambda a, b: _compare("ne", S.Where(_compare("ne", a, 0), b, 0), 0),
+    "logical_or": lambda a, b: _compare("ne", S.Where(_compare("ne", a, 0), 1, b), 0),
+    "logical_xor": lambda a, b: _compare("ne", _compare("ne", a, 0), _compare("ne", b, 0)),
     "identity": lambda a: a,  # dtype conversion: the node's dtype says what to convert to
     "fill": lambda value: value,  # zeros_like & co: a constant over the node's shape
 }
@@ -98,7 +106,7 @@ def _compare(name, a, b):
 # Ops whose integer inputs give a floating result (sin of an int tensor is float).
 FLOAT_RESULT_OPS = {"exp", "log", "sqrt", "rsqrt", "reciprocal", "sin", "cos", "tanh", "sigmoid",
                     "gelu", "gelu_tanh", "silu"}
-BOOL_RESULT_OPS = set(S.COMPARE_OPS)
+BOOL_RESULT_OPS = set(S.COMPARE_OPS) | {"logical_not", "logical_and", "logical_or", "logical_xor"}
 
 
 class Pointwise(OpDef):
@@ -479,13 +487,18 @@ def emit_slice_scatter(b, base, src, dim, start, step, length) -> fx.Node:
 
 # ----------------------------------------------------------------------------- extern
 class Extern(OpDef):
-    """Matrix products, run by PyTorch (cuBLAS on GPU)."""
+    """An op whose kernel is PyTorch's (``runtime.program.EXTERN_KERNELS``): a hand-written
+    VJP here, a call at run time. Its result is always a buffer; fusion works around it."""
 
     kind = "extern"
 
-    def __init__(self, name, torch_fn):
+    def __init__(self, name):
         super().__init__(name)
-        self.torch_fn = torch_fn
+        self.torch_fn = EXTERN_KERNELS[name]
+
+
+class MatMul(Extern):
+    """mm and bmm (cuBLAS on GPU)."""
 
     def vjp(self, b, node, grad_out):
         """grad_a = g @ w^H, grad_w = a^H @ g (the conjugate transpose; a plain one if real)."""
@@ -505,7 +518,31 @@ class Extern(OpDef):
         return [ga, gw]
 
 
-EXTERNS = {"mm": Extern("mm", torch.mm), "bmm": Extern("bmm", torch.bmm)}
+class Embedding(Extern):
+    """weight[indices]: a gather of rows. Its gradient scatters the output gradient's rows back
+    (summing repeats, skipping ``padding_idx``) — PyTorch's embedding_dense_backward."""
+
+    def vjp(self, b, node, grad_out):
+        weight, indices = node.args
+        if not weight.meta["requires_grad"]:
+            return [None, None]
+        return [emit_embedding_backward(b, grad_out, indices, weight.meta["shape"][0], node.kwargs["padding_idx"]),
+                None]
+
+
+class EmbeddingBackward(Extern):
+    """The scatter-add of embedding's backward; linear in the gradient, whose VJP gathers
+    rows again (with the padding row's contribution zeroed, as the scatter never wrote it)."""
+
+    def vjp(self, b, node, grad_out):
+        grad, indices = node.args
+        if not grad.meta["requires_grad"]:
+            return [None, None]
+        return [emit_embedding(b, grad_out, indices, node.kwargs["padding_idx"], zero_padding=True), None]
+
+
+EXTERNS = {"mm": MatMul("mm"), "bmm": MatMul("bmm"), "embedding": Embedding("embedding"),
+           "embedding_backward": EmbeddingBackward("embedding_backward")}
 
 
 def emit_extern(b, name, a, w) -> fx.Node:
@@ -514,6 +551,22 @@ def emit_extern(b, name, a, w) -> fx.Node:
     dtype = torch.promote_types(a.meta["dtype"], w.meta["dtype"])
     return b.call(EXTERNS[name], [a, w], shape=shape, dtype=dtype,
                   requires_grad=a.meta["requires_grad"] or w.meta["requires_grad"])
+
+
+def emit_embedding(b, weight, indices, padding_idx=None, zero_padding=False) -> fx.Node:
+    kwargs = {"padding_idx": padding_idx}
+    if zero_padding:
+        kwargs["zero_padding"] = True
+    return b.call(EXTERNS["embedding"], [weight, indices], kwargs,
+                  shape=(*indices.meta["shape"], weight.meta["shape"][1]), dtype=weight.meta["dtype"],
+                  requires_grad=weight.meta["requires_grad"])
+
+
+def emit_embedding_backward(b, grad, indices, num_weights, padding_idx) -> fx.Node:
+    return b.call(EXTERNS["embedding_backward"], [grad, indices],
+                  {"num_weights": num_weights, "padding_idx": padding_idx},
+                  shape=(num_weights, grad.meta["shape"][-1]), dtype=grad.meta["dtype"],
+                  requires_grad=grad.meta["requires_grad"])
 
 
 def vjp(b: GraphBuilder, node: fx.Node, grad_out: fx.Node):
