@@ -43,6 +43,20 @@ def is_metadata(func) -> bool:
     return False
 
 
+_METADATA_CACHE: dict = {}
+
+
+def _is_metadata_cached(func) -> bool:
+    """``is_metadata``, remembered per function (it runs before every torch call)."""
+    try:
+        return _METADATA_CACHE[func]
+    except KeyError:
+        answer = _METADATA_CACHE[func] = is_metadata(func)
+        return answer
+    except TypeError:  # unhashable callable
+        return is_metadata(func)
+
+
 class Diverged(Exception):
     pass
 
@@ -72,7 +86,7 @@ class Replay(TorchFunctionMode):
     # -- the mode ----------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if is_metadata(func):
+        if _is_metadata_cached(func):
             return func(*args, **kwargs)
         if self.diverged:
             return self._eager(func, args, kwargs)
@@ -97,11 +111,14 @@ class Replay(TorchFunctionMode):
         leaves, spec = flatten_call(args, kwargs)
         if spec != rec.spec:
             raise Diverged(f"{_name(func)} called with differently structured arguments")
-        for leaf, expected in zip(leaves, rec.leaves):
-            if isinstance(expected, ValueId):
-                if leaf is not self.shown.get(expected):
-                    raise Diverged(f"{_name(func)} called on a different tensor")
-            elif isinstance(leaf, torch.Tensor) or (rec.kind == "compute" and not _same_constant(leaf, expected)):
+        shown = self.shown
+        for i, expected in rec.value_slots:
+            if leaves[i] is not shown.get(expected):
+                raise Diverged(f"{_name(func)} called on a different tensor")
+        compute = rec.kind == "compute"
+        for i, expected in rec.constant_slots:
+            leaf = leaves[i]
+            if isinstance(leaf, torch.Tensor) or (compute and not _same_constant(leaf, expected)):
                 # NOTE: only compiled calls have their constants baked into kernels; an eager
                 # call runs with this call's values (an optimizer's step size changes per step).
                 raise Diverged(f"{_name(func)} called with a different constant ({leaf!r} != {expected!r})")
@@ -117,17 +134,28 @@ class Replay(TorchFunctionMode):
                     return None
                 return tree_unflatten([self.shown[v] for v in rec.outputs], rec.out_spec)
         self.pos += 1
-        real = [self.env[x] if isinstance(x, ValueId) else leaf for leaf, x in zip(leaves, rec.leaves)]
-        a, k = unflatten_call(real, spec)
-        result = func(*a, **k)
-        if rec.out_spec == "setitem":
-            tensors = [a[0]]
+        env = self.env
+        real = leaves
+        if all(env.get(vid) is leaves[i] for i, vid in rec.value_slots):
+            result = func(*args, **kwargs)  # the common case: Python holds the real tensors
         else:
-            tensors = [result] if isinstance(result, torch.Tensor) else [
-                t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
+            real = list(leaves)
+            for i, vid in rec.value_slots:
+                real[i] = env[vid]
+            a, k = unflatten_call(real, spec)
+            result = func(*a, **k)
+        if not rec.outputs:  # most eager calls: optimizer updates, attribute reads, grad mode
+            return result
+        if rec.out_spec == "setitem":
+            tensors = [real[0]]
+        elif isinstance(result, torch.Tensor):
+            tensors = [result]
+        else:
+            tensors = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
+        shown = self.shown
         for vid, t in zip(rec.outputs, tensors):
-            self.env[vid] = t
-            self.shown[vid] = t
+            env[vid] = t
+            shown[vid] = t
         return result
 
     def _run_region(self, index: int):

@@ -9,6 +9,7 @@ arguments are recorded as value ids and its other arguments as constants.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass, field
 
@@ -29,6 +30,16 @@ class TraceCall:
     outputs: list              # ValueId per tensor leaf of the result, in order
     out_spec: object = None
     reason: str | None = None  # for an eager call that breaks a region: why
+
+    @functools.cached_property
+    def value_slots(self) -> tuple:
+        """(leaf position, value id) of each tensor argument: replay's per-call check."""
+        return tuple((i, x) for i, x in enumerate(self.leaves) if isinstance(x, ValueId))
+
+    @functools.cached_property
+    def constant_slots(self) -> tuple:
+        """(leaf position, constant) of every other argument."""
+        return tuple((i, x) for i, x in enumerate(self.leaves) if not isinstance(x, ValueId))
 
 
 @dataclass
