@@ -118,13 +118,13 @@ class CompiledFunction:
             self.last_entry = entry
             self.last_backend = "eager (recording)"
             for reason in entry.report.fallbacks:
-                say_once(self.__name__, reason)
+                say_once(self.__name__, reason, runs_eagerly="that part")
             return result
 
     def _eager(self, reason, args, kwargs):
         if self.fullgraph:
             raise CompileError(f"{self.__name__}: {reason}")
-        say_once(self.__name__, reason)
+        say_once(self.__name__, reason, runs_eagerly="the whole call")
         self.stats["eager_calls"] += 1
         self.last_backend = "eager"
         return self.fn(*args, **kwargs)

@@ -10,13 +10,14 @@ _said: set = set()
 _lock = threading.Lock()
 
 
-def say_once(fn_name: str, reason: str, level: int = logging.WARNING) -> None:
+def say_once(fn_name: str, reason: str, level: int = logging.WARNING, runs_eagerly: str = "") -> None:
+    """Log ``reason`` once per function; ``runs_eagerly`` says what of the call runs eagerly."""
     key = (fn_name, reason)
     with _lock:
         if key in _said:
             return
         _said.add(key)
-    log.log(level, "compiler: %s runs eagerly: %s", fn_name, reason)
+    log.log(level, "compiler: %s: %s%s", fn_name, reason, f" ({runs_eagerly} runs eagerly)" if runs_eagerly else "")
 
 
 class CompileError(RuntimeError):
