@@ -227,6 +227,19 @@ binds(_t("__or__"), torch.bitwise_or, _t("bitwise_or"))(_bitwise("logical_or"))
 binds(_t("__xor__"), torch.bitwise_xor, _t("bitwise_xor"))(_bitwise("logical_xor"))
 
 
+@binds(F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout)
+def _dropout(b, input, p=0.5, training=True, inplace=False):
+    """Outside training (model.eval()) or with p=0, dropout returns its input itself."""
+    if training and p > 0:
+        raise Unsupported("dropout in training mode draws random numbers; random ops are not compiled yet")
+    return input
+
+
+@binds(torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout)
+def _torch_dropout(b, input, p, train):
+    return _dropout(b, input, p, train)
+
+
 @binds(F.embedding)
 def _embedding(b, input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
                sparse=False):
