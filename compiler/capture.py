@@ -55,6 +55,7 @@ class _Region:
     inputs: list = field(default_factory=list)      # value ids that became placeholders
     produced: list = field(default_factory=list)    # value ids made here, in order
     calls: list = field(default_factory=list)
+    seeds: list = field(default_factory=list)       # input value ids that take a fresh RNG seed per call
     view_mutation: bool = False                     # an in-place op changed a view
     eager_reason: str | None = None                 # set when the region must run eagerly
 
@@ -210,7 +211,7 @@ class Capture(TorchFunctionMode):
         grad_enabled = torch.is_grad_enabled()
         region = self.current
         if region is None or region.device != device or region.grad_enabled != grad_enabled:
-            region = _Region(len(self.regions), grad_enabled, device)
+            region = self._new_region(len(self.regions), grad_enabled, device)
         b = region.builder
         metas = {vid: TensorMeta.of(x) for x, vid in zip(leaves, recorded) if isinstance(x, torch.Tensor)}
         a, k = unflatten_call(_map_to_nodes(region, recorded, metas), flatten_call(args, kwargs)[1])
@@ -233,6 +234,24 @@ class Capture(TorchFunctionMode):
             self.regions.append(region)
             self.current = region
         return region, nodes
+
+    def _new_region(self, index, grad_enabled, device) -> _Region:
+        region = _Region(index, grad_enabled, device)
+        region.builder.new_seed = lambda: self._seed_input(region)
+        return region
+
+    def _seed_input(self, region: _Region):
+        """A region input that replay fills with a fresh random seed before each run (random
+        ops in kernels: dropout). It has a value id but no tensor in the recording."""
+        vid = ValueId(self.next_id)
+        self.next_id += 1
+        self.meta[vid] = TensorMeta((), torch.int64, region.device, False)
+        node = region.builder.placeholder(f"seed{vid}", (), torch.int64)
+        node.meta["device"] = region.device
+        region.nodes[vid] = node
+        region.inputs.append(vid)
+        region.seeds.append(vid)
+        return node
 
     def _update_base(self, region, vid, old_node, new_node, base, index):
         """An in-place op changed a view: its base changes too (eager views share memory).
@@ -303,7 +322,7 @@ class Capture(TorchFunctionMode):
 
     def _rebuild(self, index, call_indices, grad_enabled, device) -> _Region:
         """A region's graph re-emitted from recorded calls (bindings need metadata only)."""
-        region = _Region(index, grad_enabled, device)
+        region = self._new_region(index, grad_enabled, device)
         b = region.builder
         for c in call_indices:
             call = self.calls[c]
@@ -353,7 +372,7 @@ class Capture(TorchFunctionMode):
             b.graph.eliminate_dead_code()
             mutated = [v for v in r.inputs if v in seen]
             plans.append(RegionPlan(r.calls, list(r.inputs), outputs, internal, r.grad_enabled, mutated=mutated,
-                                    reason=r.eager_reason))
+                                    reason=r.eager_reason, seeds=[(v, r.device) for v in r.seeds]))
             plans[-1].graph = b.graph
         return Trace(self.calls, plans, self.arg_ids, dict(self.externals), dict(self.produced_by),
                      list(dict.fromkeys(self.breaks)))

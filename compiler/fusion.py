@@ -50,7 +50,7 @@ class Schedule:
         return [plan for kind, plan in self.steps if kind == "kernel"]
 
 
-INLINE_KINDS = ("pointwise", "scatter", "iota")  # computed per element inside the kernels that read them
+INLINE_KINDS = ("pointwise", "scatter", "iota", "rand")  # computed per element inside the kernels that read them
 
 
 def kind_of(node: fx.Node) -> str:
@@ -123,7 +123,7 @@ def fuse(graph: fx.Graph) -> Schedule:
             step_of[node] = len(steps)
             steps.append(("extern", node))
             continue
-        if node not in buffers or kind not in ("pointwise", "scatter", "iota", "reduction"):
+        if node not in buffers or kind not in ("pointwise", "scatter", "iota", "rand", "reduction"):
             continue
         if kind == "reduction":
             space = (node.args[0].meta["shape"], node.kwargs["dims"])

@@ -113,6 +113,7 @@ class GraphBuilder:
     def __init__(self, graph: fx.Graph | None = None):
         self.graph = graph if graph is not None else fx.Graph()
         self.created: list = []   # call nodes in creation order (stages tag what they made)
+        self.new_seed = None      # capture's: () -> a region input holding a fresh RNG seed per call
 
     def placeholder(self, name, shape, dtype, requires_grad=False) -> fx.Node:
         node = self.graph.placeholder(name)

@@ -46,6 +46,11 @@ def _evaluate_node(node, args):
         if value.is_complex() and not dtype.is_complex:
             value = value.real
         return value.to(dtype).expand(node.meta["shape"])
+    if kind == "rand":
+        # NOTE: the reference executor only attributes NaNs (anomaly mode); these numbers come
+        # from torch's generator seeded alike, not from the kernels' Philox stream.
+        generator = torch.Generator(device=args[0].device).manual_seed(int(args[0]))
+        return torch.rand(node.meta["shape"], generator=generator, device=args[0].device)
     if kind == "iota":
         shape, dim = node.meta["shape"], node.kwargs["dim"]
         view = [1] * len(shape)

@@ -163,6 +163,9 @@ class Replay(TorchFunctionMode):
         self.done_regions.add(index)
         if region.compiled is None:
             return  # runs call by call, eagerly
+        for vid, device in region.seeds:
+            # from the device's generator, as eager's random ops draw: manual_seed reproduces it
+            self.env[vid] = torch.randint(0, 2**31 - 1, (), dtype=torch.int64, device=device)
         inputs = [self.env[v] for v in region.input_ids]
         with torch.set_grad_enabled(region.grad_enabled):
             outs = region.compiled(inputs)

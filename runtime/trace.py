@@ -69,6 +69,7 @@ class RegionPlan:
     compiled: object = None    # CompiledRegion, or None: run this region's calls eagerly
     reason: str | None = None  # why it runs eagerly
     stand_ins: dict | None = None  # value id -> stand-in tensor, made at the first replay
+    seeds: list = field(default_factory=list)  # (value id, device) of inputs given a fresh RNG seed per run
 
 
 @dataclass

@@ -130,6 +130,10 @@ class KernelWriter:
                               else f"({position}).to(tl.int64)"), torch.int64
             self.values[key] = result
             return result
+        if kind == "rand" and not (node in self.buffers and node not in self.roots):
+            result = self.random(node, index)
+            self.values[key] = result
+            return result
         if (node in self.buffers and node not in self.roots) or \
                 kind not in ("pointwise", "scatter", "view", "reduction"):
             result = self.load(node, index)
@@ -181,6 +185,17 @@ class KernelWriter:
         if expr.is_number:  # a constant: give it the block's shape
             return self.tmp(f"tl.full(SHAPE, {text}, {TL_DTYPE[want]})"), want
         return self.tmp(text), want
+
+    def random(self, node, index: tuple):
+        """Philox(seed, position of the element in the rand node's shape), in [0, 1)."""
+        seed, _ = self.value(node.args[0], ())
+        shape, strides = node.meta["shape"], contiguous_strides(node.meta["shape"])
+        if all(idx.isdigit() for idx in index):  # one known element
+            position = f"tl.full(SHAPE, {sum(int(i) * st for i, st in zip(index, strides))}, tl.int64)"
+        else:
+            position = " + ".join(f"({idx}).to(tl.int64) * {stride}" for idx, size, stride in zip(index, shape, strides)
+                                  if size != 1 and idx != "0") or "tl.full(SHAPE, 0, tl.int64)"
+        return self.tmp(f"tl.rand({seed}, {position})"), torch.float32
 
     def reduced(self, node, index):
         """A reduction root of this persistent kernel, read by a later value of the same row."""

@@ -227,17 +227,36 @@ binds(_t("__or__"), torch.bitwise_or, _t("bitwise_or"))(_bitwise("logical_or"))
 binds(_t("__xor__"), torch.bitwise_xor, _t("bitwise_xor"))(_bitwise("logical_xor"))
 
 
-@binds(F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout)
+@binds(F.dropout)
 def _dropout(b, input, p=0.5, training=True, inplace=False):
-    """Outside training (model.eval()) or with p=0, dropout returns its input itself."""
-    if training and p > 0:
-        raise Unsupported("dropout in training mode draws random numbers; random ops are not compiled yet")
-    return input
+    """Outside training (model.eval()) or with p=0, dropout returns its input itself. In
+    training: keep each element with probability 1-p, scaled by 1/(1-p), from random numbers
+    made inside the kernel (Philox, seeded per call from torch's generator)."""
+    if not 0 <= p <= 1:
+        raise Unsupported(f"dropout probability has to be between 0 and 1, but got {p}")
+    if not training or p == 0:
+        return input
+    if p == 1:
+        raise Unsupported("dropout with p=1 (every element dropped) is not compiled")
+    if b.new_seed is None:
+        raise Unsupported("random numbers need a per-call seed, which this graph cannot take")
+    keep = _pointwise(b, "ge", [C.emit_rand(b, b.new_seed(), input.meta["shape"]), p])
+    out = C.emit_pointwise(b, "where", [keep, _pointwise(b, "mul", [input, 1.0 / (1.0 - p)]), 0.0],
+                           dtype=input.meta["dtype"])
+    return _in_place(b, input, out) if inplace else out
 
 
-@binds(torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout)
+@binds(torch.dropout)
 def _torch_dropout(b, input, p, train):
     return _dropout(b, input, p, train)
+
+
+@binds(F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
+       torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout)
+def _other_dropout(b, input, p=0.5, training=True, inplace=False):
+    if training and p > 0:
+        raise Unsupported("channel and alpha dropout in training mode are not compiled yet")
+    return input
 
 
 @binds(F.embedding)

@@ -9,6 +9,7 @@ Four kinds of op, each with everything the stages need next to it:
   fused reduction loop.
 * ``View`` — reshape, permute, expand: shape rule, VJP, and an *index map* that says which
   element of the input each output element reads, so views fuse into kernels for free.
+* ``Iota``, ``Rand`` — element positions and per-element random numbers, computed inline.
 * ``Extern`` — matmuls and embedding's gather/scatter, run by PyTorch (cuBLAS on GPU);
   hand-written VJPs.
 
@@ -454,6 +455,23 @@ IOTA = Iota("iota")
 
 def emit_iota(b, shape, dim, dtype=torch.int64) -> fx.Node:
     return b.call(IOTA, [], {"dim": dim}, shape=shape, dtype=dtype, requires_grad=False)
+
+
+class Rand(OpDef):
+    """Uniform random numbers in [0, 1) over ``shape``: element i is Philox(seed, i), with i
+    the element's position in ``shape`` (row-major). ``seed`` is a region input drawn from
+    torch's generator on every call, so the numbers change per call and follow
+    ``torch.manual_seed``; a backward that needs them computes them again from the seed
+    instead of saving a mask (dropout's backward reads no mask from memory)."""
+
+    kind = "rand"
+
+
+RAND = Rand("rand")
+
+
+def emit_rand(b, seed, shape) -> fx.Node:
+    return b.call(RAND, [seed], shape=shape, dtype=torch.float32, requires_grad=False)
 
 
 # ----------------------------------------------------------------------------- scatter
