@@ -15,7 +15,7 @@ from compiler.codegen.triton_kernel import render_kernel
 from compiler.fusion import Schedule, fuse
 from compiler.reference import first_nan
 from runtime.autograd_bridge import CompiledRegion
-from runtime.program import ExternCall, KernelLaunch, Program, ValueRef
+from runtime.program import ExternCall, IndexCheck, KernelLaunch, Program, ValueRef
 
 
 def build_region(graph: fx.Graph, mutated_inputs=frozenset()):
@@ -158,10 +158,18 @@ def lower(graph: fx.Graph, schedule: Schedule):
         return ValueRef(slots[node], tuple(reversed(views)))
 
     steps, sources = [], []
+    checks = _index_checks(graph)  # buffer -> range checks of the indices it holds
+
+    def check(produced):
+        for node in produced:
+            for index, size, wrap, what in checks.pop(node, ()):
+                steps.append(IndexCheck([ref(index)], size, wrap, what))
+    check(placeholders)
     for kind, item in schedule.steps:
         if kind == "extern":
             slots[item] = len(slots)
             steps.append(ExternCall(item.target.name, [ref(a) for a in item.args], slots[item], dict(item.kwargs)))
+            check([item])
             continue
         src = render_kernel(item, schedule.buffers)
         for node in src.stores:
@@ -172,11 +180,31 @@ def lower(graph: fx.Graph, schedule: Schedule):
             src.grid, _constant(src.source, "XBLOCK_DEFAULT"), _constant(src.source, "RBLOCK_DEFAULT"),
             src.bytes_moved))
         sources.append(src)
+        check(src.stores)
     outputs = [ref(o) if isinstance(o, fx.Node) else None
                for o in next(n for n in graph.nodes if n.op == "output").args[0]]
     program = Program(len(placeholders), len(slots), steps, outputs)
     program.frees = _liveness(program)
     return program, sources
+
+
+def _index_checks(graph: fx.Graph) -> dict:
+    """For each buffer holding indices that a gather reads: (index value, dim size, wrap,
+    op name), checked as soon as the buffer is written. (Kernels clamp indices, so a bad one
+    never reads outside memory; the check gives eager's error.)"""
+    checks: dict = {}
+    for node in graph.nodes:
+        if getattr(node.target, "kind", None) != "gather":
+            continue
+        source, index = node.args
+        base = index
+        while getattr(base.target, "kind", None) == "view":
+            base = base.args[0]
+        entry = (index, source.meta["shape"][node.kwargs["dim"]], node.kwargs.get("wrap", False),
+                 node.meta.get("torch_op", "indexing"))
+        if entry not in checks.setdefault(base, []):
+            checks[base].append(entry)
+    return checks
 
 
 def _constant(source: str, name: str) -> int:

@@ -50,7 +50,8 @@ class Schedule:
         return [plan for kind, plan in self.steps if kind == "kernel"]
 
 
-INLINE_KINDS = ("pointwise", "scatter", "iota", "rand")  # computed per element inside the kernels that read them
+# computed per element inside the kernels that read them
+INLINE_KINDS = ("pointwise", "scatter", "iota", "rand", "gather")
 
 
 def kind_of(node: fx.Node) -> str:
@@ -111,6 +112,8 @@ def fuse(graph: fx.Graph) -> Schedule:
         if kind_of(node) == "extern":
             for arg in node.args:
                 needs_memory(arg)
+        elif kind_of(node) == "gather":
+            needs_memory(node.args[1])  # indices are range-checked on the host (eager's error)
     for out in outputs:
         needs_memory(out)
 
@@ -123,7 +126,7 @@ def fuse(graph: fx.Graph) -> Schedule:
             step_of[node] = len(steps)
             steps.append(("extern", node))
             continue
-        if node not in buffers or kind not in ("pointwise", "scatter", "iota", "rand", "reduction"):
+        if node not in buffers or kind not in ("pointwise", "scatter", "iota", "rand", "gather", "reduction"):
             continue
         if kind == "reduction":
             space = (node.args[0].meta["shape"], node.kwargs["dims"])

@@ -46,6 +46,19 @@ def _evaluate_node(node, args):
         if value.is_complex() and not dtype.is_complex:
             value = value.real
         return value.to(dtype).expand(node.meta["shape"])
+    if kind == "gather":
+        source, index = args
+        mode, dim = node.kwargs["mode"], node.kwargs["dim"]
+        if node.kwargs.get("wrap"):
+            index = torch.where(index < 0, index + source.shape[dim], index)
+        if mode == "gather":
+            return torch.gather(source, dim, index)
+        if mode == "index_select":
+            return source.index_select(dim, index.reshape(-1)).reshape(node.meta["shape"])
+        out = torch.nn.functional.embedding(index, source)
+        if node.kwargs.get("zero_padding"):
+            out = out.masked_fill((index == node.kwargs["padding_idx"]).unsqueeze(-1), 0)
+        return out
     if kind == "rand":
         # NOTE: the reference executor only attributes NaNs (anomaly mode); these numbers come
         # from torch's generator seeded alike, not from the kernels' Philox stream.

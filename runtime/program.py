@@ -85,27 +85,30 @@ class KernelLaunch:
                 fn[(self.grid,)](*args, XBLOCK=self.xblock, RBLOCK=self.rblock)
 
 
-def _embedding(weight, indices, *, padding_idx=None, zero_padding=False):
-    """Rows of ``weight`` picked by ``indices``; ``zero_padding`` zeroes the rows picked at
-    ``padding_idx`` (the gradient of embedding's backward, which never writes that row)."""
-    out = torch.nn.functional.embedding(indices, weight)
-    if zero_padding and padding_idx is not None:
-        out = out.masked_fill((indices == padding_idx).unsqueeze(-1), 0)
-    return out
+def _index_backward(grad, index, *, mode, dim, shape, padding_idx=None, wrap=False):
+    """The gradient of a gather: ``grad`` summed into zeros of the source's ``shape`` at the
+    gathered positions (repeats add up). ``mode`` says how ``index`` picked them: gather
+    (torch.gather), index_select (along ``dim``) or embedding (rows; ``padding_idx`` gets none)."""
+    if mode == "embedding":
+        return torch.ops.aten.embedding_dense_backward(
+            grad, index, shape[0], -1 if padding_idx is None else padding_idx, False)
+    if wrap:  # x[idx]: negative indices count from the end
+        index = torch.where(index < 0, index + shape[dim], index)
+    out = torch.zeros(shape, dtype=grad.dtype, device=grad.device)
+    if mode == "gather":
+        return out.scatter_add_(dim, index, grad)
+    if index.dim() != 1:  # x[idx] with an n-d idx: its dims stand where ``dim`` was
+        grad = grad.reshape(*shape[:dim], index.numel(), *shape[dim + 1:])
+        index = index.reshape(-1)
+    return out.index_add_(dim, index, grad)
 
 
-def _embedding_backward(grad, indices, *, num_weights, padding_idx=None, scale_grad_by_freq=False):
-    return torch.ops.aten.embedding_dense_backward(
-        grad, indices, num_weights, -1 if padding_idx is None else padding_idx, scale_grad_by_freq)
-
-
-# Ops whose kernels are PyTorch's (cuBLAS matmuls on GPU, embedding's gather and scatter):
+# Ops whose kernels are PyTorch's (cuBLAS matmuls on GPU, the scatter-add of a gather's gradient):
 # the compiler's catalog and its reference executor use this same table.
 EXTERN_KERNELS = {
     "mm": torch.mm,
     "bmm": torch.bmm,
-    "embedding": _embedding,
-    "embedding_backward": _embedding_backward,
+    "index_backward": _index_backward,
 }
 
 
@@ -114,10 +117,34 @@ class ExternCall:
     name: str              # a key of EXTERN_KERNELS
     args: list             # ValueRefs
     out: int
-    kwargs: dict = field(default_factory=dict)  # constant parameters (padding_idx, ...)
+    kwargs: dict = field(default_factory=dict)  # constant parameters (dim, shape, ...)
 
     def run(self, env, device):
         env[self.out] = EXTERN_KERNELS[self.name](*[a.resolve(env) for a in self.args], **self.kwargs)
+
+
+@dataclass
+class IndexCheck:
+    """Eager's error for an index out of range, before a kernel gathers with it. On CPU it
+    raises here; on CUDA it is an asynchronous device-side assert (no synchronization), as
+    eager's own CUDA indexing kernels do."""
+    args: list             # [ValueRef of the index tensor]
+    size: int              # the indexed dim's size
+    wrap: bool             # negative indices count from the end (x[idx])
+    what: str              # the op, for the message
+
+    def run(self, env, device):
+        index = self.args[0].resolve(env)
+        if index.numel() == 0:
+            return
+        low = -self.size if self.wrap else 0
+        ok = ((index >= low) & (index < self.size)).all()
+        if index.device.type == "cuda":
+            torch._assert_async(ok, f"{self.what}: index out of range")
+        elif not ok:
+            bad = index[(index < low) | (index >= self.size)].flatten()[0].item()
+            raise IndexError(f"{self.what}: index {bad} is out of bounds for a dimension of size {self.size} "
+                             "(raised by the compiled region, as eager would)")
 
 
 @dataclass

@@ -267,7 +267,7 @@ def test_embedding(dtype, padding_idx):
     fn = lambda weight, pos: (F.embedding(idx, weight, padding_idx=padding_idx) + pos).sin() * 2
     compiled = check_parity(fn, [weight, pos], dtype=dtype)
     report = compiled.last_entry.report
-    assert report.fallbacks == [] and len(report.kernels) == 2  # the gather and scatter are PyTorch's
+    assert report.fallbacks == [] and len(report.kernels) == 2  # the gather fused; the scatter-add is PyTorch's
 
 
 def test_embedding_module_and_its_double_backward():
@@ -287,3 +287,55 @@ def test_embedding_options_not_supported_fall_back_with_a_reason():
     compiled = compiler.compile(lambda w: F.embedding(idx, w, max_norm=1.0).sum(), backend="interpret")
     report = compiler.explain(compiled, w.detach().clone().requires_grad_())
     assert any("max_norm" in reason for reason in report.fallbacks)
+
+
+GATHER_INDEX = torch.randint(0, 8, (6, 5), generator=torch.Generator().manual_seed(0))
+GATHER_ROWS = torch.randint(0, 6, (4, 8), generator=torch.Generator().manual_seed(1))
+ROWS = torch.tensor([2, 0, 2, 5])
+COLUMNS = torch.tensor([3, 0, 3, -1, 5])
+
+GATHERS = {
+    "gather": lambda x: torch.gather(x.sin(), 1, GATHER_INDEX) * 2,
+    "gather_dim0": lambda x: x.gather(0, GATHER_ROWS[:, 1:]).exp(),
+    "index_select": lambda x: torch.index_select(x * 3, 1, ROWS).tanh(),
+    "getitem_rows_and_negative_columns": lambda x: x[ROWS].sin() + x[:, COLUMNS].sum(),
+    "getitem_2d_index": lambda x: x[torch.stack([ROWS, 5 - ROWS])].cos(),  # index computed in the region
+    "getitem_0d_index": lambda x: x[ROWS[1]] * x[..., COLUMNS[3]][:, None],
+    "log_softmax_gather": lambda x: -F.log_softmax(x, 1).gather(1, GATHER_INDEX[:, :1]).mean(),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", sorted(GATHERS))
+def test_gather_index_select_and_tensor_indexing(name, dtype):
+    """Indexed loads inside the kernels; repeated indices sum in the gradient (scatter-add)."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 8, dtype=dtype, requires_grad=True)
+    compiled = check_parity(GATHERS[name], [x], dtype=dtype)
+    assert compiled.last_entry.report.fallbacks == []
+
+
+def test_gather_double_backward():
+    index = GATHER_INDEX
+    compiled = compiler.compile(lambda x: torch.gather(x, 1, index).sin(), backend="interpret", fullgraph=True)
+    x = torch.randn(6, 8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(compiled, (x,)) and torch.autograd.gradgradcheck(compiled, (x,))
+    assert compiled.stats["eager_calls"] == 0 and compiled.stats["replays"] > 0
+
+
+def test_index_out_of_range_raises_as_in_eager():
+    compiled = compiler.compile(lambda x, i: x[i].sum() + torch.gather(x, 0, i), backend="interpret")
+    x = torch.randn(4)
+    compiled(x, torch.tensor([0, 3]))
+    compiled(x, torch.tensor([0, 3]))
+    assert compiled.last_backend == "interpret"
+    with pytest.raises(IndexError, match="torch.gather: index -1 is out of bounds"):
+        compiled(x, torch.tensor([0, -1]))          # fine for x[i], not for gather
+    with pytest.raises(IndexError, match="index 7 is out of bounds"):
+        compiled(x, torch.tensor([0, 7]))
+
+
+def test_indexing_not_compiled_yet_says_why():
+    x = torch.randn(6, 8)
+    reasons = compiler.explain(lambda x: x[x[:, 0] > 0].sum() + x[ROWS, COLUMNS[:4]].sum(), x).fallbacks
+    assert any("boolean mask" in r for r in reasons) and any("several index tensors" in r for r in reasons)

@@ -130,6 +130,10 @@ class KernelWriter:
                               else f"({position}).to(tl.int64)"), torch.int64
             self.values[key] = result
             return result
+        if kind == "gather" and not (node in self.buffers and node not in self.roots):
+            result = self.gathered(node, index)
+            self.values[key] = result
+            return result
         if kind == "rand" and not (node in self.buffers and node not in self.roots):
             result = self.random(node, index)
             self.values[key] = result
@@ -185,6 +189,28 @@ class KernelWriter:
         if expr.is_number:  # a constant: give it the block's shape
             return self.tmp(f"tl.full(SHAPE, {text}, {TL_DTYPE[want]})"), want
         return self.tmp(text), want
+
+    def gathered(self, node, index: tuple):
+        """The source element at the position an index tensor gives (see ``catalog.Gather``)."""
+        source, index_node = node.args
+        index_at, source_at = node.target.positions(node, list(index))
+        dim, size = node.kwargs["dim"], source.meta["shape"][node.kwargs["dim"]]
+        i, _ = self.value(index_node, tuple(index_at))
+        i = self.tmp(f"{i}.to(tl.int64)")
+        if node.kwargs.get("wrap"):
+            i = self.tmp(f"tl.where({i} < 0, {i} + {size}, {i})")
+        # NOTE: clamped, so a bad index never reads outside memory; the program checks the
+        # indices on the host and raises eager's error (``runtime.program.IndexCheck``).
+        i = self.tmp(f"tl.minimum(tl.maximum({i}, 0), {size - 1})")
+        source_at[dim] = i
+        value, dtype = self.value(source, tuple(source_at))
+        if node.kwargs.get("zero_padding"):
+            hit = f"{i} == {node.kwargs['padding_idx']}"
+            if dtype.is_complex:
+                value = tuple(self.tmp(f"tl.where({hit}, 0.0, {part})") for part in value)
+            else:
+                value = self.tmp(f"tl.where({hit}, 0.0, {value})")
+        return value, dtype
 
     def random(self, node, index: tuple):
         """Philox(seed, position of the element in the rand node's shape), in [0, 1)."""

@@ -268,19 +268,75 @@ def _embedding(b, input, weight, padding_idx=None, max_norm=None, norm_type=2.0,
         raise Unsupported("embedding with scale_grad_by_freq or sparse gradients is not supported yet")
     if not isinstance(input, fx.Node) or not isinstance(weight, fx.Node):
         raise Unsupported("embedding needs tensor indices and weight")
-    if input.meta["dtype"] not in (torch.int64, torch.int32):
-        raise Unsupported(f"embedding indices must be int64 or int32, not {input.meta['dtype']}")
+    _check_index(input, "embedding")
     if len(weight.meta["shape"]) != 2:
         raise Unsupported("embedding weight must be 2-D")
     if padding_idx is not None and padding_idx < 0:
         padding_idx += weight.meta["shape"][0]
-    return C.emit_embedding(b, weight, input, padding_idx)
+    return C.emit_gather(b, weight, input, "embedding", 0, padding_idx)
 
 
 @binds(torch.embedding)
 def _torch_embedding(b, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     return _embedding(b, indices, weight, None if padding_idx == -1 else padding_idx,
                       scale_grad_by_freq=scale_grad_by_freq, sparse=sparse)
+
+
+def _check_index(index, what):
+    if not isinstance(index, fx.Node):
+        raise Unsupported(f"{what} needs a tensor index")
+    if index.meta["dtype"] not in (torch.int64, torch.int32):
+        raise Unsupported(f"{what} indices must be int64 or int32, not {index.meta['dtype']}")
+
+
+@binds(torch.gather, _t("gather"))
+def _gather(b, x, dim, index, *, sparse_grad=False, out=None):
+    _no_out({"out": out})
+    _check_index(index, "gather")
+    rank = len(x.meta["shape"])
+    dim %= max(rank, 1)
+    if len(index.meta["shape"]) != rank or any(
+            i > s for d, (i, s) in enumerate(zip(index.meta["shape"], x.meta["shape"])) if d != dim):
+        raise Unsupported("gather: index must have the input's rank and fit it outside dim (eager raises)")
+    return C.emit_gather(b, x, index, "gather", dim)
+
+
+@binds(torch.index_select, _t("index_select"))
+def _index_select(b, x, dim, index, *, out=None):
+    _no_out({"out": out})
+    _check_index(index, "index_select")
+    if len(index.meta["shape"]) > 1:
+        raise Unsupported("index_select needs a 1-D index (eager raises)")
+    dim %= max(len(x.meta["shape"]), 1)
+    return C.emit_gather(b, x, _as_1d(b, index), "index_select", dim)
+
+
+def _as_1d(b, index):
+    return index if len(index.meta["shape"]) == 1 else C.emit_view(b, "reshape", index, shape=(1,))
+
+
+def _advanced_index(b, x, index):
+    """x[..., idx, ...] with one integer index tensor and otherwise whole dims: a gather along
+    that dim (negative indices count from the end, as in eager)."""
+    items = index if isinstance(index, tuple) else (index,)
+    tensors = [i for i, item in enumerate(items) if isinstance(item, fx.Node)]
+    if len(tensors) != 1:
+        raise Unsupported("indexing with several index tensors is not supported yet")
+    at = tensors[0]
+    idx = items[at]
+    if idx.meta["dtype"] == torch.bool:
+        raise Unsupported("indexing with a boolean mask has a data-dependent shape")
+    _check_index(idx, "indexing")
+    if Ellipsis in items[at + 1:]:
+        raise Unsupported("an ellipsis after an index tensor is not supported yet")
+    if Ellipsis in items[:at]:
+        dim = len(x.meta["shape"]) - (len(items) - at)
+    else:
+        dim = at
+    others = [item for i, item in enumerate(items) if i != at and item is not Ellipsis]
+    if any(not (isinstance(item, slice) and item == slice(None)) for item in others):
+        raise Unsupported("mixing an index tensor with ints, slices or None is not supported yet")
+    return C.emit_gather(b, x, idx, "index_select", dim, wrap=True)
 
 
 @binds(torch.where)
@@ -640,6 +696,9 @@ def _basic_index(x, index):
 
 @binds(_t("__getitem__"))
 def _getitem(b, x, index):
+    items = index if isinstance(index, tuple) else (index,)
+    if any(isinstance(item, fx.Node) for item in items):
+        return _advanced_index(b, x, index)
     slices, final = _basic_index(x, index)
     out = x
     for dim, start, step, length in slices:

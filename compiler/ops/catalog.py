@@ -10,7 +10,8 @@ Four kinds of op, each with everything the stages need next to it:
 * ``View`` — reshape, permute, expand: shape rule, VJP, and an *index map* that says which
   element of the input each output element reads, so views fuse into kernels for free.
 * ``Iota``, ``Rand`` — element positions and per-element random numbers, computed inline.
-* ``Extern`` — matmuls and embedding's gather/scatter, run by PyTorch (cuBLAS on GPU);
+* ``Gather`` — elements picked by an index tensor (gather, index_select, embedding), inline.
+* ``Extern`` — matmuls and a gather's scatter-add gradient, run by PyTorch (cuBLAS on GPU);
   hand-written VJPs.
 
 Gradients flow as graph nodes built from these same ops, so backward graphs fuse exactly
@@ -474,6 +475,66 @@ def emit_rand(b, seed, shape) -> fx.Node:
     return b.call(RAND, [seed], shape=shape, dtype=torch.float32, requires_grad=False)
 
 
+class Gather(OpDef):
+    """Elements of ``source`` at positions read from an integer ``index`` tensor, computed
+    inline (the index is loaded, then the source element at it). ``mode``:
+
+    * ``gather`` — torch.gather: out[p] = source[p with p[dim] = index[p]];
+    * ``index_select`` — out[p] = source[p with p[dim] = index[p[dim]]] (``x[idx]`` too);
+    * ``embedding`` — out[..., c] = source[index[...], c]; with ``zero_padding`` the rows picked
+      at ``padding_idx`` read 0 (the double backward of embedding, which never writes them).
+
+    The gradient is a scatter-add into zeros of the source's shape (``IndexBackward``).
+    """
+
+    kind = "gather"
+
+    def vjp(self, b, node, grad_out):
+        source, index = node.args
+        if not source.meta["requires_grad"]:
+            return [None, None]
+        p = node.kwargs
+        return [b.call(EXTERNS["index_backward"], [grad_out, index],
+                       {"mode": p["mode"], "dim": p["dim"], "shape": source.meta["shape"],
+                        "padding_idx": p.get("padding_idx"), "wrap": p.get("wrap", False)},
+                       shape=source.meta["shape"], dtype=grad_out.meta["dtype"],
+                       requires_grad=grad_out.meta["requires_grad"]), None]
+
+    @staticmethod
+    def positions(node, index: list):
+        """For an output position: (the index tensor's position to read, the source position
+        with None at the gathered dim)."""
+        mode, dim = node.kwargs["mode"], node.kwargs["dim"]
+        if mode == "gather":
+            return list(index), [None if d == dim else i for d, i in enumerate(index)]
+        if mode == "index_select":  # the index tensor's dims stand where ``dim`` was
+            k = len(node.args[1].meta["shape"])
+            return list(index[dim:dim + k]), list(index[:dim]) + [None] + list(index[dim + k:])
+        return list(index[:-1]), [None, index[-1]]  # embedding: rows of a 2-D weight
+
+
+GATHER = Gather("gather")
+
+
+def emit_gather(b, source, index, mode, dim, padding_idx=None, zero_padding=False, wrap=False) -> fx.Node:
+    """``wrap``: negative indices count from the end (``x[idx]``); otherwise they are errors."""
+    ss, si = source.meta["shape"], index.meta["shape"]
+    if mode == "gather":
+        shape = si
+    elif mode == "index_select":
+        shape = ss[:dim] + si + ss[dim + 1:]
+    else:
+        shape = (*si, ss[1])
+    kwargs = {"mode": mode, "dim": dim}
+    if wrap:
+        kwargs["wrap"] = True
+    if padding_idx is not None:
+        kwargs["padding_idx"] = padding_idx
+        kwargs["zero_padding"] = zero_padding
+    return b.call(GATHER, [source, index], kwargs, shape=shape, dtype=source.meta["dtype"],
+                  requires_grad=source.meta["requires_grad"])
+
+
 # ----------------------------------------------------------------------------- scatter
 class SliceScatter(OpDef):
     """``base`` with ``src`` written into the slice (dim, start, step, length): the
@@ -536,31 +597,20 @@ class MatMul(Extern):
         return [ga, gw]
 
 
-class Embedding(Extern):
-    """weight[indices]: a gather of rows. Its gradient scatters the output gradient's rows back
-    (summing repeats, skipping ``padding_idx``) — PyTorch's embedding_dense_backward."""
+class IndexBackward(Extern):
+    """The scatter-add of a gather's gradient (``runtime.program._index_backward``). Linear in
+    the gradient: its own VJP gathers again, with the same index (double backward)."""
 
     def vjp(self, b, node, grad_out):
-        weight, indices = node.args
-        if not weight.meta["requires_grad"]:
-            return [None, None]
-        return [emit_embedding_backward(b, grad_out, indices, weight.meta["shape"][0], node.kwargs["padding_idx"]),
-                None]
-
-
-class EmbeddingBackward(Extern):
-    """The scatter-add of embedding's backward; linear in the gradient, whose VJP gathers
-    rows again (with the padding row's contribution zeroed, as the scatter never wrote it)."""
-
-    def vjp(self, b, node, grad_out):
-        grad, indices = node.args
+        grad, index = node.args
         if not grad.meta["requires_grad"]:
             return [None, None]
-        return [emit_embedding(b, grad_out, indices, node.kwargs["padding_idx"], zero_padding=True), None]
+        p = node.kwargs
+        return [emit_gather(b, grad_out, index, p["mode"], p["dim"], p.get("padding_idx"), zero_padding=True,
+                            wrap=p.get("wrap", False)), None]
 
 
-EXTERNS = {"mm": MatMul("mm"), "bmm": MatMul("bmm"), "embedding": Embedding("embedding"),
-           "embedding_backward": EmbeddingBackward("embedding_backward")}
+EXTERNS = {"mm": MatMul("mm"), "bmm": MatMul("bmm"), "index_backward": IndexBackward("index_backward")}
 
 
 def emit_extern(b, name, a, w) -> fx.Node:
@@ -569,22 +619,6 @@ def emit_extern(b, name, a, w) -> fx.Node:
     dtype = torch.promote_types(a.meta["dtype"], w.meta["dtype"])
     return b.call(EXTERNS[name], [a, w], shape=shape, dtype=dtype,
                   requires_grad=a.meta["requires_grad"] or w.meta["requires_grad"])
-
-
-def emit_embedding(b, weight, indices, padding_idx=None, zero_padding=False) -> fx.Node:
-    kwargs = {"padding_idx": padding_idx}
-    if zero_padding:
-        kwargs["zero_padding"] = True
-    return b.call(EXTERNS["embedding"], [weight, indices], kwargs,
-                  shape=(*indices.meta["shape"], weight.meta["shape"][1]), dtype=weight.meta["dtype"],
-                  requires_grad=weight.meta["requires_grad"])
-
-
-def emit_embedding_backward(b, grad, indices, num_weights, padding_idx) -> fx.Node:
-    return b.call(EXTERNS["embedding_backward"], [grad, indices],
-                  {"num_weights": num_weights, "padding_idx": padding_idx},
-                  shape=(num_weights, grad.meta["shape"][-1]), dtype=grad.meta["dtype"],
-                  requires_grad=grad.meta["requires_grad"])
 
 
 def vjp(b: GraphBuilder, node: fx.Node, grad_out: fx.Node):
