@@ -28,7 +28,8 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset()):
     backward_program, backward_kernels = None, []
     if parts.backward is not None:
         backward_schedule = fuse(parts.backward)
-        backward_program, backward_kernels = lower(parts.backward, backward_schedule)
+        # the forward checked the indices the backward gathers with (saved: version-checked)
+        backward_program, backward_kernels = lower(parts.backward, backward_schedule, check_indices=False)
     outputs = list(next(n for n in parts.forward.nodes if n.op == "output").args[0])[: parts.num_user_outputs]
     differentiable = [o.meta["requires_grad"] and (o.meta["dtype"].is_floating_point or o.meta["dtype"].is_complex)
                       for o in outputs]
@@ -143,7 +144,7 @@ def _view_step(node):
     return (name, tuple(node.kwargs["shape"]))
 
 
-def lower(graph: fx.Graph, schedule: Schedule):
+def lower(graph: fx.Graph, schedule: Schedule, check_indices: bool = True):
     """Assign slots to buffers and turn the schedule's steps into runtime steps."""
     slots: dict = {}
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -158,7 +159,7 @@ def lower(graph: fx.Graph, schedule: Schedule):
         return ValueRef(slots[node], tuple(reversed(views)))
 
     steps, sources = [], []
-    checks = _index_checks(graph)  # buffer -> range checks of the indices it holds
+    checks = _index_checks(graph) if check_indices else {}  # buffer -> range checks of its indices
 
     def check(produced):
         for node in produced:
