@@ -31,7 +31,9 @@ from compiler.ops.evaluate import evaluate
 
 _ALLOWED_FUNCTIONS = {sympy.exp, sympy.log, sympy.sin, sympy.cos, sympy.tanh, sympy.erf, S.Sigmoid, S.Relu,
                       S.Step, S.Sign, S.Abs, S.Maximum, S.Minimum, S.TieShare, S.Where, S.Compare, S.CAbs,
-                      S.CSgn, S.CAngle, S.RealAngle}
+                      S.CSgn, S.CAngle, S.RealAngle, sympy.tan, sympy.asin, sympy.acos, sympy.atan, sympy.sinh,
+                      sympy.cosh, sympy.asinh, sympy.acosh, sympy.atanh, sympy.erfc, sympy.atan2, S.Log1p, S.Expm1,
+                      S.Floor, S.Ceil, S.Round, S.Trunc}
 
 
 def elementwise(fn=None, *, name: str | None = None):

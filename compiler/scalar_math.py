@@ -34,6 +34,29 @@ gelu = _F["gelu"]
 silu = _F["silu"]
 abs = _F["abs"]  # noqa: A001 — the catalog's abs: PyTorch's gradient at 0 and for complex z
 erf = sympy.erf
+erfc = _F["erfc"]
+tan = _F["tan"]
+asin = _F["asin"]
+acos = _F["acos"]
+atan = _F["atan"]
+sinh = _F["sinh"]
+cosh = _F["cosh"]
+asinh = _F["asinh"]
+acosh = _F["acosh"]
+atanh = _F["atanh"]
+log1p = _F["log1p"]
+expm1 = _F["expm1"]
+floor = _F["floor"]
+ceil = _F["ceil"]
+trunc = _F["trunc"]
+atan2 = _F["atan2"]
+hypot = _F["hypot"]
+logaddexp = _F["logaddexp"]
+
+
+def softplus(x, beta=1.0, threshold=20.0):
+    """log(1 + exp(beta x)) / beta, linear above ``threshold`` (as torch's softplus)."""
+    return _F["softplus"](x, beta, threshold)
 conj = _F["conj"]
 real = _F["real"]
 imag = _F["imag"]
@@ -60,4 +83,6 @@ def _condition(c):
 
 
 __all__ = ["pi", "e", "exp", "log", "sqrt", "rsqrt", "sin", "cos", "tanh", "sigmoid", "relu", "gelu",
-           "silu", "abs", "erf", "conj", "real", "imag", "angle", "maximum", "minimum", "where"]
+           "silu", "abs", "erf", "erfc", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh",
+           "log1p", "expm1", "floor", "ceil", "trunc", "atan2", "hypot", "logaddexp", "softplus", "conj", "real",
+           "imag", "angle", "maximum", "minimum", "where"]

@@ -37,9 +37,16 @@ class _InterpreterLibdevice:
     def __init__(self):
         import numpy as np
 
+        import math
+
         self.tanh = self._wrap(np.tanh)
         self.pow = self._wrap(np.power)
         self.atan2 = self._wrap(np.arctan2)
+        for name, fn in {"tan": np.tan, "asin": np.arcsin, "acos": np.arccos, "atan": np.arctan, "sinh": np.sinh,
+                         "cosh": np.cosh, "asinh": np.arcsinh, "acosh": np.arccosh, "atanh": np.arctanh,
+                         "log1p": np.log1p, "expm1": np.expm1, "floor": np.floor, "ceil": np.ceil, "rint": np.rint,
+                         "trunc": np.trunc, "erfc": np.vectorize(math.erfc, otypes=[float])}.items():
+            setattr(self, name, self._wrap(fn))
 
 
 libdevice = _InterpreterLibdevice() if INTERPRETING else _triton_libdevice

@@ -126,3 +126,20 @@ def test_clear_errors_for_unsupported_expressions():
         squareplus(1.0)
     with pytest.raises(TypeError):
         squareplus(torch.randn(2), 1.0, 2.0)
+
+
+def test_more_math_functions_in_user_ops():
+    """compiler.math's inverse-trigonometric, hyperbolic and accurate log/exp forms: gradients
+    from SymPy (gradcheck), compiled and fused."""
+    @compiler.elementwise(name="blend")
+    def blend(x, y):
+        return cm.log1p(cm.exp(x)) * cm.atan2(y, x) + cm.softplus(y, 2.0) + cm.asinh(x) * cm.hypot(x, y) \
+            + cm.expm1(cm.atan(y)) + cm.logaddexp(x, y)
+
+    x = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(blend, (x, y))
+    f = compiler.compile(lambda x, y: blend(x.sin(), y).sum(), backend="interpret", fullgraph=True)
+    f(x, y)
+    torch.testing.assert_close(f(x, y), blend(x.sin(), y).sum())
+    assert f.last_backend == "interpret" and len(f.last_entry.report.kernels) == 2

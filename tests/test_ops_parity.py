@@ -22,6 +22,14 @@ def normal(*shape):
     return lambda dtype: torch.randn(*shape, dtype=dtype)
 
 
+def inside_one(*shape):
+    return lambda dtype: torch.rand(*shape, dtype=dtype) * 1.8 - 0.9
+
+
+def above_one(*shape):
+    return lambda dtype: torch.rand(*shape, dtype=dtype) * 3 + 1.1
+
+
 UNARY = {
     "neg": (lambda x: -x, normal(5, 7)),
     "exp": (torch.exp, normal(5, 7)),
@@ -47,6 +55,29 @@ UNARY = {
     "zeros_like_where": (lambda x: torch.where(x > 0, x, torch.zeros_like(x)), normal(5, 7)),
     "ones_full_like": (lambda x: x * torch.ones_like(x) + torch.full_like(x, 0.5) * x, normal(5, 7)),
     "to_dtype": (lambda x: x.to(torch.float64).sin().to(x.dtype), normal(5, 7)),
+    # trigonometric, hyperbolic, exponential and logarithmic relatives
+    "tan": (torch.tan, inside_one(5, 7)),
+    "asin": (torch.asin, inside_one(5, 7)),
+    "acos": (torch.arccos, inside_one(5, 7)),
+    "atan": (torch.atan, normal(5, 7)),
+    "sinh_cosh": (lambda x: torch.sinh(x) + x.cosh(), normal(5, 7)),
+    "asinh": (torch.asinh, normal(5, 7)),
+    "acosh": (torch.acosh, above_one(5, 7)),
+    "atanh": (torch.atanh, inside_one(5, 7)),
+    "log1p_expm1": (lambda x: torch.log1p(x.abs()) + torch.expm1(x), normal(5, 7)),
+    "log2_log10_exp2": (lambda x: torch.log2(x) + torch.log10(x) + torch.exp2(x), positive(5, 7)),
+    "erf_erfc": (lambda x: torch.erf(x) + torch.special.erfc(x), normal(5, 7)),
+    "sign_and_rounding": (lambda x: torch.sign(x) * x + x.floor() + x.ceil() * 2 + torch.round(x * 3) + x.trunc()
+                          + x.frac() * x, normal(5, 7)),
+    # activations: eager's backward at the boundaries
+    "softplus": (lambda x: F.softplus(x) + F.softplus(x * 10, beta=2, threshold=5), normal(5, 7)),
+    "leaky_relu": (lambda x: F.leaky_relu(x, 0.2) + F.leaky_relu(torch.where(x > 1, 0.0, x)), normal(5, 7)),
+    "elu_selu_celu": (lambda x: F.elu(x) + F.selu(x) + F.celu(x, 0.5), normal(5, 7)),
+    "hardtanh_relu6": (lambda x: F.hardtanh(x) + F.relu6(x * 4) + F.hardtanh(x.round()), normal(5, 7)),
+    "hardswish": (lambda x: F.hardswish(x * 2) + F.hardswish((x * 2).round()), normal(5, 7)),
+    "mish_logsigmoid_softsign": (lambda x: F.mish(x) + F.logsigmoid(x) + F.softsign(x), normal(5, 7)),
+    "activation_modules": (lambda x: torch.nn.Sequential(torch.nn.LeakyReLU(), torch.nn.ELU(), torch.nn.Softplus(),
+                                                         torch.nn.Mish(), torch.nn.Hardswish())(x), normal(5, 7)),
 }
 
 BINARY = {
@@ -64,6 +95,12 @@ BINARY = {
     "broadcast_rank": (lambda a, b: a - b, (3, 5, 7), (7,)),
     "where": (lambda a, b: torch.where(a > b, a * 2, b.sin()), (5, 7), (5, 7)),
     "comparison_mask": (lambda a, b: (a >= b) * a + (a < b).to(a.dtype) * b, (5, 7), (5, 7)),
+    "atan2_hypot": (lambda a, b: torch.atan2(a, b) + torch.hypot(a, b), (5, 7), (7,)),
+    "logaddexp": (lambda a, b: torch.logaddexp(a, b) + torch.logaddexp(a, a), (5, 7), (5, 7)),
+    "xlogy": (lambda a, b: torch.xlogy(torch.where(a > 0.5, 0.0, a), b.abs() + 0.1), (5, 7), (5, 7)),
+    "lerp": (lambda a, b: torch.lerp(a, b, 0.3) + a.lerp(b, b.sigmoid()), (5, 7), (5, 7)),
+    "addcmul_addcdiv": (lambda a, b: torch.addcmul(a, a, b, value=0.5) + a.addcdiv(b, b.abs() + 1, value=2),
+                        (5, 7), (7,)),
 }
 
 REDUCTIONS = {
@@ -172,6 +209,15 @@ def test_input_without_grad_and_integer_free_args():
     x = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
     y = torch.randn(5, 7, dtype=torch.float64)  # no grad: backward computes only x's
     check_parity(lambda x, y, scale: (x * y * scale).sum(), [x, y, 0.5])
+
+
+def test_hardsigmoid():
+    """Eager's hardsigmoid backward scales by 1/6 rounded to float32, even for doubles: the
+    compiled gradient (1/6 in full precision) differs from it by ~1e-8 relative."""
+    for dtype in DTYPES:
+        x = (torch.randn(5, 7, dtype=dtype) * 3).requires_grad_()
+        check_parity(lambda x: F.hardsigmoid(x) + F.hardsigmoid(x.round()), [x], dtype=dtype,
+                     tol=dict(rtol=1e-7, atol=1e-7) if dtype == torch.float64 else None)
 
 
 def test_python_scalars_promote_by_kind():
@@ -339,3 +385,29 @@ def test_indexing_not_compiled_yet_says_why():
     x = torch.randn(6, 8)
     reasons = compiler.explain(lambda x: x[x[:, 0] > 0].sum() + x[ROWS, COLUMNS[:4]].sum(), x).fallbacks
     assert any("boolean mask" in r for r in reasons) and any("several index tensors" in r for r in reasons)
+
+
+MASK_WITH_EMPTY_ROW = torch.rand(5, 6, generator=torch.Generator().manual_seed(2)) > 0.3
+MASK_WITH_EMPTY_ROW[2] = False
+ADDED_MASK = torch.randn(5, 6, generator=torch.Generator().manual_seed(3))
+
+ATTENTION = {
+    "plain": lambda q, k, v: F.scaled_dot_product_attention(q, k, v),
+    "causal": lambda q, k, v: F.scaled_dot_product_attention(q, k[:, :, :5], v[:, :, :5], is_causal=True),
+    "bool_mask_with_an_empty_row": lambda q, k, v: F.scaled_dot_product_attention(
+        q, k, v, attn_mask=MASK_WITH_EMPTY_ROW),
+    "float_mask_and_scale": lambda q, k, v: F.scaled_dot_product_attention(
+        q, k, v, attn_mask=ADDED_MASK.to(q.dtype), scale=0.3),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", sorted(ATTENTION))
+def test_scaled_dot_product_attention(name, dtype):
+    """Eager's math backend: masked-out rows give 0 (values and gradients, no NaN)."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 3, 5, 8, dtype=dtype, requires_grad=True)
+    k = torch.randn(2, 3, 6, 8, dtype=dtype, requires_grad=True)
+    v = torch.randn(2, 3, 6, 4, dtype=dtype, requires_grad=True)
+    compiled = check_parity(ATTENTION[name], [q, k, v], dtype=dtype)
+    assert compiled.last_entry.report.fallbacks == []

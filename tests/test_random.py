@@ -105,3 +105,18 @@ def test_dropout_in_a_training_step_and_double_backward():
     keep = (out != 0).to(w.dtype)
     # d/dw sum((keep * cos(w) / 0.6)^2) = -2 keep sin(w) cos(w) / 0.36
     torch.testing.assert_close(w.grad, (-2 * keep * w.sin() * w.cos() / 0.36).detach())
+
+
+def test_attention_dropout_is_compiled():
+    q, k, v = (torch.randn(2, 4, 6, 8, requires_grad=True) for _ in range(3))
+    f = _compiled(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=0.5, is_causal=True))
+    f(q, k, v)
+    torch.manual_seed(3)
+    a = f(q, k, v)
+    torch.manual_seed(3)
+    b = f(q, k, v)
+    assert torch.equal(a, b) and f.last_backend == "interpret"
+    a.sum().backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
+    no_dropout = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert not torch.allclose(a, no_dropout)

@@ -8,6 +8,8 @@ with PyTorch's semantics (NaN-propagating maximum, relu(nan) = nan, sign(0) = 0)
 
 from __future__ import annotations
 
+import struct
+
 import sympy
 
 from compiler.ops import scalar as S
@@ -24,6 +26,22 @@ _UNARY = {
     sympy.cos: "tl.cos",
     sympy.tanh: "libdevice.tanh",
     sympy.erf: "tl.erf",
+    sympy.erfc: "libdevice.erfc",
+    sympy.tan: "libdevice.tan",
+    sympy.asin: "libdevice.asin",
+    sympy.acos: "libdevice.acos",
+    sympy.atan: "libdevice.atan",
+    sympy.sinh: "libdevice.sinh",
+    sympy.cosh: "libdevice.cosh",
+    sympy.asinh: "libdevice.asinh",
+    sympy.acosh: "libdevice.acosh",
+    sympy.atanh: "libdevice.atanh",
+    S.Log1p: "libdevice.log1p",
+    S.Expm1: "libdevice.expm1",
+    S.Floor: "libdevice.floor",
+    S.Ceil: "libdevice.ceil",
+    S.Round: "libdevice.rint",
+    S.Trunc: "libdevice.trunc",
     S.Abs: "tl.abs",
     sympy.Abs: "tl.abs",
 }
@@ -39,13 +57,24 @@ def literal(value) -> str:
     return repr(value)
 
 
+def _exact_in_fp32(value) -> bool:
+    """Whether a float literal keeps its value as fp32 (NaN and infinities do)."""
+    value = float(value)
+    if value != value or value in (float("inf"), float("-inf")):
+        return True
+    if abs(value) > 3.4e38:
+        return False
+    return struct.unpack("f", struct.pack("f", value))[0] == value
+
+
 class TritonPrinter:
     """Prints one expression; ``names`` maps each free symbol to a Triton variable."""
 
     def __init__(self, names: dict, dtype=None):
         self.names = names
         # tl.sqrt_rn (IEEE-rounded, as eager) exists for fp32 only; fp64's tl.sqrt is IEEE.
-        self.sqrt = "tl.sqrt" if str(dtype) == "torch.float64" else "tl.sqrt_rn"
+        self.fp64 = str(dtype) == "torch.float64"
+        self.sqrt = "tl.sqrt" if self.fp64 else "tl.sqrt_rn"
 
     def __call__(self, expr) -> str:
         return self.p(expr)
@@ -53,10 +82,15 @@ class TritonPrinter:
     def p(self, e) -> str:
         if e.is_Symbol:
             return self.names[e]
+        if e.is_number and isinstance(e, sympy.Function) and e.func in _UNARY:
+            try:  # log(2), exp(1), ...: one constant, evaluated exactly here, not in fp32 on device
+                e = sympy.Float(e.evalf(30), 30)
+            except (TypeError, ValueError):
+                pass
         if e.is_number and not isinstance(e, sympy.Function):
             if e.is_extended_real is False:
                 raise NotPrintable(f"complex constant {e}")
-            return literal(e)
+            return self._literal(e)
         if e.is_Add:
             return "(" + " + ".join(self.p(a) for a in e.args) + ")"
         if e.is_Mul:
@@ -68,10 +102,6 @@ class TritonPrinter:
             return f"{_UNARY[func]}({self.p(e.args[0])})"
         if func is sympy.atan2:
             return f"libdevice.atan2({self.p(e.args[0])}, {self.p(e.args[1])})"
-        if func in (sympy.sinh, sympy.cosh):
-            x = self.p(e.args[0])
-            sign = "-" if func is sympy.sinh else "+"
-            return f"((tl.exp({x}) {sign} tl.exp(-{x})) * 0.5)"
         if func is S.RealAngle:
             x = self.p(e.args[0])
             return f"tl.where({x} < 0, 3.141592653589793, tl.where({x} != {x}, {x}, 0.0))"
@@ -99,13 +129,20 @@ class TritonPrinter:
             return f"({self.p(e.args[1])} {op} {self.p(e.args[2])})"
         raise NotPrintable(f"no Triton lowering for {func.__name__}")
 
+    def _literal(self, value) -> str:
+        if self.fp64 and not _exact_in_fp32(value):
+            # NOTE: Triton types a float literal as fp32 where nothing promotes it first (both
+            # branches of tl.where, a product with an fp32 value): keep all 53 bits.
+            return f"tl.full([], {literal(value)}, tl.float64)"
+        return literal(value)
+
     def _mul(self, e) -> str:
         num, den = [], []
         for factor in e.args:
             if factor.is_Pow and factor.exp.is_number and factor.exp.is_negative and factor.exp.is_Integer:
                 den.append(self._pow(factor.base, -factor.exp))
             elif factor.is_Rational and not factor.is_Integer:
-                num.append(literal(factor))
+                num.append(self._literal(factor))
             else:
                 num.append(self.p(factor))
         text = " * ".join(num) if num else "1.0"

@@ -7,6 +7,8 @@ argument they do not handle (raising ``Unsupported``), run eagerly: the reason i
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
@@ -64,6 +66,124 @@ for _name in ("exp", "log", "sqrt", "rsqrt", "sin", "cos", "tanh", "sigmoid", "r
     _funcs = [getattr(torch, _name), _t(_name)]
     binds(*_funcs)(_unary(_name))
 binds(_t("__neg__"), torch.negative, _t("negative"))(_unary("neg"))
+
+
+def _real_unary(name):
+    """Unary ops defined here for real tensors (complex ones run eagerly, with the reason)."""
+    def bind(b, x, **kwargs):
+        _no_out(kwargs)
+        dtype = x.meta["dtype"]
+        if dtype.is_complex:
+            raise Unsupported(f"{name} of a complex tensor is not supported yet")
+        if name in _ROUNDING and not dtype.is_floating_point:
+            return C.emit_pointwise(b, "identity", [x], dtype=dtype)  # integers are whole already
+        return _pointwise(b, name, [x], float_result=name in C.FLOAT_RESULT_OPS)
+    return bind
+
+
+_ROUNDING = ("floor", "ceil", "round", "trunc", "frac")
+_ALIASES = {"asin": ["arcsin"], "acos": ["arccos"], "atan": ["arctan"], "asinh": ["arcsinh"],
+            "acosh": ["arccosh"], "atanh": ["arctanh"], "trunc": ["fix"]}
+for _name in ("tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "log1p", "expm1", "log2",
+              "log10", "exp2", "erf", "erfc", "sign", "floor", "ceil", "trunc", "frac"):
+    _names = [_name] + _ALIASES.get(_name, [])
+    _funcs = [getattr(module, n, None) for n in _names for module in (torch, torch.Tensor, torch.special)]
+    _funcs = [f for f in _funcs if f is not None]
+    binds(*_funcs)(_real_unary(_name))
+
+
+@binds(torch.round, _t("round"))
+def _round(b, x, *, decimals=0, out=None):
+    _no_out({"out": out})
+    if decimals != 0:
+        raise Unsupported("round(decimals=...) is not supported yet")
+    return _real_unary("round")(b, x)
+
+
+def _activation(name, *params):
+    """An F.<activation>(x, *params, inplace=False) whose expression takes constant params."""
+    def bind(b, x, *args, inplace=False, **kwargs):
+        values = _real_unary_args(name, x, args, kwargs, params)
+        out = C.emit_pointwise(b, name, [x, *values], dtype=x.meta["dtype"])
+        return _in_place(b, x, out) if inplace else out
+    return bind
+
+
+def _real_unary_args(name, x, args, kwargs, params):
+    if x.meta["dtype"].is_complex or not x.meta["dtype"].is_floating_point:
+        raise Unsupported(f"{name} of a {x.meta['dtype']} tensor is not supported")
+    names = [p for p, _ in params]
+    values = dict(params)
+    if len(args) > len(names):  # F.elu(x, alpha, inplace) passes inplace positionally
+        args = args[:len(names)]
+    values.update(zip(names, args))
+    values.update({k: v for k, v in kwargs.items() if k in values})
+    if any(isinstance(v, fx.Node) for v in values.values()):
+        raise Unsupported(f"{name} with tensor parameters is not supported yet")
+    return [float(values[p]) for p in names]
+
+
+binds(F.leaky_relu)(_activation("leaky_relu", ("negative_slope", 0.01)))
+binds(F.hardtanh)(_activation("hardtanh", ("min_val", -1.0), ("max_val", 1.0)))
+binds(F.relu6)(lambda b, x, inplace=False: _activation("hardtanh", ("min_val", 0.0), ("max_val", 6.0))(
+    b, x, inplace=inplace))
+binds(F.hardsigmoid)(_activation("hardsigmoid"))
+binds(F.hardswish)(_activation("hardswish"))
+binds(F.mish)(_activation("mish"))
+binds(F.logsigmoid)(_activation("logsigmoid"))
+binds(F.softplus)(_activation("softplus", ("beta", 1.0), ("threshold", 20.0)))
+binds(F.softsign)(_activation("softsign"))
+
+
+_SELU_ALPHA, _SELU_SCALE = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
+
+
+@binds(F.elu)
+def _elu(b, x, alpha=1.0, inplace=False):
+    return _activation("elu", ("alpha", alpha), ("scale", 1.0), ("input_scale", 1.0))(b, x, inplace=inplace)
+
+
+@binds(F.selu)
+def _selu(b, x, inplace=False):
+    return _activation("elu", ("alpha", _SELU_ALPHA), ("scale", _SELU_SCALE), ("input_scale", 1.0))(
+        b, x, inplace=inplace)
+
+
+@binds(F.celu)
+def _celu(b, x, alpha=1.0, inplace=False):
+    return _activation("elu", ("alpha", alpha), ("scale", 1.0), ("input_scale", 1.0 / alpha))(b, x, inplace=inplace)
+
+
+def _real_binary(name):
+    def bind(b, x, y, *, out=None):
+        _no_out({"out": out})
+        if any(isinstance(t, fx.Node) and t.meta["dtype"].is_complex for t in (x, y)):
+            raise Unsupported(f"{name} of complex tensors is not supported yet")
+        return _pointwise(b, name, [x, y], float_result=True)
+    return bind
+
+
+binds(torch.atan2, torch.arctan2, _t("atan2"), _t("arctan2"))(_real_binary("atan2"))
+binds(torch.hypot, _t("hypot"))(_real_binary("hypot"))
+binds(torch.logaddexp, _t("logaddexp"))(_real_binary("logaddexp"))
+binds(torch.xlogy, _t("xlogy"), torch.special.xlogy)(_real_binary("xlogy"))
+
+
+@binds(torch.lerp, _t("lerp"))
+def _lerp(b, start, end, weight, *, out=None):
+    _no_out({"out": out})
+    return _pointwise(b, "lerp", [start, end, weight])
+
+
+def _addc(name):
+    def bind(b, x, t1, t2, *, value=1, out=None):
+        _no_out({"out": out})
+        return _pointwise(b, name, [x, t1, t2, value])
+    return bind
+
+
+binds(torch.addcmul, _t("addcmul"))(_addc("addcmul"))
+binds(torch.addcdiv, _t("addcdiv"))(_addc("addcdiv"))
 
 
 # ----------------------------------------------------------------------------- complex
@@ -613,7 +733,9 @@ def _in_place_variant(bind):
 
 
 for _name in ("add", "sub", "mul", "div", "pow", "exp", "log", "sqrt", "rsqrt", "sin", "cos", "tanh",
-              "sigmoid", "relu", "neg", "reciprocal", "abs", "square"):
+              "sigmoid", "relu", "neg", "reciprocal", "abs", "square", "tan", "asin", "acos", "atan", "sinh", "cosh",
+              "asinh", "acosh", "atanh", "log1p", "expm1", "log2", "log10", "exp2", "erf", "erfc", "sign", "floor",
+              "ceil", "round", "trunc", "frac", "atan2", "hypot", "xlogy", "lerp", "addcmul", "addcdiv"):
     _source = BINDINGS.get(getattr(torch.Tensor, _name))
     if _source is not None and hasattr(torch.Tensor, f"{_name}_"):
         binds(getattr(torch.Tensor, f"{_name}_"))(_in_place_variant(_source))
@@ -1004,6 +1126,43 @@ def _triangle(keep_lower):
         keep = C.emit_pointwise(b, "le" if keep_lower else "ge", [cols, shifted], dtype=torch.bool)
         return C.emit_pointwise(b, "where", [keep, x, 0], dtype=x.meta["dtype"])
     return bind
+
+
+@binds(F.scaled_dot_product_attention)
+def _scaled_dot_product_attention(b, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                  enable_gqa=False):
+    """softmax(q kᵀ · scale + mask) v, as PyTorch's math backend computes it: a causal mask
+    from element positions (nothing stored), rows masked entirely give 0 (not NaN), dropout on
+    the attention weights from in-kernel random numbers. The matmuls are PyTorch's; the
+    scaling, masking, softmax and dropout fuse around them."""
+    if enable_gqa:
+        raise Unsupported("scaled_dot_product_attention(enable_gqa=True) is not supported yet")
+    if is_causal and attn_mask is not None:
+        raise Unsupported("scaled_dot_product_attention with both attn_mask and is_causal (eager raises)")
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.meta["shape"][-1])
+    scores = _pointwise(b, "mul", [_matmul_nodes(b, query, _transpose(b, key, -2, -1)), scale])
+    shape, dtype = scores.meta["shape"], scores.meta["dtype"]
+    if is_causal:
+        rows, cols = C.emit_iota(b, shape, len(shape) - 2), C.emit_iota(b, shape, len(shape) - 1)
+        attn_mask = C.emit_pointwise(b, "le", [cols, rows], dtype=torch.bool)
+    if isinstance(attn_mask, fx.Node):
+        if attn_mask.meta["dtype"] == torch.bool:
+            scores = C.emit_pointwise(b, "where", [attn_mask, scores, float("-inf")], dtype=dtype)
+        else:
+            scores = _pointwise(b, "add", [scores, attn_mask])
+    elif attn_mask is not None:
+        raise Unsupported("scaled_dot_product_attention with a non-tensor attn_mask")
+    shifted, _ = _shifted(b, scores, -1)
+    e = _pointwise(b, "exp", [shifted])
+    total = C.emit_reduction(b, "sum", e, (len(shape) - 1,), keepdim=True)
+    # a row masked entirely has e = 0 and total = 0: dividing by 1 there gives eager's 0, and a
+    # finite derivative (a where after the division would still send 0 * inf back: NaN)
+    empty = C.emit_pointwise(b, "eq", [total, 0.0], dtype=torch.bool)
+    weights = _pointwise(b, "div", [e, C.emit_pointwise(b, "where", [empty, 1.0, total], dtype=dtype)])
+    if dropout_p > 0:
+        weights = _dropout(b, weights, dropout_p, True)
+    return _matmul_nodes(b, weights, value)
 
 
 binds(torch.tril, _t("tril"))(_triangle(True))

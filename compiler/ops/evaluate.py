@@ -16,7 +16,10 @@ from compiler.ops import symbols as Y
 _UNARY = {sympy.exp: torch.exp, sympy.log: torch.log, sympy.sin: torch.sin, sympy.cos: torch.cos,
           sympy.tanh: torch.tanh, sympy.erf: torch.erf, sympy.sinh: torch.sinh, sympy.cosh: torch.cosh,
           S.Sigmoid: torch.sigmoid, S.Relu: torch.relu, S.Abs: torch.abs, S.Sign: torch.sign,
-          S.RealAngle: torch.angle, sympy.Abs: torch.abs}
+          S.RealAngle: torch.angle, sympy.Abs: torch.abs, sympy.erfc: torch.erfc, sympy.tan: torch.tan,
+          sympy.asin: torch.asin, sympy.acos: torch.acos, sympy.atan: torch.atan, sympy.asinh: torch.asinh,
+          sympy.acosh: torch.acosh, sympy.atanh: torch.atanh, S.Log1p: torch.log1p, S.Expm1: torch.expm1,
+          S.Floor: torch.floor, S.Ceil: torch.ceil, S.Round: torch.round, S.Trunc: torch.trunc}
 _COMPARE = {"lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge, "eq": torch.eq, "ne": torch.ne}
 
 

@@ -196,3 +196,47 @@ class RealAngle(sympy.Function):
 
     def fdiff(self, argindex=1):
         return sympy.Integer(0)
+
+
+# ----------------------------------------------------------------------------- accurate forms
+class Log1p(sympy.Function):
+    """log(1 + x), printed as libdevice's log1p: exact near 0, as eager's."""
+
+    nargs = 1
+
+    def fdiff(self, argindex=1):
+        return 1 / (1 + self.args[0])
+
+
+class Expm1(sympy.Function):
+    """exp(x) - 1, printed as libdevice's expm1."""
+
+    nargs = 1
+
+    def fdiff(self, argindex=1):
+        return sympy.exp(self.args[0])
+
+
+class _Rounding(sympy.Function):
+    """Piecewise-constant rounding: derivative 0 everywhere (eager's convention)."""
+
+    nargs = 1
+
+    def fdiff(self, argindex=1):
+        return sympy.Integer(0)
+
+
+class Floor(_Rounding):
+    pass
+
+
+class Ceil(_Rounding):
+    pass
+
+
+class Round(_Rounding):
+    """Round half to even, as torch.round."""
+
+
+class Trunc(_Rounding):
+    pass
