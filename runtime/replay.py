@@ -103,6 +103,14 @@ class Replay(TorchFunctionMode):
     # -- replaying a recorded call --------------------------------------------------------
     def _replay(self, func, args, kwargs):
         calls = self.trace.calls
+        if self.pos >= len(calls) or (calls[self.pos].func is not func and calls[self.pos].func != func):
+            if _is_state_read(func):
+                # NOTE: reading .grad (a profiler, a debugger, a logging hook) changes nothing:
+                # an extra read runs as it is. Were its result used by a recorded call, that
+                # call's tensor check would see an unknown tensor and diverge.
+                return func(*args, **kwargs)
+            while self.pos < len(calls) and _is_state_read(calls[self.pos].func):
+                self.pos += 1  # a recorded read not made this time: nothing to do
         if self.pos >= len(calls):
             raise Diverged(f"an extra call to {_name(func)} that was not recorded")
         rec = calls[self.pos]
@@ -166,7 +174,10 @@ class Replay(TorchFunctionMode):
         for vid, device in region.seeds:
             # from the device's generator, as eager's random ops draw: manual_seed reproduces it
             self.env[vid] = torch.randint(0, 2**31 - 1, (), dtype=torch.int64, device=device)
-        inputs = [self.env[v] for v in region.input_ids]
+        try:
+            inputs = [self.env[v] for v in region.input_ids]
+        except KeyError:
+            raise Diverged("a value the compiled region reads was not made this time") from None
         with torch.set_grad_enabled(region.grad_enabled):
             outs = region.compiled(inputs)
             written = dict(zip(region.output_ids, outs))
@@ -214,6 +225,15 @@ class Replay(TorchFunctionMode):
         for out_vid, t in zip(rec.outputs, tensors):
             self.env.setdefault(out_vid, t)
         return self.env[vid]
+
+
+_STATE_READS = {"grad", "data", "grad_fn", "_base", "_version", "is_leaf", "requires_grad"}
+
+
+def _is_state_read(func) -> bool:
+    """Reading a tensor's autograd state (``t.grad``): no side effects."""
+    return getattr(func, "__name__", None) == "__get__" and \
+        getattr(getattr(func, "__self__", None), "__name__", None) in _STATE_READS
 
 
 def _same_constant(a, b) -> bool:

@@ -79,3 +79,26 @@ def test_loss_returned_has_grad_fn_and_second_backward_raises():
     loss.backward()
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         loss.backward()
+
+
+def test_profiler_around_a_compiled_step_stays_on_the_recording():
+    """torch.profiler(with_stack=True) reads parameters' .grad from Python: extra reads of
+    autograd state change nothing, so the replay lets them through."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+
+    @compiler.compile(backend="interpret")
+    def step(x, y):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+    for _ in range(3):
+        step(x, y)
+    with torch.profiler.profile(with_stack=True):
+        for _ in range(2):
+            step(x, y)
+    assert step.stats["divergences"] == 0 and step.last_backend == "interpret"
