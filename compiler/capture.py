@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import weakref
 from dataclasses import dataclass, field
 
@@ -453,14 +454,36 @@ def capture(fn, args, kwargs):
     # storage and version counter) lets escape analysis see the user's references only.
     # Skipped when the user has saved-tensor hooks of their own: theirs must run.
     hooks_active = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
-    if hooks_active:
-        with mode:
-            result = fn(*args, **kwargs)
-    else:
-        with torch.autograd.graph.saved_tensors_hooks(_detach, _identity), mode:
-            result = fn(*args, **kwargs)
+    modules = _ModulesRun()
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(modules)
+    try:
+        if hooks_active:
+            with mode:
+                result = fn(*args, **kwargs)
+        else:
+            with torch.autograd.graph.saved_tensors_hooks(_detach, _identity), mode:
+                result = fn(*args, **kwargs)
+    finally:
+        handle.remove()
     del leaves
-    return result, mode.finish(result)
+    trace = mode.finish(result)
+    trace.module_modes = modules.modes
+    return result, trace
+
+
+class _ModulesRun:
+    """A global forward pre-hook for the recording: which modules ran, in which train/eval
+    mode (dropout and batch norm read it in Python, so it is part of what was recorded)."""
+
+    def __init__(self):
+        self.thread = threading.get_ident()
+        self.seen: set = set()
+        self.modes: list = []
+
+    def __call__(self, module, args):
+        if threading.get_ident() == self.thread and id(module) not in self.seen:
+            self.seen.add(id(module))
+            self.modes.append((weakref.ref(module), module.training))
 
 
 def _detach(t):

@@ -1,7 +1,8 @@
 """The compiled function: guards, the cache of recorded programs, replay, eager fallback.
 
 On each call the guard key — every tensor argument's shape, dtype, device and
-requires_grad, the other arguments' values, and the grad mode — selects a recorded entry.
+requires_grad, the other arguments' values, and the grad mode — selects recorded entries,
+and the train/eval mode of the modules each one ran picks among them.
 A miss calls the compiler's builder, which runs the function eagerly once while recording
 it (that call's results are eager's) and compiles it; later calls replay the entry with its
 compiled regions. Tensors reached inside the function (parameters, closed-over tensors) are
@@ -23,6 +24,7 @@ from runtime.fallback import CompileError, say_once
 from runtime.replay import Replay
 
 MAX_RECAPTURES = 8
+MAX_VARIANTS = 4  # recordings kept per guard key (modules in train or eval mode)
 
 
 class Entry:
@@ -78,9 +80,11 @@ class CompiledFunction:
         if self.disabled:
             return self._eager(self.disabled, args, kwargs)
         key = _guard_key(spec, leaves)
-        entry = self.cache.get(key)
-        if entry is None or entry.stale:
-            return self._record(key, entry, backend, why, args, kwargs)
+        variants = self.cache.get(key, ())
+        entry = next((e for e in variants if not e.stale and e.trace.modes_match()), None)
+        if entry is None:
+            stale = next((e for e in variants if e.stale), None)
+            return self._record(key, stale, backend, why, args, kwargs)
         externals = entry.trace.external_values()
         if externals is None:
             return self._record(key, entry, backend, why, args, kwargs)
@@ -114,7 +118,10 @@ class CompiledFunction:
             result, entry = self.builder(self.fn, args, kwargs, fullgraph=self.fullgraph, stats=self.stats)
             entry.report.backend = backend
             entry.report.backend_reason = why
-            self.cache[key] = entry
+            # NOTE: variants per guard key, chosen by the train/eval mode of the modules the
+            # function ran: switching model.train()/eval() back and forth records each once.
+            variants = [e for e in self.cache.get(key, ()) if not e.stale and e is not old]
+            self.cache[key] = [entry] + variants[:MAX_VARIANTS - 1]
             self.last_entry = entry
             self.last_backend = "eager (recording)"
             for reason in entry.report.fallbacks:

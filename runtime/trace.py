@@ -80,6 +80,15 @@ class Trace:
     externals: dict            # value id -> (weakref to a tensor reached inside, TensorMeta)
     produced_by: dict          # value id -> index of the call that made it
     fallbacks: list = field(default_factory=list)
+    module_modes: list = field(default_factory=list)  # (weakref to an nn.Module it ran, its .training)
+
+    def modes_match(self) -> bool:
+        """Whether every module the recording ran is still in the same train/eval mode."""
+        for ref, training in self.module_modes:
+            module = ref()
+            if module is not None and module.training != training:
+                return False
+        return True
 
     def external_values(self):
         values = {}

@@ -88,3 +88,19 @@ def test_scalar_arguments_are_part_of_the_key():
     for s in (2.0, 3.0, 2.0, 3.0):
         torch.testing.assert_close(compiled(x, s), x * s)
     assert compiled.stats["captures"] == 2 and compiled.stats["divergences"] == 0
+
+
+def test_switching_train_and_eval_keeps_one_recording_each():
+    """model.train()/eval() changes what dropout does: each mode is recorded once and chosen
+    by the modules' mode, so alternating never exhausts the recapture limit."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.GELU())
+    f = compiler.compile(lambda x: model(x), backend="interpret")
+    x = torch.randn(4, 8)
+    for _ in range(12):
+        model.train()
+        f(x)
+        model.eval()
+        torch.testing.assert_close(f(x), model(x))
+    assert f.stats["captures"] == 2 and f.stats["divergences"] == 0 and f.last_backend == "interpret"
+    assert not f.disabled

@@ -58,8 +58,7 @@ def test_dropout_module_train_eval_and_in_place():
     f(x)
     torch.testing.assert_close(f(x), model(x))
     model.train()
-    f(x)                                           # leaves its recording (training=True): eager
-    f(x)                                           # records again
+    f(x)                                           # records the training-mode variant
     out = f(x)
     assert f.last_backend == "interpret"
     kept = out != 0                                # dropped by either dropout: 0
