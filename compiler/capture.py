@@ -20,8 +20,9 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
+import torch.fx as fx
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from compiler.ir import GraphBuilder
 from compiler.ops import catalog as C
@@ -169,7 +170,7 @@ class Capture(TorchFunctionMode):
         index = len(self.calls)
         if region is not None:
             self.call_meta[index] = ({v: TensorMeta.of(x) for v, x in zip(recorded, leaves) if isinstance(v, ValueId)},
-                                     [TensorMeta.of(t) for t in out_tensors])
+                                     [TensorMeta.of(t) for t in out_tensors], _autocast_dtype(region.device))
             for vid, node, t in zip(outputs, nodes, out_tensors):
                 if region.nodes.get(vid) is node:
                     continue  # returned its input as it is (x.to(x.dtype), x.reshape(x.shape))
@@ -217,7 +218,7 @@ class Capture(TorchFunctionMode):
         metas = {vid: TensorMeta.of(x) for x, vid in zip(leaves, recorded) if isinstance(x, torch.Tensor)}
         a, k = unflatten_call(_map_to_nodes(region, recorded, metas), flatten_call(args, kwargs)[1])
         start = len(b.created)
-        result = binding(b, *a, **k)
+        result = _apply_binding(b, binding, a, k, out_tensors, _autocast_dtype(device))
         source, op_name = _user_frame(), _name(func)
         for made in b.created[start:]:
             made.meta.update(source=source, torch_op=op_name, device=device)
@@ -327,9 +328,9 @@ class Capture(TorchFunctionMode):
         b = region.builder
         for c in call_indices:
             call = self.calls[c]
-            in_meta, out_meta = self.call_meta[c]
+            in_meta, out_meta, autocast_dtype = self.call_meta[c]
             a, k = unflatten_call(_map_to_nodes(region, call.leaves, in_meta), call.spec)
-            result = _binding(call.func)(b, *a, **k)
+            result = _apply_binding(b, _binding(call.func), a, k, out_meta, autocast_dtype)
             nodes = list(result) if isinstance(result, (tuple, list)) else [result]
             for vid, node, m in zip(call.outputs, nodes, out_meta):
                 if region.nodes.get(vid) is node:
@@ -377,6 +378,40 @@ class Capture(TorchFunctionMode):
             plans[-1].graph = b.graph
         return Trace(self.calls, plans, self.arg_ids, dict(self.externals), dict(self.produced_by),
                      list(dict.fromkeys(self.breaks)))
+
+
+def _autocast_dtype(device: torch.device):
+    """The lower-precision dtype of an active ``torch.autocast`` for this device, else None."""
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+
+
+def _apply_binding(b, binding, a, k, outputs, autocast_dtype):
+    """Emit the binding. Under ``torch.autocast`` eager casts an op's floating inputs first (to
+    the lower precision for matmuls, to float32 for losses and softmax, to the widest for
+    cat): where eager's result has another dtype than the binding's, emit the binding again
+    on its floating inputs cast to that dtype, as autocast did. (``outputs``: eager's result
+    tensors or their metadata; the dead first attempt is dropped with unused nodes.)"""
+    if autocast_dtype is None:
+        return binding(b, *a, **k)
+    wanted = [o.dtype for o in outputs]
+    target = next((d for d in wanted if d.is_floating_point), None)
+    try:
+        result = binding(b, *a, **k)
+    except Unsupported:
+        if target is None:
+            raise
+        result = None  # (mixed dtypes that autocast's casts resolve: try again cast)
+    if result is not None:
+        nodes = list(result) if isinstance(result, (tuple, list)) else [result]
+        if target is None or all(not isinstance(n, fx.Node) or n.meta["dtype"] == d for n, d in zip(nodes, wanted)):
+            return result
+
+    def cast(x):
+        if isinstance(x, fx.Node) and x.meta["dtype"].is_floating_point and x.meta["dtype"] != target:
+            return C.emit_pointwise(b, "identity", [x], dtype=target)
+        return x
+    a, k = tree_map(cast, (list(a), dict(k)))
+    return binding(b, *a, **k)
 
 
 def _map_to_nodes(region: _Region, recorded, metas) -> list:

@@ -1,7 +1,7 @@
 """The compiled function: guards, the cache of recorded programs, replay, eager fallback.
 
 On each call the guard key — every tensor argument's shape, dtype, device and
-requires_grad, the other arguments' values, and the grad mode — selects recorded entries,
+requires_grad, the other arguments' values, the grad mode and autocast — selects recorded entries,
 and the train/eval mode of the modules each one ran picks among them.
 A miss calls the compiler's builder, which runs the function eagerly once while recording
 it (that call's results are eager's) and compiles it; later calls replay the entry with its
@@ -146,8 +146,12 @@ class CompiledFunction:
         return self.last_entry
 
 
+def _autocast_state():
+    return tuple((torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None) for d in ("cpu", "cuda"))
+
+
 def _guard_key(spec, leaves):
-    parts = [spec, torch.is_grad_enabled()]
+    parts = [spec, torch.is_grad_enabled(), _autocast_state()]
     for x in leaves:
         if isinstance(x, torch.Tensor):
             parts.append((tuple(x.shape), x.dtype, x.device, x.requires_grad))

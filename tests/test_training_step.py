@@ -102,3 +102,39 @@ def test_profiler_around_a_compiled_step_stays_on_the_recording():
         for _ in range(2):
             step(x, y)
     assert step.stats["divergences"] == 0 and step.last_backend == "interpret"
+
+
+def test_autocast_training_step_compiles_whole_and_tracks_eager():
+    """Under torch.autocast eager casts each op's inputs (matmuls to bfloat16, mixed-dtype
+    ops to a common one); the compiled graph makes the same casts, so nothing falls back."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32),
+                                torch.nn.Linear(32, 4))
+    reference = copy.deepcopy(model)
+    x, target = torch.randn(64, 16), torch.randint(0, 4, (64,))
+
+    def make_step(model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step(x, target):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.cross_entropy(model(x), target)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+        return step
+    eager_step, compiled_step = make_step(reference), compiler.compile(make_step(model), backend="interpret")
+    for _ in range(5):
+        torch.testing.assert_close(compiled_step(x, target), eager_step(x, target), rtol=1e-2, atol=1e-2)
+    assert compiled_step.last_backend == "interpret" and compiled_step.last_entry.report.fallbacks == []
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=0.05, atol=0.05)  # bfloat16 rounding, fused vs op by op
+
+    f = compiler.compile(lambda x: model(x).sum(), backend="interpret")
+    for autocast in (False, True, False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = f(x)
+            out = f(x)
+        assert out.dtype == (torch.bfloat16 if autocast else torch.float32)
+    assert f.stats["captures"] == 2  # autocast on and off: one recording each
