@@ -25,6 +25,7 @@ from runtime.replay import Replay
 
 MAX_RECAPTURES = 8
 MAX_VARIANTS = 4  # recordings kept per guard key (modules in train or eval mode)
+DYNAMIC_AFTER = 3  # different values of a number argument before calls stop specializing on it
 
 
 class Entry:
@@ -48,6 +49,8 @@ class CompiledFunction:
         self.cache: dict = {}
         self.lock = threading.RLock()
         self.recaptures = 0
+        self.dynamic: set = set()        # (spec, leaf position) of number arguments not in the key
+        self.scalars_seen: dict = {}     # (spec, leaf position) -> values seen
         self.disabled: str | None = None
         self.stats = {"calls": 0, "captures": 0, "replays": 0, "eager_calls": 0, "divergences": 0,
                       "kernel_launches": 0}
@@ -79,9 +82,14 @@ class CompiledFunction:
             return self._eager(str(e), args, kwargs)
         if self.disabled:
             return self._eager(self.disabled, args, kwargs)
-        key = _guard_key(spec, leaves)
+        key = _guard_key(spec, leaves, self.dynamic)
         variants = self.cache.get(key, ())
         entry = next((e for e in variants if not e.stale and e.trace.modes_match()), None)
+        if entry is None:
+            if self._note_changing_scalars(spec, leaves):
+                key = _guard_key(spec, leaves, self.dynamic)
+                variants = self.cache.get(key, ())
+                entry = next((e for e in variants if not e.stale and e.trace.modes_match()), None)
         if entry is None:
             stale = next((e for e in variants if e.stale), None)
             return self._record(key, stale, backend, why, args, kwargs)
@@ -105,6 +113,24 @@ class CompiledFunction:
                      "the rest of the call ran eagerly and the function will be recorded again",
                      logging.INFO)
         return result
+
+    def _note_changing_scalars(self, spec, leaves) -> bool:
+        """A Python number argument seen with DYNAMIC_AFTER different values (a step counter,
+        a learning rate) stops being part of the guard key: the replay still checks every
+        constant a compiled kernel uses, so a change that matters is caught there. Returns
+        whether a position became dynamic."""
+        changed = False
+        for i, x in enumerate(leaves):
+            if type(x) not in (int, float) or (spec, i) in self.dynamic:
+                continue
+            seen = self.scalars_seen.setdefault((spec, i), set())
+            seen.add(x)
+            if len(seen) >= DYNAMIC_AFTER:
+                self.dynamic.add((spec, i))
+                changed = True
+                say_once(self.__name__, f"argument leaf {i} changed value {len(seen)} times; calls no longer "
+                         "specialize on it", logging.INFO)
+        return changed
 
     def _record(self, key, old, backend, why, args, kwargs):
         with self.lock:
@@ -142,7 +168,7 @@ class CompiledFunction:
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         backend, why = backends.choose("auto" if self.backend == "eager" else self.backend,
                                        tensors[0].device.type if tensors else None)
-        self._record(_guard_key(spec, leaves), None, backend, why, args, kwargs)
+        self._record(_guard_key(spec, leaves, self.dynamic), None, backend, why, args, kwargs)
         return self.last_entry
 
 
@@ -150,11 +176,13 @@ def _autocast_state():
     return tuple((torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None) for d in ("cpu", "cuda"))
 
 
-def _guard_key(spec, leaves):
+def _guard_key(spec, leaves, dynamic=frozenset()):
     parts = [spec, torch.is_grad_enabled(), _autocast_state()]
-    for x in leaves:
+    for i, x in enumerate(leaves):
         if isinstance(x, torch.Tensor):
             parts.append((tuple(x.shape), x.dtype, x.device, x.requires_grad))
+        elif dynamic and (spec, i) in dynamic and type(x) in (int, float):
+            parts.append(type(x))
         else:
             try:
                 hash(x)

@@ -104,3 +104,36 @@ def test_switching_train_and_eval_keeps_one_recording_each():
         torch.testing.assert_close(f(x), model(x))
     assert f.stats["captures"] == 2 and f.stats["divergences"] == 0 and f.last_backend == "interpret"
     assert not f.disabled
+
+
+def test_a_changing_number_argument_stops_being_specialized():
+    """A learning rate passed per call: after a few different values the guard stops keying
+    on it (the replay still checks every constant a kernel uses)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    reference = torch.nn.Linear(4, 1)
+    reference.load_state_dict(model.state_dict())
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+
+    def make_step(model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step(x, y, lr):
+            for group in opt.param_groups:
+                group["lr"] = lr
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+        return step
+    eager_step, compiled = make_step(reference), compiler.compile(make_step(model), backend="interpret")
+    for i in range(12):
+        lr = 0.1 / (1 + i)
+        torch.testing.assert_close(compiled(x, y, lr), eager_step(x, y, lr))
+    assert compiled.stats["captures"] <= 4 and not compiled.disabled
+    assert compiled.last_backend == "interpret"
+
+    scale = compiler.compile(lambda x, k: (x * k).sin(), backend="interpret")
+    for k in (1.0, 2.0, 3.0, 4.0, 5.0):
+        torch.testing.assert_close(scale(x, k), (x * k).sin())  # a constant in a kernel: still right
