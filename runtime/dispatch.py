@@ -34,7 +34,7 @@ class Entry:
     def __init__(self, trace, report):
         self.trace = trace
         self.report = report
-        self.stale = False
+        self.diverged_last = False  # whether its last replay left it
 
 
 class CompiledFunction:
@@ -51,6 +51,7 @@ class CompiledFunction:
         self.recaptures = 0
         self.dynamic: set = set()        # (spec, leaf position) of number arguments not in the key
         self.scalars_seen: dict = {}     # (spec, leaf position) -> values seen
+        self.needs_variant: set = set()  # guard keys whose last call took an unrecorded path
         self.disabled: str | None = None
         self.stats = {"calls": 0, "captures": 0, "replays": 0, "eager_calls": 0, "divergences": 0,
                       "kernel_launches": 0}
@@ -83,34 +84,50 @@ class CompiledFunction:
         if self.disabled:
             return self._eager(self.disabled, args, kwargs)
         key = _guard_key(spec, leaves, self.dynamic)
-        variants = self.cache.get(key, ())
-        entry = next((e for e in variants if not e.stale and e.trace.modes_match()), None)
+        if key not in self.cache and self._note_changing_scalars(spec, leaves):
+            key = _guard_key(spec, leaves, self.dynamic)
+        variants = self.cache.get(key, [])
+        if key in self.needs_variant:  # the last call took a path no recording has: record it
+            self.needs_variant.discard(key)
+            return self._record(key, backend, why, args, kwargs, recapture=True)
+        entry = None
+        for candidate in list(variants):
+            if not candidate.trace.modes_match():
+                continue
+            externals = candidate.trace.external_values()
+            if externals is None:  # a tensor it closed over is gone or changed: record again
+                variants.remove(candidate)
+                return self._record(key, backend, why, args, kwargs, recapture=True)
+            entry = candidate
+            break
         if entry is None:
-            if self._note_changing_scalars(spec, leaves):
-                key = _guard_key(spec, leaves, self.dynamic)
-                variants = self.cache.get(key, ())
-                entry = next((e for e in variants if not e.stale and e.trace.modes_match()), None)
-        if entry is None:
-            stale = next((e for e in variants if e.stale), None)
-            return self._record(key, stale, backend, why, args, kwargs)
-        externals = entry.trace.external_values()
-        if externals is None:
-            return self._record(key, entry, backend, why, args, kwargs)
+            return self._record(key, backend, why, args, kwargs)  # first, or another train/eval mode
         self.last_backend = backend
-        self.last_entry = entry
         self.stats["replays"] += 1
-        mode = Replay(entry.trace, tensors, externals)
+        mode = Replay(entry.trace, tensors, externals, alternatives=[e.trace for e in variants if e is not entry])
         with mode:
             result = self.fn(*args, **kwargs)
         mode.finish()
+        result = mode.real_result(result)
+        if mode.trace is not entry.trace:  # switched to the recording of the path it took
+            entry = next(e for e in variants if e.trace is mode.trace)
+        with self.lock:
+            if entry in variants:  # most recently used first
+                variants.remove(entry)
+                variants.insert(0, entry)
+        self.last_entry = entry
+        # NOTE: one divergence records nothing (an optimizer step every few calls leaves the
+        # recording only for its eager tail); two in a row mean the path changed: record it.
+        if mode.diverged and entry.diverged_last:
+            self.needs_variant.add(key)
+        entry.diverged_last = bool(mode.diverged)
         if mode.diverged:
-            entry.stale = True
             self.last_backend = f"{backend}, then eager (the call left its recording)"
             self.stats["divergences"] += 1
             # INFO, not WARNING: expected once in a training step (an optimizer's first step
             # creates its state), and the results are right either way.
             say_once(self.__name__, f"this call did not follow its recording ({mode.diverged}); "
-                     "the rest of the call ran eagerly and the function will be recorded again",
+                     "the rest of the call ran eagerly; a path taken twice in a row is recorded too",
                      logging.INFO)
         return result
 
@@ -132,9 +149,9 @@ class CompiledFunction:
                          "specialize on it", logging.INFO)
         return changed
 
-    def _record(self, key, old, backend, why, args, kwargs):
+    def _record(self, key, backend, why, args, kwargs, recapture=False):
         with self.lock:
-            if old is not None:
+            if recapture:
                 self.recaptures += 1
                 if self.recaptures > MAX_RECAPTURES:
                     self.disabled = (f"recorded {self.recaptures} times: its torch calls change from call "
@@ -144,9 +161,10 @@ class CompiledFunction:
             result, entry = self.builder(self.fn, args, kwargs, fullgraph=self.fullgraph, stats=self.stats)
             entry.report.backend = backend
             entry.report.backend_reason = why
-            # NOTE: variants per guard key, chosen by the train/eval mode of the modules the
-            # function ran: switching model.train()/eval() back and forth records each once.
-            variants = [e for e in self.cache.get(key, ()) if not e.stale and e is not old]
+            # NOTE: several recordings per guard key: one per train/eval mode of the modules
+            # the function ran, and one per path Python took (the replay switches between
+            # recordings that agree on the calls made so far: an optimizer step every few calls).
+            variants = self.cache.get(key, [])
             self.cache[key] = [entry] + variants[:MAX_VARIANTS - 1]
             self.last_entry = entry
             self.last_backend = "eager (recording)"
@@ -168,7 +186,7 @@ class CompiledFunction:
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         backend, why = backends.choose("auto" if self.backend == "eager" else self.backend,
                                        tensors[0].device.type if tensors else None)
-        self._record(_guard_key(spec, leaves, self.dynamic), None, backend, why, args, kwargs)
+        self._record(_guard_key(spec, leaves, self.dynamic), backend, why, args, kwargs)
         return self.last_entry
 
 

@@ -62,17 +62,25 @@ class Diverged(Exception):
 
 
 def stand_in(meta) -> torch.Tensor:
-    """A tensor with a value's metadata but no data of its own (one element, expanded)."""
-    t = torch.empty((), dtype=meta.dtype, device=meta.device).expand(meta.shape)
+    """A tensor with a value's metadata but no data of its own (one element, expanded). The
+    element is NaN (or the lowest integer): were a stand-in ever to escape, it shows."""
+    if meta.dtype.is_floating_point or meta.dtype.is_complex:
+        fill = float("nan")
+    elif meta.dtype == torch.bool:
+        fill = True
+    else:
+        fill = torch.iinfo(meta.dtype).min
+    t = torch.full((), fill, dtype=meta.dtype, device=meta.device).expand(meta.shape)
     if meta.requires_grad:
         t.requires_grad_(True)
     return t
 
 
 class Replay(TorchFunctionMode):
-    def __init__(self, trace: Trace, arg_leaves: list, externals: dict):
+    def __init__(self, trace: Trace, arg_leaves: list, externals: dict, alternatives=()):
         super().__init__()
         self.trace = trace
+        self.alternatives = list(alternatives)  # other recordings of the same guard key
         self.pos = 0
         self.env = dict(externals)          # value id -> real tensor
         self.shown = dict(externals)        # value id -> the object Python holds
@@ -93,24 +101,65 @@ class Replay(TorchFunctionMode):
         try:
             return self._replay(func, args, kwargs)
         except Diverged as e:
-            self.diverged = str(e)
-            return self._eager(func, args, kwargs)
+            reason = str(e)
+        if self._switch(ending=False, func=func):
+            try:
+                return self._replay(func, args, kwargs)
+            except Diverged as e:
+                reason = str(e)
+        self.diverged = reason
+        return self._eager(func, args, kwargs)
 
     def finish(self):
-        if not self.diverged and self.pos != len(self.trace.calls):
+        if not self.diverged and self.pos != len(self.trace.calls) and not self._switch(ending=True):
             self.diverged = f"the function made {self.pos} of the {len(self.trace.calls)} recorded torch calls"
+
+    def real_result(self, result):
+        """The function's result with any stand-in replaced by its real value. (A path the
+        recording did not take can return a value the recording kept inside the kernels; the
+        replay has then diverged, and the value is computed from the recording.)"""
+        leaves, spec = tree_flatten(result)
+        if not any(isinstance(t, torch.Tensor) and id(t) in self.stand_ins for t in leaves):
+            return result
+        return tree_unflatten([self._real(t) for t in leaves], spec)
+
+    def _switch(self, ending: bool, func=None) -> bool:
+        """Continue with another recording of this function that made the same calls so far,
+        through the same compiled regions (Python took another path after them: an optimizer
+        step every few calls, a log line every hundred). ``ending``: the function returned;
+        ``func``: the call being made now, which the other recording must make next."""
+        k = self.pos
+        for alt in self.alternatives:
+            if alt is self.trace or (len(alt.calls) != k if ending else len(alt.calls) <= k):
+                continue
+            if func is not None and alt.calls[k].func is not func and alt.calls[k].func != func:
+                continue
+            if not _same_prefix(self.trace, alt, k) or not alt.modes_match():
+                continue
+            externals = alt.external_values()
+            if externals is None:
+                continue
+            for vid, t in externals.items():
+                self.env.setdefault(vid, t)
+                self.shown.setdefault(vid, t)
+            self.trace = alt
+            return True
+        return False
 
     # -- replaying a recorded call --------------------------------------------------------
     def _replay(self, func, args, kwargs):
         calls = self.trace.calls
         if self.pos >= len(calls) or (calls[self.pos].func is not func and calls[self.pos].func != func):
-            if _is_state_read(func):
+            if _is_state_read(func) and self._switch(ending=False, func=func):
+                calls = self.trace.calls  # another recording made this read here: go on with it
+            elif _is_state_read(func):
                 # NOTE: reading .grad (a profiler, a debugger, a logging hook) changes nothing:
                 # an extra read runs as it is. Were its result used by a recorded call, that
                 # call's tensor check would see an unknown tensor and diverge.
                 return func(*args, **kwargs)
-            while self.pos < len(calls) and _is_state_read(calls[self.pos].func):
-                self.pos += 1  # a recorded read not made this time: nothing to do
+            else:
+                while self.pos < len(calls) and _is_state_read(calls[self.pos].func):
+                    self.pos += 1  # a recorded read not made this time: nothing to do
         if self.pos >= len(calls):
             raise Diverged(f"an extra call to {_name(func)} that was not recorded")
         rec = calls[self.pos]
@@ -149,7 +198,8 @@ class Replay(TorchFunctionMode):
         else:
             real = list(leaves)
             for i, vid in rec.value_slots:
-                real[i] = env[vid]
+                # (a value another recording's region kept internal: computed from the recording)
+                real[i] = env[vid] if vid in env else self._materialize(vid)
             a, k = unflatten_call(real, spec)
             result = func(*a, **k)
         if not rec.outputs:  # most eager calls: optimizer updates, attribute reads, grad mode
@@ -168,16 +218,17 @@ class Replay(TorchFunctionMode):
 
     def _run_region(self, index: int):
         region = self.trace.regions[index]
-        self.done_regions.add(index)
         if region.compiled is None:
+            self.done_regions.add(index)
             return  # runs call by call, eagerly
         for vid, device in region.seeds:
             # from the device's generator, as eager's random ops draw: manual_seed reproduces it
             self.env[vid] = torch.randint(0, 2**31 - 1, (), dtype=torch.int64, device=device)
         try:
-            inputs = [self.env[v] for v in region.input_ids]
+            inputs = [self.env[v] if v in self.env else self._materialize(v) for v in region.input_ids]
         except KeyError:
             raise Diverged("a value the compiled region reads was not made this time") from None
+        self.done_regions.add(index)
         with torch.set_grad_enabled(region.grad_enabled):
             outs = region.compiled(inputs)
             written = dict(zip(region.output_ids, outs))
@@ -225,6 +276,45 @@ class Replay(TorchFunctionMode):
         for out_vid, t in zip(rec.outputs, tensors):
             self.env.setdefault(out_vid, t)
         return self.env[vid]
+
+
+def _same_prefix(a: Trace, b: Trace, k: int) -> bool:
+    """Whether recordings ``a`` and ``b`` agree on their first ``k`` calls — same functions,
+    arguments and value ids, and the same compiled regions, each ending before call ``k`` —
+    so a replay of ``a`` may go on as a replay of ``b``. Remembered per pair."""
+    memo = a.__dict__.setdefault("_prefix_memo", {})
+    key = (id(b), k)
+    if key not in memo:
+        memo[key] = _compare_prefix(a, b, k)
+    return memo[key]
+
+
+def _compare_prefix(a: Trace, b: Trace, k: int) -> bool:
+    if a.arg_ids != b.arg_ids:
+        return False
+    regions = set()
+    for ca, cb in zip(a.calls[:k], b.calls[:k]):
+        if (ca.func is not cb.func and ca.func != cb.func) or ca.spec != cb.spec or ca.kind != cb.kind \
+                or ca.region != cb.region or ca.outputs != cb.outputs or ca.out_spec != cb.out_spec \
+                or len(ca.leaves) != len(cb.leaves):
+            return False
+        for x, y in zip(ca.leaves, cb.leaves):
+            if isinstance(x, ValueId) or isinstance(y, ValueId):
+                if not (isinstance(x, ValueId) and isinstance(y, ValueId) and x == y):
+                    return False
+            elif ca.kind == "compute" and not _same_constant(x, y):
+                return False
+        if ca.kind == "compute":
+            regions.add(ca.region)
+    for r in regions:
+        ra, rb = a.regions[r], b.regions[r]
+        if ra.calls != rb.calls or max(ra.calls) >= k or (ra.compiled is None) != (rb.compiled is None):
+            return False
+        # what ``b`` lets Python see of the region, ``a``'s run must have made real (a stand-in
+        # must never reach Python where ``b``'s recording says the value is used)
+        if not set(rb.output_ids) <= set(ra.output_ids) or ra.mutated != rb.mutated:
+            return False
+    return True
 
 
 _STATE_READS = {"grad", "data", "grad_fn", "_base", "_version", "is_leaf", "requires_grad"}

@@ -1,5 +1,7 @@
 """Guards decide when a recording may be reused; anything else records again."""
 
+import copy
+
 import torch
 
 import compiler
@@ -137,3 +139,75 @@ def test_a_changing_number_argument_stops_being_specialized():
     scale = compiler.compile(lambda x, k: (x * k).sin(), backend="interpret")
     for k in (1.0, 2.0, 3.0, 4.0, 5.0):
         torch.testing.assert_close(scale(x, k), (x * k).sin())  # a constant in a kernel: still right
+
+
+def test_an_optimizer_step_every_few_calls_costs_no_recording():
+    """Gradient accumulation decided by Python state the guards cannot see: the call with the
+    optimizer step leaves the recording only for its eager tail, and nothing is recorded again."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+
+    def make_step(model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        calls = [0]
+
+        def step(x, y):
+            loss = torch.nn.functional.mse_loss(model(x), y) / 4
+            loss.backward()
+            calls[0] += 1
+            if calls[0] % 4 == 0:
+                opt.step()
+                opt.zero_grad()
+            return loss.detach()
+        return step
+    eager_step, compiled = make_step(reference), compiler.compile(make_step(model), backend="interpret")
+    for _ in range(16):
+        torch.testing.assert_close(compiled(x, y), eager_step(x, y))
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q)
+    assert compiled.stats["captures"] == 1 and compiled.stats["replays"] == 15
+    assert compiled.stats["divergences"] == 4 and not compiled.disabled
+
+
+def test_paths_taken_in_turn_are_each_recorded_and_switched_between():
+    """Python state picks one of two paths after the backward, for a while each: each path is
+    recorded once (after it is taken twice in a row), and a replay that starts on one
+    recording goes on with the other where their calls part, without running eagerly."""
+    base = torch.randn(6)
+    phase = ["a"]
+
+    def fn(x):
+        loss = (x.sin() * 2).exp().sum()
+        loss.backward()
+        if phase[0] == "a":
+            return loss.detach()
+        return loss.detach() + (x.grad * x).sum()
+    f = compiler.compile(fn, backend="interpret")
+    for p in "aaabbbab":
+        phase[0] = p
+        torch.testing.assert_close(f(base.clone().requires_grad_()), fn(base.clone().requires_grad_()))
+    assert f.stats["captures"] == 2
+    divergences = f.stats["divergences"]
+    for p in "abba":
+        phase[0] = p
+        torch.testing.assert_close(f(base.clone().requires_grad_()), fn(base.clone().requires_grad_()))
+        assert f.last_backend == "interpret"  # went on with the other recording
+    assert f.stats["captures"] == 2 and f.stats["divergences"] == divergences
+
+
+def test_a_path_that_returns_an_intermediate_gets_its_real_value():
+    """The recording kept h inside the kernels; a later call returns h itself (Python state
+    the guards cannot see): the caller gets h's real value, never a placeholder."""
+    x = torch.randn(6)
+    state = {"full": False}
+
+    def fn(x):
+        h = (x.sin() * 2).exp()
+        return h if state["full"] else h.sum()
+    f = compiler.compile(fn, backend="interpret")
+    f(x)
+    f(x)
+    state["full"] = True
+    torch.testing.assert_close(f(x), (x.sin() * 2).exp())
