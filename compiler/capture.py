@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -490,7 +491,10 @@ def capture(fn, args, kwargs):
     # Skipped when the user has saved-tensor hooks of their own: theirs must run.
     hooks_active = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
     modules = _ModulesRun()
-    handle = torch.nn.modules.module.register_module_forward_pre_hook(modules)
+    steps = _OptimizerSteps(mode)
+    handles = [torch.nn.modules.module.register_module_forward_pre_hook(modules),
+               register_optimizer_step_pre_hook(steps.begin),
+               register_optimizer_step_post_hook(steps.end)]
     try:
         if hooks_active:
             with mode:
@@ -499,11 +503,37 @@ def capture(fn, args, kwargs):
             with torch.autograd.graph.saved_tensors_hooks(_detach, _identity), mode:
                 result = fn(*args, **kwargs)
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
     del leaves
     trace = mode.finish(result)
     trace.module_modes = modules.modes
+    trace.optimizer_steps = steps.spans(trace)
     return result, trace
+
+
+class _OptimizerSteps:
+    """Where each ``optimizer.step()`` began and ended among the recorded calls. Its calls are
+    all eager (an update under no_grad): the replay runs the step without watching it call by
+    call, which is most of a small training step's host overhead."""
+
+    def __init__(self, mode):
+        self.mode = mode
+        self.thread = threading.get_ident()
+        self.open: list = []
+        self.found: list = []
+
+    def begin(self, optimizer, args, kwargs):
+        if threading.get_ident() == self.thread:
+            self.open.append(len(self.mode.calls))
+
+    def end(self, optimizer, args, kwargs):
+        if threading.get_ident() == self.thread and self.open:
+            self.found.append((self.open.pop(), len(self.mode.calls)))
+
+    def spans(self, trace) -> dict:
+        return {start: end for start, end in self.found
+                if end > start and all(c.kind == "eager" and c.reason is None for c in trace.calls[start:end])}
 
 
 class _ModulesRun:

@@ -105,8 +105,7 @@ class CompiledFunction:
         self.last_backend = backend
         self.stats["replays"] += 1
         mode = Replay(entry.trace, tensors, externals, alternatives=[e.trace for e in variants if e is not entry])
-        with mode:
-            result = self.fn(*args, **kwargs)
+        result = mode.run(self.fn, args, kwargs)
         mode.finish()
         result = mode.real_result(result)
         if mode.trace is not entry.trace:  # switched to the recording of the path it took

@@ -15,7 +15,10 @@ records the function again next time.
 
 from __future__ import annotations
 
+import threading
+
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -76,6 +79,25 @@ def stand_in(meta) -> torch.Tensor:
     return t
 
 
+_active = threading.local()  # the replay running in this thread, for the optimizer hooks
+
+
+def _optimizer_step_begins(optimizer, args, kwargs):
+    replay = getattr(_active, "replay", None)
+    if replay is not None:
+        replay.step_begins()
+
+
+def _optimizer_step_ends(optimizer, args, kwargs):
+    replay = getattr(_active, "replay", None)
+    if replay is not None:
+        replay.step_ends()
+
+
+register_optimizer_step_pre_hook(_optimizer_step_begins)
+register_optimizer_step_post_hook(_optimizer_step_ends)
+
+
 class Replay(TorchFunctionMode):
     def __init__(self, trace: Trace, arg_leaves: list, externals: dict, alternatives=()):
         super().__init__()
@@ -90,6 +112,43 @@ class Replay(TorchFunctionMode):
         self.stand_ins: dict = {}           # id(stand-in) -> value id
         self.done_regions: set = set()
         self.diverged: str | None = None
+        self.suspended_until: int | None = None  # inside an optimizer step run unwatched
+
+    # -- optimizer steps run unwatched ------------------------------------------------------
+    def run(self, fn, args, kwargs):
+        """``fn(*args, **kwargs)`` under this replay (the mode, and the optimizer-step hooks)."""
+        _active.replay = self
+        try:
+            with self:
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self.step_ends()  # a step that raised: the mode goes back on the stack
+        finally:
+            _active.replay = None
+
+    def step_begins(self):
+        """An optimizer.step() begins where the recording has one: its calls are all eager,
+        so they run with this mode off the stack (no per-call checks), and the replay goes on
+        after them. Values it makes are not tracked: a recorded call reading one later sees
+        an unknown tensor and diverges."""
+        end = self.trace.optimizer_steps.get(self.pos)
+        if end is None or self.diverged or self.suspended_until is not None:
+            return
+        if torch._C._len_torch_function_stack() == 0:
+            return
+        top = torch._C._pop_torch_function_stack()
+        if top is not self:  # another mode above ours: keep watching
+            torch._C._push_on_torch_function_stack(top)
+            return
+        self.suspended_until = end
+
+    def step_ends(self):
+        if self.suspended_until is None:
+            return
+        torch._C._push_on_torch_function_stack(self)
+        self.pos = self.suspended_until
+        self.suspended_until = None
 
     # -- the mode ----------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):

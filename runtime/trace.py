@@ -81,6 +81,7 @@ class Trace:
     produced_by: dict          # value id -> index of the call that made it
     fallbacks: list = field(default_factory=list)
     module_modes: list = field(default_factory=list)  # (weakref to an nn.Module it ran, its .training)
+    optimizer_steps: dict = field(default_factory=dict)  # call index where an optimizer.step began -> where it ended
 
     def modes_match(self) -> bool:
         """Whether every module the recording ran is still in the same train/eval mode."""

@@ -138,3 +138,42 @@ def test_autocast_training_step_compiles_whole_and_tracks_eager():
             out = f(x)
         assert out.dtype == (torch.bfloat16 if autocast else torch.float32)
     assert f.stats["captures"] == 2  # autocast on and off: one recording each
+
+
+def test_optimizer_step_runs_unwatched_and_its_state_stays_right():
+    """optimizer.step() is all eager calls: the replay lets it run without checking each call.
+    Values it makes (Adam's moments) read by the function afterwards still give eager's results,
+    and a step that raises leaves the replay machinery in order."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+
+    def make_step(model):
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+
+        def step(x, y):
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            moment = opt.state[model.weight]["exp_avg"]
+            return loss.detach() + (moment * 0).sum() + moment.abs().sum()
+        return step, opt
+    (eager_step, _), (step, opt) = make_step(reference), make_step(model)
+    compiled = compiler.compile(step, backend="interpret")
+    for _ in range(6):  # the first step creates Adam's state: its path is recorded again
+        torch.testing.assert_close(compiled(x, y), eager_step(x, y))
+    assert compiled.last_backend == "interpret"
+
+    def failing_hook(optimizer, args, kwargs):
+        raise RuntimeError("hook failed")
+    handle = opt.register_step_pre_hook(failing_hook)
+    with pytest.raises(RuntimeError, match="hook failed"):
+        compiled(x, y)
+    handle.remove()
+    assert torch._C._len_torch_function_stack() == 0
+    model.zero_grad()
+    torch.testing.assert_close(F.mse_loss(model(x), y), F.mse_loss(model(x), y))  # eager still works
+    compiled(x, y)
+    assert compiled.last_backend == "interpret"
