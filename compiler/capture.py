@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from compiler.ir import GraphBuilder
 from compiler.ops import catalog as C
-from compiler.ops.bindings import Unsupported, lookup
+from compiler.ops.bindings import Unsupported, Writes, lookup
 from runtime.calls import flatten_call, unflatten_call
 from runtime.replay import _name, is_metadata
 from runtime.trace import RegionPlan, TensorMeta, Trace, TraceCall, ValueId
@@ -220,12 +220,21 @@ class Capture(TorchFunctionMode):
         a, k = unflatten_call(_map_to_nodes(region, recorded, metas), flatten_call(args, kwargs)[1])
         start = len(b.created)
         result = _apply_binding(b, binding, a, k, out_tensors, _autocast_dtype(device))
+        result, writes = (result.result, result.writes) if isinstance(result, Writes) else (result, ())
         source, op_name = _user_frame(), _name(func)
         for made in b.created[start:]:
             made.meta.update(source=source, torch_op=op_name, device=device)
         nodes = list(result) if isinstance(result, (tuple, list)) else [result]
         if len(nodes) != len(out_tensors):
             raise Unsupported("internal: the binding returned a different number of results than eager")
+        inputs = {id(n): x for n, x in zip(_map_to_nodes(region, recorded, metas), leaves) if isinstance(n, fx.Node)}
+        for i, (node, t) in enumerate(zip(nodes, out_tensors)):
+            source = inputs.get(id(node))
+            if source is not None and t is not source and t._base is None:
+                # the binding passed an input through where eager made a new tensor (contiguous()
+                # of a strided one): a copy, so the result does not alias the input
+                nodes[i] = C.emit_pointwise(b, "identity", [node], dtype=node.meta["dtype"],
+                                            requires_grad=node.meta["requires_grad"])
         for node, t in zip(nodes, out_tensors):
             if node.meta["shape"] != tuple(t.shape) or node.meta["dtype"] != t.dtype:
                 raise Unsupported(
@@ -233,6 +242,7 @@ class Capture(TorchFunctionMode):
                     f"where eager gave {t.dtype}{list(t.shape)}")
             if node.meta["requires_grad"] != t.requires_grad:
                 node.meta["requires_grad"] = t.requires_grad
+        _apply_writes(region, writes)
         if region is not self.current:
             self.regions.append(region)
             self.current = region
@@ -332,6 +342,9 @@ class Capture(TorchFunctionMode):
             in_meta, out_meta, autocast_dtype = self.call_meta[c]
             a, k = unflatten_call(_map_to_nodes(region, call.leaves, in_meta), call.spec)
             result = _apply_binding(b, _binding(call.func), a, k, out_meta, autocast_dtype)
+            if isinstance(result, Writes):
+                _apply_writes(region, result.writes)
+                result = result.result
             nodes = list(result) if isinstance(result, (tuple, list)) else [result]
             for vid, node, m in zip(call.outputs, nodes, out_meta):
                 if region.nodes.get(vid) is node:
@@ -381,6 +394,15 @@ class Capture(TorchFunctionMode):
                      list(dict.fromkeys(self.breaks)))
 
 
+def _apply_writes(region: _Region, writes) -> None:
+    """Inputs a binding changes in place without returning them (batch norm's running
+    statistics): their new values become the region's, written back into the real tensors."""
+    for target, value in writes:
+        vid = next(v for v, n in region.nodes.items() if n is target)
+        region.nodes[vid] = value
+        region.produced.append(vid)
+
+
 def _autocast_dtype(device: torch.device):
     """The lower-precision dtype of an active ``torch.autocast`` for this device, else None."""
     return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
@@ -403,7 +425,8 @@ def _apply_binding(b, binding, a, k, outputs, autocast_dtype):
             raise
         result = None  # (mixed dtypes that autocast's casts resolve: try again cast)
     if result is not None:
-        nodes = list(result) if isinstance(result, (tuple, list)) else [result]
+        plain = result.result if isinstance(result, Writes) else result
+        nodes = list(plain) if isinstance(plain, (tuple, list)) else [plain]
         if target is None or all(not isinstance(n, fx.Node) or n.meta["dtype"] == d for n, d in zip(nodes, wanted)):
             return result
 

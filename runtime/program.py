@@ -103,12 +103,27 @@ def _index_backward(grad, index, *, mode, dim, shape, padding_idx=None, wrap=Fal
     return out.index_add_(dim, index, grad)
 
 
+def _conv(x, weight, *, stride, padding, dilation, groups):
+    """A convolution without bias (the bias is added by a fused kernel)."""
+    return torch.convolution(x, weight, None, stride, padding, dilation, False, [0] * len(stride), groups)
+
+
+def _conv_backward(grad, x, weight, *, which, stride, padding, dilation, groups):
+    """One of a convolution's two gradients (``which``: "input" or "weight")."""
+    mask = [which == "input", which == "weight", False]
+    out = torch.ops.aten.convolution_backward(grad, x, weight, None, stride, padding, dilation, False,
+                                              [0] * len(stride), groups, mask)
+    return out[0] if which == "input" else out[1]
+
+
 # Ops whose kernels are PyTorch's (cuBLAS matmuls on GPU, the scatter-add of a gather's gradient):
 # the compiler's catalog and its reference executor use this same table.
 EXTERN_KERNELS = {
     "mm": torch.mm,
     "bmm": torch.bmm,
     "index_backward": _index_backward,
+    "conv": _conv,
+    "conv_backward": _conv_backward,
 }
 
 

@@ -411,3 +411,42 @@ def test_scaled_dot_product_attention(name, dtype):
     v = torch.randn(2, 3, 6, 4, dtype=dtype, requires_grad=True)
     compiled = check_parity(ATTENTION[name], [q, k, v], dtype=dtype)
     assert compiled.last_entry.report.fallbacks == []
+
+
+CONVOLUTIONS = {
+    "conv2d_bias_relu": lambda x, w, b: F.relu(F.conv2d(x, w, b, padding=1)),
+    "conv2d_stride_dilation": lambda x, w, b: F.conv2d(x.sin(), w, b, stride=2, dilation=(1, 2)).tanh(),
+    "conv2d_same": lambda x, w, b: F.conv2d(x, w, None, padding="same").sum((2, 3)),
+    "conv2d_groups": lambda x, w, b: F.conv2d(x, w[:3, :1].contiguous(), None, groups=3),
+    "conv1d_strided_input": lambda x, w, b: F.conv1d(x.sum(2).transpose(1, 2).contiguous().transpose(1, 2),
+                                                     w[:, :, 0], b),
+    "batch_norm_eval": lambda x, w, b: F.batch_norm(x, RUNNING_MEAN.to(x.dtype), RUNNING_VAR.to(x.dtype),
+                                                    w[:3, 0, 0, 0], b[:3], training=False),
+    "batch_norm_batch_statistics": lambda x, w, b: F.batch_norm(x, None, None, w[:3, 0, 0, 0], None, training=True),
+}
+RUNNING_MEAN, RUNNING_VAR = torch.randn(3), torch.rand(3) + 0.5
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", sorted(CONVOLUTIONS))
+def test_convolution_and_batch_norm(name, dtype):
+    """Convolutions run as PyTorch's kernels (cuDNN on GPU), their bias and what follows fuse."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 9, 8, dtype=dtype, requires_grad=True)
+    w = torch.randn(4, 3, 3, 3, dtype=dtype, requires_grad=True)
+    b = torch.randn(4, dtype=dtype, requires_grad=True)
+    compiled = check_parity(CONVOLUTIONS[name], [x, w, b], dtype=dtype)
+    assert compiled.last_entry.report.fallbacks == []
+
+
+def test_double_backward_through_a_convolution_says_it_is_not_supported():
+    x = torch.randn(1, 2, 5, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 2, 3, 3, dtype=torch.float64, requires_grad=True)
+
+    def penalty(x, w):
+        g, = torch.autograd.grad(F.conv2d(x, w).pow(2).sum(), x, create_graph=True)
+        return g.sum()
+    compiled = compiler.compile(penalty, backend="interpret")
+    compiled(x, w)
+    with pytest.raises(NotImplementedError, match="double backward through a convolution"):
+        compiled(x, w)

@@ -177,3 +177,39 @@ def test_optimizer_step_runs_unwatched_and_its_state_stays_right():
     torch.testing.assert_close(F.mse_loss(model(x), y), F.mse_loss(model(x), y))  # eager still works
     compiled(x, y)
     assert compiled.last_backend == "interpret"
+
+
+def test_cnn_training_step_with_batch_norm_tracks_eager():
+    """Conv, BatchNorm (batch statistics, running statistics updated in place), ReLU, Linear,
+    SGD with momentum: compiled whole; parameters and every buffer equal eager's, in training
+    and then in eval mode."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 4, 3, stride=2), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+        torch.nn.Flatten(), torch.nn.Linear(36, 2)).double()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(4, 3, 8, 8, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+
+    def make_step(model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+        def step(x, y):
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+        return step
+    eager_step, compiled = make_step(reference), compiler.compile(make_step(model), backend="interpret")
+    for _ in range(5):
+        torch.testing.assert_close(compiled(x, y), eager_step(x, y))
+    assert compiled.last_backend == "interpret" and compiled.last_entry.report.fallbacks == []
+    for (name, mine), theirs in zip(model.state_dict().items(), reference.state_dict().values()):
+        torch.testing.assert_close(mine, theirs, msg=name)
+    model.eval()
+    reference.eval()
+    forward = compiler.compile(lambda x: model(x), backend="interpret")
+    forward(x)
+    torch.testing.assert_close(forward(x), reference(x))
+    assert forward.last_backend == "interpret"

@@ -21,6 +21,15 @@ class Unsupported(Exception):
     """This call cannot be compiled; the message says why (shown to the user)."""
 
 
+class Writes:
+    """A binding's result plus inputs the call changes in place without returning them
+    (batch norm's running statistics): [(input node, its new value node)]."""
+
+    def __init__(self, result, writes):
+        self.result = result
+        self.writes = writes
+
+
 BINDINGS: dict = {}
 
 
@@ -662,6 +671,47 @@ def _matmul(b, a, w, *, out=None):
     return _matmul_nodes(b, a, w)
 
 
+def _conv_binding(dims):
+    def bind(b, input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+        if not isinstance(input, fx.Node) or not isinstance(weight, fx.Node):
+            raise Unsupported("convolution needs tensor input and weight")
+        if len(input.meta["shape"]) != dims + 2:
+            raise Unsupported(f"conv{dims}d of an unbatched input is not supported yet")
+        if input.meta["dtype"] != weight.meta["dtype"] or input.meta["dtype"].is_complex:
+            raise Unsupported("convolution of mixed or complex dtypes is not supported yet")
+
+        def per_dim(v):
+            return tuple(v) if isinstance(v, (tuple, list)) else (v,) * dims
+        stride, dilation = per_dim(stride), per_dim(dilation)
+        kernel = weight.meta["shape"][2:]
+        if padding == "valid":
+            padding = 0
+        if padding == "same":
+            totals = [d * (k - 1) for d, k in zip(dilation, kernel)]
+            if any(t % 2 for t in totals) or any(s != 1 for s in stride):
+                raise Unsupported("padding='same' that pads unevenly is not supported yet")
+            padding = tuple(t // 2 for t in totals)
+        padding = per_dim(padding)
+        spatial = tuple((size + 2 * p - d * (k - 1) - 1) // s + 1 for size, p, d, k, s in
+                        zip(input.meta["shape"][2:], padding, dilation, kernel, stride))
+        shape = (input.meta["shape"][0], weight.meta["shape"][0]) + spatial
+        out = C.emit_conv(b, input, weight, shape, list(stride), list(padding), list(dilation), int(groups))
+        if bias is not None:
+            out = _pointwise(b, "add", [out, C.emit_view(b, "reshape", bias, shape=(shape[1],) + (1,) * dims)])
+        return out
+    return bind
+
+
+binds(F.conv1d, torch.conv1d)(_conv_binding(1))
+binds(F.conv2d, torch.conv2d)(_conv_binding(2))
+binds(F.conv3d, torch.conv3d)(_conv_binding(3))
+
+
+@binds(_t("contiguous"))
+def _contiguous(b, x, memory_format=torch.contiguous_format):
+    return x  # values are layout-free here; where eager copies, capture makes the copy
+
+
 @binds(F.linear)
 def _linear(b, x, weight, bias=None):
     out = _matmul_nodes(b, x, _t_(b, weight))
@@ -962,6 +1012,50 @@ def _layer_norm(b, x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_
     if bias is not None:
         out = _pointwise(b, "add", [out, bias])
     return out
+
+
+@binds(F.batch_norm)
+def _batch_norm(b, input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1,
+                eps=1e-5):
+    """Normalization over the batch and spatial dims per channel. In training the batch's
+    statistics normalize, and the running statistics are updated in place, as eager does:
+    (1 - momentum) * running + momentum * batch (the variance unbiased)."""
+    shape = input.meta["shape"]
+    if len(shape) < 2 or not input.meta["dtype"].is_floating_point:
+        raise Unsupported("batch_norm of this input is not supported yet")
+    dims = (0,) + tuple(range(2, len(shape)))
+    per_channel = (shape[1],) + (1,) * (len(shape) - 2)
+
+    def channel(t):
+        return C.emit_view(b, "reshape", t, shape=per_channel)
+    writes = []
+    if training or running_mean is None:
+        mean = C.emit_reduction(b, "mean", input, dims, keepdim=True)
+        centered = _pointwise(b, "sub", [input, mean])
+        var = C.emit_reduction(b, "mean", _pointwise(b, "mul", [centered, centered]), dims, keepdim=True)
+        out = _pointwise(b, "mul", [centered, _pointwise(b, "rsqrt", [_pointwise(b, "add", [var, float(eps)])])])
+        if training and running_mean is not None:
+            if momentum is None:
+                raise Unsupported("batch_norm with momentum=None (a cumulative average) is not supported yet")
+            count = C.numel([shape[d] for d in dims])
+            for stat, batch, scale in ((running_mean, mean, 1.0), (running_var, var, count / max(count - 1, 1))):
+                batch = C.emit_view(b, "reshape", _detached(b, batch), shape=(shape[1],))
+                if batch.meta["dtype"] != stat.meta["dtype"]:
+                    batch = C.emit_pointwise(b, "identity", [batch], dtype=stat.meta["dtype"], requires_grad=False)
+                new = _pointwise(b, "add", [_pointwise(b, "mul", [stat, 1.0 - momentum]),
+                                            _pointwise(b, "mul", [batch, momentum * scale])])
+                writes.append((stat, new))
+    else:
+        out = _pointwise(b, "mul", [_pointwise(b, "sub", [input, channel(running_mean)]),
+                                    _pointwise(b, "rsqrt", [_pointwise(b, "add", [channel(running_var),
+                                                                                   float(eps)])])])
+    if weight is not None:
+        out = _pointwise(b, "mul", [out, channel(weight)])
+    if bias is not None:
+        out = _pointwise(b, "add", [out, channel(bias)])
+    if out.meta["dtype"] != input.meta["dtype"]:
+        out = C.emit_pointwise(b, "identity", [out], dtype=input.meta["dtype"])
+    return Writes(out, writes) if writes else out
 
 
 if hasattr(F, "rms_norm"):

@@ -654,7 +654,37 @@ class IndexBackward(Extern):
                             wrap=p.get("wrap", False)), None]
 
 
-EXTERNS = {"mm": MatMul("mm"), "bmm": MatMul("bmm"), "index_backward": IndexBackward("index_backward")}
+class Convolution(Extern):
+    """conv1d/2d/3d without bias (cuDNN on GPU); gradients through PyTorch's
+    convolution_backward, one extern per gradient that is needed."""
+
+    def vjp(self, b, node, grad_out):
+        x, w = node.args
+        grads = []
+        for which, source in (("input", x), ("weight", w)):
+            if not source.meta["requires_grad"]:
+                grads.append(None)
+                continue
+            grads.append(b.call(EXTERNS["conv_backward"], [grad_out, x, w], {"which": which, **node.kwargs},
+                                shape=source.meta["shape"], dtype=grad_out.meta["dtype"],
+                                requires_grad=grad_out.meta["requires_grad"]))
+        return grads
+
+
+class ConvolutionBackward(Extern):
+    def vjp(self, b, node, grad_out):
+        raise NotImplementedError("double backward through a convolution is not supported yet "
+                                  "(create_graph=True through conv1d/conv2d/conv3d)")
+
+
+EXTERNS = {"mm": MatMul("mm"), "bmm": MatMul("bmm"), "index_backward": IndexBackward("index_backward"),
+           "conv": Convolution("conv"), "conv_backward": ConvolutionBackward("conv_backward")}
+
+
+def emit_conv(b, x, w, shape, stride, padding, dilation, groups) -> fx.Node:
+    return b.call(EXTERNS["conv"], [x, w], {"stride": stride, "padding": padding, "dilation": dilation,
+                                            "groups": groups},
+                  shape=shape, dtype=x.meta["dtype"], requires_grad=x.meta["requires_grad"] or w.meta["requires_grad"])
 
 
 def emit_extern(b, name, a, w) -> fx.Node:
