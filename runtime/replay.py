@@ -402,6 +402,12 @@ def _name(func) -> str:
         attr = getattr(getattr(func, "__self__", None), "__name__", "?")
         return f"Tensor.{attr}" + {"__get__": "", "__set__": " = ...", "__delete__": " (del)"}[name]
     qual = getattr(func, "__qualname__", None) or name or repr(func)
+    if "boolean_dispatch" in qual:  # F.max_pool2d & co: name the function it dispatches to
+        inner = [c.cell_contents for c in getattr(func, "__closure__", None) or ()
+                 if callable(c.cell_contents) and hasattr(c.cell_contents, "__name__")]
+        plain = [f for f in inner if "with_indices" not in f.__name__]
+        if plain or inner:
+            return (plain or inner)[0].__name__.lstrip("_")
     if "pybind11" in qual or "._" in qual and name:
         qual = name if "pybind11" in qual else qual
     return qual.replace("TensorBase.", "Tensor.").replace("_VariableFunctionsClass.", "torch.")

@@ -450,3 +450,27 @@ def test_double_backward_through_a_convolution_says_it_is_not_supported():
     compiled(x, w)
     with pytest.raises(NotImplementedError, match="double backward through a convolution"):
         compiled(x, w)
+
+
+POOLS = {
+    "avg_pool2d": lambda x: F.avg_pool2d(x.relu(), 2),
+    "avg_pool2d_rectangular": lambda x: F.avg_pool2d(x, (4, 3), stride=(4, 3)),
+    "avg_pool1d": lambda x: F.avg_pool1d(x.sum(2), 3),
+    "adaptive_avg_pool2d_global": lambda x: F.adaptive_avg_pool2d(x, 1).flatten(1),
+    "adaptive_avg_pool2d_module": lambda x: torch.nn.AdaptiveAvgPool2d((4, None))(x) * 2,
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", sorted(POOLS))
+def test_average_pooling(name, dtype):
+    """Windows that tile the input: a reshape and one mean, fused with what feeds them."""
+    x = torch.randn(2, 3, 8, 6, dtype=dtype, requires_grad=True)
+    compiled = check_parity(POOLS[name], [x], dtype=dtype)
+    assert compiled.last_entry.report.fallbacks == []
+
+
+def test_pooling_not_compiled_yet_says_why():
+    x = torch.randn(2, 3, 7, 6)
+    reasons = compiler.explain(lambda x: F.avg_pool2d(x, 3, stride=1).sum() + F.max_pool2d(x, 2).sum(), x).fallbacks
+    assert any("avg_pool with overlapping" in r for r in reasons) and any("max_pool2d" in r for r in reasons)

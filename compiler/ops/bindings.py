@@ -1014,6 +1014,51 @@ def _layer_norm(b, x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_
     return out
 
 
+def _window_mean(b, x, windows):
+    """Mean over non-overlapping windows tiling the trailing dims exactly (``windows``: the
+    window size per trailing dim): a reshape that splits each dim, then one reduction."""
+    shape = x.meta["shape"]
+    lead = len(shape) - len(windows)
+    split, dims = list(shape[:lead]), []
+    for size, k in zip(shape[lead:], windows):
+        split += [size // k, k]
+        dims.append(len(split) - 1)
+    return C.emit_reduction(b, "mean", C.emit_view(b, "reshape", x, shape=tuple(split)), tuple(dims))
+
+
+def _avg_pool(dims):
+    def bind(b, x, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True,
+             divisor_override=None):
+        def per_dim(v):
+            return tuple(v) if isinstance(v, (tuple, list)) else (v,) * dims
+        kernel = per_dim(kernel_size)
+        stride = kernel if stride is None or stride == [] else per_dim(stride)
+        if stride != kernel or any(per_dim(padding)) or divisor_override is not None or \
+                any(size % k for size, k in zip(x.meta["shape"][-dims:], kernel)):
+            raise Unsupported("avg_pool with overlapping, padded or partial windows is not supported yet")
+        return _window_mean(b, x, kernel)
+    return bind
+
+
+def _adaptive_avg_pool(dims):
+    def bind(b, x, output_size):
+        out = tuple(output_size) if isinstance(output_size, (tuple, list)) else (output_size,) * dims
+        sizes = x.meta["shape"][-dims:]
+        out = tuple(s if o is None else o for s, o in zip(sizes, out))
+        if any(o == 0 or s % o for s, o in zip(sizes, out)):
+            raise Unsupported("adaptive_avg_pool with windows that do not tile the input is not supported yet")
+        return _window_mean(b, x, tuple(s // o for s, o in zip(sizes, out)))
+    return bind
+
+
+binds(F.avg_pool1d, torch.avg_pool1d)(_avg_pool(1))
+binds(F.avg_pool2d, torch._C._nn.avg_pool2d)(_avg_pool(2))
+binds(F.avg_pool3d, torch._C._nn.avg_pool3d)(_avg_pool(3))
+binds(F.adaptive_avg_pool1d, torch.adaptive_avg_pool1d)(_adaptive_avg_pool(1))
+binds(F.adaptive_avg_pool2d)(_adaptive_avg_pool(2))
+binds(F.adaptive_avg_pool3d)(_adaptive_avg_pool(3))
+
+
 @binds(F.batch_norm)
 def _batch_norm(b, input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1,
                 eps=1e-5):
