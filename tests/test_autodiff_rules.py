@@ -5,6 +5,8 @@ import pytest
 import sympy
 import torch
 
+import compiler
+
 from compiler.ir import arg_symbol
 from compiler.ops.catalog import RESULT_SYMBOL, SCALAR_FUNCTIONS, partial_derivative
 from tests.parity import check_parity
@@ -67,3 +69,16 @@ def test_derivatives_are_cached():
     hits = partial_derivative.cache_info().hits
     partial_derivative(expr, 0)
     assert partial_derivative.cache_info().hits == hits + 1
+
+
+def test_zero_derivatives_give_zero_gradients_not_none():
+    """round, sign, x * 0: eager's backward gives zeros, so .grad is a zero tensor."""
+    for fn in (lambda x: (x * 0).sum(), lambda x: x.round().sum(), lambda x: torch.sign(x).sum() + x.floor().mean()):
+        x = torch.randn(4, requires_grad=True)
+        fn(x).backward()
+        expected, x.grad = x.grad, None
+        compiled = compiler.compile(fn, backend="interpret")
+        compiled(x)
+        x.grad = None
+        compiled(x).backward()
+        assert x.grad is not None and torch.equal(x.grad, expected)

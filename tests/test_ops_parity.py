@@ -458,13 +458,18 @@ POOLS = {
     "avg_pool1d": lambda x: F.avg_pool1d(x.sum(2), 3),
     "adaptive_avg_pool2d_global": lambda x: F.adaptive_avg_pool2d(x, 1).flatten(1),
     "adaptive_avg_pool2d_module": lambda x: torch.nn.AdaptiveAvgPool2d((4, None))(x) * 2,
+    "max_pool2d": lambda x: F.max_pool2d(x, 2),
+    "max_pool2d_ties_after_relu": lambda x: F.max_pool2d(x.relu(), 2) + F.max_pool2d(x * 0, 2),
+    "max_pool2d_rectangular_module": lambda x: torch.nn.MaxPool2d((2, 3))(x.round()),
+    "max_pool1d": lambda x: F.max_pool1d(x.sum(2), 3),
 }
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", sorted(POOLS))
-def test_average_pooling(name, dtype):
-    """Windows that tile the input: a reshape and one mean, fused with what feeds them."""
+def test_pooling(name, dtype):
+    """Windows that tile the input: a reshape and one reduction, fused with what feeds them;
+    max pooling sends each window's gradient to its first maximum, as eager does at ties."""
     x = torch.randn(2, 3, 8, 6, dtype=dtype, requires_grad=True)
     compiled = check_parity(POOLS[name], [x], dtype=dtype)
     assert compiled.last_entry.report.fallbacks == []
@@ -472,5 +477,12 @@ def test_average_pooling(name, dtype):
 
 def test_pooling_not_compiled_yet_says_why():
     x = torch.randn(2, 3, 7, 6)
-    reasons = compiler.explain(lambda x: F.avg_pool2d(x, 3, stride=1).sum() + F.max_pool2d(x, 2).sum(), x).fallbacks
-    assert any("avg_pool with overlapping" in r for r in reasons) and any("max_pool2d" in r for r in reasons)
+    reasons = compiler.explain(lambda x: F.avg_pool2d(x, 3, stride=1).sum() + F.max_pool2d(x, 3, 2, 1).sum(),
+                               x).fallbacks
+    assert any("avg_pool with overlapping" in r for r in reasons) and any("max_pool with overlapping" in r
+                                                                            for r in reasons)
+
+
+def test_max_pool_propagates_nan():
+    x = torch.tensor([[[[1.0, float("nan")], [3.0, 3.0]]]], requires_grad=True)
+    check_parity(lambda x: F.max_pool2d(x, 2), [x])

@@ -1051,6 +1051,50 @@ def _adaptive_avg_pool(dims):
     return bind
 
 
+def _max_pool(dims):
+    """Max over non-overlapping windows. Eager's gradient goes to the first maximum of each
+    window (not shared among ties, unlike amax): the window's first maximal position is found
+    from detached values, and the result is the element there, so autodiff sends the gradient
+    to it alone. NaN counts as the maximum, as in eager."""
+    def bind(b, x, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
+        def per_dim(v):
+            return tuple(v) if isinstance(v, (tuple, list)) else (v,) * dims
+        kernel = per_dim(kernel_size)
+        stride = kernel if stride is None or stride == [] else per_dim(stride)
+        if return_indices or stride != kernel or any(per_dim(padding)) or any(d != 1 for d in per_dim(dilation)) \
+                or any(size % k for size, k in zip(x.meta["shape"][-dims:], kernel)):
+            raise Unsupported("max_pool with overlapping, padded, dilated or partial windows, or indices, "
+                              "is not supported yet")
+        shape = x.meta["shape"]
+        lead = len(shape) - dims
+        split, window_dims = list(shape[:lead]), []
+        for size, k in zip(shape[lead:], kernel):
+            split += [size // k, k]
+            window_dims.append(len(split) - 1)
+        split = tuple(split)
+        windows = C.emit_view(b, "reshape", x, shape=split)
+        values = _detached(b, windows)
+        peak = C.emit_reduction(b, "amax", values, tuple(window_dims), keepdim=True)
+        hit = _pointwise(b, "logical_or", [_pointwise(b, "eq", [values, peak]), _pointwise(b, "ne", [values, values])])
+        position = None  # row-major position inside the window, as a float (small integers)
+        for d, k in zip(window_dims, kernel):
+            at = C.emit_pointwise(b, "identity", [C.emit_iota(b, split, d)], dtype=torch.float32)
+            if position is not None:
+                at = _pointwise(b, "add", [_pointwise(b, "mul", [position, float(k)]), at])
+            position = at
+        big = float(C.numel(kernel))
+        negated = C.emit_pointwise(b, "where", [hit, _pointwise(b, "neg", [position]), -big], dtype=torch.float32)
+        first = _pointwise(b, "neg", [C.emit_reduction(b, "amax", negated, tuple(window_dims), keepdim=True)])
+        chosen = _pointwise(b, "eq", [position, first])
+        picked = C.emit_pointwise(b, "where", [chosen, windows, 0.0], dtype=x.meta["dtype"])
+        out = C.emit_reduction(b, "sum", picked, tuple(window_dims))
+        return out
+    return bind
+
+
+binds(F.max_pool1d)(_max_pool(1))
+binds(F.max_pool2d)(_max_pool(2))
+binds(F.max_pool3d)(_max_pool(3))
 binds(F.avg_pool1d, torch.avg_pool1d)(_avg_pool(1))
 binds(F.avg_pool2d, torch._C._nn.avg_pool2d)(_avg_pool(2))
 binds(F.avg_pool3d, torch._C._nn.avg_pool3d)(_avg_pool(3))

@@ -262,7 +262,9 @@ def pointwise_vjp(b: GraphBuilder, node: fx.Node, grad_out: fx.Node):
                 continue
             grad_expr = GRAD_SYMBOL * derivative
         if grad_expr == 0:
-            grads.append(None)
+            # eager gives zeros, not None, through a differentiable op whose derivative is 0
+            # (round, sign, x * 0): the input's .grad is a zero tensor, not missing
+            grads.append(emit_fill(b, node.meta["shape"], dtype, 0))
             continue
         grads.append(derived_pointwise(b, grad_expr, node, grad_out, shape=node.meta["shape"], dtype=dtype))
     return grads
