@@ -486,3 +486,39 @@ def test_pooling_not_compiled_yet_says_why():
 def test_max_pool_propagates_nan():
     x = torch.tensor([[[[1.0, float("nan")], [3.0, 3.0]]]], requires_grad=True)
     check_parity(lambda x: F.max_pool2d(x, 2), [x])
+
+
+KL_TARGET = torch.softmax(torch.randn(6, 10, generator=torch.Generator().manual_seed(4)), 1)
+
+STATISTICS_NORMS_AND_LOSSES = {
+    "var_std": lambda x, y: x.var(1) + torch.std(x, 0, keepdim=True).sum() + x.var(correction=0)
+    + x.std(1, unbiased=False),
+    "var_mean_std_mean": lambda x, y: torch.var_mean(x, 1)[0] * torch.std_mean(x, dim=1)[1],
+    "norm_vector_norm": lambda x, y: x.norm(dim=1) + torch.linalg.vector_norm(x * torch.where(x > 1, 0.0, 1.0))
+    + torch.norm(x),
+    "normalize_with_a_zero_vector": lambda x, y: F.normalize(x, dim=1) + F.normalize(x * 0, dim=0),
+    "cosine_similarity": lambda x, y: F.cosine_similarity(x, y, dim=1),
+    "l1_loss": lambda x, y: F.l1_loss(x, y) + F.l1_loss(x, x.detach(), reduction="sum"),
+    "smooth_l1_loss": lambda x, y: F.smooth_l1_loss(x, y) + F.smooth_l1_loss(x, y, beta=0.5, reduction="sum")
+    + F.smooth_l1_loss(x, y, beta=0.0),
+    "huber_loss": lambda x, y: F.huber_loss(x, y, delta=0.7),
+    "binary_cross_entropy_with_logits": lambda x, y: F.binary_cross_entropy_with_logits(x, y.sigmoid())
+    + F.binary_cross_entropy_with_logits(x, (y > 0).to(x.dtype), pos_weight=torch.full((10,), 2.0, dtype=x.dtype),
+                                         reduction="sum"),
+    "kl_div": lambda x, y: F.kl_div(F.log_softmax(x, 1), KL_TARGET.to(x.dtype), reduction="batchmean")
+    + F.kl_div(x.log_softmax(1), F.log_softmax(y, 1), reduction="sum", log_target=True),
+    "group_norm": lambda x, y: F.group_norm(x.reshape(2, 6, 5), 3, y[0, :6], y[1, :6]),
+    "pad_and_crop": lambda x, y: F.pad(x, (1, 2)).sum(0) + F.pad(x, (0, 0, 2, -1), value=3.0).sum(1).sum()
+    + F.pad(x, (-2, 1, 1, 1)).sum(),
+    "repeat": lambda x, y: x.repeat(2, 1).sin() + x.repeat(1, 2)[:, :10].repeat(2, 1),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", sorted(STATISTICS_NORMS_AND_LOSSES))
+def test_statistics_norms_and_more_losses(name, dtype):
+    torch.manual_seed(0)
+    x = torch.randn(6, 10, dtype=dtype, requires_grad=True)
+    y = torch.randn(6, 10, dtype=dtype, requires_grad=True)
+    compiled = check_parity(STATISTICS_NORMS_AND_LOSSES[name], [x, y], dtype=dtype)
+    assert compiled.last_entry.report.fallbacks == []

@@ -38,6 +38,7 @@ _UNARY = {
     sympy.atanh: "libdevice.atanh",
     S.Log1p: "libdevice.log1p",
     S.Expm1: "libdevice.expm1",
+    S.NormSqrt: "tl.sqrt",
     S.Floor: "libdevice.floor",
     S.Ceil: "libdevice.ceil",
     S.Round: "libdevice.rint",

@@ -1158,6 +1158,196 @@ if hasattr(F, "rms_norm"):
         return _pointwise(b, "mul", [out, weight]) if weight is not None else out
 
 
+# ----------------------------------------------------------------------------- statistics, norms, more losses
+def _correction(correction, unbiased):
+    if correction is not None:
+        return float(correction)
+    return 1.0 if unbiased is None or unbiased else 0.0
+
+
+def _variance(b, x, dim, correction, keepdim):
+    if not x.meta["dtype"].is_floating_point:
+        raise Unsupported("var/std of a non-floating tensor")
+    dims = _dims(x, dim)
+    count = C.numel([x.meta["shape"][d] for d in dims])
+    mean = C.emit_reduction(b, "mean", x, dims, keepdim=True)
+    centered = _pointwise(b, "sub", [x, mean])
+    total = C.emit_reduction(b, "sum", _pointwise(b, "mul", [centered, centered]), dims, keepdim)
+    var = _pointwise(b, "div", [total, max(count - correction, 0.0)])
+    return var, (mean if keepdim else C.emit_view(b, "reshape", mean, shape=var.meta["shape"]))
+
+
+def _var_like(kind):
+    def bind(b, x, dim=None, unbiased=None, keepdim=False, *, correction=None, out=None):
+        _no_out({"out": out})
+        if isinstance(dim, bool):  # var(x, unbiased) in the old positional form
+            dim, unbiased = None, dim
+        var, mean = _variance(b, x, dim, _correction(correction, unbiased), keepdim)
+        value = _pointwise(b, "sqrt", [var]) if kind.startswith("std") else var
+        return (value, mean) if kind.endswith("_mean") else value
+    return bind
+
+
+binds(torch.var, _t("var"))(_var_like("var"))
+binds(torch.std, _t("std"))(_var_like("std"))
+binds(torch.var_mean)(_var_like("var_mean"))
+binds(torch.std_mean)(_var_like("std_mean"))
+
+
+def _l2_norm(b, x, dim, keepdim):
+    if not x.meta["dtype"].is_floating_point:
+        raise Unsupported("norm of a non-floating tensor is not supported yet")
+    squares = C.emit_reduction(b, "sum", _pointwise(b, "mul", [x, x]), _dims(x, dim), keepdim)
+    return _pointwise(b, "norm_sqrt", [squares])
+
+
+@binds(torch.norm, _t("norm"))
+def _norm(b, x, p="fro", dim=None, keepdim=False, out=None, dtype=None):
+    _no_out({"out": out})
+    if p not in (2, 2.0, "fro") or dtype is not None:
+        raise Unsupported(f"norm(p={p!r}) is not supported yet (only the 2-norm)")
+    return _l2_norm(b, x, dim, keepdim)
+
+
+@binds(torch.linalg.vector_norm)
+def _vector_norm(b, x, ord=2, dim=None, keepdim=False, *, dtype=None, out=None):
+    _no_out({"out": out})
+    if ord not in (2, 2.0) or dtype is not None:
+        raise Unsupported(f"vector_norm(ord={ord!r}) is not supported yet (only the 2-norm)")
+    return _l2_norm(b, x, dim, keepdim)
+
+
+@binds(F.normalize)
+def _normalize(b, input, p=2.0, dim=1, eps=1e-12, out=None):
+    _no_out({"out": out})
+    if p not in (2, 2.0):
+        raise Unsupported(f"normalize(p={p!r}) is not supported yet (only p=2)")
+    return _pointwise(b, "div", [input, _pointwise(b, "clamp_min", [_l2_norm(b, input, dim, True), float(eps)])])
+
+
+@binds(F.cosine_similarity)
+def _cosine_similarity(b, x1, x2, dim=1, eps=1e-8):
+    """eager: (x1 · x2) / sqrt(clamp_min(|x1|² |x2|², eps²))."""
+    dot = C.emit_reduction(b, "sum", _pointwise(b, "mul", [x1, x2]), (dim,))
+    n1 = C.emit_reduction(b, "sum", _pointwise(b, "mul", [x1, x1]), (dim,))
+    n2 = C.emit_reduction(b, "sum", _pointwise(b, "mul", [x2, x2]), (dim,))
+    denominator = _pointwise(b, "sqrt", [_pointwise(b, "clamp_min", [_pointwise(b, "mul", [n1, n2]),
+                                                                      float(eps) ** 2])])
+    return _pointwise(b, "div", [dot, denominator])
+
+
+def _legacy_reduction(size_average, reduce, reduction):
+    if size_average is not None or reduce is not None:
+        raise Unsupported("the legacy size_average/reduce arguments are not supported")
+    return reduction
+
+
+@binds(F.l1_loss)
+def _l1_loss(b, input, target, size_average=None, reduce=None, reduction="mean", weight=None):
+    if weight is not None:
+        raise Unsupported("l1_loss with weight is not supported yet")
+    reduction = _legacy_reduction(size_average, reduce, reduction)
+    return _reduce_loss(b, _pointwise(b, "abs", [_pointwise(b, "sub", [input, target])]), reduction)
+
+
+@binds(F.smooth_l1_loss)
+def _smooth_l1_loss(b, input, target, size_average=None, reduce=None, reduction="mean", beta=1.0):
+    reduction = _legacy_reduction(size_average, reduce, reduction)
+    diff = _pointwise(b, "sub", [input, target])
+    loss = _pointwise(b, "abs", [diff]) if beta == 0 else _pointwise(b, "smooth_l1", [diff, float(beta)])
+    return _reduce_loss(b, loss, reduction)
+
+
+@binds(F.huber_loss)
+def _huber_loss(b, input, target, reduction="mean", delta=1.0, weight=None):
+    if weight is not None:
+        raise Unsupported("huber_loss with weight is not supported yet")
+    return _reduce_loss(b, _pointwise(b, "huber", [_pointwise(b, "sub", [input, target]), float(delta)]), reduction)
+
+
+@binds(F.binary_cross_entropy_with_logits)
+def _bce_with_logits(b, input, target, weight=None, size_average=None, reduce=None, reduction="mean",
+                     pos_weight=None):
+    reduction = _legacy_reduction(size_average, reduce, reduction)
+    loss = _pointwise(b, "bce_with_logits", [input, target, 1.0 if pos_weight is None else pos_weight])
+    if weight is not None:
+        loss = _pointwise(b, "mul", [loss, weight])
+    return _reduce_loss(b, loss, reduction)
+
+
+@binds(F.kl_div)
+def _kl_div(b, input, target, size_average=None, reduce=None, reduction="mean", log_target=False):
+    reduction = _legacy_reduction(size_average, reduce, reduction)
+    loss = _pointwise(b, "kl_div_log_target" if log_target else "kl_div", [input, target])
+    if reduction == "batchmean":
+        total = C.emit_reduction(b, "sum", loss, tuple(range(len(loss.meta["shape"]))))
+        return _pointwise(b, "div", [total, float(loss.meta["shape"][0]) if loss.meta["shape"] else 1.0])
+    return _reduce_loss(b, loss, reduction)
+
+
+@binds(F.group_norm)
+def _group_norm(b, input, num_groups, weight=None, bias=None, eps=1e-5):
+    shape = input.meta["shape"]
+    if len(shape) < 2 or shape[1] % num_groups:
+        raise Unsupported("group_norm: channels must divide into the groups (eager raises)")
+    grouped = C.emit_view(b, "reshape", input, shape=(shape[0], num_groups, C.numel(shape[1:]) // num_groups))
+    mean = C.emit_reduction(b, "mean", grouped, (2,), keepdim=True)
+    centered = _pointwise(b, "sub", [grouped, mean])
+    var = C.emit_reduction(b, "mean", _pointwise(b, "mul", [centered, centered]), (2,), keepdim=True)
+    out = _pointwise(b, "mul", [centered, _pointwise(b, "rsqrt", [_pointwise(b, "add", [var, float(eps)])])])
+    out = C.emit_view(b, "reshape", out, shape=shape)
+    per_channel = (shape[1],) + (1,) * (len(shape) - 2)
+    if weight is not None:
+        out = _pointwise(b, "mul", [out, C.emit_view(b, "reshape", weight, shape=per_channel)])
+    if bias is not None:
+        out = _pointwise(b, "add", [out, C.emit_view(b, "reshape", bias, shape=per_channel)])
+    return out
+
+
+@binds(F.pad)
+def _pad(b, input, pad, mode="constant", value=None):
+    """Constant padding, one dim at a time from the last (a negative pad crops): the input
+    slice-scattered into a filled tensor; its gradient is the slice."""
+    if mode != "constant":
+        raise Unsupported(f"pad(mode={mode!r}) is not supported yet")
+    fill = 0 if value is None else value
+    x, ndim = input, len(input.meta["shape"])
+    for k in range(len(pad) // 2):
+        dim = ndim - 1 - k
+        before, after = pad[2 * k], pad[2 * k + 1]
+        size = x.meta["shape"][dim]
+        start, stop = max(-before, 0), size - max(-after, 0)
+        if start or stop != size:
+            x = C.emit_slice(b, x, dim, start, 1, stop - start)
+        if before > 0 or after > 0:
+            target = list(x.meta["shape"])
+            n = target[dim]
+            target[dim] = n + max(before, 0) + max(after, 0)
+            base = C.emit_fill(b, tuple(target), input.meta["dtype"], fill)
+            x = C.emit_slice_scatter(b, base, x, dim, max(before, 0), 1, n)
+    return x
+
+
+@binds(_t("repeat"))
+def _repeat(b, x, *sizes):
+    """x.repeat(r0, r1, ...): each dim d of size n becomes r copies, as expand on a new dim
+    in front of it and a reshape merging the two (a copy, as in eager)."""
+    sizes = tuple(sizes[0]) if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)) else sizes
+    shape = x.meta["shape"]
+    if len(sizes) < len(shape):
+        raise Unsupported("repeat with fewer sizes than dims (eager raises)")
+    shape = (1,) * (len(sizes) - len(shape)) + tuple(shape)
+    x = C.emit_view(b, "reshape", x, shape=shape)
+    interleaved, expanded = [], []
+    for r, n in zip(sizes, shape):
+        interleaved += [1, n]
+        expanded += [r, n]
+    x = C.emit_view(b, "reshape", x, shape=tuple(interleaved))
+    x = _expand(b, x, tuple(expanded))
+    out = C.emit_view(b, "reshape", x, shape=tuple(r * n for r, n in zip(sizes, shape)))
+    return C.emit_pointwise(b, "identity", [out], dtype=out.meta["dtype"])
+
+
 def _reduce_loss(b, loss, reduction, count=None):
     if reduction == "none":
         return loss

@@ -124,6 +124,13 @@ SCALAR_FUNCTIONS = {
     "lerp": lambda start, end, weight: start + weight * (end - start),
     "addcmul": lambda x, t1, t2, value: x + value * t1 * t2,
     "addcdiv": lambda x, t1, t2, value: x + value * t1 / t2,
+    "norm_sqrt": S.NormSqrt,
+    "smooth_l1": lambda d, beta: S.Where(_compare("lt", S.Abs(d), beta), d * d / (2 * beta), S.Abs(d) - beta / 2),
+    "huber": lambda d, delta: S.Where(_compare("le", S.Abs(d), delta), d * d / 2, delta * (S.Abs(d) - delta / 2)),
+    "bce_with_logits": lambda x, t, pos_weight: (1 - t) * x + (1 + (pos_weight - 1) * t) * (
+        S.Log1p(sympy.exp(-S.Abs(x))) + S.Maximum(-x, 0)),
+    "kl_div": lambda x, t: S.Where(_compare("eq", t, 0), 0, t * sympy.log(t)) - t * x,  # xlogy(t, t) - t x
+    "kl_div_log_target": lambda x, t: sympy.exp(t) * (t - x),
     "maximum": S.Maximum,
     "minimum": S.Minimum,
     "where": S.Where,
@@ -151,7 +158,7 @@ def _compare(name, a, b):
 FLOAT_RESULT_OPS = {"exp", "log", "sqrt", "rsqrt", "reciprocal", "sin", "cos", "tanh", "sigmoid",
                     "gelu", "gelu_tanh", "silu", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh",
                     "atanh", "log1p", "expm1", "log2", "log10", "exp2", "erf", "erfc", "atan2", "hypot",
-                    "logaddexp", "xlogy"}
+                    "logaddexp", "xlogy", "norm_sqrt"}
 BOOL_RESULT_OPS = set(S.COMPARE_OPS) | {"logical_not", "logical_and", "logical_or", "logical_xor"}
 
 

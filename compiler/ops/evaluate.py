@@ -19,7 +19,7 @@ _UNARY = {sympy.exp: torch.exp, sympy.log: torch.log, sympy.sin: torch.sin, symp
           S.RealAngle: torch.angle, sympy.Abs: torch.abs, sympy.erfc: torch.erfc, sympy.tan: torch.tan,
           sympy.asin: torch.asin, sympy.acos: torch.acos, sympy.atan: torch.atan, sympy.asinh: torch.asinh,
           sympy.acosh: torch.acosh, sympy.atanh: torch.atanh, S.Log1p: torch.log1p, S.Expm1: torch.expm1,
-          S.Floor: torch.floor, S.Ceil: torch.ceil, S.Round: torch.round, S.Trunc: torch.trunc}
+          S.NormSqrt: torch.sqrt, S.Floor: torch.floor, S.Ceil: torch.ceil, S.Round: torch.round, S.Trunc: torch.trunc}
 _COMPARE = {"lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge, "eq": torch.eq, "ne": torch.ne}
 
 

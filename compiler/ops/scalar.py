@@ -240,3 +240,14 @@ class Round(_Rounding):
 
 class Trunc(_Rounding):
     pass
+
+
+class NormSqrt(sympy.Function):
+    """sqrt(s) of a sum of squares, as in a vector norm: its derivative is 0 where s = 0 (eager's
+    norm backward masks the zero vector), not the infinity that would turn 0 * inf into NaN."""
+
+    nargs = 1
+
+    def fdiff(self, argindex=1):
+        s = self.args[0]
+        return Where(Compare(sympy.Integer(COMPARE_OPS.index("eq")), s, 0), 0, 1 / (2 * NormSqrt(s)))
