@@ -141,6 +141,8 @@ def _view_step(node):
         return (name, None)
     if name == "slice":
         return ("slice", tuple(node.kwargs[k] for k in ("dim", "start", "step", "length")))
+    if name == "unfold":
+        return ("unfold", tuple(node.kwargs[k] for k in ("dim", "size", "step")))
     return (name, tuple(node.kwargs["shape"]))
 
 

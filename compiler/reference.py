@@ -90,6 +90,8 @@ def _evaluate_node(node, args):
             return x.permute(node.kwargs["dims"])
         if op.name == "expand":
             return x.expand(node.kwargs["shape"])
+        if op.name == "unfold":
+            return x.unfold(node.kwargs["dim"], node.kwargs["size"], node.kwargs["step"])
         if op.name == "view_as_real":
             return torch.view_as_real(x.resolve_conj())
         if op.name == "view_as_complex":

@@ -45,6 +45,8 @@ def apply_views(value, views):
         elif kind == "slice":
             dim, start, step, length = param
             value = value[(slice(None),) * dim + (slice(start, start + length * step, step),)]
+        elif kind == "unfold":
+            value = value.unfold(*param)
         else:
             value = value.reshape(param)
     return value

@@ -462,6 +462,12 @@ POOLS = {
     "max_pool2d_ties_after_relu": lambda x: F.max_pool2d(x.relu(), 2) + F.max_pool2d(x * 0, 2),
     "max_pool2d_rectangular_module": lambda x: torch.nn.MaxPool2d((2, 3))(x.round()),
     "max_pool1d": lambda x: F.max_pool1d(x.sum(2), 3),
+    "max_pool2d_resnet_stem": lambda x: F.max_pool2d(x.relu(), 3, 2, 1),
+    "max_pool2d_overlapping_ties": lambda x: F.max_pool2d(x.round(), (3, 2), stride=1),
+    "max_pool1d_padded": lambda x: F.max_pool1d(x.sum(2), 3, 1, 1),
+    "avg_pool2d_overlapping_padded": lambda x: F.avg_pool2d(x, 3, 2, 1),
+    "avg_pool2d_excluding_padding": lambda x: F.avg_pool2d(x, 3, 1, 1, count_include_pad=False),
+    "unfold": lambda x: x.unfold(2, 3, 2).sum(-1) * x.unfold(3, 2, 2).sin().mean(),
 }
 
 
@@ -473,14 +479,14 @@ def test_pooling(name, dtype):
     x = torch.randn(2, 3, 8, 6, dtype=dtype, requires_grad=True)
     compiled = check_parity(POOLS[name], [x], dtype=dtype)
     assert compiled.last_entry.report.fallbacks == []
+    assert compiled.last_entry.report.fallbacks == []
 
 
 def test_pooling_not_compiled_yet_says_why():
     x = torch.randn(2, 3, 7, 6)
-    reasons = compiler.explain(lambda x: F.avg_pool2d(x, 3, stride=1).sum() + F.max_pool2d(x, 3, 2, 1).sum(),
-                               x).fallbacks
-    assert any("avg_pool with overlapping" in r for r in reasons) and any("max_pool with overlapping" in r
-                                                                            for r in reasons)
+    reasons = compiler.explain(lambda x: F.avg_pool2d(x, 3, ceil_mode=True).sum()
+                               + F.max_pool2d(x, 2, dilation=2).sum(), x).fallbacks
+    assert len(reasons) == 2 and all("ceil_mode or dilation" in r for r in reasons)
 
 
 def test_max_pool_propagates_nan():

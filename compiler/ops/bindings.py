@@ -1014,29 +1014,57 @@ def _layer_norm(b, x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_
     return out
 
 
-def _window_mean(b, x, windows):
-    """Mean over non-overlapping windows tiling the trailing dims exactly (``windows``: the
-    window size per trailing dim): a reshape that splits each dim, then one reduction."""
-    shape = x.meta["shape"]
-    lead = len(shape) - len(windows)
-    split, dims = list(shape[:lead]), []
-    for size, k in zip(shape[lead:], windows):
-        split += [size // k, k]
-        dims.append(len(split) - 1)
-    return C.emit_reduction(b, "mean", C.emit_view(b, "reshape", x, shape=tuple(split)), tuple(dims))
+@binds(_t("unfold"))
+def _unfold(b, x, dimension, size, step):
+    if size <= 0 or step <= 0:
+        raise Unsupported("unfold needs a positive size and step (eager raises)")
+    dim = dimension % max(len(x.meta["shape"]), 1)
+    if size > x.meta["shape"][dim]:
+        raise Unsupported("unfold: the window is larger than the dim (eager raises)")
+    return C.emit_view(b, "unfold", x, dim=dim, size=size, step=step)
+
+
+def _pool_windows(b, x, dims, kernel, stride, padding, fill):
+    """x padded with ``fill`` and cut into windows: [..., out_1, ..., out_n, k_1, ..., k_n] (views;
+    overlapping windows read the same elements, and their gradients add up)."""
+    if any(padding):
+        pad = []
+        for p in reversed(padding):
+            pad += [p, p]
+        x = _pad(b, x, pad, value=fill)
+    lead = len(x.meta["shape"]) - dims
+    for i, (k, s) in enumerate(zip(kernel, stride)):
+        x = C.emit_view(b, "unfold", x, dim=lead + i, size=k, step=s)
+    return x
+
+
+def _pool_args(x, dims, kernel_size, stride, padding, dilation, ceil_mode):
+    def per_dim(v):
+        return tuple(v) if isinstance(v, (tuple, list)) else (v,) * dims
+    kernel = per_dim(kernel_size)
+    stride = kernel if stride is None or stride == [] or stride == () else per_dim(stride)
+    padding = per_dim(padding)
+    if ceil_mode or any(d != 1 for d in per_dim(dilation)):
+        raise Unsupported("pooling with ceil_mode or dilation is not supported yet")
+    if any(2 * p > k for p, k in zip(padding, kernel)):
+        raise Unsupported("pooling padding larger than half the window (eager raises)")
+    return kernel, stride, padding
 
 
 def _avg_pool(dims):
     def bind(b, x, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True,
              divisor_override=None):
-        def per_dim(v):
-            return tuple(v) if isinstance(v, (tuple, list)) else (v,) * dims
-        kernel = per_dim(kernel_size)
-        stride = kernel if stride is None or stride == [] else per_dim(stride)
-        if stride != kernel or any(per_dim(padding)) or divisor_override is not None or \
-                any(size % k for size, k in zip(x.meta["shape"][-dims:], kernel)):
-            raise Unsupported("avg_pool with overlapping, padded or partial windows is not supported yet")
-        return _window_mean(b, x, kernel)
+        kernel, stride, padding = _pool_args(x, dims, kernel_size, stride, padding, 1, ceil_mode)
+        window_dims = tuple(range(-dims, 0))
+        windows = _pool_windows(b, x, dims, kernel, stride, padding, 0.0)
+        total = C.emit_reduction(b, "sum", windows, window_dims)
+        if divisor_override is not None:
+            return _pointwise(b, "div", [total, float(divisor_override)])
+        if count_include_pad or not any(padding):
+            return _pointwise(b, "div", [total, float(C.numel(kernel))])
+        ones = C.emit_fill(b, x.meta["shape"], x.meta["dtype"], 1)
+        counts = C.emit_reduction(b, "sum", _pool_windows(b, ones, dims, kernel, stride, padding, 0.0), window_dims)
+        return _pointwise(b, "div", [total, counts])
     return bind
 
 
@@ -1047,34 +1075,26 @@ def _adaptive_avg_pool(dims):
         out = tuple(s if o is None else o for s, o in zip(sizes, out))
         if any(o == 0 or s % o for s, o in zip(sizes, out)):
             raise Unsupported("adaptive_avg_pool with windows that do not tile the input is not supported yet")
-        return _window_mean(b, x, tuple(s // o for s, o in zip(sizes, out)))
+        kernel = tuple(s // o for s, o in zip(sizes, out))
+        windows = _pool_windows(b, x, dims, kernel, kernel, (0,) * dims, 0.0)
+        return C.emit_reduction(b, "mean", windows, tuple(range(-dims, 0)))
     return bind
 
 
 def _max_pool(dims):
-    """Max over non-overlapping windows. Eager's gradient goes to the first maximum of each
-    window (not shared among ties, unlike amax): the window's first maximal position is found
-    from detached values, and the result is the element there, so autodiff sends the gradient
-    to it alone. NaN counts as the maximum, as in eager."""
+    """Max over windows (padding counts as -inf). Eager's gradient goes to the first maximum of
+    each window (not shared among ties, unlike amax): the window's first maximal position is
+    found from detached values, and the result is the element there, so autodiff sends the
+    gradient to it alone; overlapping windows add up. NaN counts as the maximum, as in eager."""
     def bind(b, x, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
-        def per_dim(v):
-            return tuple(v) if isinstance(v, (tuple, list)) else (v,) * dims
-        kernel = per_dim(kernel_size)
-        stride = kernel if stride is None or stride == [] else per_dim(stride)
-        if return_indices or stride != kernel or any(per_dim(padding)) or any(d != 1 for d in per_dim(dilation)) \
-                or any(size % k for size, k in zip(x.meta["shape"][-dims:], kernel)):
-            raise Unsupported("max_pool with overlapping, padded, dilated or partial windows, or indices, "
-                              "is not supported yet")
-        shape = x.meta["shape"]
-        lead = len(shape) - dims
-        split, window_dims = list(shape[:lead]), []
-        for size, k in zip(shape[lead:], kernel):
-            split += [size // k, k]
-            window_dims.append(len(split) - 1)
-        split = tuple(split)
-        windows = C.emit_view(b, "reshape", x, shape=split)
+        if return_indices:
+            raise Unsupported("max_pool with return_indices is not supported yet")
+        kernel, stride, padding = _pool_args(x, dims, kernel_size, stride, padding, dilation, ceil_mode)
+        windows = _pool_windows(b, x, dims, kernel, stride, padding, float("-inf"))
+        split = windows.meta["shape"]
+        window_dims = tuple(range(len(split) - dims, len(split)))
         values = _detached(b, windows)
-        peak = C.emit_reduction(b, "amax", values, tuple(window_dims), keepdim=True)
+        peak = C.emit_reduction(b, "amax", values, window_dims, keepdim=True)
         hit = _pointwise(b, "logical_or", [_pointwise(b, "eq", [values, peak]), _pointwise(b, "ne", [values, values])])
         position = None  # row-major position inside the window, as a float (small integers)
         for d, k in zip(window_dims, kernel):
@@ -1084,11 +1104,10 @@ def _max_pool(dims):
             position = at
         big = float(C.numel(kernel))
         negated = C.emit_pointwise(b, "where", [hit, _pointwise(b, "neg", [position]), -big], dtype=torch.float32)
-        first = _pointwise(b, "neg", [C.emit_reduction(b, "amax", negated, tuple(window_dims), keepdim=True)])
+        first = _pointwise(b, "neg", [C.emit_reduction(b, "amax", negated, window_dims, keepdim=True)])
         chosen = _pointwise(b, "eq", [position, first])
         picked = C.emit_pointwise(b, "where", [chosen, windows, 0.0], dtype=x.meta["dtype"])
-        out = C.emit_reduction(b, "sum", picked, tuple(window_dims))
-        return out
+        return C.emit_reduction(b, "sum", picked, window_dims)
     return bind
 
 

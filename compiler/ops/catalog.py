@@ -394,6 +394,10 @@ class View(OpDef):
             return tuple(in_shape) + (2,)
         if self.name == "view_as_complex":
             return tuple(in_shape[:-1])
+        if self.name == "unfold":  # Tensor.unfold: windows along dim, the window last
+            shape = list(in_shape)
+            shape[params["dim"]] = (in_shape[params["dim"]] - params["size"]) // params["step"] + 1
+            return tuple(shape) + (params["size"],)
         return tuple(params["shape"])
 
     def index_map(self, node: fx.Node, out_index: list[str]) -> list[str]:
@@ -409,6 +413,11 @@ class View(OpDef):
             d, start, step = node.kwargs["dim"], node.kwargs["start"], node.kwargs["step"]
             scaled = result[d] if step == 1 else f"({result[d]}) * {step}"
             result[d] = scaled if start == 0 else f"{start} + {scaled}"
+            return result
+        if self.name == "unfold":
+            result = list(out_index[:-1])
+            d, step = node.kwargs["dim"], node.kwargs["step"]
+            result[d] = f"({result[d]}) * {step} + ({out_index[-1]})"
             return result
         if self.name == "expand":
             lead = len(out_shape) - len(in_shape)
@@ -444,6 +453,19 @@ class View(OpDef):
         if self.name == "slice":  # the gradient goes back to the sliced positions, 0 elsewhere
             zeros = emit_fill(b, x.meta["shape"], grad_out.meta["dtype"], 0)
             return [emit_slice_scatter(b, zeros, grad_out, **node.kwargs)]
+        if self.name == "unfold":  # window position k of every window lands at k, k+step, ...: add them
+            d, size, step = node.kwargs["dim"], node.kwargs["size"], node.kwargs["step"]
+            count = node.meta["shape"][d]
+            last = len(node.meta["shape"]) - 1
+            total = None
+            for k in range(size):
+                part = emit_view(b, "reshape", emit_slice(b, grad_out, last, k, 1, 1),
+                                 shape=grad_out.meta["shape"][:-1])
+                zeros = emit_fill(b, x.meta["shape"], grad_out.meta["dtype"], 0)
+                placed = emit_slice_scatter(b, zeros, part, d, k, step, count)
+                total = placed if total is None else emit_pointwise(b, "add", [total, placed],
+                                                                    dtype=grad_out.meta["dtype"])
+            return [total]
         return [emit_view(b, "reshape", grad_out, shape=x.meta["shape"])]
 
     def host(self, tensor: torch.Tensor, node: fx.Node) -> torch.Tensor:
@@ -452,6 +474,8 @@ class View(OpDef):
             return tensor.permute(node.kwargs["dims"])
         if self.name == "expand":
             return tensor.expand(node.kwargs["shape"])
+        if self.name == "unfold":
+            return tensor.unfold(node.kwargs["dim"], node.kwargs["size"], node.kwargs["step"])
         return tensor.reshape(node.kwargs["shape"])
 
 
@@ -464,7 +488,7 @@ def slice_tensor(tensor, dim, start, step, length):
 # view_as_real / view_as_complex reinterpret interleaved storage; the kernel writer reads
 # them as (real, imag) parts rather than through an index map.
 VIEWS = {name: View(name) for name in ("reshape", "permute", "expand", "view_as_real", "view_as_complex",
-                                       "slice")}
+                                       "slice", "unfold")}
 
 
 def emit_view(b, name, x, **params) -> fx.Node:
