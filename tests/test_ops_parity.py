@@ -528,3 +528,20 @@ def test_statistics_norms_and_more_losses(name, dtype):
     y = torch.randn(6, 10, dtype=dtype, requires_grad=True)
     compiled = check_parity(STATISTICS_NORMS_AND_LOSSES[name], [x, y], dtype=dtype)
     assert compiled.last_entry.report.fallbacks == []
+
+
+UPSAMPLING = {
+    "interpolate_nearest_scale": lambda x: F.interpolate(x, scale_factor=2).sin(),
+    "interpolate_nearest_size": lambda x: F.interpolate(x, size=(8, 15), mode="nearest") * 2,
+    "upsample_module": lambda x: torch.nn.Upsample(scale_factor=(3, 1))(x).sum(1),
+    "repeat_interleave": lambda x: x.repeat_interleave(2, dim=1)[:, 1::2].exp()
+    * torch.repeat_interleave(x, 3)[::3].reshape(2, 3, 4, 5),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", sorted(UPSAMPLING))
+def test_nearest_upsampling_and_repeat_interleave(name, dtype):
+    x = torch.randn(2, 3, 4, 5, dtype=dtype, requires_grad=True)
+    compiled = check_parity(UPSAMPLING[name], [x], dtype=dtype)
+    assert compiled.last_entry.report.fallbacks == []

@@ -1014,6 +1014,50 @@ def _layer_norm(b, x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_
     return out
 
 
+def _interleave(b, x, dims_and_repeats):
+    """Each element repeated r times in place along each given dim (nearest upsampling,
+    repeat_interleave): a unit dim after it, expanded to r, merged back. A copy, as in eager;
+    the gradient sums each group of copies."""
+    shape = list(x.meta["shape"])
+    split, expanded, final = [], [], []
+    for d, n in enumerate(shape):
+        r = dims_and_repeats.get(d, 1)
+        split += [n, 1]
+        expanded += [n, r]
+        final.append(n * r)
+    x = C.emit_view(b, "reshape", x, shape=tuple(split))
+    x = _expand(b, x, tuple(expanded))
+    out = C.emit_view(b, "reshape", x, shape=tuple(final))
+    return C.emit_pointwise(b, "identity", [out], dtype=out.meta["dtype"])
+
+
+@binds(F.interpolate)
+def _interpolate(b, input, size=None, scale_factor=None, mode="nearest", align_corners=None,
+                 recompute_scale_factor=None, antialias=False):
+    """Nearest-neighbour upsampling by whole factors (each element copied into a block)."""
+    if mode not in ("nearest", "nearest-exact") or antialias:
+        raise Unsupported(f"interpolate(mode={mode!r}) is not supported yet (nearest only)")
+    spatial = input.meta["shape"][2:]
+    if size is not None:
+        sizes = tuple(size) if isinstance(size, (tuple, list)) else (size,) * len(spatial)
+        factors = [o / i for o, i in zip(sizes, spatial)]
+    else:
+        factors = list(scale_factor) if isinstance(scale_factor, (tuple, list)) else [scale_factor] * len(spatial)
+    if any(f != int(f) or f < 1 for f in factors):
+        raise Unsupported("interpolate by a non-integer or shrinking factor is not supported yet")
+    return _interleave(b, input, {2 + i: int(f) for i, f in enumerate(factors)})
+
+
+@binds(torch.repeat_interleave, _t("repeat_interleave"))
+def _repeat_interleave(b, x, repeats=None, dim=None, *, output_size=None):
+    if not isinstance(repeats, int):
+        raise Unsupported("repeat_interleave with tensor repeats is not supported yet")
+    if dim is None:
+        x = C.emit_view(b, "reshape", x, shape=(C.numel(x.meta["shape"]),))
+        dim = 0
+    return _interleave(b, x, {dim % len(x.meta["shape"]): repeats})
+
+
 @binds(_t("unfold"))
 def _unfold(b, x, dimension, size, step):
     if size <= 0 or step <= 0:
