@@ -295,6 +295,39 @@ def _make_overhead(device, batch, dim, layers):
                          f"{layers}x Linear({dim}), batch {batch}", flops=6.0 * layers * batch * dim * dim)
 
 
+# -- 8. a small CNN training step ---------------------------------------------------------------
+class TinyResNet(nn.Module):
+    """A ResNet-style stem and one residual block: conv, batch norm (training statistics and
+    running-statistics updates), ReLU, 3x3/2 max pool, global average pool, linear head."""
+
+    def __init__(self, channels, classes):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels),
+                                  nn.ReLU(), nn.MaxPool2d(3, 2, 1))
+        self.block = nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels),
+                                   nn.ReLU(), nn.Conv2d(channels, channels, 3, padding=1, bias=False),
+                                   nn.BatchNorm2d(channels))
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, x, targets):
+        x = self.stem(x)
+        x = F.relu(x + self.block(x))
+        return F.cross_entropy(self.head(F.adaptive_avg_pool2d(x, 1).flatten(1)), targets)
+
+
+def _make_cnn(device, batch, channels, size, classes):
+    def make_batch(g, dtype):
+        images = _randn(g, (batch, 3, size, size), device, dtype)
+        return images, torch.randint(0, classes, (batch,), generator=g, device=device)
+
+    out = size // 2
+    # conv flops: 2 * K * K * Cin * Cout * H * W per image; the backward twice the forward
+    per_image = 2 * 9 * (3 * channels * size * size + 2 * channels * channels * out * out)
+    return training_step(transformer_train_step, lambda: TinyResNet(channels, classes), _Batch(device, make_batch),
+                         f"batch {batch}, {channels} channels, {size}x{size} images, {classes} classes",
+                         flops=3.0 * per_image * batch)
+
+
 WORKLOADS = {w.name: w for w in [
     Workload("gelu", 1, "GELU (tanh) forward+backward", make=_make_gelu, sizes={
         "full": dict(t=8192, i=14336), "small": dict(t=64, i=512), "tiny": dict(t=8, i=64)}),
@@ -320,4 +353,8 @@ WORKLOADS = {w.name: w for w in [
     Workload("overhead_step", 7, "tiny training step, 4 Linear layers: per-call overhead", make=_make_overhead,
              sizes={"full": dict(batch=16, dim=256, layers=4), "small": dict(batch=16, dim=256, layers=4),
                     "tiny": dict(batch=4, dim=16, layers=4)}),
+    Workload("cnn_step", 8, "ResNet-style CNN training step (conv, batch norm, pools)", make=_make_cnn, sizes={
+        "full": dict(batch=64, channels=128, size=64, classes=1000),
+        "small": dict(batch=4, channels=8, size=8, classes=10),
+        "tiny": dict(batch=2, channels=4, size=8, classes=3)}),
 ]}

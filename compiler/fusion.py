@@ -114,6 +114,8 @@ def fuse(graph: fx.Graph) -> Schedule:
                 needs_memory(arg)
         elif kind_of(node) == "gather":
             needs_memory(node.args[1])  # indices are range-checked on the host (eager's error)
+        if node.meta.get("materialize"):  # read at many places by its consumers (see the op's vjp)
+            needs_memory(node)
     for out in outputs:
         needs_memory(out)
 

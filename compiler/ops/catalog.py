@@ -455,6 +455,9 @@ class View(OpDef):
             return [emit_slice_scatter(b, zeros, grad_out, **node.kwargs)]
         if self.name == "unfold":  # window position k of every window lands at k, k+step, ...: add them
             d, size, step = node.kwargs["dim"], node.kwargs["size"], node.kwargs["step"]
+            # NOTE: each input element reads the gradient at `size` places: computed once into
+            # memory, not inlined `size` times (nested windows would multiply the code)
+            grad_out.meta["materialize"] = True
             count = node.meta["shape"][d]
             last = len(node.meta["shape"]) - 1
             total = None
