@@ -96,3 +96,12 @@ def test_softmax_and_layer_norm_are_one_kernel_each_way():
     assert len(layer_norm.backward_kernels) <= 2  # input grad per row; weight grad over rows
     check_parity(lambda x: F.softmax(x, dim=-1), [x])
     check_parity(lambda x, w: F.layer_norm(x, (64,), w), [x, w])
+
+
+def test_overlapping_window_gradients_are_materialized_not_inlined_per_read():
+    """An unfold's gradient is read `size` times per input element: inlining it (and, nested,
+    the next pool's) would multiply the kernel's code; it is computed once into memory."""
+    x = torch.randn(2, 3, 9, 8, requires_grad=True)
+    report = compiler.explain(lambda x: F.max_pool2d(F.max_pool2d(x.relu(), 3, 2, 1), 3, 1, 1), x)
+    assert report.fallbacks == []
+    assert max(len(k.source.splitlines()) for k in report.kernels) < 150
