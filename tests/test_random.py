@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import compiler
+from tests.training import sgd_step
 
 
 def _compiled(fn):
@@ -77,16 +78,8 @@ def test_channel_dropout_in_training_runs_eagerly_with_a_reason():
 def test_dropout_in_a_training_step_and_double_backward():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(16, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(32, 8), torch.randn(32, 1)
-
-    @compiler.compile(backend="interpret")
-    def step(x, y):
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
+    step = compiler.compile(sgd_step(model, lr=0.1), backend="interpret")
     losses = [step(x, y).item() for _ in range(30)]
     assert step.stats["divergences"] <= 1 and step.last_backend == "interpret"
     assert losses[-1] < losses[0]

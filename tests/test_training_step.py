@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import compiler
+from tests.training import sgd_step
 
 
 def make_model(dtype):
@@ -86,16 +87,8 @@ def test_profiler_around_a_compiled_step_stays_on_the_recording():
     autograd state change nothing, so the replay lets them through."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(32, 8), torch.randn(32, 1)
-
-    @compiler.compile(backend="interpret")
-    def step(x, y):
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
+    step = compiler.compile(sgd_step(model, lr=0.1), backend="interpret")
     for _ in range(3):
         step(x, y)
     with torch.profiler.profile(with_stack=True):
@@ -191,17 +184,8 @@ def test_cnn_training_step_with_batch_norm_tracks_eager():
     reference = copy.deepcopy(model)
     x, y = torch.randn(4, 3, 8, 8, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
 
-    def make_step(model):
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-
-        def step(x, y):
-            loss = F.mse_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss.detach()
-        return step
-    eager_step, compiled = make_step(reference), compiler.compile(make_step(model), backend="interpret")
+    eager_step = sgd_step(reference, lr=0.05, momentum=0.9)
+    compiled = compiler.compile(sgd_step(model, lr=0.05, momentum=0.9), backend="interpret")
     for _ in range(5):
         torch.testing.assert_close(compiled(x, y), eager_step(x, y))
     assert compiled.last_backend == "interpret" and compiled.last_entry.report.fallbacks == []
