@@ -29,7 +29,7 @@ from compiler.ir import GraphBuilder
 from compiler.ops import catalog as C
 from compiler.ops.bindings import Unsupported, Writes, lookup
 from runtime.calls import flatten_call, unflatten_call
-from runtime.replay import _name, is_metadata
+from runtime.replay import _name, is_metadata, is_state_read
 from runtime.trace import RegionPlan, TensorMeta, Trace, TraceCall, ValueId
 
 # Eager calls that are part of a training step, not gaps in the compiled graph.
@@ -42,7 +42,6 @@ _FACTORIES = {torch.ones, torch.zeros, torch.full, torch.empty, torch.arange, to
               torch.empty_like, torch.randn, torch.rand, torch.randint, torch.randn_like, torch.rand_like}
 _VALUE_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "__format__",
                 "__repr__", "__str__", "__array__"}
-_STATE_ATTRS = {"grad", "data", "grad_fn", "_base", "_version"}
 _SUPPORTED_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool,
                      torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
                      torch.complex64, torch.complex128}
@@ -217,7 +216,8 @@ class Capture(TorchFunctionMode):
             region = self._new_region(len(self.regions), grad_enabled, device)
         b = region.builder
         metas = {vid: TensorMeta.of(x) for x, vid in zip(leaves, recorded) if isinstance(x, torch.Tensor)}
-        a, k = unflatten_call(_map_to_nodes(region, recorded, metas), flatten_call(args, kwargs)[1])
+        mapped = _map_to_nodes(region, recorded, metas)
+        a, k = unflatten_call(mapped, flatten_call(args, kwargs)[1])
         start = len(b.created)
         result = _apply_binding(b, binding, a, k, out_tensors, _autocast_dtype(device))
         result, writes = (result.result, result.writes) if isinstance(result, Writes) else (result, ())
@@ -227,7 +227,7 @@ class Capture(TorchFunctionMode):
         nodes = list(result) if isinstance(result, (tuple, list)) else [result]
         if len(nodes) != len(out_tensors):
             raise Unsupported("internal: the binding returned a different number of results than eager")
-        inputs = {id(n): x for n, x in zip(_map_to_nodes(region, recorded, metas), leaves) if isinstance(n, fx.Node)}
+        inputs = {id(n): x for n, x in zip(mapped, leaves) if isinstance(n, fx.Node)}
         for i, (node, t) in enumerate(zip(nodes, out_tensors)):
             source = inputs.get(id(node))
             if source is not None and t is not source and t._base is None:
@@ -496,7 +496,7 @@ def _expected_eager(func, reads_region_value: bool) -> bool:
     if name in ("__set__", "__delete__"):
         return True  # setting a tensor's attribute (.grad, hooks) is state, not math
     if name == "__get__":
-        return getattr(getattr(func, "__self__", None), "__name__", None) in _STATE_ATTRS
+        return is_state_read(func)
     module = getattr(func, "__module__", "") or ""
     if "profiler" in module or "record_function" in name:
         return True

@@ -37,8 +37,22 @@ _METADATA_METHODS = {
 }
 
 
+_METADATA_CACHE: dict = {}
+
+
 def is_metadata(func) -> bool:
-    """Calls that only read metadata (guarded anyway): run directly, never recorded."""
+    """Calls that only read metadata (guarded anyway): run directly, never recorded.
+    Remembered per function: it runs before every torch call."""
+    try:
+        return _METADATA_CACHE[func]
+    except KeyError:
+        answer = _METADATA_CACHE[func] = _reads_metadata(func)
+        return answer
+    except TypeError:  # unhashable callable
+        return _reads_metadata(func)
+
+
+def _reads_metadata(func) -> bool:
     if func in _METADATA_METHODS:
         return True
     if getattr(func, "__name__", None) == "__get__":
@@ -46,18 +60,14 @@ def is_metadata(func) -> bool:
     return False
 
 
-_METADATA_CACHE: dict = {}
+# A tensor's autograd state: reading it has no side effects, but its value is no metadata.
+STATE_ATTRS = {"grad", "data", "grad_fn", "_base", "_version"}
 
 
-def _is_metadata_cached(func) -> bool:
-    """``is_metadata``, remembered per function (it runs before every torch call)."""
-    try:
-        return _METADATA_CACHE[func]
-    except KeyError:
-        answer = _METADATA_CACHE[func] = is_metadata(func)
-        return answer
-    except TypeError:  # unhashable callable
-        return is_metadata(func)
+def is_state_read(func) -> bool:
+    """Reading a tensor's autograd state (``t.grad``)."""
+    return getattr(func, "__name__", None) == "__get__" and \
+        getattr(getattr(func, "__self__", None), "__name__", None) in STATE_ATTRS
 
 
 class Diverged(Exception):
@@ -153,7 +163,7 @@ class Replay(TorchFunctionMode):
     # -- the mode ----------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _is_metadata_cached(func):
+        if is_metadata(func):
             return func(*args, **kwargs)
         if self.diverged:
             return self._eager(func, args, kwargs)
@@ -209,15 +219,15 @@ class Replay(TorchFunctionMode):
     def _replay(self, func, args, kwargs):
         calls = self.trace.calls
         if self.pos >= len(calls) or (calls[self.pos].func is not func and calls[self.pos].func != func):
-            if _is_state_read(func) and self._switch(ending=False, func=func):
+            if is_state_read(func) and self._switch(ending=False, func=func):
                 calls = self.trace.calls  # another recording made this read here: go on with it
-            elif _is_state_read(func):
+            elif is_state_read(func):
                 # NOTE: reading .grad (a profiler, a debugger, a logging hook) changes nothing:
                 # an extra read runs as it is. Were its result used by a recorded call, that
                 # call's tensor check would see an unknown tensor and diverge.
                 return func(*args, **kwargs)
             else:
-                while self.pos < len(calls) and _is_state_read(calls[self.pos].func):
+                while self.pos < len(calls) and is_state_read(calls[self.pos].func):
                     self.pos += 1  # a recorded read not made this time: nothing to do
         if self.pos >= len(calls):
             raise Diverged(f"an extra call to {_name(func)} that was not recorded")
@@ -374,15 +384,6 @@ def _compare_prefix(a: Trace, b: Trace, k: int) -> bool:
         if not set(rb.output_ids) <= set(ra.output_ids) or ra.mutated != rb.mutated:
             return False
     return True
-
-
-_STATE_READS = {"grad", "data", "grad_fn", "_base", "_version", "is_leaf", "requires_grad"}
-
-
-def _is_state_read(func) -> bool:
-    """Reading a tensor's autograd state (``t.grad``): no side effects."""
-    return getattr(func, "__name__", None) == "__get__" and \
-        getattr(getattr(func, "__self__", None), "__name__", None) in _STATE_READS
 
 
 def _same_constant(a, b) -> bool:

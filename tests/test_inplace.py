@@ -116,3 +116,14 @@ def test_slice_assignment_into_an_input_changes_the_callers_tensor():
     assert out is mine                      # returns the caller's tensor, changed in place
     torch.testing.assert_close(mine, theirs)
     assert compiled.stats["kernel_launches"] > 0
+
+
+def test_activation_in_place_given_positionally_changes_the_input():
+    """F.leaky_relu(x, slope, True): in place, as eager, whether inplace is named or not."""
+    f = compiler.compile(lambda x: torch.nn.functional.leaky_relu(x, 0.2, True).sum(), backend="interpret")
+    base = torch.randn(6)
+    for _ in range(2):
+        x = base.clone()
+        f(x)
+        torch.testing.assert_close(x, torch.nn.functional.leaky_relu(base, 0.2))
+    assert f.last_backend == "interpret"

@@ -90,7 +90,7 @@ def _real_unary(name):
     return bind
 
 
-_ROUNDING = ("floor", "ceil", "round", "trunc", "frac")
+_ROUNDING = ("floor", "ceil", "round", "trunc")  # of an integer: itself
 _ALIASES = {"asin": ["arcsin"], "acos": ["arccos"], "atan": ["arctan"], "asinh": ["arcsinh"],
             "acosh": ["arccosh"], "atanh": ["arctanh"], "trunc": ["fix"]}
 for _name in ("tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "log1p", "expm1", "log2",
@@ -110,26 +110,21 @@ def _round(b, x, *, decimals=0, out=None):
 
 
 def _activation(name, *params):
-    """An F.<activation>(x, *params, inplace=False) whose expression takes constant params."""
+    """F.<activation>(x, *params, inplace=False), its expression taking the constant params
+    (``params``: (name, default) pairs, in the function's order)."""
     def bind(b, x, *args, inplace=False, **kwargs):
-        values = _real_unary_args(name, x, args, kwargs, params)
-        out = C.emit_pointwise(b, name, [x, *values], dtype=x.meta["dtype"])
+        if x.meta["dtype"].is_complex or not x.meta["dtype"].is_floating_point:
+            raise Unsupported(f"{name} of a {x.meta['dtype']} tensor is not supported")
+        if len(args) > len(params):  # inplace given positionally: F.leaky_relu(x, 0.2, True)
+            inplace = args[len(params)]
+        values = dict(params)
+        values.update(zip(values, args))
+        values.update({k: v for k, v in kwargs.items() if k in values})
+        if any(isinstance(v, fx.Node) for v in values.values()):
+            raise Unsupported(f"{name} with tensor parameters is not supported yet")
+        out = C.emit_pointwise(b, name, [x, *(float(v) for v in values.values())], dtype=x.meta["dtype"])
         return _in_place(b, x, out) if inplace else out
     return bind
-
-
-def _real_unary_args(name, x, args, kwargs, params):
-    if x.meta["dtype"].is_complex or not x.meta["dtype"].is_floating_point:
-        raise Unsupported(f"{name} of a {x.meta['dtype']} tensor is not supported")
-    names = [p for p, _ in params]
-    values = dict(params)
-    if len(args) > len(names):  # F.elu(x, alpha, inplace) passes inplace positionally
-        args = args[:len(names)]
-    values.update(zip(names, args))
-    values.update({k: v for k, v in kwargs.items() if k in values})
-    if any(isinstance(v, fx.Node) for v in values.values()):
-        raise Unsupported(f"{name} with tensor parameters is not supported yet")
-    return [float(values[p]) for p in names]
 
 
 binds(F.leaky_relu)(_activation("leaky_relu", ("negative_slope", 0.01)))
@@ -1082,7 +1077,7 @@ def _pool_windows(b, x, dims, kernel, stride, padding, fill):
     return x
 
 
-def _pool_args(x, dims, kernel_size, stride, padding, dilation, ceil_mode):
+def _pool_args(dims, kernel_size, stride, padding, dilation, ceil_mode):
     def per_dim(v):
         return tuple(v) if isinstance(v, (tuple, list)) else (v,) * dims
     kernel = per_dim(kernel_size)
@@ -1098,7 +1093,7 @@ def _pool_args(x, dims, kernel_size, stride, padding, dilation, ceil_mode):
 def _avg_pool(dims):
     def bind(b, x, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True,
              divisor_override=None):
-        kernel, stride, padding = _pool_args(x, dims, kernel_size, stride, padding, 1, ceil_mode)
+        kernel, stride, padding = _pool_args(dims, kernel_size, stride, padding, 1, ceil_mode)
         window_dims = tuple(range(-dims, 0))
         windows = _pool_windows(b, x, dims, kernel, stride, padding, 0.0)
         total = C.emit_reduction(b, "sum", windows, window_dims)
@@ -1133,7 +1128,7 @@ def _max_pool(dims):
     def bind(b, x, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
         if return_indices:
             raise Unsupported("max_pool with return_indices is not supported yet")
-        kernel, stride, padding = _pool_args(x, dims, kernel_size, stride, padding, dilation, ceil_mode)
+        kernel, stride, padding = _pool_args(dims, kernel_size, stride, padding, dilation, ceil_mode)
         windows = _pool_windows(b, x, dims, kernel, stride, padding, float("-inf"))
         split = windows.meta["shape"]
         window_dims = tuple(range(len(split) - dims, len(split)))
