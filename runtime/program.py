@@ -52,6 +52,10 @@ def apply_views(value, views):
     return value
 
 
+# Element offsets at or past this need 64-bit index math (Triton multiplies int32 in int32).
+INT32_LIMIT = 2**31
+
+
 @dataclass
 class KernelLaunch:
     name: str
@@ -62,29 +66,55 @@ class KernelLaunch:
     xblock: int
     rblock: int
     bytes_moved: int
+    # The same kernel with strides multiplied in int64 (None: ``source`` is 64-bit already).
+    # Strides are not part of the guard key, so the launch picks it when an input's offsets
+    # need it (a view with a large stride), rather than computing wrapped addresses.
+    wide_name: str | None = None
+    wide_source: str | None = None
     _fn: object = None
+    _wide_fn: object = None
 
     def run(self, env, device):
-        fn = self._fn
-        if fn is None:
-            fn = self._fn = load_kernel(self.name, self.source)
         args = []
+        farthest = 0  # the largest element offset the kernel computes from the strides given
         for slot in self.loads:
             t = env[slot]
             if t.is_complex():  # interleaved (real, imag): the kernel indexes the real view
                 t = torch.view_as_real(t.resolve_conj())
+                strides = t.stride()
                 args.append(t)
-                args.extend(t.stride()[:-1])
+                args.extend(strides[:-1])
             else:
+                strides = t.stride()
                 args.append(t)
-                args.extend(t.stride())
+                args.extend(strides)
+            # NOTE: the pointer passed is the element at the storage offset: the kernel adds
+            # only index · stride to it (strides are never negative)
+            farthest = max(farthest, sum((n - 1) * st for n, st in zip(t.shape, strides) if n > 1))
         for slot, shape, dtype in self.stores:
             out = torch.empty(shape, dtype=dtype, device=device)
             env[slot] = out
             args.append(torch.view_as_real(out) if dtype.is_complex else out)
         if self.grid:  # an empty iteration space: outputs stay empty
-            with _interpreter_lock:
+            fn = self.kernel(wide=farthest >= INT32_LIMIT)
+            # the tensors' device (and its current stream), not whichever device is current
+            with _on_device(device), _interpreter_lock:
                 fn[(self.grid,)](*args, XBLOCK=self.xblock, RBLOCK=self.rblock)
+
+    def kernel(self, wide: bool = False):
+        """The jit function to launch: the 64-bit twin when ``wide`` and there is one."""
+        if wide and self.wide_source is not None:
+            if self._wide_fn is None:
+                self._wide_fn = load_kernel(self.wide_name, self.wide_source)
+            return self._wide_fn
+        if self._fn is None:
+            self._fn = load_kernel(self.name, self.source)
+        return self._fn
+
+
+def _on_device(device: torch.device):
+    """Launches on CUDA go to the tensors' device: Triton launches on the current one."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _index_backward(grad, index, *, mode, dim, shape, padding_idx=None, wrap=False):

@@ -9,6 +9,14 @@ shared within a kernel by (node, index), so a fused chain is computed once per e
 
 Sizes are baked into the source (shapes are guarded), strides are arguments; the kernel's
 name is a hash of its body, so identical kernels are compiled once.
+
+Index width: offsets are computed in 32 bits unless an offset may pass 2**31 - 1 (Triton,
+like CUDA, multiplies two int32 values in int32 and wraps). What the sizes decide is decided
+here: a kernel whose iteration space, or any node it computes at an index (views over a
+large tensor included), or any output, spans 2**31 elements computes every index in int64.
+What the strides decide is left to the launch: every 32-bit kernel comes with a twin that
+multiplies strides in int64 (``KernelSource.wide_source``), which the launch picks when a
+tensor's strides reach that far (``runtime.program.KernelLaunch``).
 """
 
 from __future__ import annotations
@@ -49,6 +57,14 @@ class KernelSource:
     grid: int              # number of programs
     signature: dict        # argument name -> Triton type, for ahead-of-time compilation
     bytes_moved: int       # bytes loaded and stored, counting each buffer once
+    # the same kernel with strides multiplied in int64, for inputs whose offsets pass 2**31 - 1;
+    # None when ``source`` computes every index in int64 already
+    wide_name: str | None = None
+    wide_source: str | None = None
+
+
+# Element offsets at or past this need 64-bit index math.
+INT32_LIMIT = 2**31
 
 
 def _storage_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -328,7 +344,6 @@ class KernelWriter:
         xnumel = numel([shape[d] for d in xdims])
         rnumel = numel([shape[d] for d in rdims])
         reduction = bool(rdims)
-        wide = numel(shape) >= 2**31
         self.persistent = reduction and rnumel <= PERSISTENT_MAX
         if self.persistent:  # a whole row in one block: no loop, values may use the reduction
             rblock = _next_pow2(max(rnumel, 1))
@@ -338,6 +353,7 @@ class KernelWriter:
             xblock = max(1, min(_next_pow2(max(xnumel, 1)), 4096 // rblock, 64))
         else:
             rblock, xblock = 1, min(_next_pow2(max(xnumel, 1)), 1024)
+        wide = _index_extent(plan, self.buffers, xnumel, xblock, rnumel, rblock) >= INT32_LIMIT
         index = [None] * len(shape)
         header = []
         pid = "tl.program_id(0).to(tl.int64)" if wide else "tl.program_id(0)"
@@ -411,7 +427,7 @@ class KernelWriter:
                     else:
                         src.append(f"{acc} = tl.zeros([XBLOCK, RBLOCK], {TL_DTYPE[acc_dtype]})")
             src.append(f"for roffset in range(0, {rnumel}, RBLOCK):")
-            loop = ["rindex = roffset + tl.arange(0, RBLOCK)[None, :]", f"rmask = rindex < {rnumel}"]
+            loop = [f"rindex = roffset + {_arange('RBLOCK', wide)}[None, :]", f"rmask = rindex < {rnumel}"]
             loop += body_prefix + body
             src += ["    " + line for line in loop]
             for root, accs, _ in accumulators:
@@ -463,7 +479,8 @@ class KernelWriter:
             else:
                 self.lines.append(f"tl.store({out}_ptr + {offset}, {var}, mask=MASK)")
         body = [line.replace("MASK", "xmask & rmask").replace("SHAPE", "[XBLOCK, RBLOCK]") for line in self.lines]
-        src = header + ["rindex = tl.arange(0, RBLOCK)[None, :]", f"rmask = rindex < {rnumel}"] + body_prefix + body
+        rindex = [f"rindex = {_arange('RBLOCK', wide)}[None, :]", f"rmask = rindex < {rnumel}"]
+        src = header + rindex + body_prefix + body
         return self.finish(src, stores, xnumel, xblock, rblock, wide)
 
     def _reduced_index(self, root):
@@ -475,13 +492,30 @@ class KernelWriter:
 
     def finish(self, src, stores, xnumel, xblock, rblock, wide) -> KernelSource:
         loads = list(self.load_args)
+        strides = [f"{arg}_s{d}" for node, arg in self.load_args.items() for d in range(len(node.meta["shape"]))]
+        # Strides in int64 make every offset product int64 (the index stays int32 where it fits).
+        # NOTE: tl.cast, not .to(): Triton passes a stride equal to 1 as a constexpr.
+        widen = [f"{stride} = tl.cast({stride}, tl.int64)" for stride in strides]
+        wide_name = wide_source = None
+        if wide:
+            name, source, signature = self.module(widen + src, stores, xblock, rblock, "i64")
+        else:
+            name, source, signature = self.module(src, stores, xblock, rblock, "i32")
+            if strides:
+                wide_name, wide_source, _ = self.module(widen + src, stores, xblock, rblock, "i64")
+        grid = -(-xnumel // xblock)
+        moved = sum(numel(n.meta["shape"]) * n.meta["dtype"].itemsize for n in loads + stores)
+        return KernelSource(name, source, loads, stores, grid, signature, moved, wide_name, wide_source)
+
+    def module(self, src, stores, xblock, rblock, stride_type):
+        """(name, source, signature) of the module defining the kernel that runs ``src``."""
         params, signature = [], {}
         for node, arg in self.load_args.items():
             params.append(f"{arg}_ptr")
             signature[f"{arg}_ptr"] = "*" + SIGNATURE_DTYPE[_storage_dtype(node.meta["dtype"])]
             for d in range(len(node.meta["shape"])):
                 params.append(f"{arg}_s{d}")
-                signature[f"{arg}_s{d}"] = "i64" if wide else "i32"
+                signature[f"{arg}_s{d}"] = stride_type
         for i, node in enumerate(stores):
             params.append(f"out{i}_ptr")
             signature[f"out{i}_ptr"] = "*" + SIGNATURE_DTYPE[_storage_dtype(node.meta["dtype"])]
@@ -505,9 +539,7 @@ class KernelWriter:
             body_text,
             "",
         ])
-        grid = -(-xnumel // xblock)
-        moved = sum(numel(n.meta["shape"]) * n.meta["dtype"].itemsize for n in loads + stores)
-        return KernelSource(name, source, loads, stores, grid, signature, moved)
+        return name, source, signature
 
 
 _cse_counter = itertools.count()
@@ -528,6 +560,35 @@ def _fold(index: str) -> str:
     if index.isdigit() or re.search(r"[A-Za-z_]", index):
         return index
     return str(eval(index, {"__builtins__": {}}))  # digits, operators and parentheses only
+
+
+def _arange(block: str, wide: bool) -> str:
+    return f"tl.arange(0, {block}).to(tl.int64)" if wide else f"tl.arange(0, {block})"
+
+
+_COMPUTED_KINDS = ("pointwise", "scatter", "view", "reduction", "iota", "gather", "rand")  # see value()
+
+
+def _index_extent(plan: KernelPlan, buffers: set, xnumel, xblock, rnumel, rblock) -> int:
+    """A bound (exclusive) on the index values the sizes let this kernel compute: the iteration
+    space's positions (rounded up to whole blocks: the last block's masked lanes compute them
+    too) and the row-major positions of every node it computes at an index (a reshape's index
+    map goes through them) or stores (complex ones count real elements). Loaded buffers do not
+    count: their offsets depend on the strides, which the launch checks
+    (``runtime.program.KernelLaunch``); an index into one is below its dims' sizes."""
+    extent = max(-(-xnumel // xblock) * xblock, -(-rnumel // rblock) * rblock)
+    roots, stack, seen = set(plan.roots), list(plan.roots), set()
+    while stack:
+        node = stack.pop()
+        if node in seen or not isinstance(node, fx.Node):
+            continue
+        seen.add(node)
+        loaded = (node in buffers and node not in roots) or kind_of(node) not in _COMPUTED_KINDS
+        if node in roots or not loaded:
+            extent = max(extent, numel(node.meta["shape"]) * (2 if node.meta["dtype"].is_complex else 1))
+        if not loaded:
+            stack.extend(arg for arg in node.args if isinstance(arg, fx.Node))
+    return extent
 
 
 def _broadcast_index(index: tuple, out_shape: tuple, arg_shape: tuple) -> tuple:
