@@ -76,27 +76,27 @@ class KernelLaunch:
 
     def run(self, env, device):
         args = []
-        farthest = 0  # the largest element offset the kernel computes from the strides given
+        wide = False  # whether some offset the strides give passes int32: launch the 64-bit twin
         for slot in self.loads:
             t = env[slot]
             if t.is_complex():  # interleaved (real, imag): the kernel indexes the real view
                 t = torch.view_as_real(t.resolve_conj())
-                strides = t.stride()
                 args.append(t)
-                args.extend(strides[:-1])
+                args.extend(t.stride()[:-1])
             else:
-                strides = t.stride()
                 args.append(t)
-                args.extend(strides)
-            # NOTE: the pointer passed is the element at the storage offset: the kernel adds
-            # only index · stride to it (strides are never negative)
-            farthest = max(farthest, sum((n - 1) * st for n, st in zip(t.shape, strides) if n > 1))
+                args.extend(t.stride())
+            # NOTE: a view's offsets stay inside its storage (PyTorch checks), so only a storage
+            # of 2 GiB or more needs the exact last offset (the pointer passed is the element
+            # at the storage offset; the kernel adds index · stride to it)
+            if not wide and t.untyped_storage().nbytes() >= INT32_LIMIT:
+                wide = _last_offset(t) >= INT32_LIMIT
         for slot, shape, dtype in self.stores:
             out = torch.empty(shape, dtype=dtype, device=device)
             env[slot] = out
             args.append(torch.view_as_real(out) if dtype.is_complex else out)
         if self.grid:  # an empty iteration space: outputs stay empty
-            fn = self.kernel(wide=farthest >= INT32_LIMIT)
+            fn = self.kernel(wide)
             # the tensors' device (and its current stream), not whichever device is current
             with _on_device(device), _interpreter_lock:
                 fn[(self.grid,)](*args, XBLOCK=self.xblock, RBLOCK=self.rblock)
@@ -110,6 +110,11 @@ class KernelLaunch:
         if self._fn is None:
             self._fn = load_kernel(self.name, self.source)
         return self._fn
+
+
+def _last_offset(t: torch.Tensor) -> int:
+    """The offset of ``t``'s last element from its first, in elements: sum((size - 1) · stride)."""
+    return sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 1)
 
 
 def _on_device(device: torch.device):

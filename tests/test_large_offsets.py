@@ -95,6 +95,13 @@ def test_reshape_inside_the_function_through_positions_past_2_31(storage):
     compiled_matches_eager(lambda t: t.reshape(4, 2**30)[::3, -8:].float() + 1, x)
 
 
+def test_strided_slice_of_a_dim_past_2_31(storage):
+    # 1-D, 2**32 - 6 elements: [::2**31 - 4] computes index · step, past 2**31 for the third element
+    x = storage[16:2**32 + 10]
+    x[::2**31 - 4] = torch.tensor([1, 2, 3], dtype=torch.uint8)
+    compiled_matches_eager(lambda t: t[::2**31 - 4].float() * 2 + t[1::2**31 - 4].float(), x)
+
+
 # -- what the generated source does, without running it ----------------------------------------
 def kernels(build):
     b = GraphBuilder()
@@ -123,6 +130,11 @@ def huge_sum(b):
     return C.emit_reduction(b, "sum", b.placeholder("x", (2**31 + 7,), torch.float32), (0,))
 
 
+def strided_slice_of_a_huge_dim(b):
+    x = C.emit_slice(b, b.placeholder("x", (2**32,), torch.uint8), 0, 0, 2**31 - 4, 3)
+    return C.emit_pointwise(b, "identity", [x], dtype=torch.float32)
+
+
 def test_small_kernels_stay_32_bit_with_a_64_bit_twin():
     for build in (small_pointwise, softmax_of_last_position):
         for k in kernels(build):
@@ -135,7 +147,7 @@ def test_small_kernels_stay_32_bit_with_a_64_bit_twin():
 
 
 def test_kernels_whose_sizes_pass_2_31_compute_indices_in_64_bits():
-    for build in (huge_pointwise, huge_sum):
+    for build in (huge_pointwise, huge_sum, strided_slice_of_a_huge_dim):
         for k in kernels(build):
             assert k.wide_source is None, k.source
             assert "tl.program_id(0).to(tl.int64)" in k.source or "range(0, 2147483655" in k.source, k.source
@@ -225,6 +237,12 @@ PTX_SCRIPT = textwrap.dedent("""
         compiled = triton.compile(ASTSource(getattr(module, name), module.SIGNATURE, constexprs),
                                   target=GPUTarget("cuda", 90, 32))
         out[name] = compiled.asm["ptx"]
+        # Triton's JIT passes a stride equal to 1 as a constexpr: that must compile too
+        last = [k for k in module.SIGNATURE if k.startswith("in0_s")][-1]
+        signature = dict(module.SIGNATURE, **{last: "constexpr"})
+        compiled = triton.compile(ASTSource(getattr(module, name), signature, dict(constexprs, **{last: 1})),
+                                  target=GPUTarget("cuda", 90, 32))
+        out[name + ":unit"] = compiled.asm["ptx"]
     print(json.dumps(out))
 """)
 
@@ -271,6 +289,6 @@ def test_hopper_address_math_is_64_bit_exactly_where_needed(tmp_path):
     narrow = stride_products(ptx[k.name], k.name, 1)
     assert narrow and all(op.endswith("s32") and ".lo." in op for op in narrow), narrow
     # ... in 64 bits for its twin and for the kernel whose iteration space passes 2**31
-    for name in (k.wide_name, big.name):
-        wide = stride_products(ptx[name], name, 1)
+    for name in (k.wide_name, big.name, k.wide_name + ":unit"):
+        wide = stride_products(ptx[name], name.split(":")[0], 1)
         assert wide and all(op.endswith("64") or op.startswith("mul.wide") for op in wide), (name, wide)

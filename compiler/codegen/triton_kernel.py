@@ -572,10 +572,10 @@ _COMPUTED_KINDS = ("pointwise", "scatter", "view", "reduction", "iota", "gather"
 def _index_extent(plan: KernelPlan, buffers: set, xnumel, xblock, rnumel, rblock) -> int:
     """A bound (exclusive) on the index values the sizes let this kernel compute: the iteration
     space's positions (rounded up to whole blocks: the last block's masked lanes compute them
-    too) and the row-major positions of every node it computes at an index (a reshape's index
-    map goes through them) or stores (complex ones count real elements). Loaded buffers do not
-    count: their offsets depend on the strides, which the launch checks
-    (``runtime.program.KernelLaunch``); an index into one is below its dims' sizes."""
+    too), the row-major positions of every node it computes at an index (a reshape's index map
+    goes through them) or stores (complex ones count real elements), and the sizes of the dims
+    of the buffers it loads (a slice's index · step runs up to them). A loaded buffer's offsets
+    depend on its strides, which the launch checks (``runtime.program.KernelLaunch``)."""
     extent = max(-(-xnumel // xblock) * xblock, -(-rnumel // rblock) * rblock)
     roots, stack, seen = set(plan.roots), list(plan.roots), set()
     while stack:
@@ -583,11 +583,12 @@ def _index_extent(plan: KernelPlan, buffers: set, xnumel, xblock, rnumel, rblock
         if node in seen or not isinstance(node, fx.Node):
             continue
         seen.add(node)
-        loaded = (node in buffers and node not in roots) or kind_of(node) not in _COMPUTED_KINDS
-        if node in roots or not loaded:
-            extent = max(extent, numel(node.meta["shape"]) * (2 if node.meta["dtype"].is_complex else 1))
-        if not loaded:
-            stack.extend(arg for arg in node.args if isinstance(arg, fx.Node))
+        shape = node.meta["shape"]
+        if (node in buffers and node not in roots) or kind_of(node) not in _COMPUTED_KINDS:  # loaded
+            extent = max(extent, *shape, 1)
+            continue
+        extent = max(extent, numel(shape) * (2 if node.meta["dtype"].is_complex else 1))
+        stack.extend(arg for arg in node.args if isinstance(arg, fx.Node))
     return extent
 
 
