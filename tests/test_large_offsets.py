@@ -11,7 +11,9 @@ The storage is larger than 2**32 so that a wrapped offset still lands inside it:
 kernels read wrong values there instead of crashing.
 """
 
+import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -152,7 +154,7 @@ def test_kernels_whose_sizes_pass_2_31_compute_indices_in_64_bits():
     for build in (huge_pointwise, huge_sum, strided_slice_of_a_huge_dim):
         for k in kernels(build):
             assert k.wide_source is None, k.source
-            assert "tl.program_id(0).to(tl.int64)" in k.source or "range(0, 2147483655" in k.source, k.source
+            assert "tl.program_id(0).to(tl.int64)" in k.source, k.source
             assert all(v == "i64" for s, v in k.signature.items() if "_s" in s)
             assert "rindex" not in k.source or "tl.arange(0, RBLOCK).to(tl.int64)" in k.source, k.source
 
@@ -261,14 +263,12 @@ def hopper_ptx(sources: dict, tmp_path) -> dict:
     result = subprocess.run([sys.executable, "-c", PTX_SCRIPT, *paths], capture_output=True, text=True,
                             env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
-    import json
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def stride_products(ptx: str, name: str, param: int) -> set:
     """The multiply instructions (``mul.lo.s32``, ``mul.wide.s32``, ``mad.lo.s64``, ...) that take
     the kernel's parameter number ``param`` (a stride), or its widening, as an operand."""
-    import re
     regs = set(re.findall(rf"ld\.param\.[bus](?:32|64)\s+(%\w+),\s*\[{name}_param_{param}\]", ptx))
     assert regs, f"parameter {param} not found in the PTX"
     for line in ptx.splitlines():  # follow conversions: cvt.s64.s32 %rd, %r
