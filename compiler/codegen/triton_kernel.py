@@ -10,13 +10,13 @@ shared within a kernel by (node, index), so a fused chain is computed once per e
 Sizes are baked into the source (shapes are guarded), strides are arguments; the kernel's
 name is a hash of its body, so identical kernels are compiled once.
 
-Index width: offsets are computed in 32 bits unless an offset may pass 2**31 - 1 (Triton,
-like CUDA, multiplies two int32 values in int32 and wraps). What the sizes decide is decided
-here: a kernel whose iteration space, or any node it computes at an index (views over a
-large tensor included), or any output, spans 2**31 elements computes every index in int64.
-What the strides decide is left to the launch: every 32-bit kernel comes with a twin that
-multiplies strides in int64 (``KernelSource.wide_source``), which the launch picks when a
-tensor's strides reach that far (``runtime.program.KernelLaunch``).
+Index width: offsets are computed in 32 bits unless one may pass 2**31 - 1 (Triton, like
+CUDA, multiplies two int32 values in int32 and wraps). What the sizes decide is decided here
+(``_index_extent``): a kernel whose iteration space, any node it computes or stores, or any
+dim of a tensor it loads reaches 2**31 elements computes every index in int64. What the
+strides decide is left to the launch: every 32-bit kernel comes with a twin that multiplies
+its strides in int64 (``KernelSource.wide_source``), which the launch picks when a tensor's
+strides reach that far (``runtime.program.KernelLaunch``); other kernels pay nothing.
 """
 
 from __future__ import annotations
