@@ -1420,15 +1420,20 @@ def _reduce_loss(b, loss, reduction, count=None):
 
 
 def _picked(b, values, target, ignore_index):
-    """values[n, target[n], ...] along dim 1 as a one-hot masked sum; positions whose target
-    is ``ignore_index`` give 0. Returns (picked, valid mask as values' dtype)."""
+    """values[n, target[n], ...] along dim 1; positions whose target is ``ignore_index`` give
+    0. Returns (picked, valid mask as values' dtype).
+
+    NOTE: an inline gather reads one element per line: selecting with a one-hot mask would
+    read every class once more (for cross-entropy, a third pass over the logits). Its
+    gradient is a one-hot ``where`` that fuses into the kernel writing the input's gradient
+    (``catalog.Gather.vjp``). Ignored positions gather at class 0 (any valid class; the
+    value is discarded); other targets out of range raise eager's IndexError.
+    """
     shape = values.meta["shape"]
-    classes = C.emit_iota(b, shape, 1)
-    t = C.emit_view(b, "reshape", target, shape=shape[:1] + (1,) + shape[2:])
-    hit = C.emit_pointwise(b, "eq", [t, classes], dtype=torch.bool)
-    picked = C.emit_reduction(b, "sum", C.emit_pointwise(b, "where", [hit, values, 0.0],
-                                                          dtype=values.meta["dtype"]), (1,))
     valid = C.emit_pointwise(b, "ne", [target, ignore_index], dtype=torch.bool)
+    index = C.emit_pointwise(b, "where", [valid, target, 0], dtype=target.meta["dtype"], requires_grad=False)
+    index = C.emit_view(b, "reshape", index, shape=shape[:1] + (1,) + shape[2:])
+    picked = C.emit_view(b, "reshape", C.emit_gather(b, values, index, "gather", 1), shape=target.meta["shape"])
     return C.emit_pointwise(b, "where", [valid, picked, 0.0], dtype=values.meta["dtype"]), \
         C.emit_pointwise(b, "identity", [valid], dtype=values.meta["dtype"], requires_grad=False)
 

@@ -574,6 +574,8 @@ class Gather(OpDef):
         if not source.meta["requires_grad"]:
             return [None, None]
         p = node.kwargs
+        if _picks_one_per_line(node):
+            return [_one_hot_gradient(b, node, grad_out), None]
         return [b.call(EXTERNS["index_backward"], [grad_out, index],
                        {"mode": p["mode"], "dim": p["dim"], "shape": source.meta["shape"],
                         "padding_idx": p.get("padding_idx"), "wrap": p.get("wrap", False)},
@@ -594,6 +596,30 @@ class Gather(OpDef):
 
 
 GATHER = Gather("gather")
+
+
+def _picks_one_per_line(node) -> bool:
+    """A torch.gather that picks one element of each line along ``dim`` (cross-entropy's
+    target logit): its index has the source's shape with size 1 at ``dim``."""
+    source, index = node.args
+    ss, si, dim = source.meta["shape"], index.meta["shape"], node.kwargs["dim"]
+    return (node.kwargs["mode"] == "gather" and not node.kwargs.get("wrap") and len(ss) == len(si)
+            and si[dim] == 1 and all(a == b for d, (a, b) in enumerate(zip(ss, si)) if d != dim)
+            and not node.meta["dtype"].is_complex)
+
+
+def _one_hot_gradient(b, node, grad_out) -> fx.Node:
+    """The gradient of a one-per-line gather: grad_out where the position along ``dim`` is the
+    picked one, 0 elsewhere. Pointwise (a comparison of an iota with the index), so it fuses
+    into the kernel that consumes it; a scatter-add would write a zero tensor first and run
+    as a separate op."""
+    source, index = node.args
+    shape, dim = source.meta["shape"], node.kwargs["dim"]
+    positions = emit_iota(b, shape, dim, dtype=index.meta["dtype"])
+    hit = emit_pointwise(b, "eq", [positions, emit_view(b, "expand", index, shape=shape)], dtype=torch.bool)
+    spread = emit_view(b, "expand", grad_out, shape=shape)
+    return emit_pointwise(b, "where", [hit, spread, 0.0], dtype=grad_out.meta["dtype"],
+                          requires_grad=grad_out.meta["requires_grad"])
 
 
 def emit_gather(b, source, index, mode, dim, padding_idx=None, zero_padding=False, wrap=False) -> fx.Node:

@@ -1,0 +1,92 @@
+"""Graph-level passes that cut memory traffic: checked by bytes moved (``explain``, which builds
+kernels without running them) and by value parity with eager in the interpreter.
+
+* cross-entropy picks the target's logit with an inline gather, not a one-hot pass over all classes;
+* a linear's bias rides in the matmul (``addmm``), not in a pass of its own;
+* the backward of LayerNorm -> GELU -> Linear computes each forward value it needs once.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import compiler
+from tests.parity import check_parity
+
+
+def _phase_bytes(report, phase):
+    return sum(k.bytes_moved for k in report.kernels if k.phase == phase)
+
+
+# ----------------------------------------------------------------------------- cross-entropy
+# rows longer than one block (the large-vocabulary case: looped, not persistent, reductions)
+CE_ROWS, CE_CLASSES = 8, 5000
+
+
+def test_cross_entropy_reads_the_logits_at_most_twice_forward_and_once_backward():
+    x = torch.randn(CE_ROWS, CE_CLASSES, requires_grad=True)
+    target = torch.randint(0, CE_CLASSES, (CE_ROWS,))
+    report = compiler.explain(lambda x, t: F.cross_entropy(x, t), x, target)
+    assert report.fallbacks == []
+    logits = x.numel() * x.element_size()
+    small = 64 * CE_ROWS * 8    # per-row statistics, targets, the loss
+    # forward: the row max and the sum of exponentials (the target's logit is one gathered element a row)
+    assert _phase_bytes(report, "forward") <= 2 * logits + small
+    # backward: read the logits once, write their gradient once ((softmax - onehot) * grad)
+    assert _phase_bytes(report, "backward") <= 2 * logits + small
+
+
+def _ignored(t, value=-100):
+    return torch.where(torch.arange(len(t)) % 3 == 0, value, t)
+
+
+# (loss, targets made from random class indices)
+CE_CASES = {
+    "mean": (lambda x, t: F.cross_entropy(x, t), lambda t: t),
+    "sum": (lambda x, t: F.cross_entropy(x, t, reduction="sum"), lambda t: t),
+    "none": (lambda x, t: F.cross_entropy(x, t, reduction="none"), lambda t: t),
+    "ignore_index": (lambda x, t: F.cross_entropy(x, t), _ignored),
+    "ignore_index_custom": (lambda x, t: F.cross_entropy(x, t, ignore_index=3), lambda t: _ignored(t, 3)),
+    "ignore_index_none": (lambda x, t: F.cross_entropy(x, t, reduction="none"), _ignored),
+    "ignore_index_sum": (lambda x, t: F.cross_entropy(x, t, reduction="sum"), _ignored),
+    "nll_of_log_softmax": (lambda x, t: F.nll_loss(F.log_softmax(x, 1), t), _ignored),
+}
+
+
+@pytest.mark.parametrize("case", list(CE_CASES))
+def test_cross_entropy_matches_eager(case):
+    torch.manual_seed(0)
+    x = torch.randn(6, 11, dtype=torch.float64, requires_grad=True)
+    fn, make_target = CE_CASES[case]
+    target = make_target(torch.randint(0, 11, (6,)))
+    check_parity(lambda x: fn(x, target), [x], dtype=torch.float64)
+
+
+def test_cross_entropy_over_spatial_dims_matches_eager():
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 3, 4, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 5, (2, 3, 4))
+    target[0, 0, 0] = -100
+    check_parity(lambda x: F.cross_entropy(x, target), [x], dtype=torch.float64)
+
+
+def test_cross_entropy_target_out_of_range_raises_like_eager():
+    x = torch.randn(4, 5, requires_grad=True)
+    bad = torch.tensor([0, 1, 7, 2])
+    f = compiler.compile(lambda x, t: F.cross_entropy(x, t), backend="interpret")
+    f(x, torch.tensor([0, 1, 2, 3]))
+    f(x, torch.tensor([0, 1, 2, 3]))
+    with pytest.raises(IndexError):
+        f(x, bad)
+
+
+def test_gather_of_one_element_per_row_has_an_inline_gradient():
+    """torch.gather picking one element along a dim: its gradient is a one-hot where inside
+    the consuming kernel, not a scatter-add into a zero tensor run as a separate op."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 9, dtype=torch.float64, requires_grad=True)
+    index = torch.randint(0, 9, (5, 1))
+    fn = lambda x: (torch.gather(x.sin(), 1, index) * 3).sum()  # noqa: E731
+    report = compiler.explain(fn, x)
+    assert all("index_backward" not in str(n.target) for n in report.backward_graph.nodes)
+    check_parity(fn, [x], dtype=torch.float64)
