@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from compiler.ir import result_dtype
+from compiler.ir import compute_dtype, result_dtype
 from compiler.ops import catalog as C
 
 
@@ -931,6 +931,20 @@ def _max(b, x, *args, **kwargs):
     return _amax(b, x)
 
 
+def _statistic(b, name, x, dims, keepdim=True):
+    """A reduction that later ops (and the backward) read back: mean, variance, a softmax's
+    sum. NOTE: in float32 for half types, computed and stored, as eager keeps its
+    statistics (a bf16 mean or rstd, rounded, would renormalize every element with it)."""
+    return C.emit_reduction(b, name, x, dims, keepdim, dtype=compute_dtype(x.meta["dtype"]))
+
+
+def _cast(b, x, dtype):
+    """``x`` as ``dtype`` (a result computed in float32 from float32 statistics, rounded once)."""
+    if x.meta["dtype"] == dtype:
+        return x
+    return C.emit_pointwise(b, "identity", [x], dtype=dtype)
+
+
 def _detached(b, node):
     """The same value without a gradient path (the stabilizing shift of softmax/logsumexp)."""
     return C.emit_pointwise(b, "identity", [node], dtype=node.meta["dtype"], requires_grad=False)
@@ -960,7 +974,7 @@ def _softmax(b, x, dim=None, _stacklevel=3, dtype=None):
     x = _softmax_dtype(b, x, dtype)
     shifted, _ = _shifted(b, x, dim)
     e = _pointwise(b, "exp", [shifted])
-    return _pointwise(b, "div", [e, C.emit_reduction(b, "sum", e, (dim,), keepdim=True)])
+    return _cast(b, _pointwise(b, "div", [e, _statistic(b, "sum", e, (dim,))]), x.meta["dtype"])
 
 
 @binds(F.log_softmax, torch.log_softmax, _t("log_softmax"))
@@ -969,8 +983,8 @@ def _log_softmax(b, x, dim=None, _stacklevel=3, dtype=None):
         raise Unsupported("log_softmax without dim")
     x = _softmax_dtype(b, x, dtype)
     shifted, _ = _shifted(b, x, dim)
-    total = C.emit_reduction(b, "sum", _pointwise(b, "exp", [shifted]), (dim,), keepdim=True)
-    return _pointwise(b, "sub", [shifted, _pointwise(b, "log", [total])])
+    total = _statistic(b, "sum", _pointwise(b, "exp", [shifted]), (dim,))
+    return _cast(b, _pointwise(b, "sub", [shifted, _pointwise(b, "log", [total])]), x.meta["dtype"])
 
 
 @binds(torch.logsumexp, _t("logsumexp"))
@@ -980,8 +994,8 @@ def _logsumexp(b, x, dim, keepdim=False, *, out=None):
     if len(dims) != 1:
         raise Unsupported("logsumexp over several dims is not supported yet")
     shifted, m = _shifted(b, x, dims[0])
-    total = C.emit_reduction(b, "sum", _pointwise(b, "exp", [shifted]), dims, keepdim=True)
-    out = _pointwise(b, "add", [_pointwise(b, "log", [total]), m])
+    total = _statistic(b, "sum", _pointwise(b, "exp", [shifted]), dims)
+    out = _cast(b, _pointwise(b, "add", [_pointwise(b, "log", [total]), m]), x.meta["dtype"])
     return out if keepdim else C.emit_view(b, "reshape", out, shape=C.Reduction("sum").out_shape(
         x.meta["shape"], tuple(d % len(x.meta["shape"]) for d in dims), False))
 
@@ -998,15 +1012,23 @@ def _norm_dims(x, normalized_shape):
 @binds(F.layer_norm, torch.layer_norm)
 def _layer_norm(b, x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
     dims = _norm_dims(x, normalized_shape)
-    mean = C.emit_reduction(b, "mean", x, dims, keepdim=True)
-    centered = _pointwise(b, "sub", [x, mean])
-    var = C.emit_reduction(b, "mean", _pointwise(b, "mul", [centered, centered]), dims, keepdim=True)
-    out = _pointwise(b, "mul", [centered, _pointwise(b, "rsqrt", [_pointwise(b, "add", [var, float(eps)])])])
+    out = _normalized(b, x, dims, eps)
     if weight is not None:
         out = _pointwise(b, "mul", [out, weight])
     if bias is not None:
         out = _pointwise(b, "add", [out, bias])
-    return out
+    return _cast(b, out, x.meta["dtype"])
+
+
+def _normalized(b, x, dims, eps, stats=None):
+    """(x - mean) * rsqrt(var + eps) over ``dims``, with float32 statistics for half types;
+    ``stats``, when given, receives (mean, var)."""
+    mean = _statistic(b, "mean", x, dims)
+    centered = _pointwise(b, "sub", [x, mean])
+    var = _statistic(b, "mean", _pointwise(b, "mul", [centered, centered]), dims)
+    if stats is not None:
+        stats.extend([mean, var])
+    return _pointwise(b, "mul", [centered, _pointwise(b, "rsqrt", [_pointwise(b, "add", [var, float(eps)])])])
 
 
 def _interleave(b, x, dims_and_repeats):
@@ -1177,10 +1199,9 @@ def _batch_norm(b, input, running_mean, running_var, weight=None, bias=None, tra
         return C.emit_view(b, "reshape", t, shape=per_channel)
     writes = []
     if training or running_mean is None:
-        mean = C.emit_reduction(b, "mean", input, dims, keepdim=True)
-        centered = _pointwise(b, "sub", [input, mean])
-        var = C.emit_reduction(b, "mean", _pointwise(b, "mul", [centered, centered]), dims, keepdim=True)
-        out = _pointwise(b, "mul", [centered, _pointwise(b, "rsqrt", [_pointwise(b, "add", [var, float(eps)])])])
+        stats = []
+        out = _normalized(b, input, dims, eps, stats)
+        mean, var = stats
         if training and running_mean is not None:
             if momentum is None:
                 raise Unsupported("batch_norm with momentum=None (a cumulative average) is not supported yet")
@@ -1211,9 +1232,9 @@ if hasattr(F, "rms_norm"):
         dims = _norm_dims(x, normalized_shape)
         if eps is None:
             eps = torch.finfo(x.meta["dtype"]).eps
-        ms = C.emit_reduction(b, "mean", _pointwise(b, "mul", [x, x]), dims, keepdim=True)
+        ms = _statistic(b, "mean", _pointwise(b, "mul", [x, x]), dims)
         out = _pointwise(b, "mul", [x, _pointwise(b, "rsqrt", [_pointwise(b, "add", [ms, float(eps)])])])
-        return _pointwise(b, "mul", [out, weight]) if weight is not None else out
+        return _cast(b, _pointwise(b, "mul", [out, weight]) if weight is not None else out, x.meta["dtype"])
 
 
 # ----------------------------------------------------------------------------- statistics, norms, more losses
@@ -1349,17 +1370,13 @@ def _group_norm(b, input, num_groups, weight=None, bias=None, eps=1e-5):
     if len(shape) < 2 or shape[1] % num_groups:
         raise Unsupported("group_norm: channels must divide into the groups (eager raises)")
     grouped = C.emit_view(b, "reshape", input, shape=(shape[0], num_groups, C.numel(shape[1:]) // num_groups))
-    mean = C.emit_reduction(b, "mean", grouped, (2,), keepdim=True)
-    centered = _pointwise(b, "sub", [grouped, mean])
-    var = C.emit_reduction(b, "mean", _pointwise(b, "mul", [centered, centered]), (2,), keepdim=True)
-    out = _pointwise(b, "mul", [centered, _pointwise(b, "rsqrt", [_pointwise(b, "add", [var, float(eps)])])])
-    out = C.emit_view(b, "reshape", out, shape=shape)
+    out = C.emit_view(b, "reshape", _normalized(b, grouped, (2,), eps), shape=shape)
     per_channel = (shape[1],) + (1,) * (len(shape) - 2)
     if weight is not None:
         out = _pointwise(b, "mul", [out, C.emit_view(b, "reshape", weight, shape=per_channel)])
     if bias is not None:
         out = _pointwise(b, "add", [out, C.emit_view(b, "reshape", bias, shape=per_channel)])
-    return out
+    return _cast(b, out, input.meta["dtype"])
 
 
 @binds(F.pad)
