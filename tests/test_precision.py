@@ -86,3 +86,9 @@ def test_bf16_log_softmax_and_cross_entropy_as_accurate_as_eager():
     target = torch.randint(0, WIDTH, (8,))
     _check(lambda x: F.log_softmax(x, 1), [x], ["dx"])
     _check(lambda x: F.cross_entropy(x, target, reduction="none"), [x], ["dx"])
+
+
+def test_bf16_variance_as_accurate_as_eager():
+    x, _, _ = _inputs(ROWS, WIDTH)
+    _check(lambda x: torch.var(x, dim=1), [x], ["dx"])
+    _check(lambda x: torch.std_mean(x, dim=1, keepdim=True)[0], [x], ["dx"])

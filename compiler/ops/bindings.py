@@ -1249,10 +1249,11 @@ def _variance(b, x, dim, correction, keepdim):
         raise Unsupported("var/std of a non-floating tensor")
     dims = _dims(x, dim)
     count = C.numel([x.meta["shape"][d] for d in dims])
-    mean = C.emit_reduction(b, "mean", x, dims, keepdim=True)
+    mean = _statistic(b, "mean", x, dims)
     centered = _pointwise(b, "sub", [x, mean])
-    total = C.emit_reduction(b, "sum", _pointwise(b, "mul", [centered, centered]), dims, keepdim)
-    var = _pointwise(b, "div", [total, max(count - correction, 0.0)])
+    total = _statistic(b, "sum", _pointwise(b, "mul", [centered, centered]), dims, keepdim)
+    var = _cast(b, _pointwise(b, "div", [total, max(count - correction, 0.0)]), x.meta["dtype"])
+    mean = _cast(b, mean, x.meta["dtype"])
     return var, (mean if keepdim else C.emit_view(b, "reshape", mean, shape=var.meta["shape"]))
 
 
