@@ -90,3 +90,34 @@ def test_gather_of_one_element_per_row_has_an_inline_gradient():
     report = compiler.explain(fn, x)
     assert all("index_backward" not in str(n.target) for n in report.backward_graph.nodes)
     check_parity(fn, [x], dtype=torch.float64)
+
+
+# ----------------------------------------------------------------------------- linear with bias
+def _externs(graph):
+    return [n.target.name for n in graph.nodes if getattr(n.target, "kind", None) == "extern"]
+
+
+@pytest.mark.parametrize("batch", [(16,), (4, 5)], ids=["2d", "3d"])
+def test_linear_bias_is_added_by_the_matmul(batch):
+    """F.linear with a bias is one addmm (cuBLAS adds the bias in its epilogue): no kernel
+    reads the product again to add it. Its values are eager's own (eager calls addmm too)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 32)
+    x = torch.randn(*batch, 64, requires_grad=True)
+    report = compiler.explain(lambda x: lin(x), x)
+    assert report.fallbacks == []
+    assert _externs(report.graph) == ["addmm"]
+    assert report.forward_kernels == []
+    # backward: x's and the weight's gradients are matmuls; the bias's a column sum
+    assert len(report.backward_kernels) == 1
+    compiled = check_parity(lambda x: lin(x), [x], expect_kernels=False)
+    assert torch.equal(compiled(x), lin(x))
+
+
+def test_linear_bias_gradients_match_eager():
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, 6, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    check_parity(lambda x, w, bias: F.linear(x, w, bias).tanh(), [x, w, bias], dtype=torch.float64)
+    check_parity(lambda x, w, bias: F.linear(x, w, bias), [x, w, bias], dtype=torch.float64, expect_kernels=False)

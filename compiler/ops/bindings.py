@@ -709,6 +709,15 @@ def _contiguous(b, x, memory_format=torch.contiguous_format):
 
 @binds(F.linear)
 def _linear(b, x, weight, bias=None):
+    """x @ weight.T + bias. NOTE: with a 1-D bias, one addmm over the rows of x flattened to
+    2-D (as eager's linear does): the bias is added by the matmul, not by another pass."""
+    if isinstance(bias, fx.Node) and len(bias.meta["shape"]) == 1 and len(x.meta["shape"]) >= 2 and \
+            len(weight.meta["shape"]) == 2 and x.meta["dtype"] == weight.meta["dtype"] == bias.meta["dtype"] and \
+            x.meta["shape"][-1] == weight.meta["shape"][1] and bias.meta["shape"][0] == weight.meta["shape"][0]:
+        sx = x.meta["shape"]
+        rows = C.emit_view(b, "reshape", x, shape=(C.numel(sx[:-1]), sx[-1]))
+        out = C.emit_addmm(b, bias, rows, _t_(b, weight))
+        return C.emit_view(b, "reshape", out, shape=tuple(sx[:-1]) + (weight.meta["shape"][0],))
     out = _matmul_nodes(b, x, _t_(b, weight))
     if bias is not None:
         out = _pointwise(b, "add", [out, bias])

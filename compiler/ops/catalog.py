@@ -686,21 +686,34 @@ class MatMul(Extern):
     """mm and bmm (cuBLAS on GPU)."""
 
     def vjp(self, b, node, grad_out):
-        """grad_a = g @ w^H, grad_w = a^H @ g (the conjugate transpose; a plain one if real)."""
-        a, w = node.args
-        t = (1, 0) if self.name == "mm" else (0, 2, 1)
+        return _matmul_grads(b, self.name, *node.args, grad_out)
 
-        def adjoint(x):
-            x = emit_view(b, "permute", x, dims=t)
-            if x.meta["dtype"].is_complex:
-                x = emit_pointwise(b, "conj", [x], dtype=x.meta["dtype"], requires_grad=False)
-            return x
-        ga = gw = None
-        if a.meta["requires_grad"]:
-            ga = emit_extern(b, self.name, grad_out, adjoint(w))
-        if w.meta["requires_grad"]:
-            gw = emit_extern(b, self.name, adjoint(a), grad_out)
-        return [ga, gw]
+
+def _matmul_grads(b, name, a, w, grad_out):
+    """grad_a = g @ w^H, grad_w = a^H @ g (the conjugate transpose; a plain one if real)."""
+    t = (1, 0) if name == "mm" else (0, 2, 1)
+
+    def adjoint(x):
+        x = emit_view(b, "permute", x, dims=t)
+        if x.meta["dtype"].is_complex:
+            x = emit_pointwise(b, "conj", [x], dtype=x.meta["dtype"], requires_grad=False)
+        return x
+    ga = gw = None
+    if a.meta["requires_grad"]:
+        ga = emit_extern(b, name, grad_out, adjoint(w))
+    if w.meta["requires_grad"]:
+        gw = emit_extern(b, name, adjoint(a), grad_out)
+    return [ga, gw]
+
+
+class AddMM(Extern):
+    """bias + a @ w in one call: a linear's bias added in the matmul's epilogue (cuBLAS)
+    rather than by a pass of its own over the product. Gradients: mm's for a and w; the
+    bias's is grad_out, summed over the rows it was broadcast to (``sum_to_shape``)."""
+
+    def vjp(self, b, node, grad_out):
+        bias, a, w = node.args
+        return [grad_out] + _matmul_grads(b, "mm", a, w, grad_out)
 
 
 class IndexBackward(Extern):
@@ -739,7 +752,8 @@ class ConvolutionBackward(Extern):
                                   "(create_graph=True through conv1d/conv2d/conv3d)")
 
 
-EXTERNS = {"mm": MatMul("mm"), "bmm": MatMul("bmm"), "index_backward": IndexBackward("index_backward"),
+EXTERNS = {"mm": MatMul("mm"), "bmm": MatMul("bmm"), "addmm": AddMM("addmm"),
+           "index_backward": IndexBackward("index_backward"),
            "conv": Convolution("conv"), "conv_backward": ConvolutionBackward("conv_backward")}
 
 
@@ -755,6 +769,13 @@ def emit_extern(b, name, a, w) -> fx.Node:
     dtype = torch.promote_types(a.meta["dtype"], w.meta["dtype"])
     return b.call(EXTERNS[name], [a, w], shape=shape, dtype=dtype,
                   requires_grad=a.meta["requires_grad"] or w.meta["requires_grad"])
+
+
+def emit_addmm(b, bias, a, w) -> fx.Node:
+    """bias + a @ w for 2-D ``a`` and ``w`` and a bias that broadcasts to the product."""
+    return b.call(EXTERNS["addmm"], [bias, a, w], shape=(a.meta["shape"][0], w.meta["shape"][1]),
+                  dtype=torch.promote_types(a.meta["dtype"], w.meta["dtype"]),
+                  requires_grad=any(x.meta["requires_grad"] for x in (bias, a, w)))
 
 
 def vjp(b: GraphBuilder, node: fx.Node, grad_out: fx.Node):
