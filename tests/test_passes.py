@@ -121,3 +121,26 @@ def test_linear_bias_gradients_match_eager():
     bias = torch.randn(5, dtype=torch.float64, requires_grad=True)
     check_parity(lambda x, w, bias: F.linear(x, w, bias).tanh(), [x, w, bias], dtype=torch.float64)
     check_parity(lambda x, w, bias: F.linear(x, w, bias), [x, w, bias], dtype=torch.float64, expect_kernels=False)
+
+
+# ----------------------------------------------------------------------------- LayerNorm -> GELU -> Linear
+def _block(width):
+    torch.manual_seed(0)
+    norm, linear = torch.nn.LayerNorm(width), torch.nn.Linear(width, width)
+    return lambda x: linear(F.gelu(norm(x)))
+
+
+def test_layer_norm_gelu_linear_backward_reads_the_saved_gelu_output():
+    """The GELU output is the matmul's operand: the forward writes it anyway, so the backward
+    reads it for the weight's gradient instead of computing the normalization and the GELU
+    again and writing it a second time."""
+    rows, width = 64, 128
+    x = torch.randn(rows, width, requires_grad=True)
+    report = compiler.explain(_block(width), x)
+    assert report.fallbacks == []
+    activation = x.numel() * x.element_size()
+    small = 16 * width * 4 + 16 * rows * 4  # parameters, their gradients, row statistics
+    # dx (rows): read x and the GELU output's gradient, write dx; dgamma, dbeta, dbias (columns):
+    # read x, the GELU output's gradient and the output's gradient
+    assert _phase_bytes(report, "backward") <= 6 * activation + small
+    check_parity(_block(width), [torch.randn(8, width, requires_grad=True)], tol=dict(rtol=1e-4, atol=1e-5))
