@@ -32,8 +32,9 @@ def test_cross_entropy_reads_the_logits_at_most_twice_forward_and_once_backward(
     small = 64 * CE_ROWS * 8    # per-row statistics, targets, the loss
     # forward: the row max and the sum of exponentials (the target's logit is one gathered element a row)
     assert _phase_bytes(report, "forward") <= 2 * logits + small
-    # backward: read the logits once, write their gradient once ((softmax - onehot) * grad)
+    # backward: one kernel reads the logits once and writes their gradient, (softmax - onehot) * grad
     assert _phase_bytes(report, "backward") <= 2 * logits + small
+    assert len(report.backward_kernels) == 1
 
 
 def _ignored(t, value=-100):
