@@ -51,7 +51,21 @@ CE_CASES = {
     "ignore_index_none": (lambda x, t: F.cross_entropy(x, t, reduction="none"), _ignored),
     "ignore_index_sum": (lambda x, t: F.cross_entropy(x, t, reduction="sum"), _ignored),
     "nll_of_log_softmax": (lambda x, t: F.nll_loss(F.log_softmax(x, 1), t), _ignored),
+    "nll_weighted": (lambda x, t: F.nll_loss(F.log_softmax(x, 1), t, weight=WEIGHT), _ignored),
+    "nll_weighted_sum": (lambda x, t: F.nll_loss(x, t, weight=WEIGHT, reduction="sum"), _ignored),
+    "weighted": (lambda x, t: F.cross_entropy(x, t, weight=WEIGHT), _ignored),
+    "weighted_none": (lambda x, t: F.cross_entropy(x, t, weight=WEIGHT, reduction="none"), _ignored),
+    "smoothing": (lambda x, t: F.cross_entropy(x, t, label_smoothing=0.1), _ignored),
+    "smoothing_sum": (lambda x, t: F.cross_entropy(x, t, label_smoothing=0.2, reduction="sum"), _ignored),
+    "smoothing_none": (lambda x, t: F.cross_entropy(x, t, label_smoothing=0.2, reduction="none"), _ignored),
+    "smoothing_weighted": (lambda x, t: F.cross_entropy(x, t, weight=WEIGHT, label_smoothing=0.3), _ignored),
+    "smoothing_weighted_none": (lambda x, t: F.cross_entropy(x, t, weight=WEIGHT, label_smoothing=0.3,
+                                                             reduction="none"), _ignored),
+    "probabilities": (lambda x, p: F.cross_entropy(x, p), "probabilities"),
+    "probabilities_smoothing_weighted": (lambda x, p: F.cross_entropy(x, p, weight=WEIGHT, label_smoothing=0.2,
+                                                                      reduction="sum"), "probabilities"),
 }
+WEIGHT = torch.rand(11, dtype=torch.float64) + 0.5
 
 
 @pytest.mark.parametrize("case", list(CE_CASES))
@@ -59,7 +73,10 @@ def test_cross_entropy_matches_eager(case):
     torch.manual_seed(0)
     x = torch.randn(6, 11, dtype=torch.float64, requires_grad=True)
     fn, make_target = CE_CASES[case]
-    target = make_target(torch.randint(0, 11, (6,)))
+    if make_target == "probabilities":
+        target = torch.rand(6, 11, dtype=torch.float64).softmax(1)
+    else:
+        target = make_target(torch.randint(0, 11, (6,)))
     check_parity(lambda x: fn(x, target), [x], dtype=torch.float64)
 
 
@@ -69,6 +86,19 @@ def test_cross_entropy_over_spatial_dims_matches_eager():
     target = torch.randint(0, 5, (2, 3, 4))
     target[0, 0, 0] = -100
     check_parity(lambda x: F.cross_entropy(x, target), [x], dtype=torch.float64)
+    weight = torch.rand(5, dtype=torch.float64)
+    check_parity(lambda x: F.cross_entropy(x, target, weight=weight, label_smoothing=0.1), [x], dtype=torch.float64)
+
+
+def test_cross_entropy_with_label_smoothing_still_reads_the_logits_twice():
+    x = torch.randn(CE_ROWS, CE_CLASSES, requires_grad=True)
+    target = torch.randint(0, CE_CLASSES, (CE_ROWS,))
+    weight = torch.rand(CE_CLASSES)
+    report = compiler.explain(lambda x, t: F.cross_entropy(x, t, weight=weight, label_smoothing=0.1), x, target)
+    assert report.fallbacks == []
+    logits, small = x.numel() * x.element_size(), 64 * CE_ROWS * 8 + 2 * weight.numel() * 4
+    assert _phase_bytes(report, "forward") <= 2 * logits + small
+    assert _phase_bytes(report, "backward") <= 2 * logits + small
 
 
 def test_cross_entropy_target_out_of_range_raises_like_eager():

@@ -1446,66 +1446,6 @@ def _reduce_loss(b, loss, reduction, count=None):
     return _pointwise(b, "div", [total, count])
 
 
-def _picked(b, values, target, ignore_index, keepdim=False):
-    """values[n, target[n], ...] along dim 1 (``keepdim``: with that dim kept, size 1), and
-    whether each target is not ``ignore_index`` (bool).
-
-    NOTE: an inline gather reads one element per line: selecting with a one-hot mask would
-    read every class once more (for cross-entropy, a third pass over the logits). Its
-    gradient is a one-hot ``where`` that fuses into the kernel writing the input's gradient
-    (``catalog.Gather.vjp``). Ignored positions gather at class 0 (any valid class; callers
-    discard the value); other targets out of range raise eager's IndexError.
-    """
-    shape = values.meta["shape"]
-    valid = C.emit_pointwise(b, "ne", [target, ignore_index], dtype=torch.bool)
-    index = C.emit_pointwise(b, "where", [valid, target, 0], dtype=target.meta["dtype"], requires_grad=False)
-    index = C.emit_view(b, "reshape", index, shape=shape[:1] + (1,) + shape[2:])
-    picked = C.emit_gather(b, values, index, "gather", 1)
-    return (picked if keepdim else C.emit_view(b, "reshape", picked, shape=target.meta["shape"])), valid
-
-
-@binds(F.nll_loss)
-def _nll_loss(b, x, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean"):
-    if weight is not None or size_average is not None or reduce is not None:
-        raise Unsupported("nll_loss with class weights or legacy arguments")
-    if len(x.meta["shape"]) < 2 or target.meta["dtype"].is_floating_point:
-        raise Unsupported("nll_loss needs (N, C, ...) log-probabilities and class-index targets")
-    picked, valid = _picked(b, x, target, ignore_index)
-    loss = C.emit_pointwise(b, "where", [valid, _pointwise(b, "neg", [picked]), 0.0], dtype=x.meta["dtype"])
-    count = None
-    if reduction == "mean":
-        count = C.emit_reduction(b, "sum", _cast(b, valid, x.meta["dtype"]), tuple(range(len(valid.meta["shape"]))))
-    return _reduce_loss(b, loss, reduction, count)
-
-
-@binds(F.cross_entropy)
-def _cross_entropy(b, x, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
-                   reduction="mean", label_smoothing=0.0):
-    if weight is not None or size_average is not None or reduce is not None or label_smoothing:
-        raise Unsupported("cross_entropy with class weights, label smoothing or legacy arguments")
-    if len(x.meta["shape"]) < 2:
-        raise Unsupported("cross_entropy of an unbatched input")
-    if target.meta["dtype"].is_floating_point:  # class probabilities
-        log_probs = _log_softmax(b, x, 1)
-        loss = _pointwise(b, "neg", [C.emit_reduction(b, "sum", _pointwise(b, "mul", [log_probs, target]), (1,))])
-        return _reduce_loss(b, loss, reduction)
-    if target.meta["dtype"].is_complex or len(target.meta["shape"]) != len(x.meta["shape"]) - 1:
-        raise Unsupported("cross_entropy needs (N, C, ...) logits and (N, ...) class indices")
-    # NOTE: -log_softmax(x)[t] written as log(sum(exp(x - max))) - (x[t] - max): the same value
-    # (eager's (x[t] - max) - log(sum), negated), and its gradient (softmax - onehot) * grad
-    # needs no sum over the classes of the one-hot part. The target's logit is gathered.
-    shifted, _ = _shifted(b, x, 1)
-    log_total = _pointwise(b, "log", [_statistic(b, "sum", _pointwise(b, "exp", [shifted]), (1,))])
-    picked, valid = _picked(b, shifted, target, ignore_index, keepdim=True)
-    loss = _pointwise(b, "sub", [log_total, picked])
-    loss = C.emit_view(b, "reshape", loss, shape=target.meta["shape"])
-    loss = _cast(b, C.emit_pointwise(b, "where", [valid, loss, 0.0], dtype=loss.meta["dtype"]), x.meta["dtype"])
-    count = None
-    if reduction == "mean":
-        count = C.emit_reduction(b, "sum", _cast(b, valid, x.meta["dtype"]), tuple(range(len(valid.meta["shape"]))))
-    return _reduce_loss(b, loss, reduction, count)
-
-
 @binds(torch.clamp, _t("clamp"), torch.clip, _t("clip"))
 def _clamp(b, x, min=None, max=None, *, out=None):
     _no_out({"out": out})
@@ -1645,3 +1585,7 @@ def _scaled_dot_product_attention(b, query, key, value, attn_mask=None, dropout_
 
 binds(torch.tril, _t("tril"))(_triangle(True))
 binds(torch.triu, _t("triu"))(_triangle(False))
+
+
+# the loss bindings that pick by class index live in their own module (it registers them)
+from compiler.ops import cross_entropy  # noqa: E402,F401
