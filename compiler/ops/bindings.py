@@ -1034,7 +1034,15 @@ def _normalized(b, x, dims, eps, stats=None):
     ``stats``, when given, receives (mean, var)."""
     mean = _statistic(b, "mean", x, dims)
     centered = _pointwise(b, "sub", [x, mean])
-    var = _statistic(b, "mean", _pointwise(b, "mul", [centered, centered]), dims)
+    # NOTE: the variance about a constant shift c, E[(x - c)^2] - (E[x] - c)^2, exact for any c,
+    # with c = the mean held constant: the second term is 0 in value, and the first and second
+    # derivatives are the variance's own. The gradient then needs two independent sums per
+    # row (one pass when a row spans several blocks), not a sum that reads the other's result.
+    shift = _detached(b, mean)
+    about_shift = _pointwise(b, "sub", [x, shift])
+    offset = _pointwise(b, "sub", [mean, shift])
+    var = _pointwise(b, "sub", [_statistic(b, "mean", _pointwise(b, "mul", [about_shift, about_shift]), dims),
+                                _pointwise(b, "mul", [offset, offset])])
     if stats is not None:
         stats.extend([mean, var])
     return _pointwise(b, "mul", [centered, _pointwise(b, "rsqrt", [_pointwise(b, "add", [var, float(eps)])])])
