@@ -219,3 +219,15 @@ def test_layer_norm_second_derivatives_match_eager():
     c = compiler.compile(lambda x, w: F.layer_norm(x, (6,), w) * x, backend="interpret")
     c(x, w)
     assert torch.autograd.gradgradcheck(c, (x, w))
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"beta": 0.5, "alpha": 2.0}], ids=["plain", "scaled"])
+def test_addmm_matches_eager(kwargs):
+    """torch.addmm as GPT-2's Conv1D calls it: bias + x @ weight."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    check_parity(lambda x, w, bias: torch.addmm(bias, x, w, **kwargs).sin(), [x, w, bias], dtype=torch.float64)
+    if not kwargs:
+        assert _externs(compiler.explain(lambda x, w, bias: torch.addmm(bias, x, w), x, w, bias).graph) == ["addmm"]

@@ -724,6 +724,25 @@ def _linear(b, x, weight, bias=None):
     return out
 
 
+@binds(torch.addmm, _t("addmm"))
+def _addmm(b, input, mat1, mat2, *, beta=1, alpha=1, out=None):
+    """beta * input + alpha * (mat1 @ mat2) (GPT-2's Conv1D layers call it with a bias)."""
+    _no_out({"out": out})
+    if not all(isinstance(t, fx.Node) for t in (input, mat1, mat2)) or \
+            len(mat1.meta["shape"]) != 2 or len(mat2.meta["shape"]) != 2:
+        raise Unsupported("addmm needs a tensor input and 2-D matrices (eager raises)")
+    if beta == 1 and alpha == 1 and input.meta["dtype"] == mat1.meta["dtype"] == mat2.meta["dtype"] and \
+            tuple(torch.broadcast_shapes(input.meta["shape"], (mat1.meta["shape"][0], mat2.meta["shape"][1]))) == \
+            (mat1.meta["shape"][0], mat2.meta["shape"][1]):
+        return C.emit_addmm(b, input, mat1, mat2)
+    product = _matmul_nodes(b, mat1, mat2)
+    if alpha != 1:
+        product = _pointwise(b, "mul", [product, alpha])
+    if beta == 0:  # eager ignores input then (even NaN in it)
+        return product
+    return _pointwise(b, "add", [product, input if beta == 1 else _pointwise(b, "mul", [input, beta])])
+
+
 @binds(F.mse_loss)
 def _mse_loss(b, x, target, size_average=None, reduce=None, reduction="mean", weight=None):
     if size_average is not None or reduce is not None or weight is not None:
