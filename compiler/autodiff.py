@@ -9,7 +9,8 @@ the backward program.
 NOTE (memory): forward values that backward needs are recomputed inside the backward
 kernels when they are cheap pointwise/view chains of saved values, and saved otherwise —
 the policy of AOTAutograd's min-cut partitioner, in its simplest form. A fused elementwise
-chain then saves only its inputs.
+chain then saves only its inputs. A pointwise value the forward writes to memory anyway (a
+matmul's operand) is saved: recomputing it would cost a second write, and eager keeps it too.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def partition(graph: fx.Graph, mutated_inputs=frozenset()) -> Partitioned:
             saved_placeholders.append(p)
             env[node] = p
         elif node.op == "placeholder" or node in user_outputs or kind in ("reduction", "extern") or \
-                _reaches(node, overwritten):
+                _reaches(node, overwritten) or _written_by_forward(node):
             saved_nodes.append(node)
             p = backward.placeholder(f"saved_{node.name}")
             p.meta.update(node.meta)
@@ -210,6 +211,22 @@ def propagate_requires_grad(graph: fx.Graph, placeholder_flags) -> None:
                 (dtype.is_floating_point or dtype.is_complex) and name not in C.BOOL_RESULT_OPS
                 and name != "fill"
                 and any(isinstance(a, fx.Node) and a.meta["requires_grad"] for a in node.args))
+
+
+def _written_by_forward(node) -> bool:
+    """Whether the forward stores ``node`` in memory anyway: a matmul's operand (or an index a
+    gather reads), through views. Backward then reads it rather than computing it again and
+    writing it a second time (a GELU output that a linear layer's weight gradient needs)."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        for user in n.users:
+            kind = getattr(user.target, "kind", None)
+            if kind == "extern" or (kind == "gather" and user.args[1] is n):
+                return True
+            if kind == "view":
+                stack.append(user)
+    return False
 
 
 def _reaches(node, targets) -> bool:

@@ -157,6 +157,7 @@ def _conv_backward(grad, x, weight, *, which, stride, padding, dilation, groups)
 # the compiler's catalog and its reference executor use this same table.
 EXTERN_KERNELS = {
     "mm": torch.mm,
+    "addmm": torch.addmm,  # bias + a @ w: the bias added in cuBLAS's epilogue
     "bmm": torch.bmm,
     "index_backward": _index_backward,
     "conv": _conv,

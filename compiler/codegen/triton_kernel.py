@@ -88,6 +88,10 @@ class KernelWriter:
         self.reductions: dict = {}   # persistent kernels: reduction root -> its row value
         self.persistent = False
         self.base_index: tuple = ()
+        # bytes_moved: a buffer read only through gathers counts the elements gathered
+        self.gathering: list = []        # element counts of the gathers being computed
+        self.gathered_reads: dict = {}   # buffer -> elements read at gathered positions
+        self.full_reads: set = set()     # buffers read at the kernel's own positions
 
     # -- helpers -----------------------------------------------------------------------
     def tmp(self, text: str) -> str:
@@ -100,6 +104,10 @@ class KernelWriter:
         """The element of buffer ``node`` at ``index``; complex: (real, imag) of it."""
         if node not in self.load_args:
             self.load_args[node] = f"in{len(self.load_args)}"
+        if self.gathering:
+            self.gathered_reads[node] = self.gathered_reads.get(node, 0) + self.gathering[-1]
+        else:
+            self.full_reads.add(node)
         arg = self.load_args[node]
         dtype = node.meta["dtype"]
         terms = [f"({idx}) * {arg}_s{d}" for d, (idx, size) in enumerate(zip(index, node.meta["shape"]))
@@ -219,7 +227,9 @@ class KernelWriter:
         # indices on the host and raises eager's error (``runtime.program.IndexCheck``).
         i = self.tmp(f"tl.minimum(tl.maximum({i}, 0), {size - 1})")
         source_at[dim] = i
+        self.gathering.append(numel(node.meta["shape"]))
         value, dtype = self.value(source, tuple(source_at))
+        self.gathering.pop()
         if node.kwargs.get("zero_padding"):
             hit = f"{i} == {node.kwargs['padding_idx']}"
             if dtype.is_complex:
@@ -504,7 +514,10 @@ class KernelWriter:
             if strides:
                 wide_name, wide_source, _ = self.module(widen + src, stores, xblock, rblock, "i64")
         grid = -(-xnumel // xblock)
-        moved = sum(numel(n.meta["shape"]) * n.meta["dtype"].itemsize for n in loads + stores)
+        read = {n: numel(n.meta["shape"]) if n in self.full_reads else
+                min(numel(n.meta["shape"]), self.gathered_reads[n]) for n in loads}
+        moved = sum(read[n] * n.meta["dtype"].itemsize for n in loads)
+        moved += sum(numel(n.meta["shape"]) * n.meta["dtype"].itemsize for n in stores)
         return KernelSource(name, source, loads, stores, grid, signature, moved, wide_name, wide_source)
 
     def module(self, src, stores, xblock, rblock, stride_type):

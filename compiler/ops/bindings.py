@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from compiler.ir import result_dtype
+from compiler.ir import compute_dtype, result_dtype
 from compiler.ops import catalog as C
 
 
@@ -709,10 +709,38 @@ def _contiguous(b, x, memory_format=torch.contiguous_format):
 
 @binds(F.linear)
 def _linear(b, x, weight, bias=None):
+    """x @ weight.T + bias. NOTE: with a 1-D bias, one addmm over the rows of x flattened to
+    2-D (as eager's linear does): the bias is added by the matmul, not by another pass."""
+    if isinstance(bias, fx.Node) and len(bias.meta["shape"]) == 1 and len(x.meta["shape"]) >= 2 and \
+            len(weight.meta["shape"]) == 2 and x.meta["dtype"] == weight.meta["dtype"] == bias.meta["dtype"] and \
+            x.meta["shape"][-1] == weight.meta["shape"][1] and bias.meta["shape"][0] == weight.meta["shape"][0]:
+        sx = x.meta["shape"]
+        rows = C.emit_view(b, "reshape", x, shape=(C.numel(sx[:-1]), sx[-1]))
+        out = C.emit_addmm(b, bias, rows, _t_(b, weight))
+        return C.emit_view(b, "reshape", out, shape=tuple(sx[:-1]) + (weight.meta["shape"][0],))
     out = _matmul_nodes(b, x, _t_(b, weight))
     if bias is not None:
         out = _pointwise(b, "add", [out, bias])
     return out
+
+
+@binds(torch.addmm, _t("addmm"))
+def _addmm(b, input, mat1, mat2, *, beta=1, alpha=1, out=None):
+    """beta * input + alpha * (mat1 @ mat2) (GPT-2's Conv1D layers call it with a bias)."""
+    _no_out({"out": out})
+    if not all(isinstance(t, fx.Node) for t in (input, mat1, mat2)) or \
+            len(mat1.meta["shape"]) != 2 or len(mat2.meta["shape"]) != 2:
+        raise Unsupported("addmm needs a tensor input and 2-D matrices (eager raises)")
+    if beta == 1 and alpha == 1 and input.meta["dtype"] == mat1.meta["dtype"] == mat2.meta["dtype"] and \
+            tuple(torch.broadcast_shapes(input.meta["shape"], (mat1.meta["shape"][0], mat2.meta["shape"][1]))) == \
+            (mat1.meta["shape"][0], mat2.meta["shape"][1]):
+        return C.emit_addmm(b, input, mat1, mat2)
+    product = _matmul_nodes(b, mat1, mat2)
+    if alpha != 1:
+        product = _pointwise(b, "mul", [product, alpha])
+    if beta == 0:  # eager ignores input then (even NaN in it)
+        return product
+    return _pointwise(b, "add", [product, input if beta == 1 else _pointwise(b, "mul", [input, beta])])
 
 
 @binds(F.mse_loss)
@@ -931,6 +959,20 @@ def _max(b, x, *args, **kwargs):
     return _amax(b, x)
 
 
+def _statistic(b, name, x, dims, keepdim=True):
+    """A reduction that later ops (and the backward) read back: mean, variance, a softmax's
+    sum. NOTE: in float32 for half types, computed and stored, as eager keeps its
+    statistics (a bf16 mean or rstd, rounded, would renormalize every element with it)."""
+    return C.emit_reduction(b, name, x, dims, keepdim, dtype=compute_dtype(x.meta["dtype"]))
+
+
+def _cast(b, x, dtype):
+    """``x`` as ``dtype`` (a result computed in float32 from float32 statistics, rounded once)."""
+    if x.meta["dtype"] == dtype:
+        return x
+    return C.emit_pointwise(b, "identity", [x], dtype=dtype)
+
+
 def _detached(b, node):
     """The same value without a gradient path (the stabilizing shift of softmax/logsumexp)."""
     return C.emit_pointwise(b, "identity", [node], dtype=node.meta["dtype"], requires_grad=False)
@@ -960,7 +1002,7 @@ def _softmax(b, x, dim=None, _stacklevel=3, dtype=None):
     x = _softmax_dtype(b, x, dtype)
     shifted, _ = _shifted(b, x, dim)
     e = _pointwise(b, "exp", [shifted])
-    return _pointwise(b, "div", [e, C.emit_reduction(b, "sum", e, (dim,), keepdim=True)])
+    return _cast(b, _pointwise(b, "div", [e, _statistic(b, "sum", e, (dim,))]), x.meta["dtype"])
 
 
 @binds(F.log_softmax, torch.log_softmax, _t("log_softmax"))
@@ -969,8 +1011,8 @@ def _log_softmax(b, x, dim=None, _stacklevel=3, dtype=None):
         raise Unsupported("log_softmax without dim")
     x = _softmax_dtype(b, x, dtype)
     shifted, _ = _shifted(b, x, dim)
-    total = C.emit_reduction(b, "sum", _pointwise(b, "exp", [shifted]), (dim,), keepdim=True)
-    return _pointwise(b, "sub", [shifted, _pointwise(b, "log", [total])])
+    total = _statistic(b, "sum", _pointwise(b, "exp", [shifted]), (dim,))
+    return _cast(b, _pointwise(b, "sub", [shifted, _pointwise(b, "log", [total])]), x.meta["dtype"])
 
 
 @binds(torch.logsumexp, _t("logsumexp"))
@@ -980,8 +1022,8 @@ def _logsumexp(b, x, dim, keepdim=False, *, out=None):
     if len(dims) != 1:
         raise Unsupported("logsumexp over several dims is not supported yet")
     shifted, m = _shifted(b, x, dims[0])
-    total = C.emit_reduction(b, "sum", _pointwise(b, "exp", [shifted]), dims, keepdim=True)
-    out = _pointwise(b, "add", [_pointwise(b, "log", [total]), m])
+    total = _statistic(b, "sum", _pointwise(b, "exp", [shifted]), dims)
+    out = _cast(b, _pointwise(b, "add", [_pointwise(b, "log", [total]), m]), x.meta["dtype"])
     return out if keepdim else C.emit_view(b, "reshape", out, shape=C.Reduction("sum").out_shape(
         x.meta["shape"], tuple(d % len(x.meta["shape"]) for d in dims), False))
 
@@ -998,15 +1040,31 @@ def _norm_dims(x, normalized_shape):
 @binds(F.layer_norm, torch.layer_norm)
 def _layer_norm(b, x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
     dims = _norm_dims(x, normalized_shape)
-    mean = C.emit_reduction(b, "mean", x, dims, keepdim=True)
-    centered = _pointwise(b, "sub", [x, mean])
-    var = C.emit_reduction(b, "mean", _pointwise(b, "mul", [centered, centered]), dims, keepdim=True)
-    out = _pointwise(b, "mul", [centered, _pointwise(b, "rsqrt", [_pointwise(b, "add", [var, float(eps)])])])
+    out = _normalized(b, x, dims, eps)
     if weight is not None:
         out = _pointwise(b, "mul", [out, weight])
     if bias is not None:
         out = _pointwise(b, "add", [out, bias])
-    return out
+    return _cast(b, out, x.meta["dtype"])
+
+
+def _normalized(b, x, dims, eps, stats=None):
+    """(x - mean) * rsqrt(var + eps) over ``dims``, with float32 statistics for half types;
+    ``stats``, when given, receives (mean, var)."""
+    mean = _statistic(b, "mean", x, dims)
+    centered = _pointwise(b, "sub", [x, mean])
+    # NOTE: the variance about a constant shift c, E[(x - c)^2] - (E[x] - c)^2, exact for any c,
+    # with c = the mean held constant: the second term is 0 in value, and the first and second
+    # derivatives are the variance's own. The gradient then needs two independent sums per
+    # row (one pass when a row spans several blocks), not a sum that reads the other's result.
+    shift = _detached(b, mean)
+    about_shift = _pointwise(b, "sub", [x, shift])
+    offset = _pointwise(b, "sub", [mean, shift])
+    var = _pointwise(b, "sub", [_statistic(b, "mean", _pointwise(b, "mul", [about_shift, about_shift]), dims),
+                                _pointwise(b, "mul", [offset, offset])])
+    if stats is not None:
+        stats.extend([mean, var])
+    return _pointwise(b, "mul", [centered, _pointwise(b, "rsqrt", [_pointwise(b, "add", [var, float(eps)])])])
 
 
 def _interleave(b, x, dims_and_repeats):
@@ -1177,10 +1235,9 @@ def _batch_norm(b, input, running_mean, running_var, weight=None, bias=None, tra
         return C.emit_view(b, "reshape", t, shape=per_channel)
     writes = []
     if training or running_mean is None:
-        mean = C.emit_reduction(b, "mean", input, dims, keepdim=True)
-        centered = _pointwise(b, "sub", [input, mean])
-        var = C.emit_reduction(b, "mean", _pointwise(b, "mul", [centered, centered]), dims, keepdim=True)
-        out = _pointwise(b, "mul", [centered, _pointwise(b, "rsqrt", [_pointwise(b, "add", [var, float(eps)])])])
+        stats = []
+        out = _normalized(b, input, dims, eps, stats)
+        mean, var = stats
         if training and running_mean is not None:
             if momentum is None:
                 raise Unsupported("batch_norm with momentum=None (a cumulative average) is not supported yet")
@@ -1211,9 +1268,9 @@ if hasattr(F, "rms_norm"):
         dims = _norm_dims(x, normalized_shape)
         if eps is None:
             eps = torch.finfo(x.meta["dtype"]).eps
-        ms = C.emit_reduction(b, "mean", _pointwise(b, "mul", [x, x]), dims, keepdim=True)
+        ms = _statistic(b, "mean", _pointwise(b, "mul", [x, x]), dims)
         out = _pointwise(b, "mul", [x, _pointwise(b, "rsqrt", [_pointwise(b, "add", [ms, float(eps)])])])
-        return _pointwise(b, "mul", [out, weight]) if weight is not None else out
+        return _cast(b, _pointwise(b, "mul", [out, weight]) if weight is not None else out, x.meta["dtype"])
 
 
 # ----------------------------------------------------------------------------- statistics, norms, more losses
@@ -1228,10 +1285,11 @@ def _variance(b, x, dim, correction, keepdim):
         raise Unsupported("var/std of a non-floating tensor")
     dims = _dims(x, dim)
     count = C.numel([x.meta["shape"][d] for d in dims])
-    mean = C.emit_reduction(b, "mean", x, dims, keepdim=True)
+    mean = _statistic(b, "mean", x, dims)
     centered = _pointwise(b, "sub", [x, mean])
-    total = C.emit_reduction(b, "sum", _pointwise(b, "mul", [centered, centered]), dims, keepdim)
-    var = _pointwise(b, "div", [total, max(count - correction, 0.0)])
+    total = _statistic(b, "sum", _pointwise(b, "mul", [centered, centered]), dims, keepdim)
+    var = _cast(b, _pointwise(b, "div", [total, max(count - correction, 0.0)]), x.meta["dtype"])
+    mean = _cast(b, mean, x.meta["dtype"])
     return var, (mean if keepdim else C.emit_view(b, "reshape", mean, shape=var.meta["shape"]))
 
 
@@ -1349,17 +1407,13 @@ def _group_norm(b, input, num_groups, weight=None, bias=None, eps=1e-5):
     if len(shape) < 2 or shape[1] % num_groups:
         raise Unsupported("group_norm: channels must divide into the groups (eager raises)")
     grouped = C.emit_view(b, "reshape", input, shape=(shape[0], num_groups, C.numel(shape[1:]) // num_groups))
-    mean = C.emit_reduction(b, "mean", grouped, (2,), keepdim=True)
-    centered = _pointwise(b, "sub", [grouped, mean])
-    var = C.emit_reduction(b, "mean", _pointwise(b, "mul", [centered, centered]), (2,), keepdim=True)
-    out = _pointwise(b, "mul", [centered, _pointwise(b, "rsqrt", [_pointwise(b, "add", [var, float(eps)])])])
-    out = C.emit_view(b, "reshape", out, shape=shape)
+    out = C.emit_view(b, "reshape", _normalized(b, grouped, (2,), eps), shape=shape)
     per_channel = (shape[1],) + (1,) * (len(shape) - 2)
     if weight is not None:
         out = _pointwise(b, "mul", [out, C.emit_view(b, "reshape", weight, shape=per_channel)])
     if bias is not None:
         out = _pointwise(b, "add", [out, C.emit_view(b, "reshape", bias, shape=per_channel)])
-    return out
+    return _cast(b, out, input.meta["dtype"])
 
 
 @binds(F.pad)
@@ -1417,46 +1471,6 @@ def _reduce_loss(b, loss, reduction, count=None):
     if count is None:
         return _pointwise(b, "div", [total, float(C.numel(loss.meta["shape"]))])
     return _pointwise(b, "div", [total, count])
-
-
-def _picked(b, values, target, ignore_index):
-    """values[n, target[n], ...] along dim 1 as a one-hot masked sum; positions whose target
-    is ``ignore_index`` give 0. Returns (picked, valid mask as values' dtype)."""
-    shape = values.meta["shape"]
-    classes = C.emit_iota(b, shape, 1)
-    t = C.emit_view(b, "reshape", target, shape=shape[:1] + (1,) + shape[2:])
-    hit = C.emit_pointwise(b, "eq", [t, classes], dtype=torch.bool)
-    picked = C.emit_reduction(b, "sum", C.emit_pointwise(b, "where", [hit, values, 0.0],
-                                                          dtype=values.meta["dtype"]), (1,))
-    valid = C.emit_pointwise(b, "ne", [target, ignore_index], dtype=torch.bool)
-    return C.emit_pointwise(b, "where", [valid, picked, 0.0], dtype=values.meta["dtype"]), \
-        C.emit_pointwise(b, "identity", [valid], dtype=values.meta["dtype"], requires_grad=False)
-
-
-@binds(F.nll_loss)
-def _nll_loss(b, x, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean"):
-    if weight is not None or size_average is not None or reduce is not None:
-        raise Unsupported("nll_loss with class weights or legacy arguments")
-    if len(x.meta["shape"]) < 2 or target.meta["dtype"].is_floating_point:
-        raise Unsupported("nll_loss needs (N, C, ...) log-probabilities and class-index targets")
-    picked, valid = _picked(b, x, target, ignore_index)
-    loss = _pointwise(b, "neg", [picked])
-    count = C.emit_reduction(b, "sum", valid, tuple(range(len(valid.meta["shape"])))) if reduction == "mean" else None
-    return _reduce_loss(b, loss, reduction, count)
-
-
-@binds(F.cross_entropy)
-def _cross_entropy(b, x, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
-                   reduction="mean", label_smoothing=0.0):
-    if weight is not None or size_average is not None or reduce is not None or label_smoothing:
-        raise Unsupported("cross_entropy with class weights, label smoothing or legacy arguments")
-    if len(x.meta["shape"]) < 2:
-        raise Unsupported("cross_entropy of an unbatched input")
-    log_probs = _log_softmax(b, x, 1)
-    if target.meta["dtype"].is_floating_point:  # class probabilities
-        loss = _pointwise(b, "neg", [C.emit_reduction(b, "sum", _pointwise(b, "mul", [log_probs, target]), (1,))])
-        return _reduce_loss(b, loss, reduction)
-    return _nll_loss(b, log_probs, target, ignore_index=ignore_index, reduction=reduction)
 
 
 @binds(torch.clamp, _t("clamp"), torch.clip, _t("clip"))
@@ -1598,3 +1612,7 @@ def _scaled_dot_product_attention(b, query, key, value, attn_mask=None, dropout_
 
 binds(torch.tril, _t("tril"))(_triangle(True))
 binds(torch.triu, _t("triu"))(_triangle(False))
+
+
+# the loss bindings that pick by class index live in their own module (it registers them)
+from compiler.ops import cross_entropy  # noqa: E402,F401

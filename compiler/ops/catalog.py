@@ -574,6 +574,8 @@ class Gather(OpDef):
         if not source.meta["requires_grad"]:
             return [None, None]
         p = node.kwargs
+        if _picks_one_per_line(node):
+            return [_one_hot_gradient(b, node, grad_out), None]
         return [b.call(EXTERNS["index_backward"], [grad_out, index],
                        {"mode": p["mode"], "dim": p["dim"], "shape": source.meta["shape"],
                         "padding_idx": p.get("padding_idx"), "wrap": p.get("wrap", False)},
@@ -594,6 +596,30 @@ class Gather(OpDef):
 
 
 GATHER = Gather("gather")
+
+
+def _picks_one_per_line(node) -> bool:
+    """A torch.gather that picks one element of each line along ``dim`` (cross-entropy's
+    target logit): its index has the source's shape with size 1 at ``dim``."""
+    source, index = node.args
+    ss, si, dim = source.meta["shape"], index.meta["shape"], node.kwargs["dim"]
+    return (node.kwargs["mode"] == "gather" and not node.kwargs.get("wrap") and len(ss) == len(si)
+            and si[dim] == 1 and all(a == b for d, (a, b) in enumerate(zip(ss, si)) if d != dim)
+            and not node.meta["dtype"].is_complex)
+
+
+def _one_hot_gradient(b, node, grad_out) -> fx.Node:
+    """The gradient of a one-per-line gather: grad_out where the position along ``dim`` is the
+    picked one, 0 elsewhere. Pointwise (a comparison of an iota with the index), so it fuses
+    into the kernel that consumes it; a scatter-add would write a zero tensor first and run
+    as a separate op."""
+    source, index = node.args
+    shape, dim = source.meta["shape"], node.kwargs["dim"]
+    positions = emit_iota(b, shape, dim, dtype=index.meta["dtype"])
+    hit = emit_pointwise(b, "eq", [positions, emit_view(b, "expand", index, shape=shape)], dtype=torch.bool)
+    spread = emit_view(b, "expand", grad_out, shape=shape)
+    return emit_pointwise(b, "where", [hit, spread, 0.0], dtype=grad_out.meta["dtype"],
+                          requires_grad=grad_out.meta["requires_grad"])
 
 
 def emit_gather(b, source, index, mode, dim, padding_idx=None, zero_padding=False, wrap=False) -> fx.Node:
@@ -660,21 +686,34 @@ class MatMul(Extern):
     """mm and bmm (cuBLAS on GPU)."""
 
     def vjp(self, b, node, grad_out):
-        """grad_a = g @ w^H, grad_w = a^H @ g (the conjugate transpose; a plain one if real)."""
-        a, w = node.args
-        t = (1, 0) if self.name == "mm" else (0, 2, 1)
+        return _matmul_grads(b, self.name, *node.args, grad_out)
 
-        def adjoint(x):
-            x = emit_view(b, "permute", x, dims=t)
-            if x.meta["dtype"].is_complex:
-                x = emit_pointwise(b, "conj", [x], dtype=x.meta["dtype"], requires_grad=False)
-            return x
-        ga = gw = None
-        if a.meta["requires_grad"]:
-            ga = emit_extern(b, self.name, grad_out, adjoint(w))
-        if w.meta["requires_grad"]:
-            gw = emit_extern(b, self.name, adjoint(a), grad_out)
-        return [ga, gw]
+
+def _matmul_grads(b, name, a, w, grad_out):
+    """grad_a = g @ w^H, grad_w = a^H @ g (the conjugate transpose; a plain one if real)."""
+    t = (1, 0) if name == "mm" else (0, 2, 1)
+
+    def adjoint(x):
+        x = emit_view(b, "permute", x, dims=t)
+        if x.meta["dtype"].is_complex:
+            x = emit_pointwise(b, "conj", [x], dtype=x.meta["dtype"], requires_grad=False)
+        return x
+    ga = gw = None
+    if a.meta["requires_grad"]:
+        ga = emit_extern(b, name, grad_out, adjoint(w))
+    if w.meta["requires_grad"]:
+        gw = emit_extern(b, name, adjoint(a), grad_out)
+    return [ga, gw]
+
+
+class AddMM(Extern):
+    """bias + a @ w in one call: a linear's bias added in the matmul's epilogue (cuBLAS)
+    rather than by a pass of its own over the product. Gradients: mm's for a and w; the
+    bias's is grad_out, summed over the rows it was broadcast to (``sum_to_shape``)."""
+
+    def vjp(self, b, node, grad_out):
+        bias, a, w = node.args
+        return [grad_out] + _matmul_grads(b, "mm", a, w, grad_out)
 
 
 class IndexBackward(Extern):
@@ -713,7 +752,8 @@ class ConvolutionBackward(Extern):
                                   "(create_graph=True through conv1d/conv2d/conv3d)")
 
 
-EXTERNS = {"mm": MatMul("mm"), "bmm": MatMul("bmm"), "index_backward": IndexBackward("index_backward"),
+EXTERNS = {"mm": MatMul("mm"), "bmm": MatMul("bmm"), "addmm": AddMM("addmm"),
+           "index_backward": IndexBackward("index_backward"),
            "conv": Convolution("conv"), "conv_backward": ConvolutionBackward("conv_backward")}
 
 
@@ -729,6 +769,13 @@ def emit_extern(b, name, a, w) -> fx.Node:
     dtype = torch.promote_types(a.meta["dtype"], w.meta["dtype"])
     return b.call(EXTERNS[name], [a, w], shape=shape, dtype=dtype,
                   requires_grad=a.meta["requires_grad"] or w.meta["requires_grad"])
+
+
+def emit_addmm(b, bias, a, w) -> fx.Node:
+    """bias + a @ w for 2-D ``a`` and ``w`` and a bias that broadcasts to the product."""
+    return b.call(EXTERNS["addmm"], [bias, a, w], shape=(a.meta["shape"][0], w.meta["shape"][1]),
+                  dtype=torch.promote_types(a.meta["dtype"], w.meta["dtype"]),
+                  requires_grad=any(x.meta["requires_grad"] for x in (bias, a, w)))
 
 
 def vjp(b: GraphBuilder, node: fx.Node, grad_out: fx.Node):
