@@ -167,7 +167,7 @@ def markdown(doc: dict) -> str:
 
 
 def _mb(n: int) -> str:
-    return f"{n / 1e6:.3g}" if n >= 1e4 else f"{n / 1e6:.2g}"
+    return f"{n / 1e6:.0f}" if n >= 1e8 else f"{n / 1e6:.3g}" if n >= 1e4 else f"{n / 1e6:.2g}"
 
 
 def main(argv=None):

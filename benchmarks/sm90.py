@@ -28,6 +28,7 @@ True
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
@@ -78,6 +79,30 @@ def num_warps_of(source: str) -> int:
     """The ``NUM_WARPS = n`` a generated module declares, else Triton's default of 4."""
     match = re.search(r"^NUM_WARPS = (\d+)$", source, re.MULTILINE)
     return int(match.group(1)) if match else DEFAULT_NUM_WARPS
+
+
+_TORCH_DTYPE = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp64": "float64", "i8": "int8",
+                "i16": "int16", "i32": "int32", "i64": "int64", "u8": "uint8", "i1": "bool"}
+
+
+def generic_launch(name: str, source: str, stride: int = 17) -> Launch:
+    """A launch of a generated kernel whose real arguments are not known: pointers aligned (as
+    fresh allocations are), every stride ``stride`` (17: neither 1 nor a multiple of 16, so no
+    integer is specialized), the module's default tiles and warps."""
+    def constant(key):
+        match = re.search(rf"^{key} = (.+)$", source, re.MULTILINE)
+        if match is None:
+            raise ValueError(f"kernel {name}: its module defines no {key}")
+        return ast.literal_eval(match.group(1))
+
+    args = []
+    for kind in constant("SIGNATURE").values():
+        if kind.startswith("*"):
+            args.append(["ptr", "torch." + _TORCH_DTYPE[kind[1:]], 0])
+        elif kind != "constexpr":
+            args.append(["int", stride])
+    return Launch(name, source, args, {"XBLOCK": constant("XBLOCK_DEFAULT"), "RBLOCK": constant("RBLOCK_DEFAULT")},
+                  num_warps_of(source))
 
 
 def compile_launches(launches: list, processes: int = 2, cache_dir: str | None = None, progress=None) -> list:

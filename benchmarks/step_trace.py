@@ -177,11 +177,13 @@ def _launches_recorded(tracer: _Tracer):
         program.KernelLaunch.run, program.IndexCheck.run = run_kernel, run_check
 
 
-def trace_workload(name: str, size: str, dtype: torch.dtype) -> WorkloadTrace:
-    """Eager's operators and our launches for one step of workload ``name`` (see the module doc).
+def trace_workload(name: str, size, dtype: torch.dtype) -> WorkloadTrace:
+    """Eager's operators and our launches for one step of workload ``name`` (see the module doc)
+    at ``size`` (a size name, or the workload's size keywords: ``{"rows": 64, "cols": 8192}``).
     Training steps in bfloat16 run under ``torch.autocast`` with float32 weights (mixed precision,
     as such steps are trained); forward+backward workloads take bfloat16 tensors."""
-    case = WORKLOADS[name].build(size, torch.device("cpu"))
+    workload, cpu = WORKLOADS[name], torch.device("cpu")
+    case = workload.build(size, cpu) if isinstance(size, str) else workload.make(cpu, **size)
     training = name.endswith("_step")   # the training steps: fn(model, opt, *batch)
     autocast = dtype == torch.bfloat16 and training
     args = case.make_args(torch.float32 if autocast else dtype)
