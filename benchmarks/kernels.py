@@ -131,12 +131,15 @@ def markdown(doc: dict) -> str:
            f"Roofline of an H100 SXM: copy {meta['copy_bandwidth'] / 1e12:.1f} TB/s, matmul peak (TFLOP/s) {peaks}, "
            f"{meta['launch_us']:.0f} µs per launch. torch {meta['torch']}, triton {meta['triton']}; "
            f"made in {meta['seconds']:.0f} s by `python -m benchmarks.kernels` (see benchmarks/README.md).", "",
+           *(["Workloads marked (autocast) are training steps with float32 weights under "
+              "`torch.autocast(dtype=torch.bfloat16)`; the others take bfloat16 tensors.", ""]
+             if any("autocast" in r["dtype"] for r in doc["workloads"]) else []),
            "## Per workload and phase", "",
            "| workload | phase | our kernels + other ops | our MB | min MB | ours ÷ min | eager ops | eager MB "
            "| ours µs | eager µs | × eager |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["workloads"]:
-        name = f"{r['workload']} ({r['dtype']})" if r["dtype"] != meta["dtype"] else r["workload"]
+        name = f"{r['workload']} (autocast)" if "autocast" in r["dtype"] else r["workload"]
         ratio = r["bytes"] / r["min_bytes"] if r["min_bytes"] else float("nan")
         out.append(f"| {name} | {r['phase']} | {r['kernels']} + {r['other_ops']} | {_mb(r['bytes'])} | "
                    f"{_mb(r['min_bytes'])} | {ratio:.2f} | {r['eager_ops']} | {_mb(r['eager_bytes'])} | "

@@ -120,9 +120,9 @@ def compile_launches(launches: list, processes: int = 2, cache_dir: str | None =
     todo: dict = {}
     for key, launch in zip(keys, launches):
         path = os.path.join(cache, key + ".json")
-        if os.path.exists(path):
-            with open(path) as f:
-                results[key] = json.load(f)
+        cached = _read_cached(path)
+        if cached is not None:
+            results[key] = cached
         elif key not in todo:
             todo[key] = launch
     total = len(set(keys))
@@ -149,14 +149,16 @@ def _run_workers(todo: dict, processes: int, cache: str, results: dict, total: i
             jobs = os.path.join(tmp, "jobs.json")
             with open(jobs, "w") as f:
                 json.dump([asdict(launch) | {"key": key} for key, launch in share], f)
+            # a cache of Triton's own would skip ptxas, whose report gives registers and spills
+            worker_env = dict(env, TRITON_CACHE_DIR=os.path.join(tmp, "triton-cache"))
             proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), jobs, tmp], stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, env=env)
+                                    stderr=subprocess.PIPE, text=True, env=worker_env)
             for line in proc.stdout:
                 if not line.startswith("{"):
                     continue
                 result = json.loads(line)
                 key = result.pop("key")
-                if result["error"] is None:   # failures are not cached: they are retried next time
+                if _complete(result):   # failures are not cached: they are retried next time
                     with open(os.path.join(cache, key + ".json"), "w") as f:
                         json.dump(result, f)
                 with lock:
@@ -176,6 +178,19 @@ def _run_workers(todo: dict, processes: int, cache: str, results: dict, total: i
     if missing:
         raise RuntimeError(f"the sm_90 compile worker stopped before compiling {', '.join(missing[:5])}: "
                            + "\n".join(errors))
+
+
+def _complete(result: dict) -> bool:
+    return result["error"] is None and result["registers"] is not None
+
+
+def _read_cached(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            result = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return result if _complete(result) else None
 
 
 def _default_cache() -> str:
