@@ -1,0 +1,112 @@
+"""A roofline model of an H100 SXM, and the cost (bytes, FLOPs) of one PyTorch operator.
+
+A kernel or operator that moves ``bytes`` and computes ``flops`` takes, predicted,
+
+    max(bytes / COPY_BANDWIDTH, flops / peak(dtype)) + LAUNCH_US
+
+The constants (H100 SXM 80 GB, HBM3):
+
+- ``COPY_BANDWIDTH`` 3.0 TB/s: a device-to-device copy measured on one (read + write bytes
+  over time; the datasheet says 3.35 TB/s). A memory-bound kernel cannot beat it.
+- ``MATMUL_PEAK``: dense matmul rates by operand dtype. bf16/fp16 ~800 TFLOP/s, the rate
+  cuBLAS reaches on large GEMMs (datasheet: 989 dense). float32: 67 TFLOP/s, the datasheet's
+  FP32 rate on CUDA cores — PyTorch runs float32 matmuls in full FP32 by default
+  (``torch.backends.cuda.matmul.allow_tf32`` is False, ``float32_matmul_precision`` "highest"),
+  so tensor-core TF32 rates do not apply. float64: 67 TFLOP/s (FP64 tensor cores).
+- ``LAUNCH_US`` ~4 µs per kernel launched: the host cost of a launch, in the 3–6 µs measured
+  for Triton launches (tritonbench) and of the order of an eager operator's dispatch and launch.
+
+It is a lower bound per kernel (no caches, no tails, no occupancy effects), applied the same way
+to our kernels and to eager's operators, so the ratio of two predictions is what it compares.
+
+>>> round(predicted_us(3_000_000, 0, None), 3)     # 3 MB at 3 TB/s = 1 µs, plus the launch
+5.0
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+COPY_BANDWIDTH = 3.0e12   # bytes/s, read + write
+LAUNCH_US = 4.0
+MATMUL_PEAK = {torch.bfloat16: 800e12, torch.float16: 800e12, torch.float32: 67e12, torch.float64: 67e12}
+
+_MATMULS = {"mm", "addmm", "bmm", "baddbmm", "addbmm"}
+# Operators that only write their first argument (reading it would double-count it).
+_WRITE_ONLY_SELF = {"copy_", "fill_", "zero_", "normal_", "uniform_", "bernoulli_", "random_", "exponential_"}
+# Operators that allocate or describe memory and launch no kernel.
+_NO_KERNEL = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "empty_permuted", "resize_",
+              "set_", "lift_fresh", "detach", "alias", "_local_scalar_dense", "record_stream", "is_same_size",
+              "_has_compatible_shallow_copy_type", "_record_function_enter", "_record_function_enter_new",
+              "_record_function_exit"}
+
+
+def predicted_us(bytes_moved: float, flops: float, dtype) -> float:
+    """Predicted time in µs of one kernel: the roofline bound plus one launch."""
+    compute_s = flops / MATMUL_PEAK.get(dtype, MATMUL_PEAK[torch.float32]) if flops else 0.0
+    return max(bytes_moved / COPY_BANDWIDTH, compute_s) * 1e6 + LAUNCH_US
+
+
+def distinct_bytes(t: torch.Tensor) -> int:
+    """Bytes of the elements a tensor covers: a broadcast (stride-0) dim is read once."""
+    count = math.prod(size for size, stride in zip(t.shape, t.stride()) if stride != 0)
+    return count * t.element_size() if t.numel() else 0
+
+
+def launches_kernel(func, args, out) -> bool:
+    """Whether an aten operator launches a kernel on a GPU: not an allocation, and not a view
+    (an output that shares an input's memory without the operator writing to it)."""
+    name = func._overloadpacket.__name__
+    if name in _NO_KERNEL or func.is_view:
+        return False
+    if func._schema.is_mutable:
+        return True
+    inputs = {t.untyped_storage().data_ptr() for t in _tensors(args) if t.numel()}
+    outputs = [t for t in _tensors(out) if t.numel()]
+    return not outputs or not all(t.untyped_storage().data_ptr() in inputs for t in outputs)
+
+
+def op_cost(func, args, kwargs, out) -> tuple[int, float, torch.dtype | None]:
+    """(bytes, flops, matmul dtype) of one aten operator: every input read once and every output
+    written once (a tensor passed twice counts once); FLOPs of matmuls and convolutions."""
+    name = func._overloadpacket.__name__
+    reads = _tensors(args[1:] if name in _WRITE_ONLY_SELF else args) + _tensors(kwargs)
+    writes = _tensors(out)
+    moved = sum(distinct_bytes(t) for t in _unique(reads)) + sum(distinct_bytes(t) for t in _unique(writes))
+    flops, dtype = 0.0, None
+    if name in _MATMULS:
+        a, b = args[-2], args[-1]
+        batch = a.shape[0] if a.dim() == 3 else 1
+        flops = 2.0 * batch * a.shape[-2] * a.shape[-1] * b.shape[-1]
+        dtype = a.dtype
+    elif name == "convolution":
+        weight = args[1]
+        flops = 2.0 * out.numel() * weight[0].numel()
+        dtype = weight.dtype
+    elif name == "convolution_backward":
+        grad, weight, mask = args[0], args[2], args[10]
+        flops = 2.0 * grad.numel() * weight[0].numel() * sum(bool(m) for m in mask[:2])
+        dtype = weight.dtype
+    return moved, flops, dtype
+
+
+def _tensors(tree) -> list:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, (list, tuple)):
+        return [t for item in tree for t in _tensors(item)]
+    if isinstance(tree, dict):
+        return [t for item in tree.values() for t in _tensors(item)]
+    return []
+
+
+def _unique(tensors) -> list:
+    seen, out = set(), []
+    for t in tensors:
+        key = (t.untyped_storage().data_ptr() if t.numel() else id(t), t.storage_offset(), tuple(t.shape), t.stride())
+        if key not in seen:
+            seen.add(key)
+            out.append(t)
+    return out

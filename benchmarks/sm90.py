@@ -1,0 +1,296 @@
+"""Compile generated kernels for Hopper (sm_90) exactly as their real launches would — no GPU needed.
+
+A ``Launch`` is what one kernel launch passes: the kernel's source, and per argument either a
+pointer (its dtype and the byte offset of the tensor's first element from the start of its
+allocation) or an integer (a stride). ``compile_launches`` compiles each one with
+``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`` in worker processes
+started without ``TRITON_INTERPRET`` (an interpreted process cannot compile), and reports
+registers, spills and how many global loads were vectorized.
+
+NOTE: the specialization is Triton's own. The worker calls the binder that ``JITFunction.run``
+uses (``create_function_from_signature``) and ``JITFunction._pack_args``, so the arguments get
+the attributes a real launch gives them: an integer equal to 1 becomes a constant, an integer
+divisible by 16 and a pointer whose address is divisible by 16 get ``tt.divisibility=16``.
+Pointers are stand-ins whose address is a 256-byte-aligned base plus the tensor's offset:
+CUDA's caching allocator hands out blocks aligned to 512 bytes, so a fresh tensor is aligned
+and a view with an offset is aligned only if its offset is. Compiling with a bare signature
+instead reports scalar loads and spills that the real launch would not have.
+
+This file runs in two roles: imported (``compile_launches``, ``Launch``) it needs nothing but the
+standard library; run as a script it is the worker (``python benchmarks/sm90.py JOBS.json``),
+which imports Triton non-interpreted and never imports ``compiler`` or ``benchmarks``.
+Results are cached on disk per kernel source and specialization, so a rerun compiles nothing.
+
+>>> launch = Launch("k", "...source...", [["ptr", "torch.float32", 0], ["int", 1]], {"XBLOCK": 128, "RBLOCK": 1})
+>>> len(launch.key()) == 64
+True
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+from dataclasses import asdict, dataclass
+
+DEFAULT_NUM_WARPS = 4   # Triton's default; a kernel module may say otherwise (NUM_WARPS = ...)
+_ALIGNED_BASE = 1 << 20  # a stand-in allocation address, aligned far beyond 16 bytes
+_VECTOR_LOAD = re.compile(r"\bld\.global\S*\.v[248]\.")
+_ANY_LOAD = re.compile(r"\bld\.global\b")
+
+
+@dataclass
+class Launch:
+    """One kernel launch, as JSON-able data: what ``fn[grid](*args, **constexprs)`` passes."""
+
+    name: str
+    source: str               # the generated module (defines the @triton.jit function ``name``)
+    args: list                # per argument: ["ptr", "torch.float32", byte offset] or ["int", value]
+    constexprs: dict          # XBLOCK, RBLOCK
+    num_warps: int = DEFAULT_NUM_WARPS
+    grid: int = 0             # programs launched (reported, not part of the compilation)
+
+    def key(self) -> str:
+        """The cache key: what decides the compiled artifact (source, specialization, warps)."""
+        text = json.dumps([self.source, self.args, self.constexprs, self.num_warps, _triton_version()])
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+def describe_args(args) -> list:
+    """Real launch arguments (tensors and Python numbers) as ``Launch.args``."""
+    out = []
+    for a in args:
+        if hasattr(a, "data_ptr"):
+            out.append(["ptr", str(a.dtype), a.storage_offset() * a.element_size()])
+        elif isinstance(a, bool) or not isinstance(a, int):
+            raise TypeError(f"a kernel argument of type {type(a).__name__}: only tensors and ints are described")
+        else:
+            out.append(["int", int(a)])
+    return out
+
+
+def num_warps_of(source: str) -> int:
+    """The ``NUM_WARPS = n`` a generated module declares, else Triton's default of 4."""
+    match = re.search(r"^NUM_WARPS = (\d+)$", source, re.MULTILINE)
+    return int(match.group(1)) if match else DEFAULT_NUM_WARPS
+
+
+_TORCH_DTYPE = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp64": "float64", "i8": "int8",
+                "i16": "int16", "i32": "int32", "i64": "int64", "u8": "uint8", "i1": "bool"}
+
+
+def generic_launch(name: str, source: str, stride: int = 17) -> Launch:
+    """A launch of a generated kernel whose real arguments are not known: pointers aligned (as
+    fresh allocations are), every stride ``stride`` (17: neither 1 nor a multiple of 16, so no
+    integer is specialized), the module's default tiles and warps."""
+    def constant(key):
+        match = re.search(rf"^{key} = (.+)$", source, re.MULTILINE)
+        if match is None:
+            raise ValueError(f"kernel {name}: its module defines no {key}")
+        return ast.literal_eval(match.group(1))
+
+    args = []
+    for kind in constant("SIGNATURE").values():
+        if kind.startswith("*"):
+            args.append(["ptr", "torch." + _TORCH_DTYPE[kind[1:]], 0])
+        elif kind != "constexpr":
+            args.append(["int", stride])
+    return Launch(name, source, args, {"XBLOCK": constant("XBLOCK_DEFAULT"), "RBLOCK": constant("RBLOCK_DEFAULT")},
+                  num_warps_of(source))
+
+
+def compile_launches(launches: list, processes: int = 2, cache_dir: str | None = None, progress=None) -> list:
+    """Compile each launch for sm_90; one result dict per launch, in order.
+
+    A result has ``registers``, ``spill_bytes`` (ptxas's spill stores), ``spill_loads``,
+    ``vector_loads`` and ``loads`` (``ld.global`` instructions in the PTX, vectorized ones
+    being ``.v2``/``.v4``), ``vector_share``, and ``error`` (None, or why it did not compile).
+    ``progress(done, total, name)`` is called as results arrive.
+    """
+    cache = os.path.join(cache_dir or _default_cache(), "sm90")
+    os.makedirs(cache, exist_ok=True)
+    keys = [launch.key() for launch in launches]
+    results: dict = {}
+    todo: dict = {}
+    for key, launch in zip(keys, launches):
+        path = os.path.join(cache, key + ".json")
+        cached = _read_cached(path)
+        if cached is not None:
+            results[key] = cached
+        elif key not in todo:
+            todo[key] = launch
+    total = len(set(keys))
+    if progress:
+        progress(len(results), total, "cached")
+    if todo:
+        _run_workers(todo, processes, cache, results, total, progress)
+    return [dict(results[key]) for key in keys]
+
+
+def _run_workers(todo: dict, processes: int, cache: str, results: dict, total: int, progress) -> None:
+    items = list(todo.items())
+    shares = [items[i::processes] for i in range(max(1, min(processes, len(items))))]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_INTERPRET"] = "0"           # also keeps ``import compiler`` from turning it on
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's current default, said out loud
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")   # kernels import runtime.triton_math
+    lock = threading.Lock()
+    errors = []
+
+    def work(share):
+        with tempfile.TemporaryDirectory(prefix="sm90-") as tmp:
+            jobs = os.path.join(tmp, "jobs.json")
+            with open(jobs, "w") as f:
+                json.dump([asdict(launch) | {"key": key} for key, launch in share], f)
+            # a cache of Triton's own would skip ptxas, whose report gives registers and spills
+            worker_env = dict(env, TRITON_CACHE_DIR=os.path.join(tmp, "triton-cache"))
+            proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), jobs, tmp], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, env=worker_env)
+            for line in proc.stdout:
+                if not line.startswith("{"):
+                    continue
+                result = json.loads(line)
+                key = result.pop("key")
+                if _complete(result):   # failures are not cached: they are retried next time
+                    with open(os.path.join(cache, key + ".json"), "w") as f:
+                        json.dump(result, f)
+                with lock:
+                    results[key] = result
+                    if progress:
+                        progress(len(results), total, result["name"])
+            stderr = proc.stderr.read()
+            if proc.wait() != 0:
+                errors.append(stderr[-3000:])
+
+    threads = [threading.Thread(target=work, args=(share,)) for share in shares]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    missing = [launch.name for key, launch in todo.items() if key not in results]
+    if missing:
+        raise RuntimeError(f"the sm_90 compile worker stopped before compiling {', '.join(missing[:5])}: "
+                           + "\n".join(errors))
+
+
+def _complete(result: dict) -> bool:
+    return result["error"] is None and result["registers"] is not None
+
+
+def _read_cached(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            result = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return result if _complete(result) else None
+
+
+def _default_cache() -> str:
+    return os.environ.get("SYMGRAD_CACHE_DIR") or os.path.join(tempfile.gettempdir(), f"symgrad-{os.getuid()}")
+
+
+def _triton_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("triton")
+    except Exception:  # noqa: BLE001 — only a cache key
+        return "?"
+
+
+# -- the worker (a process without TRITON_INTERPRET) ---------------------------------------------
+class _Pointer:
+    """What Triton's binder needs of a tensor argument: its dtype and its address."""
+
+    def __init__(self, dtype, address):
+        self.dtype = dtype
+        self._address = address
+
+    def data_ptr(self):
+        return self._address
+
+
+def _compile_one(job: dict, workdir: str) -> dict:
+    import importlib.util
+    import io
+    from contextlib import redirect_stdout
+
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    path = os.path.join(workdir, job["name"] + ".py")
+    with open(path, "w") as f:
+        f.write(job["source"])
+    spec = importlib.util.spec_from_file_location(job["name"], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fn = getattr(module, job["name"])
+    args = []
+    for kind, *rest in job["args"]:
+        if kind == "ptr":
+            dtype, offset = rest
+            args.append(_Pointer(getattr(torch, dtype.split(".")[-1]), _ALIGNED_BASE + offset))
+        else:
+            args.append(rest[0])
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    kwargs = dict(job["constexprs"], num_warps=job["num_warps"])
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    log = io.StringIO()
+    with redirect_stdout(log):
+        triton.knobs.nvidia.dump_ptxas_log = True   # make_cubin prints ptxas -v's report
+        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                                  options=options.__dict__)
+    ptx = compiled.asm["ptx"]
+    loads = len(_ANY_LOAD.findall(ptx))
+    vector = len(_VECTOR_LOAD.findall(ptx))
+    report = log.getvalue()
+    registers = re.search(r"Used (\d+) registers", report)
+    stores = re.search(r"(\d+) bytes spill stores", report)
+    spill_loads = re.search(r"(\d+) bytes spill loads", report)
+    return {
+        "name": job["name"],
+        "registers": int(registers.group(1)) if registers else None,
+        "spill_bytes": int(stores.group(1)) if stores else None,
+        "spill_loads": int(spill_loads.group(1)) if spill_loads else None,
+        "loads": loads,
+        "vector_loads": vector,
+        "vector_share": vector / loads if loads else None,
+        "shared": compiled.metadata.shared,
+        "num_warps": compiled.metadata.num_warps,
+        # integer arguments the launch turns into constants (strides equal to 1)
+        "int_constants": [fn.arg_names[path[0]] for path in constexprs if fn.arg_names[path[0]] not in job["constexprs"]],
+        "error": None,
+    }
+
+
+def _worker(jobs_path: str, workdir: str) -> None:
+    with open(jobs_path) as f:
+        jobs = json.load(f)
+    sys.path.insert(0, workdir)
+    for job in jobs:
+        try:
+            result = _compile_one(job, workdir)
+        except Exception as e:  # noqa: BLE001 — reported per kernel, the others still compile
+            result = {"name": job["name"], "registers": None, "spill_bytes": None, "spill_loads": None,
+                      "loads": 0, "vector_loads": 0, "vector_share": None, "shared": None,
+                      "num_warps": job["num_warps"], "int_constants": [],
+                      "error": f"{type(e).__name__}: {str(e)[:600]}"}
+        result["key"] = job["key"]
+        print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], sys.argv[2])

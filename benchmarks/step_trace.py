@@ -1,0 +1,252 @@
+"""One step of a workload, traced on CPU: eager's operators, and our kernel launches and the
+operators that run between them — each with its shapes, and none of our kernels run.
+
+``trace_workload`` builds a workload, then:
+
+1. runs one eager step, logging every aten operator that would launch a GPU kernel (a
+   ``TorchDispatchMode``, which sees the operators autograd, autocast and PyTorch's
+   decompositions dispatch — what a GPU would run — with their real tensors);
+2. records our compiled step (``compiler.explain``: one eager run, then the program is built);
+3. replays our step with each Triton launch replaced by the allocation of its outputs, keeping
+   what the launch passes (tensor offsets, strides, tile sizes: what Triton specializes on), and
+   logging the operators that run between our kernels (matmuls, eager calls, index checks).
+
+Every operator and launch is tagged with the phase it ran in: ``forward`` until
+``torch.autograd.backward`` is called, ``backward`` while it runs, ``update`` after it (a
+training step's optimizer). Matmuls and convolutions are not computed (their outputs are
+allocated with the right shape and strides, from a meta-tensor run): only shapes matter here,
+and this CPU has no fast bfloat16 matmul.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import compiler
+from benchmarks.roofline import distinct_bytes, launches_kernel, op_cost, predicted_us
+from benchmarks.sm90 import Launch, describe_args, num_warps_of
+from benchmarks.workloads import WORKLOADS
+
+PHASES = ("forward", "backward", "update")
+_NOT_COMPUTED = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "convolution", "convolution_backward"}
+
+
+@dataclass
+class Op:
+    """An operator modelled by its bytes and FLOPs (eager's, or one between our kernels)."""
+    phase: str
+    name: str
+    bytes: int
+    flops: float
+    dtype: object
+
+    @property
+    def predicted_us(self) -> float:
+        return predicted_us(self.bytes, self.flops, self.dtype)
+
+
+@dataclass
+class OurLaunch:
+    phase: str
+    launch: Launch
+    bytes: int            # the kernel's bytes moved (KernelSource.bytes_moved)
+
+
+@dataclass
+class WorkloadTrace:
+    workload: str
+    dtype: str            # "float32", "bfloat16", or "bfloat16 (autocast)"
+    eager_ops: list
+    our_ops: list
+    launches: list
+    min_bytes: dict       # phase -> bytes
+    fallbacks: list = field(default_factory=list)
+
+
+class _Tracer(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.phase = "forward"
+        self.ops: list | None = None   # logging when a list
+        self.launches: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._overloadpacket.__name__
+        out = _allocated_like_result(func, args, kwargs) if name in _NOT_COMPUTED else func(*args, **kwargs)
+        if self.ops is not None and launches_kernel(func, args, out):
+            moved, flops, dtype = op_cost(func, args, kwargs, out)
+            self.ops.append(Op(self.phase, name, moved, flops, dtype))
+        return out
+
+
+def _allocated_like_result(func, args, kwargs):
+    """The operator's outputs (shapes, strides, dtypes from a meta run), uninitialized."""
+    device = next(t.device for t in _flat(args) if isinstance(t, torch.Tensor))
+
+    def to_meta(x):
+        if isinstance(x, torch.Tensor):
+            return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+        if isinstance(x, (list, tuple)):
+            return type(x)(to_meta(i) for i in x)
+        return x
+
+    def to_real(x):
+        if isinstance(x, torch.Tensor):
+            return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=device)
+        if isinstance(x, (list, tuple)):
+            return type(x)(to_real(i) for i in x)
+        return x
+
+    return to_real(func(*to_meta(args), **{k: to_meta(v) for k, v in kwargs.items()}))
+
+
+def _flat(tree):
+    if isinstance(tree, (list, tuple)):
+        for item in tree:
+            yield from _flat(item)
+    else:
+        yield tree
+
+
+@contextlib.contextmanager
+def _phases(tracer: _Tracer):
+    """Tag what runs inside ``torch.autograd.backward`` as backward, what follows as update."""
+    original = torch.autograd.backward
+
+    def backward(*args, **kwargs):
+        tracer.phase = "backward"
+        try:
+            return original(*args, **kwargs)
+        finally:
+            tracer.phase = "update"
+
+    torch.autograd.backward = backward
+    try:
+        yield
+    finally:
+        torch.autograd.backward = original
+
+
+class _LaunchRecorder:
+    """Stands in for a jit function: ``fn[grid](*args, **kwargs)`` records the launch."""
+
+    def __init__(self, kernel, tracer):
+        self.kernel, self.tracer = kernel, tracer
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            constexprs = {k: kwargs[k] for k in ("XBLOCK", "RBLOCK") if k in kwargs}
+            warps = kwargs.get("num_warps") or num_warps_of(self.kernel.source)
+            recorded = Launch(self.kernel.name, self.kernel.source, describe_args(args), constexprs, warps, grid[0])
+            self.tracer.launches.append(OurLaunch(self.tracer.phase, recorded, self.kernel.bytes_moved))
+        return launch
+
+
+@contextlib.contextmanager
+def _launches_recorded(tracer: _Tracer):
+    """Our runtime with every Triton launch recorded instead of run (its outputs are still
+    allocated by the runtime's own code, so what the launch passes is exactly computed)."""
+    from runtime import program
+
+    run_kernel, run_check = program.KernelLaunch.run, program.IndexCheck.run
+
+    def record(launch, env, device):
+        saved = launch._fn
+        launch._fn = _LaunchRecorder(launch, tracer)
+        try:
+            run_kernel(launch, env, device)
+        finally:
+            launch._fn = saved
+
+    def check(step, env, device):
+        try:  # its operators are logged; the indices a skipped kernel "wrote" are garbage
+            run_check(step, env, device)
+        except IndexError:
+            pass
+
+    program.KernelLaunch.run, program.IndexCheck.run = record, check
+    try:
+        yield
+    finally:
+        program.KernelLaunch.run, program.IndexCheck.run = run_kernel, run_check
+
+
+def trace_workload(name: str, size, dtype: torch.dtype) -> WorkloadTrace:
+    """Eager's operators and our launches for one step of workload ``name`` (see the module doc)
+    at ``size`` (a size name, or the workload's size keywords: ``{"rows": 64, "cols": 8192}``).
+    Training steps in bfloat16 run under ``torch.autocast`` with float32 weights (mixed precision,
+    as such steps are trained); forward+backward workloads take bfloat16 tensors."""
+    workload, cpu = WORKLOADS[name], torch.device("cpu")
+    case = workload.build(size, cpu) if isinstance(size, str) else workload.make(cpu, **size)
+    training = name.endswith("_step")   # the training steps: fn(model, opt, *batch)
+    autocast = dtype == torch.bfloat16 and training
+    args = case.make_args(torch.float32 if autocast else dtype)
+    assert training == isinstance(args[0], nn.Module), f"{name}: a training step is named *_step"
+    tracer = _Tracer()
+
+    def amp():
+        return torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+
+    def traced_step(fn, launches):
+        # NOTE: the second of two steps is traced: the first makes what later steps reuse
+        # (our replay's stand-in tensors, made once per region).
+        for ops in (None, []):
+            _reset_grads(args, training)
+            tracer.phase, tracer.ops, tracer.launches = "forward", ops, []
+            with amp(), (_launches_recorded(tracer) if launches else contextlib.nullcontext()):
+                out = case.step(fn, args)
+        return out
+
+    with tracer, _phases(tracer):
+        out = traced_step(case.fn, launches=False)
+        eager_ops = tracer.ops
+        min_bytes = minimal_bytes(args, out, training)
+        del out
+
+        compiled = compiler.compile(case.fn, backend="interpret")
+        tracer.ops = None
+        with amp():
+            report = compiler.explain(compiled, *case.fn_args(args))
+        traced_step(compiled, launches=True)
+        if compiled.stats.get("captures", 1) != 1:
+            raise RuntimeError(f"{name}: the traced step recorded again instead of replaying; its launches "
+                               "would not be the compiled program's")
+    label = "bfloat16 (autocast)" if autocast else str(dtype).replace("torch.", "")
+    return WorkloadTrace(name, label, eager_ops, tracer.ops, tracer.launches, min_bytes, list(report.fallbacks))
+
+
+def _reset_grads(args, training):
+    if training:
+        args[0].zero_grad(set_to_none=True)
+    else:
+        for t in args[:-1]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.grad = None
+
+
+def minimal_bytes(args, out, training: bool) -> dict:
+    """Per phase, the bytes no implementation can avoid: each input of the phase read once and
+    each output written once. Forward reads every input (batch, weights, buffers) and writes the
+    result; backward reads them and grad_out and writes each gradient; a training step's update
+    reads weights and gradients and writes the weights."""
+    def total(tensors):
+        return sum(distinct_bytes(t) for t in tensors if isinstance(t, torch.Tensor))
+
+    result = out if isinstance(out, torch.Tensor) else torch.as_tensor(0.0)
+    if training:
+        model, _opt, *batch = args
+        params = list(model.parameters())
+        inputs = params + list(model.buffers()) + list(batch)
+        return {"forward": total(inputs) + total([result]),
+                "backward": total(inputs) + total(params),
+                "update": 3 * total(params)}
+    *inputs, grad_out = args
+    grads = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    return {"forward": total(inputs) + total([result]),
+            "backward": total(inputs) + total([grad_out]) + total(grads)}
