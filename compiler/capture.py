@@ -81,7 +81,7 @@ class Capture(TorchFunctionMode):
         self.next_id = 0
         self.breaks: list = []       # reasons the graph was broken
         self.entry_grad_mode = torch.is_grad_enabled()
-        self.isolate: set = set()    # calls whose result's grad_fn the user reads
+        self.isolate: set = set()    # calls whose result's grad_fn the user reads: run eagerly
         self.call_meta: dict = {}    # call index -> (input TensorMetas by value id, output metas)
 
     # -- value ids -----------------------------------------------------------------------
@@ -133,8 +133,8 @@ class Capture(TorchFunctionMode):
             out_tensors = [t for t in out_leaves if isinstance(t, torch.Tensor)]
 
         if _is_grad_fn_access(func) and recorded and recorded[0] in self.produced_by:
-            # NOTE: the user inspects this value's Node (hooks on grad_fn): compile the op that
-            # made it as a region of its own, so its Node has that op's inputs, as in eager.
+            # NOTE: the user inspects this value's Node (hooks on grad_fn, its saved tensors):
+            # the op that made it runs eagerly on every call, so the Node is eager's own.
             producer = self.produced_by[recorded[0]]
             if self.calls[producer].kind == "compute":
                 self.isolate.add(producer)
@@ -308,7 +308,9 @@ class Capture(TorchFunctionMode):
 
     # -- after the run -------------------------------------------------------------------
     def _split_isolated(self):
-        """Rebuild regions so each isolated call is a region of its own."""
+        """Take each isolated call out of its region: it runs eagerly on every call, so the
+        Node the user inspects is eager's own (its type, ``_saved_*`` tensors and their
+        hooks, ``next_functions``); the calls around it are rebuilt as regions of their own."""
         if not self.isolate:
             return
         regions = []
@@ -322,11 +324,15 @@ class Capture(TorchFunctionMode):
                     current.append(c)
             if current:
                 segments.append(current)
-            if len(segments) == 1 or r.view_mutation:
+            if r.view_mutation or not any(seg[0] in self.isolate for seg in segments):
                 r.index = len(regions)
                 regions.append(r)
                 continue
             for seg in segments:
+                if seg[0] in self.isolate:
+                    call = self.calls[seg[0]]
+                    call.kind, call.region = "eager", None
+                    continue
                 regions.append(self._rebuild(len(regions), seg, r.grad_enabled, r.device))
         for r in regions:
             for c in r.calls:
@@ -355,6 +361,24 @@ class Capture(TorchFunctionMode):
             region.calls.append(c)
         return region
 
+    def _kept_by_user(self) -> set:
+        """Value ids of region values the user still holds after the call (or holds a view of:
+        the view's base, as the recording had it)."""
+        kept = set()
+        for r in self.regions:
+            for vid in r.produced:
+                t = self.refs[vid]()
+                if t is None or vid in kept:
+                    continue
+                if _held_by_python(t):
+                    kept.add(vid)
+                    base = t._base
+                    entry = self.ids.get(id(base)) if base is not None else None
+                    if entry is not None and entry[0]() is base:
+                        kept.add(entry[1])
+                del t
+        return kept
+
     def finish(self, result) -> Trace:
         """Escape analysis, then the trace with one RegionPlan per region."""
         self._split_isolated()
@@ -369,6 +393,7 @@ class Capture(TorchFunctionMode):
                 used_outside.update(v for v in call.leaves if isinstance(v, ValueId))
         for r in self.regions:
             used_outside.update(r.inputs)
+        kept = self._kept_by_user()
         plans = []
         for r in self.regions:
             outputs, internal = [], {}
@@ -377,8 +402,7 @@ class Capture(TorchFunctionMode):
                 if vid in seen:
                     continue
                 seen.add(vid)
-                alive = self.refs[vid]() is not None
-                if vid in used_outside or alive:
+                if vid in used_outside or vid in kept:
                     outputs.append(vid)
                 else:
                     internal[vid] = self.meta[vid]
@@ -508,23 +532,16 @@ def capture(fn, args, kwargs):
     mode = Capture()
     leaves, _ = tree_flatten((args, kwargs))
     mode.add_args(leaves)
-    # NOTE: autograd keeps every tensor a backward needs alive, which would make every
-    # intermediate look "kept by the user". Packing saved tensors as detached aliases (same
-    # storage and version counter) lets escape analysis see the user's references only.
-    # Skipped when the user has saved-tensor hooks of their own: theirs must run.
-    hooks_active = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    # NOTE: nothing here changes how autograd sees the user's tensors (no saved-tensor hooks
+    # of ours): the recording call is eager PyTorch, version checks and saved tensors included.
     modules = _ModulesRun()
     steps = _OptimizerSteps(mode)
     handles = [torch.nn.modules.module.register_module_forward_pre_hook(modules),
                register_optimizer_step_pre_hook(steps.begin),
                register_optimizer_step_post_hook(steps.end)]
     try:
-        if hooks_active:
-            with mode:
-                result = fn(*args, **kwargs)
-        else:
-            with torch.autograd.graph.saved_tensors_hooks(_detach, _identity), mode:
-                result = fn(*args, **kwargs)
+        with mode:
+            result = fn(*args, **kwargs)
     finally:
         for handle in handles:
             handle.remove()
@@ -574,9 +591,13 @@ class _ModulesRun:
             self.modes.append((weakref.ref(module), module.training))
 
 
-def _detach(t):
-    return t.detach()
+def _held_by_python(t: torch.Tensor) -> bool:
+    """Whether Python code other than the caller holds ``t`` (a list, a module attribute, a
+    closure): the user may read it after the call.
 
-
-def _identity(t):
-    return t
+    References from C++ do not count: autograd's saved tensors (backward needs them, and
+    replay saves what it needs itself) and a view's base. While anything in C++ holds the
+    tensor, the tensor holds exactly one reference to its Python object; the caller's
+    variable and ``getrefcount``'s argument are two more."""
+    held_by_cpp = 1 if t._use_count() > 1 else 0
+    return sys.getrefcount(t) - 3 - held_by_cpp > 0
