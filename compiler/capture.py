@@ -29,6 +29,7 @@ from compiler.ir import GraphBuilder
 from compiler.ops import catalog as C
 from compiler.ops.bindings import Unsupported, Writes, lookup
 from runtime.calls import flatten_call, unflatten_call
+from runtime.fallback import InternalCompilerError, internal_error
 from runtime.replay import _name, is_metadata, is_state_read
 from runtime.trace import RegionPlan, TensorMeta, Trace, TraceCall, ValueId
 
@@ -66,9 +67,21 @@ class _ViewMutation(Exception):
     """A view changed in place in a way the functional capture cannot follow."""
 
 
+class RecordingFailed(Exception):
+    """A compiler bug broke the recording (logged as such): the function ran eagerly to its
+    end and ``result`` is its result; nothing was recorded to replay."""
+
+    def __init__(self, result, message: str):
+        super().__init__(message)
+        self.result = result
+
+
 class Capture(TorchFunctionMode):
-    def __init__(self):
+    def __init__(self, fn_name: str = "?"):
         super().__init__()
+        self.fn_name = fn_name
+        self.broken = None           # a compiler bug's message (or the strict error): record no more
+        self.internal_errors: list = []  # bugs met in single calls, which then ran eagerly
         self.calls: list[TraceCall] = []
         self.regions: list[_Region] = []
         self.current: _Region | None = None
@@ -113,10 +126,14 @@ class Capture(TorchFunctionMode):
     # -- the mode ------------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if is_metadata(func):
+        if is_metadata(func) or self.broken is not None:
             return func(*args, **kwargs)
-        leaves, spec = flatten_call(args, kwargs)
-        recorded = [self.id_of(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+        try:
+            leaves, spec = flatten_call(args, kwargs)
+            recorded = [self.id_of(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+        except Exception as e:
+            self._break(e, func)
+            return func(*args, **kwargs)
         try:
             result = func(*args, **kwargs)
         except Exception:
@@ -124,6 +141,27 @@ class Capture(TorchFunctionMode):
             self.current = None
             self.calls.append(TraceCall(func, "eager", None, spec, recorded, [], None))
             raise
+        try:
+            self._record(func, args, kwargs, leaves, spec, recorded, result)
+        except Exception as e:
+            self._break(e, func)
+        return result
+
+    def _break(self, exc: Exception, func) -> None:
+        """A compiler bug while recording ``func``: the rest of the call runs eagerly, unrecorded
+        (under SYMGRAD_STRICT=1 it raises, and stays raised even if the user's code catches it)."""
+        if isinstance(exc, InternalCompilerError):
+            self.broken = exc
+            raise exc
+        try:
+            self.broken = internal_error(f"{self.fn_name} (recording {_name(func)})", exc)
+        except InternalCompilerError as strict_error:
+            self.broken = strict_error
+            raise
+
+    def _record(self, func, args, kwargs, leaves, spec, recorded, result) -> None:
+        """Record one call that eager just ran (``result``): into the current region when the
+        catalog has a binding for it, else as an eager call."""
         if isinstance(result, torch.Tensor):
             out_tensors, out_spec = [result], None
         elif func is torch.Tensor.__setitem__:
@@ -153,6 +191,13 @@ class Capture(TorchFunctionMode):
                 region, nodes = self._emit(func, binding, args, kwargs, leaves, recorded, out_tensors)
             except Unsupported as e:
                 reason = f"{_name(func)}: {e}"
+            except InternalCompilerError:
+                raise
+            except Exception as e:  # a bug in a binding: this call runs eagerly (strict: raises)
+                internal = internal_error(f"{self.fn_name} (compiling {_name(func)})", e)
+                self.internal_errors.append(internal)
+                region = None
+                self.current = None
         elif not by_design and not _expected_eager(func, self._reads_region_value(recorded)):
             if getattr(func, "__name__", "") in _VALUE_READS:
                 reason = (f"{_name(func)} reads a tensor's value into Python (a graph break: the compiled "
@@ -193,7 +238,6 @@ class Capture(TorchFunctionMode):
             self.calls.append(TraceCall(func, "eager", None, spec, recorded, outputs, out_spec, reason))
             if reason:
                 self.breaks.append(reason)
-        return result
 
     def _emit(self, func, binding, args, kwargs, leaves, recorded, out_tensors):
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
@@ -226,7 +270,8 @@ class Capture(TorchFunctionMode):
             made.meta.update(source=source, torch_op=op_name, device=device)
         nodes = list(result) if isinstance(result, (tuple, list)) else [result]
         if len(nodes) != len(out_tensors):
-            raise Unsupported("internal: the binding returned a different number of results than eager")
+            raise AssertionError(f"the binding of {_name(func)} returned {len(nodes)} results where eager "
+                                 f"returned {len(out_tensors)}")
         inputs = {id(n): x for n, x in zip(mapped, leaves) if isinstance(n, fx.Node)}
         for i, (node, t) in enumerate(zip(nodes, out_tensors)):
             source = inputs.get(id(node))
@@ -237,8 +282,8 @@ class Capture(TorchFunctionMode):
                                             requires_grad=node.meta["requires_grad"])
         for node, t in zip(nodes, out_tensors):
             if node.meta["shape"] != tuple(t.shape) or node.meta["dtype"] != t.dtype:
-                raise Unsupported(
-                    f"internal: the binding computed {node.meta['dtype']}{list(node.meta['shape'])} "
+                raise AssertionError(
+                    f"the binding of {_name(func)} computed {node.meta['dtype']}{list(node.meta['shape'])} "
                     f"where eager gave {t.dtype}{list(t.shape)}")
             if node.meta["requires_grad"] != t.requires_grad:
                 node.meta["requires_grad"] = t.requires_grad
@@ -528,8 +573,9 @@ def _expected_eager(func, reads_region_value: bool) -> bool:
 
 
 def capture(fn, args, kwargs):
-    """Run ``fn`` eagerly, recording it. Returns (the function's result, Trace)."""
-    mode = Capture()
+    """Run ``fn`` eagerly, recording it. Returns (the function's result, Trace). Raises
+    ``RecordingFailed`` (carrying the result) where a compiler bug broke the recording."""
+    mode = Capture(getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__)
     leaves, _ = tree_flatten((args, kwargs))
     mode.add_args(leaves)
     # NOTE: nothing here changes how autograd sees the user's tensors (no saved-tensor hooks
@@ -546,9 +592,18 @@ def capture(fn, args, kwargs):
         for handle in handles:
             handle.remove()
     del leaves
-    trace = mode.finish(result)
-    trace.module_modes = modules.modes
-    trace.optimizer_steps = steps.spans(trace)
+    if isinstance(mode.broken, InternalCompilerError):
+        raise mode.broken  # (strict) the user's code caught it: a bug fails the call all the same
+    if mode.broken is None:
+        try:
+            trace = mode.finish(result)
+            trace.module_modes = modules.modes
+            trace.optimizer_steps = steps.spans(trace)
+        except Exception as e:
+            mode.broken = internal_error(f"{mode.fn_name} (analysing its recording)", e)
+    if mode.broken is not None:
+        raise RecordingFailed(result, mode.broken)
+    trace.internal_errors = list(mode.internal_errors)
     return result, trace
 
 
