@@ -59,6 +59,7 @@ class _Region:
     produced: list = field(default_factory=list)    # value ids made here, in order
     calls: list = field(default_factory=list)
     seeds: list = field(default_factory=list)       # input value ids that take a fresh RNG seed per call
+    read_for_grad: set = field(default_factory=set)  # value ids read by calls that autograd records
     view_mutation: bool = False                     # an in-place op changed a view
     eager_reason: str | None = None                 # set when the region must run eagerly
 
@@ -95,6 +96,7 @@ class Capture(TorchFunctionMode):
         self.breaks: list = []       # reasons the graph was broken
         self.entry_grad_mode = torch.is_grad_enabled()
         self.isolate: set = set()    # calls whose result's grad_fn the user reads: run eagerly
+        self.split_after: set = set()  # calls whose result backward takes as `inputs`: a region ends there
         self.call_meta: dict = {}    # call index -> (input TensorMetas by value id, output metas)
 
     # -- value ids -----------------------------------------------------------------------
@@ -170,12 +172,21 @@ class Capture(TorchFunctionMode):
             out_leaves, out_spec = tree_flatten(result)
             out_tensors = [t for t in out_leaves if isinstance(t, torch.Tensor)]
 
-        if _is_grad_fn_access(func) and recorded and recorded[0] in self.produced_by:
-            # NOTE: the user inspects this value's Node (hooks on grad_fn, its saved tensors):
-            # the op that made it runs eagerly on every call, so the Node is eager's own.
+        if recorded and isinstance(recorded[0], ValueId) and recorded[0] in self.produced_by \
+                and _inspects_node(func, leaves):
+            # NOTE: the user inspects this value's Node (hooks on grad_fn, its saved tensors,
+            # its name in a printout): the op that made it runs eagerly on every call, so the
+            # Node is eager's own.
             producer = self.produced_by[recorded[0]]
             if self.calls[producer].kind == "compute":
                 self.isolate.add(producer)
+        for t in _gradient_inputs(func, args, kwargs):
+            # NOTE: grad(z, y) / backward(inputs=[y]) needs y's Node in z's graph: the region
+            # that computes y ends with it, and what reads y next starts from y itself.
+            entry = self.ids.get(id(t))
+            producer = self.produced_by.get(entry[1]) if entry is not None and entry[0]() is t else None
+            if producer is not None and self.calls[producer].kind == "compute":
+                self.split_after.add(producer)
         reason = None
         region = None
         nodes = None
@@ -187,6 +198,7 @@ class Capture(TorchFunctionMode):
         if by_design:
             binding = None
         if binding is not None:
+            self._split_before_overwriting_a_saved_value(out_tensors)
             try:
                 region, nodes = self._emit(func, binding, args, kwargs, leaves, recorded, out_tensors)
             except Unsupported as e:
@@ -230,6 +242,8 @@ class Capture(TorchFunctionMode):
                     except _ViewMutation as e:
                         region.eager_reason = f"{_name(func)}: {e}"
             region.calls.append(index)
+            if any(t.requires_grad for t in out_tensors):
+                region.read_for_grad.update(v for v in recorded if isinstance(v, ValueId))
             self.calls.append(TraceCall(func, "compute", region.index, spec, recorded, outputs, out_spec))
         else:
             self.current = None  # an eager call closes the region
@@ -238,6 +252,21 @@ class Capture(TorchFunctionMode):
             self.calls.append(TraceCall(func, "eager", None, spec, recorded, outputs, out_spec, reason))
             if reason:
                 self.breaks.append(reason)
+
+    def _split_before_overwriting_a_saved_value(self, out_tensors) -> None:
+        """An in-place op on a value that an earlier op of this region read under autograd
+        (which may have saved it for backward) starts a new region. The write-back into the
+        real tensor then bumps its version after the earlier region saved it, so a backward
+        that needs the old value raises eager's "modified by an inplace operation" error
+        instead of silently using a copy."""
+        region = self.current
+        if region is None or not region.read_for_grad:
+            return
+        for t in out_tensors:
+            entry = self.ids.get(id(t))
+            if entry is not None and entry[0]() is t and entry[1] in region.read_for_grad:
+                self.current = None
+                return
 
     def _emit(self, func, binding, args, kwargs, leaves, recorded, out_tensors):
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
@@ -355,8 +384,9 @@ class Capture(TorchFunctionMode):
     def _split_isolated(self):
         """Take each isolated call out of its region: it runs eagerly on every call, so the
         Node the user inspects is eager's own (its type, ``_saved_*`` tensors and their
-        hooks, ``next_functions``); the calls around it are rebuilt as regions of their own."""
-        if not self.isolate:
+        hooks, ``next_functions``). Regions also end after each call in ``split_after``. The
+        calls around are rebuilt as regions of their own."""
+        if not self.isolate and not self.split_after:
             return
         regions = []
         for r in self.regions:
@@ -365,11 +395,14 @@ class Capture(TorchFunctionMode):
                 if c in self.isolate:
                     segments += [current, [c]] if current else [[c]]
                     current = []
-                else:
-                    current.append(c)
+                    continue
+                current.append(c)
+                if c in self.split_after:
+                    segments.append(current)
+                    current = []
             if current:
                 segments.append(current)
-            if r.view_mutation or not any(seg[0] in self.isolate for seg in segments):
+            if r.view_mutation or (len(segments) == 1 and segments[0][0] not in self.isolate):
                 r.index = len(regions)
                 regions.append(r)
                 continue
@@ -459,8 +492,13 @@ class Capture(TorchFunctionMode):
             plans.append(RegionPlan(r.calls, list(r.inputs), outputs, internal, r.grad_enabled, mutated=mutated,
                                     reason=r.eager_reason, seeds=[(v, r.device) for v in r.seeds]))
             plans[-1].graph = b.graph
-        return Trace(self.calls, plans, self.arg_ids, dict(self.externals), dict(self.produced_by),
-                     list(dict.fromkeys(self.breaks)))
+        # Externals already gone appeared during the call, from code the mode does not see (a
+        # Parameter made inside the function, a tensor unpacked from a grad_fn): replay binds
+        # them to what the function passes then. The others are guarded by identity.
+        transient = {vid: meta for vid, (ref, meta) in self.externals.items() if ref() is None}
+        externals = {vid: e for vid, e in self.externals.items() if vid not in transient}
+        return Trace(self.calls, plans, self.arg_ids, externals, dict(self.produced_by),
+                     list(dict.fromkeys(self.breaks)), transient=transient)
 
 
 def _apply_writes(region: _Region, writes) -> None:
@@ -540,9 +578,28 @@ def _user_frame() -> str:
 _LIBRARY_PATHS = (os.sep + "torch" + os.sep, os.sep + "compiler" + os.sep, os.sep + "runtime" + os.sep)
 
 
-def _is_grad_fn_access(func) -> bool:
-    return getattr(func, "__name__", None) == "__get__" and \
-        getattr(getattr(func, "__self__", None), "__name__", None) == "grad_fn"
+def _gradient_inputs(func, args, kwargs) -> list:
+    """The tensors a ``grad``/``backward`` call differentiates with respect to (``inputs``)."""
+    position = _INPUTS_POSITION.get(func)
+    if position is None:
+        return []
+    inputs = args[position] if len(args) > position else kwargs.get("inputs")
+    if isinstance(inputs, torch.Tensor):
+        return [inputs]
+    return [t for t in inputs or () if isinstance(t, torch.Tensor)]
+
+
+_INPUTS_POSITION = {torch.autograd.grad: 1, torch.autograd.backward: 5, torch.Tensor.backward: 4}
+
+
+def _inspects_node(func, leaves) -> bool:
+    """Whether ``func`` shows the user the autograd Node of its first argument: reading
+    ``.grad_fn``, or printing a tensor that has one (``grad_fn=<MulBackward0>``)."""
+    name = getattr(func, "__name__", None)
+    if name == "__get__":
+        return getattr(getattr(func, "__self__", None), "__name__", None) == "grad_fn"
+    return name in ("__repr__", "__str__", "__format__") and isinstance(leaves[0], torch.Tensor) and \
+        leaves[0].grad_fn is not None
 
 
 def _binding(func):

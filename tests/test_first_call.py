@@ -112,3 +112,31 @@ def test_an_intermediate_the_user_keeps_is_materialized():
     assert cf.last_backend == "interpret" and not torch.isnan(kept[0]).any()
     out.backward()
     torch.testing.assert_close(x.grad, torch.func.grad(lambda x: ((x.sin() * 2) * x).exp().sum())(x.detach()))
+
+
+def test_a_value_only_another_thread_reads_raises_instead_of_computing_on_nothing():
+    """The recording cannot see other threads: a value only a thread reads stays inside the
+    kernels on replay. Its stand-in refuses the thread's use, loudly (never a wrong grad)."""
+    import threading
+
+    def f(x):
+        shared = x.exp() * 2
+        errors = []
+
+        def worker():
+            try:
+                shared.sum().backward()
+            except RuntimeError as e:
+                errors.append(str(e))
+        t = threading.Thread(target=worker)
+        t.start()
+        t.join()
+        return errors
+    x = torch.randn(4, requires_grad=True)
+    cf = compiler.compile(f, backend="interpret")
+    assert cf(x) == [] and x.grad is not None  # the recording: eager
+    x.grad = None
+    errors = cf(x)
+    assert cf.last_backend == "interpret"
+    assert len(errors) == 1 and "symgrad" in errors[0] and "another thread" in errors[0]
+    assert x.grad is None
