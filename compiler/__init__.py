@@ -19,6 +19,6 @@ _prepare_process()  # before anything imports triton: interpreter mode on CPU-on
 from compiler import scalar_math as math  # noqa: E402
 from compiler.api import compile, explain  # noqa: E402
 from compiler.elementwise import elementwise  # noqa: E402
-from runtime.fallback import CompileError  # noqa: E402
+from runtime.fallback import CompileError, InternalCompilerError  # noqa: E402
 
-__all__ = ["compile", "explain", "elementwise", "math", "CompileError"]
+__all__ = ["compile", "explain", "elementwise", "math", "CompileError", "InternalCompilerError"]

@@ -8,11 +8,17 @@ import logging
 import torch.fx as fx
 
 from compiler.build import build_region
-from compiler.capture import capture
+from compiler.capture import RecordingFailed, capture
+from compiler.codegen.triton_printer import NotPrintable
+from compiler.ops.bindings import Unsupported
 from compiler.report import KernelInfo, Report
 from runtime.dispatch import CompiledFunction, Entry
-from runtime.fallback import CompileError
+from runtime.fallback import CompileError, internal_error
 from runtime.replay import _name
+
+# The compiler's deliberate refusals: what it does not compile (yet), each with its reason.
+# Any other exception while compiling is a bug (see runtime.fallback.internal_error).
+DELIBERATE = (Unsupported, NotPrintable)
 
 log = logging.getLogger("compiler")
 
@@ -59,10 +65,19 @@ def explain(fn, *args, **kwargs) -> Report:
 
 
 def _build(fn, args, kwargs, *, fullgraph=False, stats=None):
-    result, trace = capture(fn, args, kwargs)
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+    try:
+        result, trace = capture(fn, args, kwargs)
+    except RecordingFailed as failed:  # a bug (logged): this key runs eagerly from now on
+        if fullgraph:
+            raise CompileError(f"{name}: {failed}") from failed
+        report = Report(graph=None, backward_graph=None, kernels=[], fallbacks=[], eager_calls=[],
+                        internal_errors=[str(failed)])
+        return failed.result, Entry(None, report)
     fallbacks = list(trace.fallbacks)
-    if fullgraph and fallbacks:
-        raise CompileError(f"{getattr(fn, '__name__', fn)} cannot be compiled whole: " + "; ".join(fallbacks))
+    internal_errors = list(trace.internal_errors)
+    if fullgraph and (fallbacks or internal_errors):
+        raise CompileError(f"{name} cannot be compiled whole: " + "; ".join(fallbacks + internal_errors))
     regions, kernels = [], []
     for index, plan in enumerate(trace.regions):
         captured = _copy(plan.graph)
@@ -83,20 +98,28 @@ def _build(fn, args, kwargs, *, fullgraph=False, stats=None):
                 [KernelInfo(k.name, k.source, "forward", index, k.bytes_moved) for k in details["forward_kernels"]]
                 + [KernelInfo(k.name, k.source, "backward", index, k.bytes_moved) for k in details["backward_kernels"]])
             kernels.extend(info["kernels"])
-        except Exception as e:  # noqa: BLE001 — a compiler failure must not break the user's program
+        except DELIBERATE as e:  # something this compiler does not do (yet): its ops run eagerly
             if fullgraph:
-                raise CompileError(f"region {index} failed to compile: {type(e).__name__}: {e}") from e
+                raise CompileError(f"region {index} cannot be compiled: {e}") from e
             plan.compiled = None
-            plan.reason = f"region {index} failed to compile ({type(e).__name__}: {e}); its ops run eagerly"
+            plan.reason = f"region {index} cannot be compiled ({e}); its ops run eagerly"
             info["reason"] = plan.reason
             fallbacks.append(plan.reason)
-            log.debug("region compile failure", exc_info=True)
+        except Exception as e:  # noqa: BLE001 — a bug: loud (strict: raises), and the user's program goes on
+            plan.compiled = None
+            plan.reason = internal_error(f"{name} (compiling region {index})", e)
+            if fullgraph:
+                raise CompileError(f"region {index} failed to compile: {type(e).__name__}: {e}") from e
+            info["reason"] = plan.reason
+            info["internal_error"] = True
+            internal_errors.append(plan.reason)
         regions.append(info)
     eager_calls = list(dict.fromkeys(_name(c.func) for c in trace.calls if c.kind == "eager"))
     report = Report(
         graph=_merged_graph(regions),
         backward_graph=next((r["backward_graph"] for r in regions if r.get("backward_graph") is not None), None),
-        kernels=kernels, fallbacks=fallbacks, eager_calls=eager_calls, regions=regions)
+        kernels=kernels, fallbacks=fallbacks, eager_calls=eager_calls, regions=regions,
+        internal_errors=internal_errors)
     return result, Entry(trace, report)
 
 

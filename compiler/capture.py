@@ -29,6 +29,7 @@ from compiler.ir import GraphBuilder
 from compiler.ops import catalog as C
 from compiler.ops.bindings import Unsupported, Writes, lookup
 from runtime.calls import flatten_call, unflatten_call
+from runtime.fallback import InternalCompilerError, internal_error
 from runtime.replay import _name, is_metadata, is_state_read
 from runtime.trace import RegionPlan, TensorMeta, Trace, TraceCall, ValueId
 
@@ -58,6 +59,7 @@ class _Region:
     produced: list = field(default_factory=list)    # value ids made here, in order
     calls: list = field(default_factory=list)
     seeds: list = field(default_factory=list)       # input value ids that take a fresh RNG seed per call
+    read_for_grad: set = field(default_factory=set)  # value ids read by calls that autograd records
     view_mutation: bool = False                     # an in-place op changed a view
     eager_reason: str | None = None                 # set when the region must run eagerly
 
@@ -66,9 +68,21 @@ class _ViewMutation(Exception):
     """A view changed in place in a way the functional capture cannot follow."""
 
 
+class RecordingFailed(Exception):
+    """A compiler bug broke the recording (logged as such): the function ran eagerly to its
+    end and ``result`` is its result; nothing was recorded to replay."""
+
+    def __init__(self, result, message: str):
+        super().__init__(message)
+        self.result = result
+
+
 class Capture(TorchFunctionMode):
-    def __init__(self):
+    def __init__(self, fn_name: str = "?"):
         super().__init__()
+        self.fn_name = fn_name
+        self.broken = None           # a compiler bug's message (or the strict error): record no more
+        self.internal_errors: list = []  # bugs met in single calls, which then ran eagerly
         self.calls: list[TraceCall] = []
         self.regions: list[_Region] = []
         self.current: _Region | None = None
@@ -81,7 +95,8 @@ class Capture(TorchFunctionMode):
         self.next_id = 0
         self.breaks: list = []       # reasons the graph was broken
         self.entry_grad_mode = torch.is_grad_enabled()
-        self.isolate: set = set()    # calls whose result's grad_fn the user reads
+        self.isolate: set = set()    # calls whose result's grad_fn the user reads: run eagerly
+        self.split_after: set = set()  # calls whose result backward takes as `inputs`: a region ends there
         self.call_meta: dict = {}    # call index -> (input TensorMetas by value id, output metas)
 
     # -- value ids -----------------------------------------------------------------------
@@ -113,10 +128,14 @@ class Capture(TorchFunctionMode):
     # -- the mode ------------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if is_metadata(func):
+        if is_metadata(func) or self.broken is not None:
             return func(*args, **kwargs)
-        leaves, spec = flatten_call(args, kwargs)
-        recorded = [self.id_of(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+        try:
+            leaves, spec = flatten_call(args, kwargs)
+            recorded = [self.id_of(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+        except Exception as e:
+            self._break(e, func)
+            return func(*args, **kwargs)
         try:
             result = func(*args, **kwargs)
         except Exception:
@@ -124,6 +143,27 @@ class Capture(TorchFunctionMode):
             self.current = None
             self.calls.append(TraceCall(func, "eager", None, spec, recorded, [], None))
             raise
+        try:
+            self._record(func, args, kwargs, leaves, spec, recorded, result)
+        except Exception as e:
+            self._break(e, func)
+        return result
+
+    def _break(self, exc: Exception, func) -> None:
+        """A compiler bug while recording ``func``: the rest of the call runs eagerly, unrecorded
+        (under SYMGRAD_STRICT=1 it raises, and stays raised even if the user's code catches it)."""
+        if isinstance(exc, InternalCompilerError):
+            self.broken = exc
+            raise exc
+        try:
+            self.broken = internal_error(f"{self.fn_name} (recording {_name(func)})", exc)
+        except InternalCompilerError as strict_error:
+            self.broken = strict_error
+            raise
+
+    def _record(self, func, args, kwargs, leaves, spec, recorded, result) -> None:
+        """Record one call that eager just ran (``result``): into the current region when the
+        catalog has a binding for it, else as an eager call."""
         if isinstance(result, torch.Tensor):
             out_tensors, out_spec = [result], None
         elif func is torch.Tensor.__setitem__:
@@ -132,12 +172,21 @@ class Capture(TorchFunctionMode):
             out_leaves, out_spec = tree_flatten(result)
             out_tensors = [t for t in out_leaves if isinstance(t, torch.Tensor)]
 
-        if _is_grad_fn_access(func) and recorded and recorded[0] in self.produced_by:
-            # NOTE: the user inspects this value's Node (hooks on grad_fn): compile the op that
-            # made it as a region of its own, so its Node has that op's inputs, as in eager.
+        if recorded and isinstance(recorded[0], ValueId) and recorded[0] in self.produced_by \
+                and _inspects_node(func, leaves):
+            # NOTE: the user inspects this value's Node (hooks on grad_fn, its saved tensors,
+            # its name in a printout): the op that made it runs eagerly on every call, so the
+            # Node is eager's own.
             producer = self.produced_by[recorded[0]]
             if self.calls[producer].kind == "compute":
                 self.isolate.add(producer)
+        for t in _gradient_inputs(func, args, kwargs):
+            # NOTE: grad(z, y) / backward(inputs=[y]) needs y's Node in z's graph: the region
+            # that computes y ends with it, and what reads y next starts from y itself.
+            entry = self.ids.get(id(t))
+            producer = self.produced_by.get(entry[1]) if entry is not None and entry[0]() is t else None
+            if producer is not None and self.calls[producer].kind == "compute":
+                self.split_after.add(producer)
         reason = None
         region = None
         nodes = None
@@ -149,10 +198,18 @@ class Capture(TorchFunctionMode):
         if by_design:
             binding = None
         if binding is not None:
+            self._split_before_overwriting_a_saved_value(out_tensors)
             try:
                 region, nodes = self._emit(func, binding, args, kwargs, leaves, recorded, out_tensors)
             except Unsupported as e:
                 reason = f"{_name(func)}: {e}"
+            except InternalCompilerError:
+                raise
+            except Exception as e:  # a bug in a binding: this call runs eagerly (strict: raises)
+                internal = internal_error(f"{self.fn_name} (compiling {_name(func)})", e)
+                self.internal_errors.append(internal)
+                region = None
+                self.current = None
         elif not by_design and not _expected_eager(func, self._reads_region_value(recorded)):
             if getattr(func, "__name__", "") in _VALUE_READS:
                 reason = (f"{_name(func)} reads a tensor's value into Python (a graph break: the compiled "
@@ -185,6 +242,8 @@ class Capture(TorchFunctionMode):
                     except _ViewMutation as e:
                         region.eager_reason = f"{_name(func)}: {e}"
             region.calls.append(index)
+            if any(t.requires_grad for t in out_tensors):
+                region.read_for_grad.update(v for v in recorded if isinstance(v, ValueId))
             self.calls.append(TraceCall(func, "compute", region.index, spec, recorded, outputs, out_spec))
         else:
             self.current = None  # an eager call closes the region
@@ -193,7 +252,21 @@ class Capture(TorchFunctionMode):
             self.calls.append(TraceCall(func, "eager", None, spec, recorded, outputs, out_spec, reason))
             if reason:
                 self.breaks.append(reason)
-        return result
+
+    def _split_before_overwriting_a_saved_value(self, out_tensors) -> None:
+        """An in-place op on a value that an earlier op of this region read under autograd
+        (which may have saved it for backward) starts a new region. The write-back into the
+        real tensor then bumps its version after the earlier region saved it, so a backward
+        that needs the old value raises eager's "modified by an inplace operation" error
+        instead of silently using a copy."""
+        region = self.current
+        if region is None or not region.read_for_grad:
+            return
+        for t in out_tensors:
+            entry = self.ids.get(id(t))
+            if entry is not None and entry[0]() is t and entry[1] in region.read_for_grad:
+                self.current = None
+                return
 
     def _emit(self, func, binding, args, kwargs, leaves, recorded, out_tensors):
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
@@ -226,7 +299,8 @@ class Capture(TorchFunctionMode):
             made.meta.update(source=source, torch_op=op_name, device=device)
         nodes = list(result) if isinstance(result, (tuple, list)) else [result]
         if len(nodes) != len(out_tensors):
-            raise Unsupported("internal: the binding returned a different number of results than eager")
+            raise AssertionError(f"the binding of {_name(func)} returned {len(nodes)} results where eager "
+                                 f"returned {len(out_tensors)}")
         inputs = {id(n): x for n, x in zip(mapped, leaves) if isinstance(n, fx.Node)}
         for i, (node, t) in enumerate(zip(nodes, out_tensors)):
             source = inputs.get(id(node))
@@ -237,8 +311,8 @@ class Capture(TorchFunctionMode):
                                             requires_grad=node.meta["requires_grad"])
         for node, t in zip(nodes, out_tensors):
             if node.meta["shape"] != tuple(t.shape) or node.meta["dtype"] != t.dtype:
-                raise Unsupported(
-                    f"internal: the binding computed {node.meta['dtype']}{list(node.meta['shape'])} "
+                raise AssertionError(
+                    f"the binding of {_name(func)} computed {node.meta['dtype']}{list(node.meta['shape'])} "
                     f"where eager gave {t.dtype}{list(t.shape)}")
             if node.meta["requires_grad"] != t.requires_grad:
                 node.meta["requires_grad"] = t.requires_grad
@@ -308,8 +382,11 @@ class Capture(TorchFunctionMode):
 
     # -- after the run -------------------------------------------------------------------
     def _split_isolated(self):
-        """Rebuild regions so each isolated call is a region of its own."""
-        if not self.isolate:
+        """Take each isolated call out of its region: it runs eagerly on every call, so the
+        Node the user inspects is eager's own (its type, ``_saved_*`` tensors and their
+        hooks, ``next_functions``). Regions also end after each call in ``split_after``. The
+        calls around are rebuilt as regions of their own."""
+        if not self.isolate and not self.split_after:
             return
         regions = []
         for r in self.regions:
@@ -318,15 +395,22 @@ class Capture(TorchFunctionMode):
                 if c in self.isolate:
                     segments += [current, [c]] if current else [[c]]
                     current = []
-                else:
-                    current.append(c)
+                    continue
+                current.append(c)
+                if c in self.split_after:
+                    segments.append(current)
+                    current = []
             if current:
                 segments.append(current)
-            if len(segments) == 1 or r.view_mutation:
+            if r.view_mutation or (len(segments) == 1 and segments[0][0] not in self.isolate):
                 r.index = len(regions)
                 regions.append(r)
                 continue
             for seg in segments:
+                if seg[0] in self.isolate:
+                    call = self.calls[seg[0]]
+                    call.kind, call.region = "eager", None
+                    continue
                 regions.append(self._rebuild(len(regions), seg, r.grad_enabled, r.device))
         for r in regions:
             for c in r.calls:
@@ -355,6 +439,24 @@ class Capture(TorchFunctionMode):
             region.calls.append(c)
         return region
 
+    def _kept_by_user(self) -> set:
+        """Value ids of region values the user still holds after the call (or holds a view of:
+        the view's base, as the recording had it)."""
+        kept = set()
+        for r in self.regions:
+            for vid in r.produced:
+                t = self.refs[vid]()
+                if t is None or vid in kept:
+                    continue
+                if _held_by_python(t):
+                    kept.add(vid)
+                    base = t._base
+                    entry = self.ids.get(id(base)) if base is not None else None
+                    if entry is not None and entry[0]() is base:
+                        kept.add(entry[1])
+                del t
+        return kept
+
     def finish(self, result) -> Trace:
         """Escape analysis, then the trace with one RegionPlan per region."""
         self._split_isolated()
@@ -369,6 +471,7 @@ class Capture(TorchFunctionMode):
                 used_outside.update(v for v in call.leaves if isinstance(v, ValueId))
         for r in self.regions:
             used_outside.update(r.inputs)
+        kept = self._kept_by_user()
         plans = []
         for r in self.regions:
             outputs, internal = [], {}
@@ -377,8 +480,7 @@ class Capture(TorchFunctionMode):
                 if vid in seen:
                     continue
                 seen.add(vid)
-                alive = self.refs[vid]() is not None
-                if vid in used_outside or alive:
+                if vid in used_outside or vid in kept:
                     outputs.append(vid)
                 else:
                     internal[vid] = self.meta[vid]
@@ -390,8 +492,13 @@ class Capture(TorchFunctionMode):
             plans.append(RegionPlan(r.calls, list(r.inputs), outputs, internal, r.grad_enabled, mutated=mutated,
                                     reason=r.eager_reason, seeds=[(v, r.device) for v in r.seeds]))
             plans[-1].graph = b.graph
-        return Trace(self.calls, plans, self.arg_ids, dict(self.externals), dict(self.produced_by),
-                     list(dict.fromkeys(self.breaks)))
+        # Externals already gone appeared during the call, from code the mode does not see (a
+        # Parameter made inside the function, a tensor unpacked from a grad_fn): replay binds
+        # them to what the function passes then. The others are guarded by identity.
+        transient = {vid: meta for vid, (ref, meta) in self.externals.items() if ref() is None}
+        externals = {vid: e for vid, e in self.externals.items() if vid not in transient}
+        return Trace(self.calls, plans, self.arg_ids, externals, dict(self.produced_by),
+                     list(dict.fromkeys(self.breaks)), transient=transient)
 
 
 def _apply_writes(region: _Region, writes) -> None:
@@ -471,9 +578,28 @@ def _user_frame() -> str:
 _LIBRARY_PATHS = (os.sep + "torch" + os.sep, os.sep + "compiler" + os.sep, os.sep + "runtime" + os.sep)
 
 
-def _is_grad_fn_access(func) -> bool:
-    return getattr(func, "__name__", None) == "__get__" and \
-        getattr(getattr(func, "__self__", None), "__name__", None) == "grad_fn"
+def _gradient_inputs(func, args, kwargs) -> list:
+    """The tensors a ``grad``/``backward`` call differentiates with respect to (``inputs``)."""
+    position = _INPUTS_POSITION.get(func)
+    if position is None:
+        return []
+    inputs = args[position] if len(args) > position else kwargs.get("inputs")
+    if isinstance(inputs, torch.Tensor):
+        return [inputs]
+    return [t for t in inputs or () if isinstance(t, torch.Tensor)]
+
+
+_INPUTS_POSITION = {torch.autograd.grad: 1, torch.autograd.backward: 5, torch.Tensor.backward: 4}
+
+
+def _inspects_node(func, leaves) -> bool:
+    """Whether ``func`` shows the user the autograd Node of its first argument: reading
+    ``.grad_fn``, or printing a tensor that has one (``grad_fn=<MulBackward0>``)."""
+    name = getattr(func, "__name__", None)
+    if name == "__get__":
+        return getattr(getattr(func, "__self__", None), "__name__", None) == "grad_fn"
+    return name in ("__repr__", "__str__", "__format__") and isinstance(leaves[0], torch.Tensor) and \
+        leaves[0].grad_fn is not None
 
 
 def _binding(func):
@@ -504,34 +630,37 @@ def _expected_eager(func, reads_region_value: bool) -> bool:
 
 
 def capture(fn, args, kwargs):
-    """Run ``fn`` eagerly, recording it. Returns (the function's result, Trace)."""
-    mode = Capture()
+    """Run ``fn`` eagerly, recording it. Returns (the function's result, Trace). Raises
+    ``RecordingFailed`` (carrying the result) where a compiler bug broke the recording."""
+    mode = Capture(getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__)
     leaves, _ = tree_flatten((args, kwargs))
     mode.add_args(leaves)
-    # NOTE: autograd keeps every tensor a backward needs alive, which would make every
-    # intermediate look "kept by the user". Packing saved tensors as detached aliases (same
-    # storage and version counter) lets escape analysis see the user's references only.
-    # Skipped when the user has saved-tensor hooks of their own: theirs must run.
-    hooks_active = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    # NOTE: nothing here changes how autograd sees the user's tensors (no saved-tensor hooks
+    # of ours): the recording call is eager PyTorch, version checks and saved tensors included.
     modules = _ModulesRun()
     steps = _OptimizerSteps(mode)
     handles = [torch.nn.modules.module.register_module_forward_pre_hook(modules),
                register_optimizer_step_pre_hook(steps.begin),
                register_optimizer_step_post_hook(steps.end)]
     try:
-        if hooks_active:
-            with mode:
-                result = fn(*args, **kwargs)
-        else:
-            with torch.autograd.graph.saved_tensors_hooks(_detach, _identity), mode:
-                result = fn(*args, **kwargs)
+        with mode:
+            result = fn(*args, **kwargs)
     finally:
         for handle in handles:
             handle.remove()
     del leaves
-    trace = mode.finish(result)
-    trace.module_modes = modules.modes
-    trace.optimizer_steps = steps.spans(trace)
+    if isinstance(mode.broken, InternalCompilerError):
+        raise mode.broken  # (strict) the user's code caught it: a bug fails the call all the same
+    if mode.broken is None:
+        try:
+            trace = mode.finish(result)
+            trace.module_modes = modules.modes
+            trace.optimizer_steps = steps.spans(trace)
+        except Exception as e:
+            mode.broken = internal_error(f"{mode.fn_name} (analysing its recording)", e)
+    if mode.broken is not None:
+        raise RecordingFailed(result, mode.broken)
+    trace.internal_errors = list(mode.internal_errors)
     return result, trace
 
 
@@ -574,9 +703,13 @@ class _ModulesRun:
             self.modes.append((weakref.ref(module), module.training))
 
 
-def _detach(t):
-    return t.detach()
+def _held_by_python(t: torch.Tensor) -> bool:
+    """Whether Python code other than the caller holds ``t`` (a list, a module attribute, a
+    closure): the user may read it after the call.
 
-
-def _identity(t):
-    return t
+    References from C++ do not count: autograd's saved tensors (backward needs them, and
+    replay saves what it needs itself) and a view's base. While anything in C++ holds the
+    tensor, the tensor holds exactly one reference to its Python object; the caller's
+    variable and ``getrefcount``'s argument are two more."""
+    held_by_cpp = 1 if t._use_count() > 1 else 0
+    return sys.getrefcount(t) - 3 - held_by_cpp > 0

@@ -23,12 +23,13 @@ class KernelInfo:
 
 @dataclass
 class Report:
-    graph: fx.Graph                     # the captured forward computation (all regions)
+    graph: fx.Graph | None              # the captured forward computation (all regions)
     backward_graph: fx.Graph | None     # the derived backward (of the first differentiable region)
     kernels: list                       # KernelInfo, forward then backward, region by region
     fallbacks: list                     # why anything runs eagerly; empty when fully compiled
     eager_calls: list                   # calls run as they are (backward(), optimizer updates)
     regions: list = field(default_factory=list)   # per region: dict of graphs and kernels
+    internal_errors: list = field(default_factory=list)  # compiler bugs (ran eagerly): please report them
     backend: str = ""
     backend_reason: str = ""
 
@@ -59,10 +60,15 @@ class Report:
                 out.append(format_graph(region["backward_graph"], "backward"))
             for k in region.get("kernels", []):
                 out.append(f"   [{k.phase}] {k.name}  ({k.bytes_moved} bytes moved)")
-            if region.get("reason"):
+            if region.get("internal_error"):
+                out.append(f"   runs eagerly after an internal error: {region['reason']}")
+            elif region.get("reason"):
                 out.append(f"   runs eagerly: {region['reason']}")
         out.append("")
         out.append("eager calls: " + (", ".join(self.eager_calls) if self.eager_calls else "none"))
         out.append("fallbacks: " + ("none" if not self.fallbacks else ""))
         out.extend(f"  - {reason}" for reason in self.fallbacks)
+        if self.internal_errors:  # not fallbacks: bugs, run eagerly so the program goes on
+            out.append("internal errors (compiler bugs: please report them):")
+            out.extend(f"  - {message}" for message in self.internal_errors)
         return "\n".join(out)

@@ -29,7 +29,8 @@ DYNAMIC_AFTER = 3  # different values of a number argument before calls stop spe
 
 
 class Entry:
-    """One recorded program for one guard key."""
+    """One recorded program for one guard key (``trace`` None: a compiler bug broke the
+    recording; calls with this key run eagerly)."""
 
     def __init__(self, trace, report):
         self.trace = trace
@@ -92,6 +93,10 @@ class CompiledFunction:
             return self._record(key, backend, why, args, kwargs, recapture=True)
         entry = None
         for candidate in list(variants):
+            if candidate.trace is None:  # its recording failed on a bug (logged then): eager
+                self.stats["eager_calls"] += 1
+                self.last_backend = "eager (after an internal error)"
+                return self.fn(*args, **kwargs)
             if not candidate.trace.modes_match():
                 continue
             externals = candidate.trace.external_values()
@@ -166,7 +171,8 @@ class CompiledFunction:
             variants = self.cache.get(key, [])
             self.cache[key] = [entry] + variants[:MAX_VARIANTS - 1]
             self.last_entry = entry
-            self.last_backend = "eager (recording)"
+            # (a recording broken by a compiler bug, logged: this key runs eagerly from now on)
+            self.last_backend = "eager (recording)" if entry.trace is not None else "eager (after an internal error)"
             for reason in entry.report.fallbacks:
                 say_once(self.__name__, reason, runs_eagerly="that part")
             return result

@@ -74,18 +74,38 @@ class Diverged(Exception):
     pass
 
 
+class StandIn(torch.Tensor):
+    """What Python holds, on a replay, for a value the recording proved nobody reads outside
+    the fused kernels: metadata, no value. Every use the replay mode sees is a recorded call
+    (answered from the kernels' results); a use it does not see — another thread, a hook that
+    ``backward()`` runs — would compute on a value that is not there, so it raises instead."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if is_metadata(func) or is_state_read(func):
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        raise RuntimeError(
+            f"symgrad: {_name(func)} read a value that the compiled function keeps inside its fused kernels, "
+            "from code the compiler does not see (another thread, or a hook run by backward()), so the value "
+            "is not there. Keep a reference to the tensor that outlives the call (return it, or store it in "
+            "a list or an attribute) so that it is materialized, or run the function with backend='eager'. "
+            "Please report this: the recording should have seen the use.")
+
+
 def stand_in(meta) -> torch.Tensor:
-    """A tensor with a value's metadata but no data of its own (one element, expanded). The
-    element is NaN (or the lowest integer): were a stand-in ever to escape, it shows."""
+    """A ``StandIn`` with a value's metadata but no data of its own (one element, expanded).
+    The element is NaN (or the lowest integer): were a stand-in's storage ever read, it shows."""
     if meta.dtype.is_floating_point or meta.dtype.is_complex:
         fill = float("nan")
     elif meta.dtype == torch.bool:
         fill = True
     else:
         fill = torch.iinfo(meta.dtype).min
-    t = torch.full((), fill, dtype=meta.dtype, device=meta.device).expand(meta.shape)
-    if meta.requires_grad:
-        t.requires_grad_(True)
+    with torch._C.DisableTorchFunctionSubclass():
+        t = torch.full((), fill, dtype=meta.dtype, device=meta.device).expand(meta.shape).as_subclass(StandIn)
+        if meta.requires_grad:
+            t.requires_grad_(True)
     return t
 
 
@@ -239,7 +259,7 @@ class Replay(TorchFunctionMode):
             raise Diverged(f"{_name(func)} called with differently structured arguments")
         shown = self.shown
         for i, expected in rec.value_slots:
-            if leaves[i] is not shown.get(expected):
+            if leaves[i] is not shown.get(expected) and not self._bind_external(expected, leaves[i]):
                 raise Diverged(f"{_name(func)} called on a different tensor")
         compute = rec.kind == "compute"
         for i, expected in rec.constant_slots:
@@ -284,6 +304,19 @@ class Replay(TorchFunctionMode):
             env[vid] = t
             shown[vid] = t
         return result
+
+    def _bind_external(self, vid, t) -> bool:
+        """The first use of a value that appeared during the recorded call without a torch
+        call the mode saw (a Parameter made inside the function, a saved tensor unpacked from
+        a grad_fn; ``Trace.transient``): bind it to the tensor the function passes now, if
+        its metadata matches the recording's."""
+        meta = self.trace.transient.get(vid)
+        if meta is None or vid in self.env or not isinstance(t, torch.Tensor) or id(t) in self.stand_ins \
+                or not meta.matches(t):
+            return False
+        self.env[vid] = t
+        self.shown[vid] = t
+        return True
 
     def _run_region(self, index: int):
         region = self.trace.regions[index]

@@ -80,6 +80,8 @@ class Trace:
     externals: dict            # value id -> (weakref to a tensor reached inside, TensorMeta)
     produced_by: dict          # value id -> index of the call that made it
     fallbacks: list = field(default_factory=list)
+    internal_errors: list = field(default_factory=list)  # compiler bugs met while recording (ran eagerly)
+    transient: dict = field(default_factory=dict)  # value id -> TensorMeta: externals made during the call
     module_modes: list = field(default_factory=list)  # (weakref to an nn.Module it ran, its .training)
     optimizer_steps: dict = field(default_factory=dict)  # call index where an optimizer.step began -> where it ended
 

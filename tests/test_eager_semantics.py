@@ -1,7 +1,7 @@
 """Eager autograd semantics kept under compile: saved tensors and their hooks, grad modes,
 graph retention, custom autograd.Functions, non-deterministic ops, threads. Each check
 runs the same code eagerly and compiled (interpreter backend) and expects the same
-results and the same errors."""
+results and the same errors, on the recording call and on replays (``call``)."""
 
 import gc
 import threading
@@ -11,26 +11,28 @@ import pytest
 import torch
 
 import compiler
+from tests.call_modes import CALLS, assert_ran_as, compiled
 
 F64 = torch.float64
 
 
-def compiled(fn):
-    return compiler.compile(fn, backend="interpret")
-
-
 def warm(fn, *args):
-    """Call once (the recording) so later calls run compiled."""
+    """Call once (the recording) so later calls run compiled (or record again: "first_call")."""
     fn(*args)
     return fn
 
 
+@pytest.fixture(params=CALLS)
+def call(request):
+    return request.param
+
+
 # -- saved tensors ------------------------------------------------------------------------
 
-def test_saved_tensor_hooks_pack_once_per_saved_tensor_and_unpack_when_needed():
+def test_saved_tensor_hooks_pack_once_per_saved_tensor_and_unpack_when_needed(call):
     x = torch.randn(8, dtype=F64, requires_grad=True)
     w = torch.randn(8, dtype=F64, requires_grad=True)
-    f = warm(compiled(lambda x, w: (x.sin() * w).sum()), x, w)
+    f = warm(compiled(lambda x, w: (x.sin() * w).sum(), call), x, w)
     packed, unpacked = [], []
 
     def pack(t):
@@ -54,9 +56,9 @@ def test_saved_tensor_hooks_pack_once_per_saved_tensor_and_unpack_when_needed():
     torch.testing.assert_close(gw, w.grad)
 
 
-def test_unpacked_value_is_what_backward_uses():
+def test_unpacked_value_is_what_backward_uses(call):
     x = torch.randn(5, dtype=F64, requires_grad=True)
-    f = warm(compiled(lambda x: (x * x).sum()), x)
+    f = warm(compiled(lambda x: (x * x).sum(), call), x)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: torch.zeros_like(t)):
         out = f(x)
     out.backward()
@@ -67,18 +69,18 @@ def test_unpacked_value_is_what_backward_uses():
     assert torch.equal(x2.grad, x.grad)
 
 
-def test_save_on_cpu():
+def test_save_on_cpu(call):
     x = torch.randn(6, dtype=F64, requires_grad=True)
-    f = warm(compiled(lambda x: (x.exp() * x).sum()), x)
+    f = warm(compiled(lambda x: (x.exp() * x).sum(), call), x)
     with torch.autograd.graph.save_on_cpu():
         out = f(x)
     out.backward()
     torch.testing.assert_close(x.grad, (x.exp() * (x + 1)).detach())
 
 
-def test_saved_tensors_are_released_no_growth_over_1000_iterations():
+def test_saved_tensors_are_released_no_growth_over_1000_iterations(call):
     x = torch.randn(16, requires_grad=True)
-    f = warm(compiled(lambda x: (x.sin() * x).sum()), x)
+    f = warm(compiled(lambda x: (x.sin() * x).sum(), call), x)
     alive = weakref.WeakSet()
 
     class Box:
@@ -91,10 +93,11 @@ def test_saved_tensors_are_released_no_growth_over_1000_iterations():
         return box
 
     counts = []
+    calls = 1000 if call == "replay" else 100  # (a recording compiles: fewer of them)
     with torch.autograd.graph.saved_tensors_hooks(pack_box, lambda b: b.t):
-        for i in range(1000):
+        for i in range(calls):
             f(x).backward()
-            if i % 250 == 0:
+            if i % (calls // 4) == 0:
                 gc.collect()
                 counts.append(len(alive))
     gc.collect()
@@ -104,11 +107,11 @@ def test_saved_tensors_are_released_no_growth_over_1000_iterations():
 # -- grad modes ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "set_grad_enabled_false"])
-def test_grad_modes_around_the_call(mode):
+def test_grad_modes_around_the_call(mode, call):
     ctx = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode,
            "set_grad_enabled_false": lambda: torch.set_grad_enabled(False)}[mode]
     x = torch.randn(4, requires_grad=True)
-    f = compiled(lambda x: x.sin() * 2)
+    f = compiled(lambda x: x.sin() * 2, call)
     with ctx():
         f(x)
         out = f(x)
@@ -116,14 +119,14 @@ def test_grad_modes_around_the_call(mode):
     assert out.requires_grad == ref.requires_grad == False  # noqa: E712
     assert out.is_inference() == ref.is_inference()
     torch.testing.assert_close(out, ref)
-    assert f.stats["kernel_launches"] > 0
+    assert_ran_as(f, call)
     if mode == "inference_mode":  # eager's error for inference tensors saved for backward
         w = torch.randn(4, requires_grad=True)
         with pytest.raises(RuntimeError, match="Inference tensors cannot be saved for backward"):
             out * w
 
 
-def test_grad_modes_inside_the_function():
+def test_grad_modes_inside_the_function(call):
     x = torch.randn(4, requires_grad=True)
 
     def f(x):
@@ -134,7 +137,7 @@ def test_grad_modes_inside_the_function():
         with torch.set_grad_enabled(False):
             c = x + 1
         return a, b, c
-    cf = warm(compiled(f), x)
+    cf = warm(compiled(f, call), x)
     for mine, theirs in zip(cf(x), f(x)):
         assert mine.requires_grad == theirs.requires_grad
         torch.testing.assert_close(mine, theirs)
@@ -144,9 +147,9 @@ def test_grad_modes_inside_the_function():
     assert [t.requires_grad for t in mine] == [t.requires_grad for t in theirs] == [False, True, False]
 
 
-def test_frozen_parameters_get_no_grad_and_backward_skips_them():
+def test_frozen_parameters_get_no_grad_and_backward_skips_them(call):
     lin = torch.nn.Linear(4, 3)
-    f = compiled(lambda x: lin(x).tanh().sum())
+    f = compiled(lambda x: lin(x).tanh().sum(), call)
     x = torch.randn(2, 4)
     f(x)
     f(x).backward()
@@ -160,10 +163,10 @@ def test_frozen_parameters_get_no_grad_and_backward_skips_them():
     assert "permute" not in str(report.backward_graph).split("return")[-1]  # no weight gradient
 
 
-def test_eval_and_train_stay_orthogonal():
+def test_eval_and_train_stay_orthogonal(call):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
-    f = compiled(lambda x: model(x))
+    f = compiled(lambda x: model(x), call)
     x = torch.randn(64, 4)
     model.eval()
     f(x)
@@ -176,9 +179,9 @@ def test_eval_and_train_stay_orthogonal():
 
 # -- graph retention ----------------------------------------------------------------------
 
-def test_second_backward_raises_unless_retain_graph_and_then_accumulates():
+def test_second_backward_raises_unless_retain_graph_and_then_accumulates(call):
     x = torch.randn(5, dtype=F64, requires_grad=True)
-    f = warm(compiled(lambda x: (x.sin() * x).sum()), x)
+    f = warm(compiled(lambda x: (x.sin() * x).sum(), call), x)
     out = f(x)
     out.backward()
     with pytest.raises(RuntimeError, match="Trying to backward through the graph a second time"):
@@ -223,14 +226,14 @@ class AddOneInPlace(torch.autograd.Function):
         return g * 2
 
 
-def test_custom_function_inside_a_compiled_function():
+def test_custom_function_inside_a_compiled_function(call):
     def f(x, y):
         out, flag = ScaleAndFlag.apply(x.sin(), y)
         z = AddOneInPlace.apply(out * 1)
         return (z * flag + z.exp()).sum(), flag
     x = torch.randn(6, dtype=F64, requires_grad=True)
     y = torch.randn(6, dtype=F64)   # needs_input_grad[1] is False
-    cf = warm(compiled(f), x, y)
+    cf = warm(compiled(f, call), x, y)
     out, flag = cf(x, y)
     assert not flag.requires_grad
     out.backward()
@@ -245,10 +248,10 @@ def test_custom_function_inside_a_compiled_function():
 
 # -- non-deterministic ops (rule 6 of the notes) ------------------------------------------
 
-def test_non_deterministic_op_gradient_as_in_eager():
+def test_non_deterministic_op_gradient_as_in_eager(call):
     # bernoulli is not a mathematical function of p: eager gives it no gradient
     p = torch.full((8,), 0.5, requires_grad=True)
-    f = compiled(lambda p: torch.bernoulli(p * 1) * 2 + p)
+    f = compiled(lambda p: torch.bernoulli(p * 1) * 2 + p, call)
     f(p)
     f(p).sum().backward()
     mine = p.grad.clone()
@@ -259,14 +262,14 @@ def test_non_deterministic_op_gradient_as_in_eager():
 
 # -- threads ------------------------------------------------------------------------------
 
-def test_eight_threads_hogwild_style():
+def test_eight_threads_hogwild_style(call):
     def train_fn(results, i):
         x = torch.full((5, 5), float(i), requires_grad=True)
         y = step(x)
         y.sum().backward()
         results[i] = (y.detach(), x.grad.clone())
 
-    step = compiled(lambda x: (x + 3) * (x + 4) * 0.5)  # the notes' example
+    step = compiled(lambda x: (x + 3) * (x + 4) * 0.5, call)  # the notes' example
     step(torch.ones(5, 5, requires_grad=True))            # record once
     results = {}
     threads = [threading.Thread(target=train_fn, args=(results, i)) for i in range(8)]
@@ -280,11 +283,12 @@ def test_eight_threads_hogwild_style():
         y.sum().backward()
         torch.testing.assert_close(results[i][0], y.detach())
         torch.testing.assert_close(results[i][1], x.grad)
-    assert step.stats["divergences"] == 0 and step.stats["replays"] >= 8
+    assert step.stats["divergences"] == 0
+    assert step.stats["replays" if call == "replay" else "captures"] >= 8
 
 
 def test_threads_recording_different_shapes_concurrently():
-    f = compiled(lambda x: (x.sin() * 2).sum())
+    f = compiler.compile(lambda x: (x.sin() * 2).sum(), backend="interpret")  # recordings in threads
     errors = []
 
     def run(n):
@@ -304,9 +308,9 @@ def test_threads_recording_different_shapes_concurrently():
     assert not errors, errors
 
 
-def test_shared_graph_between_threads_needs_retain_graph():
+def test_shared_graph_between_threads_needs_retain_graph(call):
     x = torch.randn(4, requires_grad=True)
-    f = warm(compiled(lambda x: x.exp() * 2), x)
+    f = warm(compiled(lambda x: x.exp() * 2, call), x)
     shared = f(x)  # the first part of the graph, shared by the threads
     errors = []
 
@@ -324,17 +328,21 @@ def test_shared_graph_between_threads_needs_retain_graph():
 
 # -- anomaly detection --------------------------------------------------------------------
 
-def test_anomaly_detection_names_the_forward_op():
+def test_anomaly_detection_names_the_forward_op(call):
     x = torch.tensor([0.0, 1.0], dtype=F64, requires_grad=True)
 
     def g(x):
         return (torch.sqrt(x) * 0).sum()  # d/dx = 0 * inf = NaN at x = 0
-    c = warm(compiled(g), x)
-    with pytest.warns(UserWarning), torch.autograd.detect_anomaly(check_nan=True):
-        out = c(x)
-        with pytest.raises(RuntimeError, match="returned nan values") as err:
-            out.backward()
-    assert "sqrt" in str(err.value) and "test_eager_semantics.py" in str(err.value)
-    with pytest.warns(UserWarning), torch.autograd.detect_anomaly(check_nan=True):  # eager raises too
-        with pytest.raises(RuntimeError, match="returned nan values"):
-            g(x.detach().clone().requires_grad_()).backward()
+    c = warm(compiled(g, call), x)
+
+    def backward_error(fn):
+        with pytest.warns(UserWarning), torch.autograd.detect_anomaly(check_nan=True):
+            out = fn(x)
+            with pytest.raises(RuntimeError, match="returned nan values") as err:
+                out.backward()
+        return str(err.value)
+    mine, theirs = backward_error(c), backward_error(g)  # eager raises too
+    if call == "first_call":
+        assert mine == theirs
+    else:  # a compiled backward names the forward op and the user's line
+        assert "sqrt" in mine and "test_eager_semantics.py" in mine

@@ -2,7 +2,8 @@
 
 Each scenario runs twice: eagerly, and under ``compiler.compile`` (interpreter backend),
 recording the sequence of (event, gradient) pairs of the last of several calls; the two
-sequences must be equal, and the compiled run must not fall back. A hook on an intermediate
+sequences must be equal, and the compiled run must not fall back. The compiled run's calls
+are recordings (``first_call``: the function runs eagerly under the capture mode) or replays. A hook on an intermediate
 splits the compiled region there, so the backward runs in segments with the user's Python
 between them, each segment still fused.
 """
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 import compiler
+from tests.call_modes import CALLS, assert_ran_as, compiled
 
 
 class Recorder:
@@ -262,8 +264,9 @@ SCENARIOS = [hooks_before_and_after_an_in_place_op,
              module_full_backward_hooks, backward_with_inputs, autograd_grad_with_grad_outputs_and_allow_unused]
 
 
+@pytest.mark.parametrize("call", CALLS)
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.__name__)
-def test_hook_events_match_eager(scenario):
+def test_hook_events_match_eager(scenario, call):
     eager = Recorder()
     torch.manual_seed(0)
     scenario(lambda f: f, eager)
@@ -271,19 +274,19 @@ def test_hook_events_match_eager(scenario):
     compiled_fns = []
 
     def wrap(f):
-        compiled_fns.append(compiler.compile(f, backend="interpret"))
+        compiled_fns.append(compiled(f, call))
         return compiled_fns[-1]
-    compiled = Recorder()
+    mine = Recorder()
     torch.manual_seed(0)
-    scenario(wrap, compiled)
+    scenario(wrap, mine)
 
-    assert [e[0] for e in compiled.events] == [e[0] for e in eager.events]
-    for mine, theirs in zip(compiled.events, eager.events):
-        assert _same(list(mine[1:]), list(theirs[1:])), f"{mine[0]}: {mine[1:]} != {theirs[1:]}"
+    assert [e[0] for e in mine.events] == [e[0] for e in eager.events]
+    for ours, theirs in zip(mine.events, eager.events):
+        assert _same(list(ours[1:]), list(theirs[1:])), f"{ours[0]}: {ours[1:]} != {theirs[1:]}"
     for fn in compiled_fns:
         report = fn.last_entry.report
         assert report.fallbacks == []
-        assert fn.stats["kernel_launches"] > 0
+        assert_ran_as(fn, call)
         assert fn.stats["divergences"] == 0
 
 

@@ -1,13 +1,15 @@
 """In-place ops inside compiled functions are captured (compiled, not run eagerly), give
 eager's values and gradients, and leave the real tensors as eager leaves them: same object,
 new value, bumped version counter; tensors changed after the compiled forward raise eager's
-error in backward when (and only when) backward needs them."""
+error in backward when (and only when) backward needs them. Each behaviour holds on the
+recording call (eager by construction) as on replays (``call``)."""
 
 import pytest
 import torch
 
 import compiler
-from tests.parity import check_parity
+from tests.call_modes import CALLS, assert_ran_as, compiled as compile_for
+from tests.parity import check_parity, clone_inputs
 
 F64 = torch.float64
 
@@ -39,26 +41,46 @@ def test_in_place_ops_are_compiled_with_eager_values_and_gradients(name):
     assert compiled.last_entry.report.fallbacks == []
 
 
-def test_input_changed_in_place_is_the_same_object_with_a_new_version():
+@pytest.mark.parametrize("name", sorted(in_place_cases()))
+def test_in_place_ops_on_the_recording_call_are_eagers(name):
+    """The recording call: values, gradients and version counters exactly eager's."""
+    fn = in_place_cases()[name]
+    x = torch.randn(4, 5, dtype=F64, requires_grad=True)
+    y = torch.randn(4, 5, dtype=F64, requires_grad=True)
+    results = []
+    for run in (fn, compile_for(fn, "first_call")):
+        inputs = clone_inputs([x, y])
+        out = run(*inputs)
+        out.sum().backward()
+        results.append((out.detach(), [t.grad for t in inputs], out._version, type(out.grad_fn).__name__))
+    (mine, my_grads, my_version, my_node), (theirs, their_grads, their_version, their_node) = results
+    assert torch.equal(mine, theirs) and (my_version, my_node) == (their_version, their_node)
+    for g, r in zip(my_grads, their_grads):
+        assert (g is None and r is None) or torch.equal(g, r)
+
+
+@pytest.mark.parametrize("call", CALLS)
+def test_input_changed_in_place_is_the_same_object_with_a_new_version(call):
     def f(a, w):
         a.mul_(2)
         return (a * w).sum()
     w = torch.randn(5, dtype=F64, requires_grad=True)
     a, a_ref = torch.randn(5, dtype=F64), None
     a_ref = a.clone()
-    compiled = compiler.compile(f, backend="interpret", fullgraph=True)
+    compiled = compile_for(f, call, fullgraph=True)
     compiled(a, w)
     f(a_ref, w)
-    before = a._version
+    before, ref_before = a._version, a_ref._version
     out = compiled(a, w)
     expected = f(a_ref, w)
     torch.testing.assert_close(a, a_ref)          # the caller's tensor holds the new value
-    assert a._version > before                    # ... and its version counter moved
+    assert a._version - before == a_ref._version - ref_before == 1  # ... and its version moved as eager's
     torch.testing.assert_close(out, expected)
-    assert compiled.stats["kernel_launches"] > 0
+    assert_ran_as(compiled, call)
 
 
-def test_views_of_inputs_changed_in_place_update_their_base():
+@pytest.mark.parametrize("call", CALLS)
+def test_views_of_inputs_changed_in_place_update_their_base(call):
     def f(base, w):
         v = base.view(2, 3)
         v.mul_(w)
@@ -66,7 +88,7 @@ def test_views_of_inputs_changed_in_place_update_their_base():
     w = torch.randn(2, 3, dtype=F64)
     base, base_ref = torch.randn(6, dtype=F64), None
     base_ref = base.clone()
-    compiled = compiler.compile(f, backend="interpret")
+    compiled = compile_for(f, call)
     compiled(base, w)
     f(base_ref, w)
     compiled(base, w)
@@ -74,9 +96,10 @@ def test_views_of_inputs_changed_in_place_update_their_base():
     torch.testing.assert_close(base, base_ref)
 
 
-def test_modified_after_forward_raises_eagers_error_only_when_needed():
+@pytest.mark.parametrize("call", CALLS)
+def test_modified_after_forward_raises_eagers_error_only_when_needed(call):
     w = torch.randn(3, dtype=F64, requires_grad=True)
-    needs_x = compiler.compile(lambda x, w: (x * w).sum(), backend="interpret")   # backward reads x
+    needs_x = compile_for(lambda x, w: (x * w).sum(), call)   # backward reads x
     x = torch.randn(3, dtype=F64)
     needs_x(x, w)
     out = needs_x(x, w)
@@ -85,7 +108,7 @@ def test_modified_after_forward_raises_eagers_error_only_when_needed():
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.backward()
 
-    no_need = compiler.compile(lambda x, w: (x + w).sum(), backend="interpret")   # backward reads nothing
+    no_need = compile_for(lambda x, w: (x + w).sum(), call)   # backward reads nothing
     x = torch.randn(3, dtype=F64)
     no_need(x, w)
     out = no_need(x, w)
@@ -95,35 +118,38 @@ def test_modified_after_forward_raises_eagers_error_only_when_needed():
 
 
 def test_in_place_on_a_leaf_that_requires_grad_raises_eagers_error():
+    # (only ever a first call: the recording raises, so nothing is recorded to replay)
     x = torch.randn(3, requires_grad=True)
     compiled = compiler.compile(lambda x: x.add_(1), backend="interpret")
     with pytest.raises(RuntimeError, match="a leaf Variable that requires grad"):
         compiled(x)
 
 
-def test_slice_assignment_into_an_input_changes_the_callers_tensor():
+@pytest.mark.parametrize("call", CALLS)
+def test_slice_assignment_into_an_input_changes_the_callers_tensor(call):
     def f(x, v):
         x[:, 1] = v
         x[0] *= 2
         return x
     v = torch.randn(3)
     a = torch.randn(3, 4)
-    compiled = compiler.compile(f, backend="interpret", fullgraph=True)
+    compiled = compile_for(f, call, fullgraph=True)
     compiled(a.clone(), v)
     mine, theirs = a.clone(), a.clone()
     out = compiled(mine, v)
     f(theirs, v)
     assert out is mine                      # returns the caller's tensor, changed in place
     torch.testing.assert_close(mine, theirs)
-    assert compiled.stats["kernel_launches"] > 0
+    assert_ran_as(compiled, call)
 
 
-def test_activation_in_place_given_positionally_changes_the_input():
+@pytest.mark.parametrize("call", CALLS)
+def test_activation_in_place_given_positionally_changes_the_input(call):
     """F.leaky_relu(x, slope, True): in place, as eager, whether inplace is named or not."""
-    f = compiler.compile(lambda x: torch.nn.functional.leaky_relu(x, 0.2, True).sum(), backend="interpret")
+    f = compile_for(lambda x: torch.nn.functional.leaky_relu(x, 0.2, True).sum(), call)
     base = torch.randn(6)
     for _ in range(2):
         x = base.clone()
         f(x)
         torch.testing.assert_close(x, torch.nn.functional.leaky_relu(base, 0.2))
-    assert f.last_backend == "interpret"
+    assert_ran_as(f, call)
