@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 
 from compiler.codegen.realify import IM, RE, realify
-from compiler.codegen.triton_printer import NotPrintable, TritonPrinter
+from compiler.codegen.triton_printer import NotPrintable, TritonPrinter, literal
 from compiler.ops import symbols as Y
 from compiler.fusion import PERSISTENT_MAX, KernelPlan, kind_of
 from compiler.ir import compute_dtype, contiguous_strides, numel
@@ -250,7 +250,7 @@ class KernelWriter:
             else:
                 total = f"tl.sum(tl.where(MASK, {part}, 0), 1)[:, None]"
             if scale != 1.0:
-                total = f"({total}) * {scale!r}"
+                total = f"({total}) * {literal(scale)}"
             out.append(self.tmp(total))
         return (tuple(out) if acc_dtype.is_complex else out[0]), acc_dtype
 
@@ -426,7 +426,7 @@ class KernelWriter:
                         total = (f"(tl.max({acc}, 1)[:, None] + "
                                  f"tl.sum(tl.where({acc} != {acc}, {acc}, 0.0), 1)[:, None])")
                     if scale != 1.0:
-                        total = f"{total} * {scale!r}"
+                        total = f"{total} * {literal(scale)}"
                     where = f"2 * xindex + {k}" if dtype.is_complex else "xindex"
                     src.append(f"tl.store({out}_ptr + {where}, ({total}).to({TL_DTYPE[part_dtype]}), mask=xmask)")
         else:
@@ -488,7 +488,9 @@ class KernelWriter:
         signature["XBLOCK"] = "constexpr"
         signature["RBLOCK"] = "constexpr"
         body_text = "\n".join("    " + line for line in src)
-        digest = hashlib.sha256((",".join(params) + body_text + f"{xblock},{rblock}").encode()).hexdigest()[:12]
+        # the signature too: fp32 and fp64 variants of one body are different files (the cache
+        # checks a file's whole text against its kernel, and the Hopper build reads SIGNATURE)
+        digest = hashlib.sha256((repr(signature) + body_text + f"{xblock},{rblock}").encode()).hexdigest()[:12]
         name = f"{_describe(self.plan)}_{digest}"
         source = "\n".join([
             "import triton",

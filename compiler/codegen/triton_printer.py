@@ -113,13 +113,15 @@ class TritonPrinter:
             return f"tl.where({x} < 0, 0.0, {x})"
         if func is S.Step:
             return f"tl.where({self.p(e.args[0])} <= 0, 0.0, 1.0)"
-        if func is S.Sign:
+        if func is S.Sign or func is sympy.sign:  # sympy.sign: from derivatives (hypot's second)
             x = self.p(e.args[0])
             return f"tl.where({x} > 0, 1.0, tl.where({x} < 0, -1.0, 0.0))"
         if func in (S.Maximum, S.Minimum):
             a, b = self.p(e.args[0]), self.p(e.args[1])
             op = ">" if func is S.Maximum else "<"
-            return f"tl.where(({a} {op} {b}) | ({a} != {a}), {a}, {b})"
+            # nested wheres, not `(a > b) | (a != a)`: the interpreter cannot `|` a 0-dim
+            # operand's scalar comparison with a block (TypeError from numpy's bitwise_or)
+            return f"tl.where({a} != {a}, {a}, tl.where({a} {op} {b}, {a}, {b}))"
         if func is S.TieShare:
             a, b = self.p(e.args[0]), self.p(e.args[1])
             return f"tl.where({a} == {b}, 0.5, tl.where({a} < {b}, 0.0, 1.0))"

@@ -52,13 +52,22 @@ class OpDef:
 
 
 # ----------------------------------------------------------------------------- pointwise
+def _divide(a, b):
+    # NOTE: SymPy makes x / 0 the complex infinity (zoo), which no kernel can print; IEEE
+    # division by a constant zero is a product with an infinity of the zero's sign (x / 0.0
+    # is inf, -inf or NaN, as eager; var() with no degrees of freedom divides by 0.0).
+    if getattr(b, "is_number", False) and b.is_zero and b.is_extended_real:
+        return a * (sympy.oo if math.copysign(1.0, float(b)) > 0 else -sympy.oo)
+    return a / b
+
+
 # Every elementwise op the compiler knows, as a function of SymPy scalars. The derivative,
 # the kernel code and the broadcasting all follow from this one expression.
 SCALAR_FUNCTIONS = {
     "add": lambda a, b: a + b,
     "sub": lambda a, b: a - b,
     "mul": lambda a, b: a * b,
-    "div": lambda a, b: a / b,
+    "div": lambda a, b: _divide(a, b),
     "neg": lambda a: -a,
     "pow": lambda a, b: a**b,
     "exp": sympy.exp,
@@ -355,7 +364,11 @@ REDUCTIONS = {name: Reduction(name) for name in ("sum", "mean", "amax")}
 
 def emit_reduction(b, name, x, dims, keepdim=False, dtype=None) -> fx.Node:
     ndim = len(x.meta["shape"])
-    dims = tuple(sorted({d % ndim for d in dims})) if ndim else ()
+    if ndim == 0:
+        # NOTE: reducing a 0-dim tensor (x.sum(), x.amax() of a scalar) reduces nothing: the
+        # value itself, in the result dtype (a reduction over no dims has no iteration space).
+        return emit_pointwise(b, "identity", [x], dtype=dtype or x.meta["dtype"])
+    dims = tuple(sorted({d % ndim for d in dims}))
     op = REDUCTIONS[name]
     return b.call(op, [x], {"dims": dims, "keepdim": keepdim},
                   shape=op.out_shape(x.meta["shape"], dims, keepdim),
@@ -422,6 +435,16 @@ class View(OpDef):
         if self.name == "expand":
             lead = len(out_shape) - len(in_shape)
             return ["0" if size == 1 else out_index[lead + i] for i, size in enumerate(in_shape)]
+        kept_in = [d for d, size in enumerate(in_shape) if size != 1]
+        kept_out = [d for d, size in enumerate(out_shape) if size != 1]
+        if [in_shape[d] for d in kept_in] == [out_shape[d] for d in kept_out]:
+            # a reshape that only adds or drops size-1 dims: each other dim maps to itself
+            # (no division by sizes: a zero-size dim would divide by 0, and a reduction read
+            # through it is still recognised as its own row)
+            result = ["0"] * len(in_shape)
+            for d_in, d_out in zip(kept_in, kept_out):
+                result[d_in] = out_index[d_out]
+            return result
         # reshape: through the linear (row-major) position of the element.
         strides = contiguous_strides(out_shape)
         terms = [f"({idx}) * {st}" if st != 1 else f"({idx})"
