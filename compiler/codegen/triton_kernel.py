@@ -197,6 +197,10 @@ class KernelWriter:
         dim, size = node.kwargs["dim"], source.meta["shape"][node.kwargs["dim"]]
         i, _ = self.value(index_node, tuple(index_at))
         i = self.tmp(f"{i}.to(tl.int64)")
+        if all(str(idx).isdigit() for idx in index_at):
+            # one index for the whole block (a scalar load): give it the block's shape, since
+            # the gathered load is masked and a masked load needs a block of pointers
+            i = self.tmp(f"tl.full(SHAPE, 0, tl.int64) + {i}")
         if node.kwargs.get("wrap"):
             i = self.tmp(f"tl.where({i} < 0, {i} + {size}, {i})")
         # NOTE: clamped, so a bad index never reads outside memory; the program checks the
