@@ -11,6 +11,7 @@ from __future__ import annotations
 import struct
 
 import sympy
+import torch
 
 from compiler.ops import scalar as S
 
@@ -75,6 +76,11 @@ class TritonPrinter:
         self.names = names
         # tl.sqrt_rn (IEEE-rounded, as eager) exists for fp32 only; fp64's tl.sqrt is IEEE.
         self.fp64 = str(dtype) == "torch.float64"
+        # NOTE: in an integer kernel whole numbers print as integers: `2.0 * t0` would compute
+        # an int64/int32 value in fp32 (rounding above 2**24, saturating instead of wrapping);
+        # eager's integer arithmetic wraps around, and so does Triton's on int literals.
+        self.integer = dtype is not None and isinstance(dtype, torch.dtype) and not (
+            dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
         self.sqrt = "tl.sqrt" if self.fp64 else "tl.sqrt_rn"
 
     def __call__(self, expr) -> str:
@@ -133,6 +139,8 @@ class TritonPrinter:
         raise NotPrintable(f"no Triton lowering for {func.__name__}")
 
     def _literal(self, value) -> str:
+        if self.integer and value.is_number and value.is_finite and float(value).is_integer():
+            return str(int(value))
         if self.fp64 and not _exact_in_fp32(value):
             # NOTE: Triton types a float literal as fp32 where nothing promotes it first (both
             # branches of tl.where, a product with an fp32 value): keep all 53 bits.
@@ -148,7 +156,7 @@ class TritonPrinter:
                 num.append(self._literal(factor))
             else:
                 num.append(self.p(factor))
-        text = " * ".join(num) if num else "1.0"
+        text = " * ".join(num) if num else self._literal(sympy.Integer(1))
         if den:
             text = f"{text} / ({' * '.join(den)})"
         return f"({text})"
@@ -158,7 +166,7 @@ class TritonPrinter:
         if exp.is_Integer:
             n = int(exp)
             if n == 0:
-                return "1.0"
+                return self._literal(sympy.Integer(1))
             if 0 < n <= 8:
                 return "(" + " * ".join([b] * n) + ")"
             if -8 <= n < 0:
