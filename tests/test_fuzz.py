@@ -18,6 +18,7 @@ programs every time). Bugs found are below as regression tests.
 
 from __future__ import annotations
 
+import glob
 import os
 
 import pytest
@@ -28,6 +29,20 @@ from hypothesis import strategies as st
 
 from tests.fuzz.check import KnownBug, check_program
 from tests.fuzz.program import HypothesisChooser, Input, Program, RandomChooser, draw_program
+
+@pytest.fixture(autouse=True, scope="module")
+def _own_kernel_cache(tmp_path_factory):
+    """The fuzz programs make thousands of kernels: they go to a cache of their own, so the
+    suite's Hopper compile test (which compiles every kernel of the session's cache) does not
+    take them all; ``test_a_sample_of_fuzz_kernels_compiles_for_hopper`` takes a sample."""
+    saved = os.environ.get("SYMGRAD_CACHE_DIR")
+    os.environ["SYMGRAD_CACHE_DIR"] = str(tmp_path_factory.mktemp("fuzz-kernels"))
+    yield
+    if saved is None:
+        os.environ.pop("SYMGRAD_CACHE_DIR", None)
+    else:
+        os.environ["SYMGRAD_CACHE_DIR"] = saved
+
 
 EXAMPLES = int(os.environ.get("SYMGRAD_FUZZ_EXAMPLES", "200"))
 SEED = os.environ.get("SYMGRAD_FUZZ_SEED")
@@ -104,6 +119,25 @@ FIXED = {
     "gather-one-element": _program([((4,), f32, "contiguous", True, 11)],
                                    ["v0 = torch.gather(x0, 0, torch.tensor([3], dtype=torch.long).reshape((1,)))"],
                                    ["v0"]),
+    # integer kernels printed constants as floats: int64 math in fp32 (found by test_bad_input)
+    "int64-beyond-fp32": _program([((3,), torch.int64, "contiguous", False, 20)], ["v0 = x0 * 3 + 7"], ["v0"]),
+    # eager's std has gradient 0 where the std is 0; ours was 0 * inf = NaN
+    "std-gradient-at-zero-std": _program([((3, 3), f64, "strided", True, 21), ((3, 1), f32, "contiguous", True, 22)],
+                                         ["v0 = torch.where(x0 > 0, x0, x1)", "v1 = torch.stack([v0, x0], dim=-1)",
+                                          "v2 = v1.std(dim=2, keepdim=False)"], ["v2", "v1"]),
+    # relu/clamp/where backward select like eager: a NaN gradient where the mask is 0 gives 0
+    "masked-gradient-of-nan": _program([((1, 2), f64, "contiguous", True, 23)],
+                                       ["v0 = torch.log1p(x0.abs())", "v1 = v0.clamp(-0.5, 0.5)",
+                                        "v2 = v1.std(dim=-2, keepdim=False)"], ["v2"]),
+    # sign(x) in an fp64 kernel: both branches of its tl.where were fp32 literals, so what
+    # followed (cos of the angle in polar) ran in fp32
+    "fp64-sign-stays-fp64": _program([((4,), f64, "transposed", True, 24), ((1,), f64, "expanded", True, 25)],
+                                     ["v0 = torch.sign(x1)", "v1 = torch.polar(x0.abs(), v0)", "v2 = torch.sin(v1)"],
+                                     ["v2"]),
+    # a reduction broadcast against a tensor of its input's shape (x / x.sum(1) for (4, 4, 3))
+    # was fused into its own kernel and read at another row: "failed to compile"
+    "reduction-broadcast-misaligned": _program([((4, 4, 3), f32, "offset", False, 26), ((4, 4, 3), f64, "contiguous",
+                                                True, 27)], ["v0 = x0.norm(dim=1)", "v1 = x1 / v0"], ["v1"]),
 }
 
 
@@ -145,3 +179,31 @@ def test_known_bugs(name):
     except KnownBug:
         pytest.xfail(reason)
     raise AssertionError(f"known bug {name} no longer reproduces: remove it from KNOWN and KNOWN_BUGS")
+
+
+# -- the fuzz kernels build for the GPU too ------------------------------------------------------
+HOPPER_SAMPLE = int(os.environ.get("SYMGRAD_FUZZ_HOPPER_SAMPLE", "40"))
+
+
+def test_a_sample_of_fuzz_kernels_compiles_for_hopper(tmp_path):
+    """Runs last in this module: compiles a sample of the kernels the fuzz programs generated
+    with Triton's real compiler for sm_90 (see tests/test_hopper_compile.py)."""
+    import random
+    import shutil
+    import subprocess
+    import sys
+
+    from runtime.kernels import cache_dir
+    from tests.test_hopper_compile import SCRIPT
+
+    kernels = sorted(glob.glob(os.path.join(cache_dir(), "*.py")))
+    if not kernels:
+        pytest.skip("run with the fuzz tests: no fuzz kernels in this session")
+    for path in random.Random(0).sample(kernels, min(HOPPER_SAMPLE, len(kernels))):
+        shutil.copy(path, tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
+    result = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], capture_output=True, text=True,
+                            env=env, timeout=1800)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]

@@ -118,10 +118,10 @@ class TritonPrinter:
             x = self.p(e.args[0])
             return f"tl.where({x} < 0, 0.0, {x})"
         if func is S.Step:
-            return f"tl.where({self.p(e.args[0])} <= 0, 0.0, 1.0)"
+            return f"tl.where({self.p(e.args[0])} <= 0, {self._c('0.0')}, {self._c('1.0')})"
         if func is S.Sign or func is sympy.sign:  # sympy.sign: from derivatives (hypot's second)
             x = self.p(e.args[0])
-            return f"tl.where({x} > 0, 1.0, tl.where({x} < 0, -1.0, 0.0))"
+            return f"tl.where({x} > 0, {self._c('1.0')}, tl.where({x} < 0, {self._c('-1.0')}, {self._c('0.0')}))"
         if func in (S.Maximum, S.Minimum):
             a, b = self.p(e.args[0]), self.p(e.args[1])
             op = ">" if func is S.Maximum else "<"
@@ -130,13 +130,21 @@ class TritonPrinter:
             return f"tl.where({a} != {a}, {a}, tl.where({a} {op} {b}, {a}, {b}))"
         if func is S.TieShare:
             a, b = self.p(e.args[0]), self.p(e.args[1])
-            return f"tl.where({a} == {b}, 0.5, tl.where({a} < {b}, 0.0, 1.0))"
+            return f"tl.where({a} == {b}, {self._c('0.5')}, tl.where({a} < {b}, {self._c('0.0')}, {self._c('1.0')}))"
         if func is S.Where:
-            return f"tl.where({self.p(e.args[0])}, {self.p(e.args[1])}, {self.p(e.args[2])})"
+            a, b = self.p(e.args[1]), self.p(e.args[2])
+            if e.args[1].is_number and e.args[2].is_number:
+                a, b = self._c(a), self._c(b)
+            return f"tl.where({self.p(e.args[0])}, {a}, {b})"
         if func is S.Compare:
             op = _COMPARE[S.COMPARE_OPS[int(e.args[0])]]
             return f"({self.p(e.args[1])} {op} {self.p(e.args[2])})"
         raise NotPrintable(f"no Triton lowering for {func.__name__}")
+
+    def _c(self, text: str) -> str:
+        """A literal that is a whole value of its own (both branches of a tl.where): Triton
+        types it fp32, so in an fp64 kernel it is made fp64 (sign(x) fed to cos in fp64)."""
+        return f"tl.full([], {text}, tl.float64)" if self.fp64 and not text.startswith("tl.full") else text
 
     def _literal(self, value) -> str:
         if self.integer and value.is_number and value.is_finite and float(value).is_integer():

@@ -246,6 +246,39 @@ def wirtinger_gradient(expr: sympy.Expr, index: int, arg_complex: bool, out_comp
     return _reuse_result(grad, expr, out_complex)
 
 
+def masked_product(g, derivative):
+    """``g * derivative`` where every 0/1 mask in the derivative selects instead of multiplying.
+
+    NOTE: eager's backward of relu, clamp, maximum and where *selects* (threshold_backward,
+    ``where(mask, grad, 0)``): a NaN or inf gradient arriving where the mask is 0 gives 0, not
+    NaN = inf·0 as a product would (a fully masked softmax row's NaN, kept out by a where,
+    must not reach the parameters). So the masks become Where and ``g`` moves into the
+    branches, where SymPy's g·0 = 0 is exactly eager's answer.
+    """
+    if not derivative.has(S.Step, S.TieShare, S.Where):
+        return g * derivative
+    derivative = derivative.replace(
+        S.Step, lambda x: S.Where(_compare("le", x, 0), sympy.Integer(0), sympy.Integer(1)))
+    derivative = derivative.replace(S.TieShare, lambda a, b: S.Where(
+        _compare("eq", a, b), sympy.Rational(1, 2), S.Where(_compare("lt", a, b), sympy.Integer(0), sympy.Integer(1))))
+    return _into_branches(g, derivative)
+
+
+def _into_branches(g, d):
+    if isinstance(d, S.Where):
+        cond, a, b = d.args
+        return S.Where(cond, _into_branches(g, a), _into_branches(g, b))
+    if d.is_Add:
+        return sympy.Add(*[_into_branches(g, term) for term in d.args])
+    if d.is_Mul:
+        masks = [f for f in d.args if isinstance(f, S.Where)]
+        if masks:
+            cond, a, b = masks[0].args
+            rest = sympy.Mul(*[f for f in d.args if f is not masks[0]])
+            return S.Where(cond, _into_branches(g, rest * a), _into_branches(g, rest * b))
+    return g * d
+
+
 def _reuse_result(derivative, expr, out_complex):
     if isinstance(expr, sympy.Symbol):
         return derivative
@@ -276,7 +309,7 @@ def pointwise_vjp(b: GraphBuilder, node: fx.Node, grad_out: fx.Node):
             if derivative == 1 and grad_out.meta["dtype"] == dtype:
                 grads.append(grad_out)  # add, sub, identity: the gradient passes through
                 continue
-            grad_expr = GRAD_SYMBOL * derivative
+            grad_expr = masked_product(GRAD_SYMBOL, derivative)
         if grad_expr == 0:
             # eager gives zeros, not None, through a differentiable op whose derivative is 0
             # (round, sign, x * 0): the input's .grad is a zero tensor, not missing

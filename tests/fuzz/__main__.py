@@ -52,6 +52,8 @@ def main(argv=None):
         done += 1
         if not args.quiet and done % 50 == 0:
             print(f"{done} programs, {len(failures)} failures, {time.time() - started:.0f} s", flush=True)
+        if args.results and done % 250 == 0:  # a run cut short still leaves its results so far
+            _write_results(args, done, errors_checked, failures, fallbacks, known, time.time() - started)
     elapsed = time.time() - started
     print(f"{done} programs ({errors_checked} where eager raises), {len(failures)} failures, "
           f"known bugs met: {known or 'none'}, {elapsed:.0f} s")
@@ -65,12 +67,14 @@ def _write_results(args, done, errors_checked, failures, fallbacks, known, elaps
         "# Fuzz run results", "",
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
         f"- command: `python -m tests.fuzz --count {args.count} --seed {args.seed}`",
-        f"- programs checked: {done} ({errors_checked} of them raise in eager; the compiled call must raise the same)",
+        f"- programs checked: {done} of {args.count} ({errors_checked} of them raise in eager; "
+        "the compiled call must raise the same)",
         f"- time: {elapsed:.0f} s ({elapsed / max(done, 1):.2f} s a program, Triton interpreter)",
         f"- new failures: {len(failures)}",
         f"- known bugs met (xfail regression tests in tests/test_fuzz.py): {known or 'none'}", ""]
     if fallbacks:
-        lines += ["Allowed fallbacks seen:", ""] + [f"- {n}x {reason}" for reason, n in sorted(fallbacks.items())] + [""]
+        lines += ["Allowed fallbacks seen:", ""]
+        lines += [f"- {n}x {reason}" for reason, n in sorted(fallbacks.items())] + [""]
     for seed, kind, detail, source in failures:
         lines += [f"## seed {seed}: {kind}", "", "```python", source, "```", "", "```", detail.strip(), "```", ""]
     with open(args.results, "w") as f:

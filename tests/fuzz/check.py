@@ -104,7 +104,7 @@ def _loss(values, square=False):
     return total
 
 
-def _close(what, got, want, reference):
+def _close(what, got, want, reference, loose=False):
     if not isinstance(want, torch.Tensor) or not isinstance(got, torch.Tensor):
         if (got is None) != (want is None):
             raise Mismatch(f"{what}: got {_brief(got)}, eager {_brief(want)}")
@@ -119,6 +119,8 @@ def _close(what, got, want, reference):
             raise Mismatch(f"{what}: got {got.tolist()}, eager {want.tolist()}")
         return
     rtol, atol = TOLERANCE.get(want.dtype, (1e-4, 1e-5))
+    if loose:  # the program rounds through float32 somewhere (eager's gradient of a cast does too)
+        rtol, atol = max(rtol, TOLERANCE[torch.float32][0]), max(atol, TOLERANCE[torch.float32][1])
     g, w = _as_f64(got), _as_f64(want)
     bound = atol + rtol * w.abs()
     if reference is not None and isinstance(reference, torch.Tensor) and reference.shape == want.shape:
@@ -140,16 +142,16 @@ def _brief(x):
     return f"{x.dtype}{list(x.shape)}" if isinstance(x, torch.Tensor) else repr(x)
 
 
-def _compare(call, got, want, reference):
+def _compare(call, got, want, reference, loose=False):
     if want["error"] is not None or got["error"] is not None:
         if got["error"] != want["error"]:
             raise Mismatch(f"{call}: raised {got['error']!r}, eager {want['error']!r}")
         return
     ref = reference or {}
     for i, (g, w) in enumerate(zip(got["outputs"], want["outputs"])):
-        _close(f"{call}: output {i}", g, w, _at(ref, "outputs", i))
+        _close(f"{call}: output {i}", g, w, _at(ref, "outputs", i), loose)
     for i, (g, w) in enumerate(zip(got["inputs"], want["inputs"])):
-        _close(f"{call}: input x{i} after the call", g, w, _at(ref, "inputs", i))
+        _close(f"{call}: input x{i} after the call", g, w, _at(ref, "inputs", i), loose)
     if got.get("backward_error") != want.get("backward_error"):
         raise Mismatch(f"{call}: backward raised {got.get('backward_error')!r}, eager {want.get('backward_error')!r}")
     for key, label in (("grads", "grad"), ("second", "second-order grad")):
@@ -166,7 +168,7 @@ def _compare(call, got, want, reference):
                 if bool((g.detach().nan_to_num(0.0) != 0).any()):
                     raise Mismatch(f"{call}: nonzero {label} of input {i} where eager has none")
                 continue
-            _close(f"{call}: {label} of input {i}", g, w, _at(ref, key, i))
+            _close(f"{call}: {label} of input {i}", g, w, _at(ref, key, i), loose)
 
 
 def _at(ref, key, i):
@@ -196,10 +198,12 @@ def _check(program) -> dict:
             reference = None
     compiled = compiler.compile(program.function(), backend="interpret")
     first = run_all(program, compiled)
-    _compare("first (recording) call", first, want, reference)
+    loose = "float()" in program.source or "float32" in program.source or any(
+        x.dtype in (torch.float32, torch.complex64, torch.float16) for x in program.inputs)
+    _compare("first (recording) call", first, want, reference, loose)
     launches = compiled.stats["kernel_launches"]
     second = run_all(program, compiled)
-    _compare("second (replayed) call", second, want, reference)
+    _compare("second (replayed) call", second, want, reference, loose)
     stats = dict(compiled.stats)
     entry = compiled.last_entry
     fallbacks = list(entry.report.fallbacks) if entry is not None and want["error"] is None else []

@@ -21,8 +21,7 @@ import torch
 class Op:
     name: str
     arity: int
-    make: Callable          # (chooser, operand tensors) -> template string, or None
-    statement: bool = False  # a statement (x[i] = v): changes {0} in place, makes no new value
+    make: Callable  # (chooser, operand tensors) -> template (a statement `{0}[i] = v` too), or None
 
 
 def is_real(x):
@@ -55,10 +54,6 @@ def _dim(ch, x):
         return None
     d = ch.int(0, x.dim() - 1)
     return d - x.dim() if ch.bool(0.3) else d
-
-
-def _when(pred, template):
-    return lambda ch, xs: template if pred(*xs) else None
 
 
 # -- elementwise -------------------------------------------------------------------------

@@ -16,8 +16,8 @@ import torch
 
 from tests.fuzz import ops as O
 
-DTYPES = [torch.float32, torch.float64, torch.complex64, torch.int64, torch.bool, torch.float16]
-DTYPE_WEIGHTS = [8, 6, 2, 1, 1, 0]
+DTYPES = [torch.float32, torch.float64, torch.complex64, torch.int64, torch.bool]
+DTYPE_WEIGHTS = [8, 6, 2, 1, 1]
 LAYOUTS = ["contiguous", "transposed", "strided", "offset", "expanded"]
 LAYOUT_WEIGHTS = [8, 2, 2, 1, 1]
 
