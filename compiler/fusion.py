@@ -143,7 +143,7 @@ def fuse(graph: fx.Graph) -> Schedule:
             reductions = reduction_roots_of.get(id(plan), ())
             if kind_i == "kernel" and plan.accepts(*space) and (
                     not _depends_on(node, reductions, buffers) or
-                    (plan.persistent_with(space[1]) and _row_aligned(node, reductions))):
+                    (plan.persistent_with(space[1]) and _row_aligned(node, reductions, plan))):
                 target = i
                 break
         if target is None:
@@ -178,27 +178,44 @@ def _reads(node: fx.Node, buffers) -> set:
     return {n for n in _inlined_reads(node) if n in buffers}
 
 
-def _row_aligned(node: fx.Node, reductions) -> bool:
-    """Whether ``node`` reads each of ``reductions`` only through pointwise ops, expands and
-    reshapes that add or drop size-1 dims: it then reads the reduction of its own row."""
+def _row_aligned(node: fx.Node, reductions, plan) -> bool:
+    """Whether ``node``, read at the kernel's index, reads each of ``reductions`` at its own
+    row: through pointwise ops and expands of values of the kernel's rank, or through a reshape
+    of a reduction that puts size-1 dims back exactly where it reduced.
+
+    NOTE: equal shapes are not enough: ``x / x.sum(1)`` for x of shape (4, 4, 3) broadcasts the
+    (4, 3) sums as (1, 4, 3), reading the reduction of another row (the writer refuses that)."""
     reductions = set(reductions)
-    stack, seen = [node], set()
-    while stack:
-        n = stack.pop()
-        if n in seen or not isinstance(n, fx.Node) or n in reductions:
-            continue
-        seen.add(n)
+    rank, dims = len(plan.shape), plan.reduce_dims
+    memo: dict = {}
+
+    def aligned(n) -> bool:
+        if not isinstance(n, fx.Node):
+            return True
+        if n in reductions:
+            return len(n.meta["shape"]) == rank  # keepdim=True: its own row at the kernel's index
+        if n not in memo:
+            memo[n] = not _depends_on(n, reductions, ()) or _aligned_through(n)
+        return memo[n]
+
+    def _aligned_through(n) -> bool:
         kind = kind_of(n)
-        if kind in INLINE_KINDS or kind == "reduction":
-            stack.extend(n.args)
-        elif kind == "view":
-            source = n.args[0]
-            squeezes = [s for s in n.meta["shape"] if s != 1] == [s for s in source.meta["shape"] if s != 1]
-            if not (n.target.name == "expand" or (n.target.name == "reshape" and squeezes)) and \
-                    _depends_on(n, reductions, ()):
-                return False
-            stack.append(source)
-    return True
+        if len(n.meta["shape"]) != rank or kind == "reduction":
+            return False  # an implicit broadcast (lower rank) or another reduction's space
+        if kind in INLINE_KINDS:
+            return all(aligned(a) for a in n.args)
+        if kind != "view":
+            return False
+        source = n.args[0]
+        if n.target.name == "expand":
+            return aligned(source)
+        if n.target.name == "reshape" and source in reductions and not source.kwargs["keepdim"]:
+            shape = n.meta["shape"]
+            return all(shape[d] == 1 for d in dims) and \
+                [s for d, s in enumerate(shape) if d not in dims] == list(source.meta["shape"])
+        return n.target.name == "reshape" and n.meta["shape"] == source.meta["shape"] and aligned(source)
+
+    return all(aligned(a) for a in node.args)
 
 
 def _depends_on(node: fx.Node, targets, buffers) -> bool:

@@ -1,23 +1,36 @@
 """Loading generated kernel sources as real ``@triton.jit`` functions, once each.
 
 A real ``@triton.jit`` refuses source ``exec``'d from a string, so each kernel is written to
-a file in the cache directory (named by its hash) and imported, as Inductor does. Kernels are
-cached by name (a hash of the source): identical kernels from different graphs load once.
+a file in the cache directory (named by a hash of its body) and loaded from there, as Inductor
+does. Kernels are cached by name: identical kernels from different graphs load once.
+
+The cache directory is shared: by the threads of a process and by processes running at once
+(one ``SYMGRAD_CACHE_DIR`` for a whole CI job). Files are written to a private temporary name
+and renamed into place, so a reader sees a whole file or none. A file that is there is never
+trusted: its bytes are compared with the source the compiler just generated, and a file that
+differs (truncated by a full disk, garbled, edited by hand) is rewritten before it is loaded.
+The module is compiled from the verified source itself, never from a ``__pycache__`` file, so
+stale or damaged bytecode cannot run either.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import linecache
+import logging
 import os
 import sys
 import tempfile
 import threading
+import types
+
+log = logging.getLogger("compiler")
 
 _lock = threading.Lock()
 _loaded: dict = {}
 
 
 def cache_dir() -> str:
+    """The kernel cache directory: ``$SYMGRAD_CACHE_DIR`` or a per-user one under the temp dir."""
     path = os.environ.get("SYMGRAD_CACHE_DIR") or os.path.join(
         tempfile.gettempdir(), f"symgrad-{os.getuid()}", "kernels")
     os.makedirs(path, exist_ok=True)
@@ -25,7 +38,7 @@ def cache_dir() -> str:
 
 
 def load_kernel(name: str, source: str):
-    """The jit function ``name`` defined by ``source`` (written to disk and imported once)."""
+    """The jit function ``name`` defined by ``source`` (written to disk, checked and loaded once)."""
     fn = _loaded.get(name)
     if fn is not None:
         return fn
@@ -34,15 +47,41 @@ def load_kernel(name: str, source: str):
         if fn is not None:
             return fn
         path = os.path.join(cache_dir(), f"{name}.py")
-        if not os.path.exists(path) or open(path).read() != source:
-            tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-            with open(tmp, "w") as f:
-                f.write(source)
-            os.replace(tmp, path)
-        spec = importlib.util.spec_from_file_location(f"symgrad_kernels.{name}", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        fn = getattr(module, name)
+        _ensure_file(path, source)
+        fn = getattr(_load_module(name, path, source), name)
         _loaded[name] = fn
         return fn
+
+
+def _ensure_file(path: str, source: str) -> None:
+    """Make ``path`` hold exactly ``source``: write it when it is missing or differs."""
+    expected = source.encode()
+    try:
+        with open(path, "rb") as f:
+            found = f.read()
+    except FileNotFoundError:
+        found = None
+    if found == expected:
+        return
+    if found is not None:
+        # NOTE: another process writes whole files only (rename into place), so a difference
+        # is damage from outside: say so, then replace it with the right source.
+        log.warning("kernel cache file %s did not match its kernel's source (%d bytes found, %d expected); "
+                    "rewriting it", path, len(found), len(expected))
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(expected)
+    os.replace(tmp, path)
+
+
+def _load_module(name: str, path: str, source: str) -> types.ModuleType:
+    # Compiled from the checked source (not imported: an import could use a stale .pyc).
+    # triton.jit reads a kernel's source back through inspect/linecache; seeding linecache
+    # with the checked text (no mtime: never invalidated) keeps a later change to the file
+    # on disk from reaching the jit function.
+    linecache.cache[path] = (len(source), None, source.splitlines(True), path)
+    module = types.ModuleType(f"symgrad_kernels.{name}")
+    module.__file__ = path
+    sys.modules[module.__name__] = module
+    exec(compile(source, path, "exec"), module.__dict__)
+    return module

@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from compiler.codegen.realify import IM, RE, realify
-from compiler.codegen.triton_printer import NotPrintable, TritonPrinter
+from compiler.codegen.triton_printer import NotPrintable, TritonPrinter, literal
 from compiler.ops import symbols as Y
 from compiler.fusion import PERSISTENT_MAX, KernelPlan, kind_of
 from compiler.ir import compute_dtype, contiguous_strides, numel
@@ -221,6 +221,10 @@ class KernelWriter:
         dim, size = node.kwargs["dim"], source.meta["shape"][node.kwargs["dim"]]
         i, _ = self.value(index_node, tuple(index_at))
         i = self.tmp(f"{i}.to(tl.int64)")
+        if all(str(idx).isdigit() for idx in index_at):
+            # one index for the whole block (a scalar load): give it the block's shape, since
+            # the gathered load is masked and a masked load needs a block of pointers
+            i = self.tmp(f"tl.full(SHAPE, 0, tl.int64) + {i}")
         if node.kwargs.get("wrap"):
             i = self.tmp(f"tl.where({i} < 0, {i} + {size}, {i})")
         # NOTE: clamped, so a bad index never reads outside memory; the program checks the
@@ -276,7 +280,7 @@ class KernelWriter:
             else:
                 total = f"tl.sum(tl.where(MASK, {part}, 0), 1)[:, None]"
             if scale != 1.0:
-                total = f"({total}) * {scale!r}"
+                total = f"({total}) * {literal(scale)}"
             out.append(self.tmp(total))
         return (tuple(out) if acc_dtype.is_complex else out[0]), acc_dtype
 
@@ -452,7 +456,7 @@ class KernelWriter:
                         total = (f"(tl.max({acc}, 1)[:, None] + "
                                  f"tl.sum(tl.where({acc} != {acc}, {acc}, 0.0), 1)[:, None])")
                     if scale != 1.0:
-                        total = f"{total} * {scale!r}"
+                        total = f"{total} * {literal(scale)}"
                     where = f"2 * xindex + {k}" if dtype.is_complex else "xindex"
                     src.append(f"tl.store({out}_ptr + {where}, ({total}).to({TL_DTYPE[part_dtype]}), mask=xmask)")
         else:
@@ -535,7 +539,9 @@ class KernelWriter:
         signature["XBLOCK"] = "constexpr"
         signature["RBLOCK"] = "constexpr"
         body_text = "\n".join("    " + line for line in src)
-        digest = hashlib.sha256((",".join(params) + body_text + f"{xblock},{rblock}").encode()).hexdigest()[:12]
+        # the signature too: fp32 and fp64 variants of one body are different files (the cache
+        # checks a file's whole text against its kernel, and the Hopper build reads SIGNATURE)
+        digest = hashlib.sha256((repr(signature) + body_text + f"{xblock},{rblock}").encode()).hexdigest()[:12]
         name = f"{_describe(self.plan)}_{digest}"
         source = "\n".join([
             "import triton",

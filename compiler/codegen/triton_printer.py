@@ -11,6 +11,7 @@ from __future__ import annotations
 import struct
 
 import sympy
+import torch
 
 from compiler.ops import scalar as S
 
@@ -75,6 +76,11 @@ class TritonPrinter:
         self.names = names
         # tl.sqrt_rn (IEEE-rounded, as eager) exists for fp32 only; fp64's tl.sqrt is IEEE.
         self.fp64 = str(dtype) == "torch.float64"
+        # NOTE: in an integer kernel whole numbers print as integers: `2.0 * t0` would compute
+        # an int64/int32 value in fp32 (rounding above 2**24, saturating instead of wrapping);
+        # eager's integer arithmetic wraps around, and so does Triton's on int literals.
+        self.integer = dtype is not None and isinstance(dtype, torch.dtype) and not (
+            dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
         self.sqrt = "tl.sqrt" if self.fp64 else "tl.sqrt_rn"
 
     def __call__(self, expr) -> str:
@@ -112,25 +118,37 @@ class TritonPrinter:
             x = self.p(e.args[0])
             return f"tl.where({x} < 0, 0.0, {x})"
         if func is S.Step:
-            return f"tl.where({self.p(e.args[0])} <= 0, 0.0, 1.0)"
-        if func is S.Sign:
+            return f"tl.where({self.p(e.args[0])} <= 0, {self._c('0.0')}, {self._c('1.0')})"
+        if func is S.Sign or func is sympy.sign:  # sympy.sign: from derivatives (hypot's second)
             x = self.p(e.args[0])
-            return f"tl.where({x} > 0, 1.0, tl.where({x} < 0, -1.0, 0.0))"
+            return f"tl.where({x} > 0, {self._c('1.0')}, tl.where({x} < 0, {self._c('-1.0')}, {self._c('0.0')}))"
         if func in (S.Maximum, S.Minimum):
             a, b = self.p(e.args[0]), self.p(e.args[1])
             op = ">" if func is S.Maximum else "<"
-            return f"tl.where(({a} {op} {b}) | ({a} != {a}), {a}, {b})"
+            # nested wheres, not `(a > b) | (a != a)`: the interpreter cannot `|` a 0-dim
+            # operand's scalar comparison with a block (TypeError from numpy's bitwise_or)
+            return f"tl.where({a} != {a}, {a}, tl.where({a} {op} {b}, {a}, {b}))"
         if func is S.TieShare:
             a, b = self.p(e.args[0]), self.p(e.args[1])
-            return f"tl.where({a} == {b}, 0.5, tl.where({a} < {b}, 0.0, 1.0))"
+            return f"tl.where({a} == {b}, {self._c('0.5')}, tl.where({a} < {b}, {self._c('0.0')}, {self._c('1.0')}))"
         if func is S.Where:
-            return f"tl.where({self.p(e.args[0])}, {self.p(e.args[1])}, {self.p(e.args[2])})"
+            a, b = self.p(e.args[1]), self.p(e.args[2])
+            if e.args[1].is_number and e.args[2].is_number:
+                a, b = self._c(a), self._c(b)
+            return f"tl.where({self.p(e.args[0])}, {a}, {b})"
         if func is S.Compare:
             op = _COMPARE[S.COMPARE_OPS[int(e.args[0])]]
             return f"({self.p(e.args[1])} {op} {self.p(e.args[2])})"
         raise NotPrintable(f"no Triton lowering for {func.__name__}")
 
+    def _c(self, text: str) -> str:
+        """A literal that is a whole value of its own (both branches of a tl.where): Triton
+        types it fp32, so in an fp64 kernel it is made fp64 (sign(x) fed to cos in fp64)."""
+        return f"tl.full([], {text}, tl.float64)" if self.fp64 and not text.startswith("tl.full") else text
+
     def _literal(self, value) -> str:
+        if self.integer and value.is_number and value.is_finite and float(value).is_integer():
+            return str(int(value))
         if self.fp64 and not _exact_in_fp32(value):
             # NOTE: Triton types a float literal as fp32 where nothing promotes it first (both
             # branches of tl.where, a product with an fp32 value): keep all 53 bits.
@@ -146,7 +164,7 @@ class TritonPrinter:
                 num.append(self._literal(factor))
             else:
                 num.append(self.p(factor))
-        text = " * ".join(num) if num else "1.0"
+        text = " * ".join(num) if num else self._literal(sympy.Integer(1))
         if den:
             text = f"{text} / ({' * '.join(den)})"
         return f"({text})"
@@ -156,7 +174,7 @@ class TritonPrinter:
         if exp.is_Integer:
             n = int(exp)
             if n == 0:
-                return "1.0"
+                return self._literal(sympy.Integer(1))
             if 0 < n <= 8:
                 return "(" + " * ".join([b] * n) + ")"
             if -8 <= n < 0:

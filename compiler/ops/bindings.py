@@ -610,9 +610,16 @@ def _t_(b, x):
     return C.emit_view(b, "permute", x, dims=(1, 0))
 
 
-@binds(_t("T"), _t("mT"))
+@binds(_t("mT"))
 def _mT(b, x):
     return _transpose(b, x, -2, -1)
+
+
+@binds(_t("T"))
+def _T(b, x):
+    """Tensor.T reverses all dims (the same as mT only for 2 dims)."""
+    ndim = len(x.meta["shape"])
+    return x if ndim < 2 else C.emit_view(b, "permute", x, dims=tuple(reversed(range(ndim))))
 
 
 @binds(_t("expand"))
@@ -1025,7 +1032,7 @@ def _logsumexp(b, x, dim, keepdim=False, *, out=None):
     total = _statistic(b, "sum", _pointwise(b, "exp", [shifted]), dims)
     out = _cast(b, _pointwise(b, "add", [_pointwise(b, "log", [total]), m]), x.meta["dtype"])
     return out if keepdim else C.emit_view(b, "reshape", out, shape=C.Reduction("sum").out_shape(
-        x.meta["shape"], tuple(d % len(x.meta["shape"]) for d in dims), False))
+        x.meta["shape"], tuple(d % max(len(x.meta["shape"]), 1) for d in dims), False))  # 0-dim: dim 0
 
 
 def _norm_dims(x, normalized_shape):
@@ -1299,7 +1306,8 @@ def _var_like(kind):
         if isinstance(dim, bool):  # var(x, unbiased) in the old positional form
             dim, unbiased = None, dim
         var, mean = _variance(b, x, dim, _correction(correction, unbiased), keepdim)
-        value = _pointwise(b, "sqrt", [var]) if kind.startswith("std") else var
+        # std: eager's gradient is 0 where the std is 0 (std_backward masks it), as norm_sqrt's
+        value = _pointwise(b, "norm_sqrt", [var]) if kind.startswith("std") else var
         return (value, mean) if kind.endswith("_mean") else value
     return bind
 

@@ -52,13 +52,22 @@ class OpDef:
 
 
 # ----------------------------------------------------------------------------- pointwise
+def _divide(a, b):
+    # NOTE: SymPy makes x / 0 the complex infinity (zoo), which no kernel can print; IEEE
+    # division by a constant zero is a product with an infinity of the zero's sign (x / 0.0
+    # is inf, -inf or NaN, as eager; var() with no degrees of freedom divides by 0.0).
+    if getattr(b, "is_number", False) and b.is_zero and b.is_extended_real:
+        return a * (sympy.oo if math.copysign(1.0, float(b)) > 0 else -sympy.oo)
+    return a / b
+
+
 # Every elementwise op the compiler knows, as a function of SymPy scalars. The derivative,
 # the kernel code and the broadcasting all follow from this one expression.
 SCALAR_FUNCTIONS = {
     "add": lambda a, b: a + b,
     "sub": lambda a, b: a - b,
     "mul": lambda a, b: a * b,
-    "div": lambda a, b: a / b,
+    "div": lambda a, b: _divide(a, b),
     "neg": lambda a: -a,
     "pow": lambda a, b: a**b,
     "exp": sympy.exp,
@@ -237,6 +246,39 @@ def wirtinger_gradient(expr: sympy.Expr, index: int, arg_complex: bool, out_comp
     return _reuse_result(grad, expr, out_complex)
 
 
+def masked_product(g, derivative):
+    """``g * derivative`` where every 0/1 mask in the derivative selects instead of multiplying.
+
+    NOTE: eager's backward of relu, clamp, maximum and where *selects* (threshold_backward,
+    ``where(mask, grad, 0)``): a NaN or inf gradient arriving where the mask is 0 gives 0, not
+    NaN = inf·0 as a product would (a fully masked softmax row's NaN, kept out by a where,
+    must not reach the parameters). So the masks become Where and ``g`` moves into the
+    branches, where SymPy's g·0 = 0 is exactly eager's answer.
+    """
+    if not derivative.has(S.Step, S.TieShare, S.Where):
+        return g * derivative
+    derivative = derivative.replace(
+        S.Step, lambda x: S.Where(_compare("le", x, 0), sympy.Integer(0), sympy.Integer(1)))
+    derivative = derivative.replace(S.TieShare, lambda a, b: S.Where(
+        _compare("eq", a, b), sympy.Rational(1, 2), S.Where(_compare("lt", a, b), sympy.Integer(0), sympy.Integer(1))))
+    return _into_branches(g, derivative)
+
+
+def _into_branches(g, d):
+    if isinstance(d, S.Where):
+        cond, a, b = d.args
+        return S.Where(cond, _into_branches(g, a), _into_branches(g, b))
+    if d.is_Add:
+        return sympy.Add(*[_into_branches(g, term) for term in d.args])
+    if d.is_Mul:
+        masks = [f for f in d.args if isinstance(f, S.Where)]
+        if masks:
+            cond, a, b = masks[0].args
+            rest = sympy.Mul(*[f for f in d.args if f is not masks[0]])
+            return S.Where(cond, _into_branches(g, rest * a), _into_branches(g, rest * b))
+    return g * d
+
+
 def _reuse_result(derivative, expr, out_complex):
     if isinstance(expr, sympy.Symbol):
         return derivative
@@ -267,7 +309,7 @@ def pointwise_vjp(b: GraphBuilder, node: fx.Node, grad_out: fx.Node):
             if derivative == 1 and grad_out.meta["dtype"] == dtype:
                 grads.append(grad_out)  # add, sub, identity: the gradient passes through
                 continue
-            grad_expr = GRAD_SYMBOL * derivative
+            grad_expr = masked_product(GRAD_SYMBOL, derivative)
         if grad_expr == 0:
             # eager gives zeros, not None, through a differentiable op whose derivative is 0
             # (round, sign, x * 0): the input's .grad is a zero tensor, not missing
@@ -355,7 +397,11 @@ REDUCTIONS = {name: Reduction(name) for name in ("sum", "mean", "amax")}
 
 def emit_reduction(b, name, x, dims, keepdim=False, dtype=None) -> fx.Node:
     ndim = len(x.meta["shape"])
-    dims = tuple(sorted({d % ndim for d in dims})) if ndim else ()
+    if ndim == 0:
+        # NOTE: reducing a 0-dim tensor (x.sum(), x.amax() of a scalar) reduces nothing: the
+        # value itself, in the result dtype (a reduction over no dims has no iteration space).
+        return emit_pointwise(b, "identity", [x], dtype=dtype or x.meta["dtype"])
+    dims = tuple(sorted({d % ndim for d in dims}))
     op = REDUCTIONS[name]
     return b.call(op, [x], {"dims": dims, "keepdim": keepdim},
                   shape=op.out_shape(x.meta["shape"], dims, keepdim),
@@ -422,6 +468,16 @@ class View(OpDef):
         if self.name == "expand":
             lead = len(out_shape) - len(in_shape)
             return ["0" if size == 1 else out_index[lead + i] for i, size in enumerate(in_shape)]
+        kept_in = [d for d, size in enumerate(in_shape) if size != 1]
+        kept_out = [d for d, size in enumerate(out_shape) if size != 1]
+        if [in_shape[d] for d in kept_in] == [out_shape[d] for d in kept_out]:
+            # a reshape that only adds or drops size-1 dims: each other dim maps to itself
+            # (no division by sizes: a zero-size dim would divide by 0, and a reduction read
+            # through it is still recognised as its own row)
+            result = ["0"] * len(in_shape)
+            for d_in, d_out in zip(kept_in, kept_out):
+                result[d_in] = out_index[d_out]
+            return result
         # reshape: through the linear (row-major) position of the element.
         strides = contiguous_strides(out_shape)
         terms = [f"({idx}) * {st}" if st != 1 else f"({idx})"
