@@ -151,23 +151,25 @@ def _run_workers(todo: dict, processes: int, cache: str, results: dict, total: i
                 json.dump([asdict(launch) | {"key": key} for key, launch in share], f)
             # a cache of Triton's own would skip ptxas, whose report gives registers and spills
             worker_env = dict(env, TRITON_CACHE_DIR=os.path.join(tmp, "triton-cache"))
-            proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), jobs, tmp], stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, env=worker_env)
-            for line in proc.stdout:
-                if not line.startswith("{"):
-                    continue
-                result = json.loads(line)
-                key = result.pop("key")
-                if _complete(result):   # failures are not cached: they are retried next time
-                    with open(os.path.join(cache, key + ".json"), "w") as f:
-                        json.dump(result, f)
-                with lock:
-                    results[key] = result
-                    if progress:
-                        progress(len(results), total, result["name"])
-            stderr = proc.stderr.read()
-            if proc.wait() != 0:
-                errors.append(stderr[-3000:])
+            log_path = os.path.join(tmp, "stderr.log")   # a file: a full pipe would block the worker
+            with open(log_path, "w") as log:
+                proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), jobs, tmp],
+                                        stdout=subprocess.PIPE, stderr=log, text=True, env=worker_env)
+                for line in proc.stdout:
+                    if not line.startswith("{"):
+                        continue
+                    result = json.loads(line)
+                    key = result.pop("key")
+                    if _complete(result):   # failures are not cached: they are retried next time
+                        _write_cached(os.path.join(cache, key + ".json"), result)
+                    with lock:
+                        results[key] = result
+                        if progress:
+                            progress(len(results), total, result["name"])
+                failed = proc.wait() != 0
+            if failed:
+                with open(log_path) as log:
+                    errors.append(log.read()[-3000:])
 
     threads = [threading.Thread(target=work, args=(share,)) for share in shares]
     for t in threads:
@@ -191,6 +193,13 @@ def _read_cached(path: str) -> dict | None:
     except (OSError, ValueError):
         return None
     return result if _complete(result) else None
+
+
+def _write_cached(path: str, result: dict) -> None:
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, path)   # whole, even with another run writing the same key
 
 
 def _default_cache() -> str:
@@ -271,7 +280,8 @@ def _compile_one(job: dict, workdir: str) -> dict:
         "shared": compiled.metadata.shared,
         "num_warps": compiled.metadata.num_warps,
         # integer arguments the launch turns into constants (strides equal to 1)
-        "int_constants": [fn.arg_names[path[0]] for path in constexprs if fn.arg_names[path[0]] not in job["constexprs"]],
+        "int_constants": [fn.arg_names[path[0]] for path in constexprs
+                          if fn.arg_names[path[0]] not in job["constexprs"]],
         "error": None,
     }
 
