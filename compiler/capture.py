@@ -13,9 +13,12 @@ materialized: those returned, read by eager calls or later regions, or still ali
 
 from __future__ import annotations
 
+import functools
+import gc
 import os
 import sys
 import threading
+import types
 import weakref
 from dataclasses import dataclass, field
 
@@ -43,6 +46,8 @@ _FACTORIES = {torch.ones, torch.zeros, torch.full, torch.empty, torch.arange, to
               torch.empty_like, torch.randn, torch.rand, torch.randint, torch.randn_like, torch.rand_like}
 _VALUE_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "__format__",
                 "__repr__", "__str__", "__array__"}
+_FUNCTIONS = (types.FunctionType, types.MethodType, functools.partial)
+_UNKEPT = "<a function, not kept by the recording>"
 _SUPPORTED_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool,
                      torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
                      torch.complex64, torch.complex128}
@@ -60,6 +65,7 @@ class _Region:
     calls: list = field(default_factory=list)
     seeds: list = field(default_factory=list)       # input value ids that take a fresh RNG seed per call
     read_for_grad: set = field(default_factory=set)  # value ids read by calls that autograd records
+    writes: dict = field(default_factory=dict)      # value id -> in-place ops that changed it here
     view_mutation: bool = False                     # an in-place op changed a view
     eager_reason: str | None = None                 # set when the region must run eagerly
 
@@ -235,6 +241,8 @@ class Capture(TorchFunctionMode):
                 region.nodes[vid] = node
                 region.produced.append(vid)
                 self.produced_by[vid] = index
+                if old is not None:
+                    region.writes[vid] = region.writes.get(vid, 0) + 1
                 if old is not None and t._base is not None:
                     region.view_mutation = True
                     try:
@@ -249,6 +257,11 @@ class Capture(TorchFunctionMode):
             self.current = None  # an eager call closes the region
             for vid in outputs:
                 self.produced_by.setdefault(vid, index)
+            if not outputs:
+                # NOTE: a function given to a call that makes no tensor (a hook to register) is
+                # not needed to replay it, and keeping it would keep what its closure holds
+                # (the gradients a hook saw) alive, mistaken for tensors reached from outside.
+                recorded = [_UNKEPT if isinstance(x, _FUNCTIONS) else x for x in recorded]
             self.calls.append(TraceCall(func, "eager", None, spec, recorded, outputs, out_spec, reason))
             if reason:
                 self.breaks.append(reason)
@@ -434,6 +447,8 @@ class Capture(TorchFunctionMode):
                 if region.nodes.get(vid) is node:
                     continue
                 node.meta["requires_grad"] = m.requires_grad
+                if vid in region.nodes:
+                    region.writes[vid] = region.writes.get(vid, 0) + 1
                 region.nodes[vid] = node
                 region.produced.append(vid)
             region.calls.append(c)
@@ -459,6 +474,10 @@ class Capture(TorchFunctionMode):
 
     def finish(self, result) -> Trace:
         """Escape analysis, then the trace with one RegionPlan per region."""
+        # What is still alive decides what escapes; garbage in reference cycles (module hooks
+        # make some) is not: collect the young generations, where the call's own cycles are
+        # (a full collection costs a large program ~0.3 s per recording).
+        gc.collect(1)
         self._split_isolated()
         returned = {self.ids[id(t)][1] for t in tree_flatten(result)[0]
                     if isinstance(t, torch.Tensor) and id(t) in self.ids and self.ids[id(t)][0]() is t}
@@ -489,8 +508,10 @@ class Capture(TorchFunctionMode):
             b.output(output_nodes)
             b.graph.eliminate_dead_code()
             mutated = [v for v in r.inputs if v in seen]
+            # (eager bumps a version counter per in-place op; views share their base's)
+            writes = {} if r.view_mutation else {v: r.writes[v] for v in mutated if r.writes.get(v, 1) > 1}
             plans.append(RegionPlan(r.calls, list(r.inputs), outputs, internal, r.grad_enabled, mutated=mutated,
-                                    reason=r.eager_reason, seeds=[(v, r.device) for v in r.seeds]))
+                                    reason=r.eager_reason, seeds=[(v, r.device) for v in r.seeds], writes=writes))
             plans[-1].graph = b.graph
         # Externals already gone appeared during the call, from code the mode does not see (a
         # Parameter made inside the function, a tensor unpacked from a grad_fn): replay binds
@@ -508,6 +529,7 @@ def _apply_writes(region: _Region, writes) -> None:
         vid = next(v for v, n in region.nodes.items() if n is target)
         region.nodes[vid] = value
         region.produced.append(vid)
+        region.writes[vid] = region.writes.get(vid, 0) + 1
 
 
 def _autocast_dtype(device: torch.device):

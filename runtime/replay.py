@@ -340,6 +340,8 @@ class Replay(TorchFunctionMode):
                 # version counter bumped, autograd history through the compiled region.
                 target = self.env[vid]
                 target.copy_(written[vid])
+                for _ in range(region.writes.get(vid, 1) - 1):  # as many bumps as eager's in-place ops
+                    torch.autograd.graph.increment_version(target)
                 written[vid] = target
         for vid, t in written.items():
             self.env[vid] = t

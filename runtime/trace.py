@@ -70,6 +70,7 @@ class RegionPlan:
     reason: str | None = None  # why it runs eagerly
     stand_ins: dict | None = None  # value id -> stand-in tensor, made at the first replay
     seeds: list = field(default_factory=list)  # (value id, device) of inputs given a fresh RNG seed per run
+    writes: dict = field(default_factory=dict)  # mutated input's value id -> in-place ops on it (version bumps)
 
 
 @dataclass

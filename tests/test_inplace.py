@@ -80,6 +80,26 @@ def test_input_changed_in_place_is_the_same_object_with_a_new_version(call):
 
 
 @pytest.mark.parametrize("call", CALLS)
+def test_version_counter_moves_once_per_in_place_op_as_in_eager(call):
+    def f(a, w):
+        a.mul_(2)
+        a.add_(1)
+        a[0] = 3.0
+        return (a * w).sum()
+    w = torch.randn(5, dtype=F64, requires_grad=True)
+    compiled = compile_for(f, call, fullgraph=True)
+    compiled(torch.randn(5, dtype=F64), w)
+    a = torch.randn(5, dtype=F64)
+    a_ref = a.clone()
+    before, ref_before = a._version, a_ref._version
+    compiled(a, w)
+    f(a_ref, w)
+    assert a._version - before == a_ref._version - ref_before == 3
+    torch.testing.assert_close(a, a_ref)
+    assert_ran_as(compiled, call)
+
+
+@pytest.mark.parametrize("call", CALLS)
 def test_views_of_inputs_changed_in_place_update_their_base(call):
     def f(base, w):
         v = base.view(2, 3)
