@@ -34,7 +34,8 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset()):
     differentiable = [o.meta["requires_grad"] and (o.meta["dtype"].is_floating_point or o.meta["dtype"].is_complex)
                       for o in outputs]
     region = CompiledRegion(forward_program, backward_program, parts.num_user_outputs, parts.saved,
-                            parts.grad_output_for, differentiable, input_views=input_views)
+                            parts.grad_output_for, differentiable, input_views=input_views,
+                            mutated_inputs=tuple(sorted(mutated_inputs)))
     if parts.joint is not None:
         region.build_double_backward = _double_backward_builder(parts.joint)
         region.explain_nan = _nan_explainer(parts.backward)

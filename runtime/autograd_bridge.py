@@ -27,6 +27,7 @@ class CompiledRegion:
     input_views: list = field(default_factory=list)  # (position, input, views): outputs that view inputs
     build_double_backward: object = None  # requires_grad pattern -> CompiledRegion of the backward
     explain_nan: object = None  # backward inputs -> message naming the forward op that made NaN
+    mutated_inputs: tuple = ()  # positions of inputs the region writes into (after its forward)
 
     def __call__(self, inputs):
         if self.backward is None or not torch.is_grad_enabled():
@@ -47,8 +48,20 @@ class _RegionFunction(torch.autograd.Function):
         ctx.region = region
         # For create_graph=True the backward is recomputed from the inputs themselves, so
         # keep them (their versions too: eager's in-place check still applies).
-        ctx.inputs = inputs
         ctx.versions = [t._version if isinstance(t, torch.Tensor) else None for t in inputs]
+        if region.mutated_inputs and region.build_double_backward is not None:
+            # NOTE: the region's own in-place writes land in these inputs after this forward;
+            # the double backward recomputes from the values the forward read, so keep those
+            # (inputs needing no grad: a copy; ones that require grad keep the version check,
+            # as eager refuses a saved tensor changed in place).
+            inputs = list(inputs)
+            for i in region.mutated_inputs:
+                t = inputs[i]
+                if isinstance(t, torch.Tensor) and not t.requires_grad:
+                    inputs[i] = t.detach().clone()
+                    ctx.versions[i] = inputs[i]._version
+            inputs = tuple(inputs)
+        ctx.inputs = inputs
         user = outs[: region.num_outputs]
         ctx.shapes = [(o.shape, o.dtype, o.device) for o in user]
         non_diff = [o for o, d in zip(user, region.differentiable) if not d]

@@ -138,6 +138,11 @@ FIXED = {
     # was fused into its own kernel and read at another row: "failed to compile"
     "reduction-broadcast-misaligned": _program([((4, 4, 3), f32, "offset", False, 26), ((4, 4, 3), f64, "contiguous",
                                                 True, 27)], ["v0 = x0.norm(dim=1)", "v1 = x1 / v0"], ["v1"]),
+    # a region writing into an input bumped its version after the region's forward, and
+    # create_graph=True refused the input (and would have recomputed from the new values)
+    "double-backward-after-inplace-input": _program(
+        [((3, 3), f32, "contiguous", True, 12), ((3, 3), f32, "contiguous", False, 13)],
+        ["x1[:, 1] = 0.5", "x1.mul_(2)", "v0 = x0 * x1"], ["v0"]),
 }
 
 
@@ -148,11 +153,6 @@ def test_fixed_regressions(name):
 
 # -- found and not fixed yet: each is reported; strict, so a fix turns it into a pass -------------
 KNOWN = {
-    "double-backward-after-inplace-input": (
-        "a region writing into an input bumps its version after the region's forward, so "
-        "create_graph=True refuses it (runtime/autograd_bridge.py keeps inputs for the double backward)",
-        _program([((3, 3), f32, "contiguous", True, 12), ((3, 3), f32, "contiguous", False, 13)],
-                 ["x1[:, 1] = 0.5", "v0 = x0 * x1"], ["v0"])),
     "inplace-on-saved-value-not-refused": (
         "eager raises at backward for a saved value changed in place later; the compiled call "
         "(the recording too) computes a gradient instead",

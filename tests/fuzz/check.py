@@ -42,10 +42,6 @@ class KnownBug(Exception):
 
 # (name, test on the message of a Mismatch): bugs found by the fuzzer and not fixed yet.
 KNOWN_BUGS = [
-    # A region that writes into an input (x[i] = v on an input) bumps its version after the
-    # region's forward; create_graph=True then refuses the input (runtime/autograd_bridge.py).
-    ("double-backward-after-inplace-input",
-     lambda m: "compiled region, create_graph=True" in m and "eager None" in m),
     # Eager raises at backward where a value saved for it was changed in place later; the
     # compiled call (the recording too) computes the gradient instead (recording not eager-exact).
     ("inplace-on-saved-value-not-refused",
