@@ -75,13 +75,14 @@ def test_op_cost_counts_inputs_once_outputs_once_and_matmul_flops():
     assert roofline.launches_kernel(torch.ops.aten.add_.Tensor, (x, x), x)
 
 
-KERNEL = '''import triton
+SIGNATURE = {"in0_ptr": "*fp32", "in0_s0": "i32", "in0_s1": "i32", "out0_ptr": "*fp32",
+             "XBLOCK": "constexpr", "RBLOCK": "constexpr"}
+KERNEL = f'''import triton
 import triton.language as tl
 
 XBLOCK_DEFAULT = 1024
 RBLOCK_DEFAULT = 1
-SIGNATURE = {'in0_ptr': '*fp32', 'in0_s0': 'i32', 'in0_s1': 'i32', 'out0_ptr': '*fp32',
-             'XBLOCK': 'constexpr', 'RBLOCK': 'constexpr'}
+SIGNATURE = {SIGNATURE!r}
 
 
 @triton.jit

@@ -10,11 +10,12 @@ registers from one that does not. Each kernel here goes through ``triton.compile
   and bfloat16 (the transformer under autocast), each compiled with the specialization its
   real launch gets (strides equal to 1 as constants, 16-byte alignment: what decides
   vectorized loads and registers). They must compile and must not spill registers.
-- **the suite's**: every kernel the other tests generated (tiny shapes) from this session's
-  kernel cache, with aligned pointers and unspecialized strides. They must compile.
+- **the suite's**: the kernels the other tests generated (tiny shapes) in this session's kernel
+  cache, one per family of ops and at most SUITE_SAMPLE (``SYMGRAD_HOPPER_ALL_KERNELS=1``: every
+  one, minutes more), with aligned pointers and unspecialized strides. They must compile.
 
-Ordered last by conftest.py. The representative set is ~60 kernels: tracing takes ~10 s, compiling
-about a second per kernel and worker on 2 idle cores.
+Ordered last by conftest.py. About 90 kernels of the representative set and 120 of the suite:
+~10 s of tracing and ~0.5 s of CPU per kernel, over two compile workers.
 """
 
 import os
@@ -29,6 +30,9 @@ from runtime.kernels import cache_dir
 # NOTE: spills are a performance defect, not a wrong result; a kernel that spills is named with
 # its spill bytes. Set to False only to land a change that knowingly adds spills.
 ASSERT_NO_SPILLS = True
+
+# Of the suite's ~300 kernel families, this many are compiled by default (~0.5 s each on one core).
+SUITE_SAMPLE = 120
 
 # (workload, sizes, dtype): moderate sizes that keep the kernels' real shapes (multi-block
 # reductions, large tiles) while tracing stays quick (matmuls are never computed).
@@ -53,15 +57,31 @@ def compiled():
         trace = trace_workload(name, sizes, dtype)
         label = f"{name} {trace.dtype} {'x'.join(str(v) for v in sizes.values())}"
         representative += [(label, ours.launch) for ours in trace.launches]
-    suite = []
-    for file in sorted(os.listdir(cache_dir())):
-        if file.endswith(".py"):
-            with open(os.path.join(cache_dir(), file)) as f:
-                suite.append(("suite", generic_launch(file[:-3], f.read())))
+    suite = [("suite", launch) for launch in _suite_kernels(cache_dir())]
     launches = representative + suite
     results = compile_launches([launch for _, launch in launches], processes=2, cache_dir=cache_dir())
     rows = [(label, launch, result) for (label, launch), result in zip(launches, results)]
     return rows[:len(representative)], rows[len(representative):]
+
+
+def _suite_kernels(directory: str) -> list:
+    """The kernels the suite generated (files in the kernel cache): one per family (kernels named
+    by the same ops, ``fused_abs_add_pw``, differ in sizes, dtypes and index arithmetic), at most
+    SUITE_SAMPLE of them; every one with SYMGRAD_HOPPER_ALL_KERNELS=1 (~800 kernels: minutes)."""
+    every = os.environ.get("SYMGRAD_HOPPER_ALL_KERNELS", "") not in ("", "0")
+    families, files = set(), []
+    for file in sorted(os.listdir(directory)):
+        family = file.rsplit("_", 1)[0]
+        if file.endswith(".py") and (every or family not in families):
+            families.add(family)
+            files.append(file)
+    if not every and len(files) > SUITE_SAMPLE:   # evenly spread over the families' names
+        files = [files[i * len(files) // SUITE_SAMPLE] for i in range(SUITE_SAMPLE)]
+    launches = []
+    for file in files:
+        with open(os.path.join(directory, file)) as f:
+            launches.append(generic_launch(file[:-3], f.read()))
+    return launches
 
 
 def test_every_generated_kernel_compiles_for_hopper(compiled):
