@@ -188,4 +188,8 @@ class TritonPrinter:
         if exp.is_number:
             # libdevice wants both operands in one dtype: broadcast the literal like the base.
             return f"libdevice.pow({b}, tl.full([1], {literal(exp)}, {b}.dtype))"
-        return f"libdevice.pow({b}, {self.p(exp)})"
+        e = self.p(exp)
+        if base.is_number:
+            # a literal base (2.0 ** x): libdevice wants it in the exponent's dtype, as above
+            return f"libdevice.pow(tl.full([1], {literal(base)}, {e}.dtype), {e})"
+        return f"libdevice.pow({b}, {e})"
