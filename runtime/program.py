@@ -62,12 +62,12 @@ class KernelLaunch:
     xblock: int
     rblock: int
     bytes_moved: int
+    num_warps: int = 4
     _fn: object = None
 
-    def run(self, env, device):
-        fn = self._fn
-        if fn is None:
-            fn = self._fn = load_kernel(self.name, self.source)
+    def arguments(self, env, device) -> list:
+        """The kernel's arguments for this launch: each input with its strides, then each
+        output, allocated (contiguous) into ``env``."""
         args = []
         for slot in self.loads:
             t = env[slot]
@@ -82,9 +82,16 @@ class KernelLaunch:
             out = torch.empty(shape, dtype=dtype, device=device)
             env[slot] = out
             args.append(torch.view_as_real(out) if dtype.is_complex else out)
+        return args
+
+    def run(self, env, device):
+        fn = self._fn
+        if fn is None:
+            fn = self._fn = load_kernel(self.name, self.source)
+        args = self.arguments(env, device)
         if self.grid:  # an empty iteration space: outputs stay empty
             with _interpreter_lock:
-                fn[(self.grid,)](*args, XBLOCK=self.xblock, RBLOCK=self.rblock)
+                fn[(self.grid,)](*args, XBLOCK=self.xblock, RBLOCK=self.rblock, num_warps=self.num_warps)
 
 
 def _index_backward(grad, index, *, mode, dim, shape, padding_idx=None, wrap=False):

@@ -25,8 +25,9 @@ import torch.fx as fx
 from compiler.codegen.realify import IM, RE, realify
 from compiler.codegen.triton_printer import NotPrintable, TritonPrinter
 from compiler.ops import symbols as Y
-from compiler.fusion import PERSISTENT_MAX, KernelPlan, kind_of
+from compiler.fusion import KernelPlan, kind_of
 from compiler.ir import compute_dtype, contiguous_strides, numel
+from compiler.tiling import choose_tiling, fits_one_block
 
 TL_DTYPE = {
     torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32",
@@ -49,15 +50,12 @@ class KernelSource:
     grid: int              # number of programs
     signature: dict        # argument name -> Triton type, for ahead-of-time compilation
     bytes_moved: int       # bytes loaded and stored, counting each buffer once
+    num_warps: int = 4     # warps per program at launch
 
 
 def _storage_dtype(dtype: torch.dtype) -> torch.dtype:
     """Kernels see complex tensors as their real view (torch.view_as_real)."""
     return dtype.to_real() if dtype.is_complex else dtype
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 class KernelWriter:
@@ -72,6 +70,8 @@ class KernelWriter:
         self.reductions: dict = {}   # persistent kernels: reduction root -> its row value
         self.persistent = False
         self.base_index: tuple = ()
+        self.x_names: set = set()    # index variables that do not vary along a row
+        self.r_names: set = set()    # index variables that vary only along a row
 
     # -- helpers -----------------------------------------------------------------------
     def tmp(self, text: str) -> str:
@@ -101,6 +101,11 @@ class KernelWriter:
                     self.tmp(f"tl.load({arg}_ptr + {offset} + 1, mask=MASK, other=0)")), dtype
         if not offset:  # one element for the whole block: a scalar load, broadcast on use
             return self.tmp(f"tl.load({arg}_ptr)"), dtype
+        names = set(re.findall(r"[A-Za-z_]\w*", offset)) - {f"{arg}_s{d}" for d in range(len(index))}
+        if names <= self.x_names:  # the same element all along a row: one per row ([XBLOCK, 1])
+            return self.tmp(f"tl.load({arg}_ptr + {offset}, mask=XMASK, other=0)"), dtype
+        if names <= self.r_names:  # the same element for every row: one per column ([1, RBLOCK])
+            return self.tmp(f"tl.load({arg}_ptr + {offset}, mask=RMASK, other=0)"), dtype
         return self.tmp(f"tl.load({arg}_ptr + {offset}, mask=MASK, other=0)"), dtype
 
     def cast(self, value, have: torch.dtype, want: torch.dtype):
@@ -150,8 +155,8 @@ class KernelWriter:
             result = (re, im), node.meta["dtype"]
         elif kind == "view":
             result = self.value(node.args[0], tuple(node.target.index_map(node, list(index))))
-        elif kind == "reduction" and self.persistent:
-            result = self.reduced(node, index)
+        elif kind == "reduction" and (self.persistent or node in self.reductions):
+            result = self.reduced(node, index)  # a row's reduction, once its value is known
         elif kind == "pointwise":
             result = self.pointwise(node, index)
         elif kind == "scatter":
@@ -329,15 +334,7 @@ class KernelWriter:
         rnumel = numel([shape[d] for d in rdims])
         reduction = bool(rdims)
         wide = numel(shape) >= 2**31
-        self.persistent = reduction and rnumel <= PERSISTENT_MAX
-        if self.persistent:  # a whole row in one block: no loop, values may use the reduction
-            rblock = _next_pow2(max(rnumel, 1))
-            xblock = max(1, min(_next_pow2(max(xnumel, 1)), 4096 // rblock, 64))
-        elif reduction:
-            rblock = min(_next_pow2(max(rnumel, 1)), 1024)
-            xblock = max(1, min(_next_pow2(max(xnumel, 1)), 4096 // rblock, 64))
-        else:
-            rblock, xblock = 1, min(_next_pow2(max(xnumel, 1)), 1024)
+        self.persistent = fits_one_block(shape, rdims)
         index = [None] * len(shape)
         header = []
         pid = "tl.program_id(0).to(tl.int64)" if wide else "tl.program_id(0)"
@@ -361,16 +358,27 @@ class KernelWriter:
                 index[d] = f"i{d}"
         index = tuple(index)
         self.base_index = index
+        self.x_names = {"xindex"} | {f"i{d}" for d in xdims}
+        self.r_names = {"rindex", "roffset"} | {f"i{d}" for d in rdims} if reduction else set()
         if self.persistent:
-            return self.write_persistent(header, body_prefix, index, xnumel, rnumel, xblock, rblock, wide)
+            return self.write_persistent(header, body_prefix, index, xnumel, rnumel, wide)
 
         stores = []
         accumulators = []   # (root, [accumulator per part], part dtype)
         for root in plan.roots:
+            if root in plan.online:  # accumulated with its amax (below)
+                continue
             if kind_of(root) == "reduction":
                 var, have = self.value(root.args[0], index)
                 acc_dtype = compute_dtype(root.meta["dtype"])
                 var = self.cast(var, have, acc_dtype)
+                partner = next((total for total, m in plan.online.items() if m is root), None)
+                if partner is not None:
+                    count = sum(len(a[1]) for a in accumulators)
+                    acc_max, acc_sum = f"acc{count}", f"acc{count + 1}"
+                    self.online_update(var, acc_max, acc_sum)
+                    accumulators += [(root, [acc_max], acc_dtype), (partner, [acc_sum], acc_dtype)]
+                    continue
                 parts = list(var) if acc_dtype.is_complex else [var]
                 names = []
                 for part in parts:
@@ -399,7 +407,7 @@ class KernelWriter:
                 else:
                     self.lines.append(f"tl.store({out}_ptr + {offset}, {var}, mask=MASK)")
 
-        body = [line.replace("MASK", "xmask & rmask" if reduction else "xmask")
+        body = [_masked(line, "xmask & rmask" if reduction else "xmask")
                 .replace("SHAPE", "[XBLOCK, RBLOCK]" if reduction else "[XBLOCK]") for line in self.lines]
         src = []
         src += header
@@ -414,7 +422,8 @@ class KernelWriter:
             loop = ["rindex = roffset + tl.arange(0, RBLOCK)[None, :]", f"rmask = rindex < {rnumel}"]
             loop += body_prefix + body
             src += ["    " + line for line in loop]
-            for root, accs, _ in accumulators:
+            maxima = {}    # amax root -> (its accumulator, the variable holding its value)
+            for root, accs, acc_dtype in accumulators:
                 out = f"out{len(stores)}"
                 stores.append(root)
                 scale = root.target.scale(root)
@@ -425,6 +434,12 @@ class KernelWriter:
                     if root.target.name == "amax":  # the max, plus NaN if any element was NaN
                         total = (f"(tl.max({acc}, 1)[:, None] + "
                                  f"tl.sum(tl.where({acc} != {acc}, {acc}, 0.0), 1)[:, None])")
+                        if any(m is root for m in plan.online.values()):
+                            src.append(f"max{len(maxima)} = {total}")
+                            maxima[root] = (acc, f"max{len(maxima)}")
+                            total = maxima[root][1]
+                    if root in plan.online:
+                        total = self.online_total(root, acc, *maxima[plan.online[root]], acc_dtype, src)
                     if scale != 1.0:
                         total = f"{total} * {scale!r}"
                     where = f"2 * xindex + {k}" if dtype.is_complex else "xindex"
@@ -432,9 +447,37 @@ class KernelWriter:
         else:
             src += body_prefix + body
 
-        return self.finish(src, stores, xnumel, xblock, rblock, wide)
+        return self.finish(src, stores, xnumel, wide, accumulators=sum(len(a[1]) for a in accumulators))
 
-    def write_persistent(self, header, body_prefix, index, xnumel, rnumel, xblock, rblock, wide):
+    def online_update(self, value, acc_max, acc_sum):
+        """One step of online softmax, per lane: the running max takes ``value`` and the sum
+        of exp(x - shift) is rescaled to the new shift before ``value``'s term is added. The
+        shift is the max, or 0 where the max is ±inf (as softmax's own shift), so a lane of
+        -inf adds nothing and a lane with +inf sums exp(x) itself; a zero sum is never
+        rescaled (0 * inf would be NaN)."""
+        new_max = self.tmp(f"tl.where((MASK) & (({value} > {acc_max}) | ({value} != {value})), {value}, {acc_max})")
+        old_shift = self.tmp(_finite_or_zero(acc_max))
+        new_shift = self.tmp(_finite_or_zero(new_max))
+        self.lines.append(f"{acc_sum} = tl.where({acc_sum} == 0, 0.0, {acc_sum} * tl.exp({old_shift} - {new_shift})) + "
+                          f"tl.where(MASK, tl.exp({value} - {new_shift}), 0.0)")
+        self.lines.append(f"{acc_max} = {new_max}")
+
+    def online_total(self, root, acc_sum, acc_max, max_value, acc_dtype, src) -> str:
+        """The row's sum(exp(x - c)) from the per-lane sums of an online softmax: each lane's
+        sum is rescaled from its own shift to c, which is computed here from the row's max."""
+        amax = self.plan.online[root]
+        shifted = root.args[0].args[0]            # x - c
+        c = shifted.args[1]
+        self.reductions[amax] = (max_value, acc_dtype)
+        mark = len(self.lines)
+        value, have = self.value(c, _broadcast_index(self.base_index, shifted.meta["shape"], c.meta["shape"]))
+        value = self.cast(value, have, acc_dtype)
+        src.extend(line.replace("SHAPE", "[XBLOCK, 1]") for line in self.lines[mark:])
+        del self.lines[mark:]
+        return (f"tl.sum(tl.where({acc_sum} == 0, 0.0, {acc_sum} * tl.exp({_finite_or_zero(acc_max)} - {value})), "
+                f"1)[:, None]")
+
+    def write_persistent(self, header, body_prefix, index, xnumel, rnumel, wide):
         """One block holds whole rows: reductions are computed once per row, in order, and
         later values of the same row (pointwise roots, other reductions) read them."""
         stores = []
@@ -462,9 +505,9 @@ class KernelWriter:
                 self.lines.append(f"tl.store({out}_ptr + 2 * ({offset}) + 1, {var[1]}, mask=MASK)")
             else:
                 self.lines.append(f"tl.store({out}_ptr + {offset}, {var}, mask=MASK)")
-        body = [line.replace("MASK", "xmask & rmask").replace("SHAPE", "[XBLOCK, RBLOCK]") for line in self.lines]
+        body = [_masked(line, "xmask & rmask").replace("SHAPE", "[XBLOCK, RBLOCK]") for line in self.lines]
         src = header + ["rindex = tl.arange(0, RBLOCK)[None, :]", f"rmask = rindex < {rnumel}"] + body_prefix + body
-        return self.finish(src, stores, xnumel, xblock, rblock, wide)
+        return self.finish(src, stores, xnumel, wide, accumulators=0)
 
     def _reduced_index(self, root):
         kept = [d for d in range(len(self.plan.shape)) if d not in self.plan.reduce_dims]
@@ -473,8 +516,12 @@ class KernelWriter:
                          for d in range(len(self.plan.shape)))
         return tuple(self.base_index[d] for d in kept)
 
-    def finish(self, src, stores, xnumel, xblock, rblock, wide) -> KernelSource:
+    def finish(self, src, stores, xnumel, wide, accumulators) -> KernelSource:
         loads = list(self.load_args)
+        tiling = choose_tiling(self.plan.shape, self.plan.reduce_dims,
+                               live_values=_live_values(self.lines, accumulators, self.persistent),
+                               wide_values=any(n.meta["dtype"].itemsize >= 8 for n in loads + stores))
+        xblock, rblock = tiling.xblock, tiling.rblock
         params, signature = [], {}
         for node, arg in self.load_args.items():
             params.append(f"{arg}_ptr")
@@ -488,7 +535,8 @@ class KernelWriter:
         signature["XBLOCK"] = "constexpr"
         signature["RBLOCK"] = "constexpr"
         body_text = "\n".join("    " + line for line in src)
-        digest = hashlib.sha256((",".join(params) + body_text + f"{xblock},{rblock}").encode()).hexdigest()[:12]
+        digest = hashlib.sha256((",".join(params) + body_text + f"{xblock},{rblock},{tiling.num_warps}")
+                                .encode()).hexdigest()[:12]
         name = f"{_describe(self.plan)}_{digest}"
         source = "\n".join([
             "import triton",
@@ -497,6 +545,7 @@ class KernelWriter:
             "",
             f"XBLOCK_DEFAULT = {xblock}",
             f"RBLOCK_DEFAULT = {rblock}",
+            f"NUM_WARPS = {tiling.num_warps}",
             f"SIGNATURE = {signature!r}",
             "",
             "",
@@ -507,7 +556,7 @@ class KernelWriter:
         ])
         grid = -(-xnumel // xblock)
         moved = sum(numel(n.meta["shape"]) * n.meta["dtype"].itemsize for n in loads + stores)
-        return KernelSource(name, source, loads, stores, grid, signature, moved)
+        return KernelSource(name, source, loads, stores, grid, signature, moved, tiling.num_warps)
 
 
 _cse_counter = itertools.count()
@@ -521,6 +570,25 @@ def _cse_symbols():
 def _used_as_condition(expr, symbol) -> bool:
     from compiler.ops import scalar as S
     return any(w.args[0] == symbol for w in expr.atoms(S.Where))
+
+
+def _masked(line: str, mask: str) -> str:
+    """A body line with its mask placeholders filled: XMASK (a value per row), RMASK (a value
+    per row position), MASK (a value per element)."""
+    return line.replace("XMASK", "xmask").replace("RMASK", "rmask").replace("MASK", mask)
+
+
+def _finite_or_zero(value: str) -> str:
+    return f"tl.where(tl.abs({value}) == float(\"inf\"), 0.0, {value})"
+
+
+def _live_values(lines, accumulators: int, persistent: bool) -> int:
+    """An estimate of the block-shaped values a kernel holds at once: each block load, each
+    accumulator, and in a persistent kernel each row reduction (values computed before it
+    are held until the reduced value is known)."""
+    loads = sum(1 for line in lines if "tl.load(" in line and "mask=MASK" in line)
+    reductions = sum(line.count("tl.sum(") + line.count("tl.max(") for line in lines) if persistent else 0
+    return loads + accumulators + 2 * reductions
 
 
 def _fold(index: str) -> str:
