@@ -8,7 +8,10 @@ over their arguments' values, and views rewrite the index (``View.index_map``). 
 shared within a kernel by (node, index), so a fused chain is computed once per element.
 
 Sizes are baked into the source (shapes are guarded), strides are arguments; the kernel's
-name is a hash of its body, so identical kernels are compiled once.
+name is a hash of its body, so identical kernels are compiled once. Block sizes and warps are
+chosen by ``compiler.tiling`` from the written body and recorded in the module
+(``XBLOCK_DEFAULT``, ``RBLOCK_DEFAULT``, ``NUM_WARPS``): the launch uses exactly these.
+Reductions are written by ``reductions.ReductionWriter``.
 """
 
 from __future__ import annotations
@@ -22,18 +25,15 @@ import sympy
 import torch
 import torch.fx as fx
 
+from compiler.codegen.kernel_text import TL_DTYPE, broadcast_index, masked
 from compiler.codegen.realify import IM, RE, realify
+from compiler.codegen.reductions import ReductionWriter
 from compiler.codegen.triton_printer import NotPrintable, TritonPrinter
 from compiler.ops import symbols as Y
 from compiler.fusion import KernelPlan, kind_of
 from compiler.ir import compute_dtype, contiguous_strides, numel
 from compiler.tiling import choose_tiling, fits_one_block
 
-TL_DTYPE = {
-    torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32",
-    torch.float64: "tl.float64", torch.int8: "tl.int8", torch.int16: "tl.int16",
-    torch.int32: "tl.int32", torch.int64: "tl.int64", torch.uint8: "tl.uint8", torch.bool: "tl.int1",
-}
 SIGNATURE_DTYPE = {
     torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
     torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8",
@@ -58,7 +58,7 @@ def _storage_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype.to_real() if dtype.is_complex else dtype
 
 
-class KernelWriter:
+class KernelWriter(ReductionWriter):
     def __init__(self, plan: KernelPlan, buffers: set):
         self.plan = plan
         self.buffers = buffers
@@ -173,7 +173,7 @@ class KernelWriter:
         is_compare = getattr(node.target, "name", "") in ("lt", "le", "gt", "ge", "eq", "ne")
         args = []
         for arg in node.args:
-            args.append(self.value(arg, _broadcast_index(index, out_shape, arg.meta["shape"])))
+            args.append(self.value(arg, broadcast_index(index, out_shape, arg.meta["shape"])))
         if is_compare:
             want = compute_dtype(torch.promote_types(args[0][1], args[1][1]) if len(args) == 2 else args[0][1])
         else:
@@ -228,37 +228,6 @@ class KernelWriter:
                                   if size != 1 and idx != "0") or "tl.full(SHAPE, 0, tl.int64)"
         return self.tmp(f"tl.rand({seed}, {position})"), torch.float32
 
-    def reduced(self, node, index):
-        """A reduction root of this persistent kernel, read by a later value of the same row."""
-        kept = [d for d in range(len(self.plan.shape)) if d not in self.plan.reduce_dims]
-        keepdim = node.kwargs["keepdim"]
-        wanted = [index[d] for d in kept] if keepdim else list(index)
-        if wanted != [self.base_index[d] for d in kept]:
-            raise NotPrintable("a reduction read at another row than the one it reduced")
-        if node not in self.reductions:
-            self.reductions[node] = self.reduce_row(node)
-        return self.reductions[node]
-
-    def reduce_row(self, node):
-        """Reduce the current rows of ``node``'s input held in registers: [XBLOCK, 1]."""
-        var, have = self.value(node.args[0], self.base_index)
-        acc_dtype = compute_dtype(node.meta["dtype"])
-        var = self.cast(var, have, acc_dtype)
-        scale = node.target.scale(node)
-        parts = list(var) if acc_dtype.is_complex else [var]
-        out = []
-        for part in parts:
-            if node.target.name == "amax":
-                masked = self.tmp(f"tl.where(MASK, {part}, float(\"-inf\"))")
-                total = (f"tl.max({masked}, 1)[:, None] + "
-                         f"tl.sum(tl.where({masked} != {masked}, {masked}, 0.0), 1)[:, None]")
-            else:
-                total = f"tl.sum(tl.where(MASK, {part}, 0), 1)[:, None]"
-            if scale != 1.0:
-                total = f"({total}) * {scale!r}"
-            out.append(self.tmp(total))
-        return (tuple(out) if acc_dtype.is_complex else out[0]), acc_dtype
-
     def slice_scatter(self, node, index: tuple):
         """base[idx], or src at the slice position when idx lies in the slice."""
         base, src = node.args
@@ -273,7 +242,7 @@ class KernelWriter:
             if not (0 <= at < length * step and at % step == 0):
                 return base_value, dtype
             src_index = tuple(str(at // step) if i == d else idx for i, idx in enumerate(index))
-            src_index = _broadcast_index(src_index, node.meta["shape"], src.meta["shape"])
+            src_index = broadcast_index(src_index, node.meta["shape"], src.meta["shape"])
             src_value, src_dtype = self.value(src, src_index)
             return self.cast(src_value, src_dtype, dtype), dtype
         rel = self.tmp(f"{index[d]} - {start}")
@@ -284,7 +253,7 @@ class KernelWriter:
         # clamp, so positions outside the slice still read inside src (their value is unused)
         position = self.tmp(f"tl.minimum(tl.maximum({rel} // {step}, 0), {length - 1})")
         src_index = tuple(position if i == d else idx for i, idx in enumerate(index))
-        src_index = _broadcast_index(src_index, node.meta["shape"], src.meta["shape"])
+        src_index = broadcast_index(src_index, node.meta["shape"], src.meta["shape"])
         src_value, src_dtype = self.value(src, src_index)
         src_value = self.cast(src_value, src_dtype, dtype)
         if dtype.is_complex:
@@ -361,160 +330,26 @@ class KernelWriter:
         self.x_names = {"xindex"} | {f"i{d}" for d in xdims}
         self.r_names = {"rindex", "roffset"} | {f"i{d}" for d in rdims} if reduction else set()
         if self.persistent:
-            return self.write_persistent(header, body_prefix, index, xnumel, rnumel, wide)
+            src, stores = self.write_persistent(header, body_prefix, rnumel)
+            return self.finish(src, stores, xnumel, wide, accumulators=0)
 
         stores = []
         accumulators = []   # (root, [accumulator per part], part dtype)
         for root in plan.roots:
-            if root in plan.online:  # accumulated with its amax (below)
+            if root in plan.online:  # accumulated with its amax
                 continue
             if kind_of(root) == "reduction":
-                var, have = self.value(root.args[0], index)
-                acc_dtype = compute_dtype(root.meta["dtype"])
-                var = self.cast(var, have, acc_dtype)
-                partner = next((total for total, m in plan.online.items() if m is root), None)
-                if partner is not None:
-                    count = sum(len(a[1]) for a in accumulators)
-                    acc_max, acc_sum = f"acc{count}", f"acc{count + 1}"
-                    self.online_update(var, acc_max, acc_sum)
-                    accumulators += [(root, [acc_max], acc_dtype), (partner, [acc_sum], acc_dtype)]
-                    continue
-                parts = list(var) if acc_dtype.is_complex else [var]
-                names = []
-                for part in parts:
-                    acc = f"acc{sum(len(a[1]) for a in accumulators) + len(names)}"
-                    if root.target.name == "amax":  # NaN wins, as in eager
-                        self.lines.append(f"{acc} = tl.where((MASK) & (({part} > {acc}) | ({part} != {part})), "
-                                          f"{part}, {acc})")
-                    else:
-                        self.lines.append(f"{acc} = {acc} + tl.where(MASK, {part}, 0)")
-                    names.append(acc)
-                accumulators.append((root, names, acc_dtype.to_real() if acc_dtype.is_complex else acc_dtype))
+                self.accumulate(root, accumulators)
             else:
-                var, have = self.value(root, index)
-                out = f"out{len(stores)}"
                 stores.append(root)
-                offsets = contiguous_strides(shape)
-                terms = [f"({i}) * {st}" if st != 1 else f"({i})" for i, st, size in zip(index, offsets, shape)
-                         if size != 1 and i != "0"]
-                dtype = root.meta["dtype"]
-                var = self.cast(var, have, dtype)
-                # one element: any lane index works as the offset, the mask keeps lane 0 only
-                offset = " + ".join(terms) or ("(xindex + rindex)" if plan.reduce_dims else "xindex")
-                if dtype.is_complex:  # interleaved: real at 2·offset, imaginary next to it
-                    self.lines.append(f"tl.store({out}_ptr + 2 * ({offset}), {var[0]}, mask=MASK)")
-                    self.lines.append(f"tl.store({out}_ptr + 2 * ({offset}) + 1, {var[1]}, mask=MASK)")
-                else:
-                    self.lines.append(f"tl.store({out}_ptr + {offset}, {var}, mask=MASK)")
-
-        body = [_masked(line, "xmask & rmask" if reduction else "xmask")
+                self.store_root(root, f"out{len(stores) - 1}")
+        body = [masked(line, "xmask & rmask" if reduction else "xmask")
                 .replace("SHAPE", "[XBLOCK, RBLOCK]" if reduction else "[XBLOCK]") for line in self.lines]
-        src = []
-        src += header
         if reduction:
-            for root, accs, acc_dtype in accumulators:
-                for acc in accs:
-                    if root.target.name == "amax":
-                        src.append(f"{acc} = tl.full([XBLOCK, RBLOCK], float(\"-inf\"), {TL_DTYPE[acc_dtype]})")
-                    else:
-                        src.append(f"{acc} = tl.zeros([XBLOCK, RBLOCK], {TL_DTYPE[acc_dtype]})")
-            src.append(f"for roffset in range(0, {rnumel}, RBLOCK):")
-            loop = ["rindex = roffset + tl.arange(0, RBLOCK)[None, :]", f"rmask = rindex < {rnumel}"]
-            loop += body_prefix + body
-            src += ["    " + line for line in loop]
-            maxima = {}    # amax root -> (its accumulator, the variable holding its value)
-            for root, accs, acc_dtype in accumulators:
-                out = f"out{len(stores)}"
-                stores.append(root)
-                scale = root.target.scale(root)
-                dtype = root.meta["dtype"]
-                part_dtype = dtype.to_real() if dtype.is_complex else dtype
-                for k, acc in enumerate(accs):
-                    total = f"tl.sum({acc}, 1)[:, None]"
-                    if root.target.name == "amax":  # the max, plus NaN if any element was NaN
-                        total = (f"(tl.max({acc}, 1)[:, None] + "
-                                 f"tl.sum(tl.where({acc} != {acc}, {acc}, 0.0), 1)[:, None])")
-                        if any(m is root for m in plan.online.values()):
-                            src.append(f"max{len(maxima)} = {total}")
-                            maxima[root] = (acc, f"max{len(maxima)}")
-                            total = maxima[root][1]
-                    if root in plan.online:
-                        total = self.online_total(root, acc, *maxima[plan.online[root]], acc_dtype, src)
-                    if scale != 1.0:
-                        total = f"{total} * {scale!r}"
-                    where = f"2 * xindex + {k}" if dtype.is_complex else "xindex"
-                    src.append(f"tl.store({out}_ptr + {where}, ({total}).to({TL_DTYPE[part_dtype]}), mask=xmask)")
+            src = header + self.write_loop(body_prefix, body, rnumel, accumulators, stores)
         else:
-            src += body_prefix + body
-
+            src = header + body_prefix + body
         return self.finish(src, stores, xnumel, wide, accumulators=sum(len(a[1]) for a in accumulators))
-
-    def online_update(self, value, acc_max, acc_sum):
-        """One step of online softmax, per lane: the running max takes ``value`` and the sum
-        of exp(x - shift) is rescaled to the new shift before ``value``'s term is added. The
-        shift is the max, or 0 where the max is ±inf (as softmax's own shift), so a lane of
-        -inf adds nothing and a lane with +inf sums exp(x) itself; a zero sum is never
-        rescaled (0 * inf would be NaN)."""
-        new_max = self.tmp(f"tl.where((MASK) & (({value} > {acc_max}) | ({value} != {value})), {value}, {acc_max})")
-        old_shift = self.tmp(_finite_or_zero(acc_max))
-        new_shift = self.tmp(_finite_or_zero(new_max))
-        self.lines.append(f"{acc_sum} = tl.where({acc_sum} == 0, 0.0, {acc_sum} * tl.exp({old_shift} - {new_shift})) + "
-                          f"tl.where(MASK, tl.exp({value} - {new_shift}), 0.0)")
-        self.lines.append(f"{acc_max} = {new_max}")
-
-    def online_total(self, root, acc_sum, acc_max, max_value, acc_dtype, src) -> str:
-        """The row's sum(exp(x - c)) from the per-lane sums of an online softmax: each lane's
-        sum is rescaled from its own shift to c, which is computed here from the row's max."""
-        amax = self.plan.online[root]
-        shifted = root.args[0].args[0]            # x - c
-        c = shifted.args[1]
-        self.reductions[amax] = (max_value, acc_dtype)
-        mark = len(self.lines)
-        value, have = self.value(c, _broadcast_index(self.base_index, shifted.meta["shape"], c.meta["shape"]))
-        value = self.cast(value, have, acc_dtype)
-        src.extend(line.replace("SHAPE", "[XBLOCK, 1]") for line in self.lines[mark:])
-        del self.lines[mark:]
-        return (f"tl.sum(tl.where({acc_sum} == 0, 0.0, {acc_sum} * tl.exp({_finite_or_zero(acc_max)} - {value})), "
-                f"1)[:, None]")
-
-    def write_persistent(self, header, body_prefix, index, xnumel, rnumel, wide):
-        """One block holds whole rows: reductions are computed once per row, in order, and
-        later values of the same row (pointwise roots, other reductions) read them."""
-        stores = []
-        for root in self.plan.roots:
-            out = f"out{len(stores)}"
-            stores.append(root)
-            dtype = root.meta["dtype"]
-            if kind_of(root) == "reduction":
-                var, have = self.reduced(root, self._reduced_index(root))
-                var = self.cast(var, have, dtype)
-                parts = var if dtype.is_complex else (var,)
-                for k, part in enumerate(parts):
-                    where = f"2 * xindex + {k}" if dtype.is_complex else "xindex"
-                    self.lines.append(f"tl.store({out}_ptr + {where}, {part}, mask=xmask)")
-                continue
-            var, have = self.value(root, index)
-            var = self.cast(var, have, dtype)
-            shape = self.plan.shape
-            offsets = contiguous_strides(shape)
-            terms = [f"({i}) * {st}" if st != 1 else f"({i})" for i, st, size in zip(index, offsets, shape)
-                     if size != 1 and i != "0"]
-            offset = " + ".join(terms) or "(xindex + rindex)"
-            if dtype.is_complex:
-                self.lines.append(f"tl.store({out}_ptr + 2 * ({offset}), {var[0]}, mask=MASK)")
-                self.lines.append(f"tl.store({out}_ptr + 2 * ({offset}) + 1, {var[1]}, mask=MASK)")
-            else:
-                self.lines.append(f"tl.store({out}_ptr + {offset}, {var}, mask=MASK)")
-        body = [_masked(line, "xmask & rmask").replace("SHAPE", "[XBLOCK, RBLOCK]") for line in self.lines]
-        src = header + ["rindex = tl.arange(0, RBLOCK)[None, :]", f"rmask = rindex < {rnumel}"] + body_prefix + body
-        return self.finish(src, stores, xnumel, wide, accumulators=0)
-
-    def _reduced_index(self, root):
-        kept = [d for d in range(len(self.plan.shape)) if d not in self.plan.reduce_dims]
-        if root.kwargs["keepdim"]:
-            return tuple("0" if d in self.plan.reduce_dims else self.base_index[d]
-                         for d in range(len(self.plan.shape)))
-        return tuple(self.base_index[d] for d in kept)
 
     def finish(self, src, stores, xnumel, wide, accumulators) -> KernelSource:
         loads = list(self.load_args)
@@ -572,16 +407,6 @@ def _used_as_condition(expr, symbol) -> bool:
     return any(w.args[0] == symbol for w in expr.atoms(S.Where))
 
 
-def _masked(line: str, mask: str) -> str:
-    """A body line with its mask placeholders filled: XMASK (a value per row), RMASK (a value
-    per row position), MASK (a value per element)."""
-    return line.replace("XMASK", "xmask").replace("RMASK", "rmask").replace("MASK", mask)
-
-
-def _finite_or_zero(value: str) -> str:
-    return f"tl.where(tl.abs({value}) == float(\"inf\"), 0.0, {value})"
-
-
 def _live_values(lines, accumulators: int, persistent: bool) -> int:
     """An estimate of the block-shaped values a kernel holds at once: each block load, each
     accumulator, and in a persistent kernel each row reduction (values computed before it
@@ -596,11 +421,6 @@ def _fold(index: str) -> str:
     if index.isdigit() or re.search(r"[A-Za-z_]", index):
         return index
     return str(eval(index, {"__builtins__": {}}))  # digits, operators and parentheses only
-
-
-def _broadcast_index(index: tuple, out_shape: tuple, arg_shape: tuple) -> tuple:
-    lead = len(out_shape) - len(arg_shape)
-    return tuple("0" if size == 1 else index[lead + d] for d, size in enumerate(arg_shape))
 
 
 def _describe(plan: KernelPlan) -> str:
