@@ -52,6 +52,10 @@ def apply_views(value, views):
     return value
 
 
+# Element offsets at or past this need 64-bit index math (Triton multiplies int32 in int32).
+INT32_LIMIT = 2**31
+
+
 @dataclass
 class KernelLaunch:
     name: str
@@ -63,12 +67,20 @@ class KernelLaunch:
     rblock: int
     bytes_moved: int
     num_warps: int = 4
+    # The same kernel with strides multiplied in int64 (None: ``source`` is 64-bit already).
+    # Strides are not part of the guard key, so the launch picks it when an input's offsets
+    # need it (a view with a large stride), rather than computing wrapped addresses.
+    wide_name: str | None = None
+    wide_source: str | None = None
     _fn: object = None
+    _wide_fn: object = None
 
-    def arguments(self, env, device) -> list:
-        """The kernel's arguments for this launch: each input with its strides, then each
-        output, allocated (contiguous) into ``env``."""
+    def arguments(self, env, device) -> tuple:
+        """(arguments, wide) for this launch: each input with its strides, then each output,
+        allocated (contiguous) into ``env``; ``wide`` when some offset the strides give passes
+        int32 (the 64-bit twin is launched)."""
         args = []
+        wide = False  # whether some offset the strides give passes int32: launch the 64-bit twin
         for slot in self.loads:
             t = env[slot]
             if t.is_complex():  # interleaved (real, imag): the kernel indexes the real view
@@ -78,20 +90,44 @@ class KernelLaunch:
             else:
                 args.append(t)
                 args.extend(t.stride())
+            # NOTE: a view's offsets stay inside its storage (PyTorch checks), so only a storage
+            # of 2 GiB or more needs the exact last offset (the pointer passed is the element
+            # at the storage offset; the kernel adds index · stride to it)
+            if not wide and t.untyped_storage().nbytes() >= INT32_LIMIT:
+                wide = _last_offset(t) >= INT32_LIMIT
         for slot, shape, dtype in self.stores:
             out = torch.empty(shape, dtype=dtype, device=device)
             env[slot] = out
             args.append(torch.view_as_real(out) if dtype.is_complex else out)
-        return args
+        return args, wide
 
     def run(self, env, device):
-        fn = self._fn
-        if fn is None:
-            fn = self._fn = load_kernel(self.name, self.source)
-        args = self.arguments(env, device)
+        args, wide = self.arguments(env, device)
         if self.grid:  # an empty iteration space: outputs stay empty
-            with _interpreter_lock:
+            fn = self.kernel(wide)
+            # the tensors' device (and its current stream), not whichever device is current
+            with _on_device(device), _interpreter_lock:
                 fn[(self.grid,)](*args, XBLOCK=self.xblock, RBLOCK=self.rblock, num_warps=self.num_warps)
+
+    def kernel(self, wide: bool = False):
+        """The jit function to launch: the 64-bit twin when ``wide`` and there is one."""
+        if wide and self.wide_source is not None:
+            if self._wide_fn is None:
+                self._wide_fn = load_kernel(self.wide_name, self.wide_source)
+            return self._wide_fn
+        if self._fn is None:
+            self._fn = load_kernel(self.name, self.source)
+        return self._fn
+
+
+def _last_offset(t: torch.Tensor) -> int:
+    """The offset of ``t``'s last element from its first, in elements: sum((size - 1) · stride)."""
+    return sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 1)
+
+
+def _on_device(device: torch.device):
+    """Launches on CUDA go to the tensors' device: Triton launches on the current one."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _index_backward(grad, index, *, mode, dim, shape, padding_idx=None, wrap=False):

@@ -86,21 +86,22 @@ def recorded_launches():
         env[self.out] = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=device)
 
     def record(self, env, device):
-        args = self.arguments(env, device)
+        args, wide = self.arguments(env, device)
         if not self.grid:
             return
-        names = _parameter_names(self.source, self.name)
+        name, source = (self.wide_name, self.wide_source) if wide and self.wide_source else (self.name, self.source)
+        names = _parameter_names(source, name)
         constants = {"XBLOCK": self.xblock, "RBLOCK": self.rblock}
         signature, divisible = {}, []
-        for name, value in zip(names, args):
+        for param, value in zip(names, args):
             kind, attr = _specialize(value)
             if kind == "constexpr":
-                constants[name] = attr
+                constants[param] = attr
             elif attr == "D":
-                divisible.append(name)
-            signature[name] = kind
+                divisible.append(param)
+            signature[param] = kind
         signature["XBLOCK"] = signature["RBLOCK"] = "constexpr"
-        launches.append(Launch(self.name, self.source, self.grid, self.num_warps, constants, signature, divisible))
+        launches.append(Launch(name, source, self.grid, self.num_warps, constants, signature, divisible))
 
     program.KernelLaunch.run = record
     program.ExternCall.run = extern_shapes_only

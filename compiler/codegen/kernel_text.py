@@ -31,3 +31,8 @@ def contiguous_offset(index: tuple, shape: tuple, single: str) -> str:
     terms = [f"({i}) * {st}" if st != 1 else f"({i})" for i, st, size in zip(index, contiguous_strides(shape), shape)
              if size != 1 and i != "0"]
     return " + ".join(terms) or single
+
+
+def arange(block: str, wide: bool) -> str:
+    """The lanes of a block, in int64 when the kernel's index math is 64-bit."""
+    return f"tl.arange(0, {block}).to(tl.int64)" if wide else f"tl.arange(0, {block})"

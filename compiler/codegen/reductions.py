@@ -8,7 +8,7 @@ looped over in steps of RBLOCK with per-lane accumulators, and the online softma
 
 from __future__ import annotations
 
-from compiler.codegen.kernel_text import TL_DTYPE, broadcast_index, contiguous_offset, masked
+from compiler.codegen.kernel_text import TL_DTYPE, arange, broadcast_index, contiguous_offset, masked
 from compiler.codegen.triton_printer import NotPrintable
 from compiler.fusion import kind_of
 from compiler.ir import compute_dtype
@@ -48,7 +48,7 @@ class ReductionWriter:
             out.append(self.tmp(total))
         return (tuple(out) if acc_dtype.is_complex else out[0]), acc_dtype
 
-    def write_persistent(self, header, body_prefix, rnumel) -> tuple:
+    def write_persistent(self, header, body_prefix, rnumel, wide) -> tuple:
         """One block holds whole rows: reductions are computed once per row, in order, and
         later values of the same row (pointwise roots, other reductions) read them.
         Returns (source lines, stored roots)."""
@@ -67,8 +67,8 @@ class ReductionWriter:
                 continue
             self.store_root(root, out)
         body = [masked(line, "xmask & rmask").replace("SHAPE", "[XBLOCK, RBLOCK]") for line in self.lines]
-        return header + ["rindex = tl.arange(0, RBLOCK)[None, :]", f"rmask = rindex < {rnumel}"] + body_prefix + body, \
-            stores
+        rindex = [f"rindex = {arange('RBLOCK', wide)}[None, :]", f"rmask = rindex < {rnumel}"]
+        return header + rindex + body_prefix + body, stores
 
     def _reduced_index(self, root):
         kept = [d for d in range(len(self.plan.shape)) if d not in self.plan.reduce_dims]
@@ -115,7 +115,7 @@ class ReductionWriter:
             names.append(acc)
         accumulators.append((root, names, acc_dtype.to_real() if acc_dtype.is_complex else acc_dtype))
 
-    def write_loop(self, body_prefix, body, rnumel, accumulators, stores) -> list:
+    def write_loop(self, body_prefix, body, rnumel, accumulators, stores, wide) -> list:
         """Accumulators, the loop over the row in steps of RBLOCK, and the stores of the
         reduced values (appended to ``stores``)."""
         src = []
@@ -126,7 +126,7 @@ class ReductionWriter:
                 else:
                     src.append(f"{acc} = tl.zeros([XBLOCK, RBLOCK], {TL_DTYPE[acc_dtype]})")
         src.append(f"for roffset in range(0, {rnumel}, RBLOCK):")
-        loop = ["rindex = roffset + tl.arange(0, RBLOCK)[None, :]", f"rmask = rindex < {rnumel}"]
+        loop = [f"rindex = roffset + {arange('RBLOCK', wide)}[None, :]", f"rmask = rindex < {rnumel}"]
         src += ["    " + line for line in loop + body_prefix + body]
         maxima = {}    # amax root with an online sum -> (its accumulator, the variable holding its value)
         for root, accs, acc_dtype in accumulators:

@@ -12,6 +12,14 @@ name is a hash of its body, so identical kernels are compiled once. Block sizes 
 chosen by ``compiler.tiling`` from the written body and recorded in the module
 (``XBLOCK_DEFAULT``, ``RBLOCK_DEFAULT``, ``NUM_WARPS``): the launch uses exactly these.
 Reductions are written by ``reductions.ReductionWriter``.
+
+Index width: offsets are computed in 32 bits unless one may pass 2**31 - 1 (Triton, like
+CUDA, multiplies two int32 values in int32 and wraps). What the sizes decide is decided here
+(``_index_extent``): a kernel whose iteration space, any node it computes or stores, or any
+dim of a tensor it loads reaches 2**31 elements computes every index in int64. What the
+strides decide is left to the launch: every 32-bit kernel comes with a twin that multiplies
+its strides in int64 (``KernelSource.wide_source``), which the launch picks when a tensor's
+strides reach that far (``runtime.program.KernelLaunch``); other kernels pay nothing.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from compiler.codegen.triton_printer import NotPrintable, TritonPrinter
 from compiler.ops import symbols as Y
 from compiler.fusion import KernelPlan, kind_of
 from compiler.ir import compute_dtype, contiguous_strides, numel
-from compiler.tiling import choose_tiling, fits_one_block
+from compiler.tiling import choose_tiling, fits_one_block, next_pow2
 
 SIGNATURE_DTYPE = {
     torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
@@ -51,6 +59,14 @@ class KernelSource:
     signature: dict        # argument name -> Triton type, for ahead-of-time compilation
     bytes_moved: int       # bytes loaded and stored, counting each buffer once
     num_warps: int = 4     # warps per program at launch
+    # the same kernel with strides multiplied in int64, for inputs whose offsets pass 2**31 - 1;
+    # None when ``source`` computes every index in int64 already
+    wide_name: str | None = None
+    wide_source: str | None = None
+
+
+# Element offsets at or past this need 64-bit index math.
+INT32_LIMIT = 2**31
 
 
 def _storage_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -302,8 +318,11 @@ class KernelWriter(ReductionWriter):
         xnumel = numel([shape[d] for d in xdims])
         rnumel = numel([shape[d] for d in rdims])
         reduction = bool(rdims)
-        wide = numel(shape) >= 2**31
         self.persistent = fits_one_block(shape, rdims)
+        # NOTE: blocks are chosen after the body is written (from its live values); a block is a
+        # power of two no larger than its extent's, so rounding up to those bounds the index
+        wide = _index_extent(plan, self.buffers, xnumel, next_pow2(max(xnumel, 1)),
+                             rnumel, next_pow2(max(rnumel, 1))) >= INT32_LIMIT
         index = [None] * len(shape)
         header = []
         pid = "tl.program_id(0).to(tl.int64)" if wide else "tl.program_id(0)"
@@ -330,7 +349,7 @@ class KernelWriter(ReductionWriter):
         self.x_names = {"xindex"} | {f"i{d}" for d in xdims}
         self.r_names = {"rindex", "roffset"} | {f"i{d}" for d in rdims} if reduction else set()
         if self.persistent:
-            src, stores = self.write_persistent(header, body_prefix, rnumel)
+            src, stores = self.write_persistent(header, body_prefix, rnumel, wide)
             return self.finish(src, stores, xnumel, wide, accumulators=0)
 
         stores = []
@@ -346,7 +365,7 @@ class KernelWriter(ReductionWriter):
         body = [masked(line, "xmask & rmask" if reduction else "xmask")
                 .replace("SHAPE", "[XBLOCK, RBLOCK]" if reduction else "[XBLOCK]") for line in self.lines]
         if reduction:
-            src = header + self.write_loop(body_prefix, body, rnumel, accumulators, stores)
+            src = header + self.write_loop(body_prefix, body, rnumel, accumulators, stores, wide)
         else:
             src = header + body_prefix + body
         return self.finish(src, stores, xnumel, wide, accumulators=sum(len(a[1]) for a in accumulators))
@@ -357,20 +376,38 @@ class KernelWriter(ReductionWriter):
                                live_values=_live_values(self.lines, accumulators, self.persistent),
                                wide_values=any(n.meta["dtype"].itemsize >= 8 for n in loads + stores))
         xblock, rblock = tiling.xblock, tiling.rblock
+        strides = [f"{arg}_s{d}" for node, arg in self.load_args.items() for d in range(len(node.meta["shape"]))]
+        # Strides in int64 make every offset product int64 (the index stays int32 where it fits).
+        # NOTE: tl.cast, not .to(): Triton passes a stride equal to 1 as a constexpr.
+        widen = [f"{stride} = tl.cast({stride}, tl.int64)" for stride in strides]
+        wide_name = wide_source = None
+        if wide:
+            name, source, signature = self.module(widen + src, stores, tiling, "i64")
+        else:
+            name, source, signature = self.module(src, stores, tiling, "i32")
+            if strides:
+                wide_name, wide_source, _ = self.module(widen + src, stores, tiling, "i64")
+        grid = -(-xnumel // xblock)
+        moved = sum(numel(n.meta["shape"]) * n.meta["dtype"].itemsize for n in loads + stores)
+        return KernelSource(name, source, loads, stores, grid, signature, moved, tiling.num_warps,
+                            wide_name, wide_source)
+
+    def module(self, src, stores, tiling, stride_type):
+        """(name, source, signature) of the module defining the kernel that runs ``src``."""
         params, signature = [], {}
         for node, arg in self.load_args.items():
             params.append(f"{arg}_ptr")
             signature[f"{arg}_ptr"] = "*" + SIGNATURE_DTYPE[_storage_dtype(node.meta["dtype"])]
             for d in range(len(node.meta["shape"])):
                 params.append(f"{arg}_s{d}")
-                signature[f"{arg}_s{d}"] = "i64" if wide else "i32"
+                signature[f"{arg}_s{d}"] = stride_type
         for i, node in enumerate(stores):
             params.append(f"out{i}_ptr")
             signature[f"out{i}_ptr"] = "*" + SIGNATURE_DTYPE[_storage_dtype(node.meta["dtype"])]
         signature["XBLOCK"] = "constexpr"
         signature["RBLOCK"] = "constexpr"
         body_text = "\n".join("    " + line for line in src)
-        digest = hashlib.sha256((",".join(params) + body_text + f"{xblock},{rblock},{tiling.num_warps}")
+        digest = hashlib.sha256((",".join(params) + body_text + f"{tiling.xblock},{tiling.rblock},{tiling.num_warps}")
                                 .encode()).hexdigest()[:12]
         name = f"{_describe(self.plan)}_{digest}"
         source = "\n".join([
@@ -378,8 +415,8 @@ class KernelWriter(ReductionWriter):
             "import triton.language as tl",
             "from runtime.triton_math import libdevice",
             "",
-            f"XBLOCK_DEFAULT = {xblock}",
-            f"RBLOCK_DEFAULT = {rblock}",
+            f"XBLOCK_DEFAULT = {tiling.xblock}",
+            f"RBLOCK_DEFAULT = {tiling.rblock}",
             f"NUM_WARPS = {tiling.num_warps}",
             f"SIGNATURE = {signature!r}",
             "",
@@ -389,9 +426,7 @@ class KernelWriter(ReductionWriter):
             body_text,
             "",
         ])
-        grid = -(-xnumel // xblock)
-        moved = sum(numel(n.meta["shape"]) * n.meta["dtype"].itemsize for n in loads + stores)
-        return KernelSource(name, source, loads, stores, grid, signature, moved, tiling.num_warps)
+        return name, source, signature
 
 
 _cse_counter = itertools.count()
@@ -421,6 +456,32 @@ def _fold(index: str) -> str:
     if index.isdigit() or re.search(r"[A-Za-z_]", index):
         return index
     return str(eval(index, {"__builtins__": {}}))  # digits, operators and parentheses only
+
+
+_COMPUTED_KINDS = ("pointwise", "scatter", "view", "reduction", "iota", "gather", "rand")  # see value()
+
+
+def _index_extent(plan: KernelPlan, buffers: set, xnumel, xblock, rnumel, rblock) -> int:
+    """A bound (exclusive) on the index values the sizes let this kernel compute: the iteration
+    space's positions (rounded up to whole blocks: the last block's masked lanes compute them
+    too), the row-major positions of every node it computes at an index (a reshape's index map
+    goes through them) or stores (complex ones count real elements), and the sizes of the dims
+    of the buffers it loads (a slice's index · step runs up to them). A loaded buffer's offsets
+    depend on its strides, which the launch checks (``runtime.program.KernelLaunch``)."""
+    extent = max(-(-xnumel // xblock) * xblock, -(-rnumel // rblock) * rblock)
+    roots, stack, seen = set(plan.roots), list(plan.roots), set()
+    while stack:
+        node = stack.pop()
+        if node in seen or not isinstance(node, fx.Node):
+            continue
+        seen.add(node)
+        shape = node.meta["shape"]
+        if (node in buffers and node not in roots) or kind_of(node) not in _COMPUTED_KINDS:  # loaded
+            extent = max(extent, *shape, 1)
+            continue
+        extent = max(extent, numel(shape) * (2 if node.meta["dtype"].is_complex else 1))
+        stack.extend(arg for arg in node.args if isinstance(arg, fx.Node))
+    return extent
 
 
 def _describe(plan: KernelPlan) -> str:
