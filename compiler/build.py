@@ -182,7 +182,7 @@ def lower(graph: fx.Graph, schedule: Schedule, check_indices: bool = True):
             src.name, src.source, [slots[n] for n in src.loads],
             [(slots[n], n.meta["shape"], n.meta["dtype"]) for n in src.stores],
             src.grid, _constant(src.source, "XBLOCK_DEFAULT"), _constant(src.source, "RBLOCK_DEFAULT"),
-            src.bytes_moved, wide_name=src.wide_name, wide_source=src.wide_source))
+            src.bytes_moved, src.num_warps, wide_name=src.wide_name, wide_source=src.wide_source))
         sources.append(src)
         check(src.stores)
     outputs = [ref(o) if isinstance(o, fx.Node) else None

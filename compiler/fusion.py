@@ -13,10 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import sympy
 import torch.fx as fx
 
 from compiler.ir import GraphBuilder, compute_dtype, numel
 from compiler.ops import catalog as C
+from compiler.ops import symbols as Y
+from compiler.tiling import MIN_PROGRAMS, fits_one_block, reduction_programs
 
 
 @dataclass
@@ -24,6 +27,7 @@ class KernelPlan:
     shape: tuple                 # the iteration space
     reduce_dims: tuple           # dims of ``shape`` reduced by the reduction roots
     roots: list = field(default_factory=list)   # nodes this kernel stores
+    online: dict = field(default_factory=dict)  # sum root -> the amax root it is computed with (online softmax)
 
     def accepts(self, shape, reduce_dims) -> bool:
         if shape != self.shape:
@@ -34,7 +38,7 @@ class KernelPlan:
         """Whether a row of the reduction fits one block, so values computed after the
         reduction (softmax's division, layer norm's scaling) can use it in the same kernel."""
         dims = self.reduce_dims or reduce_dims
-        return bool(dims) and numel([self.shape[d] for d in dims]) <= PERSISTENT_MAX
+        return fits_one_block(self.shape, dims)
 
 
 @dataclass
@@ -60,39 +64,66 @@ def kind_of(node: fx.Node) -> str:
     return getattr(node.target, "kind", "other")
 
 
-SPLIT_REDUCTION_MIN = 1 << 16   # a full reduction at least this large runs in two stages
-PERSISTENT_MAX = 4096           # a reduced row up to this size is held in one block
+SPLIT_MIN_CHUNK = 256   # a split reduction's programs each reduce at least this many elements
 
 
-def split_large_reductions(graph: fx.Graph) -> None:
-    """A reduction of a large tensor to a single value becomes two: many programs reduce
-    chunks in parallel, one reduces their partial results (one program alone would use one
-    GPU core). The first stage fuses with the ops that feed it, as any reduction does."""
+def split_starved_reductions(graph: fx.Graph) -> None:
+    """A reduction that would run as fewer programs than the GPU has SMs to fill (a full
+    reduction, a few long rows, the column sums of a tall tensor) becomes two: the first
+    splits one reduced dim into chunks and reduces each chunk in its own program, the
+    second reduces the partial results (deterministic, no atomics). The first stage fuses
+    with the ops that feed it, as any reduction does. A row that fits one block is left
+    whole, so the ops after it stay in its kernel (layer norm, softmax)."""
     for node in list(graph.nodes):
         if kind_of(node) != "reduction":
             continue
         x = node.args[0]
-        shape, dims = x.meta["shape"], node.kwargs["dims"]
-        rnumel = numel([shape[d] for d in dims])
-        if rnumel < SPLIT_REDUCTION_MIN or numel(shape) != rnumel:
+        shape, dims = tuple(x.meta["shape"]), tuple(node.kwargs["dims"])
+        if not dims or fits_one_block(shape, dims):
             continue
-        split = next((s for s in (1024, 512, 256, 128) if rnumel % s == 0), None)
+        if reduction_programs(shape, dims) >= MIN_PROGRAMS:
+            continue
+        if len(dims) > 1 and dims == tuple(range(dims[0], dims[-1] + 1)):  # adjacent: split them as one
+            shape = shape[:dims[0]] + (numel([shape[d] for d in dims]),) + shape[dims[-1] + 1:]
+            dims = (dims[0],)
+        d = max(dims, key=lambda k: shape[k])
+        first_dims = tuple(k + 1 if k >= d else k for k in dims)   # d + 1: the chunk dim
+
+        def split_shape(k, shape=shape, d=d):
+            return shape[:d] + (k, shape[d] // k) + shape[d + 1:]
+        split = _split_count(shape[d], numel([shape[k] for k in dims]) // shape[d],
+                             lambda k: reduction_programs(split_shape(k), first_dims))
         if split is None:
             continue
         b = GraphBuilder(graph)
         with graph.inserting_before(node):
-            flat = C.emit_view(b, "reshape", x, shape=(split, rnumel // split))
-            partial = C.emit_reduction(b, "sum", flat, (1,), dtype=compute_dtype(node.meta["dtype"]))
-            total = C.emit_reduction(b, node.target.name, partial, (0,), dtype=node.meta["dtype"])
+            x = C.emit_view(b, "reshape", x, shape=split_shape(split))   # row-major: merges, then splits
+            stage_one = "amax" if node.target.name == "amax" else "sum"
+            partial = C.emit_reduction(b, stage_one, x, first_dims, dtype=compute_dtype(node.meta["dtype"]))
+            at = sum(1 for k in range(d) if k not in dims)             # the split dim among kept dims
+            total = C.emit_reduction(b, node.target.name, partial, (at,), dtype=node.meta["dtype"])
             if node.target.name == "mean":
-                total.kwargs = {**total.kwargs, "count": rnumel}
+                count = node.kwargs.get("count") or numel([node.args[0].meta["shape"][k] for k in node.kwargs["dims"]])
+                total.kwargs = {**total.kwargs, "count": count}
             total = C.emit_view(b, "reshape", total, shape=node.meta["shape"])
         node.replace_all_uses_with(total)
         graph.erase_node(node)
 
 
+def _split_count(size: int, other: int, programs):
+    """How many chunks to cut a reduced dim of ``size`` into (``other`` reduced elements go
+    with each of its indices): the fewest that give ``programs(count)`` enough programs while
+    chunks keep ``SPLIT_MIN_CHUNK`` elements, else as many as that allows; a divisor of
+    ``size``. None when no split helps."""
+    most = min(size, (size * other) // SPLIT_MIN_CHUNK)
+    divisors = [k for k in range(2, most + 1) if size % k == 0]
+    if not divisors:
+        return None
+    return next((k for k in divisors if programs(k) >= MIN_PROGRAMS), divisors[-1])
+
+
 def fuse(graph: fx.Graph) -> Schedule:
-    split_large_reductions(graph)
+    split_starved_reductions(graph)
     nodes = [n for n in graph.nodes if n.op == "call_function"]
     outputs = [o for o in next(n for n in graph.nodes if n.op == "output").args[0] if isinstance(o, fx.Node)]
     buffers = {n for n in graph.nodes if kind_of(n) in ("input", "extern", "reduction")}
@@ -138,12 +169,19 @@ def fuse(graph: fx.Graph) -> Schedule:
         # writes something it reads, same iteration space, not reading its reductions.
         barrier = max((step_of[b] for b in _reads(node, buffers) if b in step_of), default=0)
         target = None
+        partner = None
         for i in range(barrier, len(steps)):
             kind_i, plan = steps[i]
             reductions = reduction_roots_of.get(id(plan), ())
-            if kind_i == "kernel" and plan.accepts(*space) and (
-                    not _depends_on(node, reductions, buffers) or
-                    (plan.persistent_with(space[1]) and _row_aligned(node, reductions, plan))):
+            if kind_i != "kernel" or not plan.accepts(*space):
+                continue
+            if not _depends_on(node, reductions, buffers) or \
+                    (plan.persistent_with(space[1]) and _row_aligned(node, reductions, plan)):
+                target = i
+                break
+            if not plan.persistent_with(space[1]):
+                partner = _online_softmax_partner(node, reductions, buffers, plan)
+            if partner is not None:
                 target = i
                 break
         if target is None:
@@ -151,11 +189,46 @@ def fuse(graph: fx.Graph) -> Schedule:
             steps.append(("kernel", KernelPlan(space[0], space[1], [])))
         plan = steps[target][1]
         plan.roots.append(node)
+        if partner is not None:
+            plan.online[node] = partner
         plan.reduce_dims = plan.reduce_dims or space[1]
         step_of[node] = target
         if kind == "reduction":
             reduction_roots_of.setdefault(id(plan), []).append(node)
     return Schedule(steps, buffers, host_views)
+
+
+def _online_softmax_partner(node: fx.Node, reductions, buffers, plan):
+    """The amax among ``reductions`` (roots of ``plan``, a kernel that loops over rows) that ``node``
+    can be computed with in the same pass, or None.
+
+    ``node`` must be ``sum(exp(x - c))`` over the amax's dims, with ``x`` the amax's input and
+    ``c`` computed from the amax alone (softmax, log_softmax and logsumexp shift by it): the
+    kernel then keeps a running max and a sum rescaled to it as the row streams by (online
+    softmax: Milakov & Gimelshein 2018; Inductor and flash-attention do the same), instead
+    of reading the row once for the max and again for the sum."""
+    if kind_of(node) != "reduction" or node.target.name != "sum" or node.args[0] in buffers:
+        return None
+    e = node.args[0]
+    a0, a1 = Y.REAL_ARGS[0], Y.REAL_ARGS[1]
+    if kind_of(e) != "pointwise" or e.meta.get("expr") != sympy.exp(a0):
+        return None
+    d = e.args[0]
+    if not isinstance(d, fx.Node) or d in buffers or kind_of(d) != "pointwise" or d.meta.get("expr") != a0 - a1:
+        return None
+    x, c = d.args
+    if not isinstance(c, fx.Node) or d.meta["shape"] != x.meta["shape"]:
+        return None
+    for m in reductions:
+        if m.target.name != "amax" or m.args[0] is not x or m.kwargs["dims"] != node.kwargs["dims"]:
+            continue
+        if compute_dtype(m.meta["dtype"]) != compute_dtype(node.meta["dtype"]) or m.meta["dtype"].is_complex:
+            continue
+        others = [n for n in list(_inlined_reads(c)) + [c] if n is not m]
+        if _depends_on(c, [m], ()) and _row_aligned(c, [m], plan) and \
+                all(n not in buffers and kind_of(n) in ("pointwise", "view") for n in others):
+            return m
+    return None
 
 
 def _inlined_reads(node: fx.Node):

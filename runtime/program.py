@@ -66,6 +66,7 @@ class KernelLaunch:
     xblock: int
     rblock: int
     bytes_moved: int
+    num_warps: int = 4
     # The same kernel with strides multiplied in int64 (None: ``source`` is 64-bit already).
     # Strides are not part of the guard key, so the launch picks it when an input's offsets
     # need it (a view with a large stride), rather than computing wrapped addresses.
@@ -74,7 +75,10 @@ class KernelLaunch:
     _fn: object = None
     _wide_fn: object = None
 
-    def run(self, env, device):
+    def arguments(self, env, device) -> tuple:
+        """(arguments, wide) for this launch: each input with its strides, then each output,
+        allocated (contiguous) into ``env``; ``wide`` when some offset the strides give passes
+        int32 (the 64-bit twin is launched)."""
         args = []
         wide = False  # whether some offset the strides give passes int32: launch the 64-bit twin
         for slot in self.loads:
@@ -95,11 +99,15 @@ class KernelLaunch:
             out = torch.empty(shape, dtype=dtype, device=device)
             env[slot] = out
             args.append(torch.view_as_real(out) if dtype.is_complex else out)
+        return args, wide
+
+    def run(self, env, device):
+        args, wide = self.arguments(env, device)
         if self.grid:  # an empty iteration space: outputs stay empty
             fn = self.kernel(wide)
             # the tensors' device (and its current stream), not whichever device is current
             with _on_device(device), _interpreter_lock:
-                fn[(self.grid,)](*args, XBLOCK=self.xblock, RBLOCK=self.rblock)
+                fn[(self.grid,)](*args, XBLOCK=self.xblock, RBLOCK=self.rblock, num_warps=self.num_warps)
 
     def kernel(self, wide: bool = False):
         """The jit function to launch: the 64-bit twin when ``wide`` and there is one."""

@@ -200,7 +200,8 @@ WEIGHT5 = torch.rand(5, dtype=torch.float64) + 0.5
 def test_wide_layer_norm_backward_reduces_its_rows_in_one_pass():
     """Rows longer than one block: the input's gradient needs two sums per row (of dy*w and of
     dy*w*xhat); they are independent, so one pass computes both and a second writes dx (and
-    sums dgamma and dbeta over the rows) — not one pass per sum."""
+    sums dgamma and dbeta over the rows) — not one pass per sum. (64 rows starve the GPU, so
+    the row sums are split in two stages: the second, over 64 x 8 partial sums, is small.)"""
     rows, width = 64, 8192
     x = torch.randn(rows, width, requires_grad=True)
     w, bias = torch.randn(width, requires_grad=True), torch.randn(width, requires_grad=True)
@@ -209,7 +210,8 @@ def test_wide_layer_norm_backward_reduces_its_rows_in_one_pass():
     small = 8 * width * 4 + 16 * rows * 4   # parameters, their gradients, row statistics
     # both row sums: read x and dy; dx with dgamma and dbeta: read x and dy, write dx
     assert _phase_bytes(report, "backward") <= 5 * activation + small
-    assert len(report.backward_kernels) == 2
+    passes_over_rows = [k for k in report.backward_kernels if k.bytes_moved > small]
+    assert len(passes_over_rows) == 2
 
 
 def test_layer_norm_second_derivatives_match_eager():

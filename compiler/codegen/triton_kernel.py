@@ -8,7 +8,10 @@ over their arguments' values, and views rewrite the index (``View.index_map``). 
 shared within a kernel by (node, index), so a fused chain is computed once per element.
 
 Sizes are baked into the source (shapes are guarded), strides are arguments; the kernel's
-name is a hash of its body, so identical kernels are compiled once.
+name is a hash of its body, so identical kernels are compiled once. Block sizes and warps are
+chosen by ``compiler.tiling`` from the written body and recorded in the module
+(``XBLOCK_DEFAULT``, ``RBLOCK_DEFAULT``, ``NUM_WARPS``): the launch uses exactly these.
+Reductions are written by ``reductions.ReductionWriter``.
 
 Index width: offsets are computed in 32 bits unless one may pass 2**31 - 1 (Triton, like
 CUDA, multiplies two int32 values in int32 and wraps). What the sizes decide is decided here
@@ -30,17 +33,15 @@ import sympy
 import torch
 import torch.fx as fx
 
+from compiler.codegen.kernel_text import TL_DTYPE, broadcast_index, masked
 from compiler.codegen.realify import IM, RE, realify
-from compiler.codegen.triton_printer import NotPrintable, TritonPrinter, literal
+from compiler.codegen.reductions import ReductionWriter
+from compiler.codegen.triton_printer import NotPrintable, TritonPrinter
 from compiler.ops import symbols as Y
-from compiler.fusion import PERSISTENT_MAX, KernelPlan, kind_of
+from compiler.fusion import KernelPlan, kind_of
 from compiler.ir import compute_dtype, contiguous_strides, numel
+from compiler.tiling import choose_tiling, fits_one_block, next_pow2
 
-TL_DTYPE = {
-    torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32",
-    torch.float64: "tl.float64", torch.int8: "tl.int8", torch.int16: "tl.int16",
-    torch.int32: "tl.int32", torch.int64: "tl.int64", torch.uint8: "tl.uint8", torch.bool: "tl.int1",
-}
 SIGNATURE_DTYPE = {
     torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
     torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8",
@@ -57,6 +58,7 @@ class KernelSource:
     grid: int              # number of programs
     signature: dict        # argument name -> Triton type, for ahead-of-time compilation
     bytes_moved: int       # bytes loaded and stored, counting each buffer once
+    num_warps: int = 4     # warps per program at launch
     # the same kernel with strides multiplied in int64, for inputs whose offsets pass 2**31 - 1;
     # None when ``source`` computes every index in int64 already
     wide_name: str | None = None
@@ -72,11 +74,7 @@ def _storage_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype.to_real() if dtype.is_complex else dtype
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-class KernelWriter:
+class KernelWriter(ReductionWriter):
     def __init__(self, plan: KernelPlan, buffers: set):
         self.plan = plan
         self.buffers = buffers
@@ -92,6 +90,8 @@ class KernelWriter:
         self.gathering: list = []        # element counts of the gathers being computed
         self.gathered_reads: dict = {}   # buffer -> elements read at gathered positions
         self.full_reads: set = set()     # buffers read at the kernel's own positions
+        self.x_names: set = set()    # index variables that do not vary along a row
+        self.r_names: set = set()    # index variables that vary only along a row
 
     # -- helpers -----------------------------------------------------------------------
     def tmp(self, text: str) -> str:
@@ -125,6 +125,11 @@ class KernelWriter:
                     self.tmp(f"tl.load({arg}_ptr + {offset} + 1, mask=MASK, other=0)")), dtype
         if not offset:  # one element for the whole block: a scalar load, broadcast on use
             return self.tmp(f"tl.load({arg}_ptr)"), dtype
+        names = set(re.findall(r"[A-Za-z_]\w*", offset)) - {f"{arg}_s{d}" for d in range(len(index))}
+        if names <= self.x_names:  # the same element all along a row: one per row ([XBLOCK, 1])
+            return self.tmp(f"tl.load({arg}_ptr + {offset}, mask=XMASK, other=0)"), dtype
+        if names <= self.r_names:  # the same element for every row: one per column ([1, RBLOCK])
+            return self.tmp(f"tl.load({arg}_ptr + {offset}, mask=RMASK, other=0)"), dtype
         return self.tmp(f"tl.load({arg}_ptr + {offset}, mask=MASK, other=0)"), dtype
 
     def cast(self, value, have: torch.dtype, want: torch.dtype):
@@ -174,8 +179,8 @@ class KernelWriter:
             result = (re, im), node.meta["dtype"]
         elif kind == "view":
             result = self.value(node.args[0], tuple(node.target.index_map(node, list(index))))
-        elif kind == "reduction" and self.persistent:
-            result = self.reduced(node, index)
+        elif kind == "reduction" and (self.persistent or node in self.reductions):
+            result = self.reduced(node, index)  # a row's reduction, once its value is known
         elif kind == "pointwise":
             result = self.pointwise(node, index)
         elif kind == "scatter":
@@ -192,7 +197,7 @@ class KernelWriter:
         is_compare = getattr(node.target, "name", "") in ("lt", "le", "gt", "ge", "eq", "ne")
         args = []
         for arg in node.args:
-            args.append(self.value(arg, _broadcast_index(index, out_shape, arg.meta["shape"])))
+            args.append(self.value(arg, broadcast_index(index, out_shape, arg.meta["shape"])))
         if is_compare:
             want = compute_dtype(torch.promote_types(args[0][1], args[1][1]) if len(args) == 2 else args[0][1])
         else:
@@ -253,37 +258,6 @@ class KernelWriter:
                                   if size != 1 and idx != "0") or "tl.full(SHAPE, 0, tl.int64)"
         return self.tmp(f"tl.rand({seed}, {position})"), torch.float32
 
-    def reduced(self, node, index):
-        """A reduction root of this persistent kernel, read by a later value of the same row."""
-        kept = [d for d in range(len(self.plan.shape)) if d not in self.plan.reduce_dims]
-        keepdim = node.kwargs["keepdim"]
-        wanted = [index[d] for d in kept] if keepdim else list(index)
-        if wanted != [self.base_index[d] for d in kept]:
-            raise NotPrintable("a reduction read at another row than the one it reduced")
-        if node not in self.reductions:
-            self.reductions[node] = self.reduce_row(node)
-        return self.reductions[node]
-
-    def reduce_row(self, node):
-        """Reduce the current rows of ``node``'s input held in registers: [XBLOCK, 1]."""
-        var, have = self.value(node.args[0], self.base_index)
-        acc_dtype = compute_dtype(node.meta["dtype"])
-        var = self.cast(var, have, acc_dtype)
-        scale = node.target.scale(node)
-        parts = list(var) if acc_dtype.is_complex else [var]
-        out = []
-        for part in parts:
-            if node.target.name == "amax":
-                masked = self.tmp(f"tl.where(MASK, {part}, float(\"-inf\"))")
-                total = (f"tl.max({masked}, 1)[:, None] + "
-                         f"tl.sum(tl.where({masked} != {masked}, {masked}, 0.0), 1)[:, None]")
-            else:
-                total = f"tl.sum(tl.where(MASK, {part}, 0), 1)[:, None]"
-            if scale != 1.0:
-                total = f"({total}) * {literal(scale)}"
-            out.append(self.tmp(total))
-        return (tuple(out) if acc_dtype.is_complex else out[0]), acc_dtype
-
     def slice_scatter(self, node, index: tuple):
         """base[idx], or src at the slice position when idx lies in the slice."""
         base, src = node.args
@@ -298,7 +272,7 @@ class KernelWriter:
             if not (0 <= at < length * step and at % step == 0):
                 return base_value, dtype
             src_index = tuple(str(at // step) if i == d else idx for i, idx in enumerate(index))
-            src_index = _broadcast_index(src_index, node.meta["shape"], src.meta["shape"])
+            src_index = broadcast_index(src_index, node.meta["shape"], src.meta["shape"])
             src_value, src_dtype = self.value(src, src_index)
             return self.cast(src_value, src_dtype, dtype), dtype
         rel = self.tmp(f"{index[d]} - {start}")
@@ -309,7 +283,7 @@ class KernelWriter:
         # clamp, so positions outside the slice still read inside src (their value is unused)
         position = self.tmp(f"tl.minimum(tl.maximum({rel} // {step}, 0), {length - 1})")
         src_index = tuple(position if i == d else idx for i, idx in enumerate(index))
-        src_index = _broadcast_index(src_index, node.meta["shape"], src.meta["shape"])
+        src_index = broadcast_index(src_index, node.meta["shape"], src.meta["shape"])
         src_value, src_dtype = self.value(src, src_index)
         src_value = self.cast(src_value, src_dtype, dtype)
         if dtype.is_complex:
@@ -358,16 +332,11 @@ class KernelWriter:
         xnumel = numel([shape[d] for d in xdims])
         rnumel = numel([shape[d] for d in rdims])
         reduction = bool(rdims)
-        self.persistent = reduction and rnumel <= PERSISTENT_MAX
-        if self.persistent:  # a whole row in one block: no loop, values may use the reduction
-            rblock = _next_pow2(max(rnumel, 1))
-            xblock = max(1, min(_next_pow2(max(xnumel, 1)), 4096 // rblock, 64))
-        elif reduction:
-            rblock = min(_next_pow2(max(rnumel, 1)), 1024)
-            xblock = max(1, min(_next_pow2(max(xnumel, 1)), 4096 // rblock, 64))
-        else:
-            rblock, xblock = 1, min(_next_pow2(max(xnumel, 1)), 1024)
-        wide = _index_extent(plan, self.buffers, xnumel, xblock, rnumel, rblock) >= INT32_LIMIT
+        self.persistent = fits_one_block(shape, rdims)
+        # NOTE: blocks are chosen after the body is written (from its live values); a block is a
+        # power of two no larger than its extent's, so rounding up to those bounds the index
+        wide = _index_extent(plan, self.buffers, xnumel, next_pow2(max(xnumel, 1)),
+                             rnumel, next_pow2(max(rnumel, 1))) >= INT32_LIMIT
         index = [None] * len(shape)
         header = []
         pid = "tl.program_id(0).to(tl.int64)" if wide else "tl.program_id(0)"
@@ -391,140 +360,56 @@ class KernelWriter:
                 index[d] = f"i{d}"
         index = tuple(index)
         self.base_index = index
+        self.x_names = {"xindex"} | {f"i{d}" for d in xdims}
+        self.r_names = {"rindex", "roffset"} | {f"i{d}" for d in rdims} if reduction else set()
         if self.persistent:
-            return self.write_persistent(header, body_prefix, index, xnumel, rnumel, xblock, rblock, wide)
+            src, stores = self.write_persistent(header, body_prefix, rnumel, wide)
+            return self.finish(src, stores, xnumel, wide, accumulators=0)
 
         stores = []
         accumulators = []   # (root, [accumulator per part], part dtype)
         for root in plan.roots:
-            if kind_of(root) == "reduction":
-                var, have = self.value(root.args[0], index)
-                acc_dtype = compute_dtype(root.meta["dtype"])
-                var = self.cast(var, have, acc_dtype)
-                parts = list(var) if acc_dtype.is_complex else [var]
-                names = []
-                for part in parts:
-                    acc = f"acc{sum(len(a[1]) for a in accumulators) + len(names)}"
-                    if root.target.name == "amax":  # NaN wins, as in eager
-                        self.lines.append(f"{acc} = tl.where((MASK) & (({part} > {acc}) | ({part} != {part})), "
-                                          f"{part}, {acc})")
-                    else:
-                        self.lines.append(f"{acc} = {acc} + tl.where(MASK, {part}, 0)")
-                    names.append(acc)
-                accumulators.append((root, names, acc_dtype.to_real() if acc_dtype.is_complex else acc_dtype))
-            else:
-                var, have = self.value(root, index)
-                out = f"out{len(stores)}"
-                stores.append(root)
-                offsets = contiguous_strides(shape)
-                terms = [f"({i}) * {st}" if st != 1 else f"({i})" for i, st, size in zip(index, offsets, shape)
-                         if size != 1 and i != "0"]
-                dtype = root.meta["dtype"]
-                var = self.cast(var, have, dtype)
-                # one element: any lane index works as the offset, the mask keeps lane 0 only
-                offset = " + ".join(terms) or ("(xindex + rindex)" if plan.reduce_dims else "xindex")
-                if dtype.is_complex:  # interleaved: real at 2·offset, imaginary next to it
-                    self.lines.append(f"tl.store({out}_ptr + 2 * ({offset}), {var[0]}, mask=MASK)")
-                    self.lines.append(f"tl.store({out}_ptr + 2 * ({offset}) + 1, {var[1]}, mask=MASK)")
-                else:
-                    self.lines.append(f"tl.store({out}_ptr + {offset}, {var}, mask=MASK)")
-
-        body = [line.replace("MASK", "xmask & rmask" if reduction else "xmask")
-                .replace("SHAPE", "[XBLOCK, RBLOCK]" if reduction else "[XBLOCK]") for line in self.lines]
-        src = []
-        src += header
-        if reduction:
-            for root, accs, acc_dtype in accumulators:
-                for acc in accs:
-                    if root.target.name == "amax":
-                        src.append(f"{acc} = tl.full([XBLOCK, RBLOCK], float(\"-inf\"), {TL_DTYPE[acc_dtype]})")
-                    else:
-                        src.append(f"{acc} = tl.zeros([XBLOCK, RBLOCK], {TL_DTYPE[acc_dtype]})")
-            src.append(f"for roffset in range(0, {rnumel}, RBLOCK):")
-            loop = [f"rindex = roffset + {_arange('RBLOCK', wide)}[None, :]", f"rmask = rindex < {rnumel}"]
-            loop += body_prefix + body
-            src += ["    " + line for line in loop]
-            for root, accs, _ in accumulators:
-                out = f"out{len(stores)}"
-                stores.append(root)
-                scale = root.target.scale(root)
-                dtype = root.meta["dtype"]
-                part_dtype = dtype.to_real() if dtype.is_complex else dtype
-                for k, acc in enumerate(accs):
-                    total = f"tl.sum({acc}, 1)[:, None]"
-                    if root.target.name == "amax":  # the max, plus NaN if any element was NaN
-                        total = (f"(tl.max({acc}, 1)[:, None] + "
-                                 f"tl.sum(tl.where({acc} != {acc}, {acc}, 0.0), 1)[:, None])")
-                    if scale != 1.0:
-                        total = f"{total} * {literal(scale)}"
-                    where = f"2 * xindex + {k}" if dtype.is_complex else "xindex"
-                    src.append(f"tl.store({out}_ptr + {where}, ({total}).to({TL_DTYPE[part_dtype]}), mask=xmask)")
-        else:
-            src += body_prefix + body
-
-        return self.finish(src, stores, xnumel, xblock, rblock, wide)
-
-    def write_persistent(self, header, body_prefix, index, xnumel, rnumel, xblock, rblock, wide):
-        """One block holds whole rows: reductions are computed once per row, in order, and
-        later values of the same row (pointwise roots, other reductions) read them."""
-        stores = []
-        for root in self.plan.roots:
-            out = f"out{len(stores)}"
-            stores.append(root)
-            dtype = root.meta["dtype"]
-            if kind_of(root) == "reduction":
-                var, have = self.reduced(root, self._reduced_index(root))
-                var = self.cast(var, have, dtype)
-                parts = var if dtype.is_complex else (var,)
-                for k, part in enumerate(parts):
-                    where = f"2 * xindex + {k}" if dtype.is_complex else "xindex"
-                    self.lines.append(f"tl.store({out}_ptr + {where}, {part}, mask=xmask)")
+            if root in plan.online:  # accumulated with its amax
                 continue
-            var, have = self.value(root, index)
-            var = self.cast(var, have, dtype)
-            shape = self.plan.shape
-            offsets = contiguous_strides(shape)
-            terms = [f"({i}) * {st}" if st != 1 else f"({i})" for i, st, size in zip(index, offsets, shape)
-                     if size != 1 and i != "0"]
-            offset = " + ".join(terms) or "(xindex + rindex)"
-            if dtype.is_complex:
-                self.lines.append(f"tl.store({out}_ptr + 2 * ({offset}), {var[0]}, mask=MASK)")
-                self.lines.append(f"tl.store({out}_ptr + 2 * ({offset}) + 1, {var[1]}, mask=MASK)")
+            if kind_of(root) == "reduction":
+                self.accumulate(root, accumulators)
             else:
-                self.lines.append(f"tl.store({out}_ptr + {offset}, {var}, mask=MASK)")
-        body = [line.replace("MASK", "xmask & rmask").replace("SHAPE", "[XBLOCK, RBLOCK]") for line in self.lines]
-        rindex = [f"rindex = {_arange('RBLOCK', wide)}[None, :]", f"rmask = rindex < {rnumel}"]
-        src = header + rindex + body_prefix + body
-        return self.finish(src, stores, xnumel, xblock, rblock, wide)
+                stores.append(root)
+                self.store_root(root, f"out{len(stores) - 1}")
+        body = [masked(line, "xmask & rmask" if reduction else "xmask")
+                .replace("SHAPE", "[XBLOCK, RBLOCK]" if reduction else "[XBLOCK]") for line in self.lines]
+        if reduction:
+            src = header + self.write_loop(body_prefix, body, rnumel, accumulators, stores, wide)
+        else:
+            src = header + body_prefix + body
+        return self.finish(src, stores, xnumel, wide, accumulators=sum(len(a[1]) for a in accumulators))
 
-    def _reduced_index(self, root):
-        kept = [d for d in range(len(self.plan.shape)) if d not in self.plan.reduce_dims]
-        if root.kwargs["keepdim"]:
-            return tuple("0" if d in self.plan.reduce_dims else self.base_index[d]
-                         for d in range(len(self.plan.shape)))
-        return tuple(self.base_index[d] for d in kept)
-
-    def finish(self, src, stores, xnumel, xblock, rblock, wide) -> KernelSource:
+    def finish(self, src, stores, xnumel, wide, accumulators) -> KernelSource:
         loads = list(self.load_args)
+        tiling = choose_tiling(self.plan.shape, self.plan.reduce_dims,
+                               live_values=_live_values(self.lines, accumulators, self.persistent),
+                               wide_values=any(n.meta["dtype"].itemsize >= 8 for n in loads + stores))
+        xblock, rblock = tiling.xblock, tiling.rblock
         strides = [f"{arg}_s{d}" for node, arg in self.load_args.items() for d in range(len(node.meta["shape"]))]
         # Strides in int64 make every offset product int64 (the index stays int32 where it fits).
         # NOTE: tl.cast, not .to(): Triton passes a stride equal to 1 as a constexpr.
         widen = [f"{stride} = tl.cast({stride}, tl.int64)" for stride in strides]
         wide_name = wide_source = None
         if wide:
-            name, source, signature = self.module(widen + src, stores, xblock, rblock, "i64")
+            name, source, signature = self.module(widen + src, stores, tiling, "i64")
         else:
-            name, source, signature = self.module(src, stores, xblock, rblock, "i32")
+            name, source, signature = self.module(src, stores, tiling, "i32")
             if strides:
-                wide_name, wide_source, _ = self.module(widen + src, stores, xblock, rblock, "i64")
+                wide_name, wide_source, _ = self.module(widen + src, stores, tiling, "i64")
         grid = -(-xnumel // xblock)
         read = {n: numel(n.meta["shape"]) if n in self.full_reads else
                 min(numel(n.meta["shape"]), self.gathered_reads[n]) for n in loads}
         moved = sum(read[n] * n.meta["dtype"].itemsize for n in loads)
         moved += sum(numel(n.meta["shape"]) * n.meta["dtype"].itemsize for n in stores)
-        return KernelSource(name, source, loads, stores, grid, signature, moved, wide_name, wide_source)
+        return KernelSource(name, source, loads, stores, grid, signature, moved, tiling.num_warps,
+                            wide_name, wide_source)
 
-    def module(self, src, stores, xblock, rblock, stride_type):
+    def module(self, src, stores, tiling, stride_type):
         """(name, source, signature) of the module defining the kernel that runs ``src``."""
         params, signature = [], {}
         for node, arg in self.load_args.items():
@@ -541,15 +426,17 @@ class KernelWriter:
         body_text = "\n".join("    " + line for line in src)
         # the signature too: fp32 and fp64 variants of one body are different files (the cache
         # checks a file's whole text against its kernel, and the Hopper build reads SIGNATURE)
-        digest = hashlib.sha256((repr(signature) + body_text + f"{xblock},{rblock}").encode()).hexdigest()[:12]
+        digest = hashlib.sha256((repr(signature) + body_text + f"{tiling.xblock},{tiling.rblock},{tiling.num_warps}")
+                                .encode()).hexdigest()[:12]
         name = f"{_describe(self.plan)}_{digest}"
         source = "\n".join([
             "import triton",
             "import triton.language as tl",
             "from runtime.triton_math import libdevice",
             "",
-            f"XBLOCK_DEFAULT = {xblock}",
-            f"RBLOCK_DEFAULT = {rblock}",
+            f"XBLOCK_DEFAULT = {tiling.xblock}",
+            f"RBLOCK_DEFAULT = {tiling.rblock}",
+            f"NUM_WARPS = {tiling.num_warps}",
             f"SIGNATURE = {signature!r}",
             "",
             "",
@@ -574,15 +461,20 @@ def _used_as_condition(expr, symbol) -> bool:
     return any(w.args[0] == symbol for w in expr.atoms(S.Where))
 
 
+def _live_values(lines, accumulators: int, persistent: bool) -> int:
+    """An estimate of the block-shaped values a kernel holds at once: each block load, each
+    accumulator, and in a persistent kernel each row reduction (values computed before it
+    are held until the reduced value is known)."""
+    loads = sum(1 for line in lines if "tl.load(" in line and "mask=MASK" in line)
+    reductions = sum(line.count("tl.sum(") + line.count("tl.max(") for line in lines) if persistent else 0
+    return loads + accumulators + 2 * reductions
+
+
 def _fold(index: str) -> str:
     """An index expression with no variables in it, as its integer value ("(((0)))" -> "0")."""
     if index.isdigit() or re.search(r"[A-Za-z_]", index):
         return index
     return str(eval(index, {"__builtins__": {}}))  # digits, operators and parentheses only
-
-
-def _arange(block: str, wide: bool) -> str:
-    return f"tl.arange(0, {block}).to(tl.int64)" if wide else f"tl.arange(0, {block})"
 
 
 _COMPUTED_KINDS = ("pointwise", "scatter", "view", "reduction", "iota", "gather", "rand")  # see value()
@@ -609,11 +501,6 @@ def _index_extent(plan: KernelPlan, buffers: set, xnumel, xblock, rnumel, rblock
         extent = max(extent, numel(shape) * (2 if node.meta["dtype"].is_complex else 1))
         stack.extend(arg for arg in node.args if isinstance(arg, fx.Node))
     return extent
-
-
-def _broadcast_index(index: tuple, out_shape: tuple, arg_shape: tuple) -> tuple:
-    lead = len(out_shape) - len(arg_shape)
-    return tuple("0" if size == 1 else index[lead + d] for d, size in enumerate(arg_shape))
 
 
 def _describe(plan: KernelPlan) -> str:

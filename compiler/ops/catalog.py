@@ -468,30 +468,7 @@ class View(OpDef):
         if self.name == "expand":
             lead = len(out_shape) - len(in_shape)
             return ["0" if size == 1 else out_index[lead + i] for i, size in enumerate(in_shape)]
-        kept_in = [d for d, size in enumerate(in_shape) if size != 1]
-        kept_out = [d for d, size in enumerate(out_shape) if size != 1]
-        if [in_shape[d] for d in kept_in] == [out_shape[d] for d in kept_out]:
-            # a reshape that only adds or drops size-1 dims: each other dim maps to itself
-            # (no division by sizes: a zero-size dim would divide by 0, and a reduction read
-            # through it is still recognised as its own row)
-            result = ["0"] * len(in_shape)
-            for d_in, d_out in zip(kept_in, kept_out):
-                result[d_in] = out_index[d_out]
-            return result
-        # reshape: through the linear (row-major) position of the element.
-        strides = contiguous_strides(out_shape)
-        terms = [f"({idx}) * {st}" if st != 1 else f"({idx})"
-                 for idx, st, size in zip(out_index, strides, out_shape) if size != 1]
-        linear = " + ".join(terms) if terms else "0"
-        in_strides = contiguous_strides(in_shape)
-        result = []
-        for d, (size, st) in enumerate(zip(in_shape, in_strides)):
-            if size == 1:
-                result.append("0")
-                continue
-            term = f"({linear})" if st == 1 else f"(({linear}) // {st})"
-            result.append(term if d == 0 else f"({term} % {size})")
-        return result
+        return _reshape_index(in_shape, out_shape, out_index)
 
     def vjp(self, b, node, grad_out):
         x = node.args[0]
@@ -546,6 +523,34 @@ def slice_tensor(tensor, dim, start, step, length):
 
 # view_as_real / view_as_complex reinterpret interleaved storage; the kernel writer reads
 # them as (real, imag) parts rather than through an index map.
+def _reshape_index(in_shape, out_shape, out_index: list[str]) -> list[str]:
+    """A reshape's input index: through the row-major position of the element, taken
+    separately in each group of dims that the reshape merges or splits (where the prefix
+    products of both shapes meet), so dims it leaves alone keep their index unchanged and
+    the index math stays simple enough for the compiler to see contiguous accesses."""
+    def prefixes(shape):
+        out = [1]
+        for size in shape:
+            out.append(out[-1] * size)
+        return out
+    if 0 in in_shape or 0 in out_shape:  # no elements: the index is never used
+        return ["0"] * len(in_shape)
+    p_in, p_out = prefixes(in_shape), prefixes(out_shape)
+    bounds = sorted(set(p_in) & set(p_out))
+    result = ["0"] * len(in_shape)
+    for low, high in zip(bounds, bounds[1:]):
+        outs = [d for d in range(len(out_shape)) if out_shape[d] != 1 and low <= p_out[d] and p_out[d + 1] <= high]
+        ins = [d for d in range(len(in_shape)) if in_shape[d] != 1 and low <= p_in[d] and p_in[d + 1] <= high]
+        terms = [f"({out_index[d]}) * {high // p_out[d + 1]}" if p_out[d + 1] != high else f"({out_index[d]})"
+                 for d in outs]
+        linear = " + ".join(terms) if terms else "0"
+        for k, d in enumerate(ins):
+            stride = high // p_in[d + 1]
+            term = f"({linear})" if stride == 1 else f"(({linear}) // {stride})"
+            result[d] = term if k == 0 else f"({term} % {in_shape[d]})"
+    return result
+
+
 VIEWS = {name: View(name) for name in ("reshape", "permute", "expand", "view_as_real", "view_as_complex",
                                        "slice", "unfold")}
 

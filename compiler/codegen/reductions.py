@@ -1,0 +1,187 @@
+"""The reduction half of the kernel writer: rows held whole in a block (persistent), rows
+looped over in steps of RBLOCK with per-lane accumulators, and the online softmax pair.
+
+``ReductionWriter`` is a mixin of ``triton_kernel.KernelWriter``: it relies on the writer's
+``value``/``cast``/``tmp``, its ``lines`` (the body being written), ``plan`` and
+``base_index`` (the index of the current row's elements).
+"""
+
+from __future__ import annotations
+
+from compiler.codegen.kernel_text import TL_DTYPE, arange, broadcast_index, contiguous_offset, masked
+from compiler.codegen.triton_printer import NotPrintable, literal
+from compiler.fusion import kind_of
+from compiler.ir import compute_dtype
+
+
+class ReductionWriter:
+    # -- rows held whole in one block ----------------------------------------------------
+    def reduced(self, node, index):
+        """A reduction root of this kernel whose value is known, read by a later value of
+        the same row (in a persistent kernel; after the loop, for the online softmax)."""
+        kept = [d for d in range(len(self.plan.shape)) if d not in self.plan.reduce_dims]
+        keepdim = node.kwargs["keepdim"]
+        wanted = [index[d] for d in kept] if keepdim else list(index)
+        if wanted != [self.base_index[d] for d in kept]:
+            raise NotPrintable("a reduction read at another row than the one it reduced")
+        if node not in self.reductions:
+            self.reductions[node] = self.reduce_row(node)
+        return self.reductions[node]
+
+    def reduce_row(self, node):
+        """Reduce the current rows of ``node``'s input held in registers: [XBLOCK, 1]."""
+        var, have = self.value(node.args[0], self.base_index)
+        acc_dtype = compute_dtype(node.meta["dtype"])
+        var = self.cast(var, have, acc_dtype)
+        scale = node.target.scale(node)
+        parts = list(var) if acc_dtype.is_complex else [var]
+        out = []
+        for part in parts:
+            if node.target.name == "amax":
+                held = self.tmp(f"tl.where(MASK, {part}, float(\"-inf\"))")
+                total = (f"tl.max({held}, 1)[:, None] + "
+                         f"tl.sum(tl.where({held} != {held}, {held}, 0.0), 1)[:, None]")
+            else:
+                total = f"tl.sum(tl.where(MASK, {part}, 0), 1)[:, None]"
+            if scale != 1.0:
+                total = f"({total}) * {literal(scale)}"
+            out.append(self.tmp(total))
+        return (tuple(out) if acc_dtype.is_complex else out[0]), acc_dtype
+
+    def write_persistent(self, header, body_prefix, rnumel, wide) -> tuple:
+        """One block holds whole rows: reductions are computed once per row, in order, and
+        later values of the same row (pointwise roots, other reductions) read them.
+        Returns (source lines, stored roots)."""
+        stores = []
+        for root in self.plan.roots:
+            out = f"out{len(stores)}"
+            stores.append(root)
+            dtype = root.meta["dtype"]
+            if kind_of(root) == "reduction":
+                var, have = self.reduced(root, self._reduced_index(root))
+                var = self.cast(var, have, dtype)
+                parts = var if dtype.is_complex else (var,)
+                for k, part in enumerate(parts):
+                    where = f"2 * xindex + {k}" if dtype.is_complex else "xindex"
+                    self.lines.append(f"tl.store({out}_ptr + {where}, {part}, mask=xmask)")
+                continue
+            self.store_root(root, out)
+        body = [masked(line, "xmask & rmask").replace("SHAPE", "[XBLOCK, RBLOCK]") for line in self.lines]
+        rindex = [f"rindex = {arange('RBLOCK', wide)}[None, :]", f"rmask = rindex < {rnumel}"]
+        return header + rindex + body_prefix + body, stores
+
+    def _reduced_index(self, root):
+        kept = [d for d in range(len(self.plan.shape)) if d not in self.plan.reduce_dims]
+        if root.kwargs["keepdim"]:
+            return tuple("0" if d in self.plan.reduce_dims else self.base_index[d]
+                         for d in range(len(self.plan.shape)))
+        return tuple(self.base_index[d] for d in kept)
+
+    def store_root(self, root, out: str):
+        """Store a pointwise root at the current elements (contiguous output)."""
+        var, have = self.value(root, self.base_index)
+        dtype = root.meta["dtype"]
+        var = self.cast(var, have, dtype)
+        single = "(xindex + rindex)" if self.plan.reduce_dims else "xindex"
+        offset = contiguous_offset(self.base_index, tuple(self.plan.shape), single)
+        if dtype.is_complex:  # interleaved: real at 2·offset, imaginary next to it
+            self.lines.append(f"tl.store({out}_ptr + 2 * ({offset}), {var[0]}, mask=MASK)")
+            self.lines.append(f"tl.store({out}_ptr + 2 * ({offset}) + 1, {var[1]}, mask=MASK)")
+        else:
+            self.lines.append(f"tl.store({out}_ptr + {offset}, {var}, mask=MASK)")
+
+    # -- rows looped over ----------------------------------------------------------------
+    def accumulate(self, root, accumulators: list):
+        """The loop body's update of ``root``'s accumulators (one per real part), appended
+        to ``accumulators`` as (root, [names], dtype); an amax computed with an online sum
+        updates both."""
+        var, have = self.value(root.args[0], self.base_index)
+        acc_dtype = compute_dtype(root.meta["dtype"])
+        var = self.cast(var, have, acc_dtype)
+        count = sum(len(a[1]) for a in accumulators)
+        partner = next((total for total, m in self.plan.online.items() if m is root), None)
+        if partner is not None:
+            acc_max, acc_sum = f"acc{count}", f"acc{count + 1}"
+            self.online_update(var, acc_max, acc_sum)
+            accumulators += [(root, [acc_max], acc_dtype), (partner, [acc_sum], acc_dtype)]
+            return
+        names = []
+        for part in (list(var) if acc_dtype.is_complex else [var]):
+            acc = f"acc{count + len(names)}"
+            if root.target.name == "amax":  # NaN wins, as in eager
+                self.lines.append(f"{acc} = tl.where((MASK) & (({part} > {acc}) | ({part} != {part})), {part}, {acc})")
+            else:
+                self.lines.append(f"{acc} = {acc} + tl.where(MASK, {part}, 0)")
+            names.append(acc)
+        accumulators.append((root, names, acc_dtype.to_real() if acc_dtype.is_complex else acc_dtype))
+
+    def write_loop(self, body_prefix, body, rnumel, accumulators, stores, wide) -> list:
+        """Accumulators, the loop over the row in steps of RBLOCK, and the stores of the
+        reduced values (appended to ``stores``)."""
+        src = []
+        for root, accs, acc_dtype in accumulators:
+            for acc in accs:
+                if root.target.name == "amax":
+                    src.append(f"{acc} = tl.full([XBLOCK, RBLOCK], float(\"-inf\"), {TL_DTYPE[acc_dtype]})")
+                else:
+                    src.append(f"{acc} = tl.zeros([XBLOCK, RBLOCK], {TL_DTYPE[acc_dtype]})")
+        src.append(f"for roffset in range(0, {rnumel}, RBLOCK):")
+        loop = [f"rindex = roffset + {arange('RBLOCK', wide)}[None, :]", f"rmask = rindex < {rnumel}"]
+        src += ["    " + line for line in loop + body_prefix + body]
+        maxima = {}    # amax root with an online sum -> (its accumulator, the variable holding its value)
+        for root, accs, acc_dtype in accumulators:
+            out = f"out{len(stores)}"
+            stores.append(root)
+            scale = root.target.scale(root)
+            dtype = root.meta["dtype"]
+            part_dtype = dtype.to_real() if dtype.is_complex else dtype
+            for k, acc in enumerate(accs):
+                total = f"tl.sum({acc}, 1)[:, None]"
+                if root.target.name == "amax":  # the max, plus NaN if any element was NaN
+                    total = (f"(tl.max({acc}, 1)[:, None] + "
+                             f"tl.sum(tl.where({acc} != {acc}, {acc}, 0.0), 1)[:, None])")
+                    if any(m is root for m in self.plan.online.values()):
+                        src.append(f"max{len(maxima)} = {total}")
+                        maxima[root] = (acc, f"max{len(maxima)}")
+                        total = maxima[root][1]
+                if root in self.plan.online:
+                    total = self.online_total(root, acc, *maxima[self.plan.online[root]], acc_dtype, src)
+                if scale != 1.0:
+                    total = f"{total} * {literal(scale)}"
+                where = f"2 * xindex + {k}" if dtype.is_complex else "xindex"
+                src.append(f"tl.store({out}_ptr + {where}, ({total}).to({TL_DTYPE[part_dtype]}), mask=xmask)")
+        return src
+
+    # -- online softmax ------------------------------------------------------------------
+    def online_update(self, value, acc_max, acc_sum):
+        """One step of online softmax, per lane: the running max takes ``value`` and the sum
+        of exp(x - shift) is rescaled to the new shift before ``value``'s term is added. The
+        shift is the max, or 0 where the max is ±inf (as softmax's own shift), so a lane of
+        -inf adds nothing and a lane with +inf sums exp(x) itself; a zero sum is never
+        rescaled (0 * inf would be NaN)."""
+        new_max = self.tmp(f"tl.where((MASK) & (({value} > {acc_max}) | ({value} != {value})), {value}, {acc_max})")
+        old_shift = self.tmp(_finite_or_zero(acc_max))
+        new_shift = self.tmp(_finite_or_zero(new_max))
+        self.lines.append(f"{acc_sum} = tl.where({acc_sum} == 0, 0.0, {acc_sum} * tl.exp({old_shift} - {new_shift})) + "
+                          f"tl.where(MASK, tl.exp({value} - {new_shift}), 0.0)")
+        self.lines.append(f"{acc_max} = {new_max}")
+
+    def online_total(self, root, acc_sum, acc_max, max_value, acc_dtype, src) -> str:
+        """The row's sum(exp(x - c)) from the per-lane sums of an online softmax: each lane's
+        sum is rescaled from its own shift to c, which is computed here (after the loop, into
+        ``src``) from the row's max."""
+        amax = self.plan.online[root]
+        shifted = root.args[0].args[0]            # x - c
+        c = shifted.args[1]
+        self.reductions[amax] = (max_value, acc_dtype)
+        mark = len(self.lines)
+        value, have = self.value(c, broadcast_index(self.base_index, shifted.meta["shape"], c.meta["shape"]))
+        value = self.cast(value, have, acc_dtype)
+        src.extend(line.replace("SHAPE", "[XBLOCK, 1]") for line in self.lines[mark:])
+        del self.lines[mark:]
+        return (f"tl.sum(tl.where({acc_sum} == 0, 0.0, {acc_sum} * tl.exp({_finite_or_zero(acc_max)} - {value})), "
+                f"1)[:, None]")
+
+
+def _finite_or_zero(value: str) -> str:
+    return f"tl.where(tl.abs({value}) == float(\"inf\"), 0.0, {value})"

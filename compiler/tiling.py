@@ -1,0 +1,130 @@
+"""How a kernel's iteration space is cut into programs: block sizes and warps.
+
+Fusion asks two questions of it (does a reduced row fit one block, so later values of the
+row can use the reduction in the same kernel; how many programs would a reduction get, so a
+starved one is split in two stages) and codegen asks for the tiles and warps to launch with.
+
+The rules follow the shape of Inductor's heuristics (torch/_inductor/runtime/
+triton_heuristics.py: ``triton_config``, ``triton_config_reduction``,
+``_persistent_reduction_configs``, ``_reduction_configs``' outer configs; and
+torch/_inductor/ir.py ``Reduction.num_splits``), with our own constants:
+- a block should hold enough contiguous elements per thread for 16-byte vector loads
+  (4 fp32, 8 bf16, 2 fp64), and no more per live value than the register file allows:
+  more values live at once (loads, accumulators, rows held across a reduction) means fewer
+  elements per thread, reached by more warps or, past 16 warps, a smaller block;
+- a reduction over the contiguous dim ("inner") puts the block along the row; one over
+  other dims ("outer": column sums, bias and norm-weight gradients) puts a tile of
+  contiguous columns in the block and loops over rows, so loads are coalesced;
+- a grid under two programs per SM (H100: 132 SMs) leaves the GPU idle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from compiler.ir import numel
+
+SM_COUNT = 132                   # H100 SXM
+MIN_PROGRAMS = 2 * SM_COUNT      # fewer programs than this starve the GPU
+PERSISTENT_MAX = 4096            # an inner reduced row up to this size is held in one block
+OUTER_PERSISTENT_MAX = 64        # an outer one: the block also holds a tile of >= 32 columns
+RBLOCK_MAX = 2048                # a looped row is taken in steps of at most this many elements
+MAX_WARPS = 16
+REGISTER_BUDGET = 64             # registers per thread for block values (of 255), the rest for indices and temporaries
+
+
+@dataclass(frozen=True)
+class Tiling:
+    xblock: int
+    rblock: int
+    num_warps: int
+
+    def programs(self, xnumel: int) -> int:
+        return -(-xnumel // self.xblock)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _prev_pow2(n: int) -> int:
+    return 1 << max(0, n.bit_length() - 1)
+
+
+def is_outer(shape, reduce_dims) -> bool:
+    """Whether a reduction keeps the innermost dim (of size > 1): its contiguous elements
+    belong to different outputs, so a block should span outputs, not the row."""
+    for d in reversed(range(len(shape))):
+        if shape[d] != 1:
+            return d not in reduce_dims
+    return False
+
+
+def fits_one_block(shape, reduce_dims) -> bool:
+    """Whether a reduced row is held whole in one block (a persistent reduction)."""
+    if not reduce_dims:
+        return False
+    rnumel = numel([shape[d] for d in reduce_dims])
+    return rnumel <= (OUTER_PERSISTENT_MAX if is_outer(shape, reduce_dims) else PERSISTENT_MAX)
+
+
+def _elements_per_thread(live_values: int, wide_values: bool) -> int:
+    """Elements of each block value a thread holds: 8 (two 16-byte fp32 vectors, one of
+    bf16) when few values are live, fewer as more are (the register budget), never under 2."""
+    words = 2 if wide_values else 1
+    budget = _prev_pow2(max(1, REGISTER_BUDGET // (max(1, live_values) * words)))
+    return max(2, min(budget, 8))
+
+
+def _warps_for(tile: int, per_thread: int, max_warps: int = MAX_WARPS) -> int:
+    return max(1, min(max_warps, tile // (32 * per_thread)))
+
+
+def choose_tiling(shape, reduce_dims, *, live_values: int = 1, wide_values: bool = False) -> Tiling:
+    """Blocks and warps for a kernel over ``shape`` reducing ``reduce_dims``.
+
+    ``live_values``: block-shaped values held at once (an estimate from the kernel body);
+    ``wide_values``: the kernel computes in 64-bit (fp64), two registers per element.
+
+    >>> choose_tiling((4096, 1024), (1,), live_values=8)
+    Tiling(xblock=1, rblock=1024, num_warps=8)
+    """
+    rdims = tuple(reduce_dims)
+    xnumel = numel([s for d, s in enumerate(shape) if d not in rdims])
+    rnumel = numel([shape[d] for d in rdims])
+    per_thread = _elements_per_thread(live_values, wide_values)
+    if not rdims:
+        # NOTE: not shrunk to fill the SMs: a small elementwise kernel is bound by its launch
+        xblock = min(next_pow2(max(xnumel, 1)), 1024)
+        warps = _warps_for(xblock, per_thread, 8)
+        while xblock > 32 * warps * per_thread:   # too many elements per thread even at 8 warps
+            xblock //= 2
+        return Tiling(xblock, 1, warps)
+    outer = is_outer(shape, rdims)
+    if fits_one_block(shape, rdims):
+        rblock = next_pow2(max(rnumel, 1))
+        # whole rows, up to 4096 elements a block; a long row alone (as Inductor's persistent
+        # reductions over rows > 1024), a tile of columns when outer
+        most = 128 if outer else (1 if rblock >= 1024 else 64)
+        xblock = max(1, min(next_pow2(max(xnumel, 1)), max(1, 4096 // rblock), most))
+    elif outer:
+        xblock = min(next_pow2(max(xnumel, 1)), 64)
+        rblock = min(next_pow2(max(rnumel, 1)), max(1, RBLOCK_MAX // 2 // xblock))
+    else:
+        xblock = 1
+        rblock = min(next_pow2(max(rnumel, 1)), RBLOCK_MAX if live_values <= 4 else RBLOCK_MAX // 2)
+    warps = _warps_for(xblock * rblock, per_thread)
+    while xblock * rblock > 32 * warps * per_thread:   # too many elements per thread even at the most warps
+        if fits_one_block(shape, rdims) and xblock > 1:
+            xblock //= 2     # fewer whole rows
+        elif not fits_one_block(shape, rdims) and rblock > 1:
+            rblock //= 2     # a looped row in smaller steps
+        else:
+            break
+    return Tiling(xblock, rblock, warps)
+
+
+def reduction_programs(shape, reduce_dims) -> int:
+    """Programs a reduction over ``shape`` would run as (for the split decision)."""
+    xnumel = numel([s for d, s in enumerate(shape) if d not in reduce_dims])
+    return choose_tiling(shape, reduce_dims).programs(xnumel)
