@@ -468,6 +468,16 @@ class View(OpDef):
         if self.name == "expand":
             lead = len(out_shape) - len(in_shape)
             return ["0" if size == 1 else out_index[lead + i] for i, size in enumerate(in_shape)]
+        kept_in = [d for d, size in enumerate(in_shape) if size != 1]
+        kept_out = [d for d, size in enumerate(out_shape) if size != 1]
+        if [in_shape[d] for d in kept_in] == [out_shape[d] for d in kept_out]:
+            # a reshape that only adds or drops size-1 dims: each other dim maps to itself
+            # (no division by sizes: a zero-size dim would divide by 0, and a reduction read
+            # through it is still recognised as its own row, index text and all)
+            result = ["0"] * len(in_shape)
+            for d_in, d_out in zip(kept_in, kept_out):
+                result[d_in] = out_index[d_out]
+            return result
         return _reshape_index(in_shape, out_shape, out_index)
 
     def vjp(self, b, node, grad_out):
