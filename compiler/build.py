@@ -38,6 +38,7 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset()):
                             mutated_inputs=tuple(sorted(mutated_inputs)))
     if parts.joint is not None:
         region.build_double_backward = _double_backward_builder(parts.joint)
+        region.double_backward_reads = _placeholders_read(parts.joint)
         region.explain_nan = _nan_explainer(parts.backward)
     details = {
         "forward_graph": parts.forward,
@@ -66,6 +67,19 @@ def _double_backward_builder(joint: fx.Graph):
                 cache[requires_grad] = region if all(present) else _WithAbsentOutputs(region, present)
             return cache[requires_grad]
     return build
+
+
+def _placeholders_read(graph: fx.Graph) -> tuple:
+    """Per placeholder of ``graph``: whether any output depends on its value."""
+    output = next(n for n in graph.nodes if n.op == "output")
+    read, stack = set(), [output]
+    while stack:
+        node = stack.pop()
+        for arg in node.all_input_nodes:
+            if arg not in read:
+                read.add(arg)
+                stack.append(arg)
+    return tuple(n in read for n in graph.nodes if n.op == "placeholder")
 
 
 class _WithAbsentOutputs:

@@ -8,6 +8,7 @@ grad_fn; ``.grad`` accumulation and its hooks stay with PyTorch's engine.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -28,20 +29,32 @@ class CompiledRegion:
     build_double_backward: object = None  # requires_grad pattern -> CompiledRegion of the backward
     explain_nan: object = None  # backward inputs -> message naming the forward op that made NaN
     mutated_inputs: tuple = ()  # positions of inputs the region writes into (after its forward)
+    double_backward_reads: tuple = ()  # per input: whether the double backward reads its value
 
     def __call__(self, inputs):
         if self.backward is None or not torch.is_grad_enabled():
             outs = self.forward.run(inputs, self.stats)[: self.num_outputs]
         else:
-            outs = list(_RegionFunction.apply(self, *inputs))
+            outs = list(_RegionFunction.apply(self, self._originals(inputs), *inputs))
         for position, index, views in self.input_views:  # views of inputs: made outside, by torch
             outs.insert(position, apply_views(inputs[index], views))
         return outs
 
+    def _originals(self, inputs) -> dict:
+        """Inputs requiring grad that this region writes into and its double backward reads:
+        position -> a copy made before the write, still on the input's autograd history (the
+        double backward recomputes from the values the forward read; eager's in-place ops
+        keep their original ``self`` likewise). Empty for almost every region."""
+        if not self.mutated_inputs or self.build_double_backward is None:
+            return {}
+        reads = self.double_backward_reads or (True,) * len(inputs)
+        return {i: inputs[i].clone() for i in self.mutated_inputs
+                if isinstance(inputs[i], torch.Tensor) and inputs[i].requires_grad and reads[i]}
+
 
 class _RegionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, region: CompiledRegion, *inputs):
+    def forward(ctx, region: CompiledRegion, originals: dict, *inputs):
         outs = region.forward.run(list(inputs), region.stats)
         saved = [inputs[i] if kind == "input" else outs[i] for kind, i in region.saved]
         ctx.save_for_backward(*saved)
@@ -52,14 +65,18 @@ class _RegionFunction(torch.autograd.Function):
         if region.mutated_inputs and region.build_double_backward is not None:
             # NOTE: the region's own in-place writes land in these inputs after this forward;
             # the double backward recomputes from the values the forward read, so keep those
-            # (inputs needing no grad: a copy; ones that require grad keep the version check,
-            # as eager refuses a saved tensor changed in place).
+            # (inputs needing no grad: a copy; ones that require grad: the copy made on their
+            # autograd history before the call, ``CompiledRegion._originals``).
             inputs = list(inputs)
             for i in region.mutated_inputs:
                 t = inputs[i]
                 if isinstance(t, torch.Tensor) and not t.requires_grad:
                     inputs[i] = t.detach().clone()
-                    ctx.versions[i] = inputs[i]._version
+                elif i in originals:
+                    inputs[i] = originals[i]
+                else:
+                    continue
+                ctx.versions[i] = inputs[i]._version
             inputs = tuple(inputs)
         ctx.inputs = inputs
         user = outs[: region.num_outputs]
@@ -81,12 +98,12 @@ class _RegionFunction(torch.autograd.Function):
                 g = torch.zeros(shape, dtype=dtype, device=device)
             grads.append(g)
         if torch.is_grad_enabled() and region.build_double_backward is not None:
-            return (None, *_differentiable_backward(ctx, region, grads))
+            return (None, None, *_differentiable_backward(ctx, region, grads))
         results = region.backward.run(saved + grads, region.stats)
         if torch.is_anomaly_enabled() and region.explain_nan is not None and _has_nan(results) \
                 and not _has_nan(grads):
             raise RuntimeError(region.explain_nan(saved + grads))
-        return (None, *results)
+        return (None, None, *results)
 
 
 def _has_nan(tensors) -> bool:
@@ -97,14 +114,25 @@ def _has_nan(tensors) -> bool:
 def _differentiable_backward(ctx, region: CompiledRegion, grads):
     """create_graph=True: run the backward as a compiled region with its own backward."""
     inputs = list(ctx.inputs)
-    for t, version in zip(inputs, ctx.versions):
-        if isinstance(t, torch.Tensor) and t._version != version:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace "
-                f"operation: [{t.type()} {list(t.shape)}] is at version {t._version}; expected version "
-                f"{version} instead (compiled region, create_graph=True)")
+    # NOTE: only the inputs the double backward reads: eager saves no more than its backward
+    # needs (x - y saves nothing), so a later in-place op on another input is no error there
+    reads = region.double_backward_reads or (True,) * len(inputs)
+    for t, version, read in zip(inputs, ctx.versions, reads):
+        if read and isinstance(t, torch.Tensor) and t._version != version:
+            raise RuntimeError(_version_error(t, version))
     pattern = tuple(t.requires_grad for t in inputs + grads)
     backward_region = region.build_double_backward(pattern)
     backward_region.stats = region.stats
     results = backward_region(inputs + grads)
-    return [r if needs else None for r, needs in zip(results, ctx.needs_input_grad[1:])]
+    return [r if needs else None for r, needs in zip(results, ctx.needs_input_grad[2:])]
+
+
+def _version_error(t: torch.Tensor, version: int) -> str:
+    """PyTorch's own message for a saved tensor changed in place (torch/csrc/autograd/saved_variable.cpp)."""
+    producer = ""
+    if t.grad_fn is not None:
+        producer = f", which is output {t.output_nr} of {re.sub(r'Backward[0-9]*$', '', t.grad_fn.name())},"
+    return ("one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"[{t.type()} {list(t.shape)}]{producer} is at version {t._version}; expected version {version} "
+            "instead. Hint: enable anomaly detection to find the operation that failed to compute its gradient, "
+            "with torch.autograd.set_detect_anomaly(True, check_nan=False).")

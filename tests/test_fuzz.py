@@ -153,9 +153,9 @@ def test_fixed_regressions(name):
 
 # -- found and not fixed yet: each is reported; strict, so a fix turns it into a pass -------------
 KNOWN = {
-    "inplace-on-saved-value-not-refused": (
-        "eager raises at backward for a saved value changed in place later; the compiled call "
-        "(the recording too) computes a gradient instead",
+    "inplace-on-saved-value-names-region": (
+        "eager raises at backward for a saved value changed in place later; the replay raises the "
+        "same error but names the compiled region, not the in-place op, as the tensor's producer",
         _program([((1, 3, 4), f64, "contiguous", True, 14)],
                  ["v0 = torch.hypot(x0, x0)", "v1 = torch.square(v0)", "v2 = v0.sin_()"], ["v1", "v2"])),
     "unused-input-grad-zeros-not-none": (
