@@ -74,6 +74,13 @@ class Diverged(Exception):
     pass
 
 
+# comparison -> its reflection (what Python calls on the right operand: `a <= b` is b.ge(a))
+_REFLECTED = {torch.Tensor.le: torch.Tensor.ge, torch.Tensor.ge: torch.Tensor.le,
+              torch.Tensor.lt: torch.Tensor.gt, torch.Tensor.gt: torch.Tensor.lt,
+              torch.Tensor.__le__: torch.Tensor.__ge__, torch.Tensor.__ge__: torch.Tensor.__le__,
+              torch.Tensor.__lt__: torch.Tensor.__gt__, torch.Tensor.__gt__: torch.Tensor.__lt__}
+
+
 class StandIn(torch.Tensor):
     """What Python holds, on a replay, for a value the recording proved nobody reads outside
     the fused kernels: metadata, no value. Every use the replay mode sees is a recorded call
@@ -238,6 +245,11 @@ class Replay(TorchFunctionMode):
     # -- replaying a recorded call --------------------------------------------------------
     def _replay(self, func, args, kwargs):
         calls = self.trace.calls
+        if self.pos < len(calls) and func in _REFLECTED and calls[self.pos].func == _REFLECTED[func] \
+                and len(args) == 2 and not kwargs and type(args[0]) is StandIn and type(args[1]) is not StandIn:
+            # NOTE: `x <= s` with s a StandIn (a Tensor subclass) makes Python try s.__ge__(x)
+            # first (a subclass's reflected comparison wins): it is the recorded x.__le__(s)
+            func, args = calls[self.pos].func, (args[1], args[0])
         if self.pos >= len(calls) or (calls[self.pos].func is not func and calls[self.pos].func != func):
             if is_state_read(func) and self._switch(ending=False, func=func):
                 calls = self.trace.calls  # another recording made this read here: go on with it

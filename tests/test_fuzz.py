@@ -143,6 +143,15 @@ FIXED = {
     "double-backward-after-inplace-input": _program(
         [((3, 3), f32, "contiguous", True, 12), ((3, 3), f32, "contiguous", False, 13)],
         ["x1[:, 1] = 0.5", "x1.mul_(2)", "v0 = x0 * x1"], ["v0"]),
+    # `x0 <= v1` with v1 kept in the kernels: on a replay v1 is a StandIn (a Tensor subclass), so
+    # Python called v1.ge(x0) first and the replay left its recording of x0.le(v1)
+    "comparison-with-a-stand-in": _program([((3, 1), f64, "contiguous", True, 28)],
+                                           ["v0 = x0.norm()", "v1 = torch.sin(v0)", "v2 = (x0 <= v1).float()"],
+                                           ["v2"]),
+    # a region writing into an input that requires grad, which an earlier op read: its
+    # create_graph=True backward refused the region's own write (eager: no error)
+    "double-backward-after-inplace-on-grad-input": _program(
+        [((3, 2), f64, "offset", True, 29)], ["v1 = x0.clone()", "v2 = v1 - x0", "v5 = v1.clamp_(-1, 1)"], ["v5"]),
 }
 
 
