@@ -28,6 +28,7 @@ class KernelPlan:
     reduce_dims: tuple           # dims of ``shape`` reduced by the reduction roots
     roots: list = field(default_factory=list)   # nodes this kernel stores
     online: dict = field(default_factory=dict)  # sum root -> the amax root it is computed with (online softmax)
+    reads_rows: bool = False     # a root reads a reduction of this kernel: rows are held whole (persistent)
 
     def accepts(self, shape, reduce_dims) -> bool:
         if shape != self.shape:
@@ -169,15 +170,17 @@ def fuse(graph: fx.Graph) -> Schedule:
         # writes something it reads, same iteration space, not reading its reductions.
         barrier = max((step_of[b] for b in _reads(node, buffers) if b in step_of), default=0)
         target = None
-        partner = None
+        partner, reads_row = None, False
         for i in range(barrier, len(steps)):
             kind_i, plan = steps[i]
             reductions = reduction_roots_of.get(id(plan), ())
             if kind_i != "kernel" or not plan.accepts(*space):
                 continue
-            if not _depends_on(node, reductions, buffers) or \
-                    (plan.persistent_with(space[1]) and _row_aligned(node, reductions, plan)):
+            if not _depends_on(node, reductions, buffers):
                 target = i
+                break
+            if plan.persistent_with(space[1]) and _row_aligned(node, reductions, plan):
+                target, reads_row = i, True
                 break
             if not plan.persistent_with(space[1]):
                 partner = _online_softmax_partner(node, reductions, buffers, plan)
@@ -191,6 +194,7 @@ def fuse(graph: fx.Graph) -> Schedule:
         plan.roots.append(node)
         if partner is not None:
             plan.online[node] = partner
+        plan.reads_rows = plan.reads_rows or reads_row
         plan.reduce_dims = plan.reduce_dims or space[1]
         step_of[node] = target
         if kind == "reduction":

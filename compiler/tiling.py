@@ -80,14 +80,16 @@ def _warps_for(tile: int, per_thread: int, max_warps: int = MAX_WARPS) -> int:
     return max(1, min(max_warps, tile // (32 * per_thread)))
 
 
-def choose_tiling(shape, reduce_dims, *, live_values: int = 1, wide_values: bool = False) -> Tiling:
+def choose_tiling(shape, reduce_dims, *, persistent: bool | None = None, live_values: int = 1,
+                  wide_values: bool = False) -> Tiling:
     """Blocks and warps for a kernel over ``shape`` reducing ``reduce_dims``.
 
+    ``persistent``: rows are held whole (default: when they fit one block);
     ``live_values``: block-shaped values held at once (an estimate from the kernel body);
     ``wide_values``: the kernel computes in 64-bit (fp64), two registers per element.
 
     >>> choose_tiling((4096, 1024), (1,), live_values=8)
-    Tiling(xblock=1, rblock=1024, num_warps=8)
+    Tiling(xblock=1, rblock=1024, num_warps=4)
     """
     rdims = tuple(reduce_dims)
     xnumel = numel([s for d, s in enumerate(shape) if d not in rdims])
@@ -101,7 +103,9 @@ def choose_tiling(shape, reduce_dims, *, live_values: int = 1, wide_values: bool
             xblock //= 2
         return Tiling(xblock, 1, warps)
     outer = is_outer(shape, rdims)
-    if fits_one_block(shape, rdims):
+    if persistent is None:
+        persistent = fits_one_block(shape, rdims)
+    if persistent:
         rblock = next_pow2(max(rnumel, 1))
         # whole rows, up to 4096 elements a block; a long row alone (as Inductor's persistent
         # reductions over rows > 1024), a tile of columns when outer
@@ -111,13 +115,13 @@ def choose_tiling(shape, reduce_dims, *, live_values: int = 1, wide_values: bool
         xblock = min(next_pow2(max(xnumel, 1)), 64)
         rblock = min(next_pow2(max(rnumel, 1)), max(1, RBLOCK_MAX // 2 // xblock))
     else:
-        xblock = 1
         rblock = min(next_pow2(max(rnumel, 1)), RBLOCK_MAX if live_values <= 4 else RBLOCK_MAX // 2)
+        xblock = max(1, min(next_pow2(max(xnumel, 1)), RBLOCK_MAX // 2 // rblock, 64))   # short rows: several
     warps = _warps_for(xblock * rblock, per_thread)
     while xblock * rblock > 32 * warps * per_thread:   # too many elements per thread even at the most warps
-        if fits_one_block(shape, rdims) and xblock > 1:
-            xblock //= 2     # fewer whole rows
-        elif not fits_one_block(shape, rdims) and rblock > 1:
+        if xblock > 1 and (persistent or not outer):
+            xblock //= 2     # fewer rows
+        elif not persistent and rblock > 1:
             rblock //= 2     # a looped row in smaller steps
         else:
             break

@@ -126,7 +126,7 @@ class KernelWriter(ReductionWriter):
         if not offset:  # one element for the whole block: a scalar load, broadcast on use
             return self.tmp(f"tl.load({arg}_ptr)"), dtype
         names = set(re.findall(r"[A-Za-z_]\w*", offset)) - {f"{arg}_s{d}" for d in range(len(index))}
-        if names <= self.x_names:  # the same element all along a row: one per row ([XBLOCK, 1])
+        if self.r_names and names <= self.x_names:  # the same element all along a row: one per row ([XBLOCK, 1])
             return self.tmp(f"tl.load({arg}_ptr + {offset}, mask=XMASK, other=0)"), dtype
         if names <= self.r_names:  # the same element for every row: one per column ([1, RBLOCK])
             return self.tmp(f"tl.load({arg}_ptr + {offset}, mask=RMASK, other=0)"), dtype
@@ -332,7 +332,9 @@ class KernelWriter(ReductionWriter):
         xnumel = numel([shape[d] for d in xdims])
         rnumel = numel([shape[d] for d in rdims])
         reduction = bool(rdims)
-        self.persistent = fits_one_block(shape, rdims)
+        # rows are held whole when later values read their reduction; otherwise looped, so a
+        # block holds only what the registers can (a heavy body over rows of 4096 cannot)
+        self.persistent = plan.reads_rows and fits_one_block(shape, rdims)
         # NOTE: blocks are chosen after the body is written (from its live values); a block is a
         # power of two no larger than its extent's, so rounding up to those bounds the index
         wide = _index_extent(plan, self.buffers, xnumel, next_pow2(max(xnumel, 1)),
@@ -386,7 +388,7 @@ class KernelWriter(ReductionWriter):
 
     def finish(self, src, stores, xnumel, wide, accumulators) -> KernelSource:
         loads = list(self.load_args)
-        tiling = choose_tiling(self.plan.shape, self.plan.reduce_dims,
+        tiling = choose_tiling(self.plan.shape, self.plan.reduce_dims, persistent=self.persistent,
                                live_values=_live_values(self.lines, accumulators, self.persistent),
                                wide_values=any(n.meta["dtype"].itemsize >= 8 for n in loads + stores))
         xblock, rblock = tiling.xblock, tiling.rblock
