@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import inspect
 import os
 import sys
 import threading
@@ -544,11 +545,11 @@ def _apply_binding(b, binding, a, k, outputs, autocast_dtype):
     on its floating inputs cast to that dtype, as autocast did. (``outputs``: eager's result
     tensors or their metadata; the dead first attempt is dropped with unused nodes.)"""
     if autocast_dtype is None:
-        return binding(b, *a, **k)
+        return _call_binding(binding, b, a, k)
     wanted = [o.dtype for o in outputs]
     target = next((d for d in wanted if d.is_floating_point), None)
     try:
-        result = binding(b, *a, **k)
+        result = _call_binding(binding, b, a, k)
     except Unsupported:
         if target is None:
             raise
@@ -564,7 +565,22 @@ def _apply_binding(b, binding, a, k, outputs, autocast_dtype):
             return C.emit_pointwise(b, "identity", [x], dtype=target)
         return x
     a, k = tree_map(cast, (list(a), dict(k)))
-    return binding(b, *a, **k)
+    return _call_binding(binding, b, a, k)
+
+
+def _call_binding(binding, b, a, k):
+    """``binding(b, *a, **k)``; an argument the binding does not take (``memory_format=`` of
+    ``x.double(...)``) is a deliberate fallback, with the argument named, not a bug."""
+    try:
+        return binding(b, *a, **k)
+    except TypeError:
+        try:
+            inspect.signature(binding).bind(b, *a, **k)
+        except TypeError as e:
+            raise Unsupported(f"arguments not supported: {e}") from None
+        except ValueError:  # (no signature to check against)
+            pass
+        raise
 
 
 def _map_to_nodes(region: _Region, recorded, metas) -> list:

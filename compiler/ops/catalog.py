@@ -355,6 +355,9 @@ REDUCTIONS = {name: Reduction(name) for name in ("sum", "mean", "amax")}
 
 def emit_reduction(b, name, x, dims, keepdim=False, dtype=None) -> fx.Node:
     ndim = len(x.meta["shape"])
+    if ndim == 0:  # sum, mean or max of one value: the value (no kernel reduces over nothing)
+        return emit_pointwise(b, "identity", [x], dtype=dtype or x.meta["dtype"],
+                              requires_grad=x.meta["requires_grad"])
     dims = tuple(sorted({d % ndim for d in dims})) if ndim else ()
     op = REDUCTIONS[name]
     return b.call(op, [x], {"dims": dims, "keepdim": keepdim},
