@@ -160,3 +160,16 @@ def test_an_argument_a_binding_does_not_take_is_a_deliberate_fallback():
     cf = compiler.compile(f, backend="interpret")
     cf(x)
     torch.testing.assert_close(cf(x), f(x))
+
+
+@pytest.mark.parametrize("name", ["index_select", "unfold"])
+def test_zero_dim_gathers_and_windows_are_deliberate_fallbacks(name):
+    """index_select / unfold of a 0-d tensor used to fail inside their bindings."""
+    f = {"index_select": lambda x: torch.index_select(x, 0, torch.tensor([0])) * 2,
+         "unfold": lambda x: x.unfold(0, 1, 1) * 2}[name]
+    x = torch.tensor(1.5, requires_grad=True)
+    report = compiler.explain(f, x)
+    assert report.internal_errors == [] and any("0-d" in r for r in report.fallbacks), report.fallbacks
+    cf = compiler.compile(f, backend="interpret")
+    cf(x)
+    torch.testing.assert_close(cf(x), f(x))
