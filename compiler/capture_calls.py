@@ -63,11 +63,11 @@ def inspects_node(func, leaves) -> bool:
     name = getattr(func, "__name__", None)
     if name == "__get__":
         return getattr(getattr(func, "__self__", None), "__name__", None) == "grad_fn"
-    t = leaves[0]
-    if not isinstance(t, torch.Tensor) or t.grad_fn is None:
+    if name not in ("__repr__", "__str__", "__format__") or not isinstance(leaves[0], torch.Tensor):
         return False
+    t = leaves[0]
     # (f"{loss:.3f}" of a 0-d tensor formats its number: no Node shown, nothing to keep eager)
-    return name in ("__repr__", "__str__") or (name == "__format__" and t.dim() > 0)
+    return t.grad_fn is not None and (name != "__format__" or t.dim() > 0)
 
 
 def expected_eager(func, reads_region_value: bool) -> bool:
