@@ -13,12 +13,8 @@ materialized: those returned, read by eager calls or later regions, or still ali
 
 from __future__ import annotations
 
-import functools
 import gc
-import os
-import sys
-import threading
-import types
+import inspect
 import weakref
 from dataclasses import dataclass, field
 
@@ -28,26 +24,16 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from compiler.capture_calls import (FUNCTIONS, UNKEPT, UNREFERENCED, VALUE_READS, ModulesRun, OptimizerSteps,
+                                    expected_eager, gradient_inputs, inspects_node, python_references, user_frame)
 from compiler.ir import GraphBuilder
 from compiler.ops import catalog as C
 from compiler.ops.bindings import Unsupported, Writes, lookup
 from runtime.calls import flatten_call, unflatten_call
 from runtime.fallback import InternalCompilerError, internal_error
-from runtime.replay import _name, is_metadata, is_state_read
+from runtime.replay import _name, is_metadata
 from runtime.trace import RegionPlan, TensorMeta, Trace, TraceCall, ValueId
 
-# Eager calls that are part of a training step, not gaps in the compiled graph.
-_AUTOGRAD_CALLS = {torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad,
-                   torch._C._set_grad_enabled, torch.Tensor.requires_grad_, torch.Tensor.retain_grad,
-                   torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook,
-                   torch.Tensor.detach, torch.Tensor.zero_}
-_FACTORIES = {torch.ones, torch.zeros, torch.full, torch.empty, torch.arange, torch.eye, torch.tensor,
-              torch.as_tensor, torch.linspace, torch.ones_like, torch.zeros_like, torch.full_like,
-              torch.empty_like, torch.randn, torch.rand, torch.randint, torch.randn_like, torch.rand_like}
-_VALUE_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "__format__",
-                "__repr__", "__str__", "__array__"}
-_FUNCTIONS = (types.FunctionType, types.MethodType, functools.partial)
-_UNKEPT = "<a function, not kept by the recording>"
 _SUPPORTED_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool,
                      torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
                      torch.complex64, torch.complex128}
@@ -179,14 +165,14 @@ class Capture(TorchFunctionMode):
             out_tensors = [t for t in out_leaves if isinstance(t, torch.Tensor)]
 
         if recorded and isinstance(recorded[0], ValueId) and recorded[0] in self.produced_by \
-                and _inspects_node(func, leaves):
+                and inspects_node(func, leaves):
             # NOTE: the user inspects this value's Node (hooks on grad_fn, its saved tensors,
             # its name in a printout): the op that made it runs eagerly on every call, so the
             # Node is eager's own.
             producer = self.produced_by[recorded[0]]
             if self.calls[producer].kind == "compute":
                 self.isolate.add(producer)
-        for t in _gradient_inputs(func, args, kwargs):
+        for t in gradient_inputs(func, args, kwargs):
             # NOTE: grad(z, y) / backward(inputs=[y]) needs y's Node in z's graph: the region
             # that computes y ends with it, and what reads y next starts from y itself.
             entry = self.ids.get(id(t))
@@ -216,8 +202,8 @@ class Capture(TorchFunctionMode):
                 self.internal_errors.append(internal)
                 region = None
                 self.current = None
-        elif not by_design and not _expected_eager(func, self._reads_region_value(recorded)):
-            if getattr(func, "__name__", "") in _VALUE_READS:
+        elif not by_design and not expected_eager(func, self._reads_region_value(recorded)):
+            if getattr(func, "__name__", "") in VALUE_READS:
                 reason = (f"{_name(func)} reads a tensor's value into Python (a graph break: the compiled "
                           "region ends there, and the call is recorded again if the value steers control flow)")
             else:
@@ -261,7 +247,7 @@ class Capture(TorchFunctionMode):
                 # NOTE: a function given to a call that makes no tensor (a hook to register) is
                 # not needed to replay it, and keeping it would keep what its closure holds
                 # (the gradients a hook saw) alive, mistaken for tensors reached from outside.
-                recorded = [_UNKEPT if isinstance(x, _FUNCTIONS) else x for x in recorded]
+                recorded = [UNKEPT if isinstance(x, FUNCTIONS) else x for x in recorded]
             self.calls.append(TraceCall(func, "eager", None, spec, recorded, outputs, out_spec, reason))
             if reason:
                 self.breaks.append(reason)
@@ -307,7 +293,7 @@ class Capture(TorchFunctionMode):
         start = len(b.created)
         result = _apply_binding(b, binding, a, k, out_tensors, _autocast_dtype(device))
         result, writes = (result.result, result.writes) if isinstance(result, Writes) else (result, ())
-        source, op_name = _user_frame(), _name(func)
+        source, op_name = user_frame(), _name(func)
         for made in b.created[start:]:
             made.meta.update(source=source, torch_op=op_name, device=device)
         nodes = list(result) if isinstance(result, (tuple, list)) else [result]
@@ -463,14 +449,20 @@ class Capture(TorchFunctionMode):
                 t = self.refs[vid]()
                 if t is None or vid in kept:
                     continue
-                if _held_by_python(t):
+                # Held by Python code other than ours (a list, a module attribute, a closure):
+                # the user may read it after the call. References from C++ do not count:
+                # autograd's saved tensors (replay saves what its backward needs) and view bases.
+                if python_references(t) > UNREFERENCED:
                     kept.add(vid)
-                    base = t._base
-                    entry = self.ids.get(id(base)) if base is not None else None
-                    if entry is not None and entry[0]() is base:
-                        kept.add(entry[1])
-                del t
+                    kept.update(self._base_of(t))
+                del t  # (no variable of ours may hold a tensor counted next)
         return kept
+
+    def _base_of(self, t: torch.Tensor) -> list:
+        """The value id of ``t``'s base, if ``t`` is a view of a recorded value."""
+        base = t._base
+        entry = self.ids.get(id(base)) if base is not None else None
+        return [entry[1]] if entry is not None and entry[0]() is base else []
 
     def finish(self, result) -> Trace:
         """Escape analysis, then the trace with one RegionPlan per region."""
@@ -544,11 +536,11 @@ def _apply_binding(b, binding, a, k, outputs, autocast_dtype):
     on its floating inputs cast to that dtype, as autocast did. (``outputs``: eager's result
     tensors or their metadata; the dead first attempt is dropped with unused nodes.)"""
     if autocast_dtype is None:
-        return binding(b, *a, **k)
+        return _call_binding(binding, b, a, k)
     wanted = [o.dtype for o in outputs]
     target = next((d for d in wanted if d.is_floating_point), None)
     try:
-        result = binding(b, *a, **k)
+        result = _call_binding(binding, b, a, k)
     except Unsupported:
         if target is None:
             raise
@@ -564,7 +556,22 @@ def _apply_binding(b, binding, a, k, outputs, autocast_dtype):
             return C.emit_pointwise(b, "identity", [x], dtype=target)
         return x
     a, k = tree_map(cast, (list(a), dict(k)))
-    return binding(b, *a, **k)
+    return _call_binding(binding, b, a, k)
+
+
+def _call_binding(binding, b, a, k):
+    """``binding(b, *a, **k)``; an argument the binding does not take (``memory_format=`` of
+    ``x.double(...)``) is a deliberate fallback, with the argument named, not a bug."""
+    try:
+        return binding(b, *a, **k)
+    except TypeError:
+        try:
+            inspect.signature(binding).bind(b, *a, **k)
+        except TypeError as e:
+            raise Unsupported(f"arguments not supported: {e}") from None
+        except ValueError:  # (no signature to check against)
+            pass
+        raise
 
 
 def _map_to_nodes(region: _Region, recorded, metas) -> list:
@@ -586,69 +593,10 @@ def _map_to_nodes(region: _Region, recorded, metas) -> list:
     return mapped
 
 
-def _user_frame() -> str:
-    """file:line of the user's code that made the current torch call."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        path = frame.f_code.co_filename
-        if not any(part in path for part in _LIBRARY_PATHS):
-            return f"{path}:{frame.f_lineno} in {frame.f_code.co_name}"
-        frame = frame.f_back
-    return "?"
-
-
-_LIBRARY_PATHS = (os.sep + "torch" + os.sep, os.sep + "compiler" + os.sep, os.sep + "runtime" + os.sep)
-
-
-def _gradient_inputs(func, args, kwargs) -> list:
-    """The tensors a ``grad``/``backward`` call differentiates with respect to (``inputs``)."""
-    position = _INPUTS_POSITION.get(func)
-    if position is None:
-        return []
-    inputs = args[position] if len(args) > position else kwargs.get("inputs")
-    if isinstance(inputs, torch.Tensor):
-        return [inputs]
-    return [t for t in inputs or () if isinstance(t, torch.Tensor)]
-
-
-_INPUTS_POSITION = {torch.autograd.grad: 1, torch.autograd.backward: 5, torch.Tensor.backward: 4}
-
-
-def _inspects_node(func, leaves) -> bool:
-    """Whether ``func`` shows the user the autograd Node of its first argument: reading
-    ``.grad_fn``, or printing a tensor that has one (``grad_fn=<MulBackward0>``)."""
-    name = getattr(func, "__name__", None)
-    if name == "__get__":
-        return getattr(getattr(func, "__self__", None), "__name__", None) == "grad_fn"
-    return name in ("__repr__", "__str__", "__format__") and isinstance(leaves[0], torch.Tensor) and \
-        leaves[0].grad_fn is not None
-
-
 def _binding(func):
     if getattr(func, "__name__", None) == "__get__":
         return lookup(getattr(func, "__self__", None))
     return lookup(func)
-
-
-def _expected_eager(func, reads_region_value: bool) -> bool:
-    """Eager calls that belong to a training step rather than to the model's math: autograd
-    calls, parameter state, and bookkeeping under no_grad (an optimizer's update) that reads
-    nothing computed by a compiled region."""
-    if func in _AUTOGRAD_CALLS:
-        return True
-    if func in _FACTORIES and not reads_region_value:
-        return True  # a new constant tensor (a mask, positions): made eagerly, read by regions
-    if not torch.is_grad_enabled() and not reads_region_value:
-        return True
-    name = getattr(func, "__name__", "") or ""
-    if name in ("__set__", "__delete__"):
-        return True  # setting a tensor's attribute (.grad, hooks) is state, not math
-    if name == "__get__":
-        return is_state_read(func)
-    module = getattr(func, "__module__", "") or ""
-    if "profiler" in module or "record_function" in name:
-        return True
-    return False
 
 
 def capture(fn, args, kwargs):
@@ -659,8 +607,8 @@ def capture(fn, args, kwargs):
     mode.add_args(leaves)
     # NOTE: nothing here changes how autograd sees the user's tensors (no saved-tensor hooks
     # of ours): the recording call is eager PyTorch, version checks and saved tensors included.
-    modules = _ModulesRun()
-    steps = _OptimizerSteps(mode)
+    modules = ModulesRun()
+    steps = OptimizerSteps(mode)
     handles = [torch.nn.modules.module.register_module_forward_pre_hook(modules),
                register_optimizer_step_pre_hook(steps.begin),
                register_optimizer_step_post_hook(steps.end)]
@@ -684,54 +632,3 @@ def capture(fn, args, kwargs):
         raise RecordingFailed(result, mode.broken)
     trace.internal_errors = list(mode.internal_errors)
     return result, trace
-
-
-class _OptimizerSteps:
-    """Where each ``optimizer.step()`` began and ended among the recorded calls. Its calls are
-    all eager (an update under no_grad): the replay runs the step without watching it call by
-    call, which is most of a small training step's host overhead."""
-
-    def __init__(self, mode):
-        self.mode = mode
-        self.thread = threading.get_ident()
-        self.open: list = []
-        self.found: list = []
-
-    def begin(self, optimizer, args, kwargs):
-        if threading.get_ident() == self.thread:
-            self.open.append(len(self.mode.calls))
-
-    def end(self, optimizer, args, kwargs):
-        if threading.get_ident() == self.thread and self.open:
-            self.found.append((self.open.pop(), len(self.mode.calls)))
-
-    def spans(self, trace) -> dict:
-        return {start: end for start, end in self.found
-                if end > start and all(c.kind == "eager" and c.reason is None for c in trace.calls[start:end])}
-
-
-class _ModulesRun:
-    """A global forward pre-hook for the recording: which modules ran, in which train/eval
-    mode (dropout and batch norm read it in Python, so it is part of what was recorded)."""
-
-    def __init__(self):
-        self.thread = threading.get_ident()
-        self.seen: set = set()
-        self.modes: list = []
-
-    def __call__(self, module, args):
-        if threading.get_ident() == self.thread and id(module) not in self.seen:
-            self.seen.add(id(module))
-            self.modes.append((weakref.ref(module), module.training))
-
-
-def _held_by_python(t: torch.Tensor) -> bool:
-    """Whether Python code other than the caller holds ``t`` (a list, a module attribute, a
-    closure): the user may read it after the call.
-
-    References from C++ do not count: autograd's saved tensors (backward needs them, and
-    replay saves what it needs itself) and a view's base. While anything in C++ holds the
-    tensor, the tensor holds exactly one reference to its Python object; the caller's
-    variable and ``getrefcount``'s argument are two more."""
-    held_by_cpp = 1 if t._use_count() > 1 else 0
-    return sys.getrefcount(t) - 3 - held_by_cpp > 0

@@ -140,3 +140,23 @@ def test_a_value_only_another_thread_reads_raises_instead_of_computing_on_nothin
     assert cf.last_backend == "interpret"
     assert len(errors) == 1 and "symgrad" in errors[0] and "another thread" in errors[0]
     assert x.grad is None
+
+
+def test_printing_a_tensor_shows_eagers_grad_fn_and_formatting_a_number_compiles():
+    lines = []
+
+    def f(x):
+        loss = (x.sin() * 2).sum()
+        lines.append(f"{loss:.3f}")  # a number: the sum stays compiled
+        h = x.exp() * 3
+        lines.append(repr(h).split("grad_fn=")[1])  # the Node: mul runs eagerly
+        return loss + h.sum()
+    x = torch.randn(4, requires_grad=True)
+    cf = compiler.compile(f, backend="interpret")
+    for _ in range(2):
+        lines.clear()
+        cf(x)
+        assert lines[1] == "<MulBackward0>)"
+    assert cf.last_backend == "interpret" and cf.stats["kernel_launches"] > 0
+    assert "Tensor.sum" not in cf.last_entry.report.eager_calls
+    assert "Tensor.mul" in cf.last_entry.report.eager_calls

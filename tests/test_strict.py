@@ -126,3 +126,50 @@ def test_fullgraph_turns_a_bug_into_compile_error_when_not_strict(monkeypatch):
 def test_the_suite_runs_strict():
     import os
     assert os.environ.get("SYMGRAD_STRICT") == "1"
+
+
+# -- bugs strict mode found in PyTorch's OpInfo samples, fixed -----------------------------
+
+ZERO_DIM_REDUCTIONS = {
+    "sum": lambda x: x.sum(),
+    "sum_dim_keepdim": lambda x: x.sum(0, keepdim=True) * 2,
+    "mean": lambda x: x.mean(-1),
+    "amax": lambda x: torch.amax(x, 0).exp(),
+    "logsumexp": lambda x: torch.logsumexp(x, (0,), True),
+    "l1_loss": lambda x: torch.nn.functional.l1_loss(x, torch.tensor(0.25, dtype=F64)),
+    "mse_loss": lambda x: torch.nn.functional.mse_loss(x * 3, torch.tensor(0.5, dtype=F64)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ZERO_DIM_REDUCTIONS))
+def test_reductions_of_a_zero_dim_tensor_compile(name):
+    """Reducing a 0-d tensor used to leave the reduction unmaterialized (KeyError 'shape')."""
+    from tests.parity import check_parity
+    compiled = check_parity(ZERO_DIM_REDUCTIONS[name], [torch.tensor(0.75, dtype=F64, requires_grad=True)],
+                            expect_kernels=False)
+    assert compiled.last_entry.report.internal_errors == []
+
+
+def test_an_argument_a_binding_does_not_take_is_a_deliberate_fallback():
+    """x.double(memory_format=...) used to raise TypeError inside the compiler."""
+    f = lambda x: x.double(memory_format=torch.contiguous_format).sin()
+    x = torch.randn(3, requires_grad=True)
+    report = compiler.explain(f, x)
+    assert report.internal_errors == []
+    assert any("memory_format" in r for r in report.fallbacks), report.fallbacks
+    cf = compiler.compile(f, backend="interpret")
+    cf(x)
+    torch.testing.assert_close(cf(x), f(x))
+
+
+@pytest.mark.parametrize("name", ["index_select", "unfold"])
+def test_zero_dim_gathers_and_windows_are_deliberate_fallbacks(name):
+    """index_select / unfold of a 0-d tensor used to fail inside their bindings."""
+    f = {"index_select": lambda x: torch.index_select(x, 0, torch.tensor([0])) * 2,
+         "unfold": lambda x: x.unfold(0, 1, 1) * 2}[name]
+    x = torch.tensor(1.5, requires_grad=True)
+    report = compiler.explain(f, x)
+    assert report.internal_errors == [] and any("0-d" in r for r in report.fallbacks), report.fallbacks
+    cf = compiler.compile(f, backend="interpret")
+    cf(x)
+    torch.testing.assert_close(cf(x), f(x))

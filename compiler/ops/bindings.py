@@ -427,6 +427,8 @@ def _gather(b, x, dim, index, *, sparse_grad=False, out=None):
 
 @binds(torch.index_select, _t("index_select"))
 def _index_select(b, x, dim, index, *, out=None):
+    if not x.meta["shape"]:
+        raise Unsupported("index_select on a 0-d tensor")
     _no_out({"out": out})
     _check_index(index, "index_select")
     if len(index.meta["shape"]) > 1:
@@ -1120,6 +1122,8 @@ def _repeat_interleave(b, x, repeats=None, dim=None, *, output_size=None):
 
 @binds(_t("unfold"))
 def _unfold(b, x, dimension, size, step):
+    if not x.meta["shape"]:
+        raise Unsupported("unfold of a 0-d tensor")
     if size <= 0 or step <= 0:
         raise Unsupported("unfold needs a positive size and step (eager raises)")
     dim = dimension % max(len(x.meta["shape"]), 1)

@@ -400,7 +400,8 @@ def emit_reduction(b, name, x, dims, keepdim=False, dtype=None) -> fx.Node:
     if ndim == 0:
         # NOTE: reducing a 0-dim tensor (x.sum(), x.amax() of a scalar) reduces nothing: the
         # value itself, in the result dtype (a reduction over no dims has no iteration space).
-        return emit_pointwise(b, "identity", [x], dtype=dtype or x.meta["dtype"])
+        return emit_pointwise(b, "identity", [x], dtype=dtype or x.meta["dtype"],
+                              requires_grad=x.meta["requires_grad"])
     dims = tuple(sorted({d % ndim for d in dims}))
     op = REDUCTIONS[name]
     return b.call(op, [x], {"dims": dims, "keepdim": keepdim},

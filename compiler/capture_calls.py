@@ -1,0 +1,147 @@
+"""What capture decides about a torch call, apart from compiling it: which eager calls belong
+to a training step, which calls show the user an autograd Node or differentiate with respect
+to a value, and which values the user still holds after the call (reference counts)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import threading
+import types
+import weakref
+
+import torch
+
+from runtime.replay import is_state_read
+
+# Eager calls that are part of a training step, not gaps in the compiled graph.
+AUTOGRAD_CALLS = {torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad,
+                  torch._C._set_grad_enabled, torch.Tensor.requires_grad_, torch.Tensor.retain_grad,
+                  torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook,
+                  torch.Tensor.detach, torch.Tensor.zero_}
+FACTORIES = {torch.ones, torch.zeros, torch.full, torch.empty, torch.arange, torch.eye, torch.tensor,
+             torch.as_tensor, torch.linspace, torch.ones_like, torch.zeros_like, torch.full_like,
+             torch.empty_like, torch.randn, torch.rand, torch.randint, torch.randn_like, torch.rand_like}
+VALUE_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "__format__",
+               "__repr__", "__str__", "__array__"}
+FUNCTIONS = (types.FunctionType, types.MethodType, functools.partial)
+UNKEPT = "<a function, not kept by the recording>"
+
+
+def user_frame() -> str:
+    """file:line of the user's code that made the current torch call."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not any(part in path for part in LIBRARY_PATHS):
+            return f"{path}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back
+    return "?"
+
+
+LIBRARY_PATHS = (os.sep + "torch" + os.sep, os.sep + "compiler" + os.sep, os.sep + "runtime" + os.sep)
+
+
+def gradient_inputs(func, args, kwargs) -> list:
+    """The tensors a ``grad``/``backward`` call differentiates with respect to (``inputs``)."""
+    position = INPUTS_POSITION.get(func)
+    if position is None:
+        return []
+    inputs = args[position] if len(args) > position else kwargs.get("inputs")
+    if isinstance(inputs, torch.Tensor):
+        return [inputs]
+    return [t for t in inputs or () if isinstance(t, torch.Tensor)]
+
+
+INPUTS_POSITION = {torch.autograd.grad: 1, torch.autograd.backward: 5, torch.Tensor.backward: 4}
+
+
+def inspects_node(func, leaves) -> bool:
+    """Whether ``func`` shows the user the autograd Node of its first argument: reading
+    ``.grad_fn``, or printing a tensor that has one (``grad_fn=<MulBackward0>``)."""
+    name = getattr(func, "__name__", None)
+    if name == "__get__":
+        return getattr(getattr(func, "__self__", None), "__name__", None) == "grad_fn"
+    if name not in ("__repr__", "__str__", "__format__") or not isinstance(leaves[0], torch.Tensor):
+        return False
+    t = leaves[0]
+    # (f"{loss:.3f}" of a 0-d tensor formats its number: no Node shown, nothing to keep eager)
+    return t.grad_fn is not None and (name != "__format__" or t.dim() > 0)
+
+
+def expected_eager(func, reads_region_value: bool) -> bool:
+    """Eager calls that belong to a training step rather than to the model's math: autograd
+    calls, parameter state, and bookkeeping under no_grad (an optimizer's update) that reads
+    nothing computed by a compiled region."""
+    if func in AUTOGRAD_CALLS:
+        return True
+    if func in FACTORIES and not reads_region_value:
+        return True  # a new constant tensor (a mask, positions): made eagerly, read by regions
+    if not torch.is_grad_enabled() and not reads_region_value:
+        return True
+    name = getattr(func, "__name__", "") or ""
+    if name in ("__set__", "__delete__"):
+        return True  # setting a tensor's attribute (.grad, hooks) is state, not math
+    if name == "__get__":
+        return is_state_read(func)
+    module = getattr(func, "__module__", "") or ""
+    if "profiler" in module or "record_function" in name:
+        return True
+    return False
+
+
+class OptimizerSteps:
+    """Where each ``optimizer.step()`` began and ended among the recorded calls. Its calls are
+    all eager (an update under no_grad): the replay runs the step without watching it call by
+    call, which is most of a small training step's host overhead."""
+
+    def __init__(self, mode):
+        self.mode = mode
+        self.thread = threading.get_ident()
+        self.open: list = []
+        self.found: list = []
+
+    def begin(self, optimizer, args, kwargs):
+        if threading.get_ident() == self.thread:
+            self.open.append(len(self.mode.calls))
+
+    def end(self, optimizer, args, kwargs):
+        if threading.get_ident() == self.thread and self.open:
+            self.found.append((self.open.pop(), len(self.mode.calls)))
+
+    def spans(self, trace) -> dict:
+        return {start: end for start, end in self.found
+                if end > start and all(c.kind == "eager" and c.reason is None for c in trace.calls[start:end])}
+
+
+class ModulesRun:
+    """A global forward pre-hook for the recording: which modules ran, in which train/eval
+    mode (dropout and batch norm read it in Python, so it is part of what was recorded)."""
+
+    def __init__(self):
+        self.thread = threading.get_ident()
+        self.seen: set = set()
+        self.modes: list = []
+
+    def __call__(self, module, args):
+        if threading.get_ident() == self.thread and id(module) not in self.seen:
+            self.seen.add(id(module))
+            self.modes.append((weakref.ref(module), module.training))
+
+
+def python_references(t: torch.Tensor) -> int:
+    """References to ``t``'s Python object, less the one C++ holds while anything there
+    (autograd's saved tensors, a view's base) holds the tensor."""
+    return sys.getrefcount(t) - (1 if t._use_count() > 1 else 0)
+
+
+def _unreferenced_count() -> int:
+    """What ``python_references`` counts for a tensor only its caller's variable holds
+    (measured, not assumed: interpreters count borrowed references differently). Callers
+    compare with it from the same position: one local variable, one call."""
+    t = torch.empty(0)
+    return python_references(t)
+
+
+UNREFERENCED = _unreferenced_count()
