@@ -60,6 +60,7 @@ class _Region:
     seeds: list = field(default_factory=list)       # input value ids that take a fresh RNG seed per call
     view_mutation: bool = False                     # an in-place op changed a view
     eager_reason: str | None = None                 # set when the region must run eagerly
+    stale: set = field(default_factory=set)         # views whose memory an in-place op changed since
 
 
 class _ViewMutation(Exception):
@@ -184,6 +185,15 @@ class Capture(TorchFunctionMode):
                         self._update_base(region, vid, old, node, t._base, index)
                     except _ViewMutation as e:
                         region.eager_reason = f"{_name(func)}: {e}"
+                if old is not None:
+                    self._note_stale_views(region, t, vid)
+                    root = t._base if t._base is not None else t
+                    if region.eager_reason is None and (torch._debug_has_internal_overlap(t) != 0
+                                                        or torch._debug_has_internal_overlap(root) != 0):
+                        # eager writes memory that other elements share (an expanded tensor):
+                        # the functional value and its write-back cannot express that
+                        region.eager_reason = (f"{_name(func)}: an in-place write into a tensor whose elements "
+                                               "share memory (expanded); the region runs eagerly")
             region.calls.append(index)
             self.calls.append(TraceCall(func, "compute", region.index, spec, recorded, outputs, out_spec))
         else:
@@ -214,6 +224,11 @@ class Capture(TorchFunctionMode):
         region = self.current
         if region is None or region.device != device or region.grad_enabled != grad_enabled:
             region = self._new_region(len(self.regions), grad_enabled, device)
+        stale = region.stale.intersection(v for v in recorded if isinstance(v, ValueId))
+        if stale and region.eager_reason is None:
+            region.eager_reason = (f"{_name(func)} reads a view that an earlier in-place op changed through "
+                                   "other memory it shares (the functional capture cannot follow); the region "
+                                   "runs eagerly")
         b = region.builder
         metas = {vid: TensorMeta.of(x) for x, vid in zip(leaves, recorded) if isinstance(x, torch.Tensor)}
         mapped = _map_to_nodes(region, recorded, metas)
@@ -265,6 +280,21 @@ class Capture(TorchFunctionMode):
         region.inputs.append(vid)
         region.seeds.append(vid)
         return node
+
+    def _note_stale_views(self, region, t, vid) -> None:
+        """An in-place op wrote ``t``: other live views of its memory now show the write in
+        eager, but their nodes hold the old value (only ``t`` and its base are updated). They
+        are marked stale: a region that reads one later, or outputs one, runs eagerly."""
+        root = t._base if t._base is not None else t
+        region.stale.discard(vid)
+        for ref, other in list(self.ids.values()):
+            u = ref()
+            if u is None or u is t:
+                continue
+            if u is root:
+                region.stale.discard(other)  # updated with t (``_update_base``)
+            elif (u._base if u._base is not None else u) is root and other in region.nodes:
+                region.stale.add(other)
 
     def _update_base(self, region, vid, old_node, new_node, base, index):
         """An in-place op changed a view: its base changes too (eager views share memory).
@@ -387,6 +417,9 @@ class Capture(TorchFunctionMode):
             b.output(output_nodes)
             b.graph.eliminate_dead_code()
             mutated = [v for v in r.inputs if v in seen]
+            if r.stale.intersection(outputs) and r.eager_reason is None:
+                r.eager_reason = ("a view that an in-place op changed through other memory it shares is used "
+                                  "after the region (the functional capture cannot follow); the region runs eagerly")
             plans.append(RegionPlan(r.calls, list(r.inputs), outputs, internal, r.grad_enabled, mutated=mutated,
                                     reason=r.eager_reason, seeds=[(v, r.device) for v in r.seeds]))
             plans[-1].graph = b.graph

@@ -30,12 +30,19 @@ class CompiledRegion:
     mutated_inputs: tuple = ()  # positions of inputs the region writes into (after its forward)
 
     def __call__(self, inputs):
+        originals = inputs
         if self.backward is None or not torch.is_grad_enabled():
             outs = self.forward.run(inputs, self.stats)[: self.num_outputs]
         else:
+            if self.mutated_inputs and self.build_double_backward is not None:
+                # NOTE: the region's own in-place writes land in these inputs after it runs,
+                # but a double backward recomputes from what the forward read: give the region
+                # copies (with the inputs' autograd history, taken before the writes).
+                inputs = [t.clone() if i in self.mutated_inputs and isinstance(t, torch.Tensor) else t
+                          for i, t in enumerate(inputs)]
             outs = list(_RegionFunction.apply(self, *inputs))
         for position, index, views in self.input_views:  # views of inputs: made outside, by torch
-            outs.insert(position, apply_views(inputs[index], views))
+            outs.insert(position, apply_views(originals[index], views))
         return outs
 
 
@@ -49,18 +56,6 @@ class _RegionFunction(torch.autograd.Function):
         # For create_graph=True the backward is recomputed from the inputs themselves, so
         # keep them (their versions too: eager's in-place check still applies).
         ctx.versions = [t._version if isinstance(t, torch.Tensor) else None for t in inputs]
-        if region.mutated_inputs and region.build_double_backward is not None:
-            # NOTE: the region's own in-place writes land in these inputs after this forward;
-            # the double backward recomputes from the values the forward read, so keep those
-            # (inputs needing no grad: a copy; ones that require grad keep the version check,
-            # as eager refuses a saved tensor changed in place).
-            inputs = list(inputs)
-            for i in region.mutated_inputs:
-                t = inputs[i]
-                if isinstance(t, torch.Tensor) and not t.requires_grad:
-                    inputs[i] = t.detach().clone()
-                    ctx.versions[i] = inputs[i]._version
-            inputs = tuple(inputs)
         ctx.inputs = inputs
         user = outs[: region.num_outputs]
         ctx.shapes = [(o.shape, o.dtype, o.device) for o in user]
