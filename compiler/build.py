@@ -6,9 +6,10 @@ into a runtime ``Program`` (value slots, kernel launches, matmul calls, view out
 
 from __future__ import annotations
 
-import torch.fx as fx
-
+import math
 import threading
+
+import torch.fx as fx
 
 from compiler.autodiff import partition, propagate_requires_grad
 from compiler.codegen.triton_kernel import render_kernel
@@ -215,6 +216,8 @@ def _index_checks(graph: fx.Graph) -> dict:
         if getattr(node.target, "kind", None) != "gather":
             continue
         source, index = node.args
+        if math.prod(node.meta["shape"]) == 0 and "index_select" not in node.meta.get("torch_op", ""):
+            continue  # eager checks no index for an empty result (x[idx] of a zero-size tensor)
         base = index
         while getattr(base.target, "kind", None) == "view":
             base = base.args[0]

@@ -54,6 +54,7 @@ class _Region:
     writes: dict = field(default_factory=dict)      # value id -> in-place ops that changed it here
     view_mutation: bool = False                     # an in-place op changed a view
     eager_reason: str | None = None                 # set when the region must run eagerly
+    stale: set = field(default_factory=set)         # views whose memory an in-place op changed since
 
 
 class _ViewMutation(Exception):
@@ -235,6 +236,15 @@ class Capture(TorchFunctionMode):
                         self._update_base(region, vid, old, node, t._base, index)
                     except _ViewMutation as e:
                         region.eager_reason = f"{_name(func)}: {e}"
+                if old is not None:
+                    self._note_stale_views(region, t, vid)
+                    root = t._base if t._base is not None else t
+                    if region.eager_reason is None and (torch._debug_has_internal_overlap(t) != 0
+                                                        or torch._debug_has_internal_overlap(root) != 0):
+                        # eager writes memory that other elements share (an expanded tensor):
+                        # the functional value and its write-back cannot express that
+                        region.eager_reason = (f"{_name(func)}: an in-place write into a tensor whose elements "
+                                               "share memory (expanded); the region runs eagerly")
             region.calls.append(index)
             if any(t.requires_grad for t in out_tensors):
                 region.read_for_grad.update(v for v in recorded if isinstance(v, ValueId))
@@ -286,6 +296,11 @@ class Capture(TorchFunctionMode):
         region = self.current
         if region is None or region.device != device or region.grad_enabled != grad_enabled:
             region = self._new_region(len(self.regions), grad_enabled, device)
+        stale = region.stale.intersection(v for v in recorded if isinstance(v, ValueId))
+        if stale and region.eager_reason is None:
+            region.eager_reason = (f"{_name(func)} reads a view that an earlier in-place op changed through "
+                                   "other memory it shares (the functional capture cannot follow); the region "
+                                   "runs eagerly")
         b = region.builder
         metas = {vid: TensorMeta.of(x) for x, vid in zip(leaves, recorded) if isinstance(x, torch.Tensor)}
         mapped = _map_to_nodes(region, recorded, metas)
@@ -338,6 +353,26 @@ class Capture(TorchFunctionMode):
         region.inputs.append(vid)
         region.seeds.append(vid)
         return node
+
+    def _note_stale_views(self, region, t, vid) -> None:
+        """An in-place op wrote ``t``: other live views of its memory now show the write in
+        eager, but their nodes hold the old value (only ``t`` and its base are updated). They
+        are marked stale: a region that reads one later, or outputs one, runs eagerly."""
+        root = t._base if t._base is not None else t
+        region.stale.discard(vid)
+        for ref, other in list(self.ids.values()):
+            u = ref()
+            if u is None or u is t:
+                continue
+            if u is root:
+                region.stale.discard(other)  # updated with t (``_update_base``)
+            elif (u._base if u._base is not None else u) is root:
+                # (a view made by an earlier region, one that ended before this write: that
+                # region must not output it, and this one must not read it)
+                owner = next((r for r in self.regions if other in r.nodes), None)
+                if owner is not None:
+                    owner.stale.add(other)
+                    region.stale.add(other)
 
     def _update_base(self, region, vid, old_node, new_node, base, index):
         """An in-place op changed a view: its base changes too (eager views share memory).
@@ -502,6 +537,9 @@ class Capture(TorchFunctionMode):
             mutated = [v for v in r.inputs if v in seen]
             # (eager bumps a version counter per in-place op; views share their base's)
             writes = {} if r.view_mutation else {v: r.writes[v] for v in mutated if r.writes.get(v, 1) > 1}
+            if r.stale.intersection(outputs) and r.eager_reason is None:
+                r.eager_reason = ("a view that an in-place op changed through other memory it shares is used "
+                                  "after the region (the functional capture cannot follow); the region runs eagerly")
             plans.append(RegionPlan(r.calls, list(r.inputs), outputs, internal, r.grad_enabled, mutated=mutated,
                                     reason=r.eager_reason, seeds=[(v, r.device) for v in r.seeds], writes=writes))
             plans[-1].graph = b.graph

@@ -235,3 +235,22 @@ def test_closed_over_tensor_freed_and_replaced():
     compiled(x), compiled(x)
     holder["w"] = torch.randn(3)  # the old tensor is freed
     torch.testing.assert_close(compiled(x), f(x))
+
+
+@pytest.mark.xfail(strict=True, reason="known: gradients with respect to an input the region wrote into (a non-leaf "
+                   "after the call) miss the paths computed inside the region; the leaves' gradients are right")
+def test_gradient_with_respect_to_an_input_written_in_place():
+    def f(x1, x2):
+        x2.copy_(x1)
+        return x2.norm(), x2
+
+    compiled = compiler.compile(f, backend="interpret")
+    compiled(torch.tensor([3.0, 4.0], requires_grad=True), torch.zeros(2))
+    results = []
+    for fn in (f, compiled):
+        x1, x2 = torch.tensor([3.0, 4.0], requires_grad=True), torch.zeros(2)
+        norm, y = fn(x1, x2)
+        loss = norm * 3 + (y * torch.tensor([1.0, 2.0])).sum()
+        results.append(torch.autograd.grad(loss, (x1, x2)))
+    torch.testing.assert_close(results[1][0], results[0][0])  # the leaf: right
+    torch.testing.assert_close(results[1][1], results[0][1])  # the written input: misses the norm's path

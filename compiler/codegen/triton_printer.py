@@ -170,6 +170,9 @@ class TritonPrinter:
         return f"({text})"
 
     def _pow(self, base, exp) -> str:
+        if base.is_number and not exp.is_number:  # 2.0 ** x: the literal base takes x's dtype (libdevice)
+            e = self.p(exp)
+            return f"libdevice.pow(tl.full([1], {literal(base)}, {e}.dtype), {e})"
         b = self.p(base)
         if exp.is_Integer:
             n = int(exp)

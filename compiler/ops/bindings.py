@@ -54,8 +54,15 @@ def _no_out(kwargs):
         raise Unsupported("out= arguments are not supported")
 
 
+# Arithmetic whose operands and result are all bool is logic in eager (True + True is True);
+# computed on 1-bit integers it would wrap (1 + 1 = 0).
+_BOOL_ARITHMETIC = {"add": "logical_or", "mul": "logical_and", "maximum": "logical_or", "minimum": "logical_and"}
+
+
 def _pointwise(b, name, operands, float_result=False):
     dtype = result_dtype(operands)
+    if dtype == torch.bool and name in _BOOL_ARITHMETIC:
+        name = _BOOL_ARITHMETIC[name]
     if name in C.BOOL_RESULT_OPS:
         dtype = torch.bool
     elif float_result and not (dtype.is_floating_point or dtype.is_complex):

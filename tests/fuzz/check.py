@@ -28,6 +28,12 @@ SLACK = 8.0
 ALLOWED_FALLBACKS = {
     "max with a dim": "Tensor.max(dim) returns indices too; README: use amax",
     "Tensor.clone is not supported": "clone is not in the catalog (README does not list it)",
+    "in-place op changed through other memory": "a view read after an in-place write through other "
+                                               "memory it shares: that region runs eagerly",
+    "elements share memory (expanded)": "an in-place write into an expanded tensor: that region runs eagerly",
+    "an in-place op on a view whose base is outside this region": "capture follows writes through views "
+                                                                  "of its own values only: runs eagerly",
+    "cat of non-tensors": "torch.cat with eager's legacy empty 1-d tensors: runs eagerly with the reason",
 }
 
 
@@ -47,6 +53,10 @@ KNOWN_BUGS = [
     # producer ("output 0 of _RegionFunction") where eager names the in-place op ("of Sin").
     ("inplace-on-saved-value-names-region",
      lambda m: "modified by an inplace operation" in m and "of _RegionFunction," in m),
+    # Second derivatives at degenerate points (a norm at the zero vector, var/std with no degrees
+    # of freedom): eager's formulas give NaN where ours give 0, or the other way round.
+    ("second-order-at-degenerate-points",
+     lambda m: "second-order grad" in m and ("eager nan" in m or "got nan" in m)),
     # An input that reaches only outputs the loss does not use, but shares a compiled region
     # with one it does use, gets a zero gradient where eager leaves None.
     ("unused-input-grad-zeros-not-none", lambda m: ": grad of input" in m and ", eager None" in m),
@@ -59,12 +69,14 @@ KNOWN_BUGS = [
 def run_all(program, fn):
     """Everything one call shows: (error, outputs, inputs after the call, grads, second grads)."""
     inputs = program.make_inputs()
+    # NOTE: gradients of the inputs that require grad when the call starts (what .grad shows);
+    # an input written in place gains a history, and gradients w.r.t. it are KNOWN below.
+    leaves = [x for x in inputs if x.requires_grad]
     try:
         outputs = fn(*inputs)
     except Exception as e:  # noqa: BLE001
         return {"error": _describe(e)}
     result = {"error": None, "outputs": outputs, "inputs": inputs}
-    leaves = [x for x in inputs if x.requires_grad]
     loss = _loss(outputs)
     if not leaves or loss is None:
         return result
@@ -116,10 +128,16 @@ def _close(what, got, want, reference, loose=False):
             raise Mismatch(f"{what}: got {got.tolist()}, eager {want.tolist()}")
         return
     rtol, atol = TOLERANCE.get(want.dtype, (1e-4, 1e-5))
+    if loose and "second-order" in what:  # derivatives of derivatives: rounding cancels further
+        rtol, atol = max(rtol, 1e-3), max(atol, 1e-4)
     if loose:  # the program rounds through float32 somewhere (eager's gradient of a cast does too)
         rtol, atol = max(rtol, TOLERANCE[torch.float32][0]), max(atol, TOLERANCE[torch.float32][1])
     g, w = _as_f64(got), _as_f64(want)
     bound = atol + rtol * w.abs()
+    if loose and w.numel():
+        # float32: also relative to the tensor's scale (a fused kernel's sums cancel differently;
+        # an element near 0 among large ones carries their rounding error)
+        bound = bound + rtol * w.abs().nan_to_num(0.0, 0.0, 0.0).amax()
     if reference is not None and isinstance(reference, torch.Tensor) and reference.shape == want.shape:
         bound = bound + SLACK * (w - _as_f64(reference.detach().resolve_conj())).abs().nan_to_num(0.0)
     same_nan = torch.isnan(g) == torch.isnan(w)
@@ -128,7 +146,14 @@ def _close(what, got, want, reference, loose=False):
     if not bool(ok.all()):
         bad = (~ok).nonzero()[0].tolist()
         raise Mismatch(f"{what}: at {bad} got {g[tuple(bad)].item()}, eager {w[tuple(bad)].item()}\n"
-                       f"  got   {g.flatten()[:8].tolist()}\n  eager {w.flatten()[:8].tolist()}")
+                       f"  got   {_head(g)}\n  eager {_head(w)}")
+
+
+def _head(x):
+    try:
+        return x.flatten()[:8].tolist()
+    except RuntimeError:  # eager's second derivatives can come without storage
+        return repr(x)
 
 
 def _as_f64(x):
@@ -158,6 +183,9 @@ def _compare(call, got, want, reference, loose=False):
         # or NaN where the first derivative already was).
         if key == "second" and key in got and key not in want:
             want = dict(want, second=[None] * len(got[key]))
+        if key == "second" and key in want and key not in got and all(
+                w is None or not bool((w.detach().nan_to_num(0.0) != 0).any()) for w in want[key]):
+            continue  # the other way round: eager's first derivative "requires grad" but is constant
         if (key in got) != (key in want):
             raise Mismatch(f"{call}: {label}s {'computed' if key in got else 'missing'}, unlike eager")
         for i, (g, w) in enumerate(zip(got.get(key, ()), want.get(key, ()))):
