@@ -38,6 +38,9 @@ class Entry:
         self.diverged_last = False  # whether its last replay left it
 
 
+_UNCHECKED = object()   # _record's `seen` when the caller asks for a recording whatever the cache holds
+
+
 class CompiledFunction:
     def __init__(self, fn, builder, backend="auto", fullgraph=False):
         functools.update_wrapper(self, fn, updated=())  # not __dict__: fn may be a Module
@@ -105,8 +108,8 @@ class CompiledFunction:
                 return self._record(key, backend, why, args, kwargs, recapture=True)
             entry = candidate
             break
-        if entry is None:
-            return self._record(key, backend, why, args, kwargs)  # first, or another train/eval mode
+        if entry is None:  # first, or another train/eval mode
+            return self._record(key, backend, why, args, kwargs, seen=self.cache.get(key))
         self.last_backend = backend
         self.stats["replays"] += 1
         mode = Replay(entry.trace, tensors, externals, alternatives=[e.trace for e in variants if e is not entry])
@@ -153,7 +156,19 @@ class CompiledFunction:
                          "specialize on it", logging.INFO)
         return changed
 
-    def _record(self, key, backend, why, args, kwargs, recapture=False):
+    def _record(self, key, backend, why, args, kwargs, recapture=False, seen=_UNCHECKED):
+        """Record a call. ``seen``: the key's recordings when the caller found none to replay;
+        if another thread recorded the key since, this call replays that instead."""
+        with self.lock:
+            # NOTE: another thread recorded this key while this one waited for the lock
+            # (recordings are made one at a time): replay it, or record another mode's
+            recorded_meanwhile = seen is not _UNCHECKED and self.cache.get(key) is not seen
+            if not recorded_meanwhile:
+                return self._record_now(key, backend, why, args, kwargs, recapture)
+        self.stats["calls"] -= 1  # counted again by the call below
+        return self(*args, **kwargs)
+
+    def _record_now(self, key, backend, why, args, kwargs, recapture):
         with self.lock:
             if recapture:
                 self.recaptures += 1
