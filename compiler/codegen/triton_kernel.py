@@ -102,6 +102,12 @@ class KernelWriter(ReductionWriter):
 
     def load(self, node: fx.Node, index):
         """The element of buffer ``node`` at ``index``; complex: (real, imag) of it."""
+        dtype = node.meta["dtype"]
+        if numel(node.meta["shape"]) == 0:
+            # NOTE: no element to read (only masked-off lanes and empty sums use it); a load at
+            # a fixed element is unmasked and would read outside the storage (a crash, at times)
+            zero = self.tmp(f"tl.full(SHAPE, 0, {TL_DTYPE[_storage_dtype(dtype)]})")
+            return ((zero, zero) if dtype.is_complex else zero), dtype
         if node not in self.load_args:
             self.load_args[node] = f"in{len(self.load_args)}"
         if self.gathering:
