@@ -109,7 +109,7 @@ class ReductionWriter:
         for part in (list(var) if acc_dtype.is_complex else [var]):
             acc = f"acc{count + len(names)}"
             if root.target.name == "amax":  # NaN wins, as in eager
-                self.lines.append(f"{acc} = tl.where((MASK) & (({part} > {acc}) | ({part} != {part})), {part}, {acc})")
+                self.lines.append(f"{acc} = {_nan_or_max(part, acc)}")
             else:
                 self.lines.append(f"{acc} = {acc} + tl.where(MASK, {part}, 0)")
             names.append(acc)
@@ -159,7 +159,7 @@ class ReductionWriter:
         shift is the max, or 0 where the max is ±inf (as softmax's own shift), so a lane of
         -inf adds nothing and a lane with +inf sums exp(x) itself; a zero sum is never
         rescaled (0 * inf would be NaN)."""
-        new_max = self.tmp(f"tl.where((MASK) & (({value} > {acc_max}) | ({value} != {value})), {value}, {acc_max})")
+        new_max = self.tmp(_nan_or_max(value, acc_max))
         old_shift = self.tmp(_finite_or_zero(acc_max))
         new_shift = self.tmp(_finite_or_zero(new_max))
         self.lines.append(f"{acc_sum} = tl.where({acc_sum} == 0, 0.0, {acc_sum} * tl.exp({old_shift} - {new_shift})) + "
@@ -181,6 +181,13 @@ class ReductionWriter:
         del self.lines[mark:]
         return (f"tl.sum(tl.where({acc_sum} == 0, 0.0, {acc_sum} * tl.exp({_finite_or_zero(acc_max)} - {value})), "
                 f"1)[:, None]")
+
+
+def _nan_or_max(value: str, acc: str) -> str:
+    """The accumulator updated with ``value`` where the mask holds: NaN wins, as in eager.
+    NOTE: nested wheres, not `(v > acc) | (v != v)`: the interpreter cannot `|` a scalar
+    load's comparison with a block (TypeError from numpy's bitwise_or)."""
+    return f"tl.where(MASK, tl.where({value} != {value}, {value}, tl.where({value} > {acc}, {value}, {acc})), {acc})"
 
 
 def _finite_or_zero(value: str) -> str:
