@@ -5,7 +5,9 @@ pointer (its dtype and the byte offset of the tensor's first element from the st
 allocation) or an integer (a stride). ``compile_launches`` compiles each one with
 ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`` in worker processes
 started without ``TRITON_INTERPRET`` (an interpreted process cannot compile), and reports
-registers, spills and how many global loads were vectorized.
+registers, spills and how many global loads were vectorized. ``recorded_launches`` makes the
+``Launch`` list from a compiled program: within it each of our kernel launches is recorded with
+its real arguments instead of run.
 
 NOTE: the specialization is Triton's own. The worker calls the binder that ``JITFunction.run``
 uses (``create_function_from_signature``) and ``JITFunction._pack_args``, so the arguments get
@@ -17,7 +19,7 @@ and a view with an offset is aligned only if its offset is. Compiling with a bar
 instead reports scalar loads and spills that the real launch would not have.
 
 This file runs in two roles: imported (``compile_launches``, ``Launch``) it needs nothing but the
-standard library; run as a script it is the worker (``python benchmarks/sm90.py JOBS.json``),
+standard library (``recorded_launches`` imports torch and our runtime when entered); run as a script it is the worker (``python benchmarks/sm90.py JOBS.json``),
 which imports Triton non-interpreted and never imports ``compiler`` or ``benchmarks``.
 Results are cached on disk per kernel source and specialization, so a rerun compiles nothing.
 
@@ -29,6 +31,8 @@ True
 from __future__ import annotations
 
 import ast
+import collections
+import contextlib
 import hashlib
 import json
 import os
@@ -43,6 +47,7 @@ DEFAULT_NUM_WARPS = 4   # Triton's default; a kernel module may say otherwise (N
 _ALIGNED_BASE = 1 << 20  # a stand-in allocation address, aligned far beyond 16 bytes
 _VECTOR_LOAD = re.compile(r"\bld\.global\S*\.v[248]\.")
 _ANY_LOAD = re.compile(r"\bld\.global\b")
+_RESULT_VERSION = 2      # bumped when a result gains or changes a field: older cached results are not read
 
 
 @dataclass
@@ -58,7 +63,8 @@ class Launch:
 
     def key(self) -> str:
         """The cache key: what decides the compiled artifact (source, specialization, warps)."""
-        text = json.dumps([self.source, self.args, self.constexprs, self.num_warps, _triton_version()])
+        text = json.dumps([self.source, self.args, self.constexprs, self.num_warps, _triton_version(),
+                           _RESULT_VERSION])
         return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -105,12 +111,88 @@ def generic_launch(name: str, source: str, stride: int = 17) -> Launch:
                   num_warps_of(source))
 
 
+class _LaunchRecorder:
+    """Stands in for a jit function: ``fn[grid](*args, **kwargs)`` records the launch."""
+
+    def __init__(self, step, name: str, source: str, launches: list, on_launch):
+        self.step, self.name, self.source = step, name, source
+        self.launches, self.on_launch = launches, on_launch
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            constexprs = {k: kwargs[k] for k in ("XBLOCK", "RBLOCK") if k in kwargs}
+            warps = kwargs.get("num_warps") or num_warps_of(self.source)
+            recorded = Launch(self.name, self.source, describe_args(args), constexprs, warps, grid[0])
+            self.launches.append(recorded)
+            if self.on_launch is not None:
+                self.on_launch(self.step, recorded)
+        return launch
+
+
+@contextlib.contextmanager
+def recorded_launches(on_launch=None, compute_extern_calls: bool = True):
+    """Within the block, compiled programs record each of our kernel launches as a ``Launch``
+    (appended to the yielded list) instead of running it. The runtime's own code still runs, so
+    outputs are allocated and what a launch passes (offsets, strides, tiles, warps, the 64-bit
+    twin when offsets need it) is exactly what a real launch passes; results are garbage.
+
+    ``on_launch(step, launch)`` is called per launch with the runtime's ``KernelLaunch`` step.
+    ``compute_extern_calls=False`` runs matmuls and other PyTorch calls on the meta device and
+    allocates their outputs (fast; their values do not matter here). Index checks run, but the
+    out-of-range error a skipped kernel's garbage indices raise is ignored.
+    """
+    import torch
+    from runtime import program
+
+    launches: list = []
+    run_kernel, run_check, run_extern = program.KernelLaunch.run, program.IndexCheck.run, program.ExternCall.run
+
+    def record(step, env, device):
+        def kernel(wide=False):
+            twin = wide and step.wide_source is not None
+            name, source = (step.wide_name, step.wide_source) if twin else (step.name, step.source)
+            return _LaunchRecorder(step, name, source, launches, on_launch)
+
+        step.kernel = kernel   # shadows the method for this run: the runtime picks, we record
+        try:
+            run_kernel(step, env, device)
+        finally:
+            del step.kernel
+
+    def check(step, env, device):
+        try:
+            run_check(step, env, device)
+        except IndexError:
+            pass
+
+    def extern_shapes_only(step, env, device):
+        args = [a.resolve(env) for a in step.args]
+        meta = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta") for a in args]
+        out = program.EXTERN_KERNELS[step.name](*meta, **step.kwargs)
+        env[step.out] = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=device)
+
+    program.KernelLaunch.run, program.IndexCheck.run = record, check
+    if not compute_extern_calls:
+        program.ExternCall.run = extern_shapes_only
+    try:
+        yield launches
+    finally:
+        program.KernelLaunch.run, program.IndexCheck.run, program.ExternCall.run = run_kernel, run_check, run_extern
+
+
 def compile_launches(launches: list, processes: int = 2, cache_dir: str | None = None, progress=None) -> list:
     """Compile each launch for sm_90; one result dict per launch, in order.
 
     A result has ``registers``, ``spill_bytes`` (ptxas's spill stores), ``spill_loads``,
-    ``vector_loads`` and ``loads`` (``ld.global`` instructions in the PTX, vectorized ones
-    being ``.v2``/``.v4``), ``vector_share``, and ``error`` (None, or why it did not compile).
+    ``loads`` (``ld.global`` instructions in the PTX), ``vector_loads`` (of which vectorized,
+    ``.v2``/``.v4``/``.v8``), ``broadcast_loads`` (of which scalar loads of an address loaded
+    again: one value for many lanes, such as a row's mean), ``vector_share``, and ``error``
+    (None, or why it did not compile).
+
+    ``vector_share`` is vectorized loads among the loads that stream data: broadcasts are left
+    out, since they read one value and nothing could vectorize them; counting them would rate
+    a LayerNorm backward that streams all its rows in vectors as half scalar. It is 1.0 when
+    every load is a broadcast and None when the kernel loads nothing.
     ``progress(done, total, name)`` is called as results arrive.
     """
     cache = os.path.join(cache_dir or _default_cache(), "sm90")
@@ -262,9 +344,7 @@ def _compile_one(job: dict, workdir: str) -> dict:
         triton.knobs.nvidia.dump_ptxas_log = True   # make_cubin prints ptxas -v's report
         compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
                                   options=options.__dict__)
-    ptx = compiled.asm["ptx"]
-    loads = len(_ANY_LOAD.findall(ptx))
-    vector = len(_VECTOR_LOAD.findall(ptx))
+    loads, vector, broadcast = load_counts(compiled.asm["ptx"])
     report = log.getvalue()
     registers = re.search(r"Used (\d+) registers", report)
     stores = re.search(r"(\d+) bytes spill stores", report)
@@ -276,7 +356,8 @@ def _compile_one(job: dict, workdir: str) -> dict:
         "spill_loads": int(spill_loads.group(1)) if spill_loads else None,
         "loads": loads,
         "vector_loads": vector,
-        "vector_share": vector / loads if loads else None,
+        "broadcast_loads": broadcast,
+        "vector_share": (vector / (loads - broadcast) if loads > broadcast else 1.0) if loads else None,
         "shared": compiled.metadata.shared,
         "num_warps": compiled.metadata.num_warps,
         # integer arguments the launch turns into constants (strides equal to 1)
@@ -284,6 +365,18 @@ def _compile_one(job: dict, workdir: str) -> dict:
                           if fn.arg_names[path[0]] not in job["constexprs"]],
         "error": None,
     }
+
+
+def load_counts(ptx: str) -> tuple:
+    """(global loads, vectorized ones, broadcasts) in PTX. A broadcast is a scalar load whose
+    address operand (``[%rd5+0]``: Triton's PTX gives each computed address its own register)
+    is loaded again: the same value for several of a thread's elements."""
+    loads = [line.strip() for line in ptx.splitlines() if _ANY_LOAD.search(line)]
+    vector = [line for line in loads if _VECTOR_LOAD.search(line)]
+    address = collections.Counter(line[line.rindex("["):] for line in loads if "[" in line)
+    broadcast = [line for line in loads if not _VECTOR_LOAD.search(line) and "[" in line
+                 and address[line[line.rindex("["):]] > 1]
+    return len(loads), len(vector), len(broadcast)
 
 
 def _worker(jobs_path: str, workdir: str) -> None:
@@ -295,7 +388,7 @@ def _worker(jobs_path: str, workdir: str) -> None:
             result = _compile_one(job, workdir)
         except Exception as e:  # noqa: BLE001 — reported per kernel, the others still compile
             result = {"name": job["name"], "registers": None, "spill_bytes": None, "spill_loads": None,
-                      "loads": 0, "vector_loads": 0, "vector_share": None, "shared": None,
+                      "loads": 0, "vector_loads": 0, "broadcast_loads": 0, "vector_share": None, "shared": None,
                       "num_warps": job["num_warps"], "int_constants": [],
                       "error": f"{type(e).__name__}: {str(e)[:600]}"}
         result["key"] = job["key"]

@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import compiler
 from benchmarks.roofline import distinct_bytes, launches_kernel, op_cost, predicted_us
-from benchmarks.sm90 import Launch, describe_args, num_warps_of
+from benchmarks.sm90 import Launch, recorded_launches
 from benchmarks.workloads import WORKLOADS
 
 PHASES = ("forward", "backward", "update")
@@ -133,50 +133,6 @@ def _phases(tracer: _Tracer):
         torch.autograd.backward = original
 
 
-class _LaunchRecorder:
-    """Stands in for a jit function: ``fn[grid](*args, **kwargs)`` records the launch."""
-
-    def __init__(self, kernel, tracer):
-        self.kernel, self.tracer = kernel, tracer
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            constexprs = {k: kwargs[k] for k in ("XBLOCK", "RBLOCK") if k in kwargs}
-            warps = kwargs.get("num_warps") or num_warps_of(self.kernel.source)
-            recorded = Launch(self.kernel.name, self.kernel.source, describe_args(args), constexprs, warps, grid[0])
-            self.tracer.launches.append(OurLaunch(self.tracer.phase, recorded, self.kernel.bytes_moved))
-        return launch
-
-
-@contextlib.contextmanager
-def _launches_recorded(tracer: _Tracer):
-    """Our runtime with every Triton launch recorded instead of run (its outputs are still
-    allocated by the runtime's own code, so what the launch passes is exactly computed)."""
-    from runtime import program
-
-    run_kernel, run_check = program.KernelLaunch.run, program.IndexCheck.run
-
-    def record(launch, env, device):
-        saved = launch._fn
-        launch._fn = _LaunchRecorder(launch, tracer)
-        try:
-            run_kernel(launch, env, device)
-        finally:
-            launch._fn = saved
-
-    def check(step, env, device):
-        try:  # its operators are logged; the indices a skipped kernel "wrote" are garbage
-            run_check(step, env, device)
-        except IndexError:
-            pass
-
-    program.KernelLaunch.run, program.IndexCheck.run = record, check
-    try:
-        yield
-    finally:
-        program.KernelLaunch.run, program.IndexCheck.run = run_kernel, run_check
-
-
 def trace_workload(name: str, size, dtype: torch.dtype) -> WorkloadTrace:
     """Eager's operators and our launches for one step of workload ``name`` (see the module doc)
     at ``size`` (a size name, or the workload's size keywords: ``{"rows": 64, "cols": 8192}``).
@@ -193,13 +149,16 @@ def trace_workload(name: str, size, dtype: torch.dtype) -> WorkloadTrace:
     def amp():
         return torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
 
+    def record(step, launch):
+        tracer.launches.append(OurLaunch(tracer.phase, launch, step.bytes_moved))
+
     def traced_step(fn, launches):
         # NOTE: the second of two steps is traced: the first makes what later steps reuse
         # (our replay's stand-in tensors, made once per region).
         for ops in (None, []):
             _reset_grads(args, training)
             tracer.phase, tracer.ops, tracer.launches = "forward", ops, []
-            with amp(), (_launches_recorded(tracer) if launches else contextlib.nullcontext()):
+            with amp(), (recorded_launches(record) if launches else contextlib.nullcontext()):
                 out = case.step(fn, args)
         return out
 

@@ -117,7 +117,9 @@ def choose_tiling(shape, reduce_dims, *, persistent: bool | None = None, live_va
     else:
         rblock = min(next_pow2(max(rnumel, 1)), RBLOCK_MAX if live_values <= 4 else RBLOCK_MAX // 2)
         xblock = max(1, min(next_pow2(max(xnumel, 1)), RBLOCK_MAX // 2 // rblock, 64))   # short rows: several
-    warps = _warps_for(xblock * rblock, per_thread)
+    # NOTE: 16 warps leave a thread 128 of its 255 registers (65536 per SM partition); a heavy
+    # body (two elements a thread) spills there, so it takes a smaller tile at 8 warps instead
+    warps = _warps_for(xblock * rblock, per_thread, MAX_WARPS if per_thread > 2 else 8)
     while xblock * rblock > 32 * warps * per_thread:   # too many elements per thread even at the most warps
         if xblock > 1 and (persistent or not outer):
             xblock //= 2     # fewer rows

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from benchmarks import kernels, roofline
-from benchmarks.sm90 import Launch, compile_launches, generic_launch
+from benchmarks.sm90 import Launch, compile_launches, generic_launch, load_counts
 
 KERNEL_KEYS = {"workload", "phase", "name", "grid", "xblock", "rblock", "num_warps", "registers", "spill_bytes",
                "vector_share", "bytes", "predicted_us"}
@@ -110,3 +110,15 @@ def test_specialization_is_what_decides_vectorized_loads(tmp_path):
     assert misaligned["vector_share"] == 0.0 and unknown["vector_share"] == 0.0
     again = compile_launches([aligned], cache_dir=str(tmp_path))   # from the disk cache
     assert again == [fast]
+
+
+def test_vector_share_leaves_out_broadcast_loads():
+    """A scalar load of an address loaded again reads one value for several elements (a row's
+    mean): nothing could vectorize it, so it does not count against the share."""
+    ptx = """
+        @%p1 ld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd1 + 0 ];
+        @%p1 ld.global.b32 { %r5 }, [ %rd2 + 0 ];
+        @%p2 ld.global.b32 { %r6 }, [ %rd2 + 0 ];
+        @%p1 ld.global.b32 { %r7 }, [ %rd3 + 0 ];
+    """
+    assert load_counts(ptx) == (4, 1, 2)
