@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from compiler.ir import GraphBuilder
+from compiler.ir import GraphBuilder, meta_of, update_meta
 from compiler.ops import catalog as C
 
 
@@ -46,7 +46,7 @@ def differentiate(graph: fx.Graph):
     with graph.inserting_before(output_node):
         for i, out in enumerate(outputs):
             if _differentiable(out):
-                g = b.placeholder(f"grad_out{i}", out.meta["shape"], out.meta["dtype"])
+                g = b.placeholder(f"grad_out{i}", meta_of(out).shape, meta_of(out).dtype)
                 grad_placeholders.append((i, g))
                 grads[out] = _accumulate(b, grads.get(out), g)
         for node in reversed(nodes):
@@ -55,24 +55,25 @@ def differentiate(graph: fx.Graph):
             start = len(b.created)
             contributions = C.vjp(b, node, grads[node])
             for made in b.created[start:]:  # for errors that name the forward op (anomaly mode)
-                made.meta.setdefault("origin", (node.meta.get("torch_op", node.target.name), node.meta.get("source")))
+                if meta_of(made).origin is None:
+                    update_meta(made, origin=(meta_of(node).torch_op or node.target.name, meta_of(node).source))
             for arg, contribution in zip(node.args, contributions):
                 if contribution is None or not _differentiable(arg):
                     continue
-                contribution = C.sum_to_shape(b, contribution, arg.meta["shape"])
+                contribution = C.sum_to_shape(b, contribution, meta_of(arg).shape)
                 grads[arg] = _accumulate(b, grads.get(arg), contribution)
-    return grad_placeholders, [grads.get(x) if x.meta["requires_grad"] else None for x in inputs]
+    return grad_placeholders, [grads.get(x) if meta_of(x).requires_grad else None for x in inputs]
 
 
 def _differentiable(node) -> bool:
-    dtype = node.meta["dtype"] if isinstance(node, fx.Node) else None
-    return dtype is not None and node.meta["requires_grad"] and (dtype.is_floating_point or dtype.is_complex)
+    dtype = meta_of(node).dtype if isinstance(node, fx.Node) else None
+    return dtype is not None and meta_of(node).requires_grad and (dtype.is_floating_point or dtype.is_complex)
 
 
 def _accumulate(b, existing, new):
     if existing is None:
         return new
-    return C.emit_pointwise(b, "add", [existing, new], dtype=existing.meta["dtype"], requires_grad=False)
+    return C.emit_pointwise(b, "add", [existing, new], dtype=meta_of(existing).dtype, requires_grad=False)
 
 
 def partition(graph: fx.Graph, mutated_inputs=frozenset()) -> Partitioned:
@@ -85,7 +86,7 @@ def partition(graph: fx.Graph, mutated_inputs=frozenset()) -> Partitioned:
     inputs = [n for n in forward_nodes if n.op == "placeholder"]
     overwritten = {inputs[i] for i in mutated_inputs}
     user_outputs = list(next(n for n in forward_nodes if n.op == "output").args[0])
-    input_needs_grad = [x.meta["requires_grad"] for x in inputs]
+    input_needs_grad = [meta_of(x).requires_grad for x in inputs]
     if not any(_differentiable(o) for o in user_outputs) or not any(input_needs_grad):
         return Partitioned(graph, None, len(user_outputs), [], [], [False] * len(inputs))
 
@@ -94,6 +95,7 @@ def partition(graph: fx.Graph, mutated_inputs=frozenset()) -> Partitioned:
     joint = _joint(inputs, [g for _, g in grad_placeholders], input_grads)
 
     backward = fx.Graph()
+    backward_builder = GraphBuilder(backward)
     env: dict = {}
     saved_nodes: list = []
     saved_placeholders: list = []
@@ -109,15 +111,13 @@ def partition(graph: fx.Graph, mutated_inputs=frozenset()) -> Partitioned:
             # such backwards too): the forward saves a copy of its old value.
             clones.append(node)
             saved_nodes.append(node)
-            p = backward.placeholder(f"saved_old_{node.name}")
-            p.meta.update(node.meta)
+            p = backward_builder.placeholder_like(f"saved_old_{node.name}", node)
             saved_placeholders.append(p)
             env[node] = p
         elif node.op == "placeholder" or node in user_outputs or kind in ("reduction", "extern") or \
                 _reaches(node, overwritten) or _written_by_forward(node):
             saved_nodes.append(node)
-            p = backward.placeholder(f"saved_{node.name}")
-            p.meta.update(node.meta)
+            p = backward_builder.placeholder_like(f"saved_{node.name}", node)
             saved_placeholders.append(p)
             env[node] = p
         else:  # cheap pointwise or view: recompute it from what backward has anyway
@@ -126,8 +126,7 @@ def partition(graph: fx.Graph, mutated_inputs=frozenset()) -> Partitioned:
 
     grad_inputs = {}
     for i, g in grad_placeholders:
-        p = backward.placeholder(f"grad_out{i}")
-        p.meta.update(g.meta)
+        p = backward_builder.placeholder_like(f"grad_out{i}", g)
         grad_inputs[g] = p
 
     def copy_backward(node):
@@ -156,8 +155,9 @@ def partition(graph: fx.Graph, mutated_inputs=frozenset()) -> Partitioned:
     extra = []
     copies = {}
     for node in clones:  # a copy of the old value, made before the region overwrites it
-        copy = forward.call_function(C.POINTWISE["identity"], (fenv[node],))
-        copy.meta.update(node.meta, expr=C.scalar_expr("identity", [node])[0])
+        m = meta_of(node)
+        copy = C.emit_pointwise(GraphBuilder(forward), "identity", [fenv[node]], dtype=m.dtype,
+                                requires_grad=m.requires_grad)
         copies[node] = copy
     for node in saved_nodes:
         if node in copies:
@@ -184,10 +184,10 @@ def _joint(inputs, grad_placeholders, input_grads) -> fx.Graph:
     tensors with autograd history, so every path from the inputs to the gradients is seen.
     """
     joint = fx.Graph()
+    joint_builder = GraphBuilder(joint)
     env: dict = {}
     for p in list(inputs) + list(grad_placeholders):
-        env[p] = joint.placeholder(p.name)
-        env[p].meta.update(p.meta)
+        env[p] = joint_builder.placeholder_like(p.name, p)
 
     def copy(node):
         if node not in env:
@@ -203,14 +203,14 @@ def propagate_requires_grad(graph: fx.Graph, placeholder_flags) -> None:
     flags = iter(placeholder_flags)
     for node in graph.nodes:
         if node.op == "placeholder":
-            node.meta["requires_grad"] = next(flags)
+            update_meta(node, requires_grad=next(flags))
         elif node.op == "call_function":
             name = getattr(node.target, "name", "")
-            dtype = node.meta["dtype"]
-            node.meta["requires_grad"] = (
+            dtype = meta_of(node).dtype
+            update_meta(node, requires_grad=(
                 (dtype.is_floating_point or dtype.is_complex) and name not in C.BOOL_RESULT_OPS
                 and name != "fill"
-                and any(isinstance(a, fx.Node) and a.meta["requires_grad"] for a in node.args))
+                and any(isinstance(a, fx.Node) and meta_of(a).requires_grad for a in node.args)))
 
 
 def _written_by_forward(node) -> bool:

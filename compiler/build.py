@@ -17,6 +17,7 @@ from compiler.fusion import Schedule, fuse
 from compiler.reference import first_nan
 from runtime.autograd_bridge import CompiledRegion
 from runtime.program import ExternCall, IndexCheck, KernelLaunch, Program, ValueRef
+from compiler.ir import meta_of
 
 
 def build_region(graph: fx.Graph, mutated_inputs=frozenset()):
@@ -32,7 +33,7 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset()):
         # the forward checked the indices the backward gathers with (saved: version-checked)
         backward_program, backward_kernels = lower(parts.backward, backward_schedule, check_indices=False)
     outputs = list(next(n for n in parts.forward.nodes if n.op == "output").args[0])[: parts.num_user_outputs]
-    differentiable = [o.meta["requires_grad"] and (o.meta["dtype"].is_floating_point or o.meta["dtype"].is_complex)
+    differentiable = [meta_of(o).requires_grad and (meta_of(o).dtype.is_floating_point or meta_of(o).dtype.is_complex)
                       for o in outputs]
     region = CompiledRegion(forward_program, backward_program, parts.num_user_outputs, parts.saved,
                             parts.grad_output_for, differentiable, input_views=input_views,
@@ -108,10 +109,10 @@ def _nan_explainer(backward: fx.Graph):
         node = first_nan(backward, inputs)
         if node is None:
             return "Function '_RegionFunctionBackward' returned nan values (compiled region backward)"
-        op, source = node.meta.get("origin", (node.target.name, None))
+        op, source = meta_of(node).origin or (node.target.name, None)
         return (f"Function '{op}' (compiled region backward) returned nan values: the derivative of "
                 f"{op} called at {source or '?'} turned finite values into NaN "
-                f"(backward graph node {node.name}: {node.meta.get('expr', node.target.name)})")
+                f"(backward graph node {node.name}: {meta_of(node).expr or node.target.name})")
     return explain
 
 
@@ -195,7 +196,7 @@ def lower(graph: fx.Graph, schedule: Schedule, check_indices: bool = True):
             slots[node] = len(slots)
         steps.append(KernelLaunch(
             src.name, src.source, [slots[n] for n in src.loads],
-            [(slots[n], n.meta["shape"], n.meta["dtype"]) for n in src.stores],
+            [(slots[n], meta_of(n).shape, meta_of(n).dtype) for n in src.stores],
             src.grid, _constant(src.source, "XBLOCK_DEFAULT"), _constant(src.source, "RBLOCK_DEFAULT"),
             src.bytes_moved, src.num_warps, wide_name=src.wide_name, wide_source=src.wide_source))
         sources.append(src)
@@ -216,13 +217,13 @@ def _index_checks(graph: fx.Graph) -> dict:
         if getattr(node.target, "kind", None) != "gather":
             continue
         source, index = node.args
-        if math.prod(node.meta["shape"]) == 0 and "index_select" not in node.meta.get("torch_op", ""):
+        if math.prod(meta_of(node).shape) == 0 and "index_select" not in (meta_of(node).torch_op or ""):
             continue  # eager checks no index for an empty result (x[idx] of a zero-size tensor)
         base = index
         while getattr(base.target, "kind", None) == "view":
             base = base.args[0]
-        entry = (index, source.meta["shape"][node.kwargs["dim"]], node.kwargs.get("wrap", False),
-                 node.meta.get("torch_op", "indexing"))
+        entry = (index, meta_of(source).shape[node.kwargs["dim"]], node.kwargs.get("wrap", False),
+                 meta_of(node).torch_op or "indexing")
         if entry not in checks.setdefault(base, []):
             checks[base].append(entry)
     return checks

@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from compiler.capture_calls import (FUNCTIONS, UNKEPT, UNREFERENCED, VALUE_READS, ModulesRun, OptimizerSteps,
                                     expected_eager, gradient_inputs, inspects_node, python_references, user_frame)
-from compiler.ir import GraphBuilder
+from compiler.ir import GraphBuilder, meta_of, update_meta
 from compiler.ops import catalog as C
 from compiler.ops.bindings import Unsupported, Writes, lookup
 from runtime.calls import flatten_call, unflatten_call
@@ -310,7 +310,7 @@ class Capture(TorchFunctionMode):
         result, writes = (result.result, result.writes) if isinstance(result, Writes) else (result, ())
         source, op_name = user_frame(), _name(func)
         for made in b.created[start:]:
-            made.meta.update(source=source, torch_op=op_name, device=device)
+            update_meta(made, source=source, torch_op=op_name, device=device)
         nodes = list(result) if isinstance(result, (tuple, list)) else [result]
         if len(nodes) != len(out_tensors):
             raise AssertionError(f"the binding of {_name(func)} returned {len(nodes)} results where eager "
@@ -321,15 +321,15 @@ class Capture(TorchFunctionMode):
             if source is not None and t is not source and t._base is None:
                 # the binding passed an input through where eager made a new tensor (contiguous()
                 # of a strided one): a copy, so the result does not alias the input
-                nodes[i] = C.emit_pointwise(b, "identity", [node], dtype=node.meta["dtype"],
-                                            requires_grad=node.meta["requires_grad"])
+                nodes[i] = C.emit_pointwise(b, "identity", [node], dtype=meta_of(node).dtype,
+                                            requires_grad=meta_of(node).requires_grad)
         for node, t in zip(nodes, out_tensors):
-            if node.meta["shape"] != tuple(t.shape) or node.meta["dtype"] != t.dtype:
+            if meta_of(node).shape != tuple(t.shape) or meta_of(node).dtype != t.dtype:
                 raise AssertionError(
-                    f"the binding of {_name(func)} computed {node.meta['dtype']}{list(node.meta['shape'])} "
+                    f"the binding of {_name(func)} computed {meta_of(node).dtype}{list(meta_of(node).shape)} "
                     f"where eager gave {t.dtype}{list(t.shape)}")
-            if node.meta["requires_grad"] != t.requires_grad:
-                node.meta["requires_grad"] = t.requires_grad
+            if meta_of(node).requires_grad != t.requires_grad:
+                update_meta(node, requires_grad=t.requires_grad)
         _apply_writes(region, writes)
         if region is not self.current:
             self.regions.append(region)
@@ -347,8 +347,7 @@ class Capture(TorchFunctionMode):
         vid = ValueId(self.next_id)
         self.next_id += 1
         self.meta[vid] = TensorMeta((), torch.int64, region.device, False)
-        node = region.builder.placeholder(f"seed{vid}", (), torch.int64)
-        node.meta["device"] = region.device
+        node = region.builder.placeholder(f"seed{vid}", (), torch.int64, device=region.device)
         region.nodes[vid] = node
         region.inputs.append(vid)
         region.seeds.append(vid)
@@ -396,7 +395,7 @@ class Capture(TorchFunctionMode):
         b = region.builder
         value = new_node
         for view in chain:  # undo the views, last first
-            source_shape = view.args[0].meta["shape"]
+            source_shape = meta_of(view.args[0]).shape
             if view.target.name == "slice":  # write the slice back into the (old) source
                 value = C.emit_slice_scatter(b, view.args[0], value, **view.kwargs)
             elif view.target.name == "permute":
@@ -467,7 +466,7 @@ class Capture(TorchFunctionMode):
             for vid, node, m in zip(call.outputs, nodes, out_meta):
                 if region.nodes.get(vid) is node:
                     continue
-                node.meta["requires_grad"] = m.requires_grad
+                update_meta(node, requires_grad=m.requires_grad)
                 if vid in region.nodes:
                     region.writes[vid] = region.writes.get(vid, 0) + 1
                 region.nodes[vid] = node
@@ -586,11 +585,11 @@ def _apply_binding(b, binding, a, k, outputs, autocast_dtype):
     if result is not None:
         plain = result.result if isinstance(result, Writes) else result
         nodes = list(plain) if isinstance(plain, (tuple, list)) else [plain]
-        if target is None or all(not isinstance(n, fx.Node) or n.meta["dtype"] == d for n, d in zip(nodes, wanted)):
+        if target is None or all(not isinstance(n, fx.Node) or meta_of(n).dtype == d for n, d in zip(nodes, wanted)):
             return result
 
     def cast(x):
-        if isinstance(x, fx.Node) and x.meta["dtype"].is_floating_point and x.meta["dtype"] != target:
+        if isinstance(x, fx.Node) and meta_of(x).dtype.is_floating_point and meta_of(x).dtype != target:
             return C.emit_pointwise(b, "identity", [x], dtype=target)
         return x
     a, k = tree_map(cast, (list(a), dict(k)))
@@ -623,8 +622,8 @@ def _map_to_nodes(region: _Region, recorded, metas) -> list:
         node = region.nodes.get(leaf)
         if node is None:
             m = metas[leaf]
-            node = region.builder.placeholder(f"v{leaf}", m.shape, m.dtype, m.requires_grad and region.grad_enabled)
-            node.meta["device"] = m.device
+            node = region.builder.placeholder(f"v{leaf}", m.shape, m.dtype, m.requires_grad and region.grad_enabled,
+                                              device=m.device)
             region.nodes[leaf] = node
             region.inputs.append(leaf)
         mapped.append(node)

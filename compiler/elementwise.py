@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from compiler.codegen.realify import realify
 from compiler.codegen.triton_printer import NotPrintable
-from compiler.ir import _promote, result_dtype
+from compiler.ir import _promote, meta_of, result_dtype
 from compiler.ops import catalog as C
 from compiler.ops import scalar as S
 from compiler.ops import symbols as Y
@@ -141,14 +141,14 @@ class ElementwiseOp:
                     renamed[Y.CONJ_ARGS[i]] = sympy.conjugate(value)
         expr = expr.xreplace(renamed)
         dtype = self.result_dtype(kinds, _result_dtype(operands))
-        shape = torch.broadcast_shapes(*[t.meta["shape"] for t in tensors])
-        requires_grad = (dtype.is_floating_point or dtype.is_complex) and any(t.meta["requires_grad"] for t in tensors)
+        shape = torch.broadcast_shapes(*[meta_of(t).shape for t in tensors])
+        requires_grad = (dtype.is_floating_point or dtype.is_complex) and any(meta_of(t).requires_grad for t in tensors)
         return b.call(self.op, tensors, shape=shape, dtype=dtype, requires_grad=requires_grad, expr=expr)
 
 
 def _is_complex(o) -> bool:
     if isinstance(o, fx.Node):
-        return o.meta["dtype"].is_complex
+        return meta_of(o).dtype.is_complex
     if isinstance(o, torch.Tensor):
         return o.is_complex()
     return isinstance(o, complex)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import sympy
 import torch.fx as fx
 
-from compiler.ir import GraphBuilder, compute_dtype, numel
+from compiler.ir import GraphBuilder, compute_dtype, meta_of, numel
 from compiler.ops import catalog as C
 from compiler.ops import symbols as Y
 from compiler.tiling import MIN_PROGRAMS, fits_one_block, reduction_programs
@@ -79,7 +79,7 @@ def split_starved_reductions(graph: fx.Graph) -> None:
         if kind_of(node) != "reduction":
             continue
         x = node.args[0]
-        shape, dims = tuple(x.meta["shape"]), tuple(node.kwargs["dims"])
+        shape, dims = tuple(meta_of(x).shape), tuple(node.kwargs["dims"])
         if not dims or fits_one_block(shape, dims):
             continue
         if reduction_programs(shape, dims) >= MIN_PROGRAMS:
@@ -100,13 +100,13 @@ def split_starved_reductions(graph: fx.Graph) -> None:
         with graph.inserting_before(node):
             x = C.emit_view(b, "reshape", x, shape=split_shape(split))   # row-major: merges, then splits
             stage_one = "amax" if node.target.name == "amax" else "sum"
-            partial = C.emit_reduction(b, stage_one, x, first_dims, dtype=compute_dtype(node.meta["dtype"]))
+            partial = C.emit_reduction(b, stage_one, x, first_dims, dtype=compute_dtype(meta_of(node).dtype))
             at = sum(1 for k in range(d) if k not in dims)             # the split dim among kept dims
-            total = C.emit_reduction(b, node.target.name, partial, (at,), dtype=node.meta["dtype"])
+            total = C.emit_reduction(b, node.target.name, partial, (at,), dtype=meta_of(node).dtype)
             if node.target.name == "mean":
-                count = node.kwargs.get("count") or numel([node.args[0].meta["shape"][k] for k in node.kwargs["dims"]])
+                count = node.kwargs.get("count") or numel([meta_of(node.args[0]).shape[k] for k in node.kwargs["dims"]])
                 total.kwargs = {**total.kwargs, "count": count}
-            total = C.emit_view(b, "reshape", total, shape=node.meta["shape"])
+            total = C.emit_view(b, "reshape", total, shape=meta_of(node).shape)
         node.replace_all_uses_with(total)
         graph.erase_node(node)
 
@@ -146,7 +146,7 @@ def fuse(graph: fx.Graph) -> Schedule:
                 needs_memory(arg)
         elif kind_of(node) == "gather":
             needs_memory(node.args[1])  # indices are range-checked on the host (eager's error)
-        if node.meta.get("materialize"):  # read at many places by its consumers (see the op's vjp)
+        if meta_of(node).materialize:  # read at many places by its consumers (see the op's vjp)
             needs_memory(node)
     for out in outputs:
         needs_memory(out)
@@ -163,9 +163,9 @@ def fuse(graph: fx.Graph) -> Schedule:
         if node not in buffers or kind not in ("pointwise", "scatter", "iota", "rand", "gather", "reduction"):
             continue
         if kind == "reduction":
-            space = (node.args[0].meta["shape"], node.kwargs["dims"])
+            space = (meta_of(node.args[0]).shape, node.kwargs["dims"])
         else:  # pointwise or scatter: one element per position of its shape
-            space = (node.meta["shape"], ())
+            space = (meta_of(node).shape, ())
         # The earliest kernel that can take this root: at or after the last step that
         # writes something it reads, same iteration space, not reading its reductions.
         barrier = max((step_of[b] for b in _reads(node, buffers) if b in step_of), default=0)
@@ -215,18 +215,18 @@ def _online_softmax_partner(node: fx.Node, reductions, buffers, plan):
         return None
     e = node.args[0]
     a0, a1 = Y.REAL_ARGS[0], Y.REAL_ARGS[1]
-    if kind_of(e) != "pointwise" or e.meta.get("expr") != sympy.exp(a0):
+    if kind_of(e) != "pointwise" or meta_of(e).expr != sympy.exp(a0):
         return None
     d = e.args[0]
-    if not isinstance(d, fx.Node) or d in buffers or kind_of(d) != "pointwise" or d.meta.get("expr") != a0 - a1:
+    if not isinstance(d, fx.Node) or d in buffers or kind_of(d) != "pointwise" or meta_of(d).expr != a0 - a1:
         return None
     x, c = d.args
-    if not isinstance(c, fx.Node) or d.meta["shape"] != x.meta["shape"]:
+    if not isinstance(c, fx.Node) or meta_of(d).shape != meta_of(x).shape:
         return None
     for m in reductions:
         if m.target.name != "amax" or m.args[0] is not x or m.kwargs["dims"] != node.kwargs["dims"]:
             continue
-        if compute_dtype(m.meta["dtype"]) != compute_dtype(node.meta["dtype"]) or m.meta["dtype"].is_complex:
+        if compute_dtype(meta_of(m).dtype) != compute_dtype(meta_of(node).dtype) or meta_of(m).dtype.is_complex:
             continue
         others = [n for n in list(_inlined_reads(c)) + [c] if n is not m]
         if _depends_on(c, [m], ()) and _row_aligned(c, [m], plan) and \
@@ -270,14 +270,14 @@ def _row_aligned(node: fx.Node, reductions, plan) -> bool:
         if not isinstance(n, fx.Node):
             return True
         if n in reductions:
-            return len(n.meta["shape"]) == rank  # keepdim=True: its own row at the kernel's index
+            return len(meta_of(n).shape) == rank  # keepdim=True: its own row at the kernel's index
         if n not in memo:
             memo[n] = not _depends_on(n, reductions, ()) or _aligned_through(n)
         return memo[n]
 
     def _aligned_through(n) -> bool:
         kind = kind_of(n)
-        if len(n.meta["shape"]) != rank or kind == "reduction":
+        if len(meta_of(n).shape) != rank or kind == "reduction":
             return False  # an implicit broadcast (lower rank) or another reduction's space
         if kind in INLINE_KINDS:
             return all(aligned(a) for a in n.args)
@@ -287,10 +287,10 @@ def _row_aligned(node: fx.Node, reductions, plan) -> bool:
         if n.target.name == "expand":
             return aligned(source)
         if n.target.name == "reshape" and source in reductions and not source.kwargs["keepdim"]:
-            shape = n.meta["shape"]
+            shape = meta_of(n).shape
             return all(shape[d] == 1 for d in dims) and \
-                [s for d, s in enumerate(shape) if d not in dims] == list(source.meta["shape"])
-        return n.target.name == "reshape" and n.meta["shape"] == source.meta["shape"] and aligned(source)
+                [s for d, s in enumerate(shape) if d not in dims] == list(meta_of(source).shape)
+        return n.target.name == "reshape" and meta_of(n).shape == meta_of(source).shape and aligned(source)
 
     return all(aligned(a) for a in node.args)
 

@@ -1,11 +1,9 @@
 """The IR every stage shares: a ``torch.fx.Graph`` whose call nodes target catalog ops.
 
-Each node carries in ``node.meta``:
-  ``shape``         tuple of ints
-  ``dtype``         torch.dtype
-  ``requires_grad`` bool (whether a gradient flows to this value)
-  ``expr``          pointwise nodes only: a SymPy expression over the symbols ``a0, a1, ...``
-                    standing for the node's tensor arguments, in order.
+Each node carries one typed record, ``NodeMeta`` (read with ``meta_of(node)``): its shape,
+dtype, whether a gradient flows to it, a pointwise node's SymPy expression, and where it came
+from. The record is frozen: fx's ``node_copy`` shares it between graphs, so a change is made
+with ``update_meta``, which swaps in a new record for that node alone.
 
 ``GraphBuilder`` is the one way stages add nodes, so metadata is always filled in.
 ``format_graph`` prints a graph as Python-like text with ``# f32[4, 8]`` comments.
@@ -13,12 +11,52 @@ Each node carries in ``node.meta``:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
 import sympy
 import torch
 import torch.fx as fx
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NodeMeta:
+    """What every graph value carries (like fx's ``shape_prop.TensorMetadata``)."""
+
+    shape: tuple
+    dtype: torch.dtype
+    requires_grad: bool                 # whether a gradient flows to this value
+    expr: sympy.Expr | None = None      # pointwise nodes: the value over a0, a1, ... (the tensor args)
+    materialize: bool = False           # computed into memory once, never inlined into its readers
+    device: torch.device | None = None  # capture's: the device of the recorded tensor
+    torch_op: str | None = None         # capture's: the PyTorch function this node came from
+    source: str | None = None           # capture's: the user's source line of that call
+    origin: tuple | None = None         # autodiff's: (torch_op, source) of the forward node differentiated
+
+
+_META_KEY = "symgrad"
+
+
+def meta_of(node: fx.Node) -> NodeMeta:
+    """The typed metadata of a graph node (every node made by ``GraphBuilder`` has it)."""
+    return node.meta[_META_KEY]
+
+
+def has_meta(node: fx.Node) -> bool:
+    return _META_KEY in node.meta
+
+
+def set_meta(node: fx.Node, meta: NodeMeta) -> None:
+    """Give ``node`` the record ``meta`` (nodes copied from another graph share their record)."""
+    node.meta[_META_KEY] = meta
+
+
+def update_meta(node: fx.Node, **changes) -> NodeMeta:
+    """Change some fields of ``node``'s record, for this node only."""
+    meta = dataclasses.replace(node.meta[_META_KEY], **changes)
+    node.meta[_META_KEY] = meta
+    return meta
+
 
 ARG_SYMBOLS = tuple(sympy.Symbol(f"a{i}", real=True) for i in range(64))
 
@@ -35,8 +73,8 @@ DTYPE_SHORT = {
 
 
 def type_str(node: fx.Node) -> str:
-    shape = node.meta.get("shape")
-    dtype = node.meta.get("dtype")
+    shape = meta_of(node).shape
+    dtype = meta_of(node).dtype
     if shape is None:
         return ""
     return f"{DTYPE_SHORT.get(dtype, str(dtype))}{list(shape)}"
@@ -71,7 +109,7 @@ def result_dtype(operands) -> torch.dtype:
     key = []
     for item in operands:
         if isinstance(item, fx.Node):
-            key.append((item.meta["dtype"], len(item.meta["shape"]) == 0))
+            key.append((meta_of(item).dtype, len(meta_of(item).shape) == 0))
         # Python scalars by kind, as strings: 1, 1.0 and True are equal keys to the cache
         elif isinstance(item, bool):
             key.append("bool")
@@ -115,17 +153,21 @@ class GraphBuilder:
         self.created: list = []   # call nodes in creation order (stages tag what they made)
         self.new_seed = None      # capture's: () -> a region input holding a fresh RNG seed per call
 
-    def placeholder(self, name, shape, dtype, requires_grad=False) -> fx.Node:
+    def placeholder(self, name, shape, dtype, requires_grad=False, device=None) -> fx.Node:
         node = self.graph.placeholder(name)
-        node.meta.update(shape=tuple(shape), dtype=dtype, requires_grad=requires_grad)
+        set_meta(node, NodeMeta(tuple(shape), dtype, requires_grad, device=device))
+        return node
+
+    def placeholder_like(self, name, source: fx.Node) -> fx.Node:
+        """A placeholder standing for ``source`` of another graph (sharing its record)."""
+        node = self.graph.placeholder(name)
+        set_meta(node, meta_of(source))
         return node
 
     def call(self, op, args, kwargs=None, *, shape, dtype, requires_grad, expr=None) -> fx.Node:
         node = self.graph.call_function(op, tuple(args), dict(kwargs or {}))
         self.created.append(node)
-        node.meta.update(shape=tuple(shape), dtype=dtype, requires_grad=requires_grad)
-        if expr is not None:
-            node.meta["expr"] = expr
+        set_meta(node, NodeMeta(tuple(shape), dtype, requires_grad, expr=expr))
         return node
 
     def output(self, values):
@@ -138,15 +180,15 @@ def format_graph(graph: fx.Graph, title: str = "graph") -> str:
     inputs = [n for n in graph.nodes if n.op == "placeholder"]
     lines.append(f"def {title}({', '.join(n.name for n in inputs)}):")
     for n in inputs:
-        lines.append(f"    # {n.name}: {type_str(n)}{'  (requires grad)' if n.meta.get('requires_grad') else ''}")
+        lines.append(f"    # {n.name}: {type_str(n)}{'  (requires grad)' if meta_of(n).requires_grad else ''}")
     for n in graph.nodes:
         if n.op == "call_function":
             op_name = getattr(n.target, "name", getattr(n.target, "__name__", str(n.target)))
             args = [a.name if isinstance(a, fx.Node) else repr(a) for a in n.args]
             args += [f"{k}={v!r}" for k, v in n.kwargs.items()]
             text = f"    {n.name} = {op_name}({', '.join(args)})"
-            if "expr" in n.meta and (op_name == "pointwise" or n.meta["expr"].atoms(sympy.Float)):
-                text += f"  [{n.meta['expr']}]"
+            if meta_of(n).expr is not None and (op_name == "pointwise" or meta_of(n).expr.atoms(sympy.Float)):
+                text += f"  [{meta_of(n).expr}]"
             lines.append(f"{text}  # {type_str(n)}")
         elif n.op == "output":
             outs = n.args[0]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from compiler.ir import meta_of
 from compiler.ops import symbols as Y
 from compiler.ops.catalog import slice_tensor
 from compiler.ops.evaluate import evaluate
@@ -36,16 +37,16 @@ def run_graph(graph: fx.Graph, inputs, on_value=None):
 def _evaluate_node(node, args):
     op = node.target
     kind = op.kind
-    dtype = node.meta["dtype"]
+    dtype = meta_of(node).dtype
     if kind == "pointwise":
         binding = {}
         for i, (arg, value) in enumerate(zip(node.args, args)):
-            binding[Y.operand(i, arg.meta["dtype"].is_complex)] = value
-        value = evaluate(node.meta["expr"], binding)
+            binding[Y.operand(i, meta_of(arg).dtype.is_complex)] = value
+        value = evaluate(meta_of(node).expr, binding)
         value = torch.as_tensor(value, device=args[0].device if args else None)
         if value.is_complex() and not dtype.is_complex:
             value = value.real
-        return value.to(dtype).expand(node.meta["shape"])
+        return value.to(dtype).expand(meta_of(node).shape)
     if kind == "gather":
         source, index = args
         mode, dim = node.kwargs["mode"], node.kwargs["dim"]
@@ -54,7 +55,7 @@ def _evaluate_node(node, args):
         if mode == "gather":
             return torch.gather(source, dim, index)
         if mode == "index_select":
-            return source.index_select(dim, index.reshape(-1)).reshape(node.meta["shape"])
+            return source.index_select(dim, index.reshape(-1)).reshape(meta_of(node).shape)
         out = torch.nn.functional.embedding(index, source)
         if node.kwargs.get("zero_padding"):
             out = out.masked_fill((index == node.kwargs["padding_idx"]).unsqueeze(-1), 0)
@@ -63,9 +64,9 @@ def _evaluate_node(node, args):
         # NOTE: the reference executor only attributes NaNs (anomaly mode); these numbers come
         # from torch's generator seeded alike, not from the kernels' Philox stream.
         generator = torch.Generator(device=args[0].device).manual_seed(int(args[0]))
-        return torch.rand(node.meta["shape"], generator=generator, device=args[0].device)
+        return torch.rand(meta_of(node).shape, generator=generator, device=args[0].device)
     if kind == "iota":
-        shape, dim = node.meta["shape"], node.kwargs["dim"]
+        shape, dim = meta_of(node).shape, node.kwargs["dim"]
         view = [1] * len(shape)
         view[dim] = shape[dim]
         return torch.arange(shape[dim]).reshape(view).expand(shape)

@@ -24,7 +24,7 @@ import torch
 import compiler
 from compiler.build import lower
 from compiler.fusion import fuse
-from compiler.ir import GraphBuilder, numel
+from compiler.ir import GraphBuilder, meta_of, numel
 from compiler.ops import catalog as C
 from runtime import program as P
 
@@ -153,7 +153,7 @@ def test_small_kernels_stay_32_bit_with_a_64_bit_twin():
 def test_kernels_whose_sizes_pass_2_31_compute_indices_in_64_bits():
     for build in (huge_pointwise, huge_sum, strided_slice_of_a_huge_dim):
         # (the second stage of a split sum reads the small partial sums: it stays 32-bit)
-        huge = [k for k in kernels(build) if any(numel(n.meta["shape"]) >= 2**31 for n in k.loads + k.stores)]
+        huge = [k for k in kernels(build) if any(numel(meta_of(n).shape) >= 2**31 for n in k.loads + k.stores)]
         assert huge
         for k in huge:
             assert k.wide_source is None, k.source

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import compiler
+from compiler.ir import meta_of
 from tests.parity import TOLERANCE as TOL
 from tests.parity import check_parity
 
@@ -227,7 +228,7 @@ def test_python_scalars_promote_by_kind():
     fn = lambda x: ((x > 0) * 2.0).to(x.dtype) * x + ((x < 0) * 3).to(x.dtype) + ((x > 0) * True).to(x.dtype)
     compiled = check_parity(fn, [x])
     # (bool * True is a logical and: eager's bool arithmetic is logic)
-    dtypes = {n.name: n.meta["dtype"] for n in compiled.last_entry.report.graph.nodes
+    dtypes = {n.name: meta_of(n).dtype for n in compiled.last_entry.report.graph.nodes
               if n.name.startswith(("mul", "logical_and"))}
     assert torch.int64 in dtypes.values() and torch.float32 in dtypes.values() and torch.bool in dtypes.values()
 

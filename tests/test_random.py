@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import compiler
+from compiler.ir import meta_of
 from tests.training import sgd_step
 
 
@@ -32,7 +33,7 @@ def test_dropout_is_one_kernel_each_way_and_saves_no_mask():
     x = torch.randn(64, 33, requires_grad=True)
     report = compiler.explain(lambda x: F.dropout(x.sin(), 0.3) * 2, x)
     assert [k.phase for k in report.kernels] == ["forward", "backward"] and report.fallbacks == []
-    saved = [n.meta["dtype"] for n in report.backward_graph.nodes if n.op == "placeholder"]
+    saved = [meta_of(n).dtype for n in report.backward_graph.nodes if n.op == "placeholder"]
     assert torch.bool not in saved and torch.int64 in saved  # the seed, not a mask
 
 

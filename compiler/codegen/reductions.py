@@ -11,7 +11,7 @@ from __future__ import annotations
 from compiler.codegen.kernel_text import TL_DTYPE, arange, broadcast_index, contiguous_offset, masked
 from compiler.codegen.triton_printer import NotPrintable, literal
 from compiler.fusion import kind_of
-from compiler.ir import compute_dtype
+from compiler.ir import compute_dtype, meta_of
 
 
 class ReductionWriter:
@@ -31,7 +31,7 @@ class ReductionWriter:
     def reduce_row(self, node):
         """Reduce the current rows of ``node``'s input held in registers: [XBLOCK, 1]."""
         var, have = self.value(node.args[0], self.base_index)
-        acc_dtype = compute_dtype(node.meta["dtype"])
+        acc_dtype = compute_dtype(meta_of(node).dtype)
         var = self.cast(var, have, acc_dtype)
         scale = node.target.scale(node)
         parts = list(var) if acc_dtype.is_complex else [var]
@@ -56,7 +56,7 @@ class ReductionWriter:
         for root in self.plan.roots:
             out = f"out{len(stores)}"
             stores.append(root)
-            dtype = root.meta["dtype"]
+            dtype = meta_of(root).dtype
             if kind_of(root) == "reduction":
                 var, have = self.reduced(root, self._reduced_index(root))
                 var = self.cast(var, have, dtype)
@@ -80,7 +80,7 @@ class ReductionWriter:
     def store_root(self, root, out: str):
         """Store a pointwise root at the current elements (contiguous output)."""
         var, have = self.value(root, self.base_index)
-        dtype = root.meta["dtype"]
+        dtype = meta_of(root).dtype
         var = self.cast(var, have, dtype)
         single = "(xindex + rindex)" if self.plan.reduce_dims else "xindex"
         offset = contiguous_offset(self.base_index, tuple(self.plan.shape), single)
@@ -96,7 +96,7 @@ class ReductionWriter:
         to ``accumulators`` as (root, [names], dtype); an amax computed with an online sum
         updates both."""
         var, have = self.value(root.args[0], self.base_index)
-        acc_dtype = compute_dtype(root.meta["dtype"])
+        acc_dtype = compute_dtype(meta_of(root).dtype)
         var = self.cast(var, have, acc_dtype)
         count = sum(len(a[1]) for a in accumulators)
         partner = next((total for total, m in self.plan.online.items() if m is root), None)
@@ -133,7 +133,7 @@ class ReductionWriter:
             out = f"out{len(stores)}"
             stores.append(root)
             scale = root.target.scale(root)
-            dtype = root.meta["dtype"]
+            dtype = meta_of(root).dtype
             part_dtype = dtype.to_real() if dtype.is_complex else dtype
             for k, acc in enumerate(accs):
                 total = f"tl.sum({acc}, 1)[:, None]"
@@ -175,7 +175,7 @@ class ReductionWriter:
         c = shifted.args[1]
         self.reductions[amax] = (max_value, acc_dtype)
         mark = len(self.lines)
-        value, have = self.value(c, broadcast_index(self.base_index, shifted.meta["shape"], c.meta["shape"]))
+        value, have = self.value(c, broadcast_index(self.base_index, meta_of(shifted).shape, meta_of(c).shape))
         value = self.cast(value, have, acc_dtype)
         src.extend(line.replace("SHAPE", "[XBLOCK, 1]") for line in self.lines[mark:])
         del self.lines[mark:]

@@ -39,7 +39,7 @@ from compiler.codegen.reductions import ReductionWriter
 from compiler.codegen.triton_printer import NotPrintable, TritonPrinter
 from compiler.ops import symbols as Y
 from compiler.fusion import KernelPlan, kind_of
-from compiler.ir import compute_dtype, contiguous_strides, numel
+from compiler.ir import compute_dtype, contiguous_strides, meta_of, numel
 from compiler.tiling import choose_tiling, fits_one_block, next_pow2
 
 SIGNATURE_DTYPE = {
@@ -102,8 +102,8 @@ class KernelWriter(ReductionWriter):
 
     def load(self, node: fx.Node, index):
         """The element of buffer ``node`` at ``index``; complex: (real, imag) of it."""
-        dtype = node.meta["dtype"]
-        if numel(node.meta["shape"]) == 0:
+        dtype = meta_of(node).dtype
+        if numel(meta_of(node).shape) == 0:
             # NOTE: no element to read (only masked-off lanes and empty sums use it); a load at
             # a fixed element is unmasked and would read outside the storage (a crash, at times)
             zero = self.tmp(f"tl.full(SHAPE, 0, {TL_DTYPE[_storage_dtype(dtype)]})")
@@ -115,8 +115,8 @@ class KernelWriter(ReductionWriter):
         else:
             self.full_reads.add(node)
         arg = self.load_args[node]
-        dtype = node.meta["dtype"]
-        terms = [f"({idx}) * {arg}_s{d}" for d, (idx, size) in enumerate(zip(index, node.meta["shape"]))
+        dtype = meta_of(node).dtype
+        terms = [f"({idx}) * {arg}_s{d}" for d, (idx, size) in enumerate(zip(index, meta_of(node).shape))
                  if size != 1 and idx != "0"]
         offset = " + ".join(terms)
         if offset and all(idx.isdigit() for idx in index):  # a fixed element: scalar load
@@ -182,7 +182,7 @@ class KernelWriter(ReductionWriter):
         elif kind == "view" and node.target.name == "view_as_complex":
             re, dtype = self.value(node.args[0], index + ("0",))
             im, _ = self.value(node.args[0], index + ("1",))
-            result = (re, im), node.meta["dtype"]
+            result = (re, im), meta_of(node).dtype
         elif kind == "view":
             result = self.value(node.args[0], tuple(node.target.index_map(node, list(index))))
         elif kind == "reduction" and (self.persistent or node in self.reductions):
@@ -197,13 +197,13 @@ class KernelWriter(ReductionWriter):
         return result
 
     def pointwise(self, node: fx.Node, index: tuple):
-        out_shape = node.meta["shape"]
-        out_dtype = node.meta["dtype"]
-        expr = node.meta["expr"]
+        out_shape = meta_of(node).shape
+        out_dtype = meta_of(node).dtype
+        expr = meta_of(node).expr
         is_compare = getattr(node.target, "name", "") in ("lt", "le", "gt", "ge", "eq", "ne")
         args = []
         for arg in node.args:
-            args.append(self.value(arg, broadcast_index(index, out_shape, arg.meta["shape"])))
+            args.append(self.value(arg, broadcast_index(index, out_shape, meta_of(arg).shape)))
         if is_compare:
             want = compute_dtype(torch.promote_types(args[0][1], args[1][1]) if len(args) == 2 else args[0][1])
         else:
@@ -229,7 +229,7 @@ class KernelWriter(ReductionWriter):
         """The source element at the position an index tensor gives (see ``catalog.Gather``)."""
         source, index_node = node.args
         index_at, source_at = node.target.positions(node, list(index))
-        dim, size = node.kwargs["dim"], source.meta["shape"][node.kwargs["dim"]]
+        dim, size = node.kwargs["dim"], meta_of(source).shape[node.kwargs["dim"]]
         i, _ = self.value(index_node, tuple(index_at))
         i = self.tmp(f"{i}.to(tl.int64)")
         if all(str(idx).isdigit() for idx in index_at):
@@ -242,7 +242,7 @@ class KernelWriter(ReductionWriter):
         # indices on the host and raises eager's error (``runtime.program.IndexCheck``).
         i = self.tmp(f"tl.minimum(tl.maximum({i}, 0), {size - 1})")
         source_at[dim] = i
-        self.gathering.append(numel(node.meta["shape"]))
+        self.gathering.append(numel(meta_of(node).shape))
         value, dtype = self.value(source, tuple(source_at))
         self.gathering.pop()
         if node.kwargs.get("zero_padding"):
@@ -256,7 +256,7 @@ class KernelWriter(ReductionWriter):
     def random(self, node, index: tuple):
         """Philox(seed, position of the element in the rand node's shape), in [0, 1)."""
         seed, _ = self.value(node.args[0], ())
-        shape, strides = node.meta["shape"], contiguous_strides(node.meta["shape"])
+        shape, strides = meta_of(node).shape, contiguous_strides(meta_of(node).shape)
         if all(idx.isdigit() for idx in index):  # one known element
             position = f"tl.full(SHAPE, {sum(int(i) * st for i, st in zip(index, strides))}, tl.int64)"
         else:
@@ -268,7 +268,7 @@ class KernelWriter(ReductionWriter):
         """base[idx], or src at the slice position when idx lies in the slice."""
         base, src = node.args
         d, start, step, length = (node.kwargs[k] for k in ("dim", "start", "step", "length"))
-        dtype = compute_dtype(node.meta["dtype"])
+        dtype = compute_dtype(meta_of(node).dtype)
         base_value, base_dtype = self.value(base, index)
         base_value = self.cast(base_value, base_dtype, dtype)
         if length == 0:
@@ -278,7 +278,7 @@ class KernelWriter(ReductionWriter):
             if not (0 <= at < length * step and at % step == 0):
                 return base_value, dtype
             src_index = tuple(str(at // step) if i == d else idx for i, idx in enumerate(index))
-            src_index = broadcast_index(src_index, node.meta["shape"], src.meta["shape"])
+            src_index = broadcast_index(src_index, meta_of(node).shape, meta_of(src).shape)
             src_value, src_dtype = self.value(src, src_index)
             return self.cast(src_value, src_dtype, dtype), dtype
         rel = self.tmp(f"{index[d]} - {start}")
@@ -289,7 +289,7 @@ class KernelWriter(ReductionWriter):
         # clamp, so positions outside the slice still read inside src (their value is unused)
         position = self.tmp(f"tl.minimum(tl.maximum({rel} // {step}, 0), {length - 1})")
         src_index = tuple(position if i == d else idx for i, idx in enumerate(index))
-        src_index = broadcast_index(src_index, node.meta["shape"], src.meta["shape"])
+        src_index = broadcast_index(src_index, meta_of(node).shape, meta_of(src).shape)
         src_value, src_dtype = self.value(src, src_index)
         src_value = self.cast(src_value, src_dtype, dtype)
         if dtype.is_complex:
@@ -396,9 +396,9 @@ class KernelWriter(ReductionWriter):
         loads = list(self.load_args)
         tiling = choose_tiling(self.plan.shape, self.plan.reduce_dims, persistent=self.persistent,
                                live_values=_live_values(self.lines, accumulators, self.persistent),
-                               wide_values=any(n.meta["dtype"].itemsize >= 8 for n in loads + stores))
+                               wide_values=any(meta_of(n).dtype.itemsize >= 8 for n in loads + stores))
         xblock, rblock = tiling.xblock, tiling.rblock
-        strides = [f"{arg}_s{d}" for node, arg in self.load_args.items() for d in range(len(node.meta["shape"]))]
+        strides = [f"{arg}_s{d}" for node, arg in self.load_args.items() for d in range(len(meta_of(node).shape))]
         # Strides in int64 make every offset product int64 (the index stays int32 where it fits).
         # NOTE: tl.cast, not .to(): Triton passes a stride equal to 1 as a constexpr.
         widen = [f"{stride} = tl.cast({stride}, tl.int64)" for stride in strides]
@@ -410,10 +410,10 @@ class KernelWriter(ReductionWriter):
             if strides:
                 wide_name, wide_source, _ = self.module(widen + src, stores, tiling, "i64")
         grid = -(-xnumel // xblock)
-        read = {n: numel(n.meta["shape"]) if n in self.full_reads else
-                min(numel(n.meta["shape"]), self.gathered_reads[n]) for n in loads}
-        moved = sum(read[n] * n.meta["dtype"].itemsize for n in loads)
-        moved += sum(numel(n.meta["shape"]) * n.meta["dtype"].itemsize for n in stores)
+        read = {n: numel(meta_of(n).shape) if n in self.full_reads else
+                min(numel(meta_of(n).shape), self.gathered_reads[n]) for n in loads}
+        moved = sum(read[n] * meta_of(n).dtype.itemsize for n in loads)
+        moved += sum(numel(meta_of(n).shape) * meta_of(n).dtype.itemsize for n in stores)
         return KernelSource(name, source, loads, stores, grid, signature, moved, tiling.num_warps,
                             wide_name, wide_source)
 
@@ -422,13 +422,13 @@ class KernelWriter(ReductionWriter):
         params, signature = [], {}
         for node, arg in self.load_args.items():
             params.append(f"{arg}_ptr")
-            signature[f"{arg}_ptr"] = "*" + SIGNATURE_DTYPE[_storage_dtype(node.meta["dtype"])]
-            for d in range(len(node.meta["shape"])):
+            signature[f"{arg}_ptr"] = "*" + SIGNATURE_DTYPE[_storage_dtype(meta_of(node).dtype)]
+            for d in range(len(meta_of(node).shape)):
                 params.append(f"{arg}_s{d}")
                 signature[f"{arg}_s{d}"] = stride_type
         for i, node in enumerate(stores):
             params.append(f"out{i}_ptr")
-            signature[f"out{i}_ptr"] = "*" + SIGNATURE_DTYPE[_storage_dtype(node.meta["dtype"])]
+            signature[f"out{i}_ptr"] = "*" + SIGNATURE_DTYPE[_storage_dtype(meta_of(node).dtype)]
         signature["XBLOCK"] = "constexpr"
         signature["RBLOCK"] = "constexpr"
         body_text = "\n".join("    " + line for line in src)
@@ -502,11 +502,11 @@ def _index_extent(plan: KernelPlan, buffers: set, xnumel, xblock, rnumel, rblock
         if node in seen or not isinstance(node, fx.Node):
             continue
         seen.add(node)
-        shape = node.meta["shape"]
+        shape = meta_of(node).shape
         if (node in buffers and node not in roots) or kind_of(node) not in _COMPUTED_KINDS:  # loaded
             extent = max(extent, *shape, 1)
             continue
-        extent = max(extent, numel(shape) * (2 if node.meta["dtype"].is_complex else 1))
+        extent = max(extent, numel(shape) * (2 if meta_of(node).dtype.is_complex else 1))
         stack.extend(arg for arg in node.args if isinstance(arg, fx.Node))
     return extent
 

@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from compiler.ir import compute_dtype, result_dtype
+from compiler.ir import compute_dtype, meta_of, result_dtype
 from compiler.ops import catalog as C
 
 
@@ -88,7 +88,7 @@ def _real_unary(name):
     """Unary ops defined here for real tensors (complex ones run eagerly, with the reason)."""
     def bind(b, x, **kwargs):
         _no_out(kwargs)
-        dtype = x.meta["dtype"]
+        dtype = meta_of(x).dtype
         if dtype.is_complex:
             raise Unsupported(f"{name} of a complex tensor is not supported yet")
         if name in _ROUNDING and not dtype.is_floating_point:
@@ -120,8 +120,8 @@ def _activation(name, *params):
     """F.<activation>(x, *params, inplace=False), its expression taking the constant params
     (``params``: (name, default) pairs, in the function's order)."""
     def bind(b, x, *args, inplace=False, **kwargs):
-        if x.meta["dtype"].is_complex or not x.meta["dtype"].is_floating_point:
-            raise Unsupported(f"{name} of a {x.meta['dtype']} tensor is not supported")
+        if meta_of(x).dtype.is_complex or not meta_of(x).dtype.is_floating_point:
+            raise Unsupported(f"{name} of a {meta_of(x).dtype} tensor is not supported")
         if len(args) > len(params):  # inplace given positionally: F.leaky_relu(x, 0.2, True)
             inplace = args[len(params)]
         values = dict(params)
@@ -129,7 +129,7 @@ def _activation(name, *params):
         values.update({k: v for k, v in kwargs.items() if k in values})
         if any(isinstance(v, fx.Node) for v in values.values()):
             raise Unsupported(f"{name} with tensor parameters is not supported yet")
-        out = C.emit_pointwise(b, name, [x, *(float(v) for v in values.values())], dtype=x.meta["dtype"])
+        out = C.emit_pointwise(b, name, [x, *(float(v) for v in values.values())], dtype=meta_of(x).dtype)
         return _in_place(b, x, out) if inplace else out
     return bind
 
@@ -168,7 +168,7 @@ def _celu(b, x, alpha=1.0, inplace=False):
 def _real_binary(name):
     def bind(b, x, y, *, out=None):
         _no_out({"out": out})
-        if any(isinstance(t, fx.Node) and t.meta["dtype"].is_complex for t in (x, y)):
+        if any(isinstance(t, fx.Node) and meta_of(t).dtype.is_complex for t in (x, y)):
             raise Unsupported(f"{name} of complex tensors is not supported yet")
         return _pointwise(b, name, [x, y], float_result=True)
     return bind
@@ -202,7 +202,7 @@ def _to_real(name):
     """Ops with a real result for complex input: abs, real, imag, angle."""
     def bind(b, x, **kwargs):
         _no_out(kwargs)
-        dtype = x.meta["dtype"]
+        dtype = meta_of(x).dtype
         if name == "real" and not dtype.is_complex:
             return x
         out = dtype.to_real() if dtype.is_complex else dtype
@@ -220,9 +220,9 @@ binds(torch.angle, _t("angle"))(_to_real("angle"))
 
 @binds(torch.conj, _t("conj"), torch.conj_physical, _t("conj_physical"))
 def _conj(b, x):
-    if not x.meta["dtype"].is_complex:
+    if not meta_of(x).dtype.is_complex:
         return x
-    return C.emit_pointwise(b, "conj", [x], dtype=x.meta["dtype"])
+    return C.emit_pointwise(b, "conj", [x], dtype=meta_of(x).dtype)
 
 
 @binds(torch.complex)
@@ -345,7 +345,7 @@ def _bitwise(name):
     def bind(b, *operands, out=None):
         _no_out({"out": out})
         for x in operands:
-            dtype = x.meta["dtype"] if isinstance(x, fx.Node) else type(x)
+            dtype = meta_of(x).dtype if isinstance(x, fx.Node) else type(x)
             if dtype not in (torch.bool, bool):
                 raise Unsupported(f"bitwise {name.split('_')[1]} on {dtype} (not bool) is not supported yet")
         return _pointwise(b, name, list(operands))
@@ -371,9 +371,9 @@ def _dropout(b, input, p=0.5, training=True, inplace=False):
         raise Unsupported("dropout with p=1 (every element dropped) is not compiled")
     if b.new_seed is None:
         raise Unsupported("random numbers need a per-call seed, which this graph cannot take")
-    keep = _pointwise(b, "ge", [C.emit_rand(b, b.new_seed(), input.meta["shape"]), p])
+    keep = _pointwise(b, "ge", [C.emit_rand(b, b.new_seed(), meta_of(input).shape), p])
     out = C.emit_pointwise(b, "where", [keep, _pointwise(b, "mul", [input, 1.0 / (1.0 - p)]), 0.0],
-                           dtype=input.meta["dtype"])
+                           dtype=meta_of(input).dtype)
     return _in_place(b, input, out) if inplace else out
 
 
@@ -400,10 +400,10 @@ def _embedding(b, input, weight, padding_idx=None, max_norm=None, norm_type=2.0,
     if not isinstance(input, fx.Node) or not isinstance(weight, fx.Node):
         raise Unsupported("embedding needs tensor indices and weight")
     _check_index(input, "embedding")
-    if len(weight.meta["shape"]) != 2:
+    if len(meta_of(weight).shape) != 2:
         raise Unsupported("embedding weight must be 2-D")
     if padding_idx is not None and padding_idx < 0:
-        padding_idx += weight.meta["shape"][0]
+        padding_idx += meta_of(weight).shape[0]
     return C.emit_gather(b, weight, input, "embedding", 0, padding_idx)
 
 
@@ -416,36 +416,36 @@ def _torch_embedding(b, weight, indices, padding_idx=-1, scale_grad_by_freq=Fals
 def _check_index(index, what):
     if not isinstance(index, fx.Node):
         raise Unsupported(f"{what} needs a tensor index")
-    if index.meta["dtype"] not in (torch.int64, torch.int32):
-        raise Unsupported(f"{what} indices must be int64 or int32, not {index.meta['dtype']}")
+    if meta_of(index).dtype not in (torch.int64, torch.int32):
+        raise Unsupported(f"{what} indices must be int64 or int32, not {meta_of(index).dtype}")
 
 
 @binds(torch.gather, _t("gather"))
 def _gather(b, x, dim, index, *, sparse_grad=False, out=None):
     _no_out({"out": out})
     _check_index(index, "gather")
-    rank = len(x.meta["shape"])
+    rank = len(meta_of(x).shape)
     dim %= max(rank, 1)
-    if len(index.meta["shape"]) != rank or any(
-            i > s for d, (i, s) in enumerate(zip(index.meta["shape"], x.meta["shape"])) if d != dim):
+    if len(meta_of(index).shape) != rank or any(
+            i > s for d, (i, s) in enumerate(zip(meta_of(index).shape, meta_of(x).shape)) if d != dim):
         raise Unsupported("gather: index must have the input's rank and fit it outside dim (eager raises)")
     return C.emit_gather(b, x, index, "gather", dim)
 
 
 @binds(torch.index_select, _t("index_select"))
 def _index_select(b, x, dim, index, *, out=None):
-    if not x.meta["shape"]:
+    if not meta_of(x).shape:
         raise Unsupported("index_select on a 0-d tensor")
     _no_out({"out": out})
     _check_index(index, "index_select")
-    if len(index.meta["shape"]) > 1:
+    if len(meta_of(index).shape) > 1:
         raise Unsupported("index_select needs a 1-D index (eager raises)")
-    dim %= max(len(x.meta["shape"]), 1)
+    dim %= max(len(meta_of(x).shape), 1)
     return C.emit_gather(b, x, _as_1d(b, index), "index_select", dim)
 
 
 def _as_1d(b, index):
-    return index if len(index.meta["shape"]) == 1 else C.emit_view(b, "reshape", index, shape=(1,))
+    return index if len(meta_of(index).shape) == 1 else C.emit_view(b, "reshape", index, shape=(1,))
 
 
 def _advanced_index(b, x, index):
@@ -457,13 +457,13 @@ def _advanced_index(b, x, index):
         raise Unsupported("indexing with several index tensors is not supported yet")
     at = tensors[0]
     idx = items[at]
-    if idx.meta["dtype"] == torch.bool:
+    if meta_of(idx).dtype == torch.bool:
         raise Unsupported("indexing with a boolean mask has a data-dependent shape")
     _check_index(idx, "indexing")
     if Ellipsis in items[at + 1:]:
         raise Unsupported("an ellipsis after an index tensor is not supported yet")
     if Ellipsis in items[:at]:
-        dim = len(x.meta["shape"]) - (len(items) - at)
+        dim = len(meta_of(x).shape) - (len(items) - at)
     else:
         dim = at
     others = [item for i, item in enumerate(items) if i != at and item is not Ellipsis]
@@ -501,10 +501,10 @@ def _to(b, x, *args, **kwargs):
         raise Unsupported("moving tensors between devices inside a compiled function is not supported yet")
     if dtype is None:
         raise Unsupported(f"Tensor.{name or 'to'}() without a dtype is not supported yet")
-    if dtype == x.meta["dtype"]:
+    if dtype == meta_of(x).dtype:
         return x
     return C.emit_pointwise(b, "identity", [x], dtype=dtype,
-                            requires_grad=x.meta["requires_grad"] and dtype.is_floating_point)
+                            requires_grad=meta_of(x).requires_grad and dtype.is_floating_point)
 
 
 binds(_t("float"))(lambda b, x: _to(b, x, torch.float32))
@@ -513,7 +513,7 @@ binds(_t("double"))(lambda b, x: _to(b, x, torch.float64))
 
 # ----------------------------------------------------------------------------- reductions
 def _dims(x, dim):
-    ndim = len(x.meta["shape"])
+    ndim = len(meta_of(x).shape)
     if dim is None or (isinstance(dim, (tuple, list)) and len(dim) == 0):
         return tuple(range(ndim))
     if isinstance(dim, int):
@@ -526,7 +526,7 @@ def _reduce(name):
         _no_out({"out": out})
         if not isinstance(x, fx.Node):
             raise Unsupported(f"{name} of a non-tensor")
-        inexact = x.meta["dtype"].is_floating_point or x.meta["dtype"].is_complex
+        inexact = meta_of(x).dtype.is_floating_point or meta_of(x).dtype.is_complex
         if name == "mean" and not (inexact or dtype is not None):
             raise Unsupported("mean of an integer tensor (eager raises)")
         if dtype is None and name == "sum" and not inexact:
@@ -545,7 +545,7 @@ def _shape_arg(x, shape):
         shape = tuple(shape[0])
     if not all(isinstance(s, int) for s in shape):
         raise Unsupported("view/reshape with a non-integer size")
-    total = C.numel(x.meta["shape"])
+    total = C.numel(meta_of(x).shape)
     if shape.count(-1) > 1:
         raise Unsupported("more than one -1 in a shape")
     if -1 in shape:
@@ -565,12 +565,12 @@ def _reshape(b, x, *shape):
 
 @binds(_t("view_as"), _t("reshape_as"))
 def _view_as(b, x, other):
-    return C.emit_view(b, "reshape", x, shape=other.meta["shape"])
+    return C.emit_view(b, "reshape", x, shape=meta_of(other).shape)
 
 
 @binds(torch.flatten, _t("flatten"))
 def _flatten(b, x, start_dim=0, end_dim=-1):
-    shape = list(x.meta["shape"])
+    shape = list(meta_of(x).shape)
     if not shape:
         return C.emit_view(b, "reshape", x, shape=(1,))
     s, e = start_dim % len(shape), end_dim % len(shape)
@@ -579,14 +579,14 @@ def _flatten(b, x, start_dim=0, end_dim=-1):
 
 @binds(torch.unsqueeze, _t("unsqueeze"))
 def _unsqueeze(b, x, dim):
-    shape = list(x.meta["shape"])
+    shape = list(meta_of(x).shape)
     shape.insert(dim % (len(shape) + 1), 1)
     return C.emit_view(b, "reshape", x, shape=shape)
 
 
 @binds(torch.squeeze, _t("squeeze"))
 def _squeeze(b, x, dim=None):
-    shape = x.meta["shape"]
+    shape = meta_of(x).shape
     if dim is None:
         dims = range(len(shape))
     else:
@@ -599,13 +599,13 @@ def _squeeze(b, x, dim=None):
 def _permute(b, x, *dims):
     if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
         dims = tuple(dims[0])
-    ndim = len(x.meta["shape"])
+    ndim = len(meta_of(x).shape)
     return C.emit_view(b, "permute", x, dims=tuple(d % ndim for d in dims))
 
 
 @binds(torch.transpose, _t("transpose"), torch.swapaxes, _t("swapaxes"))
 def _transpose(b, x, dim0, dim1):
-    ndim = len(x.meta["shape"])
+    ndim = len(meta_of(x).shape)
     dims = list(range(ndim))
     if ndim:
         dims[dim0 % ndim], dims[dim1 % ndim] = dims[dim1 % ndim], dims[dim0 % ndim]
@@ -614,7 +614,7 @@ def _transpose(b, x, dim0, dim1):
 
 @binds(torch.t, _t("t"))
 def _t_(b, x):
-    if len(x.meta["shape"]) < 2:
+    if len(meta_of(x).shape) < 2:
         return x
     return C.emit_view(b, "permute", x, dims=(1, 0))
 
@@ -627,7 +627,7 @@ def _mT(b, x):
 @binds(_t("T"))
 def _T(b, x):
     """Tensor.T reverses all dims (the same as mT only for 2 dims)."""
-    ndim = len(x.meta["shape"])
+    ndim = len(meta_of(x).shape)
     return x if ndim < 2 else C.emit_view(b, "permute", x, dims=tuple(reversed(range(ndim))))
 
 
@@ -635,22 +635,22 @@ def _T(b, x):
 def _expand(b, x, *shape):
     if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
         shape = tuple(shape[0])
-    lead = len(shape) - len(x.meta["shape"])
-    full = tuple(x.meta["shape"][i - lead] if s == -1 else s for i, s in enumerate(shape))
+    lead = len(shape) - len(meta_of(x).shape)
+    full = tuple(meta_of(x).shape[i - lead] if s == -1 else s for i, s in enumerate(shape))
     if lead:
-        x = C.emit_view(b, "reshape", x, shape=(1,) * lead + tuple(x.meta["shape"]))
+        x = C.emit_view(b, "reshape", x, shape=(1,) * lead + tuple(meta_of(x).shape))
     return C.emit_view(b, "expand", x, shape=full)
 
 
 @binds(_t("expand_as"))
 def _expand_as(b, x, other):
-    return _expand(b, x, other.meta["shape"])
+    return _expand(b, x, meta_of(other).shape)
 
 
 # ----------------------------------------------------------------------------- matmul
 def _matmul_nodes(b, a, w):
-    sa, sw = a.meta["shape"], w.meta["shape"]
-    if a.meta["dtype"] != w.meta["dtype"]:
+    sa, sw = meta_of(a).shape, meta_of(w).shape
+    if meta_of(a).dtype != meta_of(w).dtype:
         raise Unsupported("matmul of tensors with different dtypes (eager raises)")
     if len(sa) == 0 or len(sw) == 0:
         raise Unsupported("matmul of a 0-d tensor (eager raises)")
@@ -658,10 +658,10 @@ def _matmul_nodes(b, a, w):
         return C.emit_reduction(b, "sum", _pointwise(b, "mul", [a, w]), (0,))
     if len(sw) == 1:  # [.., M, K] @ [K] -> [.., M]
         out = _matmul_nodes(b, a, C.emit_view(b, "reshape", w, shape=(sw[0], 1)))
-        return C.emit_view(b, "reshape", out, shape=out.meta["shape"][:-1])
+        return C.emit_view(b, "reshape", out, shape=meta_of(out).shape[:-1])
     if len(sa) == 1:  # [K] @ [.., K, N] -> [.., N]
         out = _matmul_nodes(b, C.emit_view(b, "reshape", a, shape=(1, sa[0])), w)
-        return C.emit_view(b, "reshape", out, shape=out.meta["shape"][:-2] + out.meta["shape"][-1:])
+        return C.emit_view(b, "reshape", out, shape=meta_of(out).shape[:-2] + meta_of(out).shape[-1:])
     if sa[-1] != sw[-2]:
         raise Unsupported(f"matmul shapes {list(sa)} and {list(sw)} do not match (eager raises)")
     if len(sw) == 2:  # the common case: activations @ weight — one mm over all rows
@@ -686,15 +686,15 @@ def _conv_binding(dims):
     def bind(b, input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
         if not isinstance(input, fx.Node) or not isinstance(weight, fx.Node):
             raise Unsupported("convolution needs tensor input and weight")
-        if len(input.meta["shape"]) != dims + 2:
+        if len(meta_of(input).shape) != dims + 2:
             raise Unsupported(f"conv{dims}d of an unbatched input is not supported yet")
-        if input.meta["dtype"] != weight.meta["dtype"] or input.meta["dtype"].is_complex:
+        if meta_of(input).dtype != meta_of(weight).dtype or meta_of(input).dtype.is_complex:
             raise Unsupported("convolution of mixed or complex dtypes is not supported yet")
 
         def per_dim(v):
             return tuple(v) if isinstance(v, (tuple, list)) else (v,) * dims
         stride, dilation = per_dim(stride), per_dim(dilation)
-        kernel = weight.meta["shape"][2:]
+        kernel = meta_of(weight).shape[2:]
         if padding == "valid":
             padding = 0
         if padding == "same":
@@ -704,8 +704,8 @@ def _conv_binding(dims):
             padding = tuple(t // 2 for t in totals)
         padding = per_dim(padding)
         spatial = tuple((size + 2 * p - d * (k - 1) - 1) // s + 1 for size, p, d, k, s in
-                        zip(input.meta["shape"][2:], padding, dilation, kernel, stride))
-        shape = (input.meta["shape"][0], weight.meta["shape"][0]) + spatial
+                        zip(meta_of(input).shape[2:], padding, dilation, kernel, stride))
+        shape = (meta_of(input).shape[0], meta_of(weight).shape[0]) + spatial
         out = C.emit_conv(b, input, weight, shape, list(stride), list(padding), list(dilation), int(groups))
         if bias is not None:
             out = _pointwise(b, "add", [out, C.emit_view(b, "reshape", bias, shape=(shape[1],) + (1,) * dims)])
@@ -727,13 +727,13 @@ def _contiguous(b, x, memory_format=torch.contiguous_format):
 def _linear(b, x, weight, bias=None):
     """x @ weight.T + bias. NOTE: with a 1-D bias, one addmm over the rows of x flattened to
     2-D (as eager's linear does): the bias is added by the matmul, not by another pass."""
-    if isinstance(bias, fx.Node) and len(bias.meta["shape"]) == 1 and len(x.meta["shape"]) >= 2 and \
-            len(weight.meta["shape"]) == 2 and x.meta["dtype"] == weight.meta["dtype"] == bias.meta["dtype"] and \
-            x.meta["shape"][-1] == weight.meta["shape"][1] and bias.meta["shape"][0] == weight.meta["shape"][0]:
-        sx = x.meta["shape"]
+    if isinstance(bias, fx.Node) and len(meta_of(bias).shape) == 1 and len(meta_of(x).shape) >= 2 and \
+            len(meta_of(weight).shape) == 2 and meta_of(x).dtype == meta_of(weight).dtype == meta_of(bias).dtype and \
+            meta_of(x).shape[-1] == meta_of(weight).shape[1] and meta_of(bias).shape[0] == meta_of(weight).shape[0]:
+        sx = meta_of(x).shape
         rows = C.emit_view(b, "reshape", x, shape=(C.numel(sx[:-1]), sx[-1]))
         out = C.emit_addmm(b, bias, rows, _t_(b, weight))
-        return C.emit_view(b, "reshape", out, shape=tuple(sx[:-1]) + (weight.meta["shape"][0],))
+        return C.emit_view(b, "reshape", out, shape=tuple(sx[:-1]) + (meta_of(weight).shape[0],))
     out = _matmul_nodes(b, x, _t_(b, weight))
     if bias is not None:
         out = _pointwise(b, "add", [out, bias])
@@ -745,11 +745,11 @@ def _addmm(b, input, mat1, mat2, *, beta=1, alpha=1, out=None):
     """beta * input + alpha * (mat1 @ mat2) (GPT-2's Conv1D layers call it with a bias)."""
     _no_out({"out": out})
     if not all(isinstance(t, fx.Node) for t in (input, mat1, mat2)) or \
-            len(mat1.meta["shape"]) != 2 or len(mat2.meta["shape"]) != 2:
+            len(meta_of(mat1).shape) != 2 or len(meta_of(mat2).shape) != 2:
         raise Unsupported("addmm needs a tensor input and 2-D matrices (eager raises)")
-    if beta == 1 and alpha == 1 and input.meta["dtype"] == mat1.meta["dtype"] == mat2.meta["dtype"] and \
-            tuple(torch.broadcast_shapes(input.meta["shape"], (mat1.meta["shape"][0], mat2.meta["shape"][1]))) == \
-            (mat1.meta["shape"][0], mat2.meta["shape"][1]):
+    if beta == 1 and alpha == 1 and meta_of(input).dtype == meta_of(mat1).dtype == meta_of(mat2).dtype and \
+            tuple(torch.broadcast_shapes(meta_of(input).shape, (meta_of(mat1).shape[0], meta_of(mat2).shape[1]))) == \
+            (meta_of(mat1).shape[0], meta_of(mat2).shape[1]):
         return C.emit_addmm(b, input, mat1, mat2)
     product = _matmul_nodes(b, mat1, mat2)
     if alpha != 1:
@@ -769,7 +769,7 @@ def _mse_loss(b, x, target, size_average=None, reduce=None, reduction="mean", we
         return sq
     if reduction not in ("mean", "sum"):
         raise Unsupported(f"mse_loss(reduction={reduction!r})")
-    return C.emit_reduction(b, reduction, sq, tuple(range(len(sq.meta["shape"]))))
+    return C.emit_reduction(b, reduction, sq, tuple(range(len(meta_of(sq).shape))))
 
 
 # ----------------------------------------------------------------------------- constants
@@ -779,14 +779,10 @@ def _filled(value):
         if device is not None or layout is not None or requires_grad:
             raise Unsupported("*_like with device/layout/requires_grad arguments is not supported yet")
         fill = value if fill_value is None else fill_value
-        out_dtype = dtype or x.meta["dtype"]
+        out_dtype = dtype or meta_of(x).dtype
         # a pointwise op of x that ignores x's values: it has x's shape and no gradient
-        node = C.emit_pointwise(b, "identity", [x], dtype=out_dtype, requires_grad=False)
-        node.target = C.POINTWISE["fill"]
-        node.meta["expr"] = C.scalar_expr("fill", [float(fill) if out_dtype.is_floating_point else int(fill)])[0]
-        node.args = ()
-        node.meta["shape"] = tuple(x.meta["shape"])
-        return node
+        expr = C.scalar_expr("fill", [float(fill) if out_dtype.is_floating_point else int(fill)])[0]
+        return b.call(C.POINTWISE["fill"], [], shape=meta_of(x).shape, dtype=out_dtype, requires_grad=False, expr=expr)
     return bind
 
 
@@ -807,11 +803,11 @@ def _full_like(b, x, fill_value, **kwargs):
 def _in_place(b, x, out):
     if not isinstance(x, fx.Node):
         raise Unsupported("in-place op on a non-tensor")
-    if tuple(out.meta["shape"]) != tuple(x.meta["shape"]):
+    if tuple(meta_of(out).shape) != tuple(meta_of(x).shape):
         raise Unsupported("in-place op whose result has a different shape (eager raises)")
-    if out.meta["dtype"] != x.meta["dtype"]:
-        out = C.emit_pointwise(b, "identity", [out], dtype=x.meta["dtype"],
-                               requires_grad=out.meta["requires_grad"] and x.meta["dtype"].is_floating_point)
+    if meta_of(out).dtype != meta_of(x).dtype:
+        out = C.emit_pointwise(b, "identity", [out], dtype=meta_of(x).dtype,
+                               requires_grad=meta_of(out).requires_grad and meta_of(x).dtype.is_floating_point)
     return out
 
 
@@ -837,11 +833,11 @@ binds(torch.relu_)(_in_place_variant(_unary("relu")))
 
 @binds(torch.masked_fill, _t("masked_fill"))
 def _masked_fill(b, x, mask, value):
-    if isinstance(value, fx.Node) and value.meta["shape"] != ():
+    if isinstance(value, fx.Node) and meta_of(value).shape != ():
         raise Unsupported("masked_fill with a non-scalar value tensor")
-    dtype = x.meta["dtype"]
+    dtype = meta_of(x).dtype
     if isinstance(value, fx.Node):
-        value = C.emit_pointwise(b, "identity", [value], dtype=dtype) if value.meta["dtype"] != dtype else value
+        value = C.emit_pointwise(b, "identity", [value], dtype=dtype) if meta_of(value).dtype != dtype else value
     elif not dtype.is_floating_point and not dtype.is_complex:
         value = int(value)
     return C.emit_pointwise(b, "where", [mask, value, x], dtype=dtype)
@@ -855,10 +851,10 @@ def _copy_(b, x, src, non_blocking=False):
     if not isinstance(src, fx.Node):
         raise Unsupported("copy_ from a non-tensor")
     value = src
-    if src.meta["shape"] != x.meta["shape"]:
-        value = _expand(b, src, x.meta["shape"])
-    out = C.emit_pointwise(b, "identity", [value], dtype=x.meta["dtype"],
-                           requires_grad=value.meta["requires_grad"])
+    if meta_of(src).shape != meta_of(x).shape:
+        value = _expand(b, src, meta_of(x).shape)
+    out = C.emit_pointwise(b, "identity", [value], dtype=meta_of(x).dtype,
+                           requires_grad=meta_of(value).requires_grad)
     return out
 
 
@@ -874,7 +870,7 @@ def _basic_index(x, index):
     """Split a basic index (ints, slices, None, ...) into per-dim slices of ``x`` and the final
     shape; advanced (tensor) indexing is not supported yet."""
     items = index if isinstance(index, tuple) else (index,)
-    shape = x.meta["shape"]
+    shape = meta_of(x).shape
     consuming = [i for i in items if i is not None and i is not Ellipsis]
     if any(isinstance(i, (fx.Node, list, bool)) or (not isinstance(i, (int, slice))) for i in consuming):
         raise Unsupported("indexing with tensors, lists or booleans (advanced indexing) is not supported yet")
@@ -923,19 +919,19 @@ def _setitem(b, x, index, value):
     if index is None or (isinstance(index, tuple) and None in index):
         raise Unsupported("assignment through an index with None")
     slices, final = _basic_index(x, index)
-    shape = x.meta["shape"]
+    shape = meta_of(x).shape
     slices = [s for s in slices if s[1:] != (0, 1, shape[s[0]])]  # whole dims need no scatter
     chain = [x]
     for dim, start, step, length in slices:
         chain.append(C.emit_slice(b, chain[-1], dim, start, step, length))
-    target_shape = chain[-1].meta["shape"]
-    dtype = x.meta["dtype"]
+    target_shape = meta_of(chain[-1]).shape
+    dtype = meta_of(x).dtype
     if isinstance(value, fx.Node):
-        if value.meta["shape"] != tuple(final):
+        if meta_of(value).shape != tuple(final):
             value = _expand(b, value, final)
         new = C.emit_view(b, "reshape", value, shape=target_shape)
-        if new.meta["dtype"] != dtype:
-            new = C.emit_pointwise(b, "identity", [new], dtype=dtype, requires_grad=new.meta["requires_grad"])
+        if meta_of(new).dtype != dtype:
+            new = C.emit_pointwise(b, "identity", [new], dtype=dtype, requires_grad=meta_of(new).requires_grad)
     else:
         new = C.emit_fill(b, target_shape, dtype, value)
     for (dim, start, step, length), base in zip(reversed(slices), reversed(chain[:-1])):
@@ -947,14 +943,14 @@ def _setitem(b, x, index, value):
 def _narrow(b, x, dim, start, length):
     if isinstance(start, fx.Node):
         raise Unsupported("narrow with a tensor start")
-    dim %= len(x.meta["shape"])
-    start = start + x.meta["shape"][dim] if start < 0 else start
+    dim %= len(meta_of(x).shape)
+    start = start + meta_of(x).shape[dim] if start < 0 else start
     return C.emit_slice(b, x, dim, start, 1, length)
 
 
 @binds(torch.select, _t("select"))
 def _select(b, x, dim, index):
-    dim %= len(x.meta["shape"])
+    dim %= len(meta_of(x).shape)
     items = (slice(None),) * dim + (index,)
     return _getitem(b, x, items)
 
@@ -963,7 +959,7 @@ def _select(b, x, dim, index):
 @binds(torch.amax, _t("amax"))
 def _amax(b, x, dim=(), keepdim=False, *, out=None):
     _no_out({"out": out})
-    if not x.meta["dtype"].is_floating_point:
+    if not meta_of(x).dtype.is_floating_point:
         raise Unsupported("amax of an integer tensor is not supported yet")
     return C.emit_reduction(b, "amax", x, _dims(x, dim), keepdim)
 
@@ -979,34 +975,34 @@ def _statistic(b, name, x, dims, keepdim=True):
     """A reduction that later ops (and the backward) read back: mean, variance, a softmax's
     sum. NOTE: in float32 for half types, computed and stored, as eager keeps its
     statistics (a bf16 mean or rstd, rounded, would renormalize every element with it)."""
-    return C.emit_reduction(b, name, x, dims, keepdim, dtype=compute_dtype(x.meta["dtype"]))
+    return C.emit_reduction(b, name, x, dims, keepdim, dtype=compute_dtype(meta_of(x).dtype))
 
 
 def _cast(b, x, dtype):
     """``x`` as ``dtype`` (a result computed in float32 from float32 statistics, rounded once)."""
-    if x.meta["dtype"] == dtype:
+    if meta_of(x).dtype == dtype:
         return x
     return C.emit_pointwise(b, "identity", [x], dtype=dtype)
 
 
 def _detached(b, node):
     """The same value without a gradient path (the stabilizing shift of softmax/logsumexp)."""
-    return C.emit_pointwise(b, "identity", [node], dtype=node.meta["dtype"], requires_grad=False)
+    return C.emit_pointwise(b, "identity", [node], dtype=meta_of(node).dtype, requires_grad=False)
 
 
 def _shifted(b, x, dim):
     """(x - max, max): the max is finite-safe (0 where it is ±inf), as eager's logsumexp."""
     m = _detached(b, C.emit_reduction(b, "amax", x, (dim,), keepdim=True))
     m = C.emit_pointwise(b, "where", [C.emit_pointwise(b, "eq", [_pointwise(b, "abs", [m]), float("inf")],
-                                                        dtype=torch.bool), 0.0, m], dtype=m.meta["dtype"],
+                                                        dtype=torch.bool), 0.0, m], dtype=meta_of(m).dtype,
                          requires_grad=False)
     return _pointwise(b, "sub", [x, m]), m
 
 
 def _softmax_dtype(b, x, dtype):
-    if dtype is not None and dtype != x.meta["dtype"]:
+    if dtype is not None and dtype != meta_of(x).dtype:
         x = C.emit_pointwise(b, "identity", [x], dtype=dtype)
-    if not x.meta["dtype"].is_floating_point:
+    if not meta_of(x).dtype.is_floating_point:
         raise Unsupported("softmax of a non-floating tensor")
     return x
 
@@ -1018,7 +1014,7 @@ def _softmax(b, x, dim=None, _stacklevel=3, dtype=None):
     x = _softmax_dtype(b, x, dtype)
     shifted, _ = _shifted(b, x, dim)
     e = _pointwise(b, "exp", [shifted])
-    return _cast(b, _pointwise(b, "div", [e, _statistic(b, "sum", e, (dim,))]), x.meta["dtype"])
+    return _cast(b, _pointwise(b, "div", [e, _statistic(b, "sum", e, (dim,))]), meta_of(x).dtype)
 
 
 @binds(F.log_softmax, torch.log_softmax, _t("log_softmax"))
@@ -1028,7 +1024,7 @@ def _log_softmax(b, x, dim=None, _stacklevel=3, dtype=None):
     x = _softmax_dtype(b, x, dtype)
     shifted, _ = _shifted(b, x, dim)
     total = _statistic(b, "sum", _pointwise(b, "exp", [shifted]), (dim,))
-    return _cast(b, _pointwise(b, "sub", [shifted, _pointwise(b, "log", [total])]), x.meta["dtype"])
+    return _cast(b, _pointwise(b, "sub", [shifted, _pointwise(b, "log", [total])]), meta_of(x).dtype)
 
 
 @binds(torch.logsumexp, _t("logsumexp"))
@@ -1039,13 +1035,13 @@ def _logsumexp(b, x, dim, keepdim=False, *, out=None):
         raise Unsupported("logsumexp over several dims is not supported yet")
     shifted, m = _shifted(b, x, dims[0])
     total = _statistic(b, "sum", _pointwise(b, "exp", [shifted]), dims)
-    out = _cast(b, _pointwise(b, "add", [_pointwise(b, "log", [total]), m]), x.meta["dtype"])
+    out = _cast(b, _pointwise(b, "add", [_pointwise(b, "log", [total]), m]), meta_of(x).dtype)
     return out if keepdim else C.emit_view(b, "reshape", out, shape=C.Reduction("sum").out_shape(
-        x.meta["shape"], tuple(d % max(len(x.meta["shape"]), 1) for d in dims), False))  # 0-dim: dim 0
+        meta_of(x).shape, tuple(d % max(len(meta_of(x).shape), 1) for d in dims), False))  # 0-dim: dim 0
 
 
 def _norm_dims(x, normalized_shape):
-    shape = x.meta["shape"]
+    shape = meta_of(x).shape
     normalized_shape = tuple(normalized_shape) if isinstance(normalized_shape, (tuple, list, torch.Size)) \
         else (normalized_shape,)
     if tuple(shape[len(shape) - len(normalized_shape):]) != normalized_shape:
@@ -1061,7 +1057,7 @@ def _layer_norm(b, x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_
         out = _pointwise(b, "mul", [out, weight])
     if bias is not None:
         out = _pointwise(b, "add", [out, bias])
-    return _cast(b, out, x.meta["dtype"])
+    return _cast(b, out, meta_of(x).dtype)
 
 
 def _normalized(b, x, dims, eps, stats=None):
@@ -1087,7 +1083,7 @@ def _interleave(b, x, dims_and_repeats):
     """Each element repeated r times in place along each given dim (nearest upsampling,
     repeat_interleave): a unit dim after it, expanded to r, merged back. A copy, as in eager;
     the gradient sums each group of copies."""
-    shape = list(x.meta["shape"])
+    shape = list(meta_of(x).shape)
     split, expanded, final = [], [], []
     for d, n in enumerate(shape):
         r = dims_and_repeats.get(d, 1)
@@ -1097,7 +1093,7 @@ def _interleave(b, x, dims_and_repeats):
     x = C.emit_view(b, "reshape", x, shape=tuple(split))
     x = _expand(b, x, tuple(expanded))
     out = C.emit_view(b, "reshape", x, shape=tuple(final))
-    return C.emit_pointwise(b, "identity", [out], dtype=out.meta["dtype"])
+    return C.emit_pointwise(b, "identity", [out], dtype=meta_of(out).dtype)
 
 
 @binds(F.interpolate)
@@ -1106,7 +1102,7 @@ def _interpolate(b, input, size=None, scale_factor=None, mode="nearest", align_c
     """Nearest-neighbour upsampling by whole factors (each element copied into a block)."""
     if mode not in ("nearest", "nearest-exact") or antialias:
         raise Unsupported(f"interpolate(mode={mode!r}) is not supported yet (nearest only)")
-    spatial = input.meta["shape"][2:]
+    spatial = meta_of(input).shape[2:]
     if size is not None:
         sizes = tuple(size) if isinstance(size, (tuple, list)) else (size,) * len(spatial)
         factors = [o / i for o, i in zip(sizes, spatial)]
@@ -1122,19 +1118,19 @@ def _repeat_interleave(b, x, repeats=None, dim=None, *, output_size=None):
     if not isinstance(repeats, int):
         raise Unsupported("repeat_interleave with tensor repeats is not supported yet")
     if dim is None:
-        x = C.emit_view(b, "reshape", x, shape=(C.numel(x.meta["shape"]),))
+        x = C.emit_view(b, "reshape", x, shape=(C.numel(meta_of(x).shape),))
         dim = 0
-    return _interleave(b, x, {dim % len(x.meta["shape"]): repeats})
+    return _interleave(b, x, {dim % len(meta_of(x).shape): repeats})
 
 
 @binds(_t("unfold"))
 def _unfold(b, x, dimension, size, step):
-    if not x.meta["shape"]:
+    if not meta_of(x).shape:
         raise Unsupported("unfold of a 0-d tensor")
     if size <= 0 or step <= 0:
         raise Unsupported("unfold needs a positive size and step (eager raises)")
-    dim = dimension % max(len(x.meta["shape"]), 1)
-    if size > x.meta["shape"][dim]:
+    dim = dimension % max(len(meta_of(x).shape), 1)
+    if size > meta_of(x).shape[dim]:
         raise Unsupported("unfold: the window is larger than the dim (eager raises)")
     return C.emit_view(b, "unfold", x, dim=dim, size=size, step=step)
 
@@ -1147,7 +1143,7 @@ def _pool_windows(b, x, dims, kernel, stride, padding, fill):
         for p in reversed(padding):
             pad += [p, p]
         x = _pad(b, x, pad, value=fill)
-    lead = len(x.meta["shape"]) - dims
+    lead = len(meta_of(x).shape) - dims
     for i, (k, s) in enumerate(zip(kernel, stride)):
         x = C.emit_view(b, "unfold", x, dim=lead + i, size=k, step=s)
     return x
@@ -1177,7 +1173,7 @@ def _avg_pool(dims):
             return _pointwise(b, "div", [total, float(divisor_override)])
         if count_include_pad or not any(padding):
             return _pointwise(b, "div", [total, float(C.numel(kernel))])
-        ones = C.emit_fill(b, x.meta["shape"], x.meta["dtype"], 1)
+        ones = C.emit_fill(b, meta_of(x).shape, meta_of(x).dtype, 1)
         counts = C.emit_reduction(b, "sum", _pool_windows(b, ones, dims, kernel, stride, padding, 0.0), window_dims)
         return _pointwise(b, "div", [total, counts])
     return bind
@@ -1186,7 +1182,7 @@ def _avg_pool(dims):
 def _adaptive_avg_pool(dims):
     def bind(b, x, output_size):
         out = tuple(output_size) if isinstance(output_size, (tuple, list)) else (output_size,) * dims
-        sizes = x.meta["shape"][-dims:]
+        sizes = meta_of(x).shape[-dims:]
         out = tuple(s if o is None else o for s, o in zip(sizes, out))
         if any(o == 0 or s % o for s, o in zip(sizes, out)):
             raise Unsupported("adaptive_avg_pool with windows that do not tile the input is not supported yet")
@@ -1206,7 +1202,7 @@ def _max_pool(dims):
             raise Unsupported("max_pool with return_indices is not supported yet")
         kernel, stride, padding = _pool_args(dims, kernel_size, stride, padding, dilation, ceil_mode)
         windows = _pool_windows(b, x, dims, kernel, stride, padding, float("-inf"))
-        split = windows.meta["shape"]
+        split = meta_of(windows).shape
         window_dims = tuple(range(len(split) - dims, len(split)))
         values = _detached(b, windows)
         peak = C.emit_reduction(b, "amax", values, window_dims, keepdim=True)
@@ -1221,7 +1217,7 @@ def _max_pool(dims):
         negated = C.emit_pointwise(b, "where", [hit, _pointwise(b, "neg", [position]), -big], dtype=torch.float32)
         first = _pointwise(b, "neg", [C.emit_reduction(b, "amax", negated, window_dims, keepdim=True)])
         chosen = _pointwise(b, "eq", [position, first])
-        picked = C.emit_pointwise(b, "where", [chosen, windows, 0.0], dtype=x.meta["dtype"])
+        picked = C.emit_pointwise(b, "where", [chosen, windows, 0.0], dtype=meta_of(x).dtype)
         return C.emit_reduction(b, "sum", picked, window_dims)
     return bind
 
@@ -1243,8 +1239,8 @@ def _batch_norm(b, input, running_mean, running_var, weight=None, bias=None, tra
     """Normalization over the batch and spatial dims per channel. In training the batch's
     statistics normalize, and the running statistics are updated in place, as eager does:
     (1 - momentum) * running + momentum * batch (the variance unbiased)."""
-    shape = input.meta["shape"]
-    if len(shape) < 2 or not input.meta["dtype"].is_floating_point:
+    shape = meta_of(input).shape
+    if len(shape) < 2 or not meta_of(input).dtype.is_floating_point:
         raise Unsupported("batch_norm of this input is not supported yet")
     dims = (0,) + tuple(range(2, len(shape)))
     per_channel = (shape[1],) + (1,) * (len(shape) - 2)
@@ -1262,8 +1258,8 @@ def _batch_norm(b, input, running_mean, running_var, weight=None, bias=None, tra
             count = C.numel([shape[d] for d in dims])
             for stat, batch, scale in ((running_mean, mean, 1.0), (running_var, var, count / max(count - 1, 1))):
                 batch = C.emit_view(b, "reshape", _detached(b, batch), shape=(shape[1],))
-                if batch.meta["dtype"] != stat.meta["dtype"]:
-                    batch = C.emit_pointwise(b, "identity", [batch], dtype=stat.meta["dtype"], requires_grad=False)
+                if meta_of(batch).dtype != meta_of(stat).dtype:
+                    batch = C.emit_pointwise(b, "identity", [batch], dtype=meta_of(stat).dtype, requires_grad=False)
                 new = _pointwise(b, "add", [_pointwise(b, "mul", [stat, 1.0 - momentum]),
                                             _pointwise(b, "mul", [batch, momentum * scale])])
                 writes.append((stat, new))
@@ -1275,8 +1271,8 @@ def _batch_norm(b, input, running_mean, running_var, weight=None, bias=None, tra
         out = _pointwise(b, "mul", [out, channel(weight)])
     if bias is not None:
         out = _pointwise(b, "add", [out, channel(bias)])
-    if out.meta["dtype"] != input.meta["dtype"]:
-        out = C.emit_pointwise(b, "identity", [out], dtype=input.meta["dtype"])
+    if meta_of(out).dtype != meta_of(input).dtype:
+        out = C.emit_pointwise(b, "identity", [out], dtype=meta_of(input).dtype)
     return Writes(out, writes) if writes else out
 
 
@@ -1285,10 +1281,10 @@ if hasattr(F, "rms_norm"):
     def _rms_norm(b, x, normalized_shape, weight=None, eps=None):
         dims = _norm_dims(x, normalized_shape)
         if eps is None:
-            eps = torch.finfo(x.meta["dtype"]).eps
+            eps = torch.finfo(meta_of(x).dtype).eps
         ms = _statistic(b, "mean", _pointwise(b, "mul", [x, x]), dims)
         out = _pointwise(b, "mul", [x, _pointwise(b, "rsqrt", [_pointwise(b, "add", [ms, float(eps)])])])
-        return _cast(b, _pointwise(b, "mul", [out, weight]) if weight is not None else out, x.meta["dtype"])
+        return _cast(b, _pointwise(b, "mul", [out, weight]) if weight is not None else out, meta_of(x).dtype)
 
 
 # ----------------------------------------------------------------------------- statistics, norms, more losses
@@ -1299,16 +1295,16 @@ def _correction(correction, unbiased):
 
 
 def _variance(b, x, dim, correction, keepdim):
-    if not x.meta["dtype"].is_floating_point:
+    if not meta_of(x).dtype.is_floating_point:
         raise Unsupported("var/std of a non-floating tensor")
     dims = _dims(x, dim)
-    count = C.numel([x.meta["shape"][d] for d in dims])
+    count = C.numel([meta_of(x).shape[d] for d in dims])
     mean = _statistic(b, "mean", x, dims)
     centered = _pointwise(b, "sub", [x, mean])
     total = _statistic(b, "sum", _pointwise(b, "mul", [centered, centered]), dims, keepdim)
-    var = _cast(b, _pointwise(b, "div", [total, max(count - correction, 0.0)]), x.meta["dtype"])
-    mean = _cast(b, mean, x.meta["dtype"])
-    return var, (mean if keepdim else C.emit_view(b, "reshape", mean, shape=var.meta["shape"]))
+    var = _cast(b, _pointwise(b, "div", [total, max(count - correction, 0.0)]), meta_of(x).dtype)
+    mean = _cast(b, mean, meta_of(x).dtype)
+    return var, (mean if keepdim else C.emit_view(b, "reshape", mean, shape=meta_of(var).shape))
 
 
 def _var_like(kind):
@@ -1330,7 +1326,7 @@ binds(torch.std_mean)(_var_like("std_mean"))
 
 
 def _l2_norm(b, x, dim, keepdim):
-    if not x.meta["dtype"].is_floating_point:
+    if not meta_of(x).dtype.is_floating_point:
         raise Unsupported("norm of a non-floating tensor is not supported yet")
     squares = C.emit_reduction(b, "sum", _pointwise(b, "mul", [x, x]), _dims(x, dim), keepdim)
     return _pointwise(b, "norm_sqrt", [squares])
@@ -1415,14 +1411,14 @@ def _kl_div(b, input, target, size_average=None, reduce=None, reduction="mean", 
     reduction = _legacy_reduction(size_average, reduce, reduction)
     loss = _pointwise(b, "kl_div_log_target" if log_target else "kl_div", [input, target])
     if reduction == "batchmean":
-        total = C.emit_reduction(b, "sum", loss, tuple(range(len(loss.meta["shape"]))))
-        return _pointwise(b, "div", [total, float(loss.meta["shape"][0]) if loss.meta["shape"] else 1.0])
+        total = C.emit_reduction(b, "sum", loss, tuple(range(len(meta_of(loss).shape))))
+        return _pointwise(b, "div", [total, float(meta_of(loss).shape[0]) if meta_of(loss).shape else 1.0])
     return _reduce_loss(b, loss, reduction)
 
 
 @binds(F.group_norm)
 def _group_norm(b, input, num_groups, weight=None, bias=None, eps=1e-5):
-    shape = input.meta["shape"]
+    shape = meta_of(input).shape
     if len(shape) < 2 or shape[1] % num_groups:
         raise Unsupported("group_norm: channels must divide into the groups (eager raises)")
     grouped = C.emit_view(b, "reshape", input, shape=(shape[0], num_groups, C.numel(shape[1:]) // num_groups))
@@ -1432,7 +1428,7 @@ def _group_norm(b, input, num_groups, weight=None, bias=None, eps=1e-5):
         out = _pointwise(b, "mul", [out, C.emit_view(b, "reshape", weight, shape=per_channel)])
     if bias is not None:
         out = _pointwise(b, "add", [out, C.emit_view(b, "reshape", bias, shape=per_channel)])
-    return _cast(b, out, input.meta["dtype"])
+    return _cast(b, out, meta_of(input).dtype)
 
 
 @binds(F.pad)
@@ -1442,19 +1438,19 @@ def _pad(b, input, pad, mode="constant", value=None):
     if mode != "constant":
         raise Unsupported(f"pad(mode={mode!r}) is not supported yet")
     fill = 0 if value is None else value
-    x, ndim = input, len(input.meta["shape"])
+    x, ndim = input, len(meta_of(input).shape)
     for k in range(len(pad) // 2):
         dim = ndim - 1 - k
         before, after = pad[2 * k], pad[2 * k + 1]
-        size = x.meta["shape"][dim]
+        size = meta_of(x).shape[dim]
         start, stop = max(-before, 0), size - max(-after, 0)
         if start or stop != size:
             x = C.emit_slice(b, x, dim, start, 1, stop - start)
         if before > 0 or after > 0:
-            target = list(x.meta["shape"])
+            target = list(meta_of(x).shape)
             n = target[dim]
             target[dim] = n + max(before, 0) + max(after, 0)
-            base = C.emit_fill(b, tuple(target), input.meta["dtype"], fill)
+            base = C.emit_fill(b, tuple(target), meta_of(input).dtype, fill)
             x = C.emit_slice_scatter(b, base, x, dim, max(before, 0), 1, n)
     return x
 
@@ -1464,7 +1460,7 @@ def _repeat(b, x, *sizes):
     """x.repeat(r0, r1, ...): each dim d of size n becomes r copies, as expand on a new dim
     in front of it and a reshape merging the two (a copy, as in eager)."""
     sizes = tuple(sizes[0]) if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)) else sizes
-    shape = x.meta["shape"]
+    shape = meta_of(x).shape
     if len(sizes) < len(shape):
         raise Unsupported("repeat with fewer sizes than dims (eager raises)")
     shape = (1,) * (len(sizes) - len(shape)) + tuple(shape)
@@ -1476,19 +1472,19 @@ def _repeat(b, x, *sizes):
     x = C.emit_view(b, "reshape", x, shape=tuple(interleaved))
     x = _expand(b, x, tuple(expanded))
     out = C.emit_view(b, "reshape", x, shape=tuple(r * n for r, n in zip(sizes, shape)))
-    return C.emit_pointwise(b, "identity", [out], dtype=out.meta["dtype"])
+    return C.emit_pointwise(b, "identity", [out], dtype=meta_of(out).dtype)
 
 
 def _reduce_loss(b, loss, reduction, count=None):
     if reduction == "none":
         return loss
-    total = C.emit_reduction(b, "sum", loss, tuple(range(len(loss.meta["shape"]))))
+    total = C.emit_reduction(b, "sum", loss, tuple(range(len(meta_of(loss).shape))))
     if reduction == "sum":
         return total
     if reduction != "mean":
         raise Unsupported(f"reduction={reduction!r}")
     if count is None:
-        return _pointwise(b, "div", [total, float(C.numel(loss.meta["shape"]))])
+        return _pointwise(b, "div", [total, float(C.numel(meta_of(loss).shape))])
     return _pointwise(b, "div", [total, count])
 
 
@@ -1512,8 +1508,8 @@ binds(_t("clamp_"))(_in_place_variant(_clamp))
 # ----------------------------------------------------------------------------- split, cat, masks
 @binds(torch.split, _t("split"))
 def _split(b, x, split_size_or_sections, dim=0):
-    size = x.meta["shape"][dim % len(x.meta["shape"])]
-    dim %= len(x.meta["shape"])
+    size = meta_of(x).shape[dim % len(meta_of(x).shape)]
+    dim %= len(meta_of(x).shape)
     if isinstance(split_size_or_sections, int):
         step = split_size_or_sections
         sizes = [min(step, size - i) for i in range(0, size, step)] or [0]
@@ -1528,15 +1524,15 @@ def _split(b, x, split_size_or_sections, dim=0):
 
 @binds(torch.chunk, _t("chunk"))
 def _chunk(b, x, chunks, dim=0):
-    size = x.meta["shape"][dim % len(x.meta["shape"])]
+    size = meta_of(x).shape[dim % len(meta_of(x).shape)]
     step = -(-size // chunks)
     return _split(b, x, step, dim)
 
 
 @binds(torch.unbind, _t("unbind"))
 def _unbind(b, x, dim=0):
-    dim %= len(x.meta["shape"])
-    shape = x.meta["shape"]
+    dim %= len(meta_of(x).shape)
+    shape = meta_of(x).shape
     return tuple(C.emit_view(b, "reshape", C.emit_slice(b, x, dim, i, 1, 1), shape=shape[:dim] + shape[dim + 1:])
                  for i in range(shape[dim]))
 
@@ -1544,21 +1540,21 @@ def _unbind(b, x, dim=0):
 @binds(torch.cat, torch.concat, torch.concatenate)
 def _cat(b, tensors, dim=0, *, out=None):
     _no_out({"out": out})
-    tensors = [t for t in tensors if not (len(t.meta["shape"]) == 1 and t.meta["shape"][0] == 0)]
+    tensors = [t for t in tensors if not (len(meta_of(t).shape) == 1 and meta_of(t).shape[0] == 0)]
     if not tensors or not all(isinstance(t, fx.Node) for t in tensors):
         raise Unsupported("cat of non-tensors")
-    ndim = len(tensors[0].meta["shape"])
+    ndim = len(meta_of(tensors[0]).shape)
     dim %= ndim
     dtype = result_dtype(tensors)
-    shape = list(tensors[0].meta["shape"])
-    shape[dim] = sum(t.meta["shape"][dim] for t in tensors)
+    shape = list(meta_of(tensors[0]).shape)
+    shape[dim] = sum(meta_of(t).shape[dim] for t in tensors)
     # NOTE: concatenation is a chain of slice-scatters into a buffer of the result's shape:
     # each element reads exactly one input, and the gradient of each input is its slice.
     out = C.emit_fill(b, tuple(shape), dtype, 0)
     start = 0
     for t in tensors:
-        n = t.meta["shape"][dim]
-        if t.meta["dtype"] != dtype:
+        n = meta_of(t).shape[dim]
+        if meta_of(t).dtype != dtype:
             t = C.emit_pointwise(b, "identity", [t], dtype=dtype)
         out = C.emit_slice_scatter(b, out, t, dim, start, 1, n)
         start += n
@@ -1568,11 +1564,11 @@ def _cat(b, tensors, dim=0, *, out=None):
 @binds(torch.stack)
 def _stack(b, tensors, dim=0, *, out=None):
     _no_out({"out": out})
-    ndim = len(tensors[0].meta["shape"]) + 1
+    ndim = len(meta_of(tensors[0]).shape) + 1
     dim %= ndim
     expanded = []
     for t in tensors:
-        shape = list(t.meta["shape"])
+        shape = list(meta_of(t).shape)
         shape.insert(dim, 1)
         expanded.append(C.emit_view(b, "reshape", t, shape=shape))
     return _cat(b, expanded, dim)
@@ -1581,14 +1577,14 @@ def _stack(b, tensors, dim=0, *, out=None):
 def _triangle(keep_lower):
     def bind(b, x, diagonal=0, *, out=None):
         _no_out({"out": out})
-        shape = x.meta["shape"]
+        shape = meta_of(x).shape
         if len(shape) < 2:
             raise Unsupported("tril/triu of a tensor with fewer than 2 dims (eager raises)")
         rows = C.emit_iota(b, shape, len(shape) - 2)
         cols = C.emit_iota(b, shape, len(shape) - 1)
         shifted = C.emit_pointwise(b, "add", [rows, int(diagonal)], dtype=torch.int64)
         keep = C.emit_pointwise(b, "le" if keep_lower else "ge", [cols, shifted], dtype=torch.bool)
-        return C.emit_pointwise(b, "where", [keep, x, 0], dtype=x.meta["dtype"])
+        return C.emit_pointwise(b, "where", [keep, x, 0], dtype=meta_of(x).dtype)
     return bind
 
 
@@ -1604,14 +1600,14 @@ def _scaled_dot_product_attention(b, query, key, value, attn_mask=None, dropout_
     if is_causal and attn_mask is not None:
         raise Unsupported("scaled_dot_product_attention with both attn_mask and is_causal (eager raises)")
     if scale is None:
-        scale = 1.0 / math.sqrt(query.meta["shape"][-1])
+        scale = 1.0 / math.sqrt(meta_of(query).shape[-1])
     scores = _pointwise(b, "mul", [_matmul_nodes(b, query, _transpose(b, key, -2, -1)), scale])
-    shape, dtype = scores.meta["shape"], scores.meta["dtype"]
+    shape, dtype = meta_of(scores).shape, meta_of(scores).dtype
     if is_causal:
         rows, cols = C.emit_iota(b, shape, len(shape) - 2), C.emit_iota(b, shape, len(shape) - 1)
         attn_mask = C.emit_pointwise(b, "le", [cols, rows], dtype=torch.bool)
     if isinstance(attn_mask, fx.Node):
-        if attn_mask.meta["dtype"] == torch.bool:
+        if meta_of(attn_mask).dtype == torch.bool:
             scores = C.emit_pointwise(b, "where", [attn_mask, scores, float("-inf")], dtype=dtype)
         else:
             scores = _pointwise(b, "add", [scores, attn_mask])

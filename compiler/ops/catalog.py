@@ -2,7 +2,7 @@
 
 Four kinds of op, each with everything the stages need next to it:
 
-* ``Pointwise`` — a scalar SymPy expression (``node.meta["expr"]``). Its shape rule is
+* ``Pointwise`` — a scalar SymPy expression (``meta_of(node).expr``). Its shape rule is
   broadcasting, its derivative comes from SymPy (``pointwise_vjp``), its lowering is the
   Triton printer. Adding an elementwise op is adding one entry to ``SCALAR_FUNCTIONS``.
 * ``Reduction`` — sum and mean over dims: shape rule, VJP (expand back), lowering as a
@@ -27,7 +27,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from compiler.ir import GraphBuilder, arg_symbol, contiguous_strides, numel
+from compiler.ir import GraphBuilder, arg_symbol, contiguous_strides, meta_of, numel, update_meta
 from compiler.ops import scalar as S
 from compiler.ops import symbols as Y
 from compiler.ops.symbols import conj
@@ -188,7 +188,7 @@ def scalar_expr(name: str, operands) -> tuple[sympy.Expr, list]:
     tensors, symbols = [], []
     for item in operands:
         if isinstance(item, fx.Node):
-            symbols.append(Y.operand(len(tensors), item.meta["dtype"].is_complex))
+            symbols.append(Y.operand(len(tensors), meta_of(item).dtype.is_complex))
             tensors.append(item)
         elif isinstance(item, complex):
             symbols.append(_float(item.real) + sympy.I * _float(item.imag))
@@ -293,29 +293,29 @@ def pointwise_vjp(b: GraphBuilder, node: fx.Node, grad_out: fx.Node):
     Real ops: grad_in_i = grad_out * d expr / d a_i. With a complex input or output, the
     Wirtinger form of ``wirtinger_gradient``.
     """
-    expr = node.meta["expr"]
-    out_complex = node.meta["dtype"].is_complex
-    any_complex = out_complex or any(a.meta["dtype"].is_complex for a in node.args)
+    expr = meta_of(node).expr
+    out_complex = meta_of(node).dtype.is_complex
+    any_complex = out_complex or any(meta_of(a).dtype.is_complex for a in node.args)
     grads = []
     for i, arg in enumerate(node.args):
-        dtype = arg.meta["dtype"]
-        if not arg.meta["requires_grad"] or not (dtype.is_floating_point or dtype.is_complex):
+        dtype = meta_of(arg).dtype
+        if not meta_of(arg).requires_grad or not (dtype.is_floating_point or dtype.is_complex):
             grads.append(None)
             continue
         if any_complex:
             grad_expr = wirtinger_gradient(expr, i, dtype.is_complex, out_complex)
         else:
             derivative = partial_derivative(expr, i)
-            if derivative == 1 and grad_out.meta["dtype"] == dtype:
+            if derivative == 1 and meta_of(grad_out).dtype == dtype:
                 grads.append(grad_out)  # add, sub, identity: the gradient passes through
                 continue
             grad_expr = masked_product(GRAD_SYMBOL, derivative)
         if grad_expr == 0:
             # eager gives zeros, not None, through a differentiable op whose derivative is 0
             # (round, sign, x * 0): the input's .grad is a zero tensor, not missing
-            grads.append(emit_fill(b, node.meta["shape"], dtype, 0))
+            grads.append(emit_fill(b, meta_of(node).shape, dtype, 0))
             continue
-        grads.append(derived_pointwise(b, grad_expr, node, grad_out, shape=node.meta["shape"], dtype=dtype))
+        grads.append(derived_pointwise(b, grad_expr, node, grad_out, shape=meta_of(node).shape, dtype=dtype))
     return grads
 
 
@@ -335,7 +335,7 @@ def derived_pointwise(b: GraphBuilder, expr, node, grad_out, *, shape, dtype) ->
     for s in used:
         target = bound(s)
         k = args.index(target)
-        if target.meta["dtype"].is_complex:
+        if meta_of(target).dtype.is_complex:
             renamed[s] = Y.CONJ_ARGS[k] if Y.role(s)[2] else Y.COMPLEX_ARGS[k]
         else:
             renamed[s] = Y.REAL_ARGS[k]
@@ -345,9 +345,9 @@ def derived_pointwise(b: GraphBuilder, expr, node, grad_out, *, shape, dtype) ->
 def emit_pointwise(b: GraphBuilder, name: str, operands, *, dtype, requires_grad=None) -> fx.Node:
     """Append the catalog op ``name`` applied to ``operands`` (nodes and Python scalars)."""
     expr, tensors = scalar_expr(name, operands)
-    shape = torch.broadcast_shapes(*[t.meta["shape"] for t in tensors]) if tensors else ()
+    shape = torch.broadcast_shapes(*[meta_of(t).shape for t in tensors]) if tensors else ()
     if requires_grad is None:
-        requires_grad = name not in BOOL_RESULT_OPS and any(t.meta["requires_grad"] for t in tensors)
+        requires_grad = name not in BOOL_RESULT_OPS and any(meta_of(t).requires_grad for t in tensors)
     return b.call(POINTWISE[name], tensors, shape=shape, dtype=dtype, requires_grad=requires_grad, expr=expr)
 
 
@@ -365,24 +365,24 @@ class Reduction(OpDef):
     def scale(self, node: fx.Node) -> float:
         if self.name != "mean":
             return 1.0
-        shape = node.args[0].meta["shape"]
+        shape = meta_of(node.args[0]).shape
         count = node.kwargs.get("count") or numel([shape[d] for d in node.kwargs["dims"]])
         return 1.0 / count if count else math.nan
 
     def vjp(self, b, node, grad_out):
         (x,) = node.args
         dims, keepdim = node.kwargs["dims"], node.kwargs["keepdim"]
-        in_shape = x.meta["shape"]
+        in_shape = meta_of(x).shape
         g = grad_out
         kept = self.out_shape(in_shape, dims, True)
         if not keepdim:
             g = emit_view(b, "reshape", g, shape=kept)
         g = emit_view(b, "expand", g, shape=in_shape)
         if self.name == "mean":
-            g = emit_pointwise(b, "mul", [g, self.scale(node)], dtype=x.meta["dtype"], requires_grad=False)
+            g = emit_pointwise(b, "mul", [g, self.scale(node)], dtype=meta_of(x).dtype, requires_grad=False)
         if self.name == "amax":
             # eager's amax backward: the gradient is shared evenly among the maximal elements
-            dtype = x.meta["dtype"]
+            dtype = meta_of(x).dtype
             m = emit_view(b, "expand", emit_view(b, "reshape", node, shape=kept), shape=in_shape)
             hit = emit_pointwise(b, "identity", [emit_pointwise(b, "eq", [x, m], dtype=torch.bool)],
                                  dtype=dtype, requires_grad=False)
@@ -396,30 +396,30 @@ REDUCTIONS = {name: Reduction(name) for name in ("sum", "mean", "amax")}
 
 
 def emit_reduction(b, name, x, dims, keepdim=False, dtype=None) -> fx.Node:
-    ndim = len(x.meta["shape"])
+    ndim = len(meta_of(x).shape)
     if ndim == 0:
         # NOTE: reducing a 0-dim tensor (x.sum(), x.amax() of a scalar) reduces nothing: the
         # value itself, in the result dtype (a reduction over no dims has no iteration space).
-        return emit_pointwise(b, "identity", [x], dtype=dtype or x.meta["dtype"],
-                              requires_grad=x.meta["requires_grad"])
+        return emit_pointwise(b, "identity", [x], dtype=dtype or meta_of(x).dtype,
+                              requires_grad=meta_of(x).requires_grad)
     dims = tuple(sorted({d % ndim for d in dims}))
     op = REDUCTIONS[name]
     return b.call(op, [x], {"dims": dims, "keepdim": keepdim},
-                  shape=op.out_shape(x.meta["shape"], dims, keepdim),
-                  dtype=dtype or x.meta["dtype"], requires_grad=x.meta["requires_grad"])
+                  shape=op.out_shape(meta_of(x).shape, dims, keepdim),
+                  dtype=dtype or meta_of(x).dtype, requires_grad=meta_of(x).requires_grad)
 
 
 def sum_to_shape(b: GraphBuilder, g: fx.Node, shape) -> fx.Node:
     """Undo broadcasting: sum ``g`` down to ``shape``. The only place this is done."""
     shape = tuple(shape)
-    g_shape = g.meta["shape"]
+    g_shape = meta_of(g).shape
     if g_shape == shape:
         return g
     lead = len(g_shape) - len(shape)
     dims = tuple(range(lead)) + tuple(lead + i for i, s in enumerate(shape) if s == 1 and g_shape[lead + i] != 1)
     if dims:
         g = emit_reduction(b, "sum", g, dims, keepdim=True)
-    if g.meta["shape"] != shape:
+    if meta_of(g).shape != shape:
         g = emit_view(b, "reshape", g, shape=shape)
     return g
 
@@ -448,8 +448,8 @@ class View(OpDef):
         return tuple(params["shape"])
 
     def index_map(self, node: fx.Node, out_index: list[str]) -> list[str]:
-        in_shape = node.args[0].meta["shape"]
-        out_shape = node.meta["shape"]
+        in_shape = meta_of(node.args[0]).shape
+        out_shape = meta_of(node).shape
         if self.name == "permute":
             result = [None] * len(in_shape)
             for out_dim, in_dim in enumerate(node.kwargs["dims"]):
@@ -493,27 +493,27 @@ class View(OpDef):
                 inverse[d] = i
             return [emit_view(b, "permute", grad_out, dims=tuple(inverse))]
         if self.name == "expand":
-            return [sum_to_shape(b, grad_out, x.meta["shape"])]
+            return [sum_to_shape(b, grad_out, meta_of(x).shape)]
         if self.name == "slice":  # the gradient goes back to the sliced positions, 0 elsewhere
-            zeros = emit_fill(b, x.meta["shape"], grad_out.meta["dtype"], 0)
+            zeros = emit_fill(b, meta_of(x).shape, meta_of(grad_out).dtype, 0)
             return [emit_slice_scatter(b, zeros, grad_out, **node.kwargs)]
         if self.name == "unfold":  # window position k of every window lands at k, k+step, ...: add them
             d, size, step = node.kwargs["dim"], node.kwargs["size"], node.kwargs["step"]
             # NOTE: each input element reads the gradient at `size` places: computed once into
             # memory, not inlined `size` times (nested windows would multiply the code)
-            grad_out.meta["materialize"] = True
-            count = node.meta["shape"][d]
-            last = len(node.meta["shape"]) - 1
+            update_meta(grad_out, materialize=True)
+            count = meta_of(node).shape[d]
+            last = len(meta_of(node).shape) - 1
             total = None
             for k in range(size):
                 part = emit_view(b, "reshape", emit_slice(b, grad_out, last, k, 1, 1),
-                                 shape=grad_out.meta["shape"][:-1])
-                zeros = emit_fill(b, x.meta["shape"], grad_out.meta["dtype"], 0)
+                                 shape=meta_of(grad_out).shape[:-1])
+                zeros = emit_fill(b, meta_of(x).shape, meta_of(grad_out).dtype, 0)
                 placed = emit_slice_scatter(b, zeros, part, d, k, step, count)
                 total = placed if total is None else emit_pointwise(b, "add", [total, placed],
-                                                                    dtype=grad_out.meta["dtype"])
+                                                                    dtype=meta_of(grad_out).dtype)
             return [total]
-        return [emit_view(b, "reshape", grad_out, shape=x.meta["shape"])]
+        return [emit_view(b, "reshape", grad_out, shape=meta_of(x).shape)]
 
     def host(self, tensor: torch.Tensor, node: fx.Node) -> torch.Tensor:
         """Apply the view to a real tensor (used when the source is already in memory)."""
@@ -569,25 +569,25 @@ VIEWS = {name: View(name) for name in ("reshape", "permute", "expand", "view_as_
 def emit_view(b, name, x, **params) -> fx.Node:
     op = VIEWS[name]
     if name in ("view_as_real", "view_as_complex"):
-        dtype = x.meta["dtype"].to_real() if name == "view_as_real" else x.meta["dtype"].to_complex()
-        return b.call(op, [x], shape=op.out_shape(x.meta["shape"], params), dtype=dtype,
-                      requires_grad=x.meta["requires_grad"])
+        dtype = meta_of(x).dtype.to_real() if name == "view_as_real" else meta_of(x).dtype.to_complex()
+        return b.call(op, [x], shape=op.out_shape(meta_of(x).shape, params), dtype=dtype,
+                      requires_grad=meta_of(x).requires_grad)
     if "shape" in params:
         params["shape"] = tuple(params["shape"])
-    shape = op.out_shape(x.meta["shape"], params)
-    if name != "permute" and shape == x.meta["shape"]:
+    shape = op.out_shape(meta_of(x).shape, params)
+    if name != "permute" and shape == meta_of(x).shape:
         return x
     if name == "permute" and tuple(params["dims"]) == tuple(range(len(shape))):
         return x
-    return b.call(op, [x], params, shape=shape, dtype=x.meta["dtype"], requires_grad=x.meta["requires_grad"])
+    return b.call(op, [x], params, shape=shape, dtype=meta_of(x).dtype, requires_grad=meta_of(x).requires_grad)
 
 
 def emit_slice(b, x, dim, start, step, length) -> fx.Node:
-    if start == 0 and step == 1 and length == x.meta["shape"][dim]:
+    if start == 0 and step == 1 and length == meta_of(x).shape[dim]:
         return x
     return b.call(VIEWS["slice"], [x], {"dim": dim, "start": start, "step": step, "length": length},
-                  shape=VIEWS["slice"].out_shape(x.meta["shape"], {"dim": dim, "length": length}),
-                  dtype=x.meta["dtype"], requires_grad=x.meta["requires_grad"])
+                  shape=VIEWS["slice"].out_shape(meta_of(x).shape, {"dim": dim, "length": length}),
+                  dtype=meta_of(x).dtype, requires_grad=meta_of(x).requires_grad)
 
 
 def emit_fill(b, shape, dtype, value) -> fx.Node:
@@ -643,16 +643,16 @@ class Gather(OpDef):
 
     def vjp(self, b, node, grad_out):
         source, index = node.args
-        if not source.meta["requires_grad"]:
+        if not meta_of(source).requires_grad:
             return [None, None]
         p = node.kwargs
         if _picks_one_per_line(node):
             return [_one_hot_gradient(b, node, grad_out), None]
         return [b.call(EXTERNS["index_backward"], [grad_out, index],
-                       {"mode": p["mode"], "dim": p["dim"], "shape": source.meta["shape"],
+                       {"mode": p["mode"], "dim": p["dim"], "shape": meta_of(source).shape,
                         "padding_idx": p.get("padding_idx"), "wrap": p.get("wrap", False)},
-                       shape=source.meta["shape"], dtype=grad_out.meta["dtype"],
-                       requires_grad=grad_out.meta["requires_grad"]), None]
+                       shape=meta_of(source).shape, dtype=meta_of(grad_out).dtype,
+                       requires_grad=meta_of(grad_out).requires_grad), None]
 
     @staticmethod
     def positions(node, index: list):
@@ -662,7 +662,7 @@ class Gather(OpDef):
         if mode == "gather":
             return list(index), [None if d == dim else i for d, i in enumerate(index)]
         if mode == "index_select":  # the index tensor's dims stand where ``dim`` was
-            k = len(node.args[1].meta["shape"])
+            k = len(meta_of(node.args[1]).shape)
             return list(index[dim:dim + k]), list(index[:dim]) + [None] + list(index[dim + k:])
         return list(index[:-1]), [None, index[-1]]  # embedding: rows of a 2-D weight
 
@@ -674,10 +674,10 @@ def _picks_one_per_line(node) -> bool:
     """A torch.gather that picks one element of each line along ``dim`` (cross-entropy's
     target logit): its index has the source's shape with size 1 at ``dim``."""
     source, index = node.args
-    ss, si, dim = source.meta["shape"], index.meta["shape"], node.kwargs["dim"]
+    ss, si, dim = meta_of(source).shape, meta_of(index).shape, node.kwargs["dim"]
     return (node.kwargs["mode"] == "gather" and not node.kwargs.get("wrap") and len(ss) == len(si)
             and si[dim] == 1 and all(a == b for d, (a, b) in enumerate(zip(ss, si)) if d != dim)
-            and not node.meta["dtype"].is_complex)
+            and not meta_of(node).dtype.is_complex)
 
 
 def _one_hot_gradient(b, node, grad_out) -> fx.Node:
@@ -686,17 +686,17 @@ def _one_hot_gradient(b, node, grad_out) -> fx.Node:
     into the kernel that consumes it; a scatter-add would write a zero tensor first and run
     as a separate op."""
     source, index = node.args
-    shape, dim = source.meta["shape"], node.kwargs["dim"]
-    positions = emit_iota(b, shape, dim, dtype=index.meta["dtype"])
+    shape, dim = meta_of(source).shape, node.kwargs["dim"]
+    positions = emit_iota(b, shape, dim, dtype=meta_of(index).dtype)
     hit = emit_pointwise(b, "eq", [positions, emit_view(b, "expand", index, shape=shape)], dtype=torch.bool)
     spread = emit_view(b, "expand", grad_out, shape=shape)
-    return emit_pointwise(b, "where", [hit, spread, 0.0], dtype=grad_out.meta["dtype"],
-                          requires_grad=grad_out.meta["requires_grad"])
+    return emit_pointwise(b, "where", [hit, spread, 0.0], dtype=meta_of(grad_out).dtype,
+                          requires_grad=meta_of(grad_out).requires_grad)
 
 
 def emit_gather(b, source, index, mode, dim, padding_idx=None, zero_padding=False, wrap=False) -> fx.Node:
     """``wrap``: negative indices count from the end (``x[idx]``); otherwise they are errors."""
-    ss, si = source.meta["shape"], index.meta["shape"]
+    ss, si = meta_of(source).shape, meta_of(index).shape
     if mode == "gather":
         shape = si
     elif mode == "index_select":
@@ -709,8 +709,8 @@ def emit_gather(b, source, index, mode, dim, padding_idx=None, zero_padding=Fals
     if padding_idx is not None:
         kwargs["padding_idx"] = padding_idx
         kwargs["zero_padding"] = zero_padding
-    return b.call(GATHER, [source, index], kwargs, shape=shape, dtype=source.meta["dtype"],
-                  requires_grad=source.meta["requires_grad"])
+    return b.call(GATHER, [source, index], kwargs, shape=shape, dtype=meta_of(source).dtype,
+                  requires_grad=meta_of(source).requires_grad)
 
 
 # ----------------------------------------------------------------------------- scatter
@@ -725,10 +725,10 @@ class SliceScatter(OpDef):
         base, src = node.args
         params = node.kwargs
         g_base = g_src = None
-        if base.meta["requires_grad"]:
-            zeros = emit_fill(b, src.meta["shape"], grad_out.meta["dtype"], 0)
+        if meta_of(base).requires_grad:
+            zeros = emit_fill(b, meta_of(src).shape, meta_of(grad_out).dtype, 0)
             g_base = emit_slice_scatter(b, grad_out, zeros, **params)
-        if src.meta["requires_grad"]:
+        if meta_of(src).requires_grad:
             g_src = emit_slice(b, grad_out, **params)
         return [g_base, g_src]
 
@@ -738,8 +738,8 @@ SLICE_SCATTER = SliceScatter("slice_scatter")
 
 def emit_slice_scatter(b, base, src, dim, start, step, length) -> fx.Node:
     return b.call(SLICE_SCATTER, [base, src], {"dim": dim, "start": start, "step": step, "length": length},
-                  shape=base.meta["shape"], dtype=base.meta["dtype"],
-                  requires_grad=base.meta["requires_grad"] or src.meta["requires_grad"])
+                  shape=meta_of(base).shape, dtype=meta_of(base).dtype,
+                  requires_grad=meta_of(base).requires_grad or meta_of(src).requires_grad)
 
 
 # ----------------------------------------------------------------------------- extern
@@ -767,13 +767,13 @@ def _matmul_grads(b, name, a, w, grad_out):
 
     def adjoint(x):
         x = emit_view(b, "permute", x, dims=t)
-        if x.meta["dtype"].is_complex:
-            x = emit_pointwise(b, "conj", [x], dtype=x.meta["dtype"], requires_grad=False)
+        if meta_of(x).dtype.is_complex:
+            x = emit_pointwise(b, "conj", [x], dtype=meta_of(x).dtype, requires_grad=False)
         return x
     ga = gw = None
-    if a.meta["requires_grad"]:
+    if meta_of(a).requires_grad:
         ga = emit_extern(b, name, grad_out, adjoint(w))
-    if w.meta["requires_grad"]:
+    if meta_of(w).requires_grad:
         gw = emit_extern(b, name, adjoint(a), grad_out)
     return [ga, gw]
 
@@ -794,7 +794,7 @@ class IndexBackward(Extern):
 
     def vjp(self, b, node, grad_out):
         grad, index = node.args
-        if not grad.meta["requires_grad"]:
+        if not meta_of(grad).requires_grad:
             return [None, None]
         p = node.kwargs
         return [emit_gather(b, grad_out, index, p["mode"], p["dim"], p.get("padding_idx"), zero_padding=True,
@@ -809,12 +809,12 @@ class Convolution(Extern):
         x, w = node.args
         grads = []
         for which, source in (("input", x), ("weight", w)):
-            if not source.meta["requires_grad"]:
+            if not meta_of(source).requires_grad:
                 grads.append(None)
                 continue
             grads.append(b.call(EXTERNS["conv_backward"], [grad_out, x, w], {"which": which, **node.kwargs},
-                                shape=source.meta["shape"], dtype=grad_out.meta["dtype"],
-                                requires_grad=grad_out.meta["requires_grad"]))
+                                shape=meta_of(source).shape, dtype=meta_of(grad_out).dtype,
+                                requires_grad=meta_of(grad_out).requires_grad))
         return grads
 
 
@@ -832,22 +832,22 @@ EXTERNS = {"mm": MatMul("mm"), "bmm": MatMul("bmm"), "addmm": AddMM("addmm"),
 def emit_conv(b, x, w, shape, stride, padding, dilation, groups) -> fx.Node:
     return b.call(EXTERNS["conv"], [x, w], {"stride": stride, "padding": padding, "dilation": dilation,
                                             "groups": groups},
-                  shape=shape, dtype=x.meta["dtype"], requires_grad=x.meta["requires_grad"] or w.meta["requires_grad"])
+                  shape=shape, dtype=meta_of(x).dtype, requires_grad=meta_of(x).requires_grad or meta_of(w).requires_grad)
 
 
 def emit_extern(b, name, a, w) -> fx.Node:
-    sa, sw = a.meta["shape"], w.meta["shape"]
+    sa, sw = meta_of(a).shape, meta_of(w).shape
     shape = (sa[0], sw[1]) if name == "mm" else (sa[0], sa[1], sw[2])
-    dtype = torch.promote_types(a.meta["dtype"], w.meta["dtype"])
+    dtype = torch.promote_types(meta_of(a).dtype, meta_of(w).dtype)
     return b.call(EXTERNS[name], [a, w], shape=shape, dtype=dtype,
-                  requires_grad=a.meta["requires_grad"] or w.meta["requires_grad"])
+                  requires_grad=meta_of(a).requires_grad or meta_of(w).requires_grad)
 
 
 def emit_addmm(b, bias, a, w) -> fx.Node:
     """bias + a @ w for 2-D ``a`` and ``w`` and a bias that broadcasts to the product."""
-    return b.call(EXTERNS["addmm"], [bias, a, w], shape=(a.meta["shape"][0], w.meta["shape"][1]),
-                  dtype=torch.promote_types(a.meta["dtype"], w.meta["dtype"]),
-                  requires_grad=any(x.meta["requires_grad"] for x in (bias, a, w)))
+    return b.call(EXTERNS["addmm"], [bias, a, w], shape=(meta_of(a).shape[0], meta_of(w).shape[1]),
+                  dtype=torch.promote_types(meta_of(a).dtype, meta_of(w).dtype),
+                  requires_grad=any(meta_of(x).requires_grad for x in (bias, a, w)))
 
 
 def vjp(b: GraphBuilder, node: fx.Node, grad_out: fx.Node):

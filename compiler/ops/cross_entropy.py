@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from compiler.ir import meta_of
 from compiler.ops import catalog as C
 from compiler.ops.bindings import (Unsupported, _cast, _log_softmax, _pointwise, _reduce_loss, _shifted, _statistic,
                                    binds)
@@ -30,23 +31,23 @@ def _picked(b, values, target, ignore_index, keepdim=False):
     Ignored positions gather at class 0 (any valid class; callers discard the value); other
     targets out of range raise eager's IndexError (the gather's index check).
     """
-    shape = values.meta["shape"]
+    shape = meta_of(values).shape
     valid = C.emit_pointwise(b, "ne", [target, ignore_index], dtype=torch.bool)
-    index = C.emit_pointwise(b, "where", [valid, target, 0], dtype=target.meta["dtype"], requires_grad=False)
+    index = C.emit_pointwise(b, "where", [valid, target, 0], dtype=meta_of(target).dtype, requires_grad=False)
     picked = C.emit_gather(b, values, C.emit_view(b, "reshape", index, shape=shape[:1] + (1,) + shape[2:]),
                            "gather", 1)
-    return (picked if keepdim else C.emit_view(b, "reshape", picked, shape=target.meta["shape"])), valid, index
+    return (picked if keepdim else C.emit_view(b, "reshape", picked, shape=meta_of(target).shape)), valid, index
 
 
 def _class_weight(weight, x):
     if weight is None:
         return None
-    classes = x.meta["shape"][1]
-    if not isinstance(weight, fx.Node) or tuple(weight.meta["shape"]) != (classes,):
+    classes = meta_of(x).shape[1]
+    if not isinstance(weight, fx.Node) or tuple(meta_of(weight).shape) != (classes,):
         raise Unsupported(f"a class weight must be a 1-D tensor of {classes} elements (eager raises)")
-    if weight.meta["requires_grad"]:
+    if meta_of(weight).requires_grad:
         raise Unsupported("a class weight that requires grad (eager has no gradient for it)")
-    if weight.meta["dtype"] != x.meta["dtype"]:
+    if meta_of(weight).dtype != meta_of(x).dtype:
         raise Unsupported("a class weight of another dtype than the input (eager raises)")
     return weight
 
@@ -61,7 +62,7 @@ def _counted(b, weight, index, valid, dtype):
 
 def _per_class(b, weight, ndim):
     """A class weight shaped to broadcast along dim 1 of an (N, C, ...) tensor."""
-    return C.emit_view(b, "reshape", weight, shape=(1, weight.meta["shape"][0]) + (1,) * (ndim - 2))
+    return C.emit_view(b, "reshape", weight, shape=(1, meta_of(weight).shape[0]) + (1,) * (ndim - 2))
 
 
 def _check_legacy(name, size_average, reduce):
@@ -72,36 +73,36 @@ def _check_legacy(name, size_average, reduce):
 @binds(F.nll_loss)
 def _nll_loss(b, x, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean"):
     _check_legacy("nll_loss", size_average, reduce)
-    if len(x.meta["shape"]) < 2 or target.meta["dtype"].is_floating_point:
+    if len(meta_of(x).shape) < 2 or meta_of(target).dtype.is_floating_point:
         raise Unsupported("nll_loss needs (N, C, ...) log-probabilities and class-index targets")
     weight = _class_weight(weight, x)
     picked, valid, index = _picked(b, x, target, ignore_index)
-    share = _counted(b, weight, index, valid, x.meta["dtype"])
+    share = _counted(b, weight, index, valid, meta_of(x).dtype)
     loss = _pointwise(b, "neg", [picked])
     if weight is not None:
         loss = _pointwise(b, "mul", [loss, share])
-    loss = C.emit_pointwise(b, "where", [valid, loss, 0.0], dtype=x.meta["dtype"])
+    loss = C.emit_pointwise(b, "where", [valid, loss, 0.0], dtype=meta_of(x).dtype)
     return _reduce_loss(b, loss, reduction, _total(b, share) if reduction == "mean" else None)
 
 
 def _total(b, x):
-    return C.emit_reduction(b, "sum", x, tuple(range(len(x.meta["shape"]))))
+    return C.emit_reduction(b, "sum", x, tuple(range(len(meta_of(x).shape))))
 
 
 @binds(F.cross_entropy)
 def _cross_entropy(b, x, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                    reduction="mean", label_smoothing=0.0):
     _check_legacy("cross_entropy", size_average, reduce)
-    if len(x.meta["shape"]) < 2:
+    if len(meta_of(x).shape) < 2:
         raise Unsupported("cross_entropy of an unbatched input")
     if not 0.0 <= label_smoothing <= 1.0:
         raise Unsupported(f"label_smoothing must be between 0.0 and 1.0, got {label_smoothing} (eager raises)")
     weight = _class_weight(weight, x)
-    if target.meta["dtype"].is_floating_point:
+    if meta_of(target).dtype.is_floating_point:
         return _with_probabilities(b, x, target, weight, ignore_index, reduction, label_smoothing)
-    if target.meta["dtype"].is_complex or len(target.meta["shape"]) != len(x.meta["shape"]) - 1:
+    if meta_of(target).dtype.is_complex or len(meta_of(target).shape) != len(meta_of(x).shape) - 1:
         raise Unsupported("cross_entropy needs (N, C, ...) logits and (N, ...) class indices")
-    dtype, ndim, classes = x.meta["dtype"], len(x.meta["shape"]), x.meta["shape"][1]
+    dtype, ndim, classes = meta_of(x).dtype, len(meta_of(x).shape), meta_of(x).shape[1]
     # NOTE: -log_softmax(x)[t] written as log(sum(exp(x - max))) - (x[t] - max): eager's value
     # ((x[t] - max) - log(sum), negated), whose gradient (softmax - onehot) * grad needs no
     # sum over the classes of the one-hot part.
@@ -109,7 +110,7 @@ def _cross_entropy(b, x, target, weight=None, size_average=None, ignore_index=-1
     log_total = _pointwise(b, "log", [_statistic(b, "sum", _pointwise(b, "exp", [shifted]), (1,))])
     picked, valid, index = _picked(b, shifted, target, ignore_index, keepdim=True)
     share = _counted(b, weight, index, valid, dtype)
-    loss = C.emit_view(b, "reshape", _pointwise(b, "sub", [log_total, picked]), shape=target.meta["shape"])
+    loss = C.emit_view(b, "reshape", _pointwise(b, "sub", [log_total, picked]), shape=meta_of(target).shape)
     if weight is not None:
         loss = _pointwise(b, "mul", [loss, share])
     if label_smoothing > 0:
@@ -118,10 +119,10 @@ def _cross_entropy(b, x, target, weight=None, size_average=None, ignore_index=-1
         weighted = shifted if weight is None else _pointwise(b, "mul", [shifted, _per_class(b, weight, ndim)])
         mass = float(classes) if weight is None else C.emit_reduction(b, "sum", weight, (0,))
         smooth = _pointwise(b, "sub", [_pointwise(b, "mul", [log_total, mass]), _statistic(b, "sum", weighted, (1,))])
-        smooth = C.emit_view(b, "reshape", smooth, shape=target.meta["shape"])
+        smooth = C.emit_view(b, "reshape", smooth, shape=meta_of(target).shape)
         loss = _pointwise(b, "add", [_pointwise(b, "mul", [loss, 1.0 - label_smoothing]),
                                      _pointwise(b, "mul", [smooth, label_smoothing / classes])])
-    loss = _cast(b, C.emit_pointwise(b, "where", [valid, loss, 0.0], dtype=loss.meta["dtype"]), dtype)
+    loss = _cast(b, C.emit_pointwise(b, "where", [valid, loss, 0.0], dtype=meta_of(loss).dtype), dtype)
     return _reduce_loss(b, loss, reduction, _total(b, share) if reduction == "mean" else None)
 
 
@@ -129,14 +130,14 @@ def _with_probabilities(b, x, target, weight, ignore_index, reduction, label_smo
     """Class probabilities as targets: -sum_c w_c p_c log_softmax(x)_c, the mean over positions."""
     if ignore_index != -100:
         raise Unsupported("ignore_index with class-probability targets (eager raises)")
-    if target.meta["shape"] != x.meta["shape"] or target.meta["dtype"] != x.meta["dtype"]:
+    if meta_of(target).shape != meta_of(x).shape or meta_of(target).dtype != meta_of(x).dtype:
         raise Unsupported("class-probability targets must match the input's shape and dtype (eager raises)")
-    classes = x.meta["shape"][1]
+    classes = meta_of(x).shape[1]
     if label_smoothing > 0:
         target = _pointwise(b, "add", [_pointwise(b, "mul", [target, 1.0 - label_smoothing]),
                                        label_smoothing / classes])
     product = _pointwise(b, "mul", [_log_softmax(b, x, 1), target])
     if weight is not None:
-        product = _pointwise(b, "mul", [product, _per_class(b, weight, len(x.meta["shape"]))])
+        product = _pointwise(b, "mul", [product, _per_class(b, weight, len(meta_of(x).shape))])
     loss = _pointwise(b, "neg", [C.emit_reduction(b, "sum", product, (1,))])
     return _reduce_loss(b, loss, reduction)
