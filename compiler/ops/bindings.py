@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from compiler.ir import compute_dtype, meta_of, result_dtype
+from compiler.ir import compute_dtype, meta_of, numel, result_dtype
 from compiler.ops import catalog as C
 
 
@@ -545,13 +545,13 @@ def _shape_arg(x, shape):
         shape = tuple(shape[0])
     if not all(isinstance(s, int) for s in shape):
         raise Unsupported("view/reshape with a non-integer size")
-    total = C.numel(meta_of(x).shape)
+    total = numel(meta_of(x).shape)
     if shape.count(-1) > 1:
         raise Unsupported("more than one -1 in a shape")
     if -1 in shape:
-        known = C.numel([s for s in shape if s != -1])
+        known = numel([s for s in shape if s != -1])
         shape = tuple(total // known if s == -1 else s for s in shape)
-    if C.numel(shape) != total:
+    if numel(shape) != total:
         raise Unsupported(f"shape {list(shape)} is invalid for input of size {total}")
     return tuple(shape)
 
@@ -574,7 +574,7 @@ def _flatten(b, x, start_dim=0, end_dim=-1):
     if not shape:
         return C.emit_view(b, "reshape", x, shape=(1,))
     s, e = start_dim % len(shape), end_dim % len(shape)
-    return C.emit_view(b, "reshape", x, shape=shape[:s] + [C.numel(shape[s:e + 1])] + shape[e + 1:])
+    return C.emit_view(b, "reshape", x, shape=shape[:s] + [numel(shape[s:e + 1])] + shape[e + 1:])
 
 
 @binds(torch.unsqueeze, _t("unsqueeze"))
@@ -665,11 +665,11 @@ def _matmul_nodes(b, a, w):
     if sa[-1] != sw[-2]:
         raise Unsupported(f"matmul shapes {list(sa)} and {list(sw)} do not match (eager raises)")
     if len(sw) == 2:  # the common case: activations @ weight — one mm over all rows
-        rows = C.emit_view(b, "reshape", a, shape=(C.numel(sa[:-1]), sa[-1]))
+        rows = C.emit_view(b, "reshape", a, shape=(numel(sa[:-1]), sa[-1]))
         out = C.emit_extern(b, "mm", rows, w)
         return C.emit_view(b, "reshape", out, shape=tuple(sa[:-1]) + (sw[-1],))
     batch = tuple(torch.broadcast_shapes(sa[:-2], sw[:-2]))
-    nb = C.numel(batch)
+    nb = numel(batch)
     a3 = C.emit_view(b, "reshape", _expand(b, a, batch + tuple(sa[-2:])), shape=(nb,) + tuple(sa[-2:]))
     w3 = C.emit_view(b, "reshape", _expand(b, w, batch + tuple(sw[-2:])), shape=(nb,) + tuple(sw[-2:]))
     out = C.emit_extern(b, "bmm", a3, w3)
@@ -731,7 +731,7 @@ def _linear(b, x, weight, bias=None):
             len(meta_of(weight).shape) == 2 and meta_of(x).dtype == meta_of(weight).dtype == meta_of(bias).dtype and \
             meta_of(x).shape[-1] == meta_of(weight).shape[1] and meta_of(bias).shape[0] == meta_of(weight).shape[0]:
         sx = meta_of(x).shape
-        rows = C.emit_view(b, "reshape", x, shape=(C.numel(sx[:-1]), sx[-1]))
+        rows = C.emit_view(b, "reshape", x, shape=(numel(sx[:-1]), sx[-1]))
         out = C.emit_addmm(b, bias, rows, _t_(b, weight))
         return C.emit_view(b, "reshape", out, shape=tuple(sx[:-1]) + (meta_of(weight).shape[0],))
     out = _matmul_nodes(b, x, _t_(b, weight))
@@ -1118,7 +1118,7 @@ def _repeat_interleave(b, x, repeats=None, dim=None, *, output_size=None):
     if not isinstance(repeats, int):
         raise Unsupported("repeat_interleave with tensor repeats is not supported yet")
     if dim is None:
-        x = C.emit_view(b, "reshape", x, shape=(C.numel(meta_of(x).shape),))
+        x = C.emit_view(b, "reshape", x, shape=(numel(meta_of(x).shape),))
         dim = 0
     return _interleave(b, x, {dim % len(meta_of(x).shape): repeats})
 
@@ -1172,7 +1172,7 @@ def _avg_pool(dims):
         if divisor_override is not None:
             return _pointwise(b, "div", [total, float(divisor_override)])
         if count_include_pad or not any(padding):
-            return _pointwise(b, "div", [total, float(C.numel(kernel))])
+            return _pointwise(b, "div", [total, float(numel(kernel))])
         ones = C.emit_fill(b, meta_of(x).shape, meta_of(x).dtype, 1)
         counts = C.emit_reduction(b, "sum", _pool_windows(b, ones, dims, kernel, stride, padding, 0.0), window_dims)
         return _pointwise(b, "div", [total, counts])
@@ -1213,7 +1213,7 @@ def _max_pool(dims):
             if position is not None:
                 at = _pointwise(b, "add", [_pointwise(b, "mul", [position, float(k)]), at])
             position = at
-        big = float(C.numel(kernel))
+        big = float(numel(kernel))
         negated = C.emit_pointwise(b, "where", [hit, _pointwise(b, "neg", [position]), -big], dtype=torch.float32)
         first = _pointwise(b, "neg", [C.emit_reduction(b, "amax", negated, window_dims, keepdim=True)])
         chosen = _pointwise(b, "eq", [position, first])
@@ -1255,7 +1255,7 @@ def _batch_norm(b, input, running_mean, running_var, weight=None, bias=None, tra
         if training and running_mean is not None:
             if momentum is None:
                 raise Unsupported("batch_norm with momentum=None (a cumulative average) is not supported yet")
-            count = C.numel([shape[d] for d in dims])
+            count = numel([shape[d] for d in dims])
             for stat, batch, scale in ((running_mean, mean, 1.0), (running_var, var, count / max(count - 1, 1))):
                 batch = C.emit_view(b, "reshape", _detached(b, batch), shape=(shape[1],))
                 if meta_of(batch).dtype != meta_of(stat).dtype:
@@ -1298,7 +1298,7 @@ def _variance(b, x, dim, correction, keepdim):
     if not meta_of(x).dtype.is_floating_point:
         raise Unsupported("var/std of a non-floating tensor")
     dims = _dims(x, dim)
-    count = C.numel([meta_of(x).shape[d] for d in dims])
+    count = numel([meta_of(x).shape[d] for d in dims])
     mean = _statistic(b, "mean", x, dims)
     centered = _pointwise(b, "sub", [x, mean])
     total = _statistic(b, "sum", _pointwise(b, "mul", [centered, centered]), dims, keepdim)
@@ -1421,7 +1421,7 @@ def _group_norm(b, input, num_groups, weight=None, bias=None, eps=1e-5):
     shape = meta_of(input).shape
     if len(shape) < 2 or shape[1] % num_groups:
         raise Unsupported("group_norm: channels must divide into the groups (eager raises)")
-    grouped = C.emit_view(b, "reshape", input, shape=(shape[0], num_groups, C.numel(shape[1:]) // num_groups))
+    grouped = C.emit_view(b, "reshape", input, shape=(shape[0], num_groups, numel(shape[1:]) // num_groups))
     out = C.emit_view(b, "reshape", _normalized(b, grouped, (2,), eps), shape=shape)
     per_channel = (shape[1],) + (1,) * (len(shape) - 2)
     if weight is not None:
@@ -1484,7 +1484,7 @@ def _reduce_loss(b, loss, reduction, count=None):
     if reduction != "mean":
         raise Unsupported(f"reduction={reduction!r}")
     if count is None:
-        return _pointwise(b, "div", [total, float(C.numel(meta_of(loss).shape))])
+        return _pointwise(b, "div", [total, float(numel(meta_of(loss).shape))])
     return _pointwise(b, "div", [total, count])
 
 

@@ -20,8 +20,16 @@ import torch.nn.functional as F
 
 from compiler.ir import meta_of
 from compiler.ops import catalog as C
-from compiler.ops.bindings import (Unsupported, _cast, _log_softmax, _pointwise, _reduce_loss, _shifted, _statistic,
-                                   binds)
+from compiler.ops.bindings import (
+    Unsupported,
+    _cast,
+    _log_softmax,
+    _pointwise,
+    _reduce_loss,
+    _shifted,
+    _statistic,
+    binds,
+)
 
 
 def _picked(b, values, target, ignore_index, keepdim=False):

@@ -7,8 +7,8 @@ expressions (Step, TieShare, CSgn...) map to what eager PyTorch's backward formu
 
 from __future__ import annotations
 
-import torch
 import sympy
+import torch
 
 from compiler.ops import scalar as S
 from compiler.ops import symbols as Y

@@ -1,0 +1,334 @@
+"""Pointwise ops: a scalar SymPy expression per op; derivative by SymPy, lowering by the printer."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import sympy
+import torch
+import torch.fx as fx
+
+from compiler.ir import GraphBuilder, arg_symbol, meta_of
+from compiler.ops import scalar as S
+from compiler.ops import symbols as Y
+from compiler.ops.base import OpDef
+from compiler.ops.symbols import conj
+
+GRAD_SYMBOL = Y.GRAD
+
+
+RESULT_SYMBOL = Y.RESULT
+
+
+# ----------------------------------------------------------------------------- pointwise
+def _divide(a, b):
+    # NOTE: SymPy makes x / 0 the complex infinity (zoo), which no kernel can print; IEEE
+    # division by a constant zero is a product with an infinity of the zero's sign (x / 0.0
+    # is inf, -inf or NaN, as eager; var() with no degrees of freedom divides by 0.0).
+    if getattr(b, "is_number", False) and b.is_zero and b.is_extended_real:
+        return a * (sympy.oo if math.copysign(1.0, float(b)) > 0 else -sympy.oo)
+    return a / b
+
+
+# Every elementwise op the compiler knows, as a function of SymPy scalars. The derivative,
+# the kernel code and the broadcasting all follow from this one expression.
+SCALAR_FUNCTIONS = {
+    "add": lambda a, b: a + b,
+    "sub": lambda a, b: a - b,
+    "mul": lambda a, b: a * b,
+    "div": lambda a, b: _divide(a, b),
+    "neg": lambda a: -a,
+    "pow": lambda a, b: a**b,
+    "exp": sympy.exp,
+    "log": sympy.log,
+    "sqrt": sympy.sqrt,
+    "rsqrt": lambda a: 1 / sympy.sqrt(a),
+    "reciprocal": lambda a: 1 / a,
+    "square": lambda a: a * a,
+    "sin": sympy.sin,
+    "cos": sympy.cos,
+    "tanh": sympy.tanh,
+    "sigmoid": S.Sigmoid,
+    "relu": S.Relu,
+    "gelu": lambda a: a * (1 + sympy.erf(a / sympy.sqrt(2))) / 2,
+    "gelu_tanh": lambda a: a * (1 + sympy.tanh(sympy.sqrt(2 / sympy.pi) * (a + sympy.Float("0.044715") * a**3))) / 2,
+    "silu": lambda a: a * S.Sigmoid(a),
+    "abs": lambda a: S.CAbs(a, conj(a)) if Y.is_complex_symbol(a) else S.Abs(a),
+    "conj": conj,
+    "real": lambda a: (a + conj(a)) / 2 if Y.is_complex_symbol(a) else a,
+    "imag": lambda a: (a - conj(a)) / (2 * sympy.I),
+    "angle": lambda a: S.CAngle(a, conj(a)) if Y.is_complex_symbol(a) else S.RealAngle(a),
+    "complex": lambda re, im: re + sympy.I * im,
+    "polar": lambda r, theta: r * (sympy.cos(theta) + sympy.I * sympy.sin(theta)),
+    "tan": sympy.tan,
+    "asin": sympy.asin,
+    "acos": sympy.acos,
+    "atan": sympy.atan,
+    "sinh": sympy.sinh,
+    "cosh": sympy.cosh,
+    "asinh": sympy.asinh,
+    "acosh": sympy.acosh,
+    "atanh": sympy.atanh,
+    "log1p": S.Log1p,
+    "expm1": S.Expm1,
+    "log2": lambda a: sympy.log(a) / sympy.log(2),
+    "log10": lambda a: sympy.log(a) / sympy.log(10),
+    "exp2": lambda a: sympy.exp(a * sympy.log(2)),
+    "erf": sympy.erf,
+    "erfc": sympy.erfc,
+    "sign": S.Sign,
+    "floor": S.Floor,
+    "ceil": S.Ceil,
+    "round": S.Round,
+    "trunc": S.Trunc,
+    "frac": lambda a: a - S.Trunc(a),
+    # activations; where a boundary belongs matters, it is eager's backward's choice
+    "softplus": lambda x, beta, threshold: S.Where(_compare("gt", x * beta, threshold), x,
+                                                   S.Log1p(sympy.exp(beta * x)) / beta),
+    "leaky_relu": lambda x, slope: S.Where(_compare("gt", x, 0), x, slope * x),
+    "elu": lambda x, alpha, scale, input_scale: S.Where(_compare("gt", x, 0), scale * x,
+                                                        scale * alpha * S.Expm1(input_scale * x)),
+    "hardtanh": lambda x, lo, hi: S.Where(_compare("le", x, lo), lo, S.Where(_compare("ge", x, hi), hi, x)),
+    "hardsigmoid": lambda x: S.Where(_compare("le", x, -3), 0,
+                                     S.Where(_compare("ge", x, 3), 1, x / 6 + sympy.Rational(1, 2))),
+    "hardswish": lambda x: S.Where(_compare("lt", x, -3), 0, S.Where(_compare("le", x, 3), x * (x + 3) / 6, x)),
+    "mish": lambda x: x * sympy.tanh(S.Log1p(sympy.exp(x))),
+    "logsigmoid": lambda x: S.Minimum(x, 0) - S.Log1p(sympy.exp(-S.Abs(x))),
+    "softsign": lambda x: x / (1 + S.Abs(x)),
+    "atan2": sympy.atan2,
+    "hypot": lambda a, b: sympy.sqrt(a * a + b * b),
+    "logaddexp": lambda a, b: S.Maximum(a, b) + S.Log1p(sympy.exp(-S.Abs(a - b))),
+    "xlogy": lambda a, b: S.Where(_compare("eq", a, 0), 0, a * sympy.log(b)),
+    "lerp": lambda start, end, weight: start + weight * (end - start),
+    "addcmul": lambda x, t1, t2, value: x + value * t1 * t2,
+    "addcdiv": lambda x, t1, t2, value: x + value * t1 / t2,
+    "norm_sqrt": S.NormSqrt,
+    "smooth_l1": lambda d, beta: S.Where(_compare("lt", S.Abs(d), beta), d * d / (2 * beta), S.Abs(d) - beta / 2),
+    "huber": lambda d, delta: S.Where(_compare("le", S.Abs(d), delta), d * d / 2, delta * (S.Abs(d) - delta / 2)),
+    "bce_with_logits": lambda x, t, pos_weight: (1 - t) * x + (1 + (pos_weight - 1) * t) * (
+        S.Log1p(sympy.exp(-S.Abs(x))) + S.Maximum(-x, 0)),
+    "kl_div": lambda x, t: S.Where(_compare("eq", t, 0), 0, t * sympy.log(t)) - t * x,  # xlogy(t, t) - t x
+    "kl_div_log_target": lambda x, t: sympy.exp(t) * (t - x),
+    "maximum": S.Maximum,
+    "minimum": S.Minimum,
+    "where": S.Where,
+    # clamp: boundaries included in the pass-through region, as eager's backward does
+    "clamp": lambda x, lo, hi: S.Where(_compare("lt", x, lo), lo, S.Where(_compare("gt", x, hi), hi, x)),
+    "clamp_min": lambda x, lo: S.Where(_compare("lt", x, lo), lo, x),
+    "clamp_max": lambda x, hi: S.Where(_compare("gt", x, hi), hi, x),
+    # logic on booleans (any nonzero value is true, as in torch.logical_*)
+    "logical_not": lambda a: _compare("eq", a, 0),
+    # (the outer comparison keeps the result a boolean when it is inlined into a condition)
+    "logical_and": lambda a, b: _compare("ne", S.Where(_compare("ne", a, 0), b, 0), 0),
+    "logical_or": lambda a, b: _compare("ne", S.Where(_compare("ne", a, 0), 1, b), 0),
+    "logical_xor": lambda a, b: _compare("ne", _compare("ne", a, 0), _compare("ne", b, 0)),
+    "identity": lambda a: a,  # dtype conversion: the node's dtype says what to convert to
+    "fill": lambda value: value,  # zeros_like & co: a constant over the node's shape
+}
+
+
+for _i, _cmp in enumerate(S.COMPARE_OPS):
+    SCALAR_FUNCTIONS[_cmp] = functools.partial(lambda i, a, b: S.Compare(sympy.Integer(i), a, b), _i)
+
+
+def _compare(name, a, b):
+    return S.Compare(sympy.Integer(S.COMPARE_OPS.index(name)), a, b)
+
+
+# Ops whose integer inputs give a floating result (sin of an int tensor is float).
+FLOAT_RESULT_OPS = {"exp", "log", "sqrt", "rsqrt", "reciprocal", "sin", "cos", "tanh", "sigmoid",
+                    "gelu", "gelu_tanh", "silu", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh",
+                    "atanh", "log1p", "expm1", "log2", "log10", "exp2", "erf", "erfc", "atan2", "hypot",
+                    "logaddexp", "xlogy", "norm_sqrt"}
+
+
+BOOL_RESULT_OPS = set(S.COMPARE_OPS) | {"logical_not", "logical_and", "logical_or", "logical_xor"}
+
+
+class Pointwise(OpDef):
+    kind = "pointwise"
+
+
+POINTWISE = {name: Pointwise(name) for name in SCALAR_FUNCTIONS}
+
+
+DERIVED = Pointwise("pointwise")  # nodes made by differentiation: the expression says it all
+
+
+def scalar_expr(name: str, operands) -> tuple[sympy.Expr, list]:
+    """The expression of op ``name`` over ``operands`` (nodes or Python scalars).
+
+    Returns the expression over a0..a{k-1} and the k tensor operands it refers to; Python
+    scalars become numbers inside the expression.
+    """
+    tensors, symbols = [], []
+    for item in operands:
+        if isinstance(item, fx.Node):
+            symbols.append(Y.operand(len(tensors), meta_of(item).dtype.is_complex))
+            tensors.append(item)
+        elif isinstance(item, complex):
+            symbols.append(_float(item.real) + sympy.I * _float(item.imag))
+        elif isinstance(item, bool):
+            symbols.append(sympy.Integer(int(item)))
+        elif isinstance(item, int):
+            symbols.append(sympy.Integer(item))
+        elif isinstance(item, float):
+            symbols.append(_float(item))
+        else:
+            raise TypeError(f"unsupported scalar operand {item!r}")
+    return SCALAR_FUNCTIONS[name](*symbols), tensors
+
+
+def _float(value: float) -> sympy.Expr:
+    if math.isinf(value):
+        return sympy.oo if value > 0 else -sympy.oo
+    if math.isnan(value):
+        return sympy.nan
+    if value == int(value) and abs(value) < 2**53:
+        return sympy.Float(value)  # keep it a float: 2.0 must print as a float literal
+    return sympy.Float(value, 17)
+
+
+@functools.lru_cache(maxsize=16384)
+def partial_derivative(expr: sympy.Expr, index: int) -> sympy.Expr:
+    """d expr / d a_index (a real argument), with the result replaced by ``y`` where it appears.
+
+    NOTE: rules follow PyTorch's conventions through the functions in ``scalar.py``; the
+    result is reused where PyTorch reuses it (exp' = y, sigmoid' = y(1-y), tanh' = 1-y²).
+    Cached: the same op signature is differentiated once per process.
+    """
+    return _reuse_result(sympy.diff(expr, arg_symbol(index)), expr, False)
+
+
+@functools.lru_cache(maxsize=16384)
+def wirtinger_gradient(expr: sympy.Expr, index: int, arg_complex: bool, out_complex: bool) -> sympy.Expr:
+    """The gradient reaching argument ``index`` of a pointwise op with a complex side.
+
+    NOTE: the autograd notes, "Autograd for Complex Numbers", equation (4):
+        grad_in = conj(grad_out) · ∂s/∂z̄ + grad_out · conj(∂s/∂z)
+    with z and z̄ independent symbols. A real output has a real grad_out (the C→R case,
+    2·grad_out·∂s/∂z̄, follows); a real input keeps the real part of its gradient.
+    """
+    g = Y.GRAD_Z if out_complex else Y.GRAD
+    gc = Y.GRAD_ZC if out_complex else Y.GRAD
+    if arg_complex:
+        ds_dz = sympy.diff(expr, Y.COMPLEX_ARGS[index])
+        ds_dzc = sympy.diff(expr, Y.CONJ_ARGS[index])
+        grad = gc * ds_dzc + g * conj(ds_dz)
+    else:
+        grad = g * conj(sympy.diff(expr, Y.REAL_ARGS[index]))
+        if out_complex or Y.has_complex(grad):
+            grad = (grad + conj(grad)) / 2  # a real input keeps the real part
+    return _reuse_result(grad, expr, out_complex)
+
+
+def masked_product(g, derivative):
+    """``g * derivative`` where every 0/1 mask in the derivative selects instead of multiplying.
+
+    NOTE: eager's backward of relu, clamp, maximum and where *selects* (threshold_backward,
+    ``where(mask, grad, 0)``): a NaN or inf gradient arriving where the mask is 0 gives 0, not
+    NaN = inf·0 as a product would (a fully masked softmax row's NaN, kept out by a where,
+    must not reach the parameters). So the masks become Where and ``g`` moves into the
+    branches, where SymPy's g·0 = 0 is exactly eager's answer.
+    """
+    if not derivative.has(S.Step, S.TieShare, S.Where):
+        return g * derivative
+    derivative = derivative.replace(
+        S.Step, lambda x: S.Where(_compare("le", x, 0), sympy.Integer(0), sympy.Integer(1)))
+    derivative = derivative.replace(S.TieShare, lambda a, b: S.Where(
+        _compare("eq", a, b), sympy.Rational(1, 2), S.Where(_compare("lt", a, b), sympy.Integer(0), sympy.Integer(1))))
+    return _into_branches(g, derivative)
+
+
+def _into_branches(g, d):
+    if isinstance(d, S.Where):
+        cond, a, b = d.args
+        return S.Where(cond, _into_branches(g, a), _into_branches(g, b))
+    if d.is_Add:
+        return sympy.Add(*[_into_branches(g, term) for term in d.args])
+    if d.is_Mul:
+        masks = [f for f in d.args if isinstance(f, S.Where)]
+        if masks:
+            cond, a, b = masks[0].args
+            rest = sympy.Mul(*[f for f in d.args if f is not masks[0]])
+            return S.Where(cond, _into_branches(g, rest * a), _into_branches(g, rest * b))
+    return g * d
+
+
+def _reuse_result(derivative, expr, out_complex):
+    if isinstance(expr, sympy.Symbol):
+        return derivative
+    if out_complex:
+        return derivative.xreplace({expr: Y.RESULT_Z, conj(expr): Y.RESULT_ZC})
+    return derivative.xreplace({expr: Y.RESULT})
+
+
+def pointwise_vjp(b: GraphBuilder, node: fx.Node, grad_out: fx.Node):
+    """Gradients of a pointwise node, in the node's shape (None where there is none).
+
+    Real ops: grad_in_i = grad_out * d expr / d a_i. With a complex input or output, the
+    Wirtinger form of ``wirtinger_gradient``.
+    """
+    expr = meta_of(node).expr
+    out_complex = meta_of(node).dtype.is_complex
+    any_complex = out_complex or any(meta_of(a).dtype.is_complex for a in node.args)
+    grads = []
+    for i, arg in enumerate(node.args):
+        dtype = meta_of(arg).dtype
+        if not meta_of(arg).requires_grad or not (dtype.is_floating_point or dtype.is_complex):
+            grads.append(None)
+            continue
+        if any_complex:
+            grad_expr = wirtinger_gradient(expr, i, dtype.is_complex, out_complex)
+        else:
+            derivative = partial_derivative(expr, i)
+            if derivative == 1 and meta_of(grad_out).dtype == dtype:
+                grads.append(grad_out)  # add, sub, identity: the gradient passes through
+                continue
+            grad_expr = masked_product(GRAD_SYMBOL, derivative)
+        if grad_expr == 0:
+            # eager gives zeros, not None, through a differentiable op whose derivative is 0
+            # (round, sign, x * 0): the input's .grad is a zero tensor, not missing
+            grads.append(emit_fill(b, meta_of(node).shape, dtype, 0))
+            continue
+        grads.append(derived_pointwise(b, grad_expr, node, grad_out, shape=meta_of(node).shape, dtype=dtype))
+    return grads
+
+
+def derived_pointwise(b: GraphBuilder, expr, node, grad_out, *, shape, dtype) -> fx.Node:
+    """A pointwise node computing ``expr``, whose symbols stand for ``node``'s arguments,
+    ``node`` itself (the result) and ``grad_out``; renumbered over the nodes it uses."""
+    def bound(symbol):
+        kind, index, _ = Y.role(symbol)
+        return grad_out if kind == "grad" else node if kind == "result" else node.args[index]
+
+    used = sorted(expr.free_symbols, key=lambda s: s.name)
+    args: list = []
+    for s in used:
+        if bound(s) not in args:
+            args.append(bound(s))
+    renamed = {}
+    for s in used:
+        target = bound(s)
+        k = args.index(target)
+        if meta_of(target).dtype.is_complex:
+            renamed[s] = Y.CONJ_ARGS[k] if Y.role(s)[2] else Y.COMPLEX_ARGS[k]
+        else:
+            renamed[s] = Y.REAL_ARGS[k]
+    return b.call(DERIVED, args, shape=shape, dtype=dtype, requires_grad=False, expr=expr.xreplace(renamed))
+
+
+def emit_pointwise(b: GraphBuilder, name: str, operands, *, dtype, requires_grad=None) -> fx.Node:
+    """Append the catalog op ``name`` applied to ``operands`` (nodes and Python scalars)."""
+    expr, tensors = scalar_expr(name, operands)
+    shape = torch.broadcast_shapes(*[meta_of(t).shape for t in tensors]) if tensors else ()
+    if requires_grad is None:
+        requires_grad = name not in BOOL_RESULT_OPS and any(meta_of(t).requires_grad for t in tensors)
+    return b.call(POINTWISE[name], tensors, shape=shape, dtype=dtype, requires_grad=requires_grad, expr=expr)
+
+
+def emit_fill(b, shape, dtype, value) -> fx.Node:
+    """A constant tensor of ``shape`` (no inputs)."""
+    expr = sympy.Float(value) if dtype.is_floating_point or dtype.is_complex else sympy.Integer(int(value))
+    return b.call(POINTWISE["fill"], [], shape=shape, dtype=dtype, requires_grad=False, expr=expr)
