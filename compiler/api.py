@@ -10,7 +10,7 @@ import torch.fx as fx
 from compiler.build import build_region
 from compiler.capture import RecordingFailed, capture
 from compiler.codegen.triton_printer import NotPrintable
-from compiler.ops.bindings import Unsupported
+from compiler.bindings import Unsupported
 from compiler.report import KernelInfo, Report
 from runtime.dispatch import CompiledFunction, Entry
 from runtime.fallback import CompileError, internal_error

@@ -28,7 +28,7 @@ from compiler.capture_calls import (FUNCTIONS, UNKEPT, UNREFERENCED, VALUE_READS
                                     expected_eager, gradient_inputs, inspects_node, python_references, user_frame)
 from compiler.ir import GraphBuilder, meta_of, update_meta
 from compiler.ops import catalog as C
-from compiler.ops.bindings import Unsupported, Writes, lookup
+from compiler.bindings import Unsupported, Writes, lookup
 from runtime.calls import flatten_call, unflatten_call
 from runtime.fallback import InternalCompilerError, internal_error
 from runtime.replay import _name, is_metadata

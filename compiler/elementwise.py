@@ -26,7 +26,7 @@ from compiler.ir import _promote, meta_of, result_dtype
 from compiler.ops import catalog as C
 from compiler.ops import scalar as S
 from compiler.ops import symbols as Y
-from compiler.ops.bindings import BINDINGS
+from compiler.bindings import BINDINGS
 from compiler.ops.evaluate import evaluate
 
 _ALLOWED_FUNCTIONS = {sympy.exp, sympy.log, sympy.sin, sympy.cos, sympy.tanh, sympy.erf, S.Sigmoid, S.Relu,

@@ -18,18 +18,12 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from compiler.bindings.elementwise import _cast, _pointwise
+from compiler.bindings.losses import _reduce_loss
+from compiler.bindings.reductions import _log_softmax, _shifted, _statistic
+from compiler.bindings.registry import Unsupported, binds
 from compiler.ir import meta_of
 from compiler.ops import catalog as C
-from compiler.ops.bindings import (
-    Unsupported,
-    _cast,
-    _log_softmax,
-    _pointwise,
-    _reduce_loss,
-    _shifted,
-    _statistic,
-    binds,
-)
 
 
 def _picked(b, values, target, ignore_index, keepdim=False):

@@ -1,0 +1,9 @@
+"""Bindings: how each torch function a user's code calls is expressed with catalog ops.
+
+One module per family; importing this package registers them all (``lookup`` finds them).
+"""
+
+from compiler.bindings import cross_entropy, elementwise, indexing, layers, losses, norms, random, reductions, views  # noqa: F401
+from compiler.bindings.registry import BINDINGS, Unsupported, Writes, binds, lookup
+
+__all__ = ["BINDINGS", "Unsupported", "Writes", "binds", "lookup"]

@@ -1,0 +1,44 @@
+"""Bindings of random ops: dropout (random numbers computed in the kernel from a per-call seed).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from compiler.bindings.elementwise import _pointwise
+from compiler.bindings.registry import Unsupported, _in_place, binds
+from compiler.ir import meta_of
+from compiler.ops import catalog as C
+
+
+@binds(F.dropout)
+def _dropout(b, input, p=0.5, training=True, inplace=False):
+    """Outside training (model.eval()) or with p=0, dropout returns its input itself. In
+    training: keep each element with probability 1-p, scaled by 1/(1-p), from random numbers
+    made inside the kernel (Philox, seeded per call from torch's generator)."""
+    if not 0 <= p <= 1:
+        raise Unsupported(f"dropout probability has to be between 0 and 1, but got {p}")
+    if not training or p == 0:
+        return input
+    if p == 1:
+        raise Unsupported("dropout with p=1 (every element dropped) is not compiled")
+    if b.new_seed is None:
+        raise Unsupported("random numbers need a per-call seed, which this graph cannot take")
+    keep = _pointwise(b, "ge", [C.emit_rand(b, b.new_seed(), meta_of(input).shape), p])
+    out = C.emit_pointwise(b, "where", [keep, _pointwise(b, "mul", [input, 1.0 / (1.0 - p)]), 0.0],
+                           dtype=meta_of(input).dtype)
+    return _in_place(b, input, out) if inplace else out
+
+
+@binds(torch.dropout)
+def _torch_dropout(b, input, p, train):
+    return _dropout(b, input, p, train)
+
+
+@binds(F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
+       torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout)
+def _other_dropout(b, input, p=0.5, training=True, inplace=False):
+    if training and p > 0:
+        raise Unsupported("channel and alpha dropout in training mode are not compiled yet")
+    return input
