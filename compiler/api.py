@@ -14,7 +14,7 @@ from compiler.bindings import Unsupported
 from compiler.report import KernelInfo, Report
 from runtime.dispatch import CompiledFunction, Entry
 from runtime.fallback import CompileError, internal_error
-from runtime.replay import _name
+from runtime.torch_functions import function_name
 
 # The compiler's deliberate refusals: what it does not compile (yet), each with its reason.
 # Any other exception while compiling is a bug (see runtime.fallback.internal_error).
@@ -114,7 +114,7 @@ def _build(fn, args, kwargs, *, fullgraph=False, stats=None):
             info["internal_error"] = True
             internal_errors.append(plan.reason)
         regions.append(info)
-    eager_calls = list(dict.fromkeys(_name(c.func) for c in trace.calls if c.kind == "eager"))
+    eager_calls = list(dict.fromkeys(function_name(c.func) for c in trace.calls if c.kind == "eager"))
     report = Report(
         graph=_merged_graph(regions),
         backward_graph=next((r["backward_graph"] for r in regions if r.get("backward_graph") is not None), None),

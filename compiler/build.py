@@ -188,7 +188,8 @@ def lower(graph: fx.Graph, schedule: Schedule, check_indices: bool = True):
     for kind, item in schedule.steps:
         if kind == "extern":
             slots[item] = len(slots)
-            steps.append(ExternCall(item.target.name, [ref(a) for a in item.args], slots[item], dict(item.kwargs)))
+            steps.append(ExternCall(item.target.name, item.target.torch_fn, [ref(a) for a in item.args], slots[item],
+                                     dict(item.kwargs)))
             check([item])
             continue
         src = render_kernel(item, schedule.buffers)

@@ -31,7 +31,7 @@ from compiler.ops import catalog as C
 from compiler.bindings import Unsupported, Writes, lookup
 from runtime.calls import flatten_call, unflatten_call
 from runtime.fallback import InternalCompilerError, internal_error
-from runtime.replay import _name, is_metadata
+from runtime.torch_functions import function_name, is_metadata
 from runtime.trace import RegionPlan, TensorMeta, Trace, TraceCall, ValueId
 
 _SUPPORTED_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool,
@@ -149,7 +149,7 @@ class Capture(TorchFunctionMode):
             self.broken = exc
             raise exc
         try:
-            self.broken = internal_error(f"{self.fn_name} (recording {_name(func)})", exc)
+            self.broken = internal_error(f"{self.fn_name} (recording {function_name(func)})", exc)
         except InternalCompilerError as strict_error:
             self.broken = strict_error
             raise
@@ -195,20 +195,20 @@ class Capture(TorchFunctionMode):
             try:
                 region, nodes = self._emit(func, binding, args, kwargs, leaves, recorded, out_tensors)
             except Unsupported as e:
-                reason = f"{_name(func)}: {e}"
+                reason = f"{function_name(func)}: {e}"
             except InternalCompilerError:
                 raise
             except Exception as e:  # a bug in a binding: this call runs eagerly (strict: raises)
-                internal = internal_error(f"{self.fn_name} (compiling {_name(func)})", e)
+                internal = internal_error(f"{self.fn_name} (compiling {function_name(func)})", e)
                 self.internal_errors.append(internal)
                 region = None
                 self.current = None
         elif not by_design and not expected_eager(func, self._reads_region_value(recorded)):
             if getattr(func, "__name__", "") in VALUE_READS:
-                reason = (f"{_name(func)} reads a tensor's value into Python (a graph break: the compiled "
+                reason = (f"{function_name(func)} reads a tensor's value into Python (a graph break: the compiled "
                           "region ends there, and the call is recorded again if the value steers control flow)")
             else:
-                reason = f"{_name(func)} is not supported by the compiler yet"
+                reason = f"{function_name(func)} is not supported by the compiler yet"
 
         outputs = []
         for t in out_tensors:
@@ -235,7 +235,7 @@ class Capture(TorchFunctionMode):
                     try:
                         self._update_base(region, vid, old, node, t._base, index)
                     except _ViewMutation as e:
-                        region.eager_reason = f"{_name(func)}: {e}"
+                        region.eager_reason = f"{function_name(func)}: {e}"
                 if old is not None:
                     self._note_stale_views(region, t, vid)
                     root = t._base if t._base is not None else t
@@ -243,7 +243,7 @@ class Capture(TorchFunctionMode):
                                                         or torch._debug_has_internal_overlap(root) != 0):
                         # eager writes memory that other elements share (an expanded tensor):
                         # the functional value and its write-back cannot express that
-                        region.eager_reason = (f"{_name(func)}: an in-place write into a tensor whose elements "
+                        region.eager_reason = (f"{function_name(func)}: an in-place write into a tensor whose elements "
                                                "share memory (expanded); the region runs eagerly")
             region.calls.append(index)
             if any(t.requires_grad for t in out_tensors):
@@ -298,7 +298,7 @@ class Capture(TorchFunctionMode):
             region = self._new_region(len(self.regions), grad_enabled, device)
         stale = region.stale.intersection(v for v in recorded if isinstance(v, ValueId))
         if stale and region.eager_reason is None:
-            region.eager_reason = (f"{_name(func)} reads a view that an earlier in-place op changed through "
+            region.eager_reason = (f"{function_name(func)} reads a view that an earlier in-place op changed through "
                                    "other memory it shares (the functional capture cannot follow); the region "
                                    "runs eagerly")
         b = region.builder
@@ -308,12 +308,12 @@ class Capture(TorchFunctionMode):
         start = len(b.created)
         result = _apply_binding(b, binding, a, k, out_tensors, _autocast_dtype(device))
         result, writes = (result.result, result.writes) if isinstance(result, Writes) else (result, ())
-        source, op_name = user_frame(), _name(func)
+        source, op_name = user_frame(), function_name(func)
         for made in b.created[start:]:
             update_meta(made, source=source, torch_op=op_name, device=device)
         nodes = list(result) if isinstance(result, (tuple, list)) else [result]
         if len(nodes) != len(out_tensors):
-            raise AssertionError(f"the binding of {_name(func)} returned {len(nodes)} results where eager "
+            raise AssertionError(f"the binding of {function_name(func)} returned {len(nodes)} results where eager "
                                  f"returned {len(out_tensors)}")
         inputs = {id(n): x for n, x in zip(mapped, leaves) if isinstance(n, fx.Node)}
         for i, (node, t) in enumerate(zip(nodes, out_tensors)):
@@ -326,7 +326,7 @@ class Capture(TorchFunctionMode):
         for node, t in zip(nodes, out_tensors):
             if meta_of(node).shape != tuple(t.shape) or meta_of(node).dtype != t.dtype:
                 raise AssertionError(
-                    f"the binding of {_name(func)} computed {meta_of(node).dtype}{list(meta_of(node).shape)} "
+                    f"the binding of {function_name(func)} computed {meta_of(node).dtype}{list(meta_of(node).shape)} "
                     f"where eager gave {t.dtype}{list(t.shape)}")
             if meta_of(node).requires_grad != t.requires_grad:
                 update_meta(node, requires_grad=t.requires_grad)

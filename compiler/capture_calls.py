@@ -13,7 +13,7 @@ import weakref
 
 import torch
 
-from runtime.replay import is_state_read
+from runtime.torch_functions import is_state_read
 
 # Eager calls that are part of a training step, not gaps in the compiled graph.
 AUTOGRAD_CALLS = {torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad,

@@ -48,7 +48,6 @@ class Schedule:
 
     steps: list
     buffers: set                 # nodes whose value lives in memory
-    host_views: set              # view nodes applied to buffers on the host (no copy)
 
     @property
     def kernels(self):
@@ -128,17 +127,14 @@ def fuse(graph: fx.Graph) -> Schedule:
     nodes = [n for n in graph.nodes if n.op == "call_function"]
     outputs = [o for o in next(n for n in graph.nodes if n.op == "output").args[0] if isinstance(o, fx.Node)]
     buffers = {n for n in graph.nodes if kind_of(n) in ("input", "extern", "reduction")}
-    host_views: set = set()
 
     def needs_memory(value: fx.Node):
-        """``value`` must be readable as a tensor: a buffer, or views of one."""
-        chain = []
+        """``value`` must be readable as a tensor: a buffer, or views of one (applied to it on
+        the host by the runtime)."""
         while kind_of(value) == "view":
-            chain.append(value)
             value = value.args[0]
         if value not in buffers:
             buffers.add(value)  # a pointwise result: becomes a kernel root
-        host_views.update(chain)
 
     for node in nodes:
         if kind_of(node) == "extern":
@@ -199,7 +195,7 @@ def fuse(graph: fx.Graph) -> Schedule:
         step_of[node] = target
         if kind == "reduction":
             reduction_roots_of.setdefault(id(plan), []).append(node)
-    return Schedule(steps, buffers, host_views)
+    return Schedule(steps, buffers)
 
 
 def _online_softmax_partner(node: fx.Node, reductions, buffers, plan):

@@ -130,58 +130,18 @@ def _on_device(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def _index_backward(grad, index, *, mode, dim, shape, padding_idx=None, wrap=False):
-    """The gradient of a gather: ``grad`` summed into zeros of the source's ``shape`` at the
-    gathered positions (repeats add up). ``mode`` says how ``index`` picked them: gather
-    (torch.gather), index_select (along ``dim``) or embedding (rows; ``padding_idx`` gets none)."""
-    if mode == "embedding":
-        return torch.ops.aten.embedding_dense_backward(
-            grad, index, shape[0], -1 if padding_idx is None else padding_idx, False)
-    if wrap:  # x[idx]: negative indices count from the end
-        index = torch.where(index < 0, index + shape[dim], index)
-    out = torch.zeros(shape, dtype=grad.dtype, device=grad.device)
-    if mode == "gather":
-        return out.scatter_add_(dim, index, grad)
-    if index.dim() != 1:  # x[idx] with an n-d idx: its dims stand where ``dim`` was
-        grad = grad.reshape(*shape[:dim], index.numel(), *shape[dim + 1:])
-        index = index.reshape(-1)
-    return out.index_add_(dim, index, grad)
-
-
-def _conv(x, weight, *, stride, padding, dilation, groups):
-    """A convolution without bias (the bias is added by a fused kernel)."""
-    return torch.convolution(x, weight, None, stride, padding, dilation, False, [0] * len(stride), groups)
-
-
-def _conv_backward(grad, x, weight, *, which, stride, padding, dilation, groups):
-    """One of a convolution's two gradients (``which``: "input" or "weight")."""
-    mask = [which == "input", which == "weight", False]
-    out = torch.ops.aten.convolution_backward(grad, x, weight, None, stride, padding, dilation, False,
-                                              [0] * len(stride), groups, mask)
-    return out[0] if which == "input" else out[1]
-
-
-# Ops whose kernels are PyTorch's (cuBLAS matmuls on GPU, the scatter-add of a gather's gradient):
-# the compiler's catalog and its reference executor use this same table.
-EXTERN_KERNELS = {
-    "mm": torch.mm,
-    "addmm": torch.addmm,  # bias + a @ w: the bias added in cuBLAS's epilogue
-    "bmm": torch.bmm,
-    "index_backward": _index_backward,
-    "conv": _conv,
-    "conv_backward": _conv_backward,
-}
-
-
 @dataclass
 class ExternCall:
-    name: str              # a key of EXTERN_KERNELS
+    """A call of a PyTorch function (a matmul, a convolution, a gather's scatter-add gradient):
+    ``fn`` is the compiler's op's own torch function (the runtime keeps no table of ops)."""
+    name: str              # the op's name, for reports
+    fn: object             # fn(*args, **kwargs) -> the result tensor
     args: list             # ValueRefs
     out: int
     kwargs: dict = field(default_factory=dict)  # constant parameters (dim, shape, ...)
 
     def run(self, env, device):
-        env[self.out] = EXTERN_KERNELS[self.name](*[a.resolve(env) for a in self.args], **self.kwargs)
+        env[self.out] = self.fn(*[a.resolve(env) for a in self.args], **self.kwargs)
 
 
 @dataclass

@@ -23,51 +23,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from runtime.calls import flatten_call, unflatten_call
-
+from runtime.torch_functions import function_name, is_metadata, is_state_read
 from runtime.trace import Trace, ValueId
-
-_METADATA_ATTRS = {
-    "shape", "dtype", "device", "ndim", "requires_grad", "is_leaf", "layout", "is_cuda", "is_cpu",
-    "is_sparse", "is_quantized", "is_meta", "is_nested", "names", "itemsize", "nbytes",
-}
-_METADATA_METHODS = {
-    torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.__len__,
-    torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.element_size,
-    torch.Tensor.get_device, torch.Tensor.nelement, torch.Tensor.ndimension, torch.Tensor.__hash__,
-}
-
-
-_METADATA_CACHE: dict = {}
-
-
-def is_metadata(func) -> bool:
-    """Calls that only read metadata (guarded anyway): run directly, never recorded.
-    Remembered per function: it runs before every torch call."""
-    try:
-        return _METADATA_CACHE[func]
-    except KeyError:
-        answer = _METADATA_CACHE[func] = _reads_metadata(func)
-        return answer
-    except TypeError:  # unhashable callable
-        return _reads_metadata(func)
-
-
-def _reads_metadata(func) -> bool:
-    if func in _METADATA_METHODS:
-        return True
-    if getattr(func, "__name__", None) == "__get__":
-        return getattr(getattr(func, "__self__", None), "__name__", None) in _METADATA_ATTRS
-    return False
-
-
-# A tensor's autograd state: reading it has no side effects, but its value is no metadata.
-STATE_ATTRS = {"grad", "data", "grad_fn", "_base", "_version"}
-
-
-def is_state_read(func) -> bool:
-    """Reading a tensor's autograd state (``t.grad``)."""
-    return getattr(func, "__name__", None) == "__get__" and \
-        getattr(getattr(func, "__self__", None), "__name__", None) in STATE_ATTRS
 
 
 class Diverged(Exception):
@@ -93,7 +50,7 @@ class StandIn(torch.Tensor):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
         raise RuntimeError(
-            f"symgrad: {_name(func)} read a value that the compiled function keeps inside its fused kernels, "
+            f"symgrad: {function_name(func)} read a value that the compiled function keeps inside its fused kernels, "
             "from code the compiler does not see (another thread, or a hook run by backward()), so the value "
             "is not there. Keep a reference to the tensor that outlives the call (return it, or store it in "
             "a list or an attribute) so that it is materialized, or run the function with backend='eager'. "
@@ -262,24 +219,24 @@ class Replay(TorchFunctionMode):
                 while self.pos < len(calls) and is_state_read(calls[self.pos].func):
                     self.pos += 1  # a recorded read not made this time: nothing to do
         if self.pos >= len(calls):
-            raise Diverged(f"an extra call to {_name(func)} that was not recorded")
+            raise Diverged(f"an extra call to {function_name(func)} that was not recorded")
         rec = calls[self.pos]
         if func is not rec.func and func != rec.func:
-            raise Diverged(f"called {_name(func)} where the recording has {_name(rec.func)}")
+            raise Diverged(f"called {function_name(func)} where the recording has {function_name(rec.func)}")
         leaves, spec = flatten_call(args, kwargs)
         if spec != rec.spec:
-            raise Diverged(f"{_name(func)} called with differently structured arguments")
+            raise Diverged(f"{function_name(func)} called with differently structured arguments")
         shown = self.shown
         for i, expected in rec.value_slots:
             if leaves[i] is not shown.get(expected) and not self._bind_external(expected, leaves[i]):
-                raise Diverged(f"{_name(func)} called on a different tensor")
+                raise Diverged(f"{function_name(func)} called on a different tensor")
         compute = rec.kind == "compute"
         for i, expected in rec.constant_slots:
             leaf = leaves[i]
             if isinstance(leaf, torch.Tensor) or (compute and not _same_constant(leaf, expected)):
                 # NOTE: only compiled calls have their constants baked into kernels; an eager
                 # call runs with this call's values (an optimizer's step size changes per step).
-                raise Diverged(f"{_name(func)} called with a different constant ({leaf!r} != {expected!r})")
+                raise Diverged(f"{function_name(func)} called with a different constant ({leaf!r} != {expected!r})")
         if rec.kind == "compute":
             region = self.trace.regions[rec.region]
             if rec.region not in self.done_regions:
@@ -442,20 +399,3 @@ def _same_constant(a, b) -> bool:
         return bool(a == b)
     except Exception:
         return a is b
-
-
-def _name(func) -> str:
-    name = getattr(func, "__name__", None)
-    if name in ("__get__", "__set__", "__delete__"):
-        attr = getattr(getattr(func, "__self__", None), "__name__", "?")
-        return f"Tensor.{attr}" + {"__get__": "", "__set__": " = ...", "__delete__": " (del)"}[name]
-    qual = getattr(func, "__qualname__", None) or name or repr(func)
-    if "boolean_dispatch" in qual:  # F.max_pool2d & co: name the function it dispatches to
-        inner = [c.cell_contents for c in getattr(func, "__closure__", None) or ()
-                 if callable(c.cell_contents) and hasattr(c.cell_contents, "__name__")]
-        plain = [f for f in inner if "with_indices" not in f.__name__]
-        if plain or inner:
-            return (plain or inner)[0].__name__.lstrip("_")
-    if "pybind11" in qual or "._" in qual and name:
-        qual = name if "pybind11" in qual else qual
-    return qual.replace("TensorBase.", "Tensor.").replace("_VariableFunctionsClass.", "torch.")

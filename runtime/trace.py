@@ -10,7 +10,6 @@ arguments are recorded as value ids and its other arguments as constants.
 from __future__ import annotations
 
 import functools
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -103,6 +102,3 @@ class Trace:
             values[vid] = t
         return values
 
-
-def tensor_ref(t: torch.Tensor):
-    return weakref.ref(t)

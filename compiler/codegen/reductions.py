@@ -2,7 +2,7 @@
 looped over in steps of RBLOCK with per-lane accumulators, and the online softmax pair.
 
 ``ReductionWriter`` is a mixin of ``triton_kernel.KernelWriter``: it relies on the writer's
-``value``/``cast``/``tmp``, its ``lines`` (the body being written), ``plan`` and
+``value``/``cast``/``tmp``/``store``, its ``lines`` (the body being written), ``plan`` and
 ``base_index`` (the index of the current row's elements).
 """
 
@@ -59,11 +59,7 @@ class ReductionWriter:
             dtype = meta_of(root).dtype
             if kind_of(root) == "reduction":
                 var, have = self.reduced(root, self._reduced_index(root))
-                var = self.cast(var, have, dtype)
-                parts = var if dtype.is_complex else (var,)
-                for k, part in enumerate(parts):
-                    where = f"2 * xindex + {k}" if dtype.is_complex else "xindex"
-                    self.lines.append(f"tl.store({out}_ptr + {where}, {part}, mask=xmask)")
+                self.store(out, self.cast(var, have, dtype), self.row_addresses(dtype), "xmask")
                 continue
             self.store_root(root, out)
         body = [masked(line, "xmask & rmask").replace("SHAPE", "[XBLOCK, RBLOCK]") for line in self.lines]
@@ -84,11 +80,7 @@ class ReductionWriter:
         var = self.cast(var, have, dtype)
         single = "(xindex + rindex)" if self.plan.reduce_dims else "xindex"
         offset = contiguous_offset(self.base_index, tuple(self.plan.shape), single)
-        if dtype.is_complex:  # interleaved: real at 2·offset, imaginary next to it
-            self.lines.append(f"tl.store({out}_ptr + 2 * ({offset}), {var[0]}, mask=MASK)")
-            self.lines.append(f"tl.store({out}_ptr + 2 * ({offset}) + 1, {var[1]}, mask=MASK)")
-        else:
-            self.lines.append(f"tl.store({out}_ptr + {offset}, {var}, mask=MASK)")
+        self.store(out, var, self.element_addresses(offset, dtype), "MASK")
 
     # -- rows looped over ----------------------------------------------------------------
     def accumulate(self, root, accumulators: list):
@@ -148,8 +140,8 @@ class ReductionWriter:
                     total = self.online_total(root, acc, *maxima[self.plan.online[root]], acc_dtype, src)
                 if scale != 1.0:
                     total = f"{total} * {literal(scale)}"
-                where = f"2 * xindex + {k}" if dtype.is_complex else "xindex"
-                src.append(f"tl.store({out}_ptr + {where}, ({total}).to({TL_DTYPE[part_dtype]}), mask=xmask)")
+                self.store(out, f"({total}).to({TL_DTYPE[part_dtype]})", [self.row_addresses(dtype)[k]], "xmask",
+                           into=src)
         return src
 
     # -- online softmax ------------------------------------------------------------------

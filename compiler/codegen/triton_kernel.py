@@ -138,6 +138,26 @@ class KernelWriter(ReductionWriter):
             return self.tmp(f"tl.load({arg}_ptr + {offset}, mask=RMASK, other=0)"), dtype
         return self.tmp(f"tl.load({arg}_ptr + {offset}, mask=MASK, other=0)"), dtype
 
+    def store(self, out: str, value, addresses: list, mask: str, into: list | None = None) -> None:
+        """Write ``value`` into output ``out``: one ``tl.store`` per part (a complex value is its
+        (real, imag) pair, stored interleaved), each at its address in ``addresses``; appended to
+        the body (``self.lines``) unless ``into`` is given. Every store of a kernel is made here."""
+        parts = value if isinstance(value, tuple) else (value,)
+        lines = self.lines if into is None else into
+        for address, part in zip(addresses, parts, strict=True):
+            lines.append(f"tl.store({out}_ptr + {address}, {part}, mask={mask})")
+
+    @staticmethod
+    def element_addresses(offset: str, dtype: torch.dtype) -> list:
+        """Where the element at ``offset`` of a contiguous output goes (complex: the real part at
+        2·offset, the imaginary part next to it)."""
+        return [f"2 * ({offset})", f"2 * ({offset}) + 1"] if dtype.is_complex else [offset]
+
+    @staticmethod
+    def row_addresses(dtype: torch.dtype) -> list:
+        """Where a row's reduced value goes: one value per row, at ``xindex`` (complex: interleaved)."""
+        return ["2 * xindex + 0", "2 * xindex + 1"] if dtype.is_complex else ["xindex"]
+
     def cast(self, value, have: torch.dtype, want: torch.dtype):
         """Convert a value; complex values convert componentwise, a real one gains 0j."""
         if have == want:
@@ -397,7 +417,7 @@ class KernelWriter(ReductionWriter):
         tiling = choose_tiling(self.plan.shape, self.plan.reduce_dims, persistent=self.persistent,
                                live_values=_live_values(self.lines, accumulators, self.persistent),
                                wide_values=any(meta_of(n).dtype.itemsize >= 8 for n in loads + stores))
-        xblock, rblock = tiling.xblock, tiling.rblock
+        xblock = tiling.xblock
         strides = [f"{arg}_s{d}" for node, arg in self.load_args.items() for d in range(len(meta_of(node).shape))]
         # Strides in int64 make every offset product int64 (the index stays int32 where it fits).
         # NOTE: tl.cast, not .to(): Triton passes a stride equal to 1 as a constexpr.

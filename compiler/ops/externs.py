@@ -9,19 +9,25 @@ from compiler.ir import meta_of
 from compiler.ops import structural, views
 from compiler.ops.base import OpDef
 from compiler.ops.pointwise import emit_pointwise
-from runtime.program import EXTERN_KERNELS
 
 
 # ----------------------------------------------------------------------------- extern
 class Extern(OpDef):
-    """An op whose kernel is PyTorch's (``runtime.program.EXTERN_KERNELS``): a hand-written
-    VJP here, a call at run time. Its result is always a buffer; fusion works around it."""
+    """An op whose kernel is PyTorch's: a hand-written VJP here, and ``torch_fn``, the torch
+    function that computes it (``torch_fn(*args, **node.kwargs)``), which the runtime calls
+    (``runtime.program.ExternCall``) and the reference executor too. Its result is always a
+    buffer; fusion works around it."""
 
     kind = "extern"
 
-    def __init__(self, name):
+    def __init__(self, name, torch_fn=None):
         super().__init__(name)
-        self.torch_fn = EXTERN_KERNELS[name]
+        if torch_fn is not None:
+            self.torch_fn = torch_fn
+
+    def evaluate(self, node: fx.Node, args: list) -> torch.Tensor:
+        """The op's value on real tensors (``compiler.reference``)."""
+        return self.torch_fn(*args, **node.kwargs)
 
 
 class MatMul(Extern):
@@ -59,8 +65,26 @@ class AddMM(Extern):
 
 
 class IndexBackward(Extern):
-    """The scatter-add of a gather's gradient (``runtime.program._index_backward``). Linear in
-    the gradient: its own VJP gathers again, with the same index (double backward)."""
+    """The scatter-add of a gather's gradient. Linear in the gradient: its own VJP gathers
+    again, with the same index (double backward)."""
+
+    @staticmethod
+    def torch_fn(grad, index, *, mode, dim, shape, padding_idx=None, wrap=False):
+        """The gradient of a gather: ``grad`` summed into zeros of the source's ``shape`` at the
+        gathered positions (repeats add up). ``mode`` says how ``index`` picked them: gather
+        (torch.gather), index_select (along ``dim``) or embedding (rows; ``padding_idx`` gets none)."""
+        if mode == "embedding":
+            return torch.ops.aten.embedding_dense_backward(
+                grad, index, shape[0], -1 if padding_idx is None else padding_idx, False)
+        if wrap:  # x[idx]: negative indices count from the end
+            index = torch.where(index < 0, index + shape[dim], index)
+        out = torch.zeros(shape, dtype=grad.dtype, device=grad.device)
+        if mode == "gather":
+            return out.scatter_add_(dim, index, grad)
+        if index.dim() != 1:  # x[idx] with an n-d idx: its dims stand where ``dim`` was
+            grad = grad.reshape(*shape[:dim], index.numel(), *shape[dim + 1:])
+            index = index.reshape(-1)
+        return out.index_add_(dim, index, grad)
 
     def vjp(self, b, node, grad_out):
         grad, index = node.args
@@ -74,6 +98,11 @@ class IndexBackward(Extern):
 class Convolution(Extern):
     """conv1d/2d/3d without bias (cuDNN on GPU); gradients through PyTorch's
     convolution_backward, one extern per gradient that is needed."""
+
+    @staticmethod
+    def torch_fn(x, weight, *, stride, padding, dilation, groups):
+        """A convolution without bias (the bias is added by a fused kernel)."""
+        return torch.convolution(x, weight, None, stride, padding, dilation, False, [0] * len(stride), groups)
 
     def vjp(self, b, node, grad_out):
         x, w = node.args
@@ -89,12 +118,22 @@ class Convolution(Extern):
 
 
 class ConvolutionBackward(Extern):
+    """One of a convolution's two gradients (``which``: "input" or "weight")."""
+
+    @staticmethod
+    def torch_fn(grad, x, weight, *, which, stride, padding, dilation, groups):
+        mask = [which == "input", which == "weight", False]
+        out = torch.ops.aten.convolution_backward(grad, x, weight, None, stride, padding, dilation, False,
+                                                  [0] * len(stride), groups, mask)
+        return out[0] if which == "input" else out[1]
+
     def vjp(self, b, node, grad_out):
         raise NotImplementedError("double backward through a convolution is not supported yet "
                                   "(create_graph=True through conv1d/conv2d/conv3d)")
 
 
-EXTERNS = {"mm": MatMul("mm"), "bmm": MatMul("bmm"), "addmm": AddMM("addmm"),
+EXTERNS = {"mm": MatMul("mm", torch.mm), "bmm": MatMul("bmm", torch.bmm),
+           "addmm": AddMM("addmm", torch.addmm),  # bias + a @ w: the bias added in cuBLAS's epilogue
            "index_backward": IndexBackward("index_backward"),
            "conv": Convolution("conv"), "conv_backward": ConvolutionBackward("conv_backward")}
 
@@ -102,7 +141,8 @@ EXTERNS = {"mm": MatMul("mm"), "bmm": MatMul("bmm"), "addmm": AddMM("addmm"),
 def emit_conv(b, x, w, shape, stride, padding, dilation, groups) -> fx.Node:
     return b.call(EXTERNS["conv"], [x, w], {"stride": stride, "padding": padding, "dilation": dilation,
                                             "groups": groups},
-                  shape=shape, dtype=meta_of(x).dtype, requires_grad=meta_of(x).requires_grad or meta_of(w).requires_grad)
+                  shape=shape, dtype=meta_of(x).dtype,
+                  requires_grad=meta_of(x).requires_grad or meta_of(w).requires_grad)
 
 
 def emit_extern(b, name, a, w) -> fx.Node:
