@@ -16,7 +16,7 @@ from compiler.codegen.triton_kernel import render_kernel
 from compiler.fusion import Schedule, fuse
 from compiler.reference import first_nan
 from runtime.autograd_bridge import CompiledRegion
-from runtime.program import ExternCall, IndexCheck, KernelLaunch, Program, ValueRef
+from runtime.program import ExternCall, IndexCheck, KernelLaunch, Program, ValueRef, ViewStep
 from compiler.ir import meta_of
 
 
@@ -131,7 +131,7 @@ def _split_input_views(graph: fx.Graph):
     a "view created inside a custom Function", which PyTorch refuses to modify in place; the
     runtime applies these views to the real inputs after the region runs instead, so they
     alias their base and take in-place ops exactly as eager views do.
-    Returns [(output position, input position, ((view kind, param), ...))].
+    Returns [(output position, input position, (ViewStep, ...))].
     """
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     output = next(n for n in graph.nodes if n.op == "output")
@@ -150,17 +150,9 @@ def _split_input_views(graph: fx.Graph):
     return views
 
 
-def _view_step(node):
-    name = node.target.name
-    if name == "permute":
-        return ("permute", tuple(node.kwargs["dims"]))
-    if name in ("view_as_real", "view_as_complex"):
-        return (name, None)
-    if name == "slice":
-        return ("slice", tuple(node.kwargs[k] for k in ("dim", "start", "step", "length")))
-    if name == "unfold":
-        return ("unfold", tuple(node.kwargs[k] for k in ("dim", "size", "step")))
-    return (name, tuple(node.kwargs["shape"]))
+def _view_step(node) -> ViewStep:
+    """The runtime's step for a view node: its op (which applies itself) and its parameters."""
+    return ViewStep(node.target, tuple(node.kwargs.items()))
 
 
 def lower(graph: fx.Graph, schedule: Schedule, check_indices: bool = True):

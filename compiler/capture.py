@@ -377,7 +377,8 @@ class Capture(TorchFunctionMode):
         """An in-place op changed a view: its base changes too (eager views share memory).
 
         The base's new value is the view's new value mapped back through the view ops that
-        made the view (reshape and permute are invertible); the runtime writes it back.
+        made the view, last first (``View.scatter_back``: reshape and permute are inverted, a
+        slice is written into its source); the runtime writes it back.
         """
         entry = self.ids.get(id(base))
         base_vid = entry[1] if entry is not None and entry[0]() is base else None
@@ -386,25 +387,14 @@ class Capture(TorchFunctionMode):
         while node is not base_node and getattr(node.target, "kind", None) == "view":
             chain.append(node)
             node = node.args[0]
-        if base_node is None or node is not base_node or any(
-                n.target.name not in ("reshape", "permute", "slice") for n in chain):
+        if base_node is None or node is not base_node or not all(n.target.writes_back for n in chain):
             raise _ViewMutation(
                 "an in-place op on a view whose base is outside this region, or made by a view op "
                 "other than reshape, permute or slicing; "
                 "the region runs eagerly")
-        b = region.builder
         value = new_node
         for view in chain:  # undo the views, last first
-            source_shape = meta_of(view.args[0]).shape
-            if view.target.name == "slice":  # write the slice back into the (old) source
-                value = C.emit_slice_scatter(b, view.args[0], value, **view.kwargs)
-            elif view.target.name == "permute":
-                inverse = [0] * len(view.kwargs["dims"])
-                for i, d in enumerate(view.kwargs["dims"]):
-                    inverse[d] = i
-                value = C.emit_view(b, "permute", value, dims=tuple(inverse))
-            else:
-                value = C.emit_view(b, "reshape", value, shape=source_shape)
+            value = view.target.scatter_back(region.builder, view, value)
         region.nodes[base_vid] = value
         region.produced.append(base_vid)
         self.produced_by[base_vid] = index

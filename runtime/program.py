@@ -23,9 +23,20 @@ _interpreter_lock = threading.Lock() if INTERPRETING else contextlib.nullcontext
 
 
 @dataclass(frozen=True)
+class ViewStep:
+    """One view applied to a real tensor on the host: ``op.apply(value, **params)``, where
+    ``op`` is the compiler's view op (the runtime knows only that it has ``apply``)."""
+    op: object
+    params: tuple = ()     # (name, value) pairs: the view node's kwargs
+
+    def apply(self, value):
+        return self.op.apply(value, **dict(self.params))
+
+
+@dataclass(frozen=True)
 class ValueRef:
     slot: int
-    views: tuple = ()      # (("permute", dims) | ("expand", shape) | ("reshape", shape)), applied in order
+    views: tuple = ()      # ViewSteps, applied in order
 
     def resolve(self, env):
         return apply_views(env[self.slot], self.views)
@@ -33,22 +44,8 @@ class ValueRef:
 
 def apply_views(value, views):
     """Apply recorded view steps to a real tensor with PyTorch's own view functions."""
-    for kind, param in views:
-        if kind == "permute":
-            value = value.permute(param)
-        elif kind == "view_as_real":
-            value = torch.view_as_real(value.resolve_conj())
-        elif kind == "view_as_complex":
-            value = torch.view_as_complex(value if value.stride(-1) == 1 else value.contiguous())
-        elif kind == "expand":
-            value = value.expand(param)
-        elif kind == "slice":
-            dim, start, step, length = param
-            value = value[(slice(None),) * dim + (slice(start, start + length * step, step),)]
-        elif kind == "unfold":
-            value = value.unfold(*param)
-        else:
-            value = value.reshape(param)
+    for step in views:
+        value = step.apply(value)
     return value
 
 

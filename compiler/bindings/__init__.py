@@ -4,6 +4,7 @@ One module per family; importing this package registers them all (``lookup`` fin
 """
 
 from compiler.bindings import cross_entropy, elementwise, indexing, layers, losses, norms, random, reductions, views  # noqa: F401
+from compiler.bindings import flip  # noqa: F401  (the example view: see README, adding a view)
 from compiler.bindings.registry import BINDINGS, Unsupported, Writes, binds, lookup
 
 __all__ = ["BINDINGS", "Unsupported", "Writes", "binds", "lookup"]

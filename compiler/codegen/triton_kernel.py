@@ -4,7 +4,7 @@ A kernel walks an iteration space (``plan.shape``); non-reduced dims are spread 
 programs in blocks of XBLOCK, reduced dims are looped over in blocks of RBLOCK. Every value
 is computed at a multi-index: buffers are loaded at ``sum(index * stride)`` (strides are
 kernel arguments, so any input layout works), pointwise nodes print their SymPy expression
-over their arguments' values, and views rewrite the index (``View.index_map``). Values are
+over their arguments' values, and views rewrite the index (``View.index_map``, ``View.read``). Values are
 shared within a kernel by (node, index), so a fused chain is computed once per element.
 
 Sizes are baked into the source (shapes are guarded), strides are arguments; the kernel's
@@ -196,15 +196,8 @@ class KernelWriter(ReductionWriter):
         if (node in self.buffers and node not in self.roots) or \
                 kind not in ("pointwise", "scatter", "view", "reduction"):
             result = self.load(node, index)
-        elif kind == "view" and node.target.name == "view_as_real":
-            (re, im), dtype = self.value(node.args[0], index[:-1])
-            result = self.tmp(f"tl.where({index[-1]} == 0, {re}, {im})"), dtype.to_real()
-        elif kind == "view" and node.target.name == "view_as_complex":
-            re, dtype = self.value(node.args[0], index + ("0",))
-            im, _ = self.value(node.args[0], index + ("1",))
-            result = (re, im), meta_of(node).dtype
-        elif kind == "view":
-            result = self.value(node.args[0], tuple(node.target.index_map(node, list(index))))
+        elif kind == "view":  # its input's value at the index the view maps to (``View.read``)
+            result = node.target.read(self, node, index)
         elif kind == "reduction" and (self.persistent or node in self.reductions):
             result = self.reduced(node, index)  # a row's reduction, once its value is known
         elif kind == "pointwise":

@@ -31,6 +31,15 @@ class Reduction(OpDef):
         count = node.kwargs.get("count") or numel([shape[d] for d in node.kwargs["dims"]])
         return 1.0 / count if count else math.nan
 
+    def evaluate(self, node: fx.Node, args: list) -> torch.Tensor:
+        """The op's value on real tensors (``compiler.reference``)."""
+        x, dtype = args[0], meta_of(node).dtype
+        dims, keepdim = node.kwargs["dims"], node.kwargs["keepdim"]
+        if node.kwargs.get("count"):  # the second stage of a split mean
+            return (torch.sum(x, dim=dims, keepdim=keepdim) / node.kwargs["count"]).to(dtype)
+        fn = {"sum": torch.sum, "mean": torch.mean, "amax": torch.amax}[self.name]
+        return (fn(x, dim=dims, keepdim=keepdim) if dims else x.clone()).to(dtype)
+
     def vjp(self, b, node, grad_out):
         (x,) = node.args
         dims, keepdim = node.kwargs["dims"], node.kwargs["keepdim"]

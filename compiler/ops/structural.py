@@ -17,6 +17,13 @@ class Iota(OpDef):
 
     kind = "iota"
 
+    def evaluate(self, node: fx.Node, args: list) -> torch.Tensor:
+        """The op's value on real tensors (``compiler.reference``)."""
+        shape, dim = meta_of(node).shape, node.kwargs["dim"]
+        view = [1] * len(shape)
+        view[dim] = shape[dim]
+        return torch.arange(shape[dim]).reshape(view).expand(shape)
+
 
 IOTA = Iota("iota")
 
@@ -33,6 +40,12 @@ class Rand(OpDef):
     instead of saving a mask (dropout's backward reads no mask from memory)."""
 
     kind = "rand"
+
+    def evaluate(self, node: fx.Node, args: list) -> torch.Tensor:
+        # NOTE: the reference executor only attributes NaNs (anomaly mode); these numbers come
+        # from torch's generator seeded alike, not from the kernels' Philox stream.
+        generator = torch.Generator(device=args[0].device).manual_seed(int(args[0]))
+        return torch.rand(meta_of(node).shape, generator=generator, device=args[0].device)
 
 
 RAND = Rand("rand")
@@ -68,6 +81,20 @@ class Gather(OpDef):
                         "padding_idx": p.get("padding_idx"), "wrap": p.get("wrap", False)},
                        shape=meta_of(source).shape, dtype=meta_of(grad_out).dtype,
                        requires_grad=meta_of(grad_out).requires_grad), None]
+
+    def evaluate(self, node: fx.Node, args: list) -> torch.Tensor:
+        source, index = args
+        mode, dim = node.kwargs["mode"], node.kwargs["dim"]
+        if node.kwargs.get("wrap"):
+            index = torch.where(index < 0, index + source.shape[dim], index)
+        if mode == "gather":
+            return torch.gather(source, dim, index)
+        if mode == "index_select":
+            return source.index_select(dim, index.reshape(-1)).reshape(meta_of(node).shape)
+        out = torch.nn.functional.embedding(index, source)
+        if node.kwargs.get("zero_padding"):
+            out = out.masked_fill((index == node.kwargs["padding_idx"]).unsqueeze(-1), 0)
+        return out
 
     @staticmethod
     def positions(node, index: list):
@@ -146,6 +173,13 @@ class SliceScatter(OpDef):
         if meta_of(src).requires_grad:
             g_src = views.emit_slice(b, grad_out, **params)
         return [g_base, g_src]
+
+    def evaluate(self, node: fx.Node, args: list) -> torch.Tensor:
+        base, src = args
+        out = base.clone()
+        view = views.slice_tensor(out, **node.kwargs)
+        view.copy_(src.expand(view.shape) if src.dim() else src)
+        return out
 
 
 SLICE_SCATTER = SliceScatter("slice_scatter")

@@ -1,4 +1,20 @@
-"""Views: reshape, permute, expand, slice, unfold, view_as_real/complex; an index map each."""
+"""Views: one class per view, each declaring its whole story.
+
+A view moves no data: it says which element of its input each output element is. Every
+view class declares, next to each other:
+
+* ``out_shape(in_shape, params)`` — its shape rule;
+* ``index_map(node, out_index)`` — the input index (kernel text) an output index reads, so a
+  view fuses into any kernel for free;
+* ``vjp(b, node, grad_out)`` — its gradient, as graph nodes;
+* ``apply(tensor, **params)`` — the same view on a real tensor, with PyTorch's own view
+  function (the runtime's views of buffers, the reference executor);
+* ``scatter_back(b, node, value)`` — where it has one: its source's new value when the view's
+  value changes (an in-place op on a view writes its base, ``compiler.capture``).
+
+Parameters are the node's kwargs (``node.kwargs`` is ``params``). To add a view, write one
+class here and register it in ``VIEWS``; ``Flip`` is the example the README walks through.
+"""
 
 from __future__ import annotations
 
@@ -11,51 +27,67 @@ from compiler.ops.base import OpDef
 from compiler.ops.pointwise import emit_fill, emit_pointwise
 
 
-# ----------------------------------------------------------------------------- views
 class View(OpDef):
     """A view: no data moves. ``index_map`` turns an output index into the input index."""
 
     kind = "view"
+    writes_back = False  # whether ``scatter_back`` maps a new value of the view to its source
 
-    def out_shape(self, in_shape, params):
-        if self.name == "permute":
-            return tuple(in_shape[d] for d in params["dims"])
-        if self.name == "slice":
-            shape = list(in_shape)
-            shape[params["dim"]] = params["length"]
-            return tuple(shape)
-        if self.name == "view_as_real":
-            return tuple(in_shape) + (2,)
-        if self.name == "view_as_complex":
-            return tuple(in_shape[:-1])
-        if self.name == "unfold":  # Tensor.unfold: windows along dim, the window last
-            shape = list(in_shape)
-            shape[params["dim"]] = (in_shape[params["dim"]] - params["size"]) // params["step"] + 1
-            return tuple(shape) + (params["size"],)
-        return tuple(params["shape"])
+    def out_shape(self, in_shape: tuple, params: dict) -> tuple:
+        """The view's shape, from its input's shape and its parameters."""
+        raise NotImplementedError(f"{self.name}: out_shape")
 
     def index_map(self, node: fx.Node, out_index: list[str]) -> list[str]:
+        """The input index (kernel text, one entry per input dim) that ``out_index`` reads."""
+        raise NotImplementedError(f"{self.name}: index_map")
+
+    def vjp(self, b, node: fx.Node, grad_out: fx.Node) -> list:
+        raise NotImplementedError(f"{self.name}: vjp")
+
+    def apply(self, tensor: torch.Tensor, **params) -> torch.Tensor:
+        """The view of a real tensor, made by PyTorch (no copy where PyTorch makes none)."""
+        raise NotImplementedError(f"{self.name}: apply")
+
+    def scatter_back(self, b, node: fx.Node, value: fx.Node) -> fx.Node:
+        """The new value of ``node``'s source once the view ``node`` holds ``value``."""
+        raise NotImplementedError(f"{self.name} cannot write a new value back to its source")
+
+    def is_identity(self, in_shape: tuple, params: dict) -> bool:
+        """Whether the view returns its input unchanged (then no node is made)."""
+        return self.out_shape(in_shape, params) == tuple(in_shape)
+
+    def read(self, writer, node: fx.Node, index: tuple):
+        """The view's value at ``index`` inside a kernel being written (``KernelWriter``):
+        its input's value at the mapped index."""
+        return writer.value(node.args[0], tuple(self.index_map(node, list(index))))
+
+    def evaluate(self, node: fx.Node, args: list) -> torch.Tensor:
+        """The op's value on real tensors (``compiler.reference``)."""
+        return self.apply(args[0], **node.kwargs)
+
+    def emit(self, b, x: fx.Node, **params) -> fx.Node:
+        """The view of ``x`` as a graph node (``x`` itself where the view changes nothing)."""
+        if "shape" in params:
+            params["shape"] = tuple(params["shape"])
+        in_shape = meta_of(x).shape
+        if self.is_identity(in_shape, params):
+            return x
+        return b.call(self, [x], params, shape=self.out_shape(in_shape, params), dtype=meta_of(x).dtype,
+                      requires_grad=meta_of(x).requires_grad)
+
+
+# ----------------------------------------------------------------------------- shape views
+class Reshape(View):
+    """``x.reshape(shape)``: the same elements in row-major order, another shape."""
+
+    writes_back = True
+
+    def out_shape(self, in_shape, params):
+        return tuple(params["shape"])
+
+    def index_map(self, node, out_index):
         in_shape = meta_of(node.args[0]).shape
         out_shape = meta_of(node).shape
-        if self.name == "permute":
-            result = [None] * len(in_shape)
-            for out_dim, in_dim in enumerate(node.kwargs["dims"]):
-                result[in_dim] = out_index[out_dim]
-            return result
-        if self.name == "slice":
-            result = list(out_index)
-            d, start, step = node.kwargs["dim"], node.kwargs["start"], node.kwargs["step"]
-            scaled = result[d] if step == 1 else f"({result[d]}) * {step}"
-            result[d] = scaled if start == 0 else f"{start} + {scaled}"
-            return result
-        if self.name == "unfold":
-            result = list(out_index[:-1])
-            d, step = node.kwargs["dim"], node.kwargs["step"]
-            result[d] = f"({result[d]}) * {step} + ({out_index[-1]})"
-            return result
-        if self.name == "expand":
-            lead = len(out_shape) - len(in_shape)
-            return ["0" if size == 1 else out_index[lead + i] for i, size in enumerate(in_shape)]
         kept_in = [d for d, size in enumerate(in_shape) if size != 1]
         kept_out = [d for d, size in enumerate(out_shape) if size != 1]
         if [in_shape[d] for d in kept_in] == [out_shape[d] for d in kept_out]:
@@ -69,58 +101,15 @@ class View(OpDef):
         return _reshape_index(in_shape, out_shape, out_index)
 
     def vjp(self, b, node, grad_out):
-        x = node.args[0]
-        if self.name == "view_as_real":  # the gradient of the parts is the complex gradient
-            return [emit_view(b, "view_as_complex", grad_out)]
-        if self.name == "view_as_complex":
-            return [emit_view(b, "view_as_real", grad_out)]
-        if self.name == "permute":
-            inverse = [0] * len(node.kwargs["dims"])
-            for i, d in enumerate(node.kwargs["dims"]):
-                inverse[d] = i
-            return [emit_view(b, "permute", grad_out, dims=tuple(inverse))]
-        if self.name == "expand":
-            return [reductions.sum_to_shape(b, grad_out, meta_of(x).shape)]
-        if self.name == "slice":  # the gradient goes back to the sliced positions, 0 elsewhere
-            zeros = emit_fill(b, meta_of(x).shape, meta_of(grad_out).dtype, 0)
-            return [structural.emit_slice_scatter(b, zeros, grad_out, **node.kwargs)]
-        if self.name == "unfold":  # window position k of every window lands at k, k+step, ...: add them
-            d, size, step = node.kwargs["dim"], node.kwargs["size"], node.kwargs["step"]
-            # NOTE: each input element reads the gradient at `size` places: computed once into
-            # memory, not inlined `size` times (nested windows would multiply the code)
-            update_meta(grad_out, materialize=True)
-            count = meta_of(node).shape[d]
-            last = len(meta_of(node).shape) - 1
-            total = None
-            for k in range(size):
-                part = emit_view(b, "reshape", emit_slice(b, grad_out, last, k, 1, 1),
-                                 shape=meta_of(grad_out).shape[:-1])
-                zeros = emit_fill(b, meta_of(x).shape, meta_of(grad_out).dtype, 0)
-                placed = structural.emit_slice_scatter(b, zeros, part, d, k, step, count)
-                total = placed if total is None else emit_pointwise(b, "add", [total, placed],
-                                                                    dtype=meta_of(grad_out).dtype)
-            return [total]
-        return [emit_view(b, "reshape", grad_out, shape=meta_of(x).shape)]
+        return [emit_view(b, "reshape", grad_out, shape=meta_of(node.args[0]).shape)]
 
-    def host(self, tensor: torch.Tensor, node: fx.Node) -> torch.Tensor:
-        """Apply the view to a real tensor (used when the source is already in memory)."""
-        if self.name == "permute":
-            return tensor.permute(node.kwargs["dims"])
-        if self.name == "expand":
-            return tensor.expand(node.kwargs["shape"])
-        if self.name == "unfold":
-            return tensor.unfold(node.kwargs["dim"], node.kwargs["size"], node.kwargs["step"])
-        return tensor.reshape(node.kwargs["shape"])
+    def apply(self, tensor, *, shape):
+        return tensor.reshape(shape)
+
+    def scatter_back(self, b, node, value):
+        return emit_view(b, "reshape", value, shape=meta_of(node.args[0]).shape)
 
 
-def slice_tensor(tensor, dim, start, step, length):
-    """The real view ``tensor[..., start:start+length*step:step, ...]`` along ``dim``."""
-    index = (slice(None),) * dim + (slice(start, start + length * step, step),)
-    return tensor[index]
-
-
-# view_as_real / view_as_complex reinterpret interleaved storage; the kernel writer reads
-# them as (real, imag) parts rather than through an index map.
 def _reshape_index(in_shape, out_shape, out_index: list[str]) -> list[str]:
     """A reshape's input index: through the row-major position of the element, taken
     separately in each group of dims that the reshape merges or splits (where the prefix
@@ -149,29 +138,228 @@ def _reshape_index(in_shape, out_shape, out_index: list[str]) -> list[str]:
     return result
 
 
-VIEWS = {name: View(name) for name in ("reshape", "permute", "expand", "view_as_real", "view_as_complex",
-                                       "slice", "unfold")}
+class Permute(View):
+    """``x.permute(dims)``: output dim i is input dim ``dims[i]``."""
+
+    writes_back = True
+
+    def out_shape(self, in_shape, params):
+        return tuple(in_shape[d] for d in params["dims"])
+
+    def is_identity(self, in_shape, params):
+        return tuple(params["dims"]) == tuple(range(len(in_shape)))
+
+    def index_map(self, node, out_index):
+        result = [None] * len(meta_of(node.args[0]).shape)
+        for out_dim, in_dim in enumerate(node.kwargs["dims"]):
+            result[in_dim] = out_index[out_dim]
+        return result
+
+    def vjp(self, b, node, grad_out):
+        return [emit_view(b, "permute", grad_out, dims=_inverse(node.kwargs["dims"]))]
+
+    def apply(self, tensor, *, dims):
+        return tensor.permute(dims)
+
+    def scatter_back(self, b, node, value):
+        return emit_view(b, "permute", value, dims=_inverse(node.kwargs["dims"]))
+
+
+def _inverse(dims) -> tuple:
+    """The permutation that undoes ``dims``."""
+    inverse = [0] * len(dims)
+    for i, d in enumerate(dims):
+        inverse[d] = i
+    return tuple(inverse)
+
+
+class Expand(View):
+    """``x.expand(shape)`` of an ``x`` with as many dims: size-1 dims repeated (stride 0)."""
+
+    def out_shape(self, in_shape, params):
+        return tuple(params["shape"])
+
+    def index_map(self, node, out_index):
+        in_shape = meta_of(node.args[0]).shape
+        lead = len(meta_of(node).shape) - len(in_shape)
+        return ["0" if size == 1 else out_index[lead + i] for i, size in enumerate(in_shape)]
+
+    def vjp(self, b, node, grad_out):
+        return [reductions.sum_to_shape(b, grad_out, meta_of(node.args[0]).shape)]
+
+    def apply(self, tensor, *, shape):
+        return tensor.expand(shape)
+
+
+# ----------------------------------------------------------------------------- windows
+class Slice(View):
+    """``x[..., start:start + length * step:step, ...]`` along ``dim``."""
+
+    writes_back = True
+
+    def out_shape(self, in_shape, params):
+        shape = list(in_shape)
+        shape[params["dim"]] = params["length"]
+        return tuple(shape)
+
+    def is_identity(self, in_shape, params):
+        return params["start"] == 0 and params["step"] == 1 and params["length"] == in_shape[params["dim"]]
+
+    def index_map(self, node, out_index):
+        result = list(out_index)
+        d, start, step = node.kwargs["dim"], node.kwargs["start"], node.kwargs["step"]
+        scaled = result[d] if step == 1 else f"({result[d]}) * {step}"
+        result[d] = scaled if start == 0 else f"{start} + {scaled}"
+        return result
+
+    def vjp(self, b, node, grad_out):  # the gradient goes back to the sliced positions, 0 elsewhere
+        zeros = emit_fill(b, meta_of(node.args[0]).shape, meta_of(grad_out).dtype, 0)
+        return [structural.emit_slice_scatter(b, zeros, grad_out, **node.kwargs)]
+
+    def apply(self, tensor, *, dim, start, step, length):
+        return tensor[(slice(None),) * dim + (slice(start, start + length * step, step),)]
+
+    def scatter_back(self, b, node, value):  # written into the slice of the (old) source
+        return structural.emit_slice_scatter(b, node.args[0], value, **node.kwargs)
+
+
+def slice_tensor(tensor, dim, start, step, length):
+    """The real view ``tensor[..., start:start+length*step:step, ...]`` along ``dim``."""
+    return VIEWS["slice"].apply(tensor, dim=dim, start=start, step=step, length=length)
+
+
+class Unfold(View):
+    """``Tensor.unfold(dim, size, step)``: windows of ``size`` along ``dim``, every ``step``
+    elements; the position in the window is a new last dim."""
+
+    def out_shape(self, in_shape, params):
+        shape = list(in_shape)
+        shape[params["dim"]] = (in_shape[params["dim"]] - params["size"]) // params["step"] + 1
+        return tuple(shape) + (params["size"],)
+
+    def index_map(self, node, out_index):
+        result = list(out_index[:-1])
+        d, step = node.kwargs["dim"], node.kwargs["step"]
+        result[d] = f"({result[d]}) * {step} + ({out_index[-1]})"
+        return result
+
+    def vjp(self, b, node, grad_out):  # window position k of every window lands at k, k+step, ...: add them
+        x = node.args[0]
+        d, size, step = node.kwargs["dim"], node.kwargs["size"], node.kwargs["step"]
+        # NOTE: each input element reads the gradient at `size` places: computed once into
+        # memory, not inlined `size` times (nested windows would multiply the code)
+        update_meta(grad_out, materialize=True)
+        count = meta_of(node).shape[d]
+        last = len(meta_of(node).shape) - 1
+        total = None
+        for k in range(size):
+            part = emit_view(b, "reshape", emit_slice(b, grad_out, last, k, 1, 1),
+                             shape=meta_of(grad_out).shape[:-1])
+            zeros = emit_fill(b, meta_of(x).shape, meta_of(grad_out).dtype, 0)
+            placed = structural.emit_slice_scatter(b, zeros, part, d, k, step, count)
+            total = placed if total is None else emit_pointwise(b, "add", [total, placed],
+                                                                dtype=meta_of(grad_out).dtype)
+        return [total]
+
+    def apply(self, tensor, *, dim, size, step):
+        return tensor.unfold(dim, size, step)
+
+
+class Flip(View):
+    """``torch.flip(x, dims)``: the order of elements reversed along each of ``dims``.
+
+    NOTE: eager's flip copies (its result has no ``_base``), so an in-place op on a flip's
+    result never writes back to its source: capture follows eager's ``_base`` and
+    ``apply`` is ``torch.flip`` itself (a copy wherever the runtime applies it). Inside
+    kernels it is an index map like any view, so it moves no data there.
+    """
+
+    def out_shape(self, in_shape, params):
+        return tuple(in_shape)
+
+    def is_identity(self, in_shape, params):
+        return all(in_shape[d] == 1 for d in params["dims"])
+
+    def index_map(self, node, out_index):
+        shape, dims = meta_of(node).shape, node.kwargs["dims"]
+        return [f"{shape[d] - 1} - ({i})" if d in dims and shape[d] != 1 else i for d, i in enumerate(out_index)]
+
+    def vjp(self, b, node, grad_out):  # each element's gradient comes from its mirrored position
+        return [emit_view(b, "flip", grad_out, dims=node.kwargs["dims"])]
+
+    def apply(self, tensor, *, dims):
+        return torch.flip(tensor, dims)
+
+
+# ----------------------------------------------------------------------------- complex parts
+# view_as_real / view_as_complex reinterpret interleaved storage; the kernel writer reads
+# them as (real, imag) parts rather than through an index map.
+class ViewAsReal(View):
+    """``torch.view_as_real``: a complex tensor as its (real, imag) parts, a new last dim of 2."""
+
+    def out_shape(self, in_shape, params):
+        return tuple(in_shape) + (2,)
+
+    def is_identity(self, in_shape, params):
+        return False
+
+    def read(self, writer, node, index):
+        (re, im), dtype = writer.value(node.args[0], index[:-1])
+        return writer.tmp(f"tl.where({index[-1]} == 0, {re}, {im})"), dtype.to_real()
+
+    def vjp(self, b, node, grad_out):  # the gradient of the parts is the complex gradient
+        return [emit_view(b, "view_as_complex", grad_out)]
+
+    def apply(self, tensor):
+        return torch.view_as_real(tensor.resolve_conj())
+
+    def emit(self, b, x, **params):
+        m = meta_of(x)
+        return b.call(self, [x], shape=self.out_shape(m.shape, params), dtype=m.dtype.to_real(),
+                      requires_grad=m.requires_grad)
+
+
+class ViewAsComplex(View):
+    """``torch.view_as_complex``: a last dim of 2 (real, imag) as one complex element."""
+
+    def out_shape(self, in_shape, params):
+        return tuple(in_shape[:-1])
+
+    def is_identity(self, in_shape, params):
+        return False
+
+    def read(self, writer, node, index):
+        re, dtype = writer.value(node.args[0], index + ("0",))
+        im, _ = writer.value(node.args[0], index + ("1",))
+        return (re, im), meta_of(node).dtype
+
+    def vjp(self, b, node, grad_out):
+        return [emit_view(b, "view_as_real", grad_out)]
+
+    def apply(self, tensor):
+        # a view where PyTorch can make one (the parts adjacent, every other stride and the
+        # offset even), else of a contiguous copy (a buffer the runtime permuted, an expanded one)
+        if tensor.stride(-1) != 1 or tensor.storage_offset() % 2 or any(s % 2 for s in tensor.stride()[:-1]):
+            tensor = tensor.contiguous()
+        return torch.view_as_complex(tensor)
+
+    def emit(self, b, x, **params):
+        m = meta_of(x)
+        return b.call(self, [x], shape=self.out_shape(m.shape, params), dtype=m.dtype.to_complex(),
+                      requires_grad=m.requires_grad)
+
+
+VIEWS = {view.name: view for view in (
+    Reshape("reshape"), Permute("permute"), Expand("expand"), ViewAsReal("view_as_real"),
+    ViewAsComplex("view_as_complex"), Slice("slice"), Unfold("unfold"), Flip("flip"))}
 
 
 def emit_view(b, name, x, **params) -> fx.Node:
-    op = VIEWS[name]
-    if name in ("view_as_real", "view_as_complex"):
-        dtype = meta_of(x).dtype.to_real() if name == "view_as_real" else meta_of(x).dtype.to_complex()
-        return b.call(op, [x], shape=op.out_shape(meta_of(x).shape, params), dtype=dtype,
-                      requires_grad=meta_of(x).requires_grad)
-    if "shape" in params:
-        params["shape"] = tuple(params["shape"])
-    shape = op.out_shape(meta_of(x).shape, params)
-    if name != "permute" and shape == meta_of(x).shape:
-        return x
-    if name == "permute" and tuple(params["dims"]) == tuple(range(len(shape))):
-        return x
-    return b.call(op, [x], params, shape=shape, dtype=meta_of(x).dtype, requires_grad=meta_of(x).requires_grad)
+    """The view ``name`` (a key of ``VIEWS``) of ``x`` with ``params``:
+    ``emit_view(b, "reshape", x, shape=(4, 2))``."""
+    return VIEWS[name].emit(b, x, **params)
 
 
 def emit_slice(b, x, dim, start, step, length) -> fx.Node:
-    if start == 0 and step == 1 and length == meta_of(x).shape[dim]:
-        return x
-    return b.call(VIEWS["slice"], [x], {"dim": dim, "start": start, "step": step, "length": length},
-                  shape=VIEWS["slice"].out_shape(meta_of(x).shape, {"dim": dim, "length": length}),
-                  dtype=meta_of(x).dtype, requires_grad=meta_of(x).requires_grad)
+    """``x[..., start:start + length * step:step, ...]`` along ``dim``."""
+    return VIEWS["slice"].emit(b, x, dim=dim, start=start, step=step, length=length)
