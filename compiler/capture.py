@@ -16,7 +16,6 @@ from __future__ import annotations
 import gc
 import inspect
 import weakref
-from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -26,7 +25,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from compiler.capture_calls import (FUNCTIONS, UNKEPT, UNREFERENCED, VALUE_READS, ModulesRun, OptimizerSteps,
                                     expected_eager, gradient_inputs, inspects_node, python_references, user_frame)
-from compiler.ir import GraphBuilder, meta_of, update_meta
+from compiler.capture_regions import InPlaceTracking, Region, ViewMutation, apply_writes, map_to_nodes
+from compiler.ir import meta_of, update_meta
 from compiler.ops import catalog as C
 from compiler.bindings import Unsupported, Writes, lookup
 from runtime.calls import flatten_call, unflatten_call
@@ -39,28 +39,6 @@ _SUPPORTED_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64
                      torch.complex64, torch.complex128}
 
 
-@dataclass
-class _Region:
-    index: int
-    grad_enabled: bool
-    device: torch.device
-    builder: GraphBuilder = field(default_factory=GraphBuilder)
-    nodes: dict = field(default_factory=dict)       # value id -> graph node
-    inputs: list = field(default_factory=list)      # value ids that became placeholders
-    produced: list = field(default_factory=list)    # value ids made here, in order
-    calls: list = field(default_factory=list)
-    seeds: list = field(default_factory=list)       # input value ids that take a fresh RNG seed per call
-    read_for_grad: set = field(default_factory=set)  # value ids read by calls that autograd records
-    writes: dict = field(default_factory=dict)      # value id -> in-place ops that changed it here
-    view_mutation: bool = False                     # an in-place op changed a view
-    eager_reason: str | None = None                 # set when the region must run eagerly
-    stale: set = field(default_factory=set)         # views whose memory an in-place op changed since
-
-
-class _ViewMutation(Exception):
-    """A view changed in place in a way the functional capture cannot follow."""
-
-
 class RecordingFailed(Exception):
     """A compiler bug broke the recording (logged as such): the function ran eagerly to its
     end and ``result`` is its result; nothing was recorded to replay."""
@@ -70,15 +48,15 @@ class RecordingFailed(Exception):
         self.result = result
 
 
-class Capture(TorchFunctionMode):
+class Capture(InPlaceTracking, TorchFunctionMode):
     def __init__(self, fn_name: str = "?"):
         super().__init__()
         self.fn_name = fn_name
         self.broken = None           # a compiler bug's message (or the strict error): record no more
         self.internal_errors: list = []  # bugs met in single calls, which then ran eagerly
         self.calls: list[TraceCall] = []
-        self.regions: list[_Region] = []
-        self.current: _Region | None = None
+        self.regions: list[Region] = []
+        self.current: Region | None = None
         self.ids: dict = {}          # id(tensor) -> (weakref, value id)
         self.refs: dict = {}         # value id -> weakref (for escape analysis)
         self.meta: dict = {}         # value id -> TensorMeta when produced
@@ -234,7 +212,7 @@ class Capture(TorchFunctionMode):
                     region.view_mutation = True
                     try:
                         self._update_base(region, vid, old, node, t._base, index)
-                    except _ViewMutation as e:
+                    except ViewMutation as e:
                         region.eager_reason = f"{function_name(func)}: {e}"
                 if old is not None:
                     self._note_stale_views(region, t, vid)
@@ -262,21 +240,6 @@ class Capture(TorchFunctionMode):
             if reason:
                 self.breaks.append(reason)
 
-    def _split_before_overwriting_a_saved_value(self, out_tensors) -> None:
-        """An in-place op on a value that an earlier op of this region read under autograd
-        (which may have saved it for backward) starts a new region. The write-back into the
-        real tensor then bumps its version after the earlier region saved it, so a backward
-        that needs the old value raises eager's "modified by an inplace operation" error
-        instead of silently using a copy."""
-        region = self.current
-        if region is None or not region.read_for_grad:
-            return
-        for t in out_tensors:
-            entry = self.ids.get(id(t))
-            if entry is not None and entry[0]() is t and entry[1] in region.read_for_grad:
-                self.current = None
-                return
-
     def _emit(self, func, binding, args, kwargs, leaves, recorded, out_tensors):
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         if not tensors or not out_tensors:
@@ -303,7 +266,7 @@ class Capture(TorchFunctionMode):
                                    "runs eagerly")
         b = region.builder
         metas = {vid: TensorMeta.of(x) for x, vid in zip(leaves, recorded) if isinstance(x, torch.Tensor)}
-        mapped = _map_to_nodes(region, recorded, metas)
+        mapped = map_to_nodes(region, recorded, metas)
         a, k = unflatten_call(mapped, flatten_call(args, kwargs)[1])
         start = len(b.created)
         result = _apply_binding(b, binding, a, k, out_tensors, _autocast_dtype(device))
@@ -330,18 +293,18 @@ class Capture(TorchFunctionMode):
                     f"where eager gave {t.dtype}{list(t.shape)}")
             if meta_of(node).requires_grad != t.requires_grad:
                 update_meta(node, requires_grad=t.requires_grad)
-        _apply_writes(region, writes)
+        apply_writes(region, writes)
         if region is not self.current:
             self.regions.append(region)
             self.current = region
         return region, nodes
 
-    def _new_region(self, index, grad_enabled, device) -> _Region:
-        region = _Region(index, grad_enabled, device)
+    def _new_region(self, index, grad_enabled, device) -> Region:
+        region = Region(index, grad_enabled, device)
         region.builder.new_seed = lambda: self._seed_input(region)
         return region
 
-    def _seed_input(self, region: _Region):
+    def _seed_input(self, region: Region):
         """A region input that replay fills with a fresh random seed before each run (random
         ops in kernels: dropout). It has a value id but no tensor in the recording."""
         vid = ValueId(self.next_id)
@@ -352,52 +315,6 @@ class Capture(TorchFunctionMode):
         region.inputs.append(vid)
         region.seeds.append(vid)
         return node
-
-    def _note_stale_views(self, region, t, vid) -> None:
-        """An in-place op wrote ``t``: other live views of its memory now show the write in
-        eager, but their nodes hold the old value (only ``t`` and its base are updated). They
-        are marked stale: a region that reads one later, or outputs one, runs eagerly."""
-        root = t._base if t._base is not None else t
-        region.stale.discard(vid)
-        for ref, other in list(self.ids.values()):
-            u = ref()
-            if u is None or u is t:
-                continue
-            if u is root:
-                region.stale.discard(other)  # updated with t (``_update_base``)
-            elif (u._base if u._base is not None else u) is root:
-                # (a view made by an earlier region, one that ended before this write: that
-                # region must not output it, and this one must not read it)
-                owner = next((r for r in self.regions if other in r.nodes), None)
-                if owner is not None:
-                    owner.stale.add(other)
-                    region.stale.add(other)
-
-    def _update_base(self, region, vid, old_node, new_node, base, index):
-        """An in-place op changed a view: its base changes too (eager views share memory).
-
-        The base's new value is the view's new value mapped back through the view ops that
-        made the view, last first (``View.scatter_back``: reshape and permute are inverted, a
-        slice is written into its source); the runtime writes it back.
-        """
-        entry = self.ids.get(id(base))
-        base_vid = entry[1] if entry is not None and entry[0]() is base else None
-        base_node = region.nodes.get(base_vid) if base_vid is not None else None
-        chain, node = [], old_node
-        while node is not base_node and getattr(node.target, "kind", None) == "view":
-            chain.append(node)
-            node = node.args[0]
-        if base_node is None or node is not base_node or not all(n.target.writes_back for n in chain):
-            raise _ViewMutation(
-                "an in-place op on a view whose base is outside this region, or made by a view op "
-                "other than reshape, permute or slicing; "
-                "the region runs eagerly")
-        value = new_node
-        for view in chain:  # undo the views, last first
-            value = view.target.scatter_back(region.builder, view, value)
-        region.nodes[base_vid] = value
-        region.produced.append(base_vid)
-        self.produced_by[base_vid] = index
 
     def _reads_region_value(self, recorded) -> bool:
         return any(isinstance(v, ValueId) and v in r.nodes and v not in r.inputs
@@ -440,17 +357,17 @@ class Capture(TorchFunctionMode):
                 self.calls[c].region = r.index
         self.regions = regions
 
-    def _rebuild(self, index, call_indices, grad_enabled, device) -> _Region:
+    def _rebuild(self, index, call_indices, grad_enabled, device) -> Region:
         """A region's graph re-emitted from recorded calls (bindings need metadata only)."""
         region = self._new_region(index, grad_enabled, device)
         b = region.builder
         for c in call_indices:
             call = self.calls[c]
             in_meta, out_meta, autocast_dtype = self.call_meta[c]
-            a, k = unflatten_call(_map_to_nodes(region, call.leaves, in_meta), call.spec)
+            a, k = unflatten_call(map_to_nodes(region, call.leaves, in_meta), call.spec)
             result = _apply_binding(b, _binding(call.func), a, k, out_meta, autocast_dtype)
             if isinstance(result, Writes):
-                _apply_writes(region, result.writes)
+                apply_writes(region, result.writes)
                 result = result.result
             nodes = list(result) if isinstance(result, (tuple, list)) else [result]
             for vid, node, m in zip(call.outputs, nodes, out_meta):
@@ -541,16 +458,6 @@ class Capture(TorchFunctionMode):
                      list(dict.fromkeys(self.breaks)), transient=transient)
 
 
-def _apply_writes(region: _Region, writes) -> None:
-    """Inputs a binding changes in place without returning them (batch norm's running
-    statistics): their new values become the region's, written back into the real tensors."""
-    for target, value in writes:
-        vid = next(v for v, n in region.nodes.items() if n is target)
-        region.nodes[vid] = value
-        region.produced.append(vid)
-        region.writes[vid] = region.writes.get(vid, 0) + 1
-
-
 def _autocast_dtype(device: torch.device):
     """The lower-precision dtype of an active ``torch.autocast`` for this device, else None."""
     return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
@@ -599,25 +506,6 @@ def _call_binding(binding, b, a, k):
         except ValueError:  # (no signature to check against)
             pass
         raise
-
-
-def _map_to_nodes(region: _Region, recorded, metas) -> list:
-    """A call's recorded leaves with each value id replaced by the region's node for it;
-    a value the region has not seen yet becomes a placeholder (a region input)."""
-    mapped = []
-    for leaf in recorded:
-        if not isinstance(leaf, ValueId):
-            mapped.append(leaf)
-            continue
-        node = region.nodes.get(leaf)
-        if node is None:
-            m = metas[leaf]
-            node = region.builder.placeholder(f"v{leaf}", m.shape, m.dtype, m.requires_grad and region.grad_enabled,
-                                              device=m.device)
-            region.nodes[leaf] = node
-            region.inputs.append(leaf)
-        mapped.append(node)
-    return mapped
 
 
 def _binding(func):

@@ -1,0 +1,137 @@
+"""Capture's regions under construction and its in-place bookkeeping.
+
+A ``Region`` collects the graph of one run of compilable calls. In-place ops are captured
+functionally (the mutated value id maps to a new node); what that needs besides is here: a
+view changed in place writes its base (``_update_base``, through each view op's
+``scatter_back``), other views of the same memory go stale, and a write to a value autograd
+may have saved starts a new region (so eager's version-counter error still fires).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from compiler.ir import GraphBuilder
+from runtime.trace import ValueId
+
+
+@dataclass
+class Region:
+    """One region being recorded: its graph, the value ids it maps to nodes, its inputs and what
+    it changed in place."""
+
+    index: int
+    grad_enabled: bool
+    device: torch.device
+    builder: GraphBuilder = field(default_factory=GraphBuilder)
+    nodes: dict = field(default_factory=dict)       # value id -> graph node
+    inputs: list = field(default_factory=list)      # value ids that became placeholders
+    produced: list = field(default_factory=list)    # value ids made here, in order
+    calls: list = field(default_factory=list)
+    seeds: list = field(default_factory=list)       # input value ids that take a fresh RNG seed per call
+    read_for_grad: set = field(default_factory=set)  # value ids read by calls that autograd records
+    writes: dict = field(default_factory=dict)      # value id -> in-place ops that changed it here
+    view_mutation: bool = False                     # an in-place op changed a view
+    eager_reason: str | None = None                 # set when the region must run eagerly
+    stale: set = field(default_factory=set)         # views whose memory an in-place op changed since
+
+
+class ViewMutation(Exception):
+    """A view changed in place in a way the functional capture cannot follow."""
+
+
+class InPlaceTracking:
+    """The in-place half of ``compiler.capture.Capture`` (a mixin): relies on its ``current``
+    region, ``regions``, ``ids`` (id(tensor) -> (weakref, value id)) and ``produced_by``."""
+
+    def _split_before_overwriting_a_saved_value(self, out_tensors) -> None:
+        """An in-place op on a value that an earlier op of this region read under autograd
+        (which may have saved it for backward) starts a new region. The write-back into the
+        real tensor then bumps its version after the earlier region saved it, so a backward
+        that needs the old value raises eager's "modified by an inplace operation" error
+        instead of silently using a copy."""
+        region = self.current
+        if region is None or not region.read_for_grad:
+            return
+        for t in out_tensors:
+            entry = self.ids.get(id(t))
+            if entry is not None and entry[0]() is t and entry[1] in region.read_for_grad:
+                self.current = None
+                return
+
+    def _note_stale_views(self, region, t, vid) -> None:
+        """An in-place op wrote ``t``: other live views of its memory now show the write in
+        eager, but their nodes hold the old value (only ``t`` and its base are updated). They
+        are marked stale: a region that reads one later, or outputs one, runs eagerly."""
+        root = t._base if t._base is not None else t
+        region.stale.discard(vid)
+        for ref, other in list(self.ids.values()):
+            u = ref()
+            if u is None or u is t:
+                continue
+            if u is root:
+                region.stale.discard(other)  # updated with t (``_update_base``)
+            elif (u._base if u._base is not None else u) is root:
+                # (a view made by an earlier region, one that ended before this write: that
+                # region must not output it, and this one must not read it)
+                owner = next((r for r in self.regions if other in r.nodes), None)
+                if owner is not None:
+                    owner.stale.add(other)
+                    region.stale.add(other)
+
+    def _update_base(self, region, vid, old_node, new_node, base, index):
+        """An in-place op changed a view: its base changes too (eager views share memory).
+
+        The base's new value is the view's new value mapped back through the view ops that
+        made the view, last first (``View.scatter_back``: reshape and permute are inverted, a
+        slice is written into its source); the runtime writes it back.
+        """
+        entry = self.ids.get(id(base))
+        base_vid = entry[1] if entry is not None and entry[0]() is base else None
+        base_node = region.nodes.get(base_vid) if base_vid is not None else None
+        chain, node = [], old_node
+        while node is not base_node and getattr(node.target, "kind", None) == "view":
+            chain.append(node)
+            node = node.args[0]
+        if base_node is None or node is not base_node or not all(n.target.writes_back for n in chain):
+            raise ViewMutation(
+                "an in-place op on a view whose base is outside this region, or made by a view op "
+                "other than reshape, permute or slicing; "
+                "the region runs eagerly")
+        value = new_node
+        for view in chain:  # undo the views, last first
+            value = view.target.scatter_back(region.builder, view, value)
+        region.nodes[base_vid] = value
+        region.produced.append(base_vid)
+        self.produced_by[base_vid] = index
+
+
+def apply_writes(region: Region, writes) -> None:
+    """Inputs a binding changes in place without returning them (batch norm's running
+    statistics): their new values become the region's, written back into the real tensors."""
+    for target, value in writes:
+        vid = next(v for v, n in region.nodes.items() if n is target)
+        region.nodes[vid] = value
+        region.produced.append(vid)
+        region.writes[vid] = region.writes.get(vid, 0) + 1
+
+
+def map_to_nodes(region: Region, recorded, metas) -> list:
+    """A call's recorded leaves with each value id replaced by the region's node for it;
+    a value the region has not seen yet becomes a placeholder (a region input)."""
+    mapped = []
+    for leaf in recorded:
+        if not isinstance(leaf, ValueId):
+            mapped.append(leaf)
+            continue
+        node = region.nodes.get(leaf)
+        if node is None:
+            m = metas[leaf]
+            node = region.builder.placeholder(f"v{leaf}", m.shape, m.dtype, m.requires_grad and region.grad_enabled,
+                                              device=m.device)
+            region.nodes[leaf] = node
+            region.inputs.append(leaf)
+        mapped.append(node)
+    return mapped
