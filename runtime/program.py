@@ -3,7 +3,10 @@
 The compiler builds ``Program`` objects; the runtime runs them. A program reads its inputs
 into slots ``0..num_inputs-1``, runs its steps in order (each writes new slots), frees each
 slot after its last use, and returns its outputs. An output or matmul operand may be a
-*view* of a slot, applied with PyTorch's view functions on the host (no copy).
+*view* of a slot, applied on the host by the compiler's view op itself (``ViewStep``: PyTorch's
+view function, so no copy; a flip copies, as in eager). Matmuls and the like are called
+through the function the compiler's op hands over (``ExternCall.fn``): the runtime keeps no
+table of ops and imports nothing from the compiler.
 """
 
 from __future__ import annotations
