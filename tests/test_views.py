@@ -16,7 +16,7 @@ import compiler
 from compiler.ir import GraphBuilder
 from compiler.ops import catalog as C
 from compiler.reference import run_graph
-from tests.call_modes import CALLS, compiled as compile_for
+from tests.call_modes import CALLS, assert_ran_as, compiled as compile_for
 from tests.parity import check_parity
 
 F64 = torch.float64
@@ -73,6 +73,7 @@ def test_in_place_on_a_flip_leaves_its_source_alone(call):
     fn = compile_for(f, call)
     fn(x.clone(), w)
     got, want = fn(x.clone(), w), f(x.clone(), w)
+    assert_ran_as(fn, call)
     for g, r in zip(got, want):
         torch.testing.assert_close(g, r)
 
@@ -88,6 +89,7 @@ def test_flip_of_an_input_changed_afterwards_keeps_the_old_values(call):
     fn(x.clone())
     mine, theirs = x.clone(), x.clone()
     torch.testing.assert_close(fn(mine), f(theirs))
+    assert_ran_as(fn, call)
     torch.testing.assert_close(mine, theirs)
 
 
