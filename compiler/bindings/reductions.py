@@ -9,6 +9,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from compiler.bindings.elementwise import _cast, _pointwise
+from compiler.bindings.handles import Tensor, on_handles, pointwise
 from compiler.bindings.registry import Unsupported, _no_out, _t, binds
 from compiler.ir import compute_dtype, meta_of, numel
 from compiler.ops import catalog as C
@@ -16,7 +17,7 @@ from compiler.ops import catalog as C
 
 # ----------------------------------------------------------------------------- reductions
 def _dims(x, dim):
-    ndim = len(meta_of(x).shape)
+    ndim = x.ndim if isinstance(x, Tensor) else len(meta_of(x).shape)
     if dim is None or (isinstance(dim, (tuple, list)) and len(dim) == 0):
         return tuple(range(ndim))
     if isinstance(dim, int):
@@ -158,24 +159,26 @@ binds(torch.var_mean)(_var_like("var_mean"))
 binds(torch.std_mean)(_var_like("std_mean"))
 
 
-def _l2_norm(b, x, dim, keepdim):
-    if not meta_of(x).dtype.is_floating_point:
+def _l2_norm(x: Tensor, dim, keepdim) -> Tensor:
+    """sqrt(sum(x²)) over ``dim``, its gradient 0 where the norm is 0 (``norm_sqrt``), as eager's."""
+    if not x.dtype.is_floating_point:
         raise Unsupported("norm of a non-floating tensor is not supported yet")
-    squares = C.emit_reduction(b, "sum", _pointwise(b, "mul", [x, x]), _dims(x, dim), keepdim)
-    return _pointwise(b, "norm_sqrt", [squares])
+    return pointwise("norm_sqrt", (x * x).sum(_dims(x, dim), keepdim))
 
 
 @binds(torch.norm, _t("norm"))
+@on_handles
 def _norm(b, x, p="fro", dim=None, keepdim=False, out=None, dtype=None):
     _no_out({"out": out})
     if p not in (2, 2.0, "fro") or dtype is not None:
         raise Unsupported(f"norm(p={p!r}) is not supported yet (only the 2-norm)")
-    return _l2_norm(b, x, dim, keepdim)
+    return _l2_norm(x, dim, keepdim)
 
 
 @binds(torch.linalg.vector_norm)
+@on_handles
 def _vector_norm(b, x, ord=2, dim=None, keepdim=False, *, dtype=None, out=None):
     _no_out({"out": out})
     if ord not in (2, 2.0) or dtype is not None:
         raise Unsupported(f"vector_norm(ord={ord!r}) is not supported yet (only the 2-norm)")
-    return _l2_norm(b, x, dim, keepdim)
+    return _l2_norm(x, dim, keepdim)
