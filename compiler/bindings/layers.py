@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from compiler.bindings.elementwise import _pointwise
 from compiler.bindings.indexing import _triangle
 from compiler.bindings.random import _dropout
-from compiler.bindings.reductions import _detached, _shifted
+from compiler.bindings.handles import Tensor
+from compiler.bindings.reductions import _shifted
 from compiler.bindings.registry import Unsupported, _no_out, _t, binds
 from compiler.bindings.views import _expand, _interleave, _pad, _t_, _transpose
 from compiler.ir import meta_of, numel
@@ -213,7 +214,7 @@ def _max_pool(dims):
         windows = _pool_windows(b, x, dims, kernel, stride, padding, float("-inf"))
         split = meta_of(windows).shape
         window_dims = tuple(range(len(split) - dims, len(split)))
-        values = _detached(b, windows)
+        values = Tensor(b, windows).detach().node
         peak = C.emit_reduction(b, "amax", values, window_dims, keepdim=True)
         hit = _pointwise(b, "logical_or", [_pointwise(b, "eq", [values, peak]), _pointwise(b, "ne", [values, values])])
         position = None  # row-major position inside the window, as a float (small integers)
@@ -267,7 +268,7 @@ def _scaled_dot_product_attention(b, query, key, value, attn_mask=None, dropout_
             scores = _pointwise(b, "add", [scores, attn_mask])
     elif attn_mask is not None:
         raise Unsupported("scaled_dot_product_attention with a non-tensor attn_mask")
-    shifted, _ = _shifted(b, scores, -1)
+    shifted = _shifted(Tensor(b, scores), -1)[0].node
     e = _pointwise(b, "exp", [shifted])
     total = C.emit_reduction(b, "sum", e, (len(shape) - 1,), keepdim=True)
     # a row masked entirely has e = 0 and total = 0: dividing by 1 there gives eager's 0, and a
