@@ -252,3 +252,23 @@ def arange_along(b: GraphBuilder, shape, dim: int) -> Tensor:
 def gather(source: Tensor, index: Tensor, mode: str, dim: int, **params) -> Tensor:
     """The catalog's inline gather (``mode``: gather, index_select, embedding)."""
     return Tensor(source.b, C.emit_gather(source.b, source.node, index.node, mode, dim, **params))
+
+
+def mm(a: Tensor, w: Tensor) -> Tensor:
+    """a @ w of 2-D matrices (run by PyTorch: cuBLAS on GPU)."""
+    return Tensor(a.b, C.emit_extern(a.b, "mm", a.node, w.node))
+
+
+def bmm(a: Tensor, w: Tensor) -> Tensor:
+    """Batched a @ w of 3-D tensors (run by PyTorch)."""
+    return Tensor(a.b, C.emit_extern(a.b, "bmm", a.node, w.node))
+
+
+def addmm(bias: Tensor, a: Tensor, w: Tensor) -> Tensor:
+    """bias + a @ w, one matmul that adds the bias (run by PyTorch)."""
+    return Tensor(a.b, C.emit_addmm(a.b, bias.node, a.node, w.node))
+
+
+def rand(b: GraphBuilder, seed: fx.Node, shape) -> Tensor:
+    """Uniform random float32 numbers in [0, 1) computed in the kernel from ``seed``."""
+    return Tensor(b, C.emit_rand(b, seed, shape))
