@@ -174,6 +174,14 @@ class Tensor:
     def unfold(self, dim: int, size: int, step: int) -> Tensor:
         return self._wrap(C.emit_view(self.b, "unfold", self.node, dim=dim, size=size, step=step))
 
+    def slice(self, dim: int, start: int, step: int, length: int) -> Tensor:
+        """``length`` elements along ``dim`` from ``start`` every ``step`` (``x[..., start::step]``)."""
+        return self._wrap(C.emit_slice(self.b, self.node, dim, start, step, length))
+
+    def slice_scatter(self, src: Tensor, dim: int, start: int, step: int, length: int) -> Tensor:
+        """This tensor with ``src`` written into the slice (dim, start, step, length)."""
+        return self._wrap(C.emit_slice_scatter(self.b, self.node, src.node, dim, start, step, length))
+
 
 def _node(value):
     """The operand a catalog op takes: a handle's node; Python scalars and nodes as they are."""
