@@ -117,3 +117,10 @@ def test_pointwise_catalog_ops_without_a_method():
     a, c = torch.randn(5), torch.randn(5)
     got = _evaluate(b, [loss], [a, c])
     torch.testing.assert_close(got[0], F.huber_loss(a, c, reduction="none", delta=1.5))
+
+
+def test_a_handle_has_no_truth_value():
+    b, (x,) = _inputs(((3,), torch.float32))
+    with pytest.raises(TypeError, match="no truth value"):
+        if x > 0:
+            pass

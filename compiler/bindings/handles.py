@@ -50,6 +50,10 @@ class Tensor:
     def __repr__(self):
         return f"Tensor({self.node.name}: {self.dtype} {list(self.shape)})"
 
+    def __bool__(self):
+        raise TypeError(f"{self!r} is a graph value: it has no truth value while the graph is built "
+                        "(compare its .shape or .dtype, or use where())")
+
     # ------------------------------------------------------------------ metadata
     @property
     def shape(self) -> tuple:
@@ -192,8 +196,8 @@ def handle(b: GraphBuilder, value):
     """``value`` with every ``fx.Node`` in it (also inside lists and tuples) wrapped as a handle."""
     if isinstance(value, fx.Node):
         return Tensor(b, value)
-    if isinstance(value, (list, tuple)) and any(isinstance(v, fx.Node) for v in value):
-        return type(value)(handle(b, v) for v in value)
+    if isinstance(value, (list, tuple)):
+        return _rebuilt(value, [handle(b, v) for v in value])
     return value
 
 
@@ -202,10 +206,17 @@ def unwrap(value):
     if isinstance(value, Tensor):
         return value.node
     if isinstance(value, (list, tuple)):
-        return type(value)(unwrap(v) for v in value)
+        return _rebuilt(value, [unwrap(v) for v in value])
     if isinstance(value, Writes):
         return Writes(unwrap(value.result), [(unwrap(t), unwrap(v)) for t, v in value.writes])
     return value
+
+
+def _rebuilt(sequence, items):
+    """``sequence`` itself when no item changed (a torch.Size stays one), else a copy of its type."""
+    if all(new is old for new, old in zip(items, sequence)):
+        return sequence
+    return type(sequence)(items)
 
 
 def on_handles(bind):
@@ -275,6 +286,11 @@ def bmm(a: Tensor, w: Tensor) -> Tensor:
 def addmm(bias: Tensor, a: Tensor, w: Tensor) -> Tensor:
     """bias + a @ w, one matmul that adds the bias (run by PyTorch)."""
     return Tensor(a.b, C.emit_addmm(a.b, bias.node, a.node, w.node))
+
+
+def conv(input: Tensor, weight: Tensor, shape, stride, padding, dilation, groups) -> Tensor:
+    """A convolution with output ``shape`` (run by PyTorch: cuDNN on GPU)."""
+    return Tensor(input.b, C.emit_conv(input.b, input.node, weight.node, shape, stride, padding, dilation, groups))
 
 
 def rand(b: GraphBuilder, seed: fx.Node, shape) -> Tensor:

@@ -9,14 +9,13 @@ import math
 import torch
 import torch.nn.functional as F
 
-from compiler.bindings.handles import Tensor, addmm, arange_along, bmm, full, mm, on_handles, where
+from compiler.bindings.handles import Tensor, addmm, arange_along, bmm, conv, full, mm, on_handles, where
 from compiler.bindings.indexing import _triangle
 from compiler.bindings.random import _dropout
 from compiler.bindings.reductions import _shifted
 from compiler.bindings.registry import Unsupported, _no_out, _t, binds
 from compiler.bindings.views import _interleave, _pad
 from compiler.ir import numel
-from compiler.ops import catalog as C
 
 
 # ----------------------------------------------------------------------------- matmul
@@ -79,8 +78,7 @@ def _conv_binding(dims):
         spatial = tuple((size + 2 * p - d * (k - 1) - 1) // s + 1 for size, p, d, k, s in
                         zip(input.shape[2:], padding, dilation, kernel, stride))
         shape = (input.shape[0], weight.shape[0]) + spatial
-        out = Tensor(b, C.emit_conv(b, input.node, weight.node, shape, list(stride), list(padding), list(dilation),
-                                    int(groups)))
+        out = conv(input, weight, shape, list(stride), list(padding), list(dilation), int(groups))
         if bias is not None:
             out = out + bias.reshape((shape[1],) + (1,) * dims)
         return out
