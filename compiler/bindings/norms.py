@@ -1,8 +1,10 @@
 """Bindings of normalization layers: layer, RMS, batch and group norm, F.normalize, cosine
 similarity.
 
-Layer, group, RMS and batch norm share one ``_normalize`` (as ``torch/_refs`` shares its
-``_normalize`` between layer and group norm) and one ``_affine``.
+Layer, group, RMS and batch norm share one ``_normalize`` (as ``torch/_refs/__init__.py`` shares
+its ``_normalize`` between ``native_layer_norm`` and ``native_group_norm``) and one ``_affine``.
+Ours returns the variance rather than rstd, and computes it about the detached mean (see
+``_variance_about``).
 """
 
 from __future__ import annotations

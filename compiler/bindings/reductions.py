@@ -1,5 +1,9 @@
 """Bindings of reductions: sum, mean, amax/max, softmax and log_softmax, logsumexp, var/std
 and vector norms.
+
+Read them beside PyTorch's: ``_softmax`` and ``_log_softmax`` in ``torch/_decomp/decompositions.py``,
+``logsumexp`` in ``torch/_refs/__init__.py`` (its max masked to 0 where infinite, as ``_shifted``).
+Where ours differ it is on purpose: the max carries no gradient, statistics of half types are float32.
 """
 
 from __future__ import annotations
