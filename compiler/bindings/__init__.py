@@ -1,6 +1,8 @@
 """Bindings: how each torch function a user's code calls is expressed with catalog ops.
 
 One module per family; importing this package registers them all (``lookup`` finds them).
+Decompositions are written on tensor-like handles (``handles.py``: ``x - x.mean(1, keepdim=True)``),
+so each reads like its counterpart in ``torch/_refs`` or ``torch/_decomp/decompositions.py``.
 """
 
 from compiler.bindings import cross_entropy, elementwise, indexing, layers, losses, norms, random, reductions, views  # noqa: F401

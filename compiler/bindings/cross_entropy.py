@@ -14,57 +14,51 @@ class ``weight`` (a mean divides by the summed weights of the counted targets),
 
 from __future__ import annotations
 
-import torch
-import torch.fx as fx
 import torch.nn.functional as F
 
-from compiler.bindings.elementwise import _cast, _pointwise
+from compiler.bindings.handles import Tensor, gather, on_handles, where
 from compiler.bindings.losses import _reduce_loss
-from compiler.bindings.reductions import _log_softmax, _shifted, _statistic
+from compiler.bindings.reductions import _shifted, log_softmax
 from compiler.bindings.registry import Unsupported, binds
-from compiler.ir import meta_of
-from compiler.ops import catalog as C
 
 
-def _picked(b, values, target, ignore_index, keepdim=False):
+def _picked(values: Tensor, target: Tensor, ignore_index, keepdim=False):
     """values[n, target[n], ...] along dim 1 (``keepdim``: with that dim kept, size 1), whether
     each target counts (is not ``ignore_index``, bool) and the index gathered with.
 
     Ignored positions gather at class 0 (any valid class; callers discard the value); other
     targets out of range raise eager's IndexError (the gather's index check).
     """
-    shape = meta_of(values).shape
-    valid = C.emit_pointwise(b, "ne", [target, ignore_index], dtype=torch.bool)
-    index = C.emit_pointwise(b, "where", [valid, target, 0], dtype=meta_of(target).dtype, requires_grad=False)
-    picked = C.emit_gather(b, values, C.emit_view(b, "reshape", index, shape=shape[:1] + (1,) + shape[2:]),
-                           "gather", 1)
-    return (picked if keepdim else C.emit_view(b, "reshape", picked, shape=meta_of(target).shape)), valid, index
+    shape = values.shape
+    valid = target != ignore_index
+    index = where(valid, target, 0)
+    picked = gather(values, index.reshape(shape[:1] + (1,) + shape[2:]), "gather", 1)
+    return (picked if keepdim else picked.reshape(target.shape)), valid, index
 
 
-def _class_weight(weight, x):
+def _class_weight(weight, x: Tensor):
     if weight is None:
         return None
-    classes = meta_of(x).shape[1]
-    if not isinstance(weight, fx.Node) or tuple(meta_of(weight).shape) != (classes,):
+    classes = x.shape[1]
+    if not isinstance(weight, Tensor) or tuple(weight.shape) != (classes,):
         raise Unsupported(f"a class weight must be a 1-D tensor of {classes} elements (eager raises)")
-    if meta_of(weight).requires_grad:
+    if weight.requires_grad:
         raise Unsupported("a class weight that requires grad (eager has no gradient for it)")
-    if meta_of(weight).dtype != meta_of(x).dtype:
+    if weight.dtype != x.dtype:
         raise Unsupported("a class weight of another dtype than the input (eager raises)")
     return weight
 
 
-def _counted(b, weight, index, valid, dtype):
+def _counted(weight, index: Tensor, valid: Tensor, dtype) -> Tensor:
     """Each position's share of a mean: weight[target] (1 without weights), 0 where ignored."""
     if weight is None:
-        return _cast(b, valid, dtype)
-    return C.emit_pointwise(b, "where", [valid, C.emit_gather(b, weight, index, "index_select", 0), 0.0],
-                            dtype=dtype)
+        return valid.to(dtype)
+    return where(valid, gather(weight, index, "index_select", 0), 0.0, dtype=dtype)
 
 
-def _per_class(b, weight, ndim):
+def _per_class(weight: Tensor, ndim: int) -> Tensor:
     """A class weight shaped to broadcast along dim 1 of an (N, C, ...) tensor."""
-    return C.emit_view(b, "reshape", weight, shape=(1, meta_of(weight).shape[0]) + (1,) * (ndim - 2))
+    return weight.reshape((1, weight.shape[0]) + (1,) * (ndim - 2))
 
 
 def _check_legacy(name, size_average, reduce):
@@ -73,73 +67,67 @@ def _check_legacy(name, size_average, reduce):
 
 
 @binds(F.nll_loss)
+@on_handles
 def _nll_loss(b, x, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean"):
     _check_legacy("nll_loss", size_average, reduce)
-    if len(meta_of(x).shape) < 2 or meta_of(target).dtype.is_floating_point:
+    if x.ndim < 2 or target.dtype.is_floating_point:
         raise Unsupported("nll_loss needs (N, C, ...) log-probabilities and class-index targets")
     weight = _class_weight(weight, x)
-    picked, valid, index = _picked(b, x, target, ignore_index)
-    share = _counted(b, weight, index, valid, meta_of(x).dtype)
-    loss = _pointwise(b, "neg", [picked])
+    picked, valid, index = _picked(x, target, ignore_index)
+    share = _counted(weight, index, valid, x.dtype)
+    loss = -picked
     if weight is not None:
-        loss = _pointwise(b, "mul", [loss, share])
-    loss = C.emit_pointwise(b, "where", [valid, loss, 0.0], dtype=meta_of(x).dtype)
-    return _reduce_loss(b, loss, reduction, _total(b, share) if reduction == "mean" else None)
-
-
-def _total(b, x):
-    return C.emit_reduction(b, "sum", x, tuple(range(len(meta_of(x).shape))))
+        loss = loss * share
+    loss = where(valid, loss, 0.0, dtype=x.dtype)
+    return _reduce_loss(loss, reduction, share.sum() if reduction == "mean" else None)
 
 
 @binds(F.cross_entropy)
+@on_handles
 def _cross_entropy(b, x, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                    reduction="mean", label_smoothing=0.0):
     _check_legacy("cross_entropy", size_average, reduce)
-    if len(meta_of(x).shape) < 2:
+    if x.ndim < 2:
         raise Unsupported("cross_entropy of an unbatched input")
     if not 0.0 <= label_smoothing <= 1.0:
         raise Unsupported(f"label_smoothing must be between 0.0 and 1.0, got {label_smoothing} (eager raises)")
     weight = _class_weight(weight, x)
-    if meta_of(target).dtype.is_floating_point:
-        return _with_probabilities(b, x, target, weight, ignore_index, reduction, label_smoothing)
-    if meta_of(target).dtype.is_complex or len(meta_of(target).shape) != len(meta_of(x).shape) - 1:
+    if target.dtype.is_floating_point:
+        return _with_probabilities(x, target, weight, ignore_index, reduction, label_smoothing)
+    if target.dtype.is_complex or target.ndim != x.ndim - 1:
         raise Unsupported("cross_entropy needs (N, C, ...) logits and (N, ...) class indices")
-    dtype, ndim, classes = meta_of(x).dtype, len(meta_of(x).shape), meta_of(x).shape[1]
+    classes = x.shape[1]
     # NOTE: -log_softmax(x)[t] written as log(sum(exp(x - max))) - (x[t] - max): eager's value
     # ((x[t] - max) - log(sum), negated), whose gradient (softmax - onehot) * grad needs no
     # sum over the classes of the one-hot part.
-    shifted, _ = _shifted(b, x, 1)
-    log_total = _pointwise(b, "log", [_statistic(b, "sum", _pointwise(b, "exp", [shifted]), (1,))])
-    picked, valid, index = _picked(b, shifted, target, ignore_index, keepdim=True)
-    share = _counted(b, weight, index, valid, dtype)
-    loss = C.emit_view(b, "reshape", _pointwise(b, "sub", [log_total, picked]), shape=meta_of(target).shape)
+    shifted, _ = _shifted(x, 1)
+    log_total = shifted.exp().statistic("sum", 1).log()
+    picked, valid, index = _picked(shifted, target, ignore_index, keepdim=True)
+    share = _counted(weight, index, valid, x.dtype)
+    loss = (log_total - picked).reshape(target.shape)
     if weight is not None:
-        loss = _pointwise(b, "mul", [loss, share])
+        loss = loss * share
     if label_smoothing > 0:
         # -sum_c w_c log_softmax(x)_c = sum_c(w_c) * log_total - sum_c w_c (x_c - max): a sum over
         # the classes that shares the pass summing the exponentials
-        weighted = shifted if weight is None else _pointwise(b, "mul", [shifted, _per_class(b, weight, ndim)])
-        mass = float(classes) if weight is None else C.emit_reduction(b, "sum", weight, (0,))
-        smooth = _pointwise(b, "sub", [_pointwise(b, "mul", [log_total, mass]), _statistic(b, "sum", weighted, (1,))])
-        smooth = C.emit_view(b, "reshape", smooth, shape=meta_of(target).shape)
-        loss = _pointwise(b, "add", [_pointwise(b, "mul", [loss, 1.0 - label_smoothing]),
-                                     _pointwise(b, "mul", [smooth, label_smoothing / classes])])
-    loss = _cast(b, C.emit_pointwise(b, "where", [valid, loss, 0.0], dtype=meta_of(loss).dtype), dtype)
-    return _reduce_loss(b, loss, reduction, _total(b, share) if reduction == "mean" else None)
+        weighted = shifted if weight is None else shifted * _per_class(weight, x.ndim)
+        mass = float(classes) if weight is None else weight.sum(0)
+        smooth = (log_total * mass - weighted.statistic("sum", 1)).reshape(target.shape)
+        loss = loss * (1.0 - label_smoothing) + smooth * (label_smoothing / classes)
+    loss = where(valid, loss, 0.0).to(x.dtype)
+    return _reduce_loss(loss, reduction, share.sum() if reduction == "mean" else None)
 
 
-def _with_probabilities(b, x, target, weight, ignore_index, reduction, label_smoothing):
+def _with_probabilities(x: Tensor, target: Tensor, weight, ignore_index, reduction, label_smoothing) -> Tensor:
     """Class probabilities as targets: -sum_c w_c p_c log_softmax(x)_c, the mean over positions."""
     if ignore_index != -100:
         raise Unsupported("ignore_index with class-probability targets (eager raises)")
-    if meta_of(target).shape != meta_of(x).shape or meta_of(target).dtype != meta_of(x).dtype:
+    if target.shape != x.shape or target.dtype != x.dtype:
         raise Unsupported("class-probability targets must match the input's shape and dtype (eager raises)")
-    classes = meta_of(x).shape[1]
+    classes = x.shape[1]
     if label_smoothing > 0:
-        target = _pointwise(b, "add", [_pointwise(b, "mul", [target, 1.0 - label_smoothing]),
-                                       label_smoothing / classes])
-    product = _pointwise(b, "mul", [_log_softmax(b, x, 1), target])
+        target = target * (1.0 - label_smoothing) + label_smoothing / classes
+    product = log_softmax(x, 1) * target
     if weight is not None:
-        product = _pointwise(b, "mul", [product, _per_class(b, weight, len(meta_of(x).shape))])
-    loss = _pointwise(b, "neg", [C.emit_reduction(b, "sum", product, (1,))])
-    return _reduce_loss(b, loss, reduction)
+        product = product * _per_class(weight, x.ndim)
+    return _reduce_loss(-product.sum(1), reduction)

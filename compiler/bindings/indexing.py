@@ -5,30 +5,28 @@ select, tril/triu.
 from __future__ import annotations
 
 import torch
-import torch.fx as fx
 import torch.nn.functional as F
 
+from compiler.bindings.handles import Tensor, arange_along, full, gather, on_handles, where
 from compiler.bindings.registry import Unsupported, _no_out, _t, binds
-from compiler.bindings.views import _expand
-from compiler.ir import meta_of
-from compiler.ops import catalog as C
 
 
 @binds(F.embedding)
+@on_handles
 def _embedding(b, input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
                sparse=False):
     if max_norm is not None:
         raise Unsupported("embedding(max_norm=...) renormalizes the weight in place; not supported yet")
     if scale_grad_by_freq or sparse:
         raise Unsupported("embedding with scale_grad_by_freq or sparse gradients is not supported yet")
-    if not isinstance(input, fx.Node) or not isinstance(weight, fx.Node):
+    if not isinstance(input, Tensor) or not isinstance(weight, Tensor):
         raise Unsupported("embedding needs tensor indices and weight")
     _check_index(input, "embedding")
-    if len(meta_of(weight).shape) != 2:
+    if weight.ndim != 2:
         raise Unsupported("embedding weight must be 2-D")
     if padding_idx is not None and padding_idx < 0:
-        padding_idx += meta_of(weight).shape[0]
-    return C.emit_gather(b, weight, input, "embedding", 0, padding_idx)
+        padding_idx += weight.shape[0]
+    return gather(weight, input, "embedding", 0, padding_idx=padding_idx)
 
 
 @binds(torch.embedding)
@@ -38,72 +36,68 @@ def _torch_embedding(b, weight, indices, padding_idx=-1, scale_grad_by_freq=Fals
 
 
 def _check_index(index, what):
-    if not isinstance(index, fx.Node):
+    if not isinstance(index, Tensor):
         raise Unsupported(f"{what} needs a tensor index")
-    if meta_of(index).dtype not in (torch.int64, torch.int32):
-        raise Unsupported(f"{what} indices must be int64 or int32, not {meta_of(index).dtype}")
+    if index.dtype not in (torch.int64, torch.int32):
+        raise Unsupported(f"{what} indices must be int64 or int32, not {index.dtype}")
 
 
 @binds(torch.gather, _t("gather"))
+@on_handles
 def _gather(b, x, dim, index, *, sparse_grad=False, out=None):
     _no_out({"out": out})
     _check_index(index, "gather")
-    rank = len(meta_of(x).shape)
-    dim %= max(rank, 1)
-    if len(meta_of(index).shape) != rank or any(
-            i > s for d, (i, s) in enumerate(zip(meta_of(index).shape, meta_of(x).shape)) if d != dim):
+    dim %= max(x.ndim, 1)
+    if index.ndim != x.ndim or any(i > s for d, (i, s) in enumerate(zip(index.shape, x.shape)) if d != dim):
         raise Unsupported("gather: index must have the input's rank and fit it outside dim (eager raises)")
-    return C.emit_gather(b, x, index, "gather", dim)
+    return gather(x, index, "gather", dim)
 
 
 @binds(torch.index_select, _t("index_select"))
+@on_handles
 def _index_select(b, x, dim, index, *, out=None):
-    if not meta_of(x).shape:
+    if not x.shape:
         raise Unsupported("index_select on a 0-d tensor")
     _no_out({"out": out})
     _check_index(index, "index_select")
-    if len(meta_of(index).shape) > 1:
+    if index.ndim > 1:
         raise Unsupported("index_select needs a 1-D index (eager raises)")
-    dim %= max(len(meta_of(x).shape), 1)
-    return C.emit_gather(b, x, _as_1d(b, index), "index_select", dim)
+    dim %= max(x.ndim, 1)
+    return gather(x, index.reshape(1) if index.ndim == 0 else index, "index_select", dim)
 
 
-def _as_1d(b, index):
-    return index if len(meta_of(index).shape) == 1 else C.emit_view(b, "reshape", index, shape=(1,))
-
-
-def _advanced_index(b, x, index):
+def _advanced_index(x: Tensor, index) -> Tensor:
     """x[..., idx, ...] with one integer index tensor and otherwise whole dims: a gather along
     that dim (negative indices count from the end, as in eager)."""
     items = index if isinstance(index, tuple) else (index,)
-    tensors = [i for i, item in enumerate(items) if isinstance(item, fx.Node)]
+    tensors = [i for i, item in enumerate(items) if isinstance(item, Tensor)]
     if len(tensors) != 1:
         raise Unsupported("indexing with several index tensors is not supported yet")
     at = tensors[0]
     idx = items[at]
-    if meta_of(idx).dtype == torch.bool:
+    if idx.dtype == torch.bool:
         raise Unsupported("indexing with a boolean mask has a data-dependent shape")
     _check_index(idx, "indexing")
     if Ellipsis in items[at + 1:]:
         raise Unsupported("an ellipsis after an index tensor is not supported yet")
     if Ellipsis in items[:at]:
-        dim = len(meta_of(x).shape) - (len(items) - at)
+        dim = x.ndim - (len(items) - at)
     else:
         dim = at
     others = [item for i, item in enumerate(items) if i != at and item is not Ellipsis]
     if any(not (isinstance(item, slice) and item == slice(None)) for item in others):
         raise Unsupported("mixing an index tensor with ints, slices or None is not supported yet")
-    return C.emit_gather(b, x, idx, "index_select", dim, wrap=True)
+    return gather(x, idx, "index_select", dim, wrap=True)
 
 
 # ----------------------------------------------------------------------------- indexing
-def _basic_index(x, index):
+def _basic_index(x: Tensor, index):
     """Split a basic index (ints, slices, None, ...) into per-dim slices of ``x`` and the final
     shape; advanced (tensor) indexing is not supported yet."""
     items = index if isinstance(index, tuple) else (index,)
-    shape = meta_of(x).shape
+    shape = x.shape
     consuming = [i for i in items if i is not None and i is not Ellipsis]
-    if any(isinstance(i, (fx.Node, list, bool)) or (not isinstance(i, (int, slice))) for i in consuming):
+    if any(isinstance(i, (Tensor, list, bool)) or (not isinstance(i, (int, slice))) for i in consuming):
         raise Unsupported("indexing with tensors, lists or booleans (advanced indexing) is not supported yet")
     if sum(1 for i in items if i is Ellipsis) > 1:
         raise Unsupported("an index can only have a single ellipsis (eager raises)")
@@ -133,68 +127,66 @@ def _basic_index(x, index):
 
 
 @binds(_t("__getitem__"))
+@on_handles
 def _getitem(b, x, index):
     items = index if isinstance(index, tuple) else (index,)
-    if any(isinstance(item, fx.Node) for item in items):
-        return _advanced_index(b, x, index)
+    if any(isinstance(item, Tensor) for item in items):
+        return _advanced_index(x, index)
     slices, final = _basic_index(x, index)
     out = x
     for dim, start, step, length in slices:
-        out = C.emit_slice(b, out, dim, start, step, length)
-    return C.emit_view(b, "reshape", out, shape=final)
+        out = out.slice(dim, start, step, length)
+    return out.reshape(final)
 
 
 @binds(_t("__setitem__"))
+@on_handles
 def _setitem(b, x, index, value):
     """x[index] = value, functionally: x with value scattered into the indexed positions."""
     if index is None or (isinstance(index, tuple) and None in index):
         raise Unsupported("assignment through an index with None")
     slices, final = _basic_index(x, index)
-    shape = meta_of(x).shape
-    slices = [s for s in slices if s[1:] != (0, 1, shape[s[0]])]  # whole dims need no scatter
+    slices = [s for s in slices if s[1:] != (0, 1, x.shape[s[0]])]  # whole dims need no scatter
     chain = [x]
     for dim, start, step, length in slices:
-        chain.append(C.emit_slice(b, chain[-1], dim, start, step, length))
-    target_shape = meta_of(chain[-1]).shape
-    dtype = meta_of(x).dtype
-    if isinstance(value, fx.Node):
-        if meta_of(value).shape != tuple(final):
-            value = _expand(b, value, final)
-        new = C.emit_view(b, "reshape", value, shape=target_shape)
-        if meta_of(new).dtype != dtype:
-            new = C.emit_pointwise(b, "identity", [new], dtype=dtype, requires_grad=meta_of(new).requires_grad)
+        chain.append(chain[-1].slice(dim, start, step, length))
+    target_shape = chain[-1].shape
+    if isinstance(value, Tensor):
+        if value.shape != tuple(final):
+            value = value.expand(final)
+        new = value.reshape(target_shape).to(x.dtype)
     else:
-        new = C.emit_fill(b, target_shape, dtype, value)
+        new = full(b, target_shape, value, x.dtype)
     for (dim, start, step, length), base in zip(reversed(slices), reversed(chain[:-1])):
-        new = C.emit_slice_scatter(b, base, new, dim, start, step, length)
+        new = base.slice_scatter(new, dim, start, step, length)
     return new
 
 
 @binds(torch.narrow, _t("narrow"))
+@on_handles
 def _narrow(b, x, dim, start, length):
-    if isinstance(start, fx.Node):
+    if isinstance(start, Tensor):
         raise Unsupported("narrow with a tensor start")
-    dim %= len(meta_of(x).shape)
-    start = start + meta_of(x).shape[dim] if start < 0 else start
-    return C.emit_slice(b, x, dim, start, 1, length)
+    dim %= x.ndim
+    start = start + x.shape[dim] if start < 0 else start
+    return x.slice(dim, start, 1, length)
 
 
 @binds(torch.select, _t("select"))
+@on_handles
 def _select(b, x, dim, index):
-    dim %= len(meta_of(x).shape)
+    dim %= x.ndim
     items = (slice(None),) * dim + (index,)
     return _getitem(b, x, items)
 
 
 def _triangle(keep_lower):
+    """tril (``keep_lower``) or triu: x where the column is at most (least) the row + ``diagonal``, else 0."""
     def bind(b, x, diagonal=0, *, out=None):
         _no_out({"out": out})
-        shape = meta_of(x).shape
-        if len(shape) < 2:
+        if x.ndim < 2:
             raise Unsupported("tril/triu of a tensor with fewer than 2 dims (eager raises)")
-        rows = C.emit_iota(b, shape, len(shape) - 2)
-        cols = C.emit_iota(b, shape, len(shape) - 1)
-        shifted = C.emit_pointwise(b, "add", [rows, int(diagonal)], dtype=torch.int64)
-        keep = C.emit_pointwise(b, "le" if keep_lower else "ge", [cols, shifted], dtype=torch.bool)
-        return C.emit_pointwise(b, "where", [keep, x, 0], dtype=meta_of(x).dtype)
-    return bind
+        rows, cols = arange_along(b, x.shape, x.ndim - 2), arange_along(b, x.shape, x.ndim - 1)
+        keep = cols <= rows + int(diagonal) if keep_lower else cols >= rows + int(diagonal)
+        return where(keep, x, 0, dtype=x.dtype)
+    return on_handles(bind)

@@ -7,67 +7,66 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.fx as fx
 import torch.nn.functional as F
 
-from compiler.bindings.elementwise import _pointwise
+from compiler.bindings.handles import Tensor, addmm, arange_along, bmm, conv, full, mm, on_handles, where
 from compiler.bindings.indexing import _triangle
 from compiler.bindings.random import _dropout
-from compiler.bindings.reductions import _detached, _shifted
+from compiler.bindings.reductions import _shifted
 from compiler.bindings.registry import Unsupported, _no_out, _t, binds
-from compiler.bindings.views import _expand, _interleave, _pad, _t_, _transpose
-from compiler.ir import meta_of, numel
-from compiler.ops import catalog as C
+from compiler.bindings.views import _interleave, _pad
+from compiler.ir import numel
 
 
 # ----------------------------------------------------------------------------- matmul
-def _matmul_nodes(b, a, w):
-    sa, sw = meta_of(a).shape, meta_of(w).shape
-    if meta_of(a).dtype != meta_of(w).dtype:
+def matmul(a: Tensor, w: Tensor) -> Tensor:
+    """``torch.matmul``: 1-D operands get a unit dim (removed after); 2-D weights one mm over all
+    rows of ``a``; otherwise one bmm over the broadcast batch dims."""
+    sa, sw = a.shape, w.shape
+    if a.dtype != w.dtype:
         raise Unsupported("matmul of tensors with different dtypes (eager raises)")
     if len(sa) == 0 or len(sw) == 0:
         raise Unsupported("matmul of a 0-d tensor (eager raises)")
     if len(sa) == 1 and len(sw) == 1:
-        return C.emit_reduction(b, "sum", _pointwise(b, "mul", [a, w]), (0,))
+        return (a * w).sum(0)
     if len(sw) == 1:  # [.., M, K] @ [K] -> [.., M]
-        out = _matmul_nodes(b, a, C.emit_view(b, "reshape", w, shape=(sw[0], 1)))
-        return C.emit_view(b, "reshape", out, shape=meta_of(out).shape[:-1])
+        out = matmul(a, w.reshape(sw[0], 1))
+        return out.reshape(out.shape[:-1])
     if len(sa) == 1:  # [K] @ [.., K, N] -> [.., N]
-        out = _matmul_nodes(b, C.emit_view(b, "reshape", a, shape=(1, sa[0])), w)
-        return C.emit_view(b, "reshape", out, shape=meta_of(out).shape[:-2] + meta_of(out).shape[-1:])
+        out = matmul(a.reshape(1, sa[0]), w)
+        return out.reshape(out.shape[:-2] + out.shape[-1:])
     if sa[-1] != sw[-2]:
         raise Unsupported(f"matmul shapes {list(sa)} and {list(sw)} do not match (eager raises)")
     if len(sw) == 2:  # the common case: activations @ weight — one mm over all rows
-        rows = C.emit_view(b, "reshape", a, shape=(numel(sa[:-1]), sa[-1]))
-        out = C.emit_extern(b, "mm", rows, w)
-        return C.emit_view(b, "reshape", out, shape=tuple(sa[:-1]) + (sw[-1],))
+        rows = a.reshape(numel(sa[:-1]), sa[-1])
+        return mm(rows, w).reshape(tuple(sa[:-1]) + (sw[-1],))
     batch = tuple(torch.broadcast_shapes(sa[:-2], sw[:-2]))
     nb = numel(batch)
-    a3 = C.emit_view(b, "reshape", _expand(b, a, batch + tuple(sa[-2:])), shape=(nb,) + tuple(sa[-2:]))
-    w3 = C.emit_view(b, "reshape", _expand(b, w, batch + tuple(sw[-2:])), shape=(nb,) + tuple(sw[-2:]))
-    out = C.emit_extern(b, "bmm", a3, w3)
-    return C.emit_view(b, "reshape", out, shape=batch + (sa[-2], sw[-1]))
+    a3 = a.expand(batch + tuple(sa[-2:])).reshape((nb,) + tuple(sa[-2:]))
+    w3 = w.expand(batch + tuple(sw[-2:])).reshape((nb,) + tuple(sw[-2:]))
+    return bmm(a3, w3).reshape(batch + (sa[-2], sw[-1]))
 
 
 @binds(torch.matmul, _t("matmul"), _t("__matmul__"), torch.mm, _t("mm"), torch.bmm, _t("bmm"))
+@on_handles
 def _matmul(b, a, w, *, out=None):
     _no_out({"out": out})
-    return _matmul_nodes(b, a, w)
+    return matmul(a, w)
 
 
 def _conv_binding(dims):
     def bind(b, input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
-        if not isinstance(input, fx.Node) or not isinstance(weight, fx.Node):
+        if not isinstance(input, Tensor) or not isinstance(weight, Tensor):
             raise Unsupported("convolution needs tensor input and weight")
-        if len(meta_of(input).shape) != dims + 2:
+        if input.ndim != dims + 2:
             raise Unsupported(f"conv{dims}d of an unbatched input is not supported yet")
-        if meta_of(input).dtype != meta_of(weight).dtype or meta_of(input).dtype.is_complex:
+        if input.dtype != weight.dtype or input.dtype.is_complex:
             raise Unsupported("convolution of mixed or complex dtypes is not supported yet")
 
         def per_dim(v):
             return tuple(v) if isinstance(v, (tuple, list)) else (v,) * dims
         stride, dilation = per_dim(stride), per_dim(dilation)
-        kernel = meta_of(weight).shape[2:]
+        kernel = weight.shape[2:]
         if padding == "valid":
             padding = 0
         if padding == "same":
@@ -77,13 +76,13 @@ def _conv_binding(dims):
             padding = tuple(t // 2 for t in totals)
         padding = per_dim(padding)
         spatial = tuple((size + 2 * p - d * (k - 1) - 1) // s + 1 for size, p, d, k, s in
-                        zip(meta_of(input).shape[2:], padding, dilation, kernel, stride))
-        shape = (meta_of(input).shape[0], meta_of(weight).shape[0]) + spatial
-        out = C.emit_conv(b, input, weight, shape, list(stride), list(padding), list(dilation), int(groups))
+                        zip(input.shape[2:], padding, dilation, kernel, stride))
+        shape = (input.shape[0], weight.shape[0]) + spatial
+        out = conv(input, weight, shape, list(stride), list(padding), list(dilation), int(groups))
         if bias is not None:
-            out = _pointwise(b, "add", [out, C.emit_view(b, "reshape", bias, shape=(shape[1],) + (1,) * dims)])
+            out = out + bias.reshape((shape[1],) + (1,) * dims)
         return out
-    return bind
+    return on_handles(bind)
 
 
 binds(F.conv1d, torch.conv1d)(_conv_binding(1))
@@ -92,48 +91,48 @@ binds(F.conv3d, torch.conv3d)(_conv_binding(3))
 
 
 @binds(F.linear)
+@on_handles
 def _linear(b, x, weight, bias=None):
     """x @ weight.T + bias. NOTE: with a 1-D bias, one addmm over the rows of x flattened to
     2-D (as eager's linear does): the bias is added by the matmul, not by another pass."""
-    if isinstance(bias, fx.Node) and len(meta_of(bias).shape) == 1 and len(meta_of(x).shape) >= 2 and \
-            len(meta_of(weight).shape) == 2 and meta_of(x).dtype == meta_of(weight).dtype == meta_of(bias).dtype and \
-            meta_of(x).shape[-1] == meta_of(weight).shape[1] and meta_of(bias).shape[0] == meta_of(weight).shape[0]:
-        sx = meta_of(x).shape
-        rows = C.emit_view(b, "reshape", x, shape=(numel(sx[:-1]), sx[-1]))
-        out = C.emit_addmm(b, bias, rows, _t_(b, weight))
-        return C.emit_view(b, "reshape", out, shape=tuple(sx[:-1]) + (meta_of(weight).shape[0],))
-    out = _matmul_nodes(b, x, _t_(b, weight))
+    if isinstance(bias, Tensor) and bias.ndim == 1 and x.ndim >= 2 and weight.ndim == 2 and \
+            x.dtype == weight.dtype == bias.dtype and x.shape[-1] == weight.shape[1] and \
+            bias.shape[0] == weight.shape[0]:
+        rows = x.reshape(numel(x.shape[:-1]), x.shape[-1])
+        return addmm(bias, rows, weight.t()).reshape(tuple(x.shape[:-1]) + (weight.shape[0],))
+    out = matmul(x, weight.t())
     if bias is not None:
-        out = _pointwise(b, "add", [out, bias])
+        out = out + bias
     return out
 
 
 @binds(torch.addmm, _t("addmm"))
+@on_handles
 def _addmm(b, input, mat1, mat2, *, beta=1, alpha=1, out=None):
     """beta * input + alpha * (mat1 @ mat2) (GPT-2's Conv1D layers call it with a bias)."""
     _no_out({"out": out})
-    if not all(isinstance(t, fx.Node) for t in (input, mat1, mat2)) or \
-            len(meta_of(mat1).shape) != 2 or len(meta_of(mat2).shape) != 2:
+    if not all(isinstance(t, Tensor) for t in (input, mat1, mat2)) or mat1.ndim != 2 or mat2.ndim != 2:
         raise Unsupported("addmm needs a tensor input and 2-D matrices (eager raises)")
-    if beta == 1 and alpha == 1 and meta_of(input).dtype == meta_of(mat1).dtype == meta_of(mat2).dtype and \
-            tuple(torch.broadcast_shapes(meta_of(input).shape, (meta_of(mat1).shape[0], meta_of(mat2).shape[1]))) == \
-            (meta_of(mat1).shape[0], meta_of(mat2).shape[1]):
-        return C.emit_addmm(b, input, mat1, mat2)
-    product = _matmul_nodes(b, mat1, mat2)
+    product_shape = (mat1.shape[0], mat2.shape[1])
+    if beta == 1 and alpha == 1 and input.dtype == mat1.dtype == mat2.dtype and \
+            tuple(torch.broadcast_shapes(input.shape, product_shape)) == product_shape:
+        return addmm(input, mat1, mat2)
+    product = matmul(mat1, mat2)
     if alpha != 1:
-        product = _pointwise(b, "mul", [product, alpha])
+        product = product * alpha
     if beta == 0:  # eager ignores input then (even NaN in it)
         return product
-    return _pointwise(b, "add", [product, input if beta == 1 else _pointwise(b, "mul", [input, beta])])
+    return product + (input if beta == 1 else input * beta)
 
 
 @binds(F.interpolate)
+@on_handles
 def _interpolate(b, input, size=None, scale_factor=None, mode="nearest", align_corners=None,
                  recompute_scale_factor=None, antialias=False):
     """Nearest-neighbour upsampling by whole factors (each element copied into a block)."""
     if mode not in ("nearest", "nearest-exact") or antialias:
         raise Unsupported(f"interpolate(mode={mode!r}) is not supported yet (nearest only)")
-    spatial = meta_of(input).shape[2:]
+    spatial = input.shape[2:]
     if size is not None:
         sizes = tuple(size) if isinstance(size, (tuple, list)) else (size,) * len(spatial)
         factors = [o / i for o, i in zip(sizes, spatial)]
@@ -141,20 +140,20 @@ def _interpolate(b, input, size=None, scale_factor=None, mode="nearest", align_c
         factors = list(scale_factor) if isinstance(scale_factor, (tuple, list)) else [scale_factor] * len(spatial)
     if any(f != int(f) or f < 1 for f in factors):
         raise Unsupported("interpolate by a non-integer or shrinking factor is not supported yet")
-    return _interleave(b, input, {2 + i: int(f) for i, f in enumerate(factors)})
+    return _interleave(b, input.node, {2 + i: int(f) for i, f in enumerate(factors)})
 
 
-def _pool_windows(b, x, dims, kernel, stride, padding, fill):
+def _pool_windows(x: Tensor, dims, kernel, stride, padding, fill) -> Tensor:
     """x padded with ``fill`` and cut into windows: [..., out_1, ..., out_n, k_1, ..., k_n] (views;
     overlapping windows read the same elements, and their gradients add up)."""
     if any(padding):
         pad = []
         for p in reversed(padding):
             pad += [p, p]
-        x = _pad(b, x, pad, value=fill)
-    lead = len(meta_of(x).shape) - dims
+        x = Tensor(x.b, _pad(x.b, x.node, pad, value=fill))
+    lead = x.ndim - dims
     for i, (k, s) in enumerate(zip(kernel, stride)):
-        x = C.emit_view(b, "unfold", x, dim=lead + i, size=k, step=s)
+        x = x.unfold(lead + i, k, s)
     return x
 
 
@@ -176,29 +175,26 @@ def _avg_pool(dims):
              divisor_override=None):
         kernel, stride, padding = _pool_args(dims, kernel_size, stride, padding, 1, ceil_mode)
         window_dims = tuple(range(-dims, 0))
-        windows = _pool_windows(b, x, dims, kernel, stride, padding, 0.0)
-        total = C.emit_reduction(b, "sum", windows, window_dims)
+        total = _pool_windows(x, dims, kernel, stride, padding, 0.0).sum(window_dims)
         if divisor_override is not None:
-            return _pointwise(b, "div", [total, float(divisor_override)])
+            return total / float(divisor_override)
         if count_include_pad or not any(padding):
-            return _pointwise(b, "div", [total, float(numel(kernel))])
-        ones = C.emit_fill(b, meta_of(x).shape, meta_of(x).dtype, 1)
-        counts = C.emit_reduction(b, "sum", _pool_windows(b, ones, dims, kernel, stride, padding, 0.0), window_dims)
-        return _pointwise(b, "div", [total, counts])
-    return bind
+            return total / float(numel(kernel))
+        ones = full(b, x.shape, 1, x.dtype)
+        return total / _pool_windows(ones, dims, kernel, stride, padding, 0.0).sum(window_dims)
+    return on_handles(bind)
 
 
 def _adaptive_avg_pool(dims):
     def bind(b, x, output_size):
         out = tuple(output_size) if isinstance(output_size, (tuple, list)) else (output_size,) * dims
-        sizes = meta_of(x).shape[-dims:]
+        sizes = x.shape[-dims:]
         out = tuple(s if o is None else o for s, o in zip(sizes, out))
         if any(o == 0 or s % o for s, o in zip(sizes, out)):
             raise Unsupported("adaptive_avg_pool with windows that do not tile the input is not supported yet")
         kernel = tuple(s // o for s, o in zip(sizes, out))
-        windows = _pool_windows(b, x, dims, kernel, kernel, (0,) * dims, 0.0)
-        return C.emit_reduction(b, "mean", windows, tuple(range(-dims, 0)))
-    return bind
+        return _pool_windows(x, dims, kernel, kernel, (0,) * dims, 0.0).mean(tuple(range(-dims, 0)))
+    return on_handles(bind)
 
 
 def _max_pool(dims):
@@ -210,25 +206,18 @@ def _max_pool(dims):
         if return_indices:
             raise Unsupported("max_pool with return_indices is not supported yet")
         kernel, stride, padding = _pool_args(dims, kernel_size, stride, padding, dilation, ceil_mode)
-        windows = _pool_windows(b, x, dims, kernel, stride, padding, float("-inf"))
-        split = meta_of(windows).shape
-        window_dims = tuple(range(len(split) - dims, len(split)))
-        values = _detached(b, windows)
-        peak = C.emit_reduction(b, "amax", values, window_dims, keepdim=True)
-        hit = _pointwise(b, "logical_or", [_pointwise(b, "eq", [values, peak]), _pointwise(b, "ne", [values, values])])
+        windows = _pool_windows(x, dims, kernel, stride, padding, float("-inf"))
+        window_dims = tuple(range(windows.ndim - dims, windows.ndim))
+        values = windows.detach()
+        hit = (values == values.amax(window_dims, keepdim=True)) | (values != values)
         position = None  # row-major position inside the window, as a float (small integers)
         for d, k in zip(window_dims, kernel):
-            at = C.emit_pointwise(b, "identity", [C.emit_iota(b, split, d)], dtype=torch.float32)
-            if position is not None:
-                at = _pointwise(b, "add", [_pointwise(b, "mul", [position, float(k)]), at])
-            position = at
-        big = float(numel(kernel))
-        negated = C.emit_pointwise(b, "where", [hit, _pointwise(b, "neg", [position]), -big], dtype=torch.float32)
-        first = _pointwise(b, "neg", [C.emit_reduction(b, "amax", negated, window_dims, keepdim=True)])
-        chosen = _pointwise(b, "eq", [position, first])
-        picked = C.emit_pointwise(b, "where", [chosen, windows, 0.0], dtype=meta_of(x).dtype)
-        return C.emit_reduction(b, "sum", picked, window_dims)
-    return bind
+            at = arange_along(b, windows.shape, d).to(torch.float32)
+            position = at if position is None else position * float(k) + at
+        negated = where(hit, -position, -float(numel(kernel)))
+        first = -negated.amax(window_dims, keepdim=True)
+        return where(position == first, windows, 0.0, dtype=x.dtype).sum(window_dims)
+    return on_handles(bind)
 
 
 binds(F.max_pool1d)(_max_pool(1))
@@ -243,6 +232,7 @@ binds(F.adaptive_avg_pool3d)(_adaptive_avg_pool(3))
 
 
 @binds(F.scaled_dot_product_attention)
+@on_handles
 def _scaled_dot_product_attention(b, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                   enable_gqa=False):
     """softmax(q kᵀ · scale + mask) v, as PyTorch's math backend computes it: a causal mask
@@ -254,29 +244,24 @@ def _scaled_dot_product_attention(b, query, key, value, attn_mask=None, dropout_
     if is_causal and attn_mask is not None:
         raise Unsupported("scaled_dot_product_attention with both attn_mask and is_causal (eager raises)")
     if scale is None:
-        scale = 1.0 / math.sqrt(meta_of(query).shape[-1])
-    scores = _pointwise(b, "mul", [_matmul_nodes(b, query, _transpose(b, key, -2, -1)), scale])
-    shape, dtype = meta_of(scores).shape, meta_of(scores).dtype
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    scores = matmul(query, key.transpose(-2, -1)) * scale
     if is_causal:
-        rows, cols = C.emit_iota(b, shape, len(shape) - 2), C.emit_iota(b, shape, len(shape) - 1)
-        attn_mask = C.emit_pointwise(b, "le", [cols, rows], dtype=torch.bool)
-    if isinstance(attn_mask, fx.Node):
-        if meta_of(attn_mask).dtype == torch.bool:
-            scores = C.emit_pointwise(b, "where", [attn_mask, scores, float("-inf")], dtype=dtype)
-        else:
-            scores = _pointwise(b, "add", [scores, attn_mask])
+        rows, cols = arange_along(b, scores.shape, scores.ndim - 2), arange_along(b, scores.shape, scores.ndim - 1)
+        attn_mask = cols <= rows
+    if isinstance(attn_mask, Tensor):
+        scores = where(attn_mask, scores, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
     elif attn_mask is not None:
         raise Unsupported("scaled_dot_product_attention with a non-tensor attn_mask")
-    shifted, _ = _shifted(b, scores, -1)
-    e = _pointwise(b, "exp", [shifted])
-    total = C.emit_reduction(b, "sum", e, (len(shape) - 1,), keepdim=True)
+    shifted, _ = _shifted(scores, -1)
+    e = shifted.exp()
+    total = e.sum(-1, keepdim=True)
     # a row masked entirely has e = 0 and total = 0: dividing by 1 there gives eager's 0, and a
     # finite derivative (a where after the division would still send 0 * inf back: NaN)
-    empty = C.emit_pointwise(b, "eq", [total, 0.0], dtype=torch.bool)
-    weights = _pointwise(b, "div", [e, C.emit_pointwise(b, "where", [empty, 1.0, total], dtype=dtype)])
+    weights = e / where(total == 0.0, 1.0, total)
     if dropout_p > 0:
-        weights = _dropout(b, weights, dropout_p, True)
-    return _matmul_nodes(b, weights, value)
+        weights = Tensor(b, _dropout(b, weights, dropout_p, True))
+    return matmul(weights, value)
 
 
 binds(torch.tril, _t("tril"))(_triangle(True))

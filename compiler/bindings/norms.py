@@ -1,5 +1,10 @@
 """Bindings of normalization layers: layer, RMS, batch and group norm, F.normalize, cosine
 similarity.
+
+Layer, group, RMS and batch norm share one ``_normalize`` (as ``torch/_refs/__init__.py`` shares
+its ``_normalize`` between ``native_layer_norm`` and ``native_group_norm``) and one ``_affine``.
+Ours returns the variance rather than rstd, and computes it about the detached mean (see
+``_variance_about``).
 """
 
 from __future__ import annotations
@@ -7,135 +12,136 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from compiler.bindings.elementwise import _cast, _pointwise
-from compiler.bindings.reductions import _detached, _l2_norm, _statistic
+from compiler.bindings.handles import Tensor, on_handles
+from compiler.bindings.reductions import _l2_norm
 from compiler.bindings.registry import Unsupported, Writes, _no_out, binds
-from compiler.ir import meta_of, numel
-from compiler.ops import catalog as C
+from compiler.ir import numel
+
+
+def _normalize(x: Tensor, dims, eps, *, centered=True, running=None, stats_shape=None):
+    """x normalized over ``dims``: ``(x - mean) * rsqrt(var + eps)``. Returns (out, mean, var).
+
+    ``centered=False``: RMS norm, ``x * rsqrt(mean(x²) + eps)`` (mean None, var the mean square).
+    ``running=(mean, var)``: those statistics, viewed as ``stats_shape``, instead of x's own
+    (batch norm in eval mode). Statistics of half types are float32.
+    """
+    if running is not None:
+        mean = running[0].reshape(stats_shape)
+        centered_x = x - mean
+        var = running[1].reshape(stats_shape)
+    elif centered:
+        mean = x.statistic("mean", dims)
+        centered_x = x - mean
+        var = _variance_about(x, mean, dims)
+    else:
+        mean, centered_x = None, x
+        var = (x * x).statistic("mean", dims)
+    return centered_x * (var + float(eps)).rsqrt(), mean, var
+
+
+def _variance_about(x: Tensor, mean: Tensor, dims) -> Tensor:
+    """The (biased) variance of x over ``dims``, given its mean.
+
+    NOTE: the variance about a constant shift c, E[(x - c)^2] - (E[x] - c)^2, exact for any c,
+    with c = the mean held constant: the second term is 0 in value, and the first and second
+    derivatives are the variance's own. The gradient then needs two independent sums per
+    row (one pass when a row spans several blocks), not a sum that reads the other's result.
+    """
+    shift = mean.detach()
+    about_shift, offset = x - shift, mean - shift
+    return (about_shift * about_shift).statistic("mean", dims) - offset * offset
+
+
+def _affine(out: Tensor, weight, bias, shape=None) -> Tensor:
+    """out * weight + bias (each optional), weight and bias viewed as ``shape`` when given."""
+    if weight is not None:
+        out = out * (weight if shape is None else weight.reshape(shape))
+    if bias is not None:
+        out = out + (bias if shape is None else bias.reshape(shape))
+    return out
 
 
 def _norm_dims(x, normalized_shape):
-    shape = meta_of(x).shape
     normalized_shape = tuple(normalized_shape) if isinstance(normalized_shape, (tuple, list, torch.Size)) \
         else (normalized_shape,)
-    if tuple(shape[len(shape) - len(normalized_shape):]) != normalized_shape:
+    if tuple(x.shape[x.ndim - len(normalized_shape):]) != normalized_shape:
         raise Unsupported("normalized_shape does not match the input's last dims (eager raises)")
-    return tuple(range(len(shape) - len(normalized_shape), len(shape)))
+    return tuple(range(x.ndim - len(normalized_shape), x.ndim))
 
 
 @binds(F.layer_norm, torch.layer_norm)
+@on_handles
 def _layer_norm(b, x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
-    dims = _norm_dims(x, normalized_shape)
-    out = _normalized(b, x, dims, eps)
-    if weight is not None:
-        out = _pointwise(b, "mul", [out, weight])
-    if bias is not None:
-        out = _pointwise(b, "add", [out, bias])
-    return _cast(b, out, meta_of(x).dtype)
+    out, _, _ = _normalize(x, _norm_dims(x, normalized_shape), eps)
+    return _affine(out, weight, bias).to(x.dtype)
 
 
-def _normalized(b, x, dims, eps, stats=None):
-    """(x - mean) * rsqrt(var + eps) over ``dims``, with float32 statistics for half types;
-    ``stats``, when given, receives (mean, var)."""
-    mean = _statistic(b, "mean", x, dims)
-    centered = _pointwise(b, "sub", [x, mean])
-    # NOTE: the variance about a constant shift c, E[(x - c)^2] - (E[x] - c)^2, exact for any c,
-    # with c = the mean held constant: the second term is 0 in value, and the first and second
-    # derivatives are the variance's own. The gradient then needs two independent sums per
-    # row (one pass when a row spans several blocks), not a sum that reads the other's result.
-    shift = _detached(b, mean)
-    about_shift = _pointwise(b, "sub", [x, shift])
-    offset = _pointwise(b, "sub", [mean, shift])
-    var = _pointwise(b, "sub", [_statistic(b, "mean", _pointwise(b, "mul", [about_shift, about_shift]), dims),
-                                _pointwise(b, "mul", [offset, offset])])
-    if stats is not None:
-        stats.extend([mean, var])
-    return _pointwise(b, "mul", [centered, _pointwise(b, "rsqrt", [_pointwise(b, "add", [var, float(eps)])])])
+if hasattr(F, "rms_norm"):
+    @binds(F.rms_norm)
+    @on_handles
+    def _rms_norm(b, x, normalized_shape, weight=None, eps=None):
+        dims = _norm_dims(x, normalized_shape)
+        if eps is None:
+            eps = torch.finfo(x.dtype).eps
+        out, _, _ = _normalize(x, dims, eps, centered=False)
+        return _affine(out, weight, None).to(x.dtype)
+
+
+@binds(F.group_norm)
+@on_handles
+def _group_norm(b, input, num_groups, weight=None, bias=None, eps=1e-5):
+    shape = input.shape
+    if len(shape) < 2 or shape[1] % num_groups:
+        raise Unsupported("group_norm: channels must divide into the groups (eager raises)")
+    grouped = input.reshape(shape[0], num_groups, numel(shape[1:]) // num_groups)
+    out, _, _ = _normalize(grouped, (2,), eps)
+    per_channel = (shape[1],) + (1,) * (len(shape) - 2)
+    return _affine(out.reshape(shape), weight, bias, per_channel).to(input.dtype)
 
 
 @binds(F.batch_norm)
+@on_handles
 def _batch_norm(b, input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1,
                 eps=1e-5):
     """Normalization over the batch and spatial dims per channel. In training the batch's
     statistics normalize, and the running statistics are updated in place, as eager does:
     (1 - momentum) * running + momentum * batch (the variance unbiased)."""
-    shape = meta_of(input).shape
-    if len(shape) < 2 or not meta_of(input).dtype.is_floating_point:
+    shape = input.shape
+    if len(shape) < 2 or not input.dtype.is_floating_point:
         raise Unsupported("batch_norm of this input is not supported yet")
     dims = (0,) + tuple(range(2, len(shape)))
     per_channel = (shape[1],) + (1,) * (len(shape) - 2)
-
-    def channel(t):
-        return C.emit_view(b, "reshape", t, shape=per_channel)
     writes = []
     if training or running_mean is None:
-        stats = []
-        out = _normalized(b, input, dims, eps, stats)
-        mean, var = stats
+        out, mean, var = _normalize(input, dims, eps)
         if training and running_mean is not None:
             if momentum is None:
                 raise Unsupported("batch_norm with momentum=None (a cumulative average) is not supported yet")
             count = numel([shape[d] for d in dims])
             for stat, batch, scale in ((running_mean, mean, 1.0), (running_var, var, count / max(count - 1, 1))):
-                batch = C.emit_view(b, "reshape", _detached(b, batch), shape=(shape[1],))
-                if meta_of(batch).dtype != meta_of(stat).dtype:
-                    batch = C.emit_pointwise(b, "identity", [batch], dtype=meta_of(stat).dtype, requires_grad=False)
-                new = _pointwise(b, "add", [_pointwise(b, "mul", [stat, 1.0 - momentum]),
-                                            _pointwise(b, "mul", [batch, momentum * scale])])
-                writes.append((stat, new))
+                batch = batch.detach().reshape(shape[1]).to(stat.dtype)
+                writes.append((stat, stat * (1.0 - momentum) + batch * (momentum * scale)))
     else:
-        out = _pointwise(b, "mul", [_pointwise(b, "sub", [input, channel(running_mean)]),
-                                    _pointwise(b, "rsqrt", [_pointwise(b, "add", [channel(running_var),
-                                                                                   float(eps)])])])
-    if weight is not None:
-        out = _pointwise(b, "mul", [out, channel(weight)])
-    if bias is not None:
-        out = _pointwise(b, "add", [out, channel(bias)])
-    if meta_of(out).dtype != meta_of(input).dtype:
-        out = C.emit_pointwise(b, "identity", [out], dtype=meta_of(input).dtype)
+        out, _, _ = _normalize(input, dims, eps, running=(running_mean, running_var), stats_shape=per_channel)
+    out = _affine(out, weight, bias, per_channel).to(input.dtype)
     return Writes(out, writes) if writes else out
 
 
-if hasattr(F, "rms_norm"):
-    @binds(F.rms_norm)
-    def _rms_norm(b, x, normalized_shape, weight=None, eps=None):
-        dims = _norm_dims(x, normalized_shape)
-        if eps is None:
-            eps = torch.finfo(meta_of(x).dtype).eps
-        ms = _statistic(b, "mean", _pointwise(b, "mul", [x, x]), dims)
-        out = _pointwise(b, "mul", [x, _pointwise(b, "rsqrt", [_pointwise(b, "add", [ms, float(eps)])])])
-        return _cast(b, _pointwise(b, "mul", [out, weight]) if weight is not None else out, meta_of(x).dtype)
-
-
 @binds(F.normalize)
-def _normalize(b, input, p=2.0, dim=1, eps=1e-12, out=None):
+@on_handles
+def _normalize_p(b, input, p=2.0, dim=1, eps=1e-12, out=None):
     _no_out({"out": out})
     if p not in (2, 2.0):
         raise Unsupported(f"normalize(p={p!r}) is not supported yet (only p=2)")
-    return _pointwise(b, "div", [input, _pointwise(b, "clamp_min", [_l2_norm(b, input, dim, True), float(eps)])])
+    return input / _l2_norm(input, dim, True).clamp_min(float(eps))
 
 
 @binds(F.cosine_similarity)
+@on_handles
 def _cosine_similarity(b, x1, x2, dim=1, eps=1e-8):
     """eager: (x1 · x2) / sqrt(clamp_min(|x1|² |x2|², eps²))."""
-    dot = C.emit_reduction(b, "sum", _pointwise(b, "mul", [x1, x2]), (dim,))
-    n1 = C.emit_reduction(b, "sum", _pointwise(b, "mul", [x1, x1]), (dim,))
-    n2 = C.emit_reduction(b, "sum", _pointwise(b, "mul", [x2, x2]), (dim,))
-    denominator = _pointwise(b, "sqrt", [_pointwise(b, "clamp_min", [_pointwise(b, "mul", [n1, n2]),
-                                                                      float(eps) ** 2])])
-    return _pointwise(b, "div", [dot, denominator])
+    dot = (x1 * x2).sum(dim)
+    n1 = (x1 * x1).sum(dim)
+    n2 = (x2 * x2).sum(dim)
+    return dot / (n1 * n2).clamp_min(float(eps) ** 2).sqrt()
 
-
-@binds(F.group_norm)
-def _group_norm(b, input, num_groups, weight=None, bias=None, eps=1e-5):
-    shape = meta_of(input).shape
-    if len(shape) < 2 or shape[1] % num_groups:
-        raise Unsupported("group_norm: channels must divide into the groups (eager raises)")
-    grouped = C.emit_view(b, "reshape", input, shape=(shape[0], num_groups, numel(shape[1:]) // num_groups))
-    out = C.emit_view(b, "reshape", _normalized(b, grouped, (2,), eps), shape=shape)
-    per_channel = (shape[1],) + (1,) * (len(shape) - 2)
-    if weight is not None:
-        out = _pointwise(b, "mul", [out, C.emit_view(b, "reshape", weight, shape=per_channel)])
-    if bias is not None:
-        out = _pointwise(b, "add", [out, C.emit_view(b, "reshape", bias, shape=per_channel)])
-    return _cast(b, out, meta_of(input).dtype)

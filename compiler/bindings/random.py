@@ -6,13 +6,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from compiler.bindings.elementwise import _pointwise
+from compiler.bindings.handles import on_handles, rand, where
 from compiler.bindings.registry import Unsupported, _in_place, binds
-from compiler.ir import meta_of
-from compiler.ops import catalog as C
 
 
 @binds(F.dropout)
+@on_handles
 def _dropout(b, input, p=0.5, training=True, inplace=False):
     """Outside training (model.eval()) or with p=0, dropout returns its input itself. In
     training: keep each element with probability 1-p, scaled by 1/(1-p), from random numbers
@@ -25,10 +24,9 @@ def _dropout(b, input, p=0.5, training=True, inplace=False):
         raise Unsupported("dropout with p=1 (every element dropped) is not compiled")
     if b.new_seed is None:
         raise Unsupported("random numbers need a per-call seed, which this graph cannot take")
-    keep = _pointwise(b, "ge", [C.emit_rand(b, b.new_seed(), meta_of(input).shape), p])
-    out = C.emit_pointwise(b, "where", [keep, _pointwise(b, "mul", [input, 1.0 / (1.0 - p)]), 0.0],
-                           dtype=meta_of(input).dtype)
-    return _in_place(b, input, out) if inplace else out
+    keep = rand(b, b.new_seed(), input.shape) >= p
+    out = where(keep, input * (1.0 / (1.0 - p)), 0.0, dtype=input.dtype)
+    return _in_place(b, input.node, out.node) if inplace else out
 
 
 @binds(torch.dropout)

@@ -3,6 +3,7 @@
 A binding receives the call's arguments with every tensor replaced by its graph node and
 appends catalog ops to the graph. Functions with no binding, and bindings that meet an
 argument they do not handle (raising ``Unsupported``), run eagerly: the reason is reported.
+Bindings decorated ``@on_handles`` (``handles.py``) see those nodes as tensor-like handles.
 """
 
 from __future__ import annotations

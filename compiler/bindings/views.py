@@ -1,5 +1,8 @@
 """Bindings of views and data movement: reshape, permute, transpose, expand, squeeze, flatten,
 repeat, pad, split/chunk/unbind, cat/stack.
+
+These stay on ``fx.Node``s: they are mostly shape arithmetic around one view, and the handles
+(``handles.py``) build their view methods on them (``_expand``, ``_transpose``, ``_t_``).
 """
 
 from __future__ import annotations
