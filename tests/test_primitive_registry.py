@@ -218,7 +218,9 @@ ROWS = {
     "log_exp_forms": ({"log1p", "expm1", "log2", "log10", "exp2"},
                       lambda x: torch.log1p(x) + torch.expm1(x) + torch.log2(x) + torch.log10(x) + torch.exp2(x),
                       [_positive(3, 4)]),
-    "special": ({"erf", "erfc"}, lambda x: torch.erf(x) + torch.special.erfc(x), [_normal(3, 4)]),
+    "special": ({"erf", "erfc", "erfinv"},
+                lambda x, y: torch.erf(x) + torch.special.erfc(x) + torch.erfinv(y) + torch.special.erfinv(y * 0.5)
+                + (y * 0.9).erfinv_(), [_normal(3, 4), _inside_one(3, 4)]),
     "two_operands": ({"atan2", "hypot", "logaddexp", "xlogy"},
                      lambda x, y: torch.atan2(x, y) + torch.hypot(x, y) + torch.logaddexp(x, y) + torch.xlogy(x, y),
                      [_positive(3, 4), _positive(3, 4)]),
