@@ -67,6 +67,8 @@ class Primitive(OpFacts):
     triton: str | None = None      # "tl.exp": printed as a call; else ``render``
     torch_fn = None                # evaluates on tensors; else ``torch_eval``
     interpreter = None             # NumPy stand-in for a libdevice function the interpreter lacks
+    re_im = None                   # classmethod (cls, cx, *args) -> (re, im); cx(arg): an argument's parts
+    expression = None              # the op's expression over SymPy scalars; by default the head itself
     user_op: bool = True           # allowed in compiler.elementwise expressions
     abstract: bool = False         # a shared base (``_Rounding``), not a primitive itself
 
@@ -76,15 +78,14 @@ class Primitive(OpFacts):
             return
         if isinstance(cls, sympy.FunctionClass):
             cls.function = cls
-        if cls.expression is None:  # the op's expression is the head itself (SCALAR_FUNCTIONS["exp"] is sympy.exp)
+        if cls.expression is None:  # SCALAR_FUNCTIONS["exp"] is sympy.exp itself
             cls.expression = staticmethod(cls.function)
         registry.register_primitive(cls)
 
     @classmethod
     def arity(cls) -> int:
+        """The number of arguments of the head (its op's operands)."""
         return min(cls.function.nargs)
-
-    expression = None  # the op's expression over SymPy scalars; by default the head itself
 
     @classmethod
     def render(cls, printer, e) -> str:
@@ -104,8 +105,6 @@ class Primitive(OpFacts):
         if cls.torch_fn is None:
             raise NotImplementedError(f"no torch evaluation for {cls.function.__name__}")
         return cls.torch_fn(*[as_tensor(a) for a in args])
-
-    re_im = None  # classmethod (cls, cx, *args) -> (re, im); cx(arg) gives an argument's parts
 
 
 class Builtin(Primitive):
