@@ -28,13 +28,9 @@ from tests.parity import check_parity
 OPS = sorted(primitives.OPS)
 
 
-def _names(expr):
-    names = {s: f"t{i}" for i, s in enumerate(sorted(expr.free_symbols, key=str))}
-    return names
-
-
 def _print(expr):
-    return TritonPrinter(_names(expr), torch.float64)(expr)
+    names = {s: f"t{i}" for i, s in enumerate(sorted(expr.free_symbols, key=str))}
+    return TritonPrinter(names, torch.float64)(expr)
 
 
 def _print_complex(expr):
