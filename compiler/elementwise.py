@@ -24,16 +24,13 @@ from compiler.codegen.realify import realify
 from compiler.codegen.triton_printer import NotPrintable
 from compiler.ir import _promote, meta_of, result_dtype
 from compiler.ops import catalog as C
-from compiler.ops import scalar as S
+from compiler.ops import primitives
 from compiler.ops import symbols as Y
 from compiler.bindings import BINDINGS
 from compiler.ops.evaluate import evaluate
 
-_ALLOWED_FUNCTIONS = {sympy.exp, sympy.log, sympy.sin, sympy.cos, sympy.tanh, sympy.erf, S.Sigmoid, S.Relu,
-                      S.Step, S.Sign, S.Abs, S.Maximum, S.Minimum, S.TieShare, S.Where, S.Compare, S.CAbs,
-                      S.CSgn, S.CAngle, S.RealAngle, sympy.tan, sympy.asin, sympy.acos, sympy.atan, sympy.sinh,
-                      sympy.cosh, sympy.asinh, sympy.acosh, sympy.atanh, sympy.erfc, sympy.atan2, S.Log1p, S.Expm1,
-                      S.Floor, S.Ceil, S.Round, S.Trunc}
+# The SymPy functions a user's expression may use: the primitives that allow it (``user_op``).
+_ALLOWED_FUNCTIONS = {function for function, primitive in primitives.HEADS.items() if primitive.user_op}
 
 
 def elementwise(fn=None, *, name: str | None = None):

@@ -3,6 +3,8 @@
 Functions here take SymPy scalars (the symbols ``compiler.elementwise`` calls your function
 with) and return the catalog's expressions — the ones whose derivatives follow PyTorch's
 conventions and that the Triton printer knows. Arithmetic (``+ - * / **``) works as usual.
+Every op declared with ``math=True`` in ``compiler.ops.primitives`` is exported here under
+its catalog name (``exp``, ``log1p``, ``erfinv``, ``abs``...), plus ``softplus`` and ``where``.
 
     >>> import compiler
     >>> from compiler import math as cm
@@ -15,54 +17,19 @@ from __future__ import annotations
 
 import sympy
 
+from compiler.ops import primitives as _primitives
 from compiler.ops import scalar as _S
-from compiler.ops.catalog import SCALAR_FUNCTIONS as _F
 
 pi = sympy.pi
 e = sympy.E
 
-exp = _F["exp"]
-log = _F["log"]
-sqrt = _F["sqrt"]
-rsqrt = _F["rsqrt"]
-sin = _F["sin"]
-cos = _F["cos"]
-tanh = _F["tanh"]
-sigmoid = _F["sigmoid"]
-relu = _F["relu"]
-gelu = _F["gelu"]
-silu = _F["silu"]
-abs = _F["abs"]  # noqa: A001 — the catalog's abs: PyTorch's gradient at 0 and for complex z
-erf = sympy.erf
-erfc = _F["erfc"]
-tan = _F["tan"]
-asin = _F["asin"]
-acos = _F["acos"]
-atan = _F["atan"]
-sinh = _F["sinh"]
-cosh = _F["cosh"]
-asinh = _F["asinh"]
-acosh = _F["acosh"]
-atanh = _F["atanh"]
-log1p = _F["log1p"]
-expm1 = _F["expm1"]
-floor = _F["floor"]
-ceil = _F["ceil"]
-trunc = _F["trunc"]
-atan2 = _F["atan2"]
-hypot = _F["hypot"]
-logaddexp = _F["logaddexp"]
+_EXPORTED = {name: entry.expression for name, entry in _primitives.OPS.items() if entry.math}
+globals().update(_EXPORTED)
 
 
 def softplus(x, beta=1.0, threshold=20.0):
     """log(1 + exp(beta x)) / beta, linear above ``threshold`` (as torch's softplus)."""
-    return _F["softplus"](x, beta, threshold)
-conj = _F["conj"]
-real = _F["real"]
-imag = _F["imag"]
-angle = _F["angle"]
-maximum = _F["maximum"]
-minimum = _F["minimum"]
+    return _primitives.OPS["softplus"].expression(x, beta, threshold)
 
 
 def where(condition, a, b):
@@ -76,13 +43,10 @@ def _condition(c):
            sympy.GreaterThan: "ge", sympy.Equality: "eq", sympy.Unequality: "ne"}
     for cls, name in ops.items():
         if isinstance(c, cls):
-            return _S.Compare(sympy.Integer(_S.COMPARE_OPS.index(name)), c.lhs, c.rhs)
+            return _S.compare(name, c.lhs, c.rhs)
     if c in (sympy.true, sympy.false):
         raise ValueError(f"where(): the condition is always {bool(c)}; compare the arguments instead")
     return c
 
 
-__all__ = ["pi", "e", "exp", "log", "sqrt", "rsqrt", "sin", "cos", "tanh", "sigmoid", "relu", "gelu",
-           "silu", "abs", "erf", "erfc", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh",
-           "log1p", "expm1", "floor", "ceil", "trunc", "atan2", "hypot", "logaddexp", "softplus", "conj", "real",
-           "imag", "angle", "maximum", "minimum", "where"]
+__all__ = ["pi", "e", *_EXPORTED, "softplus", "where"]

@@ -12,6 +12,8 @@ from compiler.bindings.registry import BINDINGS, Unsupported, _in_place, _in_pla
 from compiler.bindings.views import _expand
 from compiler.ir import meta_of, result_dtype
 from compiler.ops import catalog as C
+from compiler.ops import primitives
+from compiler.ops.primitives.base import FLOAT
 
 # Arithmetic whose operands and result are all bool is logic in eager (True + True is True);
 # computed on 1-bit integers it would wrap (1 + 1 = 0).
@@ -29,42 +31,48 @@ def _pointwise(b, name, operands, float_result=False):
     return C.emit_pointwise(b, name, operands, dtype=dtype)
 
 
-def _unary(name):
-    def bind(b, x, **kwargs):
-        _no_out(kwargs)
-        return _pointwise(b, name, [x], float_result=name in C.FLOAT_RESULT_OPS)
+# ----------------------------------------------------------------------------- generated
+# An op declared with ``binds`` in compiler.ops.primitives gets its binding here, made from its
+# declaration (arity, dtype kind, complex inputs, integers unchanged); ops whose arguments need
+# handling of their own (alpha=, inplace=, decimals=, a real result for complex input) are
+# bound by hand below.
+def _generated_binding(entry):
+    name, float_result = entry.op, entry.result == FLOAT
+
+    def check_real(x, message):
+        if not entry.complex_inputs and isinstance(x, fx.Node) and meta_of(x).dtype.is_complex:
+            raise Unsupported(message)
+
+    if entry.arity() == 1:
+        def bind(b, x, **kwargs):
+            _no_out(kwargs)
+            check_real(x, f"{name} of a complex tensor is not supported yet")
+            if entry.integers_unchanged and not meta_of(x).dtype.is_floating_point:
+                return C.emit_pointwise(b, "identity", [x], dtype=meta_of(x).dtype)  # integers are whole already
+            return _pointwise(b, name, [x], float_result=float_result)
+    else:
+        def bind(b, x, y, *, out=None):
+            _no_out({"out": out})
+            for operand in (x, y):
+                check_real(operand, f"{name} of complex tensors is not supported yet")
+            return _pointwise(b, name, [x, y], float_result=float_result)
+    bind.__qualname__ = f"generated_binding[{name}]"
     return bind
 
 
-for _name in ("exp", "log", "sqrt", "rsqrt", "sin", "cos", "tanh", "sigmoid", "relu",
-              "neg", "reciprocal", "square"):
-    _funcs = [getattr(torch, _name), _t(_name)]
-    binds(*_funcs)(_unary(_name))
-binds(_t("__neg__"), torch.negative, _t("negative"))(_unary("neg"))
+def _torch_callables(entry):
+    """The callables an op binds: each of its names on torch, torch.Tensor and torch.special
+    (dunder names on torch.Tensor only), then ``also_binds``."""
+    found = []
+    for name in entry.binds:
+        modules = (torch.Tensor,) if name.startswith("__") else (torch, torch.Tensor, torch.special)
+        found += [getattr(module, name) for module in modules if hasattr(module, name)]
+    return [*found, *entry.also_binds]
 
 
-def _real_unary(name):
-    """Unary ops defined here for real tensors (complex ones run eagerly, with the reason)."""
-    def bind(b, x, **kwargs):
-        _no_out(kwargs)
-        dtype = meta_of(x).dtype
-        if dtype.is_complex:
-            raise Unsupported(f"{name} of a complex tensor is not supported yet")
-        if name in _ROUNDING and not dtype.is_floating_point:
-            return C.emit_pointwise(b, "identity", [x], dtype=dtype)  # integers are whole already
-        return _pointwise(b, name, [x], float_result=name in C.FLOAT_RESULT_OPS)
-    return bind
-
-
-_ROUNDING = ("floor", "ceil", "round", "trunc")  # of an integer: itself
-_ALIASES = {"asin": ["arcsin"], "acos": ["arccos"], "atan": ["arctan"], "asinh": ["arcsinh"],
-            "acosh": ["arccosh"], "atanh": ["arctanh"], "trunc": ["fix"]}
-for _name in ("tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "log1p", "expm1", "log2",
-              "log10", "exp2", "erf", "erfc", "sign", "floor", "ceil", "trunc", "frac"):
-    _names = [_name] + _ALIASES.get(_name, [])
-    _funcs = [getattr(module, n, None) for n in _names for module in (torch, torch.Tensor, torch.special)]
-    _funcs = [f for f in _funcs if f is not None]
-    binds(*_funcs)(_real_unary(_name))
+for _entry in primitives.OPS.values():
+    if _entry.binds:
+        binds(*_torch_callables(_entry))(_generated_binding(_entry))
 
 
 @binds(torch.round, _t("round"))
@@ -72,7 +80,7 @@ def _round(b, x, *, decimals=0, out=None):
     _no_out({"out": out})
     if decimals != 0:
         raise Unsupported("round(decimals=...) is not supported yet")
-    return _real_unary("round")(b, x)
+    return _generated_binding(primitives.OPS["round"])(b, x)
 
 
 def _activation(name, *params):
@@ -122,21 +130,6 @@ def _selu(b, x, inplace=False):
 @binds(F.celu)
 def _celu(b, x, alpha=1.0, inplace=False):
     return _activation("elu", ("alpha", alpha), ("scale", 1.0), ("input_scale", 1.0 / alpha))(b, x, inplace=inplace)
-
-
-def _real_binary(name):
-    def bind(b, x, y, *, out=None):
-        _no_out({"out": out})
-        if any(isinstance(t, fx.Node) and meta_of(t).dtype.is_complex for t in (x, y)):
-            raise Unsupported(f"{name} of complex tensors is not supported yet")
-        return _pointwise(b, name, [x, y], float_result=True)
-    return bind
-
-
-binds(torch.atan2, torch.arctan2, _t("atan2"), _t("arctan2"))(_real_binary("atan2"))
-binds(torch.hypot, _t("hypot"))(_real_binary("hypot"))
-binds(torch.logaddexp, _t("logaddexp"))(_real_binary("logaddexp"))
-binds(torch.xlogy, _t("xlogy"), torch.special.xlogy)(_real_binary("xlogy"))
 
 
 @binds(torch.lerp, _t("lerp"))
@@ -206,7 +199,6 @@ def _view_as_complex(b, x):
     return C.emit_view(b, "view_as_complex", x)
 
 
-binds(F.sigmoid)(_unary("sigmoid"))
 
 
 @binds(F.relu)
@@ -280,24 +272,6 @@ def _pow(b, x, y, *, out=None):
 @binds(_t("__rpow__"))
 def _rpow(b, x, y):
     return _pointwise(b, "pow", [y, x])
-
-
-def _binary(name):
-    def bind(b, x, y, *, out=None):
-        _no_out({"out": out})
-        return _pointwise(b, name, [x, y])
-    return bind
-
-
-for _name in ("maximum", "minimum"):
-    binds(getattr(torch, _name), _t(_name))(_binary(_name))
-for _name in ("lt", "le", "gt", "ge", "eq", "ne"):
-    binds(getattr(torch, _name), _t(_name), _t(f"__{_name}__"))(_binary(_name))
-
-
-for _name in ("logical_and", "logical_or", "logical_xor"):
-    binds(getattr(torch, _name), _t(_name))(_binary(_name))
-binds(torch.logical_not, _t("logical_not"))(_unary("logical_not"))
 
 
 def _bitwise(name):
@@ -439,16 +413,14 @@ binds(torch.clamp_max, _t("clamp_max"))(lambda b, x, max: _clamp(b, x, max=max))
 binds(_t("clamp_"))(_in_place_variant(_clamp))
 
 
-# In-place variants (x.add_(y), x += y): the out-of-place binding, written back into x.
-for _name in ("add", "sub", "mul", "div", "pow", "exp", "log", "sqrt", "rsqrt", "sin", "cos", "tanh",
-              "sigmoid", "relu", "neg", "reciprocal", "abs", "square", "tan", "asin", "acos", "atan", "sinh", "cosh",
-              "asinh", "acosh", "atanh", "log1p", "expm1", "log2", "log10", "exp2", "erf", "erfc", "sign", "floor",
-              "ceil", "round", "trunc", "frac", "atan2", "hypot", "xlogy", "lerp", "addcmul", "addcdiv"):
-    _source = BINDINGS.get(getattr(torch.Tensor, _name))
-    if _source is not None and hasattr(torch.Tensor, f"{_name}_"):
+# In-place variants (x.add_(y), x += y): the out-of-place binding, written back into x, for
+# every op declared ``in_place`` (as torch._refs' _make_inplace).
+for _name, _entry in primitives.OPS.items():
+    _source = BINDINGS.get(getattr(torch.Tensor, _name, None))
+    if _entry.in_place and _source is not None and hasattr(torch.Tensor, f"{_name}_"):
         binds(getattr(torch.Tensor, f"{_name}_"))(_in_place_variant(_source))
 binds(torch.Tensor.__iadd__)(_in_place_variant(_add))
 binds(torch.Tensor.__isub__)(_in_place_variant(_sub))
 binds(torch.Tensor.__imul__)(_in_place_variant(_mul))
 binds(torch.Tensor.__itruediv__)(_in_place_variant(_div))
-binds(torch.relu_)(_in_place_variant(_unary("relu")))
+binds(torch.relu_)(_in_place_variant(BINDINGS[torch.relu]))

@@ -2,9 +2,10 @@
 
 Each complex operand ``z{i}`` becomes two real symbols, ``x{i}`` (real part) and ``w{i}``
 (imaginary part); ``realify`` returns the real and imaginary parts of an expression as real
-expressions over those, with our own rules per function (SymPy's ``as_real_imag`` leaves
-quotients, non-integer powers, |z| and arg(z) unevaluated). Complex values are stored
-interleaved (``torch.view_as_real``), so a fused complex chain is still one kernel.
+expressions over those: arithmetic here, and each function by the ``re_im`` rule its primitive
+declares (SymPy's ``as_real_imag`` leaves quotients, non-integer powers, |z| and arg(z)
+unevaluated). Complex values are stored interleaved (``torch.view_as_real``), so a fused
+complex chain is still one kernel.
 """
 
 from __future__ import annotations
@@ -14,50 +15,23 @@ import functools
 import sympy
 
 from compiler.codegen.triton_printer import NotPrintable
-from compiler.ops import scalar as S
+from compiler.ops import primitives
 from compiler.ops import symbols as Y
+from compiler.ops.primitives.base import ZERO as _ZERO
+from compiler.ops.primitives.base import complex_exp as _exp
+from compiler.ops.primitives.base import complex_log as _log
+from compiler.ops.primitives.base import complex_mul as _mul
+from compiler.ops.primitives.base import complex_recip as _recip
+from compiler.ops.primitives.base import hypot as _hypot
 
 RE = tuple(sympy.Symbol(f"x{i}", real=True) for i in range(64))
 IM = tuple(sympy.Symbol(f"w{i}", real=True) for i in range(64))
-_ZERO = sympy.Integer(0)
 
 
 @functools.lru_cache(maxsize=8192)
 def realify(expr) -> tuple:
     """(re, im) of ``expr`` as real expressions over a{i}, x{i}, w{i}."""
     return _cx(sympy.sympify(expr))
-
-
-def _mul(p, q):
-    (a, b), (c, d) = p, q
-    return (a * c - b * d, a * d + b * c)
-
-
-def _recip(p):
-    a, b = p
-    if b == 0:
-        return (1 / a, _ZERO)
-    den = a * a + b * b
-    return (a / den, -b / den)
-
-
-def _hypot(a, b):
-    return sympy.sqrt(a * a + b * b)
-
-
-def _exp(p):
-    a, b = p
-    if b == 0:
-        return (sympy.exp(a), _ZERO)
-    e = sympy.exp(a)
-    return (e * sympy.cos(b), e * sympy.sin(b))
-
-
-def _log(p):
-    a, b = p
-    if b == 0:
-        return (sympy.log(a), _ZERO)
-    return (sympy.log(_hypot(a, b)), sympy.atan2(b, a))
 
 
 def _cx(e):
@@ -93,44 +67,9 @@ def _cx(e):
             return (r**exp * sympy.cos(exp * theta), r**exp * sympy.sin(exp * theta))
         return _exp(_mul(_cx(exp), _log(base)))
     f = e.func
-    if f is sympy.exp:
-        return _exp(_cx(e.args[0]))
-    if f is sympy.log:
-        return _log(_cx(e.args[0]))
-    if f in (sympy.sin, sympy.cos):
-        a, b = _cx(e.args[0])
-        if b == 0:
-            return (f(a), _ZERO)
-        if f is sympy.sin:
-            return (sympy.sin(a) * sympy.cosh(b), sympy.cos(a) * sympy.sinh(b))
-        return (sympy.cos(a) * sympy.cosh(b), -sympy.sin(a) * sympy.sinh(b))
-    if f is sympy.tanh:
-        a, b = _cx(e.args[0])
-        if b == 0:
-            return (sympy.tanh(a), _ZERO)
-        den = sympy.cosh(2 * a) + sympy.cos(2 * b)
-        return (sympy.sinh(2 * a) / den, sympy.sin(2 * b) / den)
-    if f is S.Sigmoid:
-        a, b = _cx(e.args[0])
-        if b == 0:
-            return (S.Sigmoid(a), _ZERO)
-        return _recip((1 + _exp((-a, -b))[0], _exp((-a, -b))[1]))
-    if f is S.CAbs:
-        return (_hypot(*_cx(e.args[0])), _ZERO)
-    if f is S.CSgn:
-        a, b = _cx(e.args[0])
-        h = _hypot(a, b)
-        is_zero = S.Compare(sympy.Integer(S.COMPARE_OPS.index("eq")), h, 0)
-        return (S.Where(is_zero, 0, a / h), S.Where(is_zero, 0, b / h))
-    if f is S.Where:  # a real condition choosing between complex values
-        cond = _cx(e.args[0])
-        if cond[1] != 0:
-            raise NotPrintable("a complex condition")
-        (ar, ai), (br, bi) = _cx(e.args[1]), _cx(e.args[2])
-        return (S.Where(cond[0], ar, br), S.Where(cond[0], ai, bi) if (ai != 0 or bi != 0) else _ZERO)
-    if f is S.CAngle:
-        a, b = _cx(e.args[0])
-        return (sympy.atan2(b, a), _ZERO)
+    primitive = primitives.head(f)
+    if primitive is not None and primitive.re_im is not None:
+        return primitive.re_im(_cx, *e.args)
     parts = [_cx(a) for a in e.args]
     if any(p[1] != 0 for p in parts):
         raise NotPrintable(f"{f.__name__} of a complex value is not supported")

@@ -2,8 +2,9 @@
 
 Every C-vs-Python difference is decided here rather than left to a generic printer:
 numbers print as float literals with 17 significant digits (so `2/3` never becomes integer
-division), integer powers print as products, and each function of ``ops/scalar.py`` prints
-with PyTorch's semantics (NaN-propagating maximum, relu(nan) = nan, sign(0) = 0).
+division), integer powers print as products, and each primitive prints as its declaration in
+``compiler.ops.primitives`` says, with PyTorch's semantics (NaN-propagating maximum,
+relu(nan) = nan, sign(0) = 0).
 """
 
 from __future__ import annotations
@@ -13,41 +14,8 @@ import struct
 import sympy
 import torch
 
-from compiler.ops import scalar as S
-
-
-class NotPrintable(Exception):
-    """The expression uses something the Triton printer cannot express."""
-
-
-_UNARY = {
-    sympy.exp: "tl.exp",
-    sympy.log: "tl.log",
-    sympy.sin: "tl.sin",
-    sympy.cos: "tl.cos",
-    sympy.tanh: "libdevice.tanh",
-    sympy.erf: "tl.erf",
-    sympy.erfc: "libdevice.erfc",
-    sympy.tan: "libdevice.tan",
-    sympy.asin: "libdevice.asin",
-    sympy.acos: "libdevice.acos",
-    sympy.atan: "libdevice.atan",
-    sympy.sinh: "libdevice.sinh",
-    sympy.cosh: "libdevice.cosh",
-    sympy.asinh: "libdevice.asinh",
-    sympy.acosh: "libdevice.acosh",
-    sympy.atanh: "libdevice.atanh",
-    S.Log1p: "libdevice.log1p",
-    S.Expm1: "libdevice.expm1",
-    S.NormSqrt: "tl.sqrt",
-    S.Floor: "libdevice.floor",
-    S.Ceil: "libdevice.ceil",
-    S.Round: "libdevice.rint",
-    S.Trunc: "libdevice.trunc",
-    S.Abs: "tl.abs",
-    sympy.Abs: "tl.abs",
-}
-_COMPARE = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
+from compiler.ops import primitives
+from compiler.ops.primitives.base import NotPrintable
 
 
 def literal(value) -> str:
@@ -89,7 +57,8 @@ class TritonPrinter:
     def p(self, e) -> str:
         if e.is_Symbol:
             return self.names[e]
-        if e.is_number and isinstance(e, sympy.Function) and e.func in _UNARY:
+        primitive = primitives.head(e.func) if isinstance(e, sympy.Function) else None
+        if e.is_number and primitive is not None and primitive.folds_constants():
             try:  # log(2), exp(1), ...: one constant, evaluated exactly here, not in fp32 on device
                 e = sympy.Float(e.evalf(30), 30)
             except (TypeError, ValueError):
@@ -104,44 +73,11 @@ class TritonPrinter:
             return self._mul(e)
         if e.is_Pow:
             return self._pow(e.base, e.exp)
-        func = e.func
-        if func in _UNARY:
-            return f"{_UNARY[func]}({self.p(e.args[0])})"
-        if func is sympy.atan2:
-            return f"libdevice.atan2({self.p(e.args[0])}, {self.p(e.args[1])})"
-        if func is S.RealAngle:
-            x = self.p(e.args[0])
-            return f"tl.where({x} < 0, 3.141592653589793, tl.where({x} != {x}, {x}, 0.0))"
-        if func is S.Sigmoid:
-            return f"(1.0 / (1.0 + tl.exp(-{self.p(e.args[0])})))"
-        if func is S.Relu:
-            x = self.p(e.args[0])
-            return f"tl.where({x} < 0, 0.0, {x})"
-        if func is S.Step:
-            return f"tl.where({self.p(e.args[0])} <= 0, {self._c('0.0')}, {self._c('1.0')})"
-        if func is S.Sign or func is sympy.sign:  # sympy.sign: from derivatives (hypot's second)
-            x = self.p(e.args[0])
-            return f"tl.where({x} > 0, {self._c('1.0')}, tl.where({x} < 0, {self._c('-1.0')}, {self._c('0.0')}))"
-        if func in (S.Maximum, S.Minimum):
-            a, b = self.p(e.args[0]), self.p(e.args[1])
-            op = ">" if func is S.Maximum else "<"
-            # nested wheres, not `(a > b) | (a != a)`: the interpreter cannot `|` a 0-dim
-            # operand's scalar comparison with a block (TypeError from numpy's bitwise_or)
-            return f"tl.where({a} != {a}, {a}, tl.where({a} {op} {b}, {a}, {b}))"
-        if func is S.TieShare:
-            a, b = self.p(e.args[0]), self.p(e.args[1])
-            return f"tl.where({a} == {b}, {self._c('0.5')}, tl.where({a} < {b}, {self._c('0.0')}, {self._c('1.0')}))"
-        if func is S.Where:
-            a, b = self.p(e.args[1]), self.p(e.args[2])
-            if e.args[1].is_number and e.args[2].is_number:
-                a, b = self._c(a), self._c(b)
-            return f"tl.where({self.p(e.args[0])}, {a}, {b})"
-        if func is S.Compare:
-            op = _COMPARE[S.COMPARE_OPS[int(e.args[0])]]
-            return f"({self.p(e.args[1])} {op} {self.p(e.args[2])})"
-        raise NotPrintable(f"no Triton lowering for {func.__name__}")
+        if primitive is None:
+            raise NotPrintable(f"no Triton lowering for {e.func.__name__}")
+        return primitive.render(self, e)
 
-    def _c(self, text: str) -> str:
+    def whole(self, text: str) -> str:
         """A literal that is a whole value of its own (both branches of a tl.where): Triton
         types it fp32, so in an fp64 kernel it is made fp64 (sign(x) fed to cos in fp64)."""
         return f"tl.full([], {text}, tl.float64)" if self.fp64 and not text.startswith("tl.full") else text
@@ -196,3 +132,24 @@ class TritonPrinter:
             # a literal base (2.0 ** x): libdevice wants it in the exponent's dtype, as above
             return f"libdevice.pow(tl.full([1], {literal(base)}, {e}.dtype), {e})"
         return f"libdevice.pow({b}, {e})"
+
+
+def _install_interpreter_stand_ins():
+    """Give the interpreter's NumPy ``libdevice`` the functions primitives declare for it.
+
+    NOTE: Triton's interpreter has no libdevice; ``runtime.triton_math`` stands in with NumPy
+    for the functions kernels print. A primitive printing a libdevice function that stand-in
+    lacks declares ``interpreter`` (a NumPy-array function), so it stays one class.
+    """
+    from runtime import triton_math
+
+    if not triton_math.INTERPRETING:
+        return
+    for primitive in primitives.HEADS.values():
+        if primitive.interpreter is not None and (primitive.triton or "").startswith("libdevice."):
+            name = primitive.triton.removeprefix("libdevice.")
+            if not hasattr(triton_math.libdevice, name):
+                setattr(triton_math.libdevice, name, triton_math.libdevice._wrap(primitive.interpreter))
+
+
+_install_interpreter_stand_ins()

@@ -10,9 +10,11 @@ import torch
 import torch.fx as fx
 
 from compiler.ir import GraphBuilder, arg_symbol, meta_of
+from compiler.ops import primitives
 from compiler.ops import scalar as S
 from compiler.ops import symbols as Y
 from compiler.ops.base import OpDef
+from compiler.ops.primitives.base import BOOL, FLOAT
 from compiler.ops.symbols import conj
 
 GRAD_SYMBOL = Y.GRAD
@@ -22,128 +24,18 @@ RESULT_SYMBOL = Y.RESULT
 
 
 # ----------------------------------------------------------------------------- pointwise
-def _divide(a, b):
-    # NOTE: SymPy makes x / 0 the complex infinity (zoo), which no kernel can print; IEEE
-    # division by a constant zero is a product with an infinity of the zero's sign (x / 0.0
-    # is inf, -inf or NaN, as eager; var() with no degrees of freedom divides by 0.0).
-    if getattr(b, "is_number", False) and b.is_zero and b.is_extended_real:
-        return a * (sympy.oo if math.copysign(1.0, float(b)) > 0 else -sympy.oo)
-    return a / b
-
-
 # Every elementwise op the compiler knows, as a function of SymPy scalars. The derivative,
-# the kernel code and the broadcasting all follow from this one expression.
-SCALAR_FUNCTIONS = {
-    "add": lambda a, b: a + b,
-    "sub": lambda a, b: a - b,
-    "mul": lambda a, b: a * b,
-    "div": lambda a, b: _divide(a, b),
-    "neg": lambda a: -a,
-    "pow": lambda a, b: a**b,
-    "exp": sympy.exp,
-    "log": sympy.log,
-    "sqrt": sympy.sqrt,
-    "rsqrt": lambda a: 1 / sympy.sqrt(a),
-    "reciprocal": lambda a: 1 / a,
-    "square": lambda a: a * a,
-    "sin": sympy.sin,
-    "cos": sympy.cos,
-    "tanh": sympy.tanh,
-    "sigmoid": S.Sigmoid,
-    "relu": S.Relu,
-    "gelu": lambda a: a * (1 + sympy.erf(a / sympy.sqrt(2))) / 2,
-    "gelu_tanh": lambda a: a * (1 + sympy.tanh(sympy.sqrt(2 / sympy.pi) * (a + sympy.Float("0.044715") * a**3))) / 2,
-    "silu": lambda a: a * S.Sigmoid(a),
-    "abs": lambda a: S.CAbs(a, conj(a)) if Y.is_complex_symbol(a) else S.Abs(a),
-    "conj": conj,
-    "real": lambda a: (a + conj(a)) / 2 if Y.is_complex_symbol(a) else a,
-    "imag": lambda a: (a - conj(a)) / (2 * sympy.I),
-    "angle": lambda a: S.CAngle(a, conj(a)) if Y.is_complex_symbol(a) else S.RealAngle(a),
-    "complex": lambda re, im: re + sympy.I * im,
-    "polar": lambda r, theta: r * (sympy.cos(theta) + sympy.I * sympy.sin(theta)),
-    "tan": sympy.tan,
-    "asin": sympy.asin,
-    "acos": sympy.acos,
-    "atan": sympy.atan,
-    "sinh": sympy.sinh,
-    "cosh": sympy.cosh,
-    "asinh": sympy.asinh,
-    "acosh": sympy.acosh,
-    "atanh": sympy.atanh,
-    "log1p": S.Log1p,
-    "expm1": S.Expm1,
-    "log2": lambda a: sympy.log(a) / sympy.log(2),
-    "log10": lambda a: sympy.log(a) / sympy.log(10),
-    "exp2": lambda a: sympy.exp(a * sympy.log(2)),
-    "erf": sympy.erf,
-    "erfc": sympy.erfc,
-    "sign": S.Sign,
-    "floor": S.Floor,
-    "ceil": S.Ceil,
-    "round": S.Round,
-    "trunc": S.Trunc,
-    "frac": lambda a: a - S.Trunc(a),
-    # activations; where a boundary belongs matters, it is eager's backward's choice
-    "softplus": lambda x, beta, threshold: S.Where(_compare("gt", x * beta, threshold), x,
-                                                   S.Log1p(sympy.exp(beta * x)) / beta),
-    "leaky_relu": lambda x, slope: S.Where(_compare("gt", x, 0), x, slope * x),
-    "elu": lambda x, alpha, scale, input_scale: S.Where(_compare("gt", x, 0), scale * x,
-                                                        scale * alpha * S.Expm1(input_scale * x)),
-    "hardtanh": lambda x, lo, hi: S.Where(_compare("le", x, lo), lo, S.Where(_compare("ge", x, hi), hi, x)),
-    "hardsigmoid": lambda x: S.Where(_compare("le", x, -3), 0,
-                                     S.Where(_compare("ge", x, 3), 1, x / 6 + sympy.Rational(1, 2))),
-    "hardswish": lambda x: S.Where(_compare("lt", x, -3), 0, S.Where(_compare("le", x, 3), x * (x + 3) / 6, x)),
-    "mish": lambda x: x * sympy.tanh(S.Log1p(sympy.exp(x))),
-    "logsigmoid": lambda x: S.Minimum(x, 0) - S.Log1p(sympy.exp(-S.Abs(x))),
-    "softsign": lambda x: x / (1 + S.Abs(x)),
-    "atan2": sympy.atan2,
-    "hypot": lambda a, b: sympy.sqrt(a * a + b * b),
-    "logaddexp": lambda a, b: S.Maximum(a, b) + S.Log1p(sympy.exp(-S.Abs(a - b))),
-    "xlogy": lambda a, b: S.Where(_compare("eq", a, 0), 0, a * sympy.log(b)),
-    "lerp": lambda start, end, weight: start + weight * (end - start),
-    "addcmul": lambda x, t1, t2, value: x + value * t1 * t2,
-    "addcdiv": lambda x, t1, t2, value: x + value * t1 / t2,
-    "norm_sqrt": S.NormSqrt,
-    "smooth_l1": lambda d, beta: S.Where(_compare("lt", S.Abs(d), beta), d * d / (2 * beta), S.Abs(d) - beta / 2),
-    "huber": lambda d, delta: S.Where(_compare("le", S.Abs(d), delta), d * d / 2, delta * (S.Abs(d) - delta / 2)),
-    "bce_with_logits": lambda x, t, pos_weight: (1 - t) * x + (1 + (pos_weight - 1) * t) * (
-        S.Log1p(sympy.exp(-S.Abs(x))) + S.Maximum(-x, 0)),
-    "kl_div": lambda x, t: S.Where(_compare("eq", t, 0), 0, t * sympy.log(t)) - t * x,  # xlogy(t, t) - t x
-    "kl_div_log_target": lambda x, t: sympy.exp(t) * (t - x),
-    "maximum": S.Maximum,
-    "minimum": S.Minimum,
-    "where": S.Where,
-    # clamp: boundaries included in the pass-through region, as eager's backward does
-    "clamp": lambda x, lo, hi: S.Where(_compare("lt", x, lo), lo, S.Where(_compare("gt", x, hi), hi, x)),
-    "clamp_min": lambda x, lo: S.Where(_compare("lt", x, lo), lo, x),
-    "clamp_max": lambda x, hi: S.Where(_compare("gt", x, hi), hi, x),
-    # logic on booleans (any nonzero value is true, as in torch.logical_*)
-    "logical_not": lambda a: _compare("eq", a, 0),
-    # (the outer comparison keeps the result a boolean when it is inlined into a condition)
-    "logical_and": lambda a, b: _compare("ne", S.Where(_compare("ne", a, 0), b, 0), 0),
-    "logical_or": lambda a, b: _compare("ne", S.Where(_compare("ne", a, 0), 1, b), 0),
-    "logical_xor": lambda a, b: _compare("ne", _compare("ne", a, 0), _compare("ne", b, 0)),
-    "identity": lambda a: a,  # dtype conversion: the node's dtype says what to convert to
-    "fill": lambda value: value,  # zeros_like & co: a constant over the node's shape
-}
+# the kernel code and the broadcasting all follow from this one expression. Each is declared,
+# with its dtype kind and bindings, in ``compiler.ops.primitives``.
+SCALAR_FUNCTIONS = {name: entry.expression for name, entry in primitives.OPS.items()}
 
-
-for _i, _cmp in enumerate(S.COMPARE_OPS):
-    SCALAR_FUNCTIONS[_cmp] = functools.partial(lambda i, a, b: S.Compare(sympy.Integer(i), a, b), _i)
-
-
-def _compare(name, a, b):
-    return S.Compare(sympy.Integer(S.COMPARE_OPS.index(name)), a, b)
-
+_compare = S.compare
 
 # Ops whose integer inputs give a floating result (sin of an int tensor is float).
-FLOAT_RESULT_OPS = {"exp", "log", "sqrt", "rsqrt", "reciprocal", "sin", "cos", "tanh", "sigmoid",
-                    "gelu", "gelu_tanh", "silu", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh",
-                    "atanh", "log1p", "expm1", "log2", "log10", "exp2", "erf", "erfc", "atan2", "hypot",
-                    "logaddexp", "xlogy", "norm_sqrt"}
+FLOAT_RESULT_OPS = primitives.ops_of_kind(FLOAT)
 
 
-BOOL_RESULT_OPS = set(S.COMPARE_OPS) | {"logical_not", "logical_and", "logical_or", "logical_xor"}
+BOOL_RESULT_OPS = primitives.ops_of_kind(BOOL)
 
 
 class Pointwise(OpDef):

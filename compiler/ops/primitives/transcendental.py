@@ -1,0 +1,146 @@
+"""Exponentials, logarithms, trigonometric and hyperbolic functions (SymPy builtins, declared),
+their accurate forms (Log1p, Expm1), and NormSqrt; log2/log10/exp2, hypot, logaddexp, xlogy."""
+
+from __future__ import annotations
+
+import sympy
+import torch
+
+from compiler.ops.primitives.base import (
+    FLOAT,
+    ZERO,
+    Builtin,
+    Primitive,
+    complex_exp,
+    complex_log,
+    composite,
+)
+from compiler.ops.primitives.comparisons import Maximum, Where, compare
+from compiler.ops.primitives.rounding import Abs
+
+# NOTE: a real-only op's generated binding runs complex tensors eagerly, with the reason
+# (complex_inputs=False); exp, log, sin, cos and tanh have complex rules (``re_im``).
+
+
+class Exp(Builtin):
+    function, triton, torch_fn = sympy.exp, "tl.exp", torch.exp
+    op, result, binds, complex_inputs, in_place, math = "exp", FLOAT, ("exp",), True, True, True
+
+    @classmethod
+    def re_im(cls, cx, x):
+        return complex_exp(cx(x))
+
+
+class Log(Builtin):
+    function, triton, torch_fn = sympy.log, "tl.log", torch.log
+    op, result, binds, complex_inputs, in_place, math = "log", FLOAT, ("log",), True, True, True
+
+    @classmethod
+    def re_im(cls, cx, x):
+        return complex_log(cx(x))
+
+
+class Sin(Builtin):
+    function, triton, torch_fn = sympy.sin, "tl.sin", torch.sin
+    op, result, binds, complex_inputs, in_place, math = "sin", FLOAT, ("sin",), True, True, True
+
+    @classmethod
+    def re_im(cls, cx, x):
+        a, b = cx(x)
+        if b == 0:
+            return (sympy.sin(a), ZERO)
+        return (sympy.sin(a) * sympy.cosh(b), sympy.cos(a) * sympy.sinh(b))
+
+
+class Cos(Builtin):
+    function, triton, torch_fn = sympy.cos, "tl.cos", torch.cos
+    op, result, binds, complex_inputs, in_place, math = "cos", FLOAT, ("cos",), True, True, True
+
+    @classmethod
+    def re_im(cls, cx, x):
+        a, b = cx(x)
+        if b == 0:
+            return (sympy.cos(a), ZERO)
+        return (sympy.cos(a) * sympy.cosh(b), -sympy.sin(a) * sympy.sinh(b))
+
+
+class Tanh(Builtin):
+    function, triton, torch_fn = sympy.tanh, "libdevice.tanh", torch.tanh
+    op, result, binds, complex_inputs, in_place, math = "tanh", FLOAT, ("tanh",), True, True, True
+
+    @classmethod
+    def re_im(cls, cx, x):
+        a, b = cx(x)
+        if b == 0:
+            return (sympy.tanh(a), ZERO)
+        den = sympy.cosh(2 * a) + sympy.cos(2 * b)
+        return (sympy.sinh(2 * a) / den, sympy.sin(2 * b) / den)
+
+
+def _real_unary(name, function, triton, torch_fn, aliases=()):
+    """Declare a real-only unary builtin: float result, generated binding and in-place variant."""
+    facts = dict(function=function, triton=triton, torch_fn=torch_fn, op=name, result=FLOAT,
+                 binds=(name, *aliases), in_place=True, math=True)
+    return type(name.capitalize(), (Builtin,), facts)
+
+
+Tan = _real_unary("tan", sympy.tan, "libdevice.tan", torch.tan)
+Asin = _real_unary("asin", sympy.asin, "libdevice.asin", torch.asin, ("arcsin",))
+Acos = _real_unary("acos", sympy.acos, "libdevice.acos", torch.acos, ("arccos",))
+Atan = _real_unary("atan", sympy.atan, "libdevice.atan", torch.atan, ("arctan",))
+Sinh = _real_unary("sinh", sympy.sinh, "libdevice.sinh", torch.sinh)
+Cosh = _real_unary("cosh", sympy.cosh, "libdevice.cosh", torch.cosh)
+Asinh = _real_unary("asinh", sympy.asinh, "libdevice.asinh", torch.asinh, ("arcsinh",))
+Acosh = _real_unary("acosh", sympy.acosh, "libdevice.acosh", torch.acosh, ("arccosh",))
+Atanh = _real_unary("atanh", sympy.atanh, "libdevice.atanh", torch.atanh, ("arctanh",))
+
+
+class Atan2(Builtin):
+    function, triton, torch_fn = sympy.atan2, "libdevice.atan2", torch.atan2
+    op, result, binds, in_place, math = "atan2", FLOAT, ("atan2", "arctan2"), True, True
+
+
+class Log1p(Primitive, sympy.Function):
+    """log(1 + x), printed as libdevice's log1p: exact near 0, as eager's."""
+
+    nargs = 1
+    triton, torch_fn = "libdevice.log1p", torch.log1p
+    op, result, binds, in_place, math = "log1p", FLOAT, ("log1p",), True, True
+
+    def fdiff(self, argindex=1):
+        return 1 / (1 + self.args[0])
+
+
+class Expm1(Primitive, sympy.Function):
+    """exp(x) - 1, printed as libdevice's expm1."""
+
+    nargs = 1
+    triton, torch_fn = "libdevice.expm1", torch.expm1
+    op, result, binds, in_place, math = "expm1", FLOAT, ("expm1",), True, True
+
+    def fdiff(self, argindex=1):
+        return sympy.exp(self.args[0])
+
+
+class NormSqrt(Primitive, sympy.Function):
+    """sqrt(s) of a sum of squares, as in a vector norm: its derivative is 0 where s = 0 (eager's
+    norm backward masks the zero vector), not the infinity that would turn 0 * inf into NaN."""
+
+    nargs = 1
+    triton, torch_fn = "tl.sqrt", torch.sqrt
+    op, result = "norm_sqrt", FLOAT
+    user_op = False  # emitted by the norm bindings only
+
+    def fdiff(self, argindex=1):
+        s = self.args[0]
+        return Where(compare("eq", s, 0), 0, 1 / (2 * NormSqrt(s)))
+
+
+_FLOAT_REAL = dict(result=FLOAT, in_place=True)
+composite("log2", lambda a: sympy.log(a) / sympy.log(2), binds=("log2",), **_FLOAT_REAL)
+composite("log10", lambda a: sympy.log(a) / sympy.log(10), binds=("log10",), **_FLOAT_REAL)
+composite("exp2", lambda a: sympy.exp(a * sympy.log(2)), binds=("exp2",), **_FLOAT_REAL)
+composite("hypot", lambda a, b: sympy.sqrt(a * a + b * b), binds=("hypot",), math=True, **_FLOAT_REAL)
+composite("logaddexp", lambda a, b: Maximum(a, b) + Log1p(sympy.exp(-Abs(a - b))),
+          result=FLOAT, binds=("logaddexp",), math=True)
+composite("xlogy", lambda a, b: Where(compare("eq", a, 0), 0, a * sympy.log(b)), binds=("xlogy",), **_FLOAT_REAL)
