@@ -14,10 +14,6 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from compiler.ir import meta_of
-from compiler.ops import symbols as Y
-from compiler.ops.evaluate import evaluate
-
 
 class _Stop(Exception):
     """``on_value`` asked to stop: the values seen so far are the answer."""
@@ -36,10 +32,7 @@ class ReferenceInterpreter(fx.Interpreter):
         if node.op != "call_function":
             return super().run_node(node)
         args = list(self.fetch_args_kwargs_from_env(node)[0])  # (kwargs: constants, read from the node)
-        if node.target.kind == "pointwise":
-            value = _evaluate_pointwise(node, args)
-        else:
-            value = node.target.evaluate(node, args)
+        value = node.target.evaluate(node, args)
         if self.on_value is not None and self.on_value(node, value, args):
             raise _Stop
         return value
@@ -55,19 +48,6 @@ def run_graph(graph: fx.Graph, inputs, on_value=None):
         env = interpreter.env
         output = next(n for n in graph.nodes if n.op == "output")
         return [env.get(o) if isinstance(o, fx.Node) else o for o in output.args[0]]
-
-
-def _evaluate_pointwise(node: fx.Node, args) -> torch.Tensor:
-    """A pointwise op's value: its SymPy expression evaluated on the argument tensors."""
-    dtype = meta_of(node).dtype
-    binding = {}
-    for i, (arg, value) in enumerate(zip(node.args, args)):
-        binding[Y.operand(i, meta_of(arg).dtype.is_complex)] = value
-    value = evaluate(meta_of(node).expr, binding)
-    value = torch.as_tensor(value, device=args[0].device if args else None)
-    if value.is_complex() and not dtype.is_complex:
-        value = value.real
-    return value.to(dtype).expand(meta_of(node).shape)
 
 
 def first_nan(graph: fx.Graph, inputs):

@@ -311,7 +311,6 @@ def _tensor_where(b, x, cond, y):
 
 @binds(_t("to"), _t("type"))
 def _to(b, x, *args, **kwargs):
-    name = getattr(b, "_current_func_name", None)
     dtype = None
     for a in list(args) + [kwargs.get("dtype")]:
         if isinstance(a, torch.dtype):
@@ -321,7 +320,7 @@ def _to(b, x, *args, **kwargs):
     if isinstance(kwargs.get("device"), (torch.device, str)) or any(isinstance(a, (torch.device, str)) for a in args):
         raise Unsupported("moving tensors between devices inside a compiled function is not supported yet")
     if dtype is None:
-        raise Unsupported(f"Tensor.{name or 'to'}() without a dtype is not supported yet")
+        raise Unsupported("Tensor.to() without a dtype is not supported yet")
     if dtype == meta_of(x).dtype:
         return x
     return C.emit_pointwise(b, "identity", [x], dtype=dtype,

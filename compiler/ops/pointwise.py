@@ -14,6 +14,7 @@ from compiler.ops import primitives
 from compiler.ops import scalar as S
 from compiler.ops import symbols as Y
 from compiler.ops.base import OpDef
+from compiler.ops.evaluate import evaluate
 from compiler.ops.primitives.base import BOOL, FLOAT
 from compiler.ops.symbols import conj
 
@@ -39,7 +40,20 @@ BOOL_RESULT_OPS = primitives.ops_of_kind(BOOL)
 
 
 class Pointwise(OpDef):
+    """A pointwise op: its value is ``meta_of(node).expr`` over the node's tensor arguments."""
+
     kind = "pointwise"
+
+    def evaluate(self, node: fx.Node, args) -> torch.Tensor:
+        """The value with PyTorch: the SymPy expression evaluated on the argument tensors."""
+        dtype = meta_of(node).dtype
+        binding = {Y.operand(i, meta_of(arg).dtype.is_complex): value
+                   for i, (arg, value) in enumerate(zip(node.args, args))}
+        value = evaluate(meta_of(node).expr, binding)
+        value = torch.as_tensor(value, device=args[0].device if args else None)
+        if value.is_complex() and not dtype.is_complex:
+            value = value.real
+        return value.to(dtype).expand(meta_of(node).shape)
 
 
 POINTWISE = {name: Pointwise(name) for name in SCALAR_FUNCTIONS}
