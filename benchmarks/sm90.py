@@ -19,7 +19,8 @@ and a view with an offset is aligned only if its offset is. Compiling with a bar
 instead reports scalar loads and spills that the real launch would not have.
 
 This file runs in two roles: imported (``compile_launches``, ``Launch``) it needs nothing but the
-standard library (``recorded_launches`` imports torch and our runtime when entered); run as a script it is the worker (``python benchmarks/sm90.py JOBS.json``),
+standard library (``recorded_launches`` imports torch and our runtime when entered); run as a
+script it is the worker (``python benchmarks/sm90.py JOBS.json``),
 which imports Triton non-interpreted and never imports ``compiler`` or ``benchmarks``.
 Results are cached on disk per kernel source and specialization, so a rerun compiles nothing.
 
