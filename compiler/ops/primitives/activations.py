@@ -98,7 +98,7 @@ composite("elu", lambda x, alpha, scale, input_scale: Where(compare("gt", x, 0),
 composite("hardtanh", lambda x, lo, hi: Where(compare("le", x, lo), lo, Where(compare("ge", x, hi), hi, x)))
 composite("hardsigmoid", lambda x: Where(compare("le", x, -3), 0,
                                          Where(compare("ge", x, 3), 1, x / 6 + sympy.Rational(1, 2))))
-composite("hardswish", lambda x: Where(compare("lt", x, -3), 0, Where(compare("le", x, 3), x * (x + 3) / 6, x)))
+composite("hardswish", lambda x: Where(compare("le", x, -3), 0, Where(compare("lt", x, 3), x * (x + 3) / 6, x)))
 composite("mish", lambda x: x * sympy.tanh(Log1p(sympy.exp(x))))
 composite("logsigmoid", lambda x: Minimum(x, 0) - Log1p(sympy.exp(-Abs(x))))
 composite("softsign", lambda x: x / (1 + Abs(x)))
