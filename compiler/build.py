@@ -38,6 +38,8 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset()):
     region = CompiledRegion(forward_program, backward_program, parts.num_user_outputs, parts.saved,
                             parts.grad_output_for, differentiable, input_views=input_views,
                             mutated_inputs=tuple(sorted(mutated_inputs)))
+    if parts.backward is not None:
+        region.grad_sources = parts.grad_sources
     if parts.joint is not None:
         region.build_double_backward = _double_backward_builder(parts.joint)
         region.double_backward_reads = _placeholders_read(parts.joint)

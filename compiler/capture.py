@@ -25,7 +25,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from compiler.capture_calls import (FUNCTIONS, UNKEPT, UNREFERENCED, VALUE_READS, ModulesRun, OptimizerSteps,
                                     expected_eager, gradient_inputs, inspects_node, python_references, user_frame)
-from compiler.capture_regions import InPlaceTracking, Region, ViewMutation, apply_writes, map_to_nodes
+from compiler.capture_regions import (InPlaceTracking, Region, ViewMutation, apply_writes, keep_overwritten_history,
+                                      map_to_nodes)
 from compiler.ir import meta_of, update_meta
 from compiler.ops import catalog as C
 from compiler.bindings import Unsupported, Writes, lookup
@@ -286,6 +287,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
                 # of a strided one): a copy, so the result does not alias the input
                 nodes[i] = C.emit_pointwise(b, "identity", [node], dtype=meta_of(node).dtype,
                                             requires_grad=meta_of(node).requires_grad)
+        keep_overwritten_history(b, nodes, out_tensors, mapped, leaves, start)
         for node, t in zip(nodes, out_tensors):
             if meta_of(node).shape != tuple(t.shape) or meta_of(node).dtype != t.dtype:
                 raise AssertionError(

@@ -12,8 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.fx as fx
 
-from compiler.ir import GraphBuilder
+from compiler.ir import GraphBuilder, meta_of
+from compiler.ops import catalog as C
 from runtime.trace import ValueId
 
 
@@ -106,6 +108,39 @@ class InPlaceTracking:
         region.nodes[base_vid] = value
         region.produced.append(base_vid)
         self.produced_by[base_vid] = index
+
+
+def keep_overwritten_history(b: GraphBuilder, nodes: list, out_tensors, mapped, leaves, start: int) -> None:
+    """An in-place op whose new value no longer reads the old one (``x[:] = c``, ``x.fill_(c)``,
+    ``x.copy_(y)``, ``x.zero_()``): eager's result still has the in-place op as its grad_fn,
+    which passes a zero gradient back to the old value (not None, and the old value's history
+    stays in the graph). The binding's value has no path to the old node, so it is tied to it
+    by ``where(True, new, old)``: the same value, and a zero gradient for ``old``. Changes
+    ``nodes`` in place; ``start`` is where the binding's nodes begin in ``b.created``."""
+    made = set(b.created[start:])
+    for i, (node, t) in enumerate(zip(nodes, out_tensors)):
+        if not t.requires_grad:
+            continue
+        old = next((n for n, x in zip(mapped, leaves) if x is t and isinstance(n, fx.Node)), None)
+        if old is None or old is node or not meta_of(old).requires_grad or _reads(node, old, made):
+            continue
+        m = meta_of(node)
+        keep = C.emit_fill(b, m.shape, torch.bool, True)
+        nodes[i] = C.emit_pointwise(b, "where", [keep, node, old], dtype=m.dtype, requires_grad=True)
+
+
+def _reads(node, target, made: set) -> bool:
+    """Whether ``node`` (made by this binding, or ``target``'s own) reads ``target``."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n is target:
+            return True
+        if n in seen or n not in made:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return False
 
 
 def apply_writes(region: Region, writes) -> None:

@@ -30,6 +30,7 @@ class CompiledRegion:
     explain_nan: object = None  # backward inputs -> message naming the forward op that made NaN
     mutated_inputs: tuple = ()  # positions of inputs the region writes into (after its forward)
     double_backward_reads: tuple = ()  # per input: whether the double backward reads its value
+    grad_sources: tuple = ()    # per input gradient: positions in grad_output_for it is computed from
 
     def __call__(self, inputs):
         if self.backward is None or not torch.is_grad_enabled():
@@ -59,6 +60,9 @@ class _RegionFunction(torch.autograd.Function):
         saved = [inputs[i] if kind == "input" else outs[i] for kind, i in region.saved]
         ctx.save_for_backward(*saved)
         ctx.region = region
+        # NOTE: an output outside the loss's graph gets None, not zeros: an input reached only
+        # through such outputs then gets None too, as eager leaves it (``backward``).
+        ctx.set_materialize_grads(False)
         # For create_graph=True the backward is recomputed from the inputs themselves, so
         # keep them (their versions too: eager's in-place check still applies).
         ctx.versions = [t._version if isinstance(t, torch.Tensor) else None for t in inputs]
@@ -90,19 +94,26 @@ class _RegionFunction(torch.autograd.Function):
     def backward(ctx, *grad_outputs):
         region: CompiledRegion = ctx.region
         saved = list(ctx.saved_tensors)
-        grads = []
-        for i in region.grad_output_for:
+        grads, given = [], set()
+        for k, i in enumerate(region.grad_output_for):
             g = grad_outputs[i]
             if g is None:
                 shape, dtype, device = ctx.shapes[i]
                 g = torch.zeros(shape, dtype=dtype, device=device)
+            else:
+                given.add(k)
             grads.append(g)
+        if not given:  # no output of this region is in the loss's graph
+            return (None,) * len(ctx.needs_input_grad)
         if torch.is_grad_enabled() and region.build_double_backward is not None:
-            return (None, None, *_differentiable_backward(ctx, region, grads))
-        results = region.backward.run(saved + grads, region.stats)
-        if torch.is_anomaly_enabled() and region.explain_nan is not None and _has_nan(results) \
-                and not _has_nan(grads):
-            raise RuntimeError(region.explain_nan(saved + grads))
+            results = _differentiable_backward(ctx, region, grads)
+        else:
+            results = region.backward.run(saved + grads, region.stats)
+            if torch.is_anomaly_enabled() and region.explain_nan is not None and _has_nan(results) \
+                    and not _has_nan(grads):
+                raise RuntimeError(region.explain_nan(saved + grads))
+        if region.grad_sources:  # an input reached only through outputs outside the loss's graph: None
+            results = [r if sources & given else None for r, sources in zip(results, region.grad_sources)]
         return (None, None, *results)
 
 

@@ -167,6 +167,17 @@ FIXED = {
     # x[idx] of a zero-size tensor checks no index in eager; the compiled check raised IndexError
     "index-into-empty": _program([((1, 0), f64, "contiguous", True, 31)],
                                  ["v0 = x0[torch.tensor([1, 1], dtype=torch.long)]"], ["v0"]),
+    # an input reaching only region outputs the loss leaves out got a zero gradient (the region's
+    # backward got zeros for those outputs), where eager leaves None: now None
+    "unused-input-grad-none": _program(
+        [((2, 2, 0), f64, "transposed", True, 15), ((2, 2, 0), f64, "strided", True, 16)],
+        ["v0 = x1.masked_fill(x1 > 0, 0.25)", "v1 = v0[torch.tensor([0, 1, -2], dtype=torch.long)]",
+         "v3 = torch.log(x0.abs() + 0.5)"], ["v3"]),
+    # a value overwritten everywhere in place (v1[:, 0] = c over all of v1): the binding's new
+    # value did not read the old one, so its history got None where eager's is zeros
+    "overwritten-value-grad-zeros": _program([((3,), f32, "contiguous", True, 17)],
+                                             ["v0 = torch.sign(x0)", "v1 = v0.unsqueeze(-1)", "v1[:, 0] = 0.5"],
+                                             ["v1"]),
 }
 
 
@@ -182,16 +193,6 @@ KNOWN = {
         "same error but names the compiled region, not the in-place op, as the tensor's producer",
         _program([((1, 3, 4), f64, "contiguous", True, 14)],
                  ["v0 = torch.hypot(x0, x0)", "v1 = torch.square(v0)", "v2 = v0.sin_()"], ["v1", "v2"])),
-    "unused-input-grad-zeros-not-none": (
-        "an input reaching only outputs the loss leaves out, in a region shared with one it uses, "
-        "gets a zero gradient where eager leaves None",
-        _program([((2, 2, 0), f64, "transposed", True, 15), ((2, 2, 0), f64, "strided", True, 16)],
-                 ["v0 = x1.masked_fill(x1 > 0, 0.25)", "v1 = v0[torch.tensor([0, 1, -2], dtype=torch.long)]",
-                  "v3 = torch.log(x0.abs() + 0.5)"], ["v3"])),
-    "overwritten-value-grad-none-not-zeros": (
-        "a value overwritten everywhere in place passes no gradient back: eager gives zeros, ours None",
-        _program([((3,), f32, "contiguous", True, 17)],
-                 ["v0 = torch.sign(x0)", "v1 = v0.unsqueeze(-1)", "v1[:, 0] = 0.5"], ["v1"])),
     "second-order-at-degenerate-points": (
         "second derivatives at degenerate points (var with no degrees of freedom, a norm at the zero "
         "vector): eager gives 0 where ours is NaN, or NaN where ours is 0",

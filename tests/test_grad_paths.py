@@ -1,0 +1,62 @@
+"""None vs zeros: which inputs get a gradient is eager's graph path, not the compiled region's.
+
+Eager leaves ``.grad`` None for an input with no path to the loss and gives zeros for one
+whose path only carries zeros (an in-place op that overwrote the value). Every case runs
+the recording call and the replay (through kernels) against eager.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import compiler
+
+
+def _overwrite_fill(x):
+    y = x.sin()
+    y.fill_(2.0)
+    return y * 3
+
+
+def _overwrite_zero(x):
+    y = x * 2  # (exp would save its result: eager refuses the backward)
+    y.zero_()
+    return y + 1
+
+
+def _overwrite_copy(x):
+    y = x.cos()
+    y.copy_(torch.ones(3))
+    return y * y
+
+
+def _overwrite_through_view(x):
+    y = x * 2
+    y.unsqueeze(0)[:] = 0.5
+    return y.sum()
+
+
+def _unused_region_output(x, w):
+    hidden = w * 2  # computed in the same region as the loss's value, never in the loss's graph
+    return (x.sin() * 2).sum(), hidden
+
+
+@pytest.mark.parametrize("fn", [_overwrite_fill, _overwrite_zero, _overwrite_copy, _overwrite_through_view,
+                                _unused_region_output])
+def test_gradients_none_or_zeros_as_eager(fn):
+    compiled = compiler.compile(fn, backend="interpret")
+    for call in ("eager", "recording", "replay"):
+        inputs = [torch.linspace(-1, 1, 3, requires_grad=True) for _ in range(fn.__code__.co_argcount)]
+        out = (fn if call == "eager" else compiled)(*inputs)
+        loss = (out[0] if isinstance(out, tuple) else out).sum()
+        loss.backward()
+        grads = [x.grad for x in inputs]
+        if call == "eager":
+            want = grads
+            continue
+        for got, expected in zip(grads, want):
+            assert (got is None) == (expected is None), f"{call}: got {got}, eager {expected}"
+            if expected is not None:
+                torch.testing.assert_close(got, expected)
+    assert compiled.stats["kernel_launches"] > 0
