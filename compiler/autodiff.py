@@ -33,12 +33,13 @@ class Partitioned:
     input_needs_grad: list     # per forward input
     joint: fx.Graph | None = None  # (*inputs, *grad_outputs) -> input grads: for double backward
     grad_sources: tuple = ()   # per input: positions in grad_output_for whose gradient reaches it
+    output_sources: tuple = ()  # per user output: the same (eager runs its op's backward iff any is given)
 
 
 def differentiate(graph: fx.Graph):
     """Append gradient nodes to ``graph``; return (grad_output placeholders, input grads, and per
-    input the positions of the grad_output placeholders whose gradient reaches it: eager's graph
-    path, even where the contribution is a constant zero)."""
+    forward node the positions of the grad_output placeholders whose gradient reaches it: eager's
+    graph path, even where the contribution is a constant zero)."""
     nodes = list(graph.nodes)
     inputs = [n for n in nodes if n.op == "placeholder"]
     output_node = next(n for n in nodes if n.op == "output")
@@ -68,8 +69,7 @@ def differentiate(graph: fx.Graph):
                 contribution = C.sum_to_shape(b, contribution, meta_of(arg).shape)
                 grads[arg] = _accumulate(b, grads.get(arg), contribution)
                 sources[arg] = sources.get(arg, frozenset()) | sources[node]
-    return (grad_placeholders, [grads.get(x) if meta_of(x).requires_grad else None for x in inputs],
-            tuple(sources.get(x, frozenset()) for x in inputs))
+    return grad_placeholders, [grads.get(x) if meta_of(x).requires_grad else None for x in inputs], sources
 
 
 def _differentiable(node) -> bool:
@@ -98,7 +98,9 @@ def partition(graph: fx.Graph, mutated_inputs=frozenset()) -> Partitioned:
         return Partitioned(graph, None, len(user_outputs), [], [], [False] * len(inputs))
 
     forward_set = set(forward_nodes)
-    grad_placeholders, input_grads, grad_sources = differentiate(graph)
+    grad_placeholders, input_grads, sources = differentiate(graph)
+    grad_sources = tuple(sources.get(x, frozenset()) for x in inputs)
+    output_sources = tuple(sources.get(o, frozenset()) for o in user_outputs)
     joint = _joint(inputs, [g for _, g in grad_placeholders], input_grads)
 
     backward = fx.Graph()
@@ -180,7 +182,8 @@ def partition(graph: fx.Graph, mutated_inputs=frozenset()) -> Partitioned:
     forward.output(tuple([fenv[o] if isinstance(o, fx.Node) else o for o in user_outputs]
                          + [copies[o] if o in copies else fenv[o] for o in extra]))
     return Partitioned(forward, backward, len(user_outputs), saved,
-                       [i for i, _ in grad_placeholders], input_needs_grad, joint, grad_sources)
+                       [i for i, _ in grad_placeholders], input_needs_grad, joint, grad_sources,
+                       output_sources)
 
 
 def _joint(inputs, grad_placeholders, input_grads) -> fx.Graph:

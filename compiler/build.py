@@ -12,6 +12,7 @@ import threading
 import torch.fx as fx
 
 from compiler.autodiff import partition, propagate_requires_grad
+from compiler.capture_regions import EAGER_SAVED
 from compiler.codegen.triton_kernel import render_kernel
 from compiler.fusion import Schedule, fuse
 from compiler.reference import first_nan
@@ -23,6 +24,8 @@ from compiler.ir import meta_of
 def build_region(graph: fx.Graph, mutated_inputs=frozenset()):
     """Compile one captured region. Returns (CompiledRegion, details for ``explain``).
     ``mutated_inputs``: positions of inputs the region changes in place."""
+    output = next(n for n in graph.nodes if n.op == "output")
+    eager_saved = {output.args[0][i]: found for i, found in output.meta.get(EAGER_SAVED, {}).items()}
     input_views = _split_input_views(graph)
     parts = partition(graph, mutated_inputs)
     forward_schedule = fuse(parts.forward)
@@ -40,6 +43,9 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset()):
                             mutated_inputs=tuple(sorted(mutated_inputs)))
     if parts.backward is not None:
         region.grad_sources = parts.grad_sources
+        kept = list(output.args[0])
+        region.eager_saved = tuple((kept.index(node), name, output_nr, parts.output_sources[kept.index(node)])
+                                   for node, (name, output_nr) in eager_saved.items() if node in kept)
     if parts.joint is not None:
         region.build_double_backward = _double_backward_builder(parts.joint)
         region.double_backward_reads = _placeholders_read(parts.joint)

@@ -38,6 +38,7 @@ class Region:
     view_mutation: bool = False                     # an in-place op changed a view
     eager_reason: str | None = None                 # set when the region must run eagerly
     stale: set = field(default_factory=set)         # views whose memory an in-place op changed since
+    eager_saved: dict = field(default_factory=dict)  # value id -> (eager grad_fn type, output_nr): saved result
 
 
 class ViewMutation(Exception):
@@ -60,6 +61,12 @@ class InPlaceTracking:
         for t in out_tensors:
             entry = self.ids.get(id(t))
             if entry is not None and entry[0]() is t and entry[1] in region.read_for_grad:
+                self.current = None
+                return
+            # a view's base that eager's op saved (y = relu(x); y[1:].mul_(2)); a base merely read
+            # (by the view op itself) is no reason: the view would become a region output
+            entry = self.ids.get(id(t._base)) if t._base is not None else None
+            if entry is not None and entry[0]() is t._base and entry[1] in region.eager_saved:
                 self.current = None
                 return
 
@@ -108,6 +115,25 @@ class InPlaceTracking:
         region.nodes[base_vid] = value
         region.produced.append(base_vid)
         self.produced_by[base_vid] = index
+
+
+def saves_result(t: torch.Tensor) -> bool:
+    """Whether eager's autograd node that made ``t`` saved ``t`` itself for backward (exp, relu,
+    softmax, polar: ``grad_fn._saved_result``), asked of the node's type, so nothing is unpacked."""
+    return t.requires_grad and t.grad_fn is not None and hasattr(type(t.grad_fn), "_saved_result")
+
+
+EAGER_SAVED = "eager_saved"  # the output node's fx meta key: {output position: (grad_fn type name, output_nr)}
+
+
+def mark_eager_saved(graph, region: Region, outputs: list) -> None:
+    """Record on the region graph's output node which outputs eager's op saved for its backward
+    (``saves_result``): the compiled region checks their version counters at backward, as
+    eager's saved variables do, even where its own backward does not read them."""
+    output = next(n for n in graph.nodes if n.op == "output")
+    marked = {i: region.eager_saved[v] for i, v in enumerate(outputs) if v in region.eager_saved}
+    if marked:
+        output.meta[EAGER_SAVED] = marked
 
 
 def keep_overwritten_history(b: GraphBuilder, nodes: list, out_tensors, mapped, leaves, start: int) -> None:

@@ -31,6 +31,7 @@ class CompiledRegion:
     mutated_inputs: tuple = ()  # positions of inputs the region writes into (after its forward)
     double_backward_reads: tuple = ()  # per input: whether the double backward reads its value
     grad_sources: tuple = ()    # per input gradient: positions in grad_output_for it is computed from
+    eager_saved: tuple = ()     # (output position, eager grad_fn type, output_nr, grad positions reaching it)
 
     def __call__(self, inputs):
         if self.backward is None or not torch.is_grad_enabled():
@@ -59,6 +60,11 @@ class _RegionFunction(torch.autograd.Function):
         outs = region.forward.run(list(inputs), region.stats)
         saved = [inputs[i] if kind == "input" else outs[i] for kind, i in region.saved]
         ctx.save_for_backward(*saved)
+        # outputs eager's op saved (exp, polar: its result), version-checked where eager would run
+        # that op's backward, with eager's message. NOTE: detach() shares the version counter;
+        # the output itself would make a reference cycle through its grad_fn (this ctx).
+        ctx.eager_saved = [(outs[position].detach(), outs[position]._version, name, output_nr, sources)
+                           for position, name, output_nr, sources in region.eager_saved]
         ctx.region = region
         # NOTE: an output outside the loss's graph gets None, not zeros: an input reached only
         # through such outputs then gets None too, as eager leaves it (``backward``).
@@ -93,7 +99,6 @@ class _RegionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outputs):
         region: CompiledRegion = ctx.region
-        saved = list(ctx.saved_tensors)
         grads, given = [], set()
         for k, i in enumerate(region.grad_output_for):
             g = grad_outputs[i]
@@ -103,6 +108,11 @@ class _RegionFunction(torch.autograd.Function):
             else:
                 given.add(k)
             grads.append(g)
+        # (before unpacking our saved tensors: eager's message names its op, not _RegionFunction)
+        for t, version, name, output_nr, sources in ctx.eager_saved:
+            if sources & given and t._version != version:
+                raise RuntimeError(_version_error(t, version, f"output {output_nr} of {name}"))
+        saved = list(ctx.saved_tensors)  # version-checked by PyTorch
         if not given:  # no output of this region is in the loss's graph
             return (None,) * len(ctx.needs_input_grad)
         if torch.is_grad_enabled() and region.build_double_backward is not None:
@@ -138,12 +148,22 @@ def _differentiable_backward(ctx, region: CompiledRegion, grads):
     return [r if needs else None for r, needs in zip(results, ctx.needs_input_grad[2:])]
 
 
-def _version_error(t: torch.Tensor, version: int) -> str:
-    """PyTorch's own message for a saved tensor changed in place (torch/csrc/autograd/saved_variable.cpp)."""
-    producer = ""
-    if t.grad_fn is not None:
-        producer = f", which is output {t.output_nr} of {re.sub(r'Backward[0-9]*$', '', t.grad_fn.name())},"
+def _version_error(t: torch.Tensor, version: int, producer: str | None = None) -> str:
+    """PyTorch's own message for a saved tensor changed in place (torch/csrc/autograd/saved_variable.cpp).
+    ``producer``: "output N of Op" as eager names the node that saved it (default: t's grad_fn)."""
+    if producer is None and t.grad_fn is not None:
+        producer = f"output {t.output_nr} of {t.grad_fn.name()}"
+    producer = f", which is {re.sub(r'Backward[0-9]*$', '', producer)}," if producer else ""
     return ("one of the variables needed for gradient computation has been modified by an inplace operation: "
-            f"[{t.type()} {list(t.shape)}]{producer} is at version {t._version}; expected version {version} "
+            f"[{_type_name(t)} {list(t.shape)}]{producer} is at version {t._version}; expected version {version} "
             "instead. Hint: enable anomaly detection to find the operation that failed to compute its gradient, "
             "with torch.autograd.set_detect_anomaly(True, check_nan=False).")
+
+
+def _type_name(t: torch.Tensor) -> str:
+    """The tensor type as eager's message prints it: legacy names ("torch.FloatTensor") where the
+    dtype has one, "CPUComplexFloatType" for newer dtypes (complex, bfloat16)."""
+    if t.dtype in (torch.complex64, torch.complex128, torch.complex32, torch.bfloat16):
+        scalar = t.type().rsplit(".", 1)[-1].removesuffix("Tensor")
+        return f"{t.device.type.upper()}{scalar}Type"
+    return t.type()

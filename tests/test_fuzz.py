@@ -178,6 +178,12 @@ FIXED = {
     "overwritten-value-grad-zeros": _program([((3,), f32, "contiguous", True, 17)],
                                              ["v0 = torch.sign(x0)", "v1 = v0.unsqueeze(-1)", "v1[:, 0] = 0.5"],
                                              ["v1"]),
+    # polar saves its result; a later in-place op on it made eager's backward raise, ours computed
+    # (no op of the region read the value, so no region split and no version check)
+    "inplace-on-saved-result-refused": _program([((2,), f32, "transposed", True, 33)],
+                                                ["v0 = x0.to(torch.float64)", "v1 = torch.polar(v0.abs(), v0)",
+                                                 "v2 = v1.copy_(v1)", "v3 = torch.exp(v2)", "v4 = v1.T"],
+                                                ["v4", "v0"]),
 }
 
 
@@ -188,9 +194,16 @@ def test_fixed_regressions(name):
 
 # -- found and not fixed yet: each is reported; strict, so a fix turns it into a pass -------------
 KNOWN = {
+    "inplace-on-unused-saved-output-refused": (
+        "a region output its backward saved, changed in place later and outside the loss's graph: eager "
+        "never runs that op's backward, ours unpacks all the region's saved tensors and raises",
+        _program([((1, 3), f32, "contiguous", True, 34), ((1, 3), f64, "offset", True, 35)],
+                 ["v0 = x1.amax(dim=0, keepdim=False)", "v1 = v0.abs() ** x0", "v2 = v0.clone()",
+                  "v3 = v1.sin_()", "v4 = torch.softmax(v2, dim=0)"], ["v4"])),
     "inplace-on-saved-value-names-region": (
         "eager raises at backward for a saved value changed in place later; the replay raises the "
-        "same error but names the compiled region, not the in-place op, as the tensor's producer",
+        "same error but names the compiled region (or the op that saved its result), not the in-place "
+        "op, as the tensor's producer",
         _program([((1, 3, 4), f64, "contiguous", True, 14)],
                  ["v0 = torch.hypot(x0, x0)", "v1 = torch.square(v0)", "v2 = v0.sin_()"], ["v1", "v2"])),
     "second-order-at-degenerate-points": (

@@ -60,3 +60,29 @@ def test_gradients_none_or_zeros_as_eager(fn):
             if expected is not None:
                 torch.testing.assert_close(got, expected)
     assert compiled.stats["kernel_launches"] > 0
+
+
+def _exp_then_add_(x):
+    y = x.exp()  # eager's ExpBackward saves its result
+    y.add_(1)
+    return y * 2
+
+
+def _relu_result_in_place_on_a_view(x):
+    y = torch.relu(x * 3)
+    y[1:].mul_(2)
+    return y.sum()
+
+
+@pytest.mark.parametrize("fn", [_exp_then_add_, _relu_result_in_place_on_a_view])
+def test_in_place_on_a_saved_result_raises_as_eager(fn):
+    """Eager saves some ops' results (exp, relu, polar): an in-place op on one makes its backward
+    raise, even where the compiled backward does not read the value."""
+    compiled = compiler.compile(fn, backend="interpret")
+    messages = []
+    for call in (fn, compiled, compiled):
+        x = torch.linspace(-1, 1, 3, requires_grad=True)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation") as error:
+            call(x).sum().backward()
+        messages.append(str(error.value))
+    assert messages[1] == messages[0] and messages[2] == messages[0]
