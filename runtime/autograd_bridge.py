@@ -32,6 +32,7 @@ class CompiledRegion:
     double_backward_reads: tuple = ()  # per input: whether the double backward reads its value
     grad_sources: tuple = ()    # per input gradient: positions in grad_output_for it is computed from
     eager_saved: tuple = ()     # (output position, eager grad_fn type, output_nr, grad positions reaching it)
+    backward_for: object = None  # output positions given a gradient -> (Program, saved positions) | None
 
     def __call__(self, inputs):
         if self.backward is None or not torch.is_grad_enabled():
@@ -115,8 +116,15 @@ class _RegionFunction(torch.autograd.Function):
         saved = list(ctx.saved_tensors)  # version-checked by PyTorch
         if not given:  # no output of this region is in the loss's graph
             return (None,) * len(ctx.needs_input_grad)
+        partial = _partial_backward(region, given) if len(given) < len(grads) else None
         if torch.is_grad_enabled() and region.build_double_backward is not None:
-            results = _differentiable_backward(ctx, region, grads)
+            if partial is not None and partial[2] is not None:
+                results = _differentiable_backward(ctx, region, [grads[k] for k in sorted(given)], partial[2])
+            else:
+                results = _differentiable_backward(ctx, region, grads, region.build_double_backward)
+        elif partial is not None:
+            program, take, _ = partial
+            results = program.run([saved[i] for i in take] + [grads[k] for k in sorted(given)], region.stats)
         else:
             results = region.backward.run(saved + grads, region.stats)
             if torch.is_anomaly_enabled() and region.explain_nan is not None and _has_nan(results) \
@@ -127,13 +135,24 @@ class _RegionFunction(torch.autograd.Function):
         return (None, None, *results)
 
 
+def _partial_backward(region: CompiledRegion, given: set):
+    """The backward without the outputs outside the loss's graph (``given``: positions in
+    grad_output_for of those inside): (Program, saved positions it reads, double-backward
+    builder), or None (then zeros stand for their gradients)."""
+    if region.backward_for is None:
+        return None
+    return region.backward_for(frozenset(region.grad_output_for[k] for k in given))
+
+
 def _has_nan(tensors) -> bool:
     return any(isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
                and bool(torch.isnan(t).any()) for t in tensors)
 
 
-def _differentiable_backward(ctx, region: CompiledRegion, grads):
-    """create_graph=True: run the backward as a compiled region with its own backward."""
+def _differentiable_backward(ctx, region: CompiledRegion, grads, build):
+    """create_graph=True: run the backward as a compiled region with its own backward (``build``:
+    requires_grad pattern -> that region; of the full backward, or of one without the outputs
+    outside the loss's graph)."""
     inputs = list(ctx.inputs)
     # NOTE: only the inputs the double backward reads: eager saves no more than its backward
     # needs (x - y saves nothing), so a later in-place op on another input is no error there
@@ -142,7 +161,7 @@ def _differentiable_backward(ctx, region: CompiledRegion, grads):
         if read and isinstance(t, torch.Tensor) and t._version != version:
             raise RuntimeError(_version_error(t, version))
     pattern = tuple(t.requires_grad for t in inputs + grads)
-    backward_region = region.build_double_backward(pattern)
+    backward_region = build(pattern)
     backward_region.stats = region.stats
     results = backward_region(inputs + grads)
     return [r if needs else None for r, needs in zip(results, ctx.needs_input_grad[2:])]

@@ -86,3 +86,25 @@ def test_in_place_on_a_saved_result_raises_as_eager(fn):
             call(x).sum().backward()
         messages.append(str(error.value))
     assert messages[1] == messages[0] and messages[2] == messages[0]
+
+
+def _log_and_double(x):
+    return torch.log(x), x * 2  # log's derivative at 0 is inf: 0 * inf would be NaN
+
+
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_outputs_outside_the_loss_contribute_nothing(create_graph):
+    """Only ``b`` is in the loss: eager's gradient has no term of log(x) (not a zero times 1/x,
+    which is NaN at x = 0); with create_graph=True its second derivative neither."""
+    compiled = compiler.compile(_log_and_double, backend="interpret")
+    results = []
+    for call in (_log_and_double, compiled, compiled):
+        x = torch.tensor([0.0, 1.0, 2.0], requires_grad=True)
+        _, b = call(x)
+        grad, = torch.autograd.grad((b * b).sum(), x, create_graph=create_graph)
+        second = torch.autograd.grad(grad.sum(), x)[0] if create_graph else None
+        results.append((grad.detach(), second))
+    for grad, second in results[1:]:
+        torch.testing.assert_close(grad, results[0][0])
+        if create_graph:
+            torch.testing.assert_close(second, results[0][1])
