@@ -60,13 +60,12 @@ class InPlaceTracking:
             return
         for t in out_tensors:
             entry = self.ids.get(id(t))
-            if entry is not None and entry[0]() is t and entry[1] in region.read_for_grad:
-                self.current = None
-                return
-            # a view's base that eager's op saved (y = relu(x); y[1:].mul_(2)); a base merely read
-            # (by the view op itself) is no reason: the view would become a region output
-            entry = self.ids.get(id(t._base)) if t._base is not None else None
-            if entry is not None and entry[0]() is t._base and entry[1] in region.eager_saved:
+            if entry is None or entry[0]() is not t:
+                continue  # a new tensor: no in-place op
+            # NOTE: a view of a saved value changed in place (y = x.exp(); y[1:].mul_(2)) does not
+            # split: the view, made in this region, would become an output that is a view of
+            # another, which PyTorch refuses to change in place (fuzz KNOWN: not refused)
+            if entry[1] in region.read_for_grad:
                 self.current = None
                 return
 
