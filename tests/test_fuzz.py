@@ -184,6 +184,11 @@ FIXED = {
                                                 ["v0 = x0.to(torch.float64)", "v1 = torch.polar(v0.abs(), v0)",
                                                  "v2 = v1.copy_(v1)", "v3 = torch.exp(v2)", "v4 = v1.T"],
                                                 ["v4", "v0"]),
+    # `v1 == v0` with v0 kept in the kernels (a StandIn): Python called v0.__eq__(v1), which the
+    # replay took for another call than the recorded v1.__eq__(v0), and diverged
+    "equality-with-a-stand-in": _program([((), torch.int64, "expanded", False, 37)],
+                                         ["v0 = -x0", "v1 = v0 + 1", "v3 = (v1 == v0)", "v4 = v3 * v0"],
+                                         ["v4", "v1"]),
 }
 
 

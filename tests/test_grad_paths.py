@@ -108,3 +108,4 @@ def test_outputs_outside_the_loss_contribute_nothing(create_graph):
         torch.testing.assert_close(grad, results[0][0])
         if create_graph:
             torch.testing.assert_close(second, results[0][1])
+
