@@ -32,21 +32,29 @@ class Partitioned:
     grad_output_for: list      # indices of user outputs that receive a gradient
     input_needs_grad: list     # per forward input
     joint: fx.Graph | None = None  # (*inputs, *grad_outputs) -> input grads: for double backward
+    grad_sources: tuple = ()   # per input: positions in grad_output_for whose gradient reaches it
+    output_sources: tuple = ()  # per user output: the same (eager runs its op's backward iff any is given)
+    saved_names: tuple = ()    # the forward node's name per saved value (to match another partition's)
 
 
-def differentiate(graph: fx.Graph):
-    """Append gradient nodes to ``graph``; return (grad_output placeholders, input grads)."""
+def differentiate(graph: fx.Graph, only_outputs=None):
+    """Append gradient nodes to ``graph``; return (grad_output placeholders, input grads, and per
+    forward node the positions of the grad_output placeholders whose gradient reaches it: eager's
+    graph path, even where the contribution is a constant zero). ``only_outputs``: positions of
+    the outputs that get a gradient (default: every differentiable one)."""
     nodes = list(graph.nodes)
     inputs = [n for n in nodes if n.op == "placeholder"]
     output_node = next(n for n in nodes if n.op == "output")
     outputs = list(output_node.args[0])
     b = GraphBuilder(graph)
     grads: dict = {}
+    sources: dict = {}  # node -> positions of the grad_output placeholders its gradient comes from
     grad_placeholders = []
     with graph.inserting_before(output_node):
         for i, out in enumerate(outputs):
-            if _differentiable(out):
+            if _differentiable(out) and (only_outputs is None or i in only_outputs):
                 g = b.placeholder(f"grad_out{i}", meta_of(out).shape, meta_of(out).dtype)
+                sources[out] = sources.get(out, frozenset()) | {len(grad_placeholders)}
                 grad_placeholders.append((i, g))
                 grads[out] = _accumulate(b, grads.get(out), g)
         for node in reversed(nodes):
@@ -62,7 +70,8 @@ def differentiate(graph: fx.Graph):
                     continue
                 contribution = C.sum_to_shape(b, contribution, meta_of(arg).shape)
                 grads[arg] = _accumulate(b, grads.get(arg), contribution)
-    return grad_placeholders, [grads.get(x) if meta_of(x).requires_grad else None for x in inputs]
+                sources[arg] = sources.get(arg, frozenset()) | sources[node]
+    return grad_placeholders, [grads.get(x) if meta_of(x).requires_grad else None for x in inputs], sources
 
 
 def _differentiable(node) -> bool:
@@ -76,11 +85,12 @@ def _accumulate(b, existing, new):
     return C.emit_pointwise(b, "add", [existing, new], dtype=meta_of(existing).dtype, requires_grad=False)
 
 
-def partition(graph: fx.Graph, mutated_inputs=frozenset()) -> Partitioned:
+def partition(graph: fx.Graph, mutated_inputs=frozenset(), only_outputs=None) -> Partitioned:
     """Differentiate a forward region graph and split it into forward and backward programs.
 
     ``mutated_inputs`` are positions of inputs the region overwrites in place: backward must
     not recompute from them (their old value is gone), so values derived from them are saved.
+    ``only_outputs``: differentiate through these output positions only (``differentiate``).
     """
     forward_nodes = list(graph.nodes)
     inputs = [n for n in forward_nodes if n.op == "placeholder"]
@@ -91,7 +101,9 @@ def partition(graph: fx.Graph, mutated_inputs=frozenset()) -> Partitioned:
         return Partitioned(graph, None, len(user_outputs), [], [], [False] * len(inputs))
 
     forward_set = set(forward_nodes)
-    grad_placeholders, input_grads = differentiate(graph)
+    grad_placeholders, input_grads, sources = differentiate(graph, only_outputs)
+    grad_sources = tuple(sources.get(x, frozenset()) for x in inputs)
+    output_sources = tuple(sources.get(o, frozenset()) for o in user_outputs)
     joint = _joint(inputs, [g for _, g in grad_placeholders], input_grads)
 
     backward = fx.Graph()
@@ -173,7 +185,8 @@ def partition(graph: fx.Graph, mutated_inputs=frozenset()) -> Partitioned:
     forward.output(tuple([fenv[o] if isinstance(o, fx.Node) else o for o in user_outputs]
                          + [copies[o] if o in copies else fenv[o] for o in extra]))
     return Partitioned(forward, backward, len(user_outputs), saved,
-                       [i for i, _ in grad_placeholders], input_needs_grad, joint)
+                       [i for i, _ in grad_placeholders], input_needs_grad, joint, grad_sources,
+                       output_sources, tuple(n.name for n in saved_nodes))
 
 
 def _joint(inputs, grad_placeholders, input_grads) -> fx.Graph:

@@ -12,6 +12,7 @@ import threading
 import torch.fx as fx
 
 from compiler.autodiff import partition, propagate_requires_grad
+from compiler.capture_regions import EAGER_SAVED
 from compiler.codegen.triton_kernel import render_kernel
 from compiler.fusion import Schedule, fuse
 from compiler.reference import first_nan
@@ -23,7 +24,10 @@ from compiler.ir import meta_of
 def build_region(graph: fx.Graph, mutated_inputs=frozenset()):
     """Compile one captured region. Returns (CompiledRegion, details for ``explain``).
     ``mutated_inputs``: positions of inputs the region changes in place."""
+    output = next(n for n in graph.nodes if n.op == "output")
+    eager_saved = {output.args[0][i]: found for i, found in output.meta.get(EAGER_SAVED, {}).items()}
     input_views = _split_input_views(graph)
+    pristine = _copy_graph(graph)  # partition appends the backward to ``graph``
     parts = partition(graph, mutated_inputs)
     forward_schedule = fuse(parts.forward)
     forward_program, forward_kernels = lower(parts.forward, forward_schedule)
@@ -38,6 +42,12 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset()):
     region = CompiledRegion(forward_program, backward_program, parts.num_user_outputs, parts.saved,
                             parts.grad_output_for, differentiable, input_views=input_views,
                             mutated_inputs=tuple(sorted(mutated_inputs)))
+    if parts.backward is not None:
+        region.grad_sources = parts.grad_sources
+        region.backward_for = _partial_backward_builder(pristine, mutated_inputs, parts)
+        kept = list(output.args[0])
+        region.eager_saved = tuple((kept.index(node), name, output_nr, parts.output_sources[kept.index(node)])
+                                   for node, (name, output_nr) in eager_saved.items() if node in kept)
     if parts.joint is not None:
         region.build_double_backward = _double_backward_builder(parts.joint)
         region.double_backward_reads = _placeholders_read(parts.joint)
@@ -68,6 +78,30 @@ def _double_backward_builder(joint: fx.Graph):
                 region, _ = build_region(graph)
                 cache[requires_grad] = region if all(present) else _WithAbsentOutputs(region, present)
             return cache[requires_grad]
+    return build
+
+
+def _partial_backward_builder(forward: fx.Graph, mutated_inputs, parts):
+    """The backward for a call where only some outputs are in the loss's graph, built per set of
+    those outputs: the others contribute nothing, as in eager (a zero gradient through them is
+    not nothing: 0 * inf is NaN, log(x) at 0). Returns (Program, positions in the full saved list
+    of the values it reads, its double-backward builder), or None where it would read a value the
+    forward did not save."""
+    cache: dict = {}
+    lock = threading.Lock()
+    position = {name: k for k, name in enumerate(parts.saved_names)}
+
+    def build(given_outputs: frozenset):
+        with lock:
+            if given_outputs not in cache:
+                sub = partition(_copy_graph(forward), mutated_inputs, only_outputs=given_outputs)
+                if sub.backward is None or any(name not in position for name in sub.saved_names):
+                    cache[given_outputs] = None
+                else:
+                    program, _ = lower(sub.backward, fuse(sub.backward), check_indices=False)
+                    double = _double_backward_builder(sub.joint) if sub.joint is not None else None
+                    cache[given_outputs] = (program, [position[name] for name in sub.saved_names], double)
+            return cache[given_outputs]
     return build
 
 

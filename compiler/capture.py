@@ -25,7 +25,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from compiler.capture_calls import (FUNCTIONS, UNKEPT, UNREFERENCED, VALUE_READS, ModulesRun, OptimizerSteps,
                                     expected_eager, gradient_inputs, inspects_node, python_references, user_frame)
-from compiler.capture_regions import InPlaceTracking, Region, ViewMutation, apply_writes, map_to_nodes
+from compiler.capture_regions import (InPlaceTracking, Region, ViewMutation, apply_writes, keep_overwritten_history,
+                                      mark_eager_saved, map_to_nodes, saves_result)
 from compiler.ir import meta_of, update_meta
 from compiler.ops import catalog as C
 from compiler.bindings import Unsupported, Writes, lookup
@@ -226,6 +227,12 @@ class Capture(InPlaceTracking, TorchFunctionMode):
             region.calls.append(index)
             if any(t.requires_grad for t in out_tensors):
                 region.read_for_grad.update(v for v in recorded if isinstance(v, ValueId))
+                # eager's op saved its own result (exp, relu, softmax, polar): an in-place op on it
+                # later is eager's error too
+                for v, t in zip(outputs, out_tensors):
+                    if saves_result(t):
+                        region.read_for_grad.add(v)
+                        region.eager_saved[v] = (type(t.grad_fn).__name__, t.output_nr)
             self.calls.append(TraceCall(func, "compute", region.index, spec, recorded, outputs, out_spec))
         else:
             self.current = None  # an eager call closes the region
@@ -286,6 +293,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
                 # of a strided one): a copy, so the result does not alias the input
                 nodes[i] = C.emit_pointwise(b, "identity", [node], dtype=meta_of(node).dtype,
                                             requires_grad=meta_of(node).requires_grad)
+        keep_overwritten_history(b, nodes, out_tensors, mapped, leaves, start)
         for node, t in zip(nodes, out_tensors):
             if meta_of(node).shape != tuple(t.shape) or meta_of(node).dtype != t.dtype:
                 raise AssertionError(
@@ -439,6 +447,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
             b = r.builder
             output_nodes = [r.nodes[v] for v in outputs]
             b.output(output_nodes)
+            mark_eager_saved(b.graph, r, outputs)
             b.graph.eliminate_dead_code()
             mutated = [v for v in r.inputs if v in seen]
             # (eager bumps a version counter per in-place op; views share their base's)

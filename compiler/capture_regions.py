@@ -12,8 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.fx as fx
 
-from compiler.ir import GraphBuilder
+from compiler.ir import GraphBuilder, meta_of
+from compiler.ops import catalog as C
 from runtime.trace import ValueId
 
 
@@ -36,6 +38,7 @@ class Region:
     view_mutation: bool = False                     # an in-place op changed a view
     eager_reason: str | None = None                 # set when the region must run eagerly
     stale: set = field(default_factory=set)         # views whose memory an in-place op changed since
+    eager_saved: dict = field(default_factory=dict)  # value id -> (eager grad_fn type, output_nr): saved result
 
 
 class ViewMutation(Exception):
@@ -57,7 +60,12 @@ class InPlaceTracking:
             return
         for t in out_tensors:
             entry = self.ids.get(id(t))
-            if entry is not None and entry[0]() is t and entry[1] in region.read_for_grad:
+            if entry is None or entry[0]() is not t:
+                continue  # a new tensor: no in-place op
+            # NOTE: a view of a saved value changed in place (y = x.exp(); y[1:].mul_(2)) does not
+            # split: the view, made in this region, would become an output that is a view of
+            # another, which PyTorch refuses to change in place (fuzz KNOWN: not refused)
+            if entry[1] in region.read_for_grad:
                 self.current = None
                 return
 
@@ -106,6 +114,58 @@ class InPlaceTracking:
         region.nodes[base_vid] = value
         region.produced.append(base_vid)
         self.produced_by[base_vid] = index
+
+
+def saves_result(t: torch.Tensor) -> bool:
+    """Whether eager's autograd node that made ``t`` saved ``t`` itself for backward (exp, relu,
+    softmax, polar: ``grad_fn._saved_result``), asked of the node's type, so nothing is unpacked."""
+    return t.requires_grad and t.grad_fn is not None and hasattr(type(t.grad_fn), "_saved_result")
+
+
+EAGER_SAVED = "eager_saved"  # the output node's fx meta key: {output position: (grad_fn type name, output_nr)}
+
+
+def mark_eager_saved(graph, region: Region, outputs: list) -> None:
+    """Record on the region graph's output node which outputs eager's op saved for its backward
+    (``saves_result``): the compiled region checks their version counters at backward, as
+    eager's saved variables do, even where its own backward does not read them."""
+    output = next(n for n in graph.nodes if n.op == "output")
+    marked = {i: region.eager_saved[v] for i, v in enumerate(outputs) if v in region.eager_saved}
+    if marked:
+        output.meta[EAGER_SAVED] = marked
+
+
+def keep_overwritten_history(b: GraphBuilder, nodes: list, out_tensors, mapped, leaves, start: int) -> None:
+    """An in-place op whose new value no longer reads the old one (``x[:] = c``, ``x.fill_(c)``,
+    ``x.copy_(y)``, ``x.zero_()``): eager's result still has the in-place op as its grad_fn,
+    which passes a zero gradient back to the old value (not None, and the old value's history
+    stays in the graph). The binding's value has no path to the old node, so it is tied to it
+    by ``where(True, new, old)``: the same value, and a zero gradient for ``old``. Changes
+    ``nodes`` in place; ``start`` is where the binding's nodes begin in ``b.created``."""
+    made = set(b.created[start:])
+    for i, (node, t) in enumerate(zip(nodes, out_tensors)):
+        if not t.requires_grad:
+            continue
+        old = next((n for n, x in zip(mapped, leaves) if x is t and isinstance(n, fx.Node)), None)
+        if old is None or old is node or not meta_of(old).requires_grad or _reads(node, old, made):
+            continue
+        m = meta_of(node)
+        keep = C.emit_fill(b, m.shape, torch.bool, True)
+        nodes[i] = C.emit_pointwise(b, "where", [keep, node, old], dtype=m.dtype, requires_grad=True)
+
+
+def _reads(node, target, made: set) -> bool:
+    """Whether ``node`` (made by this binding, or ``target``'s own) reads ``target``."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n is target:
+            return True
+        if n in seen or n not in made:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return False
 
 
 def apply_writes(region: Region, writes) -> None:

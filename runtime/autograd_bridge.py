@@ -30,6 +30,9 @@ class CompiledRegion:
     explain_nan: object = None  # backward inputs -> message naming the forward op that made NaN
     mutated_inputs: tuple = ()  # positions of inputs the region writes into (after its forward)
     double_backward_reads: tuple = ()  # per input: whether the double backward reads its value
+    grad_sources: tuple = ()    # per input gradient: positions in grad_output_for it is computed from
+    eager_saved: tuple = ()     # (output position, eager grad_fn type, output_nr, grad positions reaching it)
+    backward_for: object = None  # output positions given a gradient -> (Program, saved positions) | None
 
     def __call__(self, inputs):
         if self.backward is None or not torch.is_grad_enabled():
@@ -58,7 +61,15 @@ class _RegionFunction(torch.autograd.Function):
         outs = region.forward.run(list(inputs), region.stats)
         saved = [inputs[i] if kind == "input" else outs[i] for kind, i in region.saved]
         ctx.save_for_backward(*saved)
+        # outputs eager's op saved (exp, polar: its result), version-checked where eager would run
+        # that op's backward, with eager's message. NOTE: detach() shares the version counter;
+        # the output itself would make a reference cycle through its grad_fn (this ctx).
+        ctx.eager_saved = [(outs[position].detach(), outs[position]._version, name, output_nr, sources)
+                           for position, name, output_nr, sources in region.eager_saved]
         ctx.region = region
+        # NOTE: an output outside the loss's graph gets None, not zeros: an input reached only
+        # through such outputs then gets None too, as eager leaves it (``backward``).
+        ctx.set_materialize_grads(False)
         # For create_graph=True the backward is recomputed from the inputs themselves, so
         # keep them (their versions too: eager's in-place check still applies).
         ctx.versions = [t._version if isinstance(t, torch.Tensor) else None for t in inputs]
@@ -89,21 +100,48 @@ class _RegionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outputs):
         region: CompiledRegion = ctx.region
-        saved = list(ctx.saved_tensors)
-        grads = []
-        for i in region.grad_output_for:
+        grads, given = [], set()
+        for k, i in enumerate(region.grad_output_for):
             g = grad_outputs[i]
             if g is None:
                 shape, dtype, device = ctx.shapes[i]
                 g = torch.zeros(shape, dtype=dtype, device=device)
+            else:
+                given.add(k)
             grads.append(g)
+        # (before unpacking our saved tensors: eager's message names its op, not _RegionFunction)
+        for t, version, name, output_nr, sources in ctx.eager_saved:
+            if sources & given and t._version != version:
+                raise RuntimeError(_version_error(t, version, f"output {output_nr} of {name}"))
+        saved = list(ctx.saved_tensors)  # version-checked by PyTorch
+        if not given:  # no output of this region is in the loss's graph
+            return (None,) * len(ctx.needs_input_grad)
+        partial = _partial_backward(region, given) if len(given) < len(grads) else None
         if torch.is_grad_enabled() and region.build_double_backward is not None:
-            return (None, None, *_differentiable_backward(ctx, region, grads))
-        results = region.backward.run(saved + grads, region.stats)
-        if torch.is_anomaly_enabled() and region.explain_nan is not None and _has_nan(results) \
-                and not _has_nan(grads):
-            raise RuntimeError(region.explain_nan(saved + grads))
+            if partial is not None and partial[2] is not None:
+                results = _differentiable_backward(ctx, region, [grads[k] for k in sorted(given)], partial[2])
+            else:
+                results = _differentiable_backward(ctx, region, grads, region.build_double_backward)
+        elif partial is not None:
+            program, take, _ = partial
+            results = program.run([saved[i] for i in take] + [grads[k] for k in sorted(given)], region.stats)
+        else:
+            results = region.backward.run(saved + grads, region.stats)
+            if torch.is_anomaly_enabled() and region.explain_nan is not None and _has_nan(results) \
+                    and not _has_nan(grads):
+                raise RuntimeError(region.explain_nan(saved + grads))
+        if region.grad_sources:  # an input reached only through outputs outside the loss's graph: None
+            results = [r if sources & given else None for r, sources in zip(results, region.grad_sources)]
         return (None, None, *results)
+
+
+def _partial_backward(region: CompiledRegion, given: set):
+    """The backward without the outputs outside the loss's graph (``given``: positions in
+    grad_output_for of those inside): (Program, saved positions it reads, double-backward
+    builder), or None (then zeros stand for their gradients)."""
+    if region.backward_for is None:
+        return None
+    return region.backward_for(frozenset(region.grad_output_for[k] for k in given))
 
 
 def _has_nan(tensors) -> bool:
@@ -111,8 +149,10 @@ def _has_nan(tensors) -> bool:
                and bool(torch.isnan(t).any()) for t in tensors)
 
 
-def _differentiable_backward(ctx, region: CompiledRegion, grads):
-    """create_graph=True: run the backward as a compiled region with its own backward."""
+def _differentiable_backward(ctx, region: CompiledRegion, grads, build):
+    """create_graph=True: run the backward as a compiled region with its own backward (``build``:
+    requires_grad pattern -> that region; of the full backward, or of one without the outputs
+    outside the loss's graph)."""
     inputs = list(ctx.inputs)
     # NOTE: only the inputs the double backward reads: eager saves no more than its backward
     # needs (x - y saves nothing), so a later in-place op on another input is no error there
@@ -121,18 +161,28 @@ def _differentiable_backward(ctx, region: CompiledRegion, grads):
         if read and isinstance(t, torch.Tensor) and t._version != version:
             raise RuntimeError(_version_error(t, version))
     pattern = tuple(t.requires_grad for t in inputs + grads)
-    backward_region = region.build_double_backward(pattern)
+    backward_region = build(pattern)
     backward_region.stats = region.stats
     results = backward_region(inputs + grads)
     return [r if needs else None for r, needs in zip(results, ctx.needs_input_grad[2:])]
 
 
-def _version_error(t: torch.Tensor, version: int) -> str:
-    """PyTorch's own message for a saved tensor changed in place (torch/csrc/autograd/saved_variable.cpp)."""
-    producer = ""
-    if t.grad_fn is not None:
-        producer = f", which is output {t.output_nr} of {re.sub(r'Backward[0-9]*$', '', t.grad_fn.name())},"
+def _version_error(t: torch.Tensor, version: int, producer: str | None = None) -> str:
+    """PyTorch's own message for a saved tensor changed in place (torch/csrc/autograd/saved_variable.cpp).
+    ``producer``: "output N of Op" as eager names the node that saved it (default: t's grad_fn)."""
+    if producer is None and t.grad_fn is not None:
+        producer = f"output {t.output_nr} of {t.grad_fn.name()}"
+    producer = f", which is {re.sub(r'Backward[0-9]*$', '', producer)}," if producer else ""
     return ("one of the variables needed for gradient computation has been modified by an inplace operation: "
-            f"[{t.type()} {list(t.shape)}]{producer} is at version {t._version}; expected version {version} "
+            f"[{_type_name(t)} {list(t.shape)}]{producer} is at version {t._version}; expected version {version} "
             "instead. Hint: enable anomaly detection to find the operation that failed to compute its gradient, "
             "with torch.autograd.set_detect_anomaly(True, check_nan=False).")
+
+
+def _type_name(t: torch.Tensor) -> str:
+    """The tensor type as eager's message prints it: legacy names ("torch.FloatTensor") where the
+    dtype has one, "CPUComplexFloatType" for newer dtypes (complex, bfloat16)."""
+    if t.dtype in (torch.complex64, torch.complex128, torch.complex32, torch.bfloat16):
+        scalar = t.type().rsplit(".", 1)[-1].removesuffix("Tensor")
+        return f"{t.device.type.upper()}{scalar}Type"
+    return t.type()

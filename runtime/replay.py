@@ -31,11 +31,13 @@ class Diverged(Exception):
     pass
 
 
-# comparison -> its reflection (what Python calls on the right operand: `a <= b` is b.ge(a))
+# comparison -> its reflection (what Python calls on the right operand: `a <= b` is b.ge(a),
+# `a == b` is b.__eq__(a))
 _REFLECTED = {torch.Tensor.le: torch.Tensor.ge, torch.Tensor.ge: torch.Tensor.le,
               torch.Tensor.lt: torch.Tensor.gt, torch.Tensor.gt: torch.Tensor.lt,
               torch.Tensor.__le__: torch.Tensor.__ge__, torch.Tensor.__ge__: torch.Tensor.__le__,
-              torch.Tensor.__lt__: torch.Tensor.__gt__, torch.Tensor.__gt__: torch.Tensor.__lt__}
+              torch.Tensor.__lt__: torch.Tensor.__gt__, torch.Tensor.__gt__: torch.Tensor.__lt__,
+              torch.Tensor.__eq__: torch.Tensor.__eq__, torch.Tensor.__ne__: torch.Tensor.__ne__}
 
 
 class StandIn(torch.Tensor):
@@ -203,9 +205,11 @@ class Replay(TorchFunctionMode):
     def _replay(self, func, args, kwargs):
         calls = self.trace.calls
         if self.pos < len(calls) and func in _REFLECTED and calls[self.pos].func == _REFLECTED[func] \
-                and len(args) == 2 and not kwargs and type(args[0]) is StandIn and type(args[1]) is not StandIn:
+                and len(args) == 2 and not kwargs and type(args[0]) is StandIn and type(args[1]) is not StandIn \
+                and (func is not _REFLECTED[func] or self.shown.get(calls[self.pos].leaves[0]) is not args[0]):
             # NOTE: `x <= s` with s a StandIn (a Tensor subclass) makes Python try s.__ge__(x)
             # first (a subclass's reflected comparison wins): it is the recorded x.__le__(s)
+            # (`x == s` is s.__eq__(x): swapped unless the recording has s first too)
             func, args = calls[self.pos].func, (args[1], args[0])
         if self.pos >= len(calls) or (calls[self.pos].func is not func and calls[self.pos].func != func):
             if is_state_read(func) and self._switch(ending=False, func=func):

@@ -167,6 +167,28 @@ FIXED = {
     # x[idx] of a zero-size tensor checks no index in eager; the compiled check raised IndexError
     "index-into-empty": _program([((1, 0), f64, "contiguous", True, 31)],
                                  ["v0 = x0[torch.tensor([1, 1], dtype=torch.long)]"], ["v0"]),
+    # an input reaching only region outputs the loss leaves out got a zero gradient (the region's
+    # backward got zeros for those outputs), where eager leaves None: now None
+    "unused-input-grad-none": _program(
+        [((2, 2, 0), f64, "transposed", True, 15), ((2, 2, 0), f64, "strided", True, 16)],
+        ["v0 = x1.masked_fill(x1 > 0, 0.25)", "v1 = v0[torch.tensor([0, 1, -2], dtype=torch.long)]",
+         "v3 = torch.log(x0.abs() + 0.5)"], ["v3"]),
+    # a value overwritten everywhere in place (v1[:, 0] = c over all of v1): the binding's new
+    # value did not read the old one, so its history got None where eager's is zeros
+    "overwritten-value-grad-zeros": _program([((3,), f32, "contiguous", True, 17)],
+                                             ["v0 = torch.sign(x0)", "v1 = v0.unsqueeze(-1)", "v1[:, 0] = 0.5"],
+                                             ["v1"]),
+    # polar saves its result; a later in-place op on it made eager's backward raise, ours computed
+    # (no op of the region read the value, so no region split and no version check)
+    "inplace-on-saved-result-refused": _program([((2,), f32, "transposed", True, 33)],
+                                                ["v0 = x0.to(torch.float64)", "v1 = torch.polar(v0.abs(), v0)",
+                                                 "v2 = v1.copy_(v1)", "v3 = torch.exp(v2)", "v4 = v1.T"],
+                                                ["v4", "v0"]),
+    # `v1 == v0` with v0 kept in the kernels (a StandIn): Python called v0.__eq__(v1), which the
+    # replay took for another call than the recorded v1.__eq__(v0), and diverged
+    "equality-with-a-stand-in": _program([((), torch.int64, "expanded", False, 37)],
+                                         ["v0 = -x0", "v1 = v0 + 1", "v3 = (v1 == v0)", "v4 = v3 * v0"],
+                                         ["v4", "v1"]),
 }
 
 
@@ -177,21 +199,29 @@ def test_fixed_regressions(name):
 
 # -- found and not fixed yet: each is reported; strict, so a fix turns it into a pass -------------
 KNOWN = {
+    "recomputed-from-input-changed-in-place-refused": (
+        "the backward recomputes hypot(x0, x2) from x2 (eager saved the result), x2 (no grad) is then changed "
+        "in place: the version check of x2 refuses the backward eager runs",
+        _program([((1, 1), f64, "contiguous", True, 38), ((), f32, "contiguous", False, 39)],
+                 ["v0 = torch.hypot(x0, x1)", "v1 = x1.masked_fill_(x1 < 0, 0.5)"], ["v1", "v0"])),
+    "inplace-on-view-of-saved-value-not-refused": (
+        "an in-place op on a view of a value an earlier op of the same region saved: eager's backward "
+        "raises, ours computes",
+        _program([((1, 1), f32, "strided", True, 36)],
+                 ["v0 = torch.addcmul(x0, x0, x0, value=0.5)", "v1 = x0.abs() ** v0", "v2 = v0.mT", "v2[0] = 0.5"],
+                 ["v1", "v2"])),
+    "inplace-on-unused-saved-output-refused": (
+        "a region output its backward saved, changed in place later and outside the loss's graph: eager "
+        "never runs that op's backward, ours unpacks all the region's saved tensors and raises",
+        _program([((1, 3), f32, "contiguous", True, 34), ((1, 3), f64, "offset", True, 35)],
+                 ["v0 = x1.amax(dim=0, keepdim=False)", "v1 = v0.abs() ** x0", "v2 = v0.clone()",
+                  "v3 = v1.sin_()", "v4 = torch.softmax(v2, dim=0)"], ["v4"])),
     "inplace-on-saved-value-names-region": (
         "eager raises at backward for a saved value changed in place later; the replay raises the "
-        "same error but names the compiled region, not the in-place op, as the tensor's producer",
+        "same error but names the compiled region (or the op that saved its result), not the in-place "
+        "op, as the tensor's producer",
         _program([((1, 3, 4), f64, "contiguous", True, 14)],
                  ["v0 = torch.hypot(x0, x0)", "v1 = torch.square(v0)", "v2 = v0.sin_()"], ["v1", "v2"])),
-    "unused-input-grad-zeros-not-none": (
-        "an input reaching only outputs the loss leaves out, in a region shared with one it uses, "
-        "gets a zero gradient where eager leaves None",
-        _program([((2, 2, 0), f64, "transposed", True, 15), ((2, 2, 0), f64, "strided", True, 16)],
-                 ["v0 = x1.masked_fill(x1 > 0, 0.25)", "v1 = v0[torch.tensor([0, 1, -2], dtype=torch.long)]",
-                  "v3 = torch.log(x0.abs() + 0.5)"], ["v3"])),
-    "overwritten-value-grad-none-not-zeros": (
-        "a value overwritten everywhere in place passes no gradient back: eager gives zeros, ours None",
-        _program([((3,), f32, "contiguous", True, 17)],
-                 ["v0 = torch.sign(x0)", "v1 = v0.unsqueeze(-1)", "v1[:, 0] = 0.5"], ["v1"])),
     "second-order-at-degenerate-points": (
         "second derivatives at degenerate points (var with no degrees of freedom, a norm at the zero "
         "vector): eager gives 0 where ours is NaN, or NaN where ours is 0",
