@@ -94,16 +94,17 @@ def holds_row(shape, reduce_dims, row_values: int = 1, wide_values: bool = False
     else. Past that a row spills, and a looped kernel (an online max-and-sum, then a second
     pass) is cheaper than local memory traffic. Why this is the rule:
     - LONG_ROW_MAX and RESERVED_REGISTERS are set from the sm_90 compile (see LONG_ROW_MAX).
-    - PyTorch's SoftMax.cu keeps a row on chip when it fits: ``cunn_SoftMaxForwardSmem`` runs
-      when the row's bytes fit the shared memory (``dim_size < max_elements_per_smem``) and
-      reads the row once; Triton has no explicit shared-memory row, registers are its on-chip
-      store, so the bound here is the register file instead.
+    - PyTorch's aten/src/ATen/native/cuda/SoftMax.cu (not in the wheel) keeps a row on chip
+      when it fits: ``cunn_SoftMaxForwardSmem`` runs when the row's bytes fit the shared
+      memory (``dim_size < max_elements_per_smem``) and reads the row once; Triton has no
+      explicit shared-memory row, registers are its on-chip store, so the bound here is the
+      register file instead.
     - Inductor (torch/_inductor/choices.py ``should_use_persistent_reduction``) holds an inner
-      row whole up to 1024 elements by default, more when the reduction is small overall, and
+      row whole up to 1024 elements by default, and up to 16x that (16384) with
+      ``multi_kernel``, which compiles the looped kernel too and benchmarks the two on the GPU;
       torch/_inductor/runtime/triton_heuristics.py ``_persistent_reduction_configs`` picks the
-      warps from the block's elements; Inductor then relies on autotuning to reject spilling
-      configurations, which we cannot run without a GPU, so this rule is checked instead by
-      compiling for sm_90 (tests/test_hopper_compile.py asserts no spills at the longest
+      warps from the block's elements. Without a GPU to benchmark on, this rule is checked
+      instead by compiling for sm_90 (tests/test_hopper_compile.py asserts no spills at the longest
       rows the rule admits).
 
     >>> [holds_row((8192, 16384), (1,), row_values=n) for n in (1, 2, 3)]
