@@ -19,7 +19,7 @@ import torch.fx as fx
 from compiler.ir import GraphBuilder, compute_dtype, meta_of, numel
 from compiler.ops import catalog as C
 from compiler.ops import symbols as Y
-from compiler.tiling import MIN_PROGRAMS, fits_one_block, reduction_programs
+from compiler.tiling import MIN_PROGRAMS, fits_one_block, holds_row, reduction_programs
 
 
 @dataclass
@@ -35,11 +35,18 @@ class KernelPlan:
             return False
         return not reduce_dims or not self.reduce_dims or reduce_dims == self.reduce_dims
 
-    def persistent_with(self, reduce_dims) -> bool:
-        """Whether a row of the reduction fits one block, so values computed after the
-        reduction (softmax's division, layer norm's scaling) can use it in the same kernel."""
+    def persistent_with(self, reduce_dims, node: fx.Node, buffers) -> bool:
+        """Whether a row of the reduction is held in one block with ``node`` among the roots, so
+        values computed after the reduction (softmax's division, layer norm's scaling) can use
+        it in the same kernel (``tiling.holds_row``: the row values held are the buffers the
+        roots read in whole rows)."""
         dims = self.reduce_dims or reduce_dims
-        return fits_one_block(self.shape, dims)
+        if not dims or fits_one_block(self.shape, dims):
+            return bool(dims)
+        rows = {b for root in self.roots + [node] for b in _reads(root, buffers)
+                if tuple(meta_of(b).shape) == tuple(self.shape)}
+        wide = any(meta_of(n).dtype.itemsize >= 8 for n in rows | set(self.roots) | {node})
+        return holds_row(self.shape, dims, row_values=len(rows), wide_values=wide)
 
 
 @dataclass
@@ -172,13 +179,17 @@ def fuse(graph: fx.Graph) -> Schedule:
             reductions = reduction_roots_of.get(id(plan), ())
             if kind_i != "kernel" or not plan.accepts(*space):
                 continue
-            if not _depends_on(node, reductions, buffers):
+            depends = _depends_on(node, reductions, buffers)
+            persistent = (depends or plan.reads_rows) and plan.persistent_with(space[1], node, buffers)
+            if not depends:
+                if plan.reads_rows and not persistent:
+                    continue    # its loads would not fit beside the rows this kernel holds
                 target = i
                 break
-            if plan.persistent_with(space[1]) and _row_aligned(node, reductions, plan):
+            if persistent and _row_aligned(node, reductions, plan):
                 target, reads_row = i, True
                 break
-            if not plan.persistent_with(space[1]):
+            if not persistent:
                 partner = _online_softmax_partner(node, reductions, buffers, plan)
             if partner is not None:
                 target = i

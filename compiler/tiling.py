@@ -31,6 +31,16 @@ OUTER_PERSISTENT_MAX = 64        # an outer one: the block also holds a tile of 
 RBLOCK_MAX = 2048                # a looped row is taken in steps of at most this many elements
 MAX_WARPS = 16
 REGISTER_BUDGET = 64             # registers per thread for block values (of 255), the rest for indices and temporaries
+# Long rows held whole (see ``holds_row``): one row a block, at CUDA's most threads a block.
+# NOTE: measured with the sm_90 compile (benchmarks/sm90.py), 32 warps: softmax holds rows of 16384
+# at 37-38 registers (forward) and 52-56 (backward, two row values), rows of 32768 at 54 (fp32
+# forward: one value, 32 elements a thread) and 64 (bf16, the cap, no spills); a row of 32768 with
+# two values (softmax's backward) cannot fit: 64 registers of data alone. (A long row's max is
+# written to hold no second row value: codegen/reductions.py ``reduce_row``.)
+LONG_ROW_MAX = 32768             # no longer row is held whole: even one value would not fit the registers
+LONG_ROW_WARPS = 32              # 1024 threads, as PyTorch's softmax kernels launch for long rows
+REGISTER_FILE = 65536            # 32-bit registers of an SM (and the most one block may use)
+RESERVED_REGISTERS = 24          # per thread, besides the row's values: index, masks, addresses, reduction scratch
 
 
 @dataclass(frozen=True)
@@ -66,6 +76,55 @@ def fits_one_block(shape, reduce_dims) -> bool:
         return False
     rnumel = numel([shape[d] for d in reduce_dims])
     return rnumel <= (OUTER_PERSISTENT_MAX if is_outer(shape, reduce_dims) else PERSISTENT_MAX)
+
+
+def holds_row(shape, reduce_dims, row_values: int = 1, wide_values: bool = False) -> bool:
+    """Whether a kernel over ``shape`` holds each reduced row whole in one block (persistent),
+    so values computed after the row's reduction (softmax's division, its backward's product)
+    read the row from registers instead of memory again: rows that ``fits_one_block``, and
+    inner rows up to LONG_ROW_MAX whose values fit the registers of one block.
+
+    ``row_values``: row-shaped values held across the row's reductions (the buffers it reads
+    in full rows: softmax forward 1, its backward 2); ``wide_values``: fp64, two registers
+    an element.
+
+    A long row runs one a block at LONG_ROW_WARPS (1024 threads); a thread then holds
+    rblock / 1024 elements of each value, and may use REGISTER_FILE / 1024 = 64 registers (a
+    block's registers come from one SM's file), RESERVED_REGISTERS of them for everything
+    else. Past that a row spills, and a looped kernel (an online max-and-sum, then a second
+    pass) is cheaper than local memory traffic. Why this is the rule:
+    - LONG_ROW_MAX and RESERVED_REGISTERS are set from the sm_90 compile (see LONG_ROW_MAX).
+    - PyTorch's aten/src/ATen/native/cuda/SoftMax.cu (not in the wheel) keeps a row on chip
+      when it fits: ``cunn_SoftMaxForwardSmem`` runs when the row's bytes fit the shared
+      memory (``dim_size < max_elements_per_smem``) and reads the row once; Triton has no
+      explicit shared-memory row, registers are its on-chip store, so the bound here is the
+      register file instead.
+    - Inductor (torch/_inductor/choices.py ``should_use_persistent_reduction``) holds an inner
+      row whole up to 1024 elements by default, and up to 16x that (16384) with
+      ``multi_kernel``, which compiles the looped kernel too and benchmarks the two on the GPU;
+      torch/_inductor/runtime/triton_heuristics.py ``_persistent_reduction_configs`` picks the
+      warps from the block's elements. Without a GPU to benchmark on, this rule is checked
+      instead by compiling for sm_90 (tests/test_hopper_compile.py asserts no spills at the longest
+      rows the rule admits).
+
+    >>> [holds_row((8192, 16384), (1,), row_values=n) for n in (1, 2, 3)]
+    [True, True, False]
+    >>> [holds_row((8192, 32768), (1,), row_values=n) for n in (1, 2)], holds_row((8192, 65536), (1,))
+    ([True, False], False)
+    """
+    if not reduce_dims:
+        return False
+    if fits_one_block(shape, reduce_dims):
+        return True
+    if is_outer(shape, reduce_dims):
+        return False
+    rnumel = numel([shape[d] for d in reduce_dims])
+    if rnumel > LONG_ROW_MAX:
+        return False
+    threads = 32 * LONG_ROW_WARPS
+    per_thread = -(-next_pow2(rnumel) // threads)
+    need = max(1, row_values) * per_thread * (2 if wide_values else 1) + RESERVED_REGISTERS
+    return need <= min(255, REGISTER_FILE // threads)
 
 
 def _elements_per_thread(live_values: int, wide_values: bool) -> int:
@@ -105,6 +164,8 @@ def choose_tiling(shape, reduce_dims, *, persistent: bool | None = None, live_va
     outer = is_outer(shape, rdims)
     if persistent is None:
         persistent = fits_one_block(shape, rdims)
+    if persistent and next_pow2(max(rnumel, 1)) > PERSISTENT_MAX and not outer:
+        return Tiling(1, next_pow2(rnumel), LONG_ROW_WARPS)     # a long row held whole (``holds_row``)
     if persistent:
         rblock = next_pow2(max(rnumel, 1))
         # whole rows, up to 4096 elements a block; a long row alone (as Inductor's persistent

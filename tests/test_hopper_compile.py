@@ -25,6 +25,7 @@ import torch
 
 from benchmarks.sm90 import compile_launches, generic_launch
 from benchmarks.step_trace import trace_workload
+from compiler import tiling
 from runtime.kernels import cache_dir
 
 # NOTE: spills are a performance defect, not a wrong result; a kernel that spills is named with
@@ -40,6 +41,13 @@ REPRESENTATIVE = [
     ("gelu", dict(t=32, i=8192), torch.float32),
     ("rmsnorm", dict(rows=32, cols=8192), torch.float32),
     ("softmax", dict(rows=16, vocab=8192), torch.float32),
+    # long rows held whole in one block of 32 warps (tiling.holds_row): 16384 forward (one row
+    # value) and backward (two), 32768 forward (its backward, two values, is looped); rows
+    # enough (>= tiling.MIN_PROGRAMS) that they are not split
+    ("softmax", dict(rows=300, vocab=16384), torch.float32),
+    ("softmax", dict(rows=300, vocab=16384), torch.bfloat16),
+    ("softmax", dict(rows=300, vocab=32768), torch.float32),
+    ("softmax", dict(rows=300, vocab=32768), torch.bfloat16),   # 64 registers: at the cap
     ("complex", dict(rows=1024, cols=1024), torch.float32),   # column sums of 1024 rows: 4x1024 tiles
     ("cnn_step", dict(batch=8, channels=128, size=32, classes=1000), torch.float32),
     ("swiglu", dict(t=32, i=8192), torch.bfloat16),
@@ -90,6 +98,19 @@ def test_every_generated_kernel_compiles_for_hopper(compiled):
     failures = [f"{launch.name} ({label}): {result['error']}" for label, launch, result in representative + suite
                 if result["error"]]
     assert not failures, f"{len(failures)} kernels do not compile for sm_90:\n" + "\n".join(failures)
+
+
+def test_representative_set_holds_long_rows_whole(compiled):
+    """The no-spill check below covers the long-row kernels the register rule admits."""
+    representative, _ = compiled
+    long_rows = {(label.split()[1], launch.name) for label, launch, _ in representative   # (dtype, kernel)
+                 if label.startswith("softmax") and launch.constexprs["RBLOCK"] > tiling.PERSISTENT_MAX
+                 and launch.num_warps == tiling.LONG_ROW_WARPS}
+    per_dtype = {dtype: sum(1 for d, _ in long_rows if d == dtype) for dtype, _ in long_rows}
+    # forward and backward, fp32 and bf16; and the row of 32768 (fp32 forward)
+    assert len(per_dtype) == 2 and min(per_dtype.values()) >= 2, long_rows
+    assert any(launch.constexprs["RBLOCK"] == tiling.LONG_ROW_MAX and launch.num_warps == tiling.LONG_ROW_WARPS
+               for _, launch, _ in representative)
 
 
 def test_representative_kernels_do_not_spill_on_hopper(compiled):

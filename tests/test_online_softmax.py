@@ -15,9 +15,10 @@ ROWS, COLS = 20, 700
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch):
     """The GPU's limits scaled down, so small rows take the same paths as long ones in the
-    interpreter: rows over 256 are looped (not held in one block) in steps of 128, and 16
-    programs are enough (the rows are not split)."""
+    interpreter: rows over 256 are looped (not held in one block, nor as a long row) in steps
+    of 128, and 16 programs are enough (the rows are not split)."""
     monkeypatch.setattr(tiling, "PERSISTENT_MAX", 256)
+    monkeypatch.setattr(tiling, "LONG_ROW_MAX", 256)
     monkeypatch.setattr(tiling, "RBLOCK_MAX", 128)
     monkeypatch.setattr(tiling, "MIN_PROGRAMS", 16)
     monkeypatch.setattr(fusion, "MIN_PROGRAMS", 16)

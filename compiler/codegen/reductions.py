@@ -37,7 +37,15 @@ class ReductionWriter:
         parts = list(var) if acc_dtype.is_complex else [var]
         out = []
         for part in parts:
-            if node.target.name == "amax":
+            if node.target.name == "amax" and self.long_row:
+                # NOTE: NaN from a max over "is NaN" flags, not a sum of the NaN lanes' values (below):
+                # that sum keeps a second row-shaped value and spills a row of 32768 on sm_90 (64
+                # registers, 64 B spilled; this: 54, none). A tl.reduce with a NaN-propagating
+                # combine also fits (48) but the interpreter runs it element by element (minutes).
+                held = self.tmp(f"tl.where(MASK, {part}, float(\"-inf\"))")
+                total = (f"tl.where(tl.max(({held} != {held}).to(tl.int8), 1)[:, None] > 0, float(\"nan\"), "
+                         f"tl.max({held}, 1)[:, None])")
+            elif node.target.name == "amax":
                 held = self.tmp(f"tl.where(MASK, {part}, float(\"-inf\"))")
                 total = (f"tl.max({held}, 1)[:, None] + "
                          f"tl.sum(tl.where({held} != {held}, {held}, 0.0), 1)[:, None]")

@@ -85,6 +85,7 @@ class KernelWriter(ReductionWriter):
         self.counter = 0
         self.reductions: dict = {}   # persistent kernels: reduction root -> its row value
         self.persistent = False
+        self.long_row = False        # a persistent row longer than tiling.PERSISTENT_MAX (tiling.holds_row)
         self.base_index: tuple = ()
         # bytes_moved: a buffer read only through gathers counts the elements gathered
         self.gathering: list = []        # element counts of the gathers being computed
@@ -351,9 +352,11 @@ class KernelWriter(ReductionWriter):
         xnumel = numel([shape[d] for d in xdims])
         rnumel = numel([shape[d] for d in rdims])
         reduction = bool(rdims)
-        # rows are held whole when later values read their reduction; otherwise looped, so a
-        # block holds only what the registers can (a heavy body over rows of 4096 cannot)
-        self.persistent = plan.reads_rows and fits_one_block(shape, rdims)
+        # rows are held whole when later values read their reduction (fusion decided that the row
+        # fits: ``tiling.holds_row``); otherwise looped, so a block holds only what the registers
+        # can (a heavy body over rows of 4096 cannot)
+        self.persistent = plan.reads_rows
+        self.long_row = self.persistent and not fits_one_block(shape, rdims)
         # NOTE: blocks are chosen after the body is written (from its live values); a block is a
         # power of two no larger than its extent's, so rounding up to those bounds the index
         wide = _index_extent(plan, self.buffers, xnumel, next_pow2(max(xnumel, 1)),

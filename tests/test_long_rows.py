@@ -1,0 +1,64 @@
+"""Softmax over rows longer than PERSISTENT_MAX that still fit the registers of one block
+(``tiling.holds_row``): the whole row is held in one program of LONG_ROW_WARPS warps, so the
+forward and the backward each read their inputs once and write once, in one kernel; values and
+gradients as eager gives. Rows past LONG_ROW_MAX stay on the looped kernels
+(tests/test_online_softmax.py)."""
+
+import pytest
+import torch
+
+import compiler
+from compiler import tiling
+from tests.parity import check_parity
+
+# enough rows that the reductions are not split (tiling.MIN_PROGRAMS programs), rows past one
+# ordinary block and not a power of two (a masked tail in the block)
+ROWS, COLS = tiling.MIN_PROGRAMS, 6000
+assert tiling.PERSISTENT_MAX < COLS <= tiling.LONG_ROW_MAX
+
+# bf16: the gradient g - p * sum(g) cancels
+TOL = {torch.float32: dict(rtol=1e-4, atol=2e-5), torch.bfloat16: dict(rtol=2e-2, atol=5e-2)}
+
+
+def _input(dtype):
+    torch.manual_seed(0)
+    x = torch.randn(ROWS, COLS, dtype=torch.float64) * 3
+    x[torch.rand(ROWS, COLS) < 0.1] = float("-inf")   # masked entries
+    x[7, 5990:] = 40.0                                  # the max at the end of the row
+    return x.to(dtype).requires_grad_()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+def test_long_row_values_and_gradients_match_eager(op, dtype):
+    fn = getattr(torch, op)
+    check_parity(lambda x: fn(x, -1), [_input(dtype)], tol=TOL[dtype],
+                 grad_seed=torch.randn(ROWS, COLS, dtype=torch.float64).to(dtype))
+
+
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+def test_long_row_softmax_is_one_kernel_per_phase(op):
+    x = torch.randn(ROWS, COLS, requires_grad=True)
+    report = compiler.explain(lambda x: getattr(torch, op)(x, -1), x)
+    # was 2 and 2: an online max-and-sum pass, then a pass that reads the row again
+    assert [len(report.forward_kernels), len(report.backward_kernels)] == [1, 1], report
+    source = report.forward_kernels[0].source
+    assert f"NUM_WARPS = {tiling.LONG_ROW_WARPS}" in source and "for roffset" not in source
+
+
+def test_long_row_max_propagates_nan_as_eager():
+    """A long row's max is one NaN-propagating reduction (codegen/reductions.py): a NaN anywhere in
+    a row makes its softmax NaN, as eager's; an infinite row too."""
+    x = _input(torch.float32).detach()
+    x[3, 17], x[9, 5999], x[11, :] = float("nan"), float("nan"), float("inf")
+    check_parity(lambda x: torch.softmax(x, -1), [x.requires_grad_()], tol=TOL[torch.float32],
+                 grad_seed=torch.randn(ROWS, COLS))
+
+
+def test_rows_past_the_register_file_stay_looped(monkeypatch):
+    """(LONG_ROW_MAX lowered, so the interpreter runs a short row on the path a row past it takes.)"""
+    monkeypatch.setattr(tiling, "LONG_ROW_MAX", tiling.PERSISTENT_MAX)
+    x = torch.randn(ROWS, COLS, requires_grad=True)
+    report = compiler.explain(lambda x: torch.softmax(x, -1), x)
+    assert len(report.forward_kernels) == 2
+    assert "for roffset" in report.forward_kernels[0].source
