@@ -201,6 +201,10 @@ ROWS = {
     "arithmetic": ({"add", "sub", "mul", "div", "neg", "pow", "square", "reciprocal", "sqrt", "rsqrt"},
                    lambda x, y: (torch.sqrt(x) + torch.rsqrt(y) + x.square() - x / y + torch.neg(x) + x ** y
                                  + torch.reciprocal(y) * x), [_positive(3, 4), _positive(3, 4)]),
+    # x ** y of two tensors at x = 0: eager's pow_backward gives 0 where SymPy's Pow gives NaN
+    "pow_at_zero": ({"pow"}, lambda x, y: x ** y,
+                    [lambda g: torch.tensor([[0.0, 0.0, 0.0, 1.0], [0.0, 2.0, 0.5, 1.5], [0.0, 1.0, 2.0, 0.0]]),
+                     lambda g: torch.tensor([[2.0, 0.0, 0.5, 1.0], [1.5, 0.0, 3.0, 2.0], [1.0, 2.0, 0.0, 3.0]])]),
     "lerp_addc": ({"lerp", "addcmul", "addcdiv"},
                   lambda x, y: torch.lerp(x, y, 0.3) + torch.addcmul(x, x, y, value=0.5) + torch.addcdiv(x, x, y),
                   [_positive(3, 4), _positive(3, 4)]),

@@ -6,8 +6,10 @@ from __future__ import annotations
 import math
 
 import sympy
+import torch
 
-from compiler.ops.primitives.base import FLOAT, composite
+from compiler.ops.primitives.base import FLOAT, Primitive, as_tensor, composite
+from compiler.ops.primitives.comparisons import Where, compare
 
 
 def _divide(a, b):
@@ -19,12 +21,51 @@ def _divide(a, b):
     return a / b
 
 
+class PowTensor(Primitive, sympy.Function):
+    """a ** b of two real tensors, with eager's derivatives at a = 0.
+
+    SymPy's Pow differentiates to b·a^b/a and a^b·log(a): 0/0 and 0·(-inf), NaN, at a = 0. Eager's
+    pow_backward_self is 0 where b == 0 (else b·a^(b-1), 0 for b > 1 at a = 0), and its
+    pow_backward_exponent is 0 where a == 0 and b >= 0 (x ** p with a learned exponent p, as in
+    generalized-mean pooling, meets zeros after a relu). A Python-number exponent or base keeps
+    SymPy's Pow, whose derivatives have no such point and which prints x ** 2 as x * x.
+    """
+
+    nargs = 2
+    torch_fn = torch.pow
+
+    @classmethod
+    def eval(cls, a, b):
+        if a.is_number and b.is_number:
+            return a**b
+
+    def fdiff(self, argindex=1):
+        a, b = self.args
+        if argindex == 1:
+            return Where(compare("eq", b, 0), 0, b * PowTensor(a, b - 1))
+        at_zero = Where(compare("ge", b, 0), 0, self * sympy.log(a))
+        return Where(compare("eq", a, 0), at_zero, self * sympy.log(a))
+
+    @classmethod
+    def render(cls, printer, e):
+        return f"libdevice.pow({printer.p(e.args[0])}, {printer.p(e.args[1])})"
+
+    @classmethod
+    def torch_eval(cls, a, b):
+        return torch.pow(as_tensor(a), b)
+
+
+def _power(a, b):
+    both_real_tensors = all(isinstance(x, sympy.Symbol) and x.is_real for x in (a, b))
+    return PowTensor(a, b) if both_real_tensors else a**b
+
+
 # add, sub, mul, div and pow have hand-written bindings (alpha=, rounding_mode=, reflected forms)
 composite("add", lambda a, b: a + b, in_place=True)
 composite("sub", lambda a, b: a - b, in_place=True)
 composite("mul", lambda a, b: a * b, in_place=True)
 composite("div", _divide, in_place=True)
-composite("pow", lambda a, b: a**b, in_place=True)
+composite("pow", _power, in_place=True)
 composite("neg", lambda a: -a, binds=("neg", "negative", "__neg__"), complex_inputs=True, in_place=True)
 composite("sqrt", sympy.sqrt, result=FLOAT, binds=("sqrt",), complex_inputs=True, in_place=True, math=True)
 composite("rsqrt", lambda a: 1 / sympy.sqrt(a), result=FLOAT, binds=("rsqrt",), complex_inputs=True, in_place=True,
