@@ -247,25 +247,37 @@ def _unbind(b, x, dim=0):
 @binds(torch.cat, torch.concat, torch.concatenate)
 def _cat(b, tensors, dim=0, *, out=None):
     _no_out({"out": out})
-    tensors = [t for t in tensors if not (len(meta_of(t).shape) == 1 and meta_of(t).shape[0] == 0)]
     if not tensors or not all(isinstance(t, fx.Node) for t in tensors):
         raise Unsupported("cat of non-tensors")
-    ndim = len(meta_of(tensors[0]).shape)
-    dim %= ndim
+    # NOTE: eager skips empty 1-d tensors in the shape check (legacy) but not in type promotion,
+    # and gives them an empty gradient: they join the chain below as a slice of length 0.
     dtype = result_dtype(tensors)
-    shape = list(meta_of(tensors[0]).shape)
-    shape[dim] = sum(meta_of(t).shape[dim] for t in tensors)
+    shaped = [t for t in tensors if not _empty_1d(t)]
+    if not shaped:
+        raise Unsupported("cat of empty 1-d tensors only")
+    ndim = len(meta_of(shaped[0]).shape)
+    dim %= ndim
+    shape = list(meta_of(shaped[0]).shape)
+    shape[dim] = sum(meta_of(t).shape[dim] for t in shaped)
     # NOTE: concatenation is a chain of slice-scatters into a buffer of the result's shape:
     # each element reads exactly one input, and the gradient of each input is its slice.
     out = C.emit_fill(b, tuple(shape), dtype, 0)
     start = 0
     for t in tensors:
+        if _empty_1d(t):
+            if not meta_of(t).requires_grad:
+                continue
+            t = C.emit_view(b, "reshape", t, shape=tuple(0 if d == dim else size for d, size in enumerate(shape)))
         n = meta_of(t).shape[dim]
         if meta_of(t).dtype != dtype:
             t = C.emit_pointwise(b, "identity", [t], dtype=dtype)
         out = C.emit_slice_scatter(b, out, t, dim, start, 1, n)
         start += n
     return out
+
+
+def _empty_1d(t) -> bool:
+    return meta_of(t).shape == (0,)
 
 
 @binds(torch.stack)
