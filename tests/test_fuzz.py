@@ -169,8 +169,9 @@ FIXED = {
                                  ["v0 = x0[torch.tensor([1, 1], dtype=torch.long)]"], ["v0"]),
     # cat skips an empty 1-d tensor's shape but not its dtype (eager promotes to float64) and
     # gives it an empty gradient: the binding dropped it before promotion (fuzz 10,000-run)
-    "cat-with-empty-wider-tensor": _program([((2, 3), f32, "contiguous", True, 40), ((0,), f64, "contiguous", True, 41)],
-                                            ["v0 = torch.cat([x1, x0, x1])", "v1 = v0 * 2"], ["v1"]),
+    "cat-with-empty-wider-tensor": _program(
+        [((2, 3), f32, "contiguous", True, 40), ((0,), f64, "contiguous", True, 41)],
+        ["v0 = torch.cat([x1, x0, x1])", "v1 = v0 * 2"], ["v1"]),
     # an input reaching only region outputs the loss leaves out got a zero gradient (the region's
     # backward got zeros for those outputs), where eager leaves None: now None
     "unused-input-grad-none": _program(
