@@ -61,24 +61,36 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset()):
     return region, details
 
 
-def _double_backward_builder(joint: fx.Graph):
-    """For create_graph=True: the backward as a compiled, differentiable region of its own,
-    built per pattern of which of its inputs require grad (the same machinery, one order up)."""
+def _memoized(make):
+    """``make(key)``, built once per key and shared by threads: a lookup takes no lock (these
+    are called on every backward); a build happens under one."""
     cache: dict = {}
     lock = threading.Lock()
 
-    def build(requires_grad: tuple):
+    def get(key):
+        try:
+            return cache[key]
+        except KeyError:
+            pass
         with lock:
-            if requires_grad not in cache:
-                graph = _copy_graph(joint)
-                propagate_requires_grad(graph, requires_grad)
-                output = next(n for n in graph.nodes if n.op == "output")
-                present = [g is not None for g in output.args[0]]  # inputs with no gradient (indices)
-                output.args = (tuple(g for g in output.args[0] if g is not None),)
-                region, _ = build_region(graph)
-                cache[requires_grad] = region if all(present) else _WithAbsentOutputs(region, present)
-            return cache[requires_grad]
-    return build
+            if key not in cache:
+                cache[key] = make(key)
+            return cache[key]
+    return get
+
+
+def _double_backward_builder(joint: fx.Graph):
+    """For create_graph=True: the backward as a compiled, differentiable region of its own,
+    built per pattern of which of its inputs require grad (the same machinery, one order up)."""
+    def build(requires_grad: tuple):
+        graph = _copy_graph(joint)
+        propagate_requires_grad(graph, requires_grad)
+        output = next(n for n in graph.nodes if n.op == "output")
+        present = [g is not None for g in output.args[0]]  # inputs with no gradient (indices)
+        output.args = (tuple(g for g in output.args[0] if g is not None),)
+        region, _ = build_region(graph)
+        return region if all(present) else _WithAbsentOutputs(region, present)
+    return _memoized(build)
 
 
 def _partial_backward_builder(forward: fx.Graph, mutated_inputs, parts):
@@ -87,22 +99,16 @@ def _partial_backward_builder(forward: fx.Graph, mutated_inputs, parts):
     not nothing: 0 * inf is NaN, log(x) at 0). Returns (Program, positions in the full saved list
     of the values it reads, its double-backward builder), or None where it would read a value the
     forward did not save."""
-    cache: dict = {}
-    lock = threading.Lock()
     position = {name: k for k, name in enumerate(parts.saved_names)}
 
     def build(given_outputs: frozenset):
-        with lock:
-            if given_outputs not in cache:
-                sub = partition(_copy_graph(forward), mutated_inputs, only_outputs=given_outputs)
-                if sub.backward is None or any(name not in position for name in sub.saved_names):
-                    cache[given_outputs] = None
-                else:
-                    program, _ = lower(sub.backward, fuse(sub.backward), check_indices=False)
-                    double = _double_backward_builder(sub.joint) if sub.joint is not None else None
-                    cache[given_outputs] = (program, [position[name] for name in sub.saved_names], double)
-            return cache[given_outputs]
-    return build
+        sub = partition(_copy_graph(forward), mutated_inputs, only_outputs=given_outputs)
+        if sub.backward is None or any(name not in position for name in sub.saved_names):
+            return None
+        program, _ = lower(sub.backward, fuse(sub.backward), check_indices=False)
+        double = _double_backward_builder(sub.joint) if sub.joint is not None else None
+        return program, [position[name] for name in sub.saved_names], double
+    return _memoized(build)
 
 
 def _placeholders_read(graph: fx.Graph) -> tuple:

@@ -32,8 +32,11 @@ class ViewStep:
     op: object
     params: tuple = ()     # (name, value) pairs: the view node's kwargs
 
+    def __post_init__(self):  # the keyword arguments made once, not on every call's apply
+        object.__setattr__(self, "_kwargs", dict(self.params))
+
     def apply(self, value):
-        return self.op.apply(value, **dict(self.params))
+        return self.op.apply(value, **self._kwargs)
 
 
 @dataclass(frozen=True)
