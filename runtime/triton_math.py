@@ -52,6 +52,14 @@ class _InterpreterLibdevice:
 libdevice = _InterpreterLibdevice() if INTERPRETING else _triton_libdevice
 
 
+def add_interpreter_stand_in(name: str, fn) -> None:
+    """Give the interpreter's ``libdevice.<name>`` a NumPy function (arrays in, array out), for a
+    libdevice function a compiler primitive prints and this stand-in lacks. No effect on a GPU
+    (Triton's own libdevice) or where the stand-in already has ``name``."""
+    if INTERPRETING and not hasattr(libdevice, name):
+        setattr(libdevice, name, libdevice._wrap(fn))
+
+
 def _round_bf16_to_nearest_even():
     """Make the interpreter round float32 -> bfloat16 to nearest even, as the GPU does.
 

@@ -141,15 +141,11 @@ def _install_interpreter_stand_ins():
     for the functions kernels print. A primitive printing a libdevice function that stand-in
     lacks declares ``interpreter`` (a NumPy-array function), so it stays one class.
     """
-    from runtime import triton_math
+    from runtime.triton_math import add_interpreter_stand_in
 
-    if not triton_math.INTERPRETING:
-        return
     for primitive in primitives.HEADS.values():
         if primitive.interpreter is not None and (primitive.triton or "").startswith("libdevice."):
-            name = primitive.triton.removeprefix("libdevice.")
-            if not hasattr(triton_math.libdevice, name):
-                setattr(triton_math.libdevice, name, triton_math.libdevice._wrap(primitive.interpreter))
+            add_interpreter_stand_in(primitive.triton.removeprefix("libdevice."), primitive.interpreter)
 
 
 _install_interpreter_stand_ins()
