@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.kernels import load_kernel
+from runtime.launcher import make_launcher
 from runtime.triton_math import INTERPRETING
 
 # NOTE: Triton's interpreter patches triton.language's globals while a kernel runs, so two
@@ -78,21 +79,28 @@ class KernelLaunch:
     _fn: object = None
     _wide_fn: object = None
 
+    _launchers: dict = field(default_factory=dict)  # wide -> runtime.launcher.Launcher, bound once
+
     def arguments(self, env, device) -> tuple:
-        """(arguments, wide) for this launch: each input with its strides, then each output,
-        allocated (contiguous) into ``env``; ``wide`` when some offset the strides give passes
-        int32 (the 64-bit twin is launched)."""
+        """(arguments, layout key, wide) for this launch: each input with its strides, then each
+        output, allocated (contiguous) into ``env``. The layout key is what Triton specializes a
+        kernel on that can change between calls: every stride and whether each input's address
+        is 16-byte aligned (outputs are fresh allocations, aligned far beyond 16 bytes).
+        ``wide`` when some offset the strides give passes int32 (the 64-bit twin is launched)."""
         args = []
+        key = []
         wide = False  # whether some offset the strides give passes int32: launch the 64-bit twin
         for slot in self.loads:
             t = env[slot]
             if t.is_complex():  # interleaved (real, imag): the kernel indexes the real view
                 t = torch.view_as_real(t.resolve_conj())
-                args.append(t)
-                args.extend(t.stride()[:-1])
+                strides = t.stride()[:-1]
             else:
-                args.append(t)
-                args.extend(t.stride())
+                strides = t.stride()
+            args.append(t)
+            args.extend(strides)
+            key.append(t.data_ptr() & 15)
+            key.extend(strides)
             # NOTE: a view's offsets stay inside its storage (PyTorch checks), so only a storage
             # of 2 GiB or more needs the exact last offset (the pointer passed is the element
             # at the storage offset; the kernel adds index · stride to it)
@@ -102,15 +110,24 @@ class KernelLaunch:
             out = torch.empty(shape, dtype=dtype, device=device)
             env[slot] = out
             args.append(torch.view_as_real(out) if dtype.is_complex else out)
-        return args, wide
+        return args, tuple(key), wide
 
     def run(self, env, device):
-        args, wide = self.arguments(env, device)
+        args, key, wide = self.arguments(env, device)
         if self.grid:  # an empty iteration space: outputs stay empty
-            fn = self.kernel(wide)
+            launcher = self.launcher(wide)
             # the tensors' device (and its current stream), not whichever device is current
             with _on_device(device), _interpreter_lock:
-                fn[(self.grid,)](*args, XBLOCK=self.xblock, RBLOCK=self.rblock, num_warps=self.num_warps)
+                launcher.launch(args, key, device)
+
+    def launcher(self, wide: bool = False):
+        """The bound launcher of the kernel to launch (``kernel(wide)``), made at its first use.
+        Rebound if ``kernel`` now gives another function (a benchmark recording launches)."""
+        fn = self.kernel(wide)
+        launcher = self._launchers.get(wide)
+        if launcher is None or launcher.fn is not fn:
+            launcher = self._launchers[wide] = make_launcher(fn, self.grid, self.xblock, self.rblock, self.num_warps)
+        return launcher
 
     def kernel(self, wide: bool = False):
         """The jit function to launch: the 64-bit twin when ``wide`` and there is one."""
@@ -130,7 +147,17 @@ def _last_offset(t: torch.Tensor) -> int:
 
 def _on_device(device: torch.device):
     """Launches on CUDA go to the tensors' device: Triton launches on the current one."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    if device.type != "cuda":
+        return _NO_GUARD
+    try:
+        if device.index == torch.cuda.current_device():
+            return _NO_GUARD  # already current: no guard (a device switch costs microseconds a launch)
+    except (AssertionError, RuntimeError):  # no CUDA runtime (a test standing in for it): guard anyway
+        pass
+    return torch.cuda.device(device)
+
+
+_NO_GUARD = contextlib.nullcontext()
 
 
 @dataclass
