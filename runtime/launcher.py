@@ -75,13 +75,15 @@ class BoundKernel:
         self.exit_hook = knobs.runtime.launch_exit_hook
         self.constants = constexprs   # XBLOCK, RBLOCK: passed last, dropped by the launcher
 
-    def arguments(self, grid: int, stream, args) -> tuple:
-        """What ``JITFunction.run`` passes the driver launcher for these kernel arguments."""
-        full = (*args, *self.constants)
+    def launch(self, grid: int, stream, args) -> None:
+        """Call the driver launcher with what ``JITFunction.run`` passes it for these kernel
+        arguments: grid, stream, function, metadata, hooks, then every parameter in order
+        (XBLOCK and RBLOCK last; the launcher drops constexprs and integers specialized to 1)."""
         metadata = None
-        if getattr(self.enter_hook, "calls", self.enter_hook):
-            metadata = self.kernel.launch_metadata((grid, 1, 1), stream, *full)
-        return (grid, 1, 1, stream, self.function, self.metadata, metadata, self.enter_hook, self.exit_hook, *full)
+        if self.enter_hook is not None and getattr(self.enter_hook, "calls", True):
+            metadata = self.kernel.launch_metadata((grid, 1, 1), stream, *args, *self.constants)
+        self.runner(grid, 1, 1, stream, self.function, self.metadata, metadata, self.enter_hook, self.exit_hook,
+                    *args, *self.constants)
 
 
 class DirectLauncher(Launcher):
@@ -95,7 +97,7 @@ class DirectLauncher(Launcher):
     def __init__(self, fn, grid, xblock, rblock, num_warps, compile=None, stream=None, runner=None):
         super().__init__(fn, grid, xblock, rblock, num_warps)
         self._compile = compile or self._jit_compile
-        self._stream = stream or _current_raw_stream
+        self._stream = stream   # resolved at the first bind: a driver exists only on a GPU machine
         self._runner = runner
         self._key = None       # the layout key of the last bound specialization
         self._bound = None
@@ -106,6 +108,8 @@ class DirectLauncher(Launcher):
 
     def bind(self, args, key) -> BoundKernel:
         """The specialization for ``key``: remembered, or compiled by Triton's JIT for ``args``."""
+        if self._stream is None:
+            self._stream = _current_stream_of_driver()
         bound = self._known.get(key)
         if bound is None:
             kernel = self._compile(args)
@@ -118,21 +122,20 @@ class DirectLauncher(Launcher):
         self._key, self._bound = key, bound
         return bound
 
-    def driver_arguments(self, args, key, device) -> tuple:
-        """(runner, its arguments): everything a launch does up to the driver call."""
-        bound = self._bound if key == self._key else self.bind(args, key)
-        return bound.runner, bound.arguments(self.grid, self._stream(device.index), args)
-
     def launch(self, args, key, device):
-        runner, arguments = self.driver_arguments(args, key, device)
-        runner(*arguments)
+        # the cheap per-call check: the layout key the bound kernel was specialized for
+        bound = self._bound if key == self._key else self.bind(args, key)
+        bound.launch(self.grid, self._stream(device.index), args)
 
 
-def _current_raw_stream(index):
-    import torch
+def _current_stream_of_driver():
+    """index -> the device's current stream, as Triton's active driver reads it (with torch:
+    torch's current raw CUDA stream), looked up once rather than per launch."""
+    from triton.runtime import driver
 
-    # (what Triton's driver reads: torch's current stream of the device, as a raw handle)
-    return torch._C._cuda_getCurrentRawStream(torch.cuda.current_device() if index is None else index)
+    active = driver.active
+    stream, device = active.get_current_stream, active.get_current_device
+    return lambda index: stream(device() if index is None else index)
 
 
 def make_launcher(fn, grid: int, xblock: int, rblock: int, num_warps: int) -> Launcher:

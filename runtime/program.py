@@ -23,7 +23,8 @@ from runtime.triton_math import INTERPRETING
 
 # NOTE: Triton's interpreter patches triton.language's globals while a kernel runs, so two
 # threads interpreting at once corrupt each other; compiled GPU kernels need no such lock.
-_interpreter_lock = threading.Lock() if INTERPRETING else contextlib.nullcontext()
+_NO_GUARD = contextlib.nullcontext()
+_interpreter_lock = threading.Lock() if INTERPRETING else _NO_GUARD
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ class KernelLaunch:
     _wide_fn: object = None
 
     _launchers: dict = field(default_factory=dict)  # wide -> runtime.launcher.Launcher, bound once
+    _wide: dict = field(default_factory=dict)       # layout key -> whether it needs the 64-bit twin
 
     def arguments(self, env, device) -> tuple:
         """(arguments, layout key, wide) for this launch: each input with its strides, then each
@@ -89,7 +91,6 @@ class KernelLaunch:
         ``wide`` when some offset the strides give passes int32 (the 64-bit twin is launched)."""
         args = []
         key = []
-        wide = False  # whether some offset the strides give passes int32: launch the 64-bit twin
         for slot in self.loads:
             t = env[slot]
             if t.is_complex():  # interleaved (real, imag): the kernel indexes the real view
@@ -101,23 +102,36 @@ class KernelLaunch:
             args.extend(strides)
             key.append(t.data_ptr() & 15)
             key.extend(strides)
-            # NOTE: a view's offsets stay inside its storage (PyTorch checks), so only a storage
-            # of 2 GiB or more needs the exact last offset (the pointer passed is the element
-            # at the storage offset; the kernel adds index · stride to it)
-            if not wide and t.untyped_storage().nbytes() >= INT32_LIMIT:
-                wide = _last_offset(t) >= INT32_LIMIT
+        key = tuple(key)
         for slot, shape, dtype in self.stores:
             out = torch.empty(shape, dtype=dtype, device=device)
             env[slot] = out
             args.append(torch.view_as_real(out) if dtype.is_complex else out)
-        return args, tuple(key), wide
+        # NOTE: the inputs' shapes are the program's, so the last offset each input's strides
+        # reach is a function of the layout key: computed once per key, not per launch
+        wide = self._wide.get(key)
+        if wide is None:
+            wide = self._wide_for(args, key)
+        return args, key, wide
+
+    def _wide_for(self, args, key) -> bool:
+        if len(self._wide) >= 64:  # layouts seen (rarely more than two): keep the memo small
+            self._wide.clear()
+        # (the pointer passed is the element at the storage offset; the kernel adds index · stride)
+        wide = self._wide[key] = any(_last_offset(a) >= INT32_LIMIT for a in args[:len(args) - len(self.stores)]
+                                     if isinstance(a, torch.Tensor))
+        return wide
 
     def run(self, env, device):
         args, key, wide = self.arguments(env, device)
         if self.grid:  # an empty iteration space: outputs stay empty
             launcher = self.launcher(wide)
+            guard = _on_device(device)
+            if guard is _NO_GUARD and _interpreter_lock is _NO_GUARD:
+                launcher.launch(args, key, device)   # compiled Triton on the current device: no context
+                return
             # the tensors' device (and its current stream), not whichever device is current
-            with _on_device(device), _interpreter_lock:
+            with guard, _interpreter_lock:
                 launcher.launch(args, key, device)
 
     def launcher(self, wide: bool = False):
@@ -155,9 +169,6 @@ def _on_device(device: torch.device):
     except (AssertionError, RuntimeError):  # no CUDA runtime (a test standing in for it): guard anyway
         pass
     return torch.cuda.device(device)
-
-
-_NO_GUARD = contextlib.nullcontext()
 
 
 @dataclass

@@ -188,3 +188,15 @@ def test_the_gpu_branch_passes_the_driver_what_jit_run_would():
     assert transposed["passed"] == result["bound"][1] == ["tensor", 1, 6, "tensor", launch.xblock, launch.rblock]
     # Triton's own specialization: the stride equal to 1 is a constant, 40 is not divisible by 16
     assert any("(2,)" in c for c in result["constexprs"][0]) and any("(1,)" in c for c in result["constexprs"][1])
+
+
+def test_the_launch_benchmark_times_our_launch_and_the_jit_path():
+    from benchmarks import launch, measure
+    from benchmarks.workloads import WORKLOADS
+
+    results = launch.launches_of(WORKLOADS["overhead_step"], "tiny", compiler, measure, torch, iterations=3, rounds=1)
+    assert len(results) >= 4  # each of the step's launches (forward and backward of 4 layers)
+    for r in results:
+        assert r["launch_us"] == r["ours_us"] - r["alloc_us"] and r["jit_launch_us"] == r["jit_us"] - r["alloc_us"]
+        assert min(r["alloc_us"], r["args_us"], r["ours_us"], r["jit_us"]) > 0
+    assert launch.mean_us(results) == sum(r["launch_us"] for r in results) / len(results)
