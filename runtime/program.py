@@ -182,7 +182,13 @@ class ExternCall:
     kwargs: dict = field(default_factory=dict)  # constant parameters (dim, shape, ...)
 
     def run(self, env, device):
-        env[self.out] = self.fn(*[a.resolve(env) for a in self.args], **self.kwargs)
+        slots = self.__dict__.get("_plain_slots")
+        if slots is None:  # (once) the argument slots when no argument is a view: most matmuls
+            slots = self._plain_slots = () if any(a.views for a in self.args) else tuple(a.slot for a in self.args)
+        if slots or not self.args:
+            env[self.out] = self.fn(*[env[s] for s in slots], **self.kwargs)
+        else:
+            env[self.out] = self.fn(*[a.resolve(env) for a in self.args], **self.kwargs)
 
 
 @dataclass
@@ -229,5 +235,8 @@ class Program:
             for slot in dead:
                 env[slot] = None
         if stats is not None:
-            stats["kernel_launches"] = stats.get("kernel_launches", 0) + len(self.kernels)
+            count = self.__dict__.get("_launch_count")
+            if count is None:  # (counted once: the steps are fixed once the program runs)
+                count = self._launch_count = len(self.kernels)
+            stats["kernel_launches"] = stats.get("kernel_launches", 0) + count
         return [o.resolve(env) if o is not None else None for o in self.outputs]
