@@ -28,6 +28,8 @@ One code path, two final calls:
 
 from __future__ import annotations
 
+import threading
+
 MAX_SPECIALIZATIONS = 8   # layouts bound per launch before the oldest is forgotten
 
 
@@ -99,32 +101,37 @@ class DirectLauncher(Launcher):
         self._compile = compile or self._jit_compile
         self._stream = stream   # resolved at the first bind: a driver exists only on a GPU machine
         self._runner = runner
-        self._key = None       # the layout key of the last bound specialization
-        self._bound = None
+        # (layout key, BoundKernel) of the last bound specialization: one tuple, replaced whole,
+        # so a thread never sees one layout's key with another's kernel
+        self._current = (None, None)
         self._known: dict = {}  # layout key -> BoundKernel
+        self._lock = threading.Lock()  # binding is rare; replays in several threads may meet there
 
     def _jit_compile(self, args):
         return self.fn.run(*args, grid=(self.grid,), warmup=True, num_warps=self.num_warps, **self.constexprs)
 
     def bind(self, args, key) -> BoundKernel:
         """The specialization for ``key``: remembered, or compiled by Triton's JIT for ``args``."""
-        if self._stream is None:
-            self._stream = _current_stream_of_driver()
-        bound = self._known.get(key)
-        if bound is None:
-            kernel = self._compile(args)
-            bound = BoundKernel(kernel, tuple(self.constexprs.values()),
-                                None if self._runner is None else self._runner(kernel))
-            if len(self._known) >= MAX_SPECIALIZATIONS:
-                del self._known[next(iter(self._known))]
-            self._known[key] = bound
-            self.binds += 1
-        self._key, self._bound = key, bound
-        return bound
+        with self._lock:
+            if self._stream is None:
+                self._stream = _current_stream_of_driver()
+            bound = self._known.get(key)
+            if bound is None:
+                kernel = self._compile(args)
+                bound = BoundKernel(kernel, tuple(self.constexprs.values()),
+                                    None if self._runner is None else self._runner(kernel))
+                if len(self._known) >= MAX_SPECIALIZATIONS:
+                    del self._known[next(iter(self._known))]
+                self._known[key] = bound
+                self.binds += 1
+            self._current = (key, bound)
+            return bound
 
     def launch(self, args, key, device):
         # the cheap per-call check: the layout key the bound kernel was specialized for
-        bound = self._bound if key == self._key else self.bind(args, key)
+        current_key, bound = self._current
+        if key != current_key:
+            bound = self.bind(args, key)
         bound.launch(self.grid, self._stream(device.index), args)
 
 
