@@ -70,6 +70,7 @@ class Result:
     peak_mem_mb: float | None = None     # GPU: peak allocated during a step, above what was before it
     mem_ratio_vs_eager: float | None = None   # eager's peak / this backend's
     stubbed_ms: float | None = None      # ours: step with Triton launches skipped (host overhead + rest)
+    launch_us: float | None = None       # ours: host µs per launch up to the driver call (benchmarks/launch.py)
     fallbacks: list = field(default_factory=list)  # ours: explain(...).fallbacks
 
 
@@ -219,6 +220,9 @@ class _Workload:
             row.bytes_moved = sum(k.bytes_moved for k in explained.kernels)
             row.regions = len(explained.regions)
             row.fallbacks = list(explained.fallbacks)
+        from benchmarks import launch  # (here: ``python -m benchmarks.launch`` imports this package first)
+
+        launches = []
         with _noted(row, "launches skipped"):
             # A separate wrapper on throwaway arguments: stubbed steps compute garbage.
             run = compiler.compile(case.fn, backend="auto")
@@ -228,10 +232,14 @@ class _Workload:
 
                 def step():
                     return case.step(run, args)
-                step()
+                with launch.recorded() as launches:
+                    step()
                 row.stubbed_ms = measure.interleaved({"stub": step}, device, rounds=3)["stub"].median_ms
                 if _in_interpreter(row) and row.fused_kernels is not None:
                     row.kernels_per_step = measure.count_kernels(step, device) + row.fused_kernels
+        with _noted(row, "launch path"):
+            if launches:  # timed on the compiled-Triton path, without a GPU (benchmarks/launch.py)
+                row.launch_us = launch.mean_us(launch.measure_launches(launches))
 
     def _time(self, rounds):
         fast = {n: s for n, s in self.steps.items() if not _interpreted(self.rows[n])}

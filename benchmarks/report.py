@@ -144,6 +144,9 @@ def _overhead_section(results):
         if r.stubbed_ms is not None:
             line += (f"; with our Triton launches skipped (host overhead, matmuls and eager ops only): "
                      f"{_num(r.stubbed_ms)} ms")
+        if r.launch_us is not None:
+            line += (f"; {_num(r.launch_us)} µs of host work per launch up to the driver call "
+                     "(`launch_us`, outputs' allocation aside: `python -m benchmarks.launch`)")
         out.append(line)
     return out
 

@@ -12,22 +12,23 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 
-def _holds_tensor(value) -> bool:
+def holds_tensor(value) -> bool:
+    """Whether a list, tuple or dict holds a tensor, at any depth."""
     if isinstance(value, (list, tuple)):
-        return any(isinstance(v, torch.Tensor) or _holds_tensor(v) for v in value)
+        return any(isinstance(v, torch.Tensor) or holds_tensor(v) for v in value)
     if isinstance(value, dict):
-        return any(isinstance(v, torch.Tensor) or _holds_tensor(v) for v in value.values())
+        return any(isinstance(v, torch.Tensor) or holds_tensor(v) for v in value.values())
     return False
 
 
 def flatten_call(args, kwargs):
     """(leaves, spec): tensors are always leaves of their own; specs compare with ==."""
     for a in args:
-        if type(a) in (list, tuple, dict) and _holds_tensor(a):
+        if type(a) in (list, tuple, dict) and holds_tensor(a):
             return _tree(args, kwargs)
     if kwargs:
         for v in kwargs.values():
-            if type(v) in (list, tuple, dict) and _holds_tensor(v):
+            if type(v) in (list, tuple, dict) and holds_tensor(v):
                 return _tree(args, kwargs)
         return [*args, *kwargs.values()], (len(args), tuple(kwargs))
     return list(args), (len(args), ())

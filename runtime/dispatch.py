@@ -118,10 +118,11 @@ class CompiledFunction:
         result = mode.real_result(result)
         if mode.trace is not entry.trace:  # switched to the recording of the path it took
             entry = next(e for e in variants if e.trace is mode.trace)
-        with self.lock:
-            if entry in variants:  # most recently used first
-                variants.remove(entry)
-                variants.insert(0, entry)
+        if not variants or variants[0] is not entry:
+            with self.lock:
+                if entry in variants:  # most recently used first
+                    variants.remove(entry)
+                    variants.insert(0, entry)
         self.last_entry = entry
         # NOTE: one divergence records nothing (an optimizer step every few calls leaves the
         # recording only for its eager tail); two in a row mean the path changed: record it.

@@ -18,11 +18,13 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.kernels import load_kernel
+from runtime.launcher import make_launcher
 from runtime.triton_math import INTERPRETING
 
 # NOTE: Triton's interpreter patches triton.language's globals while a kernel runs, so two
 # threads interpreting at once corrupt each other; compiled GPU kernels need no such lock.
-_interpreter_lock = threading.Lock() if INTERPRETING else contextlib.nullcontext()
+_NO_GUARD = contextlib.nullcontext()
+_interpreter_lock = threading.Lock() if INTERPRETING else _NO_GUARD
 
 
 @dataclass(frozen=True)
@@ -78,39 +80,68 @@ class KernelLaunch:
     _fn: object = None
     _wide_fn: object = None
 
+    _launchers: dict = field(default_factory=dict)  # wide -> runtime.launcher.Launcher, bound once
+    _wide: dict = field(default_factory=dict)       # layout key -> whether it needs the 64-bit twin
+
     def arguments(self, env, device) -> tuple:
-        """(arguments, wide) for this launch: each input with its strides, then each output,
-        allocated (contiguous) into ``env``; ``wide`` when some offset the strides give passes
-        int32 (the 64-bit twin is launched)."""
+        """(arguments, layout key, wide) for this launch: each input with its strides, then each
+        output, allocated (contiguous) into ``env``. The layout key is what Triton specializes a
+        kernel on that can change between calls: every stride and whether each input's address
+        is 16-byte aligned (outputs are fresh allocations, aligned far beyond 16 bytes).
+        ``wide`` when some offset the strides give passes int32 (the 64-bit twin is launched)."""
         args = []
-        wide = False  # whether some offset the strides give passes int32: launch the 64-bit twin
+        key = []
         for slot in self.loads:
             t = env[slot]
             if t.is_complex():  # interleaved (real, imag): the kernel indexes the real view
                 t = torch.view_as_real(t.resolve_conj())
-                args.append(t)
-                args.extend(t.stride()[:-1])
+                strides = t.stride()[:-1]
             else:
-                args.append(t)
-                args.extend(t.stride())
-            # NOTE: a view's offsets stay inside its storage (PyTorch checks), so only a storage
-            # of 2 GiB or more needs the exact last offset (the pointer passed is the element
-            # at the storage offset; the kernel adds index · stride to it)
-            if not wide and t.untyped_storage().nbytes() >= INT32_LIMIT:
-                wide = _last_offset(t) >= INT32_LIMIT
+                strides = t.stride()
+            args.append(t)
+            args.extend(strides)
+            key.append(t.data_ptr() & 15)
+            key.extend(strides)
+        key = tuple(key)
         for slot, shape, dtype in self.stores:
             out = torch.empty(shape, dtype=dtype, device=device)
             env[slot] = out
             args.append(torch.view_as_real(out) if dtype.is_complex else out)
-        return args, wide
+        # NOTE: the inputs' shapes are the program's, so the last offset each input's strides
+        # reach is a function of the layout key: computed once per key, not per launch
+        wide = self._wide.get(key)
+        if wide is None:
+            wide = self._wide_for(args, key)
+        return args, key, wide
+
+    def _wide_for(self, args, key) -> bool:
+        if len(self._wide) >= 64:  # layouts seen (rarely more than two): keep the memo small
+            self._wide.clear()
+        # (the pointer passed is the element at the storage offset; the kernel adds index · stride)
+        wide = self._wide[key] = any(_last_offset(a) >= INT32_LIMIT for a in args[:len(args) - len(self.stores)]
+                                     if isinstance(a, torch.Tensor))
+        return wide
 
     def run(self, env, device):
-        args, wide = self.arguments(env, device)
+        args, key, wide = self.arguments(env, device)
         if self.grid:  # an empty iteration space: outputs stay empty
-            fn = self.kernel(wide)
+            launcher = self.launcher(wide)
+            guard = _on_device(device)
+            if guard is _NO_GUARD and _interpreter_lock is _NO_GUARD:
+                launcher.launch(args, key, device)   # compiled Triton on the current device: no context
+                return
             # the tensors' device (and its current stream), not whichever device is current
-            with _on_device(device), _interpreter_lock:
-                fn[(self.grid,)](*args, XBLOCK=self.xblock, RBLOCK=self.rblock, num_warps=self.num_warps)
+            with guard, _interpreter_lock:
+                launcher.launch(args, key, device)
+
+    def launcher(self, wide: bool = False):
+        """The bound launcher of the kernel to launch (``kernel(wide)``), made at its first use.
+        Rebound if ``kernel`` now gives another function (a benchmark recording launches)."""
+        fn = self.kernel(wide)
+        launcher = self._launchers.get(wide)
+        if launcher is None or launcher.fn is not fn:
+            launcher = self._launchers[wide] = make_launcher(fn, self.grid, self.xblock, self.rblock, self.num_warps)
+        return launcher
 
     def kernel(self, wide: bool = False):
         """The jit function to launch: the 64-bit twin when ``wide`` and there is one."""
@@ -130,7 +161,14 @@ def _last_offset(t: torch.Tensor) -> int:
 
 def _on_device(device: torch.device):
     """Launches on CUDA go to the tensors' device: Triton launches on the current one."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    if device.type != "cuda":
+        return _NO_GUARD
+    try:
+        if device.index == torch.cuda.current_device():
+            return _NO_GUARD  # already current: no guard (a device switch costs microseconds a launch)
+    except (AssertionError, RuntimeError):  # no CUDA runtime (a test standing in for it): guard anyway
+        pass
+    return torch.cuda.device(device)
 
 
 @dataclass
@@ -144,7 +182,13 @@ class ExternCall:
     kwargs: dict = field(default_factory=dict)  # constant parameters (dim, shape, ...)
 
     def run(self, env, device):
-        env[self.out] = self.fn(*[a.resolve(env) for a in self.args], **self.kwargs)
+        slots = self.__dict__.get("_plain_slots")
+        if slots is None:  # (once) the argument slots when no argument is a view: most matmuls
+            slots = self._plain_slots = () if any(a.views for a in self.args) else tuple(a.slot for a in self.args)
+        if slots or not self.args:
+            env[self.out] = self.fn(*[env[s] for s in slots], **self.kwargs)
+        else:
+            env[self.out] = self.fn(*[a.resolve(env) for a in self.args], **self.kwargs)
 
 
 @dataclass
@@ -191,5 +235,8 @@ class Program:
             for slot in dead:
                 env[slot] = None
         if stats is not None:
-            stats["kernel_launches"] = stats.get("kernel_launches", 0) + len(self.kernels)
+            count = self.__dict__.get("_launch_count")
+            if count is None:  # (counted once: the steps are fixed once the program runs)
+                count = self._launch_count = len(self.kernels)
+            stats["kernel_launches"] = stats.get("kernel_launches", 0) + count
         return [o.resolve(env) if o is not None else None for o in self.outputs]

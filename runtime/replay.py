@@ -22,8 +22,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from runtime.calls import flatten_call, unflatten_call
-from runtime.torch_functions import function_name, is_metadata, is_state_read
+from runtime.calls import flatten_call, holds_tensor, unflatten_call
+from runtime.torch_functions import REFLECTED_COMPARISONS, function_name, is_metadata, is_state_read
 from runtime.trace import Trace, ValueId
 
 
@@ -31,13 +31,8 @@ class Diverged(Exception):
     pass
 
 
-# comparison -> its reflection (what Python calls on the right operand: `a <= b` is b.ge(a),
-# `a == b` is b.__eq__(a))
-_REFLECTED = {torch.Tensor.le: torch.Tensor.ge, torch.Tensor.ge: torch.Tensor.le,
-              torch.Tensor.lt: torch.Tensor.gt, torch.Tensor.gt: torch.Tensor.lt,
-              torch.Tensor.__le__: torch.Tensor.__ge__, torch.Tensor.__ge__: torch.Tensor.__le__,
-              torch.Tensor.__lt__: torch.Tensor.__gt__, torch.Tensor.__gt__: torch.Tensor.__lt__,
-              torch.Tensor.__eq__: torch.Tensor.__eq__, torch.Tensor.__ne__: torch.Tensor.__ne__}
+_REFLECTED = REFLECTED_COMPARISONS
+_SLOW = object()  # the fast path's answer when the call needs the full check
 
 
 class StandIn(torch.Tensor):
@@ -148,6 +143,16 @@ class Replay(TorchFunctionMode):
 
     # -- the mode ----------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not kwargs and not self.diverged:
+            # the common case first: the next recorded call, with its tensors and constants
+            calls, pos = self.trace.calls, self.pos
+            if pos < len(calls):
+                rec = calls[pos]
+                # (``==``: a property's getter and setter come as a new method-wrapper each call)
+                if (rec.func is func or rec.func == func) and rec.flat_arity == len(args):
+                    result = self._replay_flat(rec, func, args)
+                    if result is not _SLOW:
+                        return result
         kwargs = kwargs or {}
         if is_metadata(func):
             return func(*args, **kwargs)
@@ -202,6 +207,57 @@ class Replay(TorchFunctionMode):
         return False
 
     # -- replaying a recorded call --------------------------------------------------------
+    def _replay_flat(self, rec, func, args):
+        """The recorded call ``rec`` made again with positional arguments only, each a leaf: the
+        checks of ``_replay`` on ``args`` as they are (no flattening, no allocation), for the
+        calls that need nothing more. Anything else (a tensor bound for the first time, a
+        region's first call, a value to materialize) answers _SLOW: ``_replay`` does it all."""
+        shown = self.shown
+        for i, expected in rec.value_slots:
+            if args[i] is not shown.get(expected):
+                return _SLOW
+        if rec.kind == "compute":
+            for i, expected in rec.constant_slots:
+                leaf = args[i]
+                if isinstance(leaf, torch.Tensor) or not _same_constant(leaf, expected):
+                    return _SLOW
+            region = self.trace.regions[rec.region]
+            if rec.region not in self.done_regions or region.compiled is None:
+                return _SLOW
+            self.pos += 1
+            if rec.out_spec is None:  # the common case: one tensor
+                return shown[rec.outputs[0]]
+            if rec.out_spec == "setitem":
+                return None
+            return tree_unflatten([shown[v] for v in rec.outputs], rec.out_spec)
+        for i, _ in rec.constant_slots:
+            leaf = args[i]
+            if isinstance(leaf, torch.Tensor) or (type(leaf) in (list, tuple, dict) and holds_tensor(leaf)):
+                return _SLOW  # (a container of tensors: another structure than the recording's)
+        env = self.env
+        for i, vid in rec.value_slots:
+            if env.get(vid) is not args[i]:  # a stand-in where the call needs the value: materialize
+                return _SLOW
+        self.pos += 1
+        result = func(*args)
+        outputs = rec.outputs
+        if not outputs:  # most eager calls: optimizer updates, attribute writes, grad mode
+            return result
+        if rec.out_spec == "setitem":
+            env[outputs[0]] = shown[outputs[0]] = args[0]
+            return result
+        if type(result) is torch.Tensor or isinstance(result, torch.Tensor):
+            if len(outputs) == 1:
+                env[outputs[0]] = shown[outputs[0]] = result
+                return result
+            tensors = [result]
+        else:
+            tensors = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
+        for vid, t in zip(outputs, tensors):
+            env[vid] = t
+            shown[vid] = t
+        return result
+
     def _replay(self, func, args, kwargs):
         calls = self.trace.calls
         if self.pos < len(calls) and func in _REFLECTED and calls[self.pos].func == _REFLECTED[func] \

@@ -50,6 +50,16 @@ def is_state_read(func) -> bool:
         getattr(getattr(func, "__self__", None), "__name__", None) in STATE_ATTRS
 
 
+# comparison -> its reflection (what Python calls on the right operand: `a <= b` is b.ge(a),
+# `a == b` is b.__eq__(a))
+REFLECTED_COMPARISONS = {
+    torch.Tensor.le: torch.Tensor.ge, torch.Tensor.ge: torch.Tensor.le,
+    torch.Tensor.lt: torch.Tensor.gt, torch.Tensor.gt: torch.Tensor.lt,
+    torch.Tensor.__le__: torch.Tensor.__ge__, torch.Tensor.__ge__: torch.Tensor.__le__,
+    torch.Tensor.__lt__: torch.Tensor.__gt__, torch.Tensor.__gt__: torch.Tensor.__lt__,
+    torch.Tensor.__eq__: torch.Tensor.__eq__, torch.Tensor.__ne__: torch.Tensor.__ne__}
+
+
 def function_name(func) -> str:
     """The name a user knows ``func`` by, for messages: ``torch.add``, ``Tensor.grad``, ``max_pool2d``."""
     name = getattr(func, "__name__", None)

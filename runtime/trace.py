@@ -40,6 +40,18 @@ class TraceCall:
         """(leaf position, constant) of every other argument."""
         return tuple((i, x) for i, x in enumerate(self.leaves) if not isinstance(x, ValueId))
 
+    @functools.cached_property
+    def flat_arity(self) -> int | None:
+        """The number of positional arguments when the call had only those, each a leaf (no
+        keywords, no container of tensors): replay then checks ``args`` as they come, without
+        flattening them. None otherwise, and for comparisons (Python may call their reflection)."""
+        from runtime.torch_functions import REFLECTED_COMPARISONS
+
+        spec = self.spec
+        if type(spec) is not tuple or spec[0] == "tree" or spec[1] or self.func in REFLECTED_COMPARISONS:
+            return None
+        return spec[0]
+
 
 @dataclass
 class TensorMeta:

@@ -1,0 +1,153 @@
+"""Launching one kernel of a program: arguments bound once, a cheap check per call.
+
+``fn[grid](*args, XBLOCK=..., RBLOCK=...)`` goes through ``JITFunction.run`` on every launch:
+it binds the arguments to the kernel's signature, computes each argument's specialization
+(an integer equal to 1 becomes a constant; integers divisible by 16 and 16-byte-aligned
+pointers get a divisibility attribute), turns that into a cache key, looks the compiled
+kernel up and only then calls the driver (3.6-11.9 µs of host work a launch, issue 13).
+
+A ``KernelLaunch`` always passes the same kind of arguments: each input tensor with its
+strides, then each output tensor; the grid, tiles and warps are fixed when the program is
+built. So the compiled kernel can be looked up once and its launcher called directly, as
+Inductor's generated wrappers do (``TritonCompileResult.make_launcher`` in
+``torch/_inductor/runtime/triton_heuristics.py``): grid and constexprs bound, no binder, no
+cache key. What can still change between calls is the specialization: a stride (a view
+with another layout) or the alignment of an input's address (a view at an odd offset).
+The caller passes a *layout key* (every stride and whether each input pointer is 16-byte
+aligned), compared per call with the key the bound kernel was compiled for; a different key
+binds again (``JITFunction.run`` compiles or finds that specialization) and is remembered too.
+
+One code path, two final calls:
+- compiled Triton (a ``JITFunction``): the ``CompiledKernel``'s launcher
+  (``triton/backends/nvidia/driver.py``'s ``CudaLauncher``) with the arguments
+  ``JITFunction.run`` itself would pass it (``triton/runtime/jit.py``);
+- anything else (Triton's interpreter, ``TRITON_INTERPRET=1``, whose ``InterpretedFunction``
+  has its own launch; a stand-in kernel in a test): ``fn[grid]``, bound once, called with
+  the constexprs.
+"""
+
+from __future__ import annotations
+
+import threading
+
+MAX_SPECIALIZATIONS = 8   # layouts bound per launch before the oldest is forgotten
+
+
+class Launcher:
+    """One kernel at one grid, tiles and warps. ``launch(args, key, device)`` runs it."""
+
+    def __init__(self, fn, grid: int, xblock: int, rblock: int, num_warps: int):
+        self.fn = fn
+        self.grid = grid
+        self.constexprs = {"XBLOCK": xblock, "RBLOCK": rblock}
+        self.num_warps = num_warps
+        self.binds = 0          # how many specializations were bound (the first call binds one)
+
+
+class IndexedLauncher(Launcher):
+    """The interpreter's (or any ``fn[grid]`` kernel's) launch: the grid proxy made once."""
+
+    def __init__(self, fn, grid, xblock, rblock, num_warps):
+        super().__init__(fn, grid, xblock, rblock, num_warps)
+        self._call = fn[(grid,)]
+        self._kwargs = dict(self.constexprs, num_warps=num_warps)
+        self.binds = 1
+
+    def launch(self, args, key, device):
+        self._call(*args, **self._kwargs)
+
+
+class BoundKernel:
+    """One compiled specialization and what its driver launcher takes besides the arguments."""
+
+    __slots__ = ("kernel", "runner", "function", "metadata", "enter_hook", "exit_hook", "constants")
+
+    def __init__(self, kernel, constexprs: tuple, runner=None):
+        from triton import knobs
+
+        self.kernel = kernel
+        # NOTE: ``kernel.run`` loads the binary onto the current device (a driver call): a test
+        # without a GPU passes a ``runner`` of its own.
+        self.runner = kernel.run if runner is None else runner
+        self.function = kernel.function
+        self.metadata = kernel.packed_metadata
+        # Hook chains are read once (as Inductor's wrappers do); a hook added to a chain later
+        # still runs, and launch metadata is only computed while some hook is installed.
+        self.enter_hook = knobs.runtime.launch_enter_hook
+        self.exit_hook = knobs.runtime.launch_exit_hook
+        self.constants = constexprs   # XBLOCK, RBLOCK: passed last, dropped by the launcher
+
+    def launch(self, grid: int, stream, args) -> None:
+        """Call the driver launcher with what ``JITFunction.run`` passes it for these kernel
+        arguments: grid, stream, function, metadata, hooks, then every parameter in order
+        (XBLOCK and RBLOCK last; the launcher drops constexprs and integers specialized to 1)."""
+        metadata = None
+        if self.enter_hook is not None and getattr(self.enter_hook, "calls", True):
+            metadata = self.kernel.launch_metadata((grid, 1, 1), stream, *args, *self.constants)
+        self.runner(grid, 1, 1, stream, self.function, self.metadata, metadata, self.enter_hook, self.exit_hook,
+                    *args, *self.constants)
+
+
+class DirectLauncher(Launcher):
+    """Compiled Triton: the driver launcher called directly while the layout key matches.
+
+    ``compile(args)`` returns the ``CompiledKernel`` for these arguments (default: what
+    ``JITFunction.run(..., warmup=True)`` compiles or finds in its cache), ``stream(index)``
+    the device's current raw CUDA stream, ``runner(kernel)`` the kernel's driver launcher;
+    tests without a GPU replace them."""
+
+    def __init__(self, fn, grid, xblock, rblock, num_warps, compile=None, stream=None, runner=None):
+        super().__init__(fn, grid, xblock, rblock, num_warps)
+        self._compile = compile or self._jit_compile
+        self._stream = stream   # resolved at the first bind: a driver exists only on a GPU machine
+        self._runner = runner
+        # (layout key, BoundKernel) of the last bound specialization: one tuple, replaced whole,
+        # so a thread never sees one layout's key with another's kernel
+        self._current = (None, None)
+        self._known: dict = {}  # layout key -> BoundKernel
+        self._lock = threading.Lock()  # binding is rare; replays in several threads may meet there
+
+    def _jit_compile(self, args):
+        return self.fn.run(*args, grid=(self.grid,), warmup=True, num_warps=self.num_warps, **self.constexprs)
+
+    def bind(self, args, key) -> BoundKernel:
+        """The specialization for ``key``: remembered, or compiled by Triton's JIT for ``args``."""
+        with self._lock:
+            if self._stream is None:
+                self._stream = _current_stream_of_driver()
+            bound = self._known.get(key)
+            if bound is None:
+                kernel = self._compile(args)
+                bound = BoundKernel(kernel, tuple(self.constexprs.values()),
+                                    None if self._runner is None else self._runner(kernel))
+                if len(self._known) >= MAX_SPECIALIZATIONS:
+                    del self._known[next(iter(self._known))]
+                self._known[key] = bound
+                self.binds += 1
+            self._current = (key, bound)
+            return bound
+
+    def launch(self, args, key, device):
+        # the cheap per-call check: the layout key the bound kernel was specialized for
+        current_key, bound = self._current
+        if key != current_key:
+            bound = self.bind(args, key)
+        bound.launch(self.grid, self._stream(device.index), args)
+
+
+def _current_stream_of_driver():
+    """index -> the device's current stream, as Triton's active driver reads it (with torch:
+    torch's current raw CUDA stream), looked up once rather than per launch."""
+    from triton.runtime import driver
+
+    active = driver.active
+    stream, device = active.get_current_stream, active.get_current_device
+    return lambda index: stream(device() if index is None else index)
+
+
+def make_launcher(fn, grid: int, xblock: int, rblock: int, num_warps: int) -> Launcher:
+    """The launcher for ``fn``: direct for a compiled ``JITFunction``, ``fn[grid]`` otherwise."""
+    from triton.runtime.jit import JITFunction
+
+    kind = DirectLauncher if isinstance(fn, JITFunction) else IndexedLauncher
+    return kind(fn, grid, xblock, rblock, num_warps)

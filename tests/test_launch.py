@@ -1,0 +1,203 @@
+"""Direct launches (runtime/launcher.py): each kernel's launcher is bound once and reused; a
+changed argument layout is caught by the per-call layout key and binds the specialization
+Triton's JIT would pick; the compiled-Triton branch passes the driver exactly what
+``JITFunction.run`` would (checked with a kernel compiled for sm_90, no GPU needed)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import compiler
+import pytest
+import torch
+from runtime.launcher import DirectLauncher, IndexedLauncher
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _launches(compiled):
+    entry = compiled.last_entry
+    return [k for region in entry.trace.regions if region.compiled is not None
+            for program in (region.compiled.forward, region.compiled.backward) if program is not None
+            for k in program.kernels]
+
+
+def test_the_bound_launcher_is_reused_across_calls():
+    f = compiler.compile(lambda x, y: torch.sigmoid(x * y) + 1)
+    x, y = torch.randn(5, 7), torch.randn(5, 7)
+    f(x, y)  # the recording (eager)
+    for _ in range(3):
+        torch.testing.assert_close(f(x, y), torch.sigmoid(x * y) + 1)
+    launch, = _launches(f)
+    launcher = launch._launchers[False]
+    assert isinstance(launcher, IndexedLauncher)  # the interpreter's launch, bound once
+    f(x, y)
+    assert launch._launchers[False] is launcher and launcher.binds == 1
+
+
+def test_a_new_input_layout_gives_eager_results():
+    """Strides are not in the guard key: a transposed input replays the same recording, its
+    kernel sees another layout key (and on a GPU binds another specialization)."""
+    f = compiler.compile(lambda x: torch.exp(x) * 2)
+    x = torch.randn(6, 4)
+    f(x)
+    keys = []
+    misaligned = torch.randn(25)[1:].view(6, 4)  # 4 bytes into its storage
+    for t in (x, x.t().contiguous().t(), misaligned, x):
+        torch.testing.assert_close(f(t), torch.exp(t) * 2)
+        launch, = _launches(f)
+        keys.append(launch.arguments([t, None], t.device)[1])
+    assert keys[0] != keys[1] and keys[0] == keys[3]
+    assert keys[0][0] == 0 and keys[2][0] != 0 and keys[2][1:] == keys[0][1:]
+
+
+class _FakeKernel:
+    """What DirectLauncher needs of a CompiledKernel, for the launch logic without a GPU."""
+
+    def __init__(self, key):
+        self.key, self.function, self.packed_metadata = key, f"function{key}", ("metadata", key)
+
+    def launch_metadata(self, grid, stream, *args):
+        return {"grid": grid}
+
+
+def _direct(launch, compiled, ran):
+    def compile(args):
+        compiled.append(len(args))
+        return _FakeKernel(len(compiled))
+
+    def runner(kernel):
+        return lambda *arguments: ran.append((kernel.key, arguments))
+    return DirectLauncher(None, launch.grid, launch.xblock, launch.rblock, launch.num_warps,
+                          compile=compile, stream=lambda index: 77, runner=runner)
+
+
+def test_a_changed_layout_rebinds_and_a_known_one_does_not():
+    f = compiler.compile(lambda x: torch.exp(x) * 2)
+    x = torch.randn(6, 4)
+    f(x)
+    launch, = _launches(f)
+    compiled, ran = [], []
+    direct = _direct(launch, compiled, ran)
+    cpu = torch.device("cpu")
+    misaligned = torch.randn(25)[1:].view(6, 4)
+    layouts = [x, x, x.t().contiguous().t(), x, misaligned, x.t().contiguous().t()]
+    for t in layouts:
+        env = [t, None]
+        args, key, _ = launch.arguments(env, cpu)
+        direct.launch(args, key, cpu)
+    # compiled once per layout: contiguous, column-major, misaligned; the others are remembered
+    assert len(compiled) == 3 and direct.binds == 3
+    assert [k for k, _ in ran] == [1, 1, 2, 1, 3, 2]
+    grid, one, one_, stream, function, metadata, launch_metadata, enter, exit_, *passed = ran[0][1]
+    assert (grid, one, one_, stream, function, metadata) == (launch.grid, 1, 1, 77, "function1", ("metadata", 1))
+    assert passed[-2:] == [launch.xblock, launch.rblock] and passed[0] is x and passed[1:3] == [4, 1]
+
+
+def test_launch_metadata_is_computed_only_while_a_hook_is_installed():
+    from triton import knobs
+
+    f = compiler.compile(lambda x: torch.exp(x) * 2)
+    x = torch.randn(6, 4)
+    f(x)
+    launch, = _launches(f)
+    compiled, ran = [], []
+    direct = _direct(launch, compiled, ran)
+    cpu = torch.device("cpu")
+    args, key, _ = launch.arguments([x, None], cpu)
+    direct.launch(args, key, cpu)
+    hook = knobs.runtime.launch_enter_hook
+    seen = []
+    hook.add(seen.append)
+    try:
+        direct.launch(args, key, cpu)
+    finally:
+        hook.remove(seen.append)
+    assert ran[0][1][6] is None and ran[1][1][6] == {"grid": (launch.grid, 1, 1)}
+
+
+# -- the compiled-Triton branch, with a kernel compiled for sm_90 ---------------------------------
+SM90_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import torch
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile, make_backend
+    from triton.runtime.jit import create_function_from_signature
+    from runtime.launcher import DirectLauncher
+    from runtime.program import KernelLaunch
+
+    spec = json.loads(sys.argv[1])
+    launch = KernelLaunch(spec["name"], spec["source"], [0], [(1, tuple(spec["shape"]), torch.float32)],
+                          spec["grid"], spec["xblock"], spec["rblock"], 0, spec["num_warps"])
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    compiled = []
+
+    def compile_sm90(args):  # what JITFunction.run(..., warmup=True) does, for an H100
+        fn = launch.kernel()
+        kwargs = dict(XBLOCK=launch.xblock, RBLOCK=launch.rblock, num_warps=launch.num_warps)
+        bound, specialization, options = create_function_from_signature(fn.signature, fn.params, backend)(
+            *args, **kwargs)
+        options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+        kernel = compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+        compiled.append((bound, sorted(str(k) for k in constexprs), sorted(str(k) for k in attrs)))
+        return kernel
+
+    ran = []
+    launcher = launch.launcher()
+    assert isinstance(launcher, DirectLauncher), type(launcher)
+    launcher._compile, launcher._stream = compile_sm90, lambda index: 1234
+    launcher._runner = lambda kernel: (lambda *arguments: ran.append((kernel, arguments)))
+    x = torch.randn(*spec["shape"])
+    cpu = torch.device("cpu")
+    for t in (x, x, x.t().contiguous().t()):
+        launch.run([t, None], cpu)
+    out = []
+    for (kernel, arguments), in zip(ran):
+        grid, one, one_, stream, function, metadata, launch_metadata, enter, exit_, *passed = arguments
+        out.append(dict(grid=[grid, one, one_], stream=stream, same_metadata=metadata is kernel.packed_metadata,
+                        launch_metadata=launch_metadata, passed=[p if isinstance(p, int) else "tensor" for p in passed],
+                        kernel=id(kernel), arch=kernel.metadata.target.arch))
+    bound = [[v if isinstance(v, int) else "tensor" for v in b.values()] for b, _, _ in compiled]
+    print(json.dumps(dict(launches=out, compiles=len(compiled), bound=bound,
+                          constexprs=[c for _, c, _ in compiled], attrs=[a for _, _, a in compiled])))
+""")
+
+
+def test_the_gpu_branch_passes_the_driver_what_jit_run_would():
+    f = compiler.compile(lambda x: torch.exp(x) * 2)
+    x = torch.randn(6, 40)
+    f(x)
+    launch, = _launches(f)
+    spec = dict(name=launch.name, source=launch.source, grid=launch.grid, xblock=launch.xblock,
+                rblock=launch.rblock, num_warps=launch.num_warps, shape=list(x.shape))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = ROOT
+    done = subprocess.run([sys.executable, "-c", SM90_SCRIPT, json.dumps(spec)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    first, second, transposed = result["launches"]
+    assert result["compiles"] == 2  # the second launch reused the bound kernel
+    assert first["kernel"] == second["kernel"] != transposed["kernel"] and first["arch"] == 90
+    assert first["grid"] == [launch.grid, 1, 1] and first["stream"] == 1234 and first["same_metadata"]
+    assert first["launch_metadata"] is None  # no launch hook installed
+    # exactly JITFunction.run's arguments: every parameter bound, XBLOCK and RBLOCK last
+    assert first["passed"] == result["bound"][0] == ["tensor", 40, 1, "tensor", launch.xblock, launch.rblock]
+    assert transposed["passed"] == result["bound"][1] == ["tensor", 1, 6, "tensor", launch.xblock, launch.rblock]
+    # Triton's own specialization: the stride equal to 1 is a constant, 40 is not divisible by 16
+    assert any("(2,)" in c for c in result["constexprs"][0]) and any("(1,)" in c for c in result["constexprs"][1])
+
+
+def test_the_launch_benchmark_times_our_launch_and_the_jit_path():
+    from benchmarks import launch, measure
+    from benchmarks.workloads import WORKLOADS
+
+    results = launch.launches_of(WORKLOADS["overhead_step"], "tiny", compiler, measure, torch, iterations=3, rounds=1)
+    assert len(results) >= 4  # each of the step's launches (forward and backward of 4 layers)
+    for r in results:
+        assert r["launch_us"] == r["ours_us"] - r["alloc_us"] and r["jit_launch_us"] == r["jit_us"] - r["alloc_us"]
+        assert min(r["alloc_us"], r["args_us"], r["ours_us"], r["jit_us"]) > 0
+    assert launch.mean_us(results) == pytest.approx(sum(r["launch_us"] for r in results) / len(results))
