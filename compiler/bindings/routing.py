@@ -10,6 +10,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from compiler.bindings.elementwise import _filled
 from compiler.bindings.handles import Tensor, arange_along, full, gather, on_handles
 from compiler.bindings.indexing import _check_index
 from compiler.bindings.registry import Unsupported, _in_place_variant, _no_out, _t, binds
@@ -204,3 +205,8 @@ def _one_hot(b, x, num_classes=-1):
     shape = (num_classes, num_classes)
     identity = (arange_along(b, shape, 0) == arange_along(b, shape, 1)).to(torch.int64)
     return gather(identity, x, "embedding", 0)
+
+
+# NOTE: empty_like's values are unspecified, so zeros are eager's too; a MoE layer makes its
+# inverse permutation in one (``inv = torch.empty_like(perm); inv[perm] = arange``).
+binds(torch.empty_like)(_filled(0))
