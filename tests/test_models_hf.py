@@ -11,6 +11,8 @@ and an op that starts compiling shows up as a list to shorten).
 from __future__ import annotations
 
 import copy
+import os
+import sys
 
 import pytest
 import torch
@@ -127,3 +129,15 @@ def test_model_trains_like_eager(name):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m, key=key: f"{name}: {key}: {m}")
     assert [reason_op(r) for r in report.fallbacks] == STILL_EAGER[name], report.fallbacks
     assert launches > 0
+
+
+def test_train_gpt2_example_matches_eager(capsys):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    try:
+        import train_gpt2
+    finally:
+        sys.path.pop(0)
+    losses, eager_losses = train_gpt2.main(["--steps", "3", "--width", "32", "--layers", "1"])
+    torch.testing.assert_close(torch.stack(losses), torch.stack(eager_losses), atol=1e-4, rtol=1e-4)
+    out = capsys.readouterr().out
+    assert "kernels " in out and "ran: interpret" in out and "fallbacks:" in out
