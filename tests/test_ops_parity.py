@@ -387,7 +387,7 @@ def test_index_out_of_range_raises_as_in_eager():
 def test_indexing_not_compiled_yet_says_why():
     x = torch.randn(6, 8)
     reasons = compiler.explain(lambda x: x[x[:, 0] > 0].sum() + x[ROWS, COLUMNS[:4]].sum(), x).fallbacks
-    assert any("boolean mask" in r for r in reasons) and any("several index tensors" in r for r in reasons)
+    assert len(reasons) == 1 and "boolean mask" in reasons[0]  # several index tensors compile (aten.index)
 
 
 MASK_WITH_EMPTY_ROW = torch.rand(5, 6, generator=torch.Generator().manual_seed(2)) > 0.3
