@@ -195,3 +195,58 @@ def test_one_hot_out_of_range_raises():
         f(torch.tensor([0, 3]))
     with pytest.raises(RuntimeError):
         F.one_hot(torch.tensor([0, 3]), num_classes=3)
+
+
+def test_setitem_out_of_range_raises_as_eager():
+    def f(x, idx):
+        y = x * 1
+        y[idx] = 2.0
+        return y
+    compiled = compiler.compile(f, fullgraph=True)
+    x = torch.randn(4, 2)
+    compiled(x, torch.tensor([1, 3]))
+    with pytest.raises(IndexError):
+        compiled(x, torch.tensor([1, 4]))
+    with pytest.raises(IndexError):
+        f(x, torch.tensor([1, 4]))
+
+
+def test_scatter_add_out_of_range_raises_as_eager():
+    f = compiler.compile(lambda x, i, s: x.scatter_add(0, i, s), fullgraph=True)
+    x, s = torch.zeros(3), torch.ones(2)
+    f(x, torch.tensor([0, 2]), s)
+    with pytest.raises(RuntimeError, match="out of bounds"):
+        f(x, torch.tensor([0, 3]), s)
+    with pytest.raises(RuntimeError, match="out of bounds"):
+        x.scatter_add(0, torch.tensor([0, 3]), s)
+
+
+def test_setitem_boolean_mask_with_a_value_that_requires_grad_runs_eagerly():
+    def f(x, v):
+        y = x * 1
+        y[x > 0] = v
+        return y.sum()
+    x, v = torch.randn(5), torch.tensor(2.0, requires_grad=True)
+    report = compiler.explain(f, x, v)
+    assert any("boolean mask" in r for r in report.fallbacks)
+
+
+def test_moe_routing_like_transformers_grouped_mm():
+    """Tokens sorted by expert, counted with histc, offsets by cumsum, one grouped matmul, the
+    inverse permutation written with x[perm] = arange, combined with a sum over top-k."""
+    torch.manual_seed(0)
+    hidden, weight = _x(5, 8, dtype=torch.float32), _x(3, 8, 4, dtype=torch.float32)
+    router = _x(5, 3, dtype=torch.float32)
+
+    def moe(hidden, weight, router):
+        weights, experts = torch.topk(router.softmax(-1), 2, dim=-1)
+        expert_ids = experts.reshape(-1)
+        sorted_ids, perm = torch.sort(expert_ids)
+        tokens = hidden[perm // 2]
+        counts = torch.histc(sorted_ids.float(), bins=3, min=0, max=2)
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        out = torch._grouped_mm(tokens, weight, offs=offsets) * weights.reshape(-1)[perm].unsqueeze(-1)
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.size(0))
+        return out[inverse].view(5, 2, 4).sum(1)
+    check_parity(moe, [hidden, weight, router], tol=dict(rtol=1e-5, atol=1e-5))

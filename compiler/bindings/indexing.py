@@ -179,6 +179,9 @@ def _index_extern(x: Tensor, items) -> Tensor:
 def _setitem_tensors(b, x: Tensor, items, value) -> Tensor:
     """x[i, j, ...] = value with index tensors (integer or boolean): index_put."""
     layout, tensors = _index_layout(x, items, "assignment")
+    if isinstance(value, Tensor) and value.requires_grad and any(t.dtype in (torch.bool, torch.uint8) for t in tensors):
+        raise Unsupported("assignment through a boolean mask of a value that requires grad (its gradient has a "
+                          "data-dependent shape)")
     if isinstance(value, Tensor):
         new = value.to(x.dtype) if value.dtype != x.dtype else value
     elif isinstance(value, (int, float, bool)):
