@@ -12,16 +12,16 @@ from runtime.backends import BackendUnavailable
 
 def test_unsupported_op_runs_eagerly_with_reason(caplog):
     def f(x):
-        return torch.cumsum(x.sin(), 0).sum()
+        return torch.cumprod(x.sin(), 0).sum()
     x = torch.randn(6, requires_grad=True)
     report = compiler.explain(f, x)
-    assert any("cumsum" in r and "not supported" in r for r in report.fallbacks)
+    assert any("cumprod" in r and "not supported" in r for r in report.fallbacks)
     compiled = compiler.compile(f, backend="interpret")
     with caplog.at_level(logging.WARNING, logger="compiler"):
         outs = [compiled(x) for _ in range(3)]
     for out in outs:
         torch.testing.assert_close(out, f(x))
-    messages = [r.getMessage() for r in caplog.records if "cumsum" in r.getMessage()]
+    messages = [r.getMessage() for r in caplog.records if "cumprod" in r.getMessage()]
     assert len(messages) == 1  # said once, not per call
     # the supported ops around it still ran as kernels
     assert compiled.stats["kernel_launches"] > 0
@@ -49,8 +49,8 @@ def test_item_and_tensor_control_flow_are_reported():
 
 
 def test_fullgraph_raises_instead_of_falling_back():
-    compiled = compiler.compile(lambda x: torch.cumsum(x, 0), backend="interpret", fullgraph=True)
-    with pytest.raises(compiler.CompileError, match="cumsum"):
+    compiled = compiler.compile(lambda x: torch.cumprod(x, 0), backend="interpret", fullgraph=True)
+    with pytest.raises(compiler.CompileError, match="cumprod"):
         compiled(torch.randn(4))
 
 
@@ -73,10 +73,10 @@ def test_eager_backend_is_the_function_unmodified():
 
     def f(x):
         calls.append(1)
-        return torch.cumsum(x, 0)
+        return torch.cumprod(x, 0)
     compiled = compiler.compile(f, backend="eager")
     x = torch.randn(4)
-    torch.testing.assert_close(compiled(x), torch.cumsum(x, 0))
+    torch.testing.assert_close(compiled(x), torch.cumprod(x, 0))
     assert compiled.last_backend == "eager" and calls == [1]
 
 

@@ -6,7 +6,7 @@ so each reads like its counterpart in ``torch/_refs`` or ``torch/_decomp/decompo
 """
 
 from compiler.bindings import (cross_entropy, elementwise, flip, indexing, layers, losses, norms,  # noqa: F401
-                               random, reductions, views)
+                               random, reductions, routing, views)
 from compiler.bindings.registry import BINDINGS, Unsupported, Writes, binds, lookup
 
 __all__ = ["BINDINGS", "Unsupported", "Writes", "binds", "lookup"]

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from compiler.bindings.handles import Tensor, arange_along, full, gather, on_handles, where
-from compiler.bindings.registry import Unsupported, _no_out, _t, binds
+from compiler.bindings.registry import Unsupported, _in_place_variant, _no_out, _t, binds
+from compiler.ops import routing
 
 
 @binds(F.embedding)
@@ -72,7 +73,7 @@ def _advanced_index(x: Tensor, index) -> Tensor:
     items = index if isinstance(index, tuple) else (index,)
     tensors = [i for i, item in enumerate(items) if isinstance(item, Tensor)]
     if len(tensors) != 1:
-        raise Unsupported("indexing with several index tensors is not supported yet")
+        return _index_extern(x, items)
     at = tensors[0]
     idx = items[at]
     if idx.dtype == torch.bool:
@@ -139,10 +140,64 @@ def _getitem(b, x, index):
     return out.reshape(final)
 
 
+def _index_layout(x: Tensor, items, what):
+    """(layout, index tensors) of aten.index/index_put for ``items`` made of index tensors,
+    whole-dim slices and one ellipsis: per indexed dim, None (whole) or its tensor's position."""
+    if sum(1 for i in items if i is Ellipsis) > 1:
+        raise Unsupported("an index can only have a single ellipsis (eager raises)")
+    if any(item is Ellipsis for item in items):  # by identity: ``in`` would compare handles elementwise
+        at = next(i for i, item in enumerate(items) if item is Ellipsis)
+        items = items[:at] + (slice(None),) * (x.ndim - len(items) + 1) + items[at + 1:]
+    layout, tensors = [], []
+    for item in items:
+        if isinstance(item, Tensor):
+            if item.dtype not in (torch.int64, torch.int32, torch.bool, torch.uint8):
+                raise Unsupported(f"{what}: index tensors must be integer or boolean, not {item.dtype} (eager raises)")
+            layout.append(len(tensors))
+            tensors.append(item)
+        elif isinstance(item, slice) and item == slice(None):
+            layout.append(None)
+        else:
+            raise Unsupported(f"{what}: mixing index tensors with ints, slices or None is not supported yet")
+    if len(layout) > x.ndim:
+        raise Unsupported(f"{what}: too many indices (eager raises)")
+    return layout, tensors
+
+
+def _index_extern(x: Tensor, items) -> Tensor:
+    """x[i, j, ...] with several index tensors: aten.index (PyTorch's kernel)."""
+    layout, tensors = _index_layout(x, items, "indexing")
+    if any(t.dtype in (torch.bool, torch.uint8) for t in tensors):
+        raise Unsupported("indexing with a boolean mask has a data-dependent shape")
+    try:
+        node = routing.emit_advanced_index(x.b, x.node, [t.node for t in tensors], layout)
+    except (IndexError, RuntimeError) as e:
+        raise Unsupported(f"indexing: {e} (eager raises)") from None
+    return Tensor(x.b, node)
+
+
+def _setitem_tensors(b, x: Tensor, items, value) -> Tensor:
+    """x[i, j, ...] = value with index tensors (integer or boolean): index_put."""
+    layout, tensors = _index_layout(x, items, "assignment")
+    if isinstance(value, Tensor) and value.requires_grad and any(t.dtype in (torch.bool, torch.uint8) for t in tensors):
+        raise Unsupported("assignment through a boolean mask of a value that requires grad (its gradient has a "
+                          "data-dependent shape)")
+    if isinstance(value, Tensor):
+        new = value.to(x.dtype) if value.dtype != x.dtype else value
+    elif isinstance(value, (int, float, bool)):
+        new = full(b, (), value, x.dtype)
+    else:
+        raise Unsupported("assignment of a value that is neither a tensor nor a number")
+    return Tensor(b, routing.emit_index_put(b, x.node, new.node, [t.node for t in tensors], layout))
+
+
 @binds(_t("__setitem__"))
 @on_handles
 def _setitem(b, x, index, value):
     """x[index] = value, functionally: x with value scattered into the indexed positions."""
+    items = index if isinstance(index, tuple) else (index,)
+    if any(isinstance(item, Tensor) for item in items):
+        return _setitem_tensors(b, x, items, value)
     if index is None or (isinstance(index, tuple) and None in index):
         raise Unsupported("assignment through an index with None")
     slices, final = _basic_index(x, index)
@@ -190,3 +245,16 @@ def _triangle(keep_lower):
         keep = cols <= rows + int(diagonal) if keep_lower else cols >= rows + int(diagonal)
         return where(keep, x, 0, dtype=x.dtype)
     return on_handles(bind)
+
+
+@binds(torch.index_put, _t("index_put"))
+@on_handles
+def _index_put(b, x, indices, values, accumulate=False):
+    layout, tensors = _index_layout(x, tuple(indices), "index_put")
+    if not isinstance(values, Tensor) or values.dtype != x.dtype:
+        raise Unsupported("index_put needs values of the tensor's dtype (eager raises)")
+    return Tensor(b, routing.emit_index_put(b, x.node, values.node, [t.node for t in tensors], layout,
+                                            accumulate=bool(accumulate)))
+
+
+binds(_t("index_put_"))(_in_place_variant(_index_put))

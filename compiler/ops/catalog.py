@@ -8,6 +8,8 @@
 * ``views`` — reshape, permute, expand, slice, unfold: shape rule, VJP, and an *index map*
   that says which element of the input each output element reads, so views fuse for free.
 * ``structural`` — iota, random numbers, gathers and slice scatters, computed inline.
+* ``routing`` — externs of indexing and expert routing (topk/sort indices, cumsum, histc,
+  grouped matmuls, index_put, scatters, ``x[i, j]``), by PyTorch's kernels; hand-written VJPs.
 * ``externs`` — matmuls, convolutions and a gather's scatter-add gradient, run by PyTorch
   (cuBLAS and cuDNN on GPU); hand-written VJPs.
 
@@ -66,6 +68,7 @@ from compiler.ops.structural import (
     emit_rand,
     emit_slice_scatter,
 )
+from compiler.ops.routing import ROUTING
 from compiler.ops.views import VIEWS, View, emit_slice, emit_view, slice_tensor
 
 __all__ = [
@@ -75,7 +78,7 @@ __all__ = [
     "emit_pointwise", "masked_product", "partial_derivative", "pointwise_vjp", "scalar_expr", "wirtinger_gradient",
     "REDUCTIONS", "Reduction", "emit_reduction", "sum_to_shape", "GATHER", "IOTA", "RAND", "SLICE_SCATTER",
     "Gather", "Iota", "Rand", "SliceScatter", "emit_gather", "emit_iota", "emit_rand", "emit_slice_scatter",
-    "VIEWS", "View", "emit_slice", "emit_view", "slice_tensor", "vjp",
+    "ROUTING", "VIEWS", "View", "emit_slice", "emit_view", "slice_tensor", "vjp",
 ]
 
 

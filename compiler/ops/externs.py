@@ -128,8 +128,23 @@ class ConvolutionBackward(Extern):
         return out[0] if which == "input" else out[1]
 
     def vjp(self, b, node, grad_out):
-        raise NotImplementedError("double backward through a convolution is not supported yet "
-                                  "(create_graph=True through conv1d/conv2d/conv3d)")
+        """Double backward. Each gradient is bilinear: the input's in (grad, weight), the
+        weight's in (grad, input); so its VJP is a convolution or the other gradient with the
+        incoming ``grad_out`` in one operand's place (x enters the input's gradient by shape only)."""
+        grad, x, w = node.args
+        which, params = node.kwargs["which"], {k: v for k, v in node.kwargs.items() if k != "which"}
+        gg = gx = gw = None
+        if meta_of(grad).requires_grad:  # the forward convolution again, of grad_out
+            gg = emit_conv(b, grad_out, w, meta_of(grad).shape, **params) if which == "input" else \
+                emit_conv(b, x, grad_out, meta_of(grad).shape, **params)
+        other, source = ("weight", w) if which == "input" else ("input", x)
+        if meta_of(source).requires_grad:
+            operands = [grad, grad_out, w] if which == "input" else [grad, x, grad_out]
+            found = b.call(EXTERNS["conv_backward"], operands, {"which": other, **params},
+                           shape=meta_of(source).shape, dtype=meta_of(grad_out).dtype,
+                           requires_grad=any(meta_of(o).requires_grad for o in operands))
+            gw, gx = (found, None) if which == "input" else (None, found)
+        return [gg, gx, gw]
 
 
 EXTERNS = {"mm": MatMul("mm", torch.mm), "bmm": MatMul("bmm", torch.bmm),
