@@ -194,6 +194,11 @@ FIXED = {
     "equality-with-a-stand-in": _program([((), torch.int64, "expanded", False, 37)],
                                          ["v0 = -x0", "v1 = v0 + 1", "v3 = (v1 == v0)", "v4 = v3 * v0"],
                                          ["v4", "v1"]),
+    # logaddexp(v, v) was differentiated as v + log 2: gradient 1 where eager's 1 / (1 + exp(b - a))
+    # is NaN (v NaN here, log of a negative); now a head of its own with eager's derivative (seed 5158)
+    "logaddexp-of-itself-at-nan": _program([((2, 4), f32, "offset", True, 42), ((2, 4), f64, "contiguous", True, 43)],
+                                           ["v0 = x1 / x0", "v1 = torch.log(v0)", "v2 = torch.logaddexp(v1, v1)"],
+                                           ["v2"]),
 }
 
 
