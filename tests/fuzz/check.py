@@ -35,6 +35,8 @@ ALLOWED_FALLBACKS = {
     "elements share memory (expanded)": "an in-place write into an expanded tensor: that region runs eagerly",
     "an in-place op on a view whose base is outside this region": "capture follows writes through views "
                                                                   "of its own values only: runs eagerly",
+    "may have saved for backward": "an in-place op on a view of a value the region's ops may have saved: "
+                                   "runs eagerly, so eager's version error fires",
     "cat of non-tensors": "torch.cat with eager's legacy empty 1-d tensors: runs eagerly with the reason",
 }
 
@@ -63,12 +65,6 @@ KNOWN_BUGS = [
     # saved tensors and raises.
     ("inplace-on-unused-saved-output-refused",
      lambda m: "of _RegionFunction," in m and "modified by an inplace operation" in m and ", eager None" in m),
-    # An in-place op on a view of a value an op of the same region saved (y = x.exp();
-    # y[1:].mul_(2); or read: v1 = x ** v0; v0.mT[0] = c): the region goes on (a split would
-    # make the view an output of the region that views another, which PyTorch refuses to
-    # change in place), so the backward computes where eager's raises.
-    ("inplace-on-view-of-saved-value-not-refused",
-     lambda m: "backward raised None" in m and "modified by an inplace operation" in m),
     # The backward recomputes a value from an input that needs no grad (hypot(x, c): from x and c,
     # where eager saved the result), and that input is changed in place afterwards: the version
     # check of the recomputation's input refuses what eager runs.
