@@ -78,7 +78,7 @@ KNOWN_BUGS = [
 ]
 
 
-_PRODUCER = re.compile(r", which is output \d+ of \w+,")
+_PRODUCER = re.compile(r", which is output \d+ of [\w:]+,")
 
 
 def _same_but_producer(message) -> bool:
