@@ -60,11 +60,6 @@ KNOWN_BUGS = [
     # and the value's grad_fn at backward time where it saved an input, and which one fails first is
     # the order of eager's backward inside our region; the same error otherwise (README's limits).
     ("inplace-on-saved-value-names-region", lambda m: _same_but_producer(m)),
-    # A region output that the region's backward saved, changed in place later, and not in the
-    # loss's graph: eager never runs its op's backward; the region's backward unpacks all its
-    # saved tensors and raises.
-    ("inplace-on-unused-saved-output-refused",
-     lambda m: "of _RegionFunction," in m and "modified by an inplace operation" in m and ", eager None" in m),
     # The backward recomputes a value from an input that needs no grad (hypot(x, c): from x and c,
     # where eager saved the result), and that input is changed in place afterwards: the version
     # check of the recomputation's input refuses what eager runs.
