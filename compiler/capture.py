@@ -190,12 +190,15 @@ class Capture(InPlaceTracking, TorchFunctionMode):
                 reason = f"{function_name(func)} is not supported by the compiler yet"
 
         outputs = []
+        makes_views = bool(out_tensors)  # only new views (a view op: its backward saves no value)
         for t in out_tensors:
             entry = self.ids.get(id(t))
             if entry is not None and entry[0]() is t:
                 outputs.append(entry[1])        # returned an existing tensor (in-place, self)
+                makes_views = False
             else:
                 outputs.append(self._new_id(t))
+                makes_views = makes_views and t._base is not None
         index = len(self.calls)
         if region is not None:
             self.call_meta[index] = ({v: TensorMeta.of(x) for v, x in zip(recorded, leaves) if isinstance(v, ValueId)},
@@ -215,6 +218,9 @@ class Capture(InPlaceTracking, TorchFunctionMode):
                         self._update_base(region, vid, old, node, t._base, index)
                     except ViewMutation as e:
                         region.eager_reason = f"{function_name(func)}: {e}"
+                    refused = self._refuse_write_into_view_of_saved(region, t)
+                    if refused is not None and region.eager_reason is None:
+                        region.eager_reason = f"{function_name(func)}: {refused}"
                 if old is not None:
                     self._note_stale_views(region, t, vid)
                     root = t._base if t._base is not None else t
@@ -227,11 +233,14 @@ class Capture(InPlaceTracking, TorchFunctionMode):
             region.calls.append(index)
             if any(t.requires_grad for t in out_tensors):
                 region.read_for_grad.update(v for v in recorded if isinstance(v, ValueId))
+                if not makes_views:
+                    region.saved_for_grad.update(v for v in recorded if isinstance(v, ValueId))
                 # eager's op saved its own result (exp, relu, softmax, polar): an in-place op on it
                 # later is eager's error too
                 for v, t in zip(outputs, out_tensors):
                     if saves_result(t):
                         region.read_for_grad.add(v)
+                        region.saved_for_grad.add(v)
                         region.eager_saved[v] = (type(t.grad_fn).__name__, t.output_nr)
             self.calls.append(TraceCall(func, "compute", region.index, spec, recorded, outputs, out_spec))
         else:

@@ -39,6 +39,9 @@ class Region:
     eager_reason: str | None = None                 # set when the region must run eagerly
     stale: set = field(default_factory=set)         # views whose memory an in-place op changed since
     eager_saved: dict = field(default_factory=dict)  # value id -> (eager grad_fn type, output_nr): saved result
+    # value ids read under autograd by calls other than view ops (whose backward reads no value):
+    # what eager may have saved for backward
+    saved_for_grad: set = field(default_factory=set)
 
 
 class ViewMutation(Exception):
@@ -68,6 +71,23 @@ class InPlaceTracking:
             if entry[1] in region.read_for_grad:
                 self.current = None
                 return
+
+    def _refuse_write_into_view_of_saved(self, region, t) -> str | None:
+        """Why an in-place op on the view ``t`` must run eagerly, or None: ``t`` shares memory (so
+        a version counter) with a value an earlier op of this region read under autograd, which
+        eager may have saved for backward (y = x.exp(); y[1:].mul_(2)). Eager's backward then raises
+        "modified by an inplace operation"; the fused region would compute from the old value, and
+        a split cannot help (the view would be an output that views another output of the region,
+        which PyTorch refuses to change in place)."""
+        if not region.saved_for_grad or not t.requires_grad:
+            return None
+        root = t._base if t._base is not None else t
+        for ref, vid in list(self.ids.values()):
+            u = ref()
+            if u is not None and vid in region.saved_for_grad and (u._base if u._base is not None else u) is root:
+                return ("an in-place op on a view of a value that an earlier op of this region may have saved for "
+                        "backward (eager's version check would refuse that backward); the region runs eagerly")
+        return None
 
     def _note_stale_views(self, region, t, vid) -> None:
         """An in-place op wrote ``t``: other live views of its memory now show the write in

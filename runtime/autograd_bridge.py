@@ -61,6 +61,7 @@ class _RegionFunction(torch.autograd.Function):
         outs = region.forward.run(list(inputs), region.stats)
         saved = [inputs[i] if kind == "input" else outs[i] for kind, i in region.saved]
         ctx.save_for_backward(*saved)
+        ctx.saved_versions = [t._version if isinstance(t, torch.Tensor) else None for t in saved]
         # outputs eager's op saved (exp, polar: its result), version-checked where eager would run
         # that op's backward, with eager's message. NOTE: detach() shares the version counter;
         # the output itself would make a reference cycle through its grad_fn (this ctx).
@@ -113,7 +114,10 @@ class _RegionFunction(torch.autograd.Function):
         for t, version, name, output_nr, sources in ctx.eager_saved:
             if sources & given and t._version != version:
                 raise RuntimeError(_version_error(t, version, f"output {output_nr} of {name}"))
-        saved = list(ctx.saved_tensors)  # version-checked by PyTorch
+        try:
+            saved = list(ctx.saved_tensors)  # version-checked by PyTorch
+        except RuntimeError as e:
+            saved = _saved_for_partial_backward(ctx, region, given, e)
         if not given:  # no output of this region is in the loss's graph
             return (None,) * len(ctx.needs_input_grad)
         partial = _partial_backward(region, given) if len(given) < len(grads) else None
@@ -142,6 +146,25 @@ def _partial_backward(region: CompiledRegion, given: set):
     if region.backward_for is None:
         return None
     return region.backward_for(frozenset(region.grad_output_for[k] for k in given))
+
+
+def _saved_for_partial_backward(ctx, region: CompiledRegion, given: set, error: RuntimeError) -> list:
+    """The saved values when unpacking them all failed (``error``): eager runs the backward of
+    the ops on the loss's graph only, so a saved value changed in place later that only the
+    other outputs' backward reads is no error there (fuzz seed 7665). Those the partial backward
+    reads are version-checked here; None stands for the rest. Raises ``error`` when a value it
+    reads was changed, or there is no partial backward."""
+    partial = _partial_backward(region, given) if given and len(given) < len(region.grad_output_for) else None
+    if partial is None or "modified by an inplace operation" not in str(error):
+        raise error
+    take = set(partial[1])
+    values = []
+    for i, (packed, version) in enumerate(zip(ctx._raw_saved_tensors, ctx.saved_versions)):
+        t = packed.data if i in take else None  # (the data, unchecked: checked below)
+        if t is not None and t._version != version:
+            raise error
+        values.append(t)
+    return values
 
 
 def _has_nan(tensors) -> bool:

@@ -194,6 +194,25 @@ def test_second_backward_raises_unless_retain_graph_and_then_accumulates(call):
     torch.testing.assert_close(x.grad, 2 * once)
 
 
+def test_inplace_on_a_saved_output_outside_the_loss_is_no_error(call):
+    """exp saves its result; a later in-place op on it matters only where exp's backward runs:
+    not when the loss reads the other output alone (eager), an error when it reads this one."""
+    def f(x):
+        return x.exp(), x.sin() * x
+
+    x = torch.randn(4, dtype=F64, requires_grad=True)
+    g = warm(compiled(f, call), x)
+    for fn in (f, g):
+        a, b = fn(x)
+        a.mul_(2)
+        (gx,) = torch.autograd.grad(b.sum(), x)
+        torch.testing.assert_close(gx, x.sin() + x * x.cos())
+        a, b = fn(x)
+        a.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            torch.autograd.grad((a + b).sum(), x)
+
+
 # -- custom autograd.Function -------------------------------------------------------------
 
 class ScaleAndFlag(torch.autograd.Function):

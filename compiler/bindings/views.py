@@ -252,9 +252,8 @@ def _cat(b, tensors, dim=0, *, out=None):
     # NOTE: eager skips empty 1-d tensors in the shape check (legacy) but not in type promotion,
     # and gives them an empty gradient: they join the chain below as a slice of length 0.
     dtype = result_dtype(tensors)
-    shaped = [t for t in tensors if not _empty_1d(t)]
-    if not shaped:
-        raise Unsupported("cat of empty 1-d tensors only")
+    # (only empty 1-d tensors: an empty 1-d result, each input's gradient an empty slice)
+    shaped = [t for t in tensors if not _empty_1d(t)] or tensors[:1]
     ndim = len(meta_of(shaped[0]).shape)
     dim %= ndim
     shape = list(meta_of(shaped[0]).shape)

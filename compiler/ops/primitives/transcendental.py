@@ -11,6 +11,7 @@ from compiler.ops.primitives.base import (
     ZERO,
     Builtin,
     Primitive,
+    as_tensor,
     complex_exp,
     complex_log,
     composite,
@@ -141,6 +142,44 @@ composite("log2", lambda a: sympy.log(a) / sympy.log(2), binds=("log2",), **_FLO
 composite("log10", lambda a: sympy.log(a) / sympy.log(10), binds=("log10",), **_FLOAT_REAL)
 composite("exp2", lambda a: sympy.exp(a * sympy.log(2)), binds=("exp2",), **_FLOAT_REAL)
 composite("hypot", lambda a, b: sympy.sqrt(a * a + b * b), binds=("hypot",), math=True, **_FLOAT_REAL)
-composite("logaddexp", lambda a, b: Maximum(a, b) + Log1p(sympy.exp(-Abs(a - b))),
-          result=FLOAT, binds=("logaddexp",), math=True)
 composite("xlogy", lambda a, b: Where(compare("eq", a, 0), 0, a * sympy.log(b)), binds=("xlogy",), **_FLOAT_REAL)
+
+
+class LogAddExp(Primitive, sympy.Function):
+    """log(exp(a) + exp(b)), printed as eager's stable max(a, b) + log1p(exp(-|a - b|)) (a + log 2
+    where a == b, so logaddexp(inf, inf) is inf). A head of its own, not that expression: SymPy
+    would differentiate logaddexp(v, v) as v + log 2 (derivative 1 where eager's is NaN at NaN)."""
+
+    nargs = 2
+    torch_fn = torch.logaddexp
+    op, result, binds, math = "logaddexp", FLOAT, ("logaddexp",), True
+
+    def fdiff(self, argindex=1):
+        a, b = self.args
+        return LogAddExpShare(a, b) if argindex == 1 else LogAddExpShare(b, a)
+
+    @classmethod
+    def render(cls, printer, e):
+        a, b = e.args
+        return printer.p(Where(compare("eq", a, b), a + sympy.log(2), Maximum(a, b) + Log1p(sympy.exp(-Abs(a - b)))))
+
+
+class LogAddExpShare(Primitive, sympy.Function):
+    """1 / (1 + exp(b - a)): the share of logaddexp(a, b)'s gradient that reaches a, eager's
+    formula, printed as is (NaN where a or b is NaN, or both infinite; 1/2 where a == b)."""
+
+    nargs = 2
+    user_op = False  # emitted by LogAddExp's derivative only
+
+    def fdiff(self, argindex=1):
+        slope = self * (1 - self)
+        return slope if argindex == 1 else -slope
+
+    @classmethod
+    def render(cls, printer, e):
+        a, b = printer.p(e.args[0]), printer.p(e.args[1])
+        return f"(1.0 / (1.0 + tl.exp(({b}) - ({a}))))"
+
+    @classmethod
+    def torch_eval(cls, a, b):
+        return 1 / (1 + torch.exp(as_tensor(b) - as_tensor(a)))
