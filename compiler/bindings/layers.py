@@ -231,6 +231,23 @@ binds(F.adaptive_avg_pool2d)(_adaptive_avg_pool(2))
 binds(F.adaptive_avg_pool3d)(_adaptive_avg_pool(3))
 
 
+def _grouped_heads(query: Tensor, kv: Tensor) -> Tensor:
+    """Grouped-query attention's keys or values: each of the kv heads (dim -3) repeated for
+    the query heads of its group, as eager's ``repeat_interleave(groups, -3)`` (an expand
+    and a reshape here: views, so the repeat moves no data before the matmul)."""
+    if query.ndim < 3 or kv.ndim < 3:
+        raise Unsupported("scaled_dot_product_attention(enable_gqa=True) needs a head dim (eager raises)")
+    heads, kv_heads = query.shape[-3], kv.shape[-3]
+    if kv_heads == 0 or heads % kv_heads:
+        raise Unsupported(f"enable_gqa with {heads} query heads and {kv_heads} key/value heads (eager raises)")
+    groups = heads // kv_heads
+    if groups == 1:
+        return kv
+    lead, tail = tuple(kv.shape[:-3]), tuple(kv.shape[-2:])
+    grouped = kv.reshape(lead + (kv_heads, 1) + tail).expand(lead + (kv_heads, groups) + tail)
+    return grouped.reshape(lead + (heads,) + tail)
+
+
 @binds(F.scaled_dot_product_attention)
 @on_handles
 def _scaled_dot_product_attention(b, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -240,7 +257,7 @@ def _scaled_dot_product_attention(b, query, key, value, attn_mask=None, dropout_
     the attention weights from in-kernel random numbers. The matmuls are PyTorch's; the
     scaling, masking, softmax and dropout fuse around them."""
     if enable_gqa:
-        raise Unsupported("scaled_dot_product_attention(enable_gqa=True) is not supported yet")
+        key, value = _grouped_heads(query, key), _grouped_heads(query, value)
     if is_causal and attn_mask is not None:
         raise Unsupported("scaled_dot_product_attention with both attn_mask and is_causal (eager raises)")
     if scale is None:
