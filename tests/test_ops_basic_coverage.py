@@ -223,3 +223,16 @@ def test_a_mask_check_reads_only_the_bool():
         torch.testing.assert_close(out, ref)
         torch.testing.assert_close(xs.grad, xe.grad)
     assert compiled.stats["eager_calls"] == 0
+
+
+# ----------------------------------------------------------------------------- max pooling
+@pytest.mark.parametrize("dims,shape", [(1, (2, 3, 11)), (2, (2, 3, 9, 10)), (3, (1, 2, 7, 6, 8))])
+@pytest.mark.parametrize("options", [dict(kernel_size=3, stride=2, ceil_mode=True),
+                                     dict(kernel_size=2, dilation=2, padding=1),
+                                     dict(kernel_size=3, stride=2, padding=1, dilation=2, ceil_mode=True,
+                                          return_indices=True),
+                                     dict(kernel_size=(2,), return_indices=True)],
+                         ids=["ceil", "dilation", "all", "indices"])
+def test_max_pool_ceil_mode_dilation_and_indices(dims, shape, options):
+    pool = getattr(F, f"max_pool{dims}d")
+    check(lambda x: pool(x, **options), randn(*shape, dtype=torch.float64))

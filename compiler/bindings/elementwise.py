@@ -479,7 +479,19 @@ def _clamp(b, x, min=None, max=None, *, out=None):
         return _pointwise(b, "clamp_max", [x, max])
     if max is None:
         return _pointwise(b, "clamp_min", [x, min])
+    if isinstance(min, fx.Node) or isinstance(max, fx.Node) or min > max:
+        return _crossing_clamp(b, x, min, max)
     return _pointwise(b, "clamp", [x, min, max])
+
+
+def _crossing_clamp(b, x, lo, hi):
+    """clamp with bounds that may cross (tensor bounds, or min > max): eager's min(max(x, lo), hi),
+    which is ``hi`` wherever lo > hi. Its gradients as eager's clamp_backward_min_max: to hi where
+    x > hi or lo > hi, to lo where x < lo below it, to x in between."""
+    dtype = result_dtype([x, lo, hi])
+    above = _pointwise(b, "logical_or", [_pointwise(b, "gt", [x, hi]), _pointwise(b, "gt", [lo, hi])])
+    inside = C.emit_pointwise(b, "where", [_pointwise(b, "lt", [x, lo]), lo, x], dtype=dtype)
+    return C.emit_pointwise(b, "where", [above, hi, inside], dtype=dtype)
 
 
 binds(torch.clamp_min, _t("clamp_min"))(lambda b, x, min: _clamp(b, x, min=min))
