@@ -385,8 +385,9 @@ binds(_t("double"))(lambda b, x: _to(b, x, torch.float64))
 def _filled(value):
     def bind(b, x, *, dtype=None, layout=None, device=None, pin_memory=False, memory_format=None,
              requires_grad=False, fill_value=None):
-        if device is not None or layout is not None or requires_grad:
-            raise Unsupported("*_like with device/layout/requires_grad arguments is not supported yet")
+        if layout not in (None, torch.strided) or requires_grad or memory_format not in _KEPT_FORMATS:
+            raise Unsupported("*_like with layout/requires_grad/memory_format arguments is not supported yet")
+        _same_device(x, device)
         fill = value if fill_value is None else fill_value
         out_dtype = dtype or meta_of(x).dtype
         # a pointwise op of x that ignores x's values: it has x's shape and no gradient

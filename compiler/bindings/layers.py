@@ -9,7 +9,19 @@ import math
 import torch
 import torch.nn.functional as F
 
-from compiler.bindings.handles import Tensor, addmm, arange_along, bmm, conv, full, mm, on_handles, pointwise, where
+from compiler.bindings.handles import (
+    Tensor,
+    addmm,
+    arange_along,
+    bmm,
+    conv,
+    full,
+    gather,
+    mm,
+    on_handles,
+    pointwise,
+    where,
+)
 from compiler.bindings.indexing import _triangle
 from compiler.bindings.random import _dropout
 from compiler.bindings.reductions import _shifted
@@ -58,8 +70,11 @@ def _conv_binding(dims):
     def bind(b, input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
         if not isinstance(input, Tensor) or not isinstance(weight, Tensor):
             raise Unsupported("convolution needs tensor input and weight")
+        if input.ndim == dims + 1:  # unbatched: a batch of one, as eager
+            out = bind(b, input.unsqueeze(0), weight, bias, stride, padding, dilation, groups)
+            return out.reshape(out.shape[1:])
         if input.ndim != dims + 2:
-            raise Unsupported(f"conv{dims}d of an unbatched input is not supported yet")
+            raise Unsupported(f"conv{dims}d of a {input.ndim}-d input (eager raises)")
         if input.dtype != weight.dtype or input.dtype.is_complex:
             raise Unsupported("convolution of mixed or complex dtypes is not supported yet")
 
@@ -138,9 +153,29 @@ def _interpolate(b, input, size=None, scale_factor=None, mode="nearest", align_c
         factors = [o / i for o, i in zip(sizes, spatial)]
     else:
         factors = list(scale_factor) if isinstance(scale_factor, (tuple, list)) else [scale_factor] * len(spatial)
-    if any(f != int(f) or f < 1 for f in factors):
-        raise Unsupported("interpolate by a non-integer or shrinking factor is not supported yet")
-    return _interleave(b, input.node, {2 + i: int(f) for i, f in enumerate(factors)})
+    if all(f == int(f) and f >= 1 for f in factors):
+        return _interleave(b, input.node, {2 + i: int(f) for i, f in enumerate(factors)})
+    # any other size: each output element reads the input element at eager's source index,
+    # floor(dst * scale) ("nearest") or floor((dst + 0.5) * scale) ("nearest-exact"), computed in
+    # float32 as eager's kernel computes it; a gather per dim (its gradient an index_add)
+    out = input
+    for i, n in enumerate(spatial):
+        if size is not None:
+            o = sizes[i]
+            scale = n / o
+        else:
+            o = math.floor(n * factors[i])
+            scale = n / o if recompute_scale_factor else 1.0 / factors[i]
+        if o == n and scale == 1.0:
+            continue
+        if o <= 0:
+            raise Unsupported("interpolate to an empty size (eager raises)")
+        scale = torch.tensor(scale, dtype=torch.float32).item()
+        dst = arange_along(b, (o,), 0).to(torch.float32)
+        source = pointwise("floor", (dst + 0.5 if mode == "nearest-exact" else dst) * scale)
+        index = pointwise("minimum", source, float(n - 1)).to(torch.int64)
+        out = gather(out, index, "index_select", 2 + i)
+    return out
 
 
 def _pool_windows(x: Tensor, dims, kernel, stride, padding, fill, dilation=None, extra=None) -> Tensor:

@@ -277,19 +277,41 @@ def _l2_norm(x: Tensor, dim, keepdim) -> Tensor:
     return pointwise("norm_sqrt", (x * x).sum(_dims(x, dim), keepdim))
 
 
+def _p_norm(x: Tensor, p, dim, keepdim) -> Tensor:
+    """The vector p-norm over ``dim`` (torch.linalg.vector_norm's definition): 2 as ``_l2_norm``;
+    ±inf the max/min of |x| (the gradient shared among the extreme elements, as eager's); 1 the
+    sum of |x|; another p (sum |x|^p)^(1/p). p = 0 (a count) is not compiled."""
+    if p in (2, 2.0, "fro"):
+        return _l2_norm(x, dim, keepdim)
+    if not x.dtype.is_floating_point or isinstance(p, str) or p == 0:
+        raise Unsupported(f"norm(p={p!r}) of a {x.dtype} tensor is not supported yet")
+    dims = _dims(x, dim)
+    empty = x.ndim > 0 and numel([x.shape[d] for d in dims]) == 0
+    if empty and (p < 0 or abs(p) == float("inf")):
+        raise Unsupported(f"norm(p={p!r}) over an empty dim (eager raises)")
+    magnitude = x.abs()
+    if p == float("inf"):
+        return magnitude.amax(dims, keepdim)
+    if p == -float("inf"):
+        return -((-magnitude).amax(dims, keepdim))
+    if p == 1:
+        return magnitude.sum(dims, keepdim)
+    return (magnitude ** float(p)).sum(dims, keepdim) ** (1.0 / float(p))
+
+
 @binds(torch.norm, _t("norm"))
 @on_handles
 def _norm(b, x, p="fro", dim=None, keepdim=False, out=None, dtype=None):
     _no_out({"out": out})
-    if p not in (2, 2.0, "fro") or dtype is not None:
-        raise Unsupported(f"norm(p={p!r}) is not supported yet (only the 2-norm)")
-    return _l2_norm(x, dim, keepdim)
+    if dtype is not None:
+        raise Unsupported("norm(dtype=...) is not supported yet")
+    return _p_norm(x, p, dim, keepdim)
 
 
 @binds(torch.linalg.vector_norm)
 @on_handles
 def _vector_norm(b, x, ord=2, dim=None, keepdim=False, *, dtype=None, out=None):
     _no_out({"out": out})
-    if ord not in (2, 2.0) or dtype is not None:
-        raise Unsupported(f"vector_norm(ord={ord!r}) is not supported yet (only the 2-norm)")
-    return _l2_norm(x, dim, keepdim)
+    if dtype is not None:
+        raise Unsupported("vector_norm(dtype=...) is not supported yet")
+    return _p_norm(x, ord, dim, keepdim)

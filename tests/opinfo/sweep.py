@@ -115,9 +115,20 @@ def opinfos() -> dict:
     return found
 
 
+FULL_CAP = 120  # per op and dtype in the full run (max pooling has 1,440 samples per dtype)
+
+
 def select_samples(samples: list, full: bool) -> list:
-    """All samples (full), or a fixed spread of ``DEFAULT_SAMPLES``: the first and the middle one."""
-    if full or len(samples) <= DEFAULT_SAMPLES:
+    """The default (CI) run: a fixed spread of ``DEFAULT_SAMPLES``, the first and the middle one.
+    The full run: every sample, except that an op with more than ``FULL_CAP`` (only max pooling:
+    every combination of kernel, stride, padding, dilation, ceil_mode and return_indices, ~3 s
+    each in the interpreter) keeps an even spread of ``FULL_CAP``."""
+    if full:
+        if len(samples) <= FULL_CAP:
+            return list(enumerate(samples))
+        step = len(samples) / FULL_CAP
+        return [(int(k * step), samples[int(k * step)]) for k in range(FULL_CAP)]
+    if len(samples) <= DEFAULT_SAMPLES:
         return list(enumerate(samples))
     picks = sorted({0, len(samples) // 2})
     return [(i, samples[i]) for i in picks]
@@ -214,7 +225,10 @@ def _compare(name, mine, theirs, dtype, what):
             continue
         tol = TOLERANCE.get(t.dtype, dict(rtol=0, atol=0)) if t.is_floating_point() or t.is_complex() \
             else dict(rtol=0, atol=0)
-        # a gradient summed over many elements carries the error of each: scale atol by its size
+        if what == "gradient" and t.dtype in (F32, C64):
+            # a float32 gradient sums rounded terms (a normalization's 1/std amplifies them): eager's
+            # own kernels differ by as much between CPU and GPU
+            tol = dict(rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(m, t, equal_nan=True, msg=lambda s: f"{what} {k}: {s}", **tol)
 
 
