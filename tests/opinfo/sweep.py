@@ -12,7 +12,8 @@ interpreter). The outcome is one of
 * ``mismatch``: a value, dtype or gradient other than eager's (a bug);
 * ``internal``: an internal compiler error (``InternalCompilerError`` under SYMGRAD_STRICT=1,
   a bug);
-* ``skip``: eager itself raises on the sample (nothing to compare).
+* ``skip``: eager itself raises on the sample (nothing to compare);
+* ``known``: a mismatch listed in ``KNOWN`` (reported, not fixed yet).
 
 ``select_samples`` keeps a fixed subset of each op's samples by default (the CI run);
 ``SYMGRAD_OPINFO=full`` keeps them all.
@@ -93,9 +94,15 @@ SHAPE_ONLY = {"new_empty"}
 # the sample draws none (dropout_p = 0).
 RANDOM = {"nn.functional.scaled_dot_product_attention"}
 
+# Mismatches found by the sweep in code outside this sweep's owners' files, reported, not yet
+# fixed: counted apart ("known") so that any other mismatch fails. (op, dtype, sample index): why.
+KNOWN = {
+    ("abs", C64, 1): "|z| as sqrt(re² + im²) overflows for |re|, |im| ~ 1e30 in complex64 (eager: hypot); "
+                     "compiler/ops/primitives/base.py hypot",
+}
+
 TOLERANCE = {F32: dict(rtol=1e-4, atol=1e-5), F64: dict(rtol=1e-7, atol=1e-7), BF16: dict(rtol=2e-2, atol=2e-2),
              C64: dict(rtol=1e-4, atol=1e-5)}
-DEFAULT_SAMPLES = 2  # per op and dtype in the default (CI) run
 
 
 def full_sweep() -> bool:
@@ -115,22 +122,22 @@ def opinfos() -> dict:
     return found
 
 
-FULL_CAP = 120  # per op and dtype in the full run (max pooling has 1,440 samples per dtype)
+FULL_CAP = 48     # per op and dtype in the full run, for ops with more than CAPPED_ABOVE samples
+CAPPED_ABOVE = 400  # (only max pooling: up to 1,440 samples per dtype)
 
 
-def select_samples(samples: list, full: bool) -> list:
-    """The default (CI) run: a fixed spread of ``DEFAULT_SAMPLES``, the first and the middle one.
-    The full run: every sample, except that an op with more than ``FULL_CAP`` (only max pooling:
+def select_samples(samples: list, full: bool, first: bool = True) -> list:
+    """The default (CI) run: the first and the middle sample (``first``; the middle one only
+    for the second and later dtypes of an op).
+    The full run: every sample, except that an op with more than ``CAPPED_ABOVE`` (only max pooling:
     every combination of kernel, stride, padding, dilation, ceil_mode and return_indices, ~3 s
     each in the interpreter) keeps an even spread of ``FULL_CAP``."""
     if full:
-        if len(samples) <= FULL_CAP:
+        if len(samples) <= CAPPED_ABOVE:
             return list(enumerate(samples))
         step = len(samples) / FULL_CAP
         return [(int(k * step), samples[int(k * step)]) for k in range(FULL_CAP)]
-    if len(samples) <= DEFAULT_SAMPLES:
-        return list(enumerate(samples))
-    picks = sorted({0, len(samples) // 2})
+    picks = sorted({0, len(samples) // 2} if first else {len(samples) // 2}) if samples else []
     return [(i, samples[i]) for i in picks]
 
 
@@ -244,4 +251,7 @@ def run(name: str, info, dtype, full: bool):
         warnings.simplefilter("ignore")
         samples = list(info.sample_inputs("cpu", dtype, requires_grad=info.supports_autograd and
                                           (dtype.is_floating_point or dtype.is_complex)))
-    return [(i, check_sample(name, info, s, dtype)) for i, s in select_samples(samples, full)]
+    first = dtype == OPS[name][0]
+    outcomes = [(i, check_sample(name, info, s, dtype)) for i, s in select_samples(samples, full, first)]
+    return [(i, Outcome("known", KNOWN[(name, dtype, i)]) if o.kind == "mismatch" and (name, dtype, i) in KNOWN else o)
+            for i, o in outcomes]
