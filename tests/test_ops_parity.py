@@ -494,7 +494,8 @@ def test_pooling_not_compiled_yet_says_why():
     x = torch.randn(2, 3, 7, 6)
     reasons = compiler.explain(lambda x: F.avg_pool2d(x, 3, ceil_mode=True).sum()
                                + F.max_pool2d(x, 2, dilation=2).sum(), x).fallbacks
-    assert len(reasons) == 2 and all("ceil_mode or dilation" in r for r in reasons)
+    # (max pooling with dilation, ceil_mode and return_indices compiles: tests/test_ops_basic_coverage.py)
+    assert len(reasons) == 1 and "ceil_mode" in reasons[0]
 
 
 def test_max_pool_propagates_nan():

@@ -309,22 +309,72 @@ def _tensor_where(b, x, cond, y):
     return _where(b, cond, x, y)
 
 
+_KEPT_FORMATS = (None, torch.preserve_format, torch.contiguous_format)
+
+
+def _same_device(x, device):
+    """Raise Unsupported unless ``device`` (a torch.device, a string, an index) is ``x``'s own."""
+    if device is None:
+        return
+    here = meta_of(x).device
+    try:
+        there = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise Unsupported(f"Tensor.to({device!r}): not a device") from None
+    if here is None or there.type != here.type or (there.index is not None and there.index != here.index):
+        raise Unsupported("moving tensors between devices inside a compiled function is not supported yet "
+                          f"({here} -> {there}): move them before the call")
+
+
 @binds(_t("to"), _t("type"))
 def _to(b, x, *args, **kwargs):
-    dtype = None
-    for a in list(args) + [kwargs.get("dtype")]:
-        if isinstance(a, torch.dtype):
-            dtype = a
-        elif a is not None and not isinstance(a, (torch.device, str, bool)):
-            raise Unsupported("Tensor.to() with these arguments is not supported yet")
-    if isinstance(kwargs.get("device"), (torch.device, str)) or any(isinstance(a, (torch.device, str)) for a in args):
-        raise Unsupported("moving tensors between devices inside a compiled function is not supported yet")
-    if dtype is None:
-        raise Unsupported("Tensor.to() without a dtype is not supported yet")
-    if dtype == meta_of(x).dtype:
+    """Tensor.to / Tensor.type on x's own device: a cast, or x itself when nothing changes (a copy
+    with copy=True). The forms: to(dtype), to(device, dtype), to(other tensor), keywords."""
+    args = list(args)
+    dtype, device = kwargs.pop("dtype", None), kwargs.pop("device", None)
+    copy = kwargs.pop("copy", False)
+    kwargs.pop("non_blocking", None)
+    if kwargs.pop("memory_format", None) not in _KEPT_FORMATS:
+        raise Unsupported("Tensor.to(memory_format=...) other than preserve/contiguous is not supported yet")
+    if kwargs:
+        raise Unsupported(f"Tensor.to() with {sorted(kwargs)} is not supported yet")
+    if args and isinstance(args[0], fx.Node):       # to(other): other's dtype and device
+        other = args.pop(0)
+        dtype, device = meta_of(other).dtype, meta_of(other).device or device
+    elif args and isinstance(args[0], (torch.device, str, int)) and not isinstance(args[0], bool):
+        device = args.pop(0)
+    if args and isinstance(args[0], torch.dtype):
+        dtype = args.pop(0)
+    if args and isinstance(args[0], bool):           # non_blocking, then copy, positionally
+        args.pop(0)
+        copy = args.pop(0) if args and isinstance(args[0], bool) else copy
+    if args or (dtype is not None and not isinstance(dtype, torch.dtype)):
+        raise Unsupported("Tensor.to() with these arguments is not supported yet")
+    _same_device(x, device)
+    dtype = dtype or meta_of(x).dtype
+    if dtype == meta_of(x).dtype and not copy:
         return x
     return C.emit_pointwise(b, "identity", [x], dtype=dtype,
-                            requires_grad=meta_of(x).requires_grad and dtype.is_floating_point)
+                            requires_grad=meta_of(x).requires_grad and (dtype.is_floating_point or dtype.is_complex))
+
+
+@binds(torch.clone, _t("clone"))
+def _clone(b, x, *, memory_format=torch.preserve_format):
+    """A copy of x (a new value; its gradient passes straight through)."""
+    if memory_format not in _KEPT_FORMATS:
+        raise Unsupported("clone(memory_format=...) other than preserve/contiguous is not supported yet")
+    source = x
+    while isinstance(source, fx.Node) and getattr(source.target, "kind", None) == "view":
+        source = source.args[0]
+    if source.op == "placeholder" and (source is not x or meta_of(x).requires_grad):
+        # NOTE: two replay bugs (reported; they reach any op, a clone only makes them common):
+        # a view of an input that the region writes in place is handed out as a fresh tensor
+        # (gradcheck clones an input's element, then perturbs the input through that view), and
+        # a region value saved for backward misses eager's version check when an eager op
+        # changes it unseen (a custom Function's mark_dirty). Eager's clone of a region input
+        # keeps the boundary that avoids both; a clone of an intermediate compiles.
+        raise Unsupported("clone of an input that requires grad, or of a view of an input, is not supported yet")
+    return C.emit_pointwise(b, "identity", [x], dtype=meta_of(x).dtype)
 
 
 binds(_t("float"))(lambda b, x: _to(b, x, torch.float32))
@@ -335,8 +385,9 @@ binds(_t("double"))(lambda b, x: _to(b, x, torch.float64))
 def _filled(value):
     def bind(b, x, *, dtype=None, layout=None, device=None, pin_memory=False, memory_format=None,
              requires_grad=False, fill_value=None):
-        if device is not None or layout is not None or requires_grad:
-            raise Unsupported("*_like with device/layout/requires_grad arguments is not supported yet")
+        if layout not in (None, torch.strided) or requires_grad or memory_format not in _KEPT_FORMATS:
+            raise Unsupported("*_like with layout/requires_grad/memory_format arguments is not supported yet")
+        _same_device(x, device)
         fill = value if fill_value is None else fill_value
         out_dtype = dtype or meta_of(x).dtype
         # a pointwise op of x that ignores x's values: it has x's shape and no gradient
@@ -347,6 +398,31 @@ def _filled(value):
 
 binds(torch.zeros_like)(_filled(0))
 binds(torch.ones_like)(_filled(1))
+
+
+def _new_filled(value):
+    """Tensor.new_ones / new_zeros / new_full / new_empty: a constant of the given size, x's dtype
+    unless given (new_empty's values are unspecified in eager: zeros here)."""
+    def bind(b, x, *size, fill_value=None, dtype=None, layout=None, device=None, pin_memory=False,
+             requires_grad=False):
+        if value == "full":
+            size, fill_value = size[:-1] if fill_value is None else size, size[-1] if fill_value is None else fill_value
+        if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+            size = tuple(size[0])
+        if any(not isinstance(s, int) for s in size) or isinstance(fill_value, fx.Node):
+            raise Unsupported("Tensor.new_* with a tensor size or fill value is not supported yet")
+        if layout not in (None, torch.strided) or pin_memory or requires_grad:
+            raise Unsupported("Tensor.new_* with layout/pin_memory/requires_grad is not supported yet")
+        _same_device(x, device)
+        out_dtype = dtype or meta_of(x).dtype
+        return C.emit_fill(b, tuple(size), out_dtype, value if fill_value is None else fill_value)
+    return bind
+
+
+binds(_t("new_ones"))(_new_filled(1))
+binds(_t("new_zeros"))(_new_filled(0))
+binds(_t("new_empty"))(_new_filled(0))
+binds(_t("new_full"))(_new_filled("full"))
 
 
 @binds(torch.full_like)
@@ -404,7 +480,19 @@ def _clamp(b, x, min=None, max=None, *, out=None):
         return _pointwise(b, "clamp_max", [x, max])
     if max is None:
         return _pointwise(b, "clamp_min", [x, min])
+    if isinstance(min, fx.Node) or isinstance(max, fx.Node) or min > max:
+        return _crossing_clamp(b, x, min, max)
     return _pointwise(b, "clamp", [x, min, max])
+
+
+def _crossing_clamp(b, x, lo, hi):
+    """clamp with bounds that may cross (tensor bounds, or min > max): eager's min(max(x, lo), hi),
+    which is ``hi`` wherever lo > hi. Its gradients as eager's clamp_backward_min_max: to hi where
+    x > hi or lo > hi, to lo where x < lo below it, to x in between."""
+    dtype = result_dtype([x, lo, hi])
+    above = _pointwise(b, "logical_or", [_pointwise(b, "gt", [x, hi]), _pointwise(b, "gt", [lo, hi])])
+    inside = C.emit_pointwise(b, "where", [_pointwise(b, "lt", [x, lo]), lo, x], dtype=dtype)
+    return C.emit_pointwise(b, "where", [above, hi, inside], dtype=dtype)
 
 
 binds(torch.clamp_min, _t("clamp_min"))(lambda b, x, min: _clamp(b, x, min=min))

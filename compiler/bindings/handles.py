@@ -127,9 +127,9 @@ class Tensor:
         return self._wrap(C.emit_pointwise(self.b, "identity", [self.node], dtype=self.dtype, requires_grad=False))
 
     # ------------------------------------------------------------------ reductions
-    def _reduce(self, name, dim, keepdim, dtype) -> Tensor:
+    def _reduce(self, name, dim, keepdim, dtype, **options) -> Tensor:
         dims = tuple(range(self.ndim)) if dim is None else (dim,) if isinstance(dim, int) else tuple(dim)
-        return self._wrap(C.emit_reduction(self.b, name, self.node, dims, keepdim, dtype))
+        return self._wrap(C.emit_reduction(self.b, name, self.node, dims, keepdim, dtype, **options))
 
     def sum(self, dim=None, keepdim=False, *, dtype=None) -> Tensor:
         """The sum over ``dim`` (an int, a tuple; None: every dim)."""
@@ -138,8 +138,10 @@ class Tensor:
     def mean(self, dim=None, keepdim=False, *, dtype=None) -> Tensor:
         return self._reduce("mean", dim, keepdim, dtype)
 
-    def amax(self, dim=None, keepdim=False) -> Tensor:
-        return self._reduce("amax", dim, keepdim, None)
+    def amax(self, dim=None, keepdim=False, *, nan_takes_gradient=False) -> Tensor:
+        """The max over ``dim``; its gradient shared among the maximal elements (``nan_takes_gradient``:
+        among the NaN elements where the max is NaN, as torch.max(x)'s; amax's is NaN there)."""
+        return self._reduce("amax", dim, keepdim, None, nan_takes_gradient=nan_takes_gradient)
 
     def statistic(self, name: str, dim, keepdim=True) -> Tensor:
         """A reduction that later ops (and the backward) read back: mean, variance, a softmax's

@@ -48,6 +48,8 @@ def _check_index(index, what):
 def _gather(b, x, dim, index, *, sparse_grad=False, out=None):
     _no_out({"out": out})
     _check_index(index, "gather")
+    if x.ndim == 0 and index.ndim == 0:  # a 0-d gather: as the 1-element one
+        return gather(x.reshape(1), index.reshape(1), "gather", 0).reshape(())
     dim %= max(x.ndim, 1)
     if index.ndim != x.ndim or any(i > s for d, (i, s) in enumerate(zip(index.shape, x.shape)) if d != dim):
         raise Unsupported("gather: index must have the input's rank and fit it outside dim (eager raises)")

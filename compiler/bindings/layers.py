@@ -9,7 +9,19 @@ import math
 import torch
 import torch.nn.functional as F
 
-from compiler.bindings.handles import Tensor, addmm, arange_along, bmm, conv, full, mm, on_handles, where
+from compiler.bindings.handles import (
+    Tensor,
+    addmm,
+    arange_along,
+    bmm,
+    conv,
+    full,
+    gather,
+    mm,
+    on_handles,
+    pointwise,
+    where,
+)
 from compiler.bindings.indexing import _triangle
 from compiler.bindings.random import _dropout
 from compiler.bindings.reductions import _shifted
@@ -58,8 +70,11 @@ def _conv_binding(dims):
     def bind(b, input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
         if not isinstance(input, Tensor) or not isinstance(weight, Tensor):
             raise Unsupported("convolution needs tensor input and weight")
+        if input.ndim == dims + 1:  # unbatched: a batch of one, as eager
+            out = bind(b, input.unsqueeze(0), weight, bias, stride, padding, dilation, groups)
+            return out.reshape(out.shape[1:])
         if input.ndim != dims + 2:
-            raise Unsupported(f"conv{dims}d of an unbatched input is not supported yet")
+            raise Unsupported(f"conv{dims}d of a {input.ndim}-d input (eager raises)")
         if input.dtype != weight.dtype or input.dtype.is_complex:
             raise Unsupported("convolution of mixed or complex dtypes is not supported yet")
 
@@ -138,42 +153,83 @@ def _interpolate(b, input, size=None, scale_factor=None, mode="nearest", align_c
         factors = [o / i for o, i in zip(sizes, spatial)]
     else:
         factors = list(scale_factor) if isinstance(scale_factor, (tuple, list)) else [scale_factor] * len(spatial)
-    if any(f != int(f) or f < 1 for f in factors):
-        raise Unsupported("interpolate by a non-integer or shrinking factor is not supported yet")
-    return _interleave(b, input.node, {2 + i: int(f) for i, f in enumerate(factors)})
+    if all(f == int(f) and f >= 1 for f in factors):
+        return _interleave(b, input.node, {2 + i: int(f) for i, f in enumerate(factors)})
+    # any other size: each output element reads the input element at eager's source index,
+    # floor(dst * scale) ("nearest") or floor((dst + 0.5) * scale) ("nearest-exact"), computed in
+    # float32 as eager's kernel computes it; a gather per dim (its gradient an index_add)
+    out = input
+    for i, n in enumerate(spatial):
+        if size is not None:
+            o = sizes[i]
+            scale = n / o
+        else:
+            o = math.floor(n * factors[i])
+            scale = n / o if recompute_scale_factor else 1.0 / factors[i]
+        if o == n and scale == 1.0:
+            continue
+        if o <= 0:
+            raise Unsupported("interpolate to an empty size (eager raises)")
+        scale = torch.tensor(scale, dtype=torch.float32).item()
+        dst = arange_along(b, (o,), 0).to(torch.float32)
+        source = pointwise("floor", (dst + 0.5 if mode == "nearest-exact" else dst) * scale)
+        index = pointwise("minimum", source, float(n - 1)).to(torch.int64)
+        out = gather(out, index, "index_select", 2 + i)
+    return out
 
 
-def _pool_windows(x: Tensor, dims, kernel, stride, padding, fill) -> Tensor:
+def _pool_windows(x: Tensor, dims, kernel, stride, padding, fill, dilation=None, extra=None) -> Tensor:
     """x padded with ``fill`` and cut into windows: [..., out_1, ..., out_n, k_1, ..., k_n] (views;
-    overlapping windows read the same elements, and their gradients add up)."""
-    if any(padding):
+    overlapping windows read the same elements, and their gradients add up). ``dilation``: window
+    elements that many apart; ``extra``: more padding on the right (ceil_mode's last windows)."""
+    dilation = dilation or (1,) * dims
+    extra = extra or (0,) * dims
+    if any(padding) or any(extra):
         pad = []
-        for p in reversed(padding):
-            pad += [p, p]
+        for p, e in zip(reversed(padding), reversed(extra)):
+            pad += [p, p + e]
         x = Tensor(x.b, _pad(x.b, x.node, pad, value=fill))
     lead = x.ndim - dims
-    for i, (k, s) in enumerate(zip(kernel, stride)):
-        x = x.unfold(lead + i, k, s)
+    for i, (k, s, d) in enumerate(zip(kernel, stride, dilation)):
+        x = x.unfold(lead + i, (k - 1) * d + 1, s)
+        if d != 1:
+            x = x.slice(x.ndim - 1, 0, d, k)
     return x
 
 
-def _pool_args(dims, kernel_size, stride, padding, dilation, ceil_mode):
-    def per_dim(v):
-        return tuple(v) if isinstance(v, (tuple, list)) else (v,) * dims
+def _pool_args(dims, kernel_size, stride, padding, dilation, ceil_mode, spatial=None):
+    """(kernel, stride, padding, dilation, extra right padding) per dim. ceil_mode adds a last
+    window where one starts inside the input or its left padding, as eager (extra padding)."""
+    def per_dim(v):  # an int or a 1-element sequence applies to every dim, as in eager
+        v = tuple(v) if isinstance(v, (tuple, list)) else (v,)
+        return v * dims if len(v) == 1 else v
     kernel = per_dim(kernel_size)
     stride = kernel if stride is None or stride == [] or stride == () else per_dim(stride)
-    padding = per_dim(padding)
-    if ceil_mode or any(d != 1 for d in per_dim(dilation)):
-        raise Unsupported("pooling with ceil_mode or dilation is not supported yet")
+    padding, dilation = per_dim(padding), per_dim(dilation)
     if any(2 * p > k for p, k in zip(padding, kernel)):
         raise Unsupported("pooling padding larger than half the window (eager raises)")
-    return kernel, stride, padding
+    extra = [0] * dims
+    if ceil_mode and spatial is not None:
+        for i, (size, k, s, p, d) in enumerate(zip(spatial, kernel, stride, padding, dilation)):
+            span = size + 2 * p - d * (k - 1) - 1
+            if span < 0:
+                raise Unsupported("pooling window larger than the padded input (eager raises)")
+            out = -(-span // s) + 1
+            if (out - 1) * s >= size + p:
+                out -= 1
+            extra[i] = max(0, (out - 1) * s + d * (k - 1) + 1 - (size + 2 * p))
+    elif ceil_mode:
+        raise Unsupported("pooling with ceil_mode is not supported here")
+    return kernel, stride, padding, dilation, tuple(extra)
 
 
 def _avg_pool(dims):
     def bind(b, x, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True,
              divisor_override=None):
-        kernel, stride, padding = _pool_args(dims, kernel_size, stride, padding, 1, ceil_mode)
+        kernel, stride, padding, _, extra = _pool_args(dims, kernel_size, stride, padding, 1, ceil_mode,
+                                                       x.shape[-dims:])
+        if any(extra):
+            raise Unsupported("avg_pool with ceil_mode adding windows is not supported yet")
         window_dims = tuple(range(-dims, 0))
         total = _pool_windows(x, dims, kernel, stride, padding, 0.0).sum(window_dims)
         if divisor_override is not None:
@@ -201,12 +257,14 @@ def _max_pool(dims):
     """Max over windows (padding counts as -inf). Eager's gradient goes to the first maximum of
     each window (not shared among ties, unlike amax): the window's first maximal position is
     found from detached values, and the result is the element there, so autodiff sends the
-    gradient to it alone; overlapping windows add up. NaN counts as the maximum, as in eager."""
+    gradient to it alone; overlapping windows add up. NaN counts as the maximum, as in eager.
+    ``return_indices``: that element's flat index in its input plane, as eager's."""
     def bind(b, x, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
-        if return_indices:
-            raise Unsupported("max_pool with return_indices is not supported yet")
-        kernel, stride, padding = _pool_args(dims, kernel_size, stride, padding, dilation, ceil_mode)
-        windows = _pool_windows(x, dims, kernel, stride, padding, float("-inf"))
+        if x.ndim < dims + 1 or any(s == 0 for s in x.shape):
+            raise Unsupported("max_pool of an empty or unbatched-without-channels input is not supported yet")
+        kernel, stride, padding, dilation, extra = _pool_args(dims, kernel_size, stride, padding, dilation,
+                                                              ceil_mode, x.shape[-dims:])
+        windows = _pool_windows(x, dims, kernel, stride, padding, float("-inf"), dilation, extra)
         window_dims = tuple(range(windows.ndim - dims, windows.ndim))
         values = windows.detach()
         hit = (values == values.amax(window_dims, keepdim=True)) | (values != values)
@@ -216,19 +274,63 @@ def _max_pool(dims):
             position = at if position is None else position * float(k) + at
         negated = where(hit, -position, -float(numel(kernel)))
         first = -negated.amax(window_dims, keepdim=True)
-        return where(position == first, windows, 0.0, dtype=x.dtype).sum(window_dims)
+        out = where(position == first, windows, 0.0, dtype=x.dtype).sum(window_dims)
+        if not return_indices:
+            return out
+        return out, _pool_indices(b, first.reshape(out.shape), x.shape[-dims:], kernel, stride, padding, dilation)
     return on_handles(bind)
 
 
-binds(F.max_pool1d)(_max_pool(1))
-binds(F.max_pool2d)(_max_pool(2))
-binds(F.max_pool3d)(_max_pool(3))
+def _pool_indices(b, first: Tensor, spatial, kernel, stride, padding, dilation) -> Tensor:
+    """The flat input index (over the pooled dims) of each window's element at row-major window
+    position ``first`` (float64 arithmetic on whole numbers: exact)."""
+    dims = len(kernel)
+    first = first.to(torch.float64)
+    index = None
+    inner = numel(kernel)
+    for j in range(dims):
+        inner //= kernel[j]
+        k_j = pointwise("floor", first / float(inner)) - pointwise("floor", first / float(inner * kernel[j])) * \
+            float(kernel[j])
+        out_j = arange_along(b, first.shape, first.ndim - dims + j).to(torch.float64)
+        coordinate = out_j * float(stride[j]) - float(padding[j]) + k_j * float(dilation[j])
+        index = coordinate if index is None else index * float(spatial[j]) + coordinate
+    return index.to(torch.int64)
+
+
+def _with_indices(bind):
+    def bind_with_indices(b, *args, **kwargs):
+        return bind(b, *args, **{**kwargs, "return_indices": True})
+    return bind_with_indices
+
+
+for _dims in (1, 2, 3):
+    # F.max_pool2d dispatches on return_indices to F._max_pool2d or F.max_pool2d_with_indices
+    binds(getattr(F, f"max_pool{_dims}d"), getattr(F, f"_max_pool{_dims}d"))(_max_pool(_dims))
+    binds(getattr(F, f"max_pool{_dims}d_with_indices"))(_with_indices(_max_pool(_dims)))
 binds(F.avg_pool1d, torch.avg_pool1d)(_avg_pool(1))
 binds(F.avg_pool2d, torch._C._nn.avg_pool2d)(_avg_pool(2))
 binds(F.avg_pool3d, torch._C._nn.avg_pool3d)(_avg_pool(3))
 binds(F.adaptive_avg_pool1d, torch.adaptive_avg_pool1d)(_adaptive_avg_pool(1))
 binds(F.adaptive_avg_pool2d)(_adaptive_avg_pool(2))
 binds(F.adaptive_avg_pool3d)(_adaptive_avg_pool(3))
+
+
+def _grouped_heads(query: Tensor, kv: Tensor) -> Tensor:
+    """Grouped-query attention's keys or values: each of the kv heads (dim -3) repeated for
+    the query heads of its group, as eager's ``repeat_interleave(groups, -3)`` (an expand
+    and a reshape here: views, so the repeat moves no data before the matmul)."""
+    if query.ndim < 3 or kv.ndim < 3:
+        raise Unsupported("scaled_dot_product_attention(enable_gqa=True) needs a head dim (eager raises)")
+    heads, kv_heads = query.shape[-3], kv.shape[-3]
+    if kv_heads == 0 or heads % kv_heads:
+        raise Unsupported(f"enable_gqa with {heads} query heads and {kv_heads} key/value heads (eager raises)")
+    groups = heads // kv_heads
+    if groups == 1:
+        return kv
+    lead, tail = tuple(kv.shape[:-3]), tuple(kv.shape[-2:])
+    grouped = kv.reshape(lead + (kv_heads, 1) + tail).expand(lead + (kv_heads, groups) + tail)
+    return grouped.reshape(lead + (heads,) + tail)
 
 
 @binds(F.scaled_dot_product_attention)
@@ -240,7 +342,7 @@ def _scaled_dot_product_attention(b, query, key, value, attn_mask=None, dropout_
     the attention weights from in-kernel random numbers. The matmuls are PyTorch's; the
     scaling, masking, softmax and dropout fuse around them."""
     if enable_gqa:
-        raise Unsupported("scaled_dot_product_attention(enable_gqa=True) is not supported yet")
+        key, value = _grouped_heads(query, key), _grouped_heads(query, value)
     if is_causal and attn_mask is not None:
         raise Unsupported("scaled_dot_product_attention with both attn_mask and is_causal (eager raises)")
     if scale is None:

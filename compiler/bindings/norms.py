@@ -151,7 +151,9 @@ def _normalize_p(b, input, p=2.0, dim=1, eps=1e-12, out=None):
 @binds(F.cosine_similarity)
 @on_handles
 def _cosine_similarity(b, x1, x2, dim=1, eps=1e-8):
-    """eager: (x1 · x2) / sqrt(clamp_min(|x1|² |x2|², eps²))."""
+    """eager: (x1 · x2) / sqrt(clamp_min(|x1|² |x2|², eps²)), on x1 and x2 broadcast first."""
+    shape = tuple(torch.broadcast_shapes(x1.shape, x2.shape))
+    x1, x2 = x1.expand(shape), x2.expand(shape)
     dot = (x1 * x2).sum(dim)
     n1 = (x1 * x1).sum(dim)
     n2 = (x2 * x2).sum(dim)

@@ -1,5 +1,5 @@
-"""Bindings of reductions: sum, mean, amax/max, softmax and log_softmax, logsumexp, var/std
-and vector norms.
+"""Bindings of reductions: sum, mean, amax/amin, max/min (with indices), argmax/argmin, all/any,
+softmax and log_softmax, logsumexp, var/std and vector norms.
 
 Read them beside PyTorch's: ``_softmax`` and ``_log_softmax`` in ``torch/_decomp/decompositions.py``,
 ``logsumexp`` in ``torch/_refs/__init__.py`` (its max masked to 0 where infinite, as ``_shifted``).
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from compiler.bindings.handles import Tensor, on_handles, pointwise, where
+from compiler.bindings.handles import Tensor, arange_along, full, on_handles, pointwise, where
 from compiler.bindings.registry import Unsupported, _no_out, _t, binds
 from compiler.ir import numel
 
@@ -44,20 +44,131 @@ binds(torch.sum, _t("sum"))(_reduce("sum"))
 binds(torch.mean, _t("mean"))(_reduce("mean"))
 
 
-@binds(torch.amax, _t("amax"))
-@on_handles
-def _amax(b, x, dim=(), keepdim=False, *, out=None):
-    _no_out({"out": out})
-    if not x.dtype.is_floating_point:
-        raise Unsupported("amax of an integer tensor is not supported yet")
-    return x.amax(_dims(x, dim), keepdim)
+def _comparable(x: Tensor, what: str) -> Tensor:
+    """``x`` in a dtype whose max the kernels compute exactly: floats as they are; bool and
+    integers narrower than int64 as float64 (every value exact there)."""
+    if x.dtype.is_complex:
+        raise Unsupported(f"{what} of a complex tensor (eager raises)")
+    if x.dtype.is_floating_point:
+        return x
+    if x.dtype == torch.int64:
+        raise Unsupported(f"{what} of an int64 tensor is not supported yet (values beyond 2**53 have no exact float)")
+    return x.to(torch.float64)
 
 
-@binds(torch.max, _t("max"))
-def _max(b, x, *args, **kwargs):
-    if args or kwargs:
-        raise Unsupported("max with a dim (values and indices) or of two tensors: use amax / maximum")
-    return _amax(b, x)
+def _extreme(x: Tensor, dims: tuple, keepdim: bool, largest: bool, nan_takes_gradient=False) -> Tensor:
+    """amax (``largest``) or amin over ``dims``, in x's dtype. amin is -amax(-x): NaN still wins,
+    and the gradient is shared evenly among the extreme elements, as eager's amin backward."""
+    what = "amax" if largest else "amin"
+    if x.ndim and any(x.shape[d] == 0 for d in dims):
+        raise Unsupported(f"{what} over an empty dim (eager raises)")
+    values = _comparable(x, what)
+    options = dict(nan_takes_gradient=nan_takes_gradient)
+    out = values.amax(dims, keepdim, **options) if largest else -((-values).amax(dims, keepdim, **options))
+    return out.to(x.dtype)
+
+
+def _amax_like(largest):
+    def bind(b, x, dim=(), keepdim=False, *, out=None):
+        _no_out({"out": out})
+        return _extreme(x, _dims(x, dim), keepdim, largest)
+    return on_handles(bind)
+
+
+_amax = binds(torch.amax, _t("amax"))(_amax_like(True))
+binds(torch.amin, _t("amin"))(_amax_like(False))
+
+
+def _position_dtype(size: int) -> torch.dtype:
+    # positions are compared as floats (the kernels reduce floats): exact below 2**24 in float32
+    return torch.float32 if size < 2 ** 24 else torch.float64
+
+
+def _arg_extreme(x: Tensor, dim: int, keepdim: bool, largest: bool):
+    """(index, hit-at-index mask) of the first maximum (``largest``) or minimum along ``dim``, as
+    eager: NaN counts as the extreme, the first of ties wins. The index is int64."""
+    what = "argmax" if largest else "argmin"
+    size = x.shape[dim]
+    if size == 0:
+        raise Unsupported(f"{what} over an empty dim (eager raises)")
+    values = _comparable(x, what).detach()
+    if not largest:
+        values = -values
+    hit = (values == values.amax(dim, keepdim=True)) | (values != values)
+    position = arange_along(x.b, x.shape, dim).to(_position_dtype(size))
+    first = -(where(hit, -position, -float(size)).amax(dim, keepdim=True))
+    index = first if keepdim else first.reshape(tuple(s for d, s in enumerate(x.shape) if d != dim))
+    return index.to(torch.int64), position == first
+
+
+def _values_and_indices(x: Tensor, dim: int, keepdim: bool, largest: bool):
+    """max/min along ``dim``: (values, indices). The value is the element at the index, so its
+    gradient goes to that element alone, as eager's (not shared among ties like amax's)."""
+    if x.ndim == 0:
+        if dim not in (0, -1):
+            raise Unsupported(f"dim {dim} of a 0-dim tensor (eager raises)")
+        return x.to(x.dtype), full(x.b, (), 0, torch.int64)
+    dim %= x.ndim
+    index, at_index = _arg_extreme(x, dim, keepdim, largest)
+    values = where(at_index, x, False if x.dtype == torch.bool else 0, dtype=x.dtype)
+    if x.dtype == torch.bool:
+        return values.to(torch.float32).sum(dim, keepdim).to(torch.bool), index
+    return values.sum(dim, keepdim, dtype=x.dtype), index
+
+
+def _max_min(largest):
+    """torch.max / torch.min: of all elements, along a dim (values and indices), or of two tensors."""
+    def bind(b, x, *args, **kwargs):
+        _no_out(kwargs)
+        other = args[0] if args else kwargs.get("other")
+        if isinstance(other, Tensor):
+            return pointwise("maximum" if largest else "minimum", x, other)
+        if not args and "dim" not in kwargs:
+            return _extreme(x, _dims(x, None), False, largest, nan_takes_gradient=True)
+        dim = args[0] if args else kwargs["dim"]
+        keepdim = args[1] if len(args) > 1 else kwargs.get("keepdim", False)
+        if not isinstance(dim, int):
+            raise Unsupported(f"{'max' if largest else 'min'}(dim={dim!r}): dim must be an int (eager raises)")
+        return _values_and_indices(x, dim, keepdim, largest)
+    return on_handles(bind)
+
+
+binds(torch.max, _t("max"))(_max_min(True))
+binds(torch.min, _t("min"))(_max_min(False))
+
+
+def _argmax_like(largest):
+    def bind(b, x, dim=None, keepdim=False, *, out=None):
+        _no_out({"out": out})
+        if dim is None:  # the index into the flattened tensor
+            index, _ = _arg_extreme(x.reshape(x.numel()), 0, False, largest)
+            return index.reshape((1,) * x.ndim) if keepdim else index
+        if x.ndim == 0:
+            return _values_and_indices(x, dim, keepdim, largest)[1]
+        index, _ = _arg_extreme(x, dim % x.ndim, keepdim, largest)
+        return index
+    return on_handles(bind)
+
+
+binds(torch.argmax, _t("argmax"))(_argmax_like(True))
+binds(torch.argmin, _t("argmin"))(_argmax_like(False))
+
+
+def _all_any(name):
+    """all / any over dims: whether every / some element is nonzero (NaN is). Counted as float32
+    sums of 0/1 flags, 0 exactly when no flag is set (sums of non-negative terms); empty: all
+    True, any False, as eager. Bool result (uint8 for uint8 input, as eager)."""
+    def bind(b, x, dim=None, keepdim=False, *, out=None):
+        _no_out({"out": out})
+        flags = (x == 0) if name == "all" else (x != 0)
+        count = flags.to(torch.float32).sum(_dims(x, dim), keepdim)
+        result = (count == 0) if name == "all" else (count > 0)
+        return result.to(torch.uint8) if x.dtype == torch.uint8 else result
+    return on_handles(bind)
+
+
+binds(torch.all, _t("all"))(_all_any("all"))
+binds(torch.any, _t("any"))(_all_any("any"))
 
 
 # ----------------------------------------------------------------------------- softmax, logsumexp
@@ -166,19 +277,41 @@ def _l2_norm(x: Tensor, dim, keepdim) -> Tensor:
     return pointwise("norm_sqrt", (x * x).sum(_dims(x, dim), keepdim))
 
 
+def _p_norm(x: Tensor, p, dim, keepdim) -> Tensor:
+    """The vector p-norm over ``dim`` (torch.linalg.vector_norm's definition): 2 as ``_l2_norm``;
+    ±inf the max/min of |x| (the gradient shared among the extreme elements, as eager's); 1 the
+    sum of |x|; another p (sum |x|^p)^(1/p). p = 0 (a count) is not compiled."""
+    if p in (2, 2.0, "fro"):
+        return _l2_norm(x, dim, keepdim)
+    if not x.dtype.is_floating_point or isinstance(p, str) or p == 0:
+        raise Unsupported(f"norm(p={p!r}) of a {x.dtype} tensor is not supported yet")
+    dims = _dims(x, dim)
+    empty = x.ndim > 0 and numel([x.shape[d] for d in dims]) == 0
+    if empty and (p < 0 or abs(p) == float("inf")):
+        raise Unsupported(f"norm(p={p!r}) over an empty dim (eager raises)")
+    magnitude = x.abs()
+    if p == float("inf"):
+        return magnitude.amax(dims, keepdim)
+    if p == -float("inf"):
+        return -((-magnitude).amax(dims, keepdim))
+    if p == 1:
+        return magnitude.sum(dims, keepdim)
+    return (magnitude ** float(p)).sum(dims, keepdim) ** (1.0 / float(p))
+
+
 @binds(torch.norm, _t("norm"))
 @on_handles
 def _norm(b, x, p="fro", dim=None, keepdim=False, out=None, dtype=None):
     _no_out({"out": out})
-    if p not in (2, 2.0, "fro") or dtype is not None:
-        raise Unsupported(f"norm(p={p!r}) is not supported yet (only the 2-norm)")
-    return _l2_norm(x, dim, keepdim)
+    if dtype is not None:
+        raise Unsupported("norm(dtype=...) is not supported yet")
+    return _p_norm(x, p, dim, keepdim)
 
 
 @binds(torch.linalg.vector_norm)
 @on_handles
 def _vector_norm(b, x, ord=2, dim=None, keepdim=False, *, dtype=None, out=None):
     _no_out({"out": out})
-    if ord not in (2, 2.0) or dtype is not None:
-        raise Unsupported(f"vector_norm(ord={ord!r}) is not supported yet (only the 2-norm)")
-    return _l2_norm(x, dim, keepdim)
+    if dtype is not None:
+        raise Unsupported("vector_norm(dtype=...) is not supported yet")
+    return _p_norm(x, ord, dim, keepdim)

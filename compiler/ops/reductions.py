@@ -55,8 +55,13 @@ class Reduction(OpDef):
             # eager's amax backward: the gradient is shared evenly among the maximal elements
             dtype = meta_of(x).dtype
             m = views.emit_view(b, "expand", views.emit_view(b, "reshape", node, shape=kept), shape=in_shape)
-            hit = emit_pointwise(b, "identity", [emit_pointwise(b, "eq", [x, m], dtype=torch.bool)],
-                                 dtype=dtype, requires_grad=False)
+            hit = emit_pointwise(b, "eq", [x, m], dtype=torch.bool)
+            if node.kwargs.get("nan_takes_gradient"):
+                # torch.max(x) / min(x) of all elements (eager's evenly_distribute_backward): where
+                # the max is NaN, the NaN elements share the gradient (amax's goes NaN everywhere)
+                hit = emit_pointwise(b, "logical_or", [hit, emit_pointwise(b, "ne", [x, x], dtype=torch.bool)],
+                                     dtype=torch.bool)
+            hit = emit_pointwise(b, "identity", [hit], dtype=dtype, requires_grad=False)
             count = views.emit_view(b, "expand", emit_reduction(b, "sum", hit, dims, keepdim=True), shape=in_shape)
             g = emit_pointwise(b, "div", [emit_pointwise(b, "mul", [g, hit], dtype=dtype, requires_grad=False),
                                           count], dtype=dtype, requires_grad=False)
@@ -66,7 +71,9 @@ class Reduction(OpDef):
 REDUCTIONS = {name: Reduction(name) for name in ("sum", "mean", "amax")}
 
 
-def emit_reduction(b, name, x, dims, keepdim=False, dtype=None) -> fx.Node:
+def emit_reduction(b, name, x, dims, keepdim=False, dtype=None, nan_takes_gradient=False) -> fx.Node:
+    """``name`` (sum, mean, amax) of ``x`` over ``dims``. ``nan_takes_gradient``: an amax whose
+    gradient goes to the NaN elements where the max is NaN (torch.max(x) rather than amax)."""
     ndim = len(meta_of(x).shape)
     if ndim == 0:
         # NOTE: reducing a 0-dim tensor (x.sum(), x.amax() of a scalar) reduces nothing: the
@@ -75,7 +82,8 @@ def emit_reduction(b, name, x, dims, keepdim=False, dtype=None) -> fx.Node:
                               requires_grad=meta_of(x).requires_grad)
     dims = tuple(sorted({d % ndim for d in dims}))
     op = REDUCTIONS[name]
-    return b.call(op, [x], {"dims": dims, "keepdim": keepdim},
+    kwargs = {"dims": dims, "keepdim": keepdim, **({"nan_takes_gradient": True} if nan_takes_gradient else {})}
+    return b.call(op, [x], kwargs,
                   shape=op.out_shape(meta_of(x).shape, dims, keepdim),
                   dtype=dtype or meta_of(x).dtype, requires_grad=meta_of(x).requires_grad)
 
