@@ -97,6 +97,10 @@ class _RegionFunction(torch.autograd.Function):
             if sources & given and t._version != version:
                 raise RuntimeError(_version_error(t, version, f"output {output_nr} of {name}"))
         saved = list(ctx.saved_tensors)  # version-checked by PyTorch
+        # NOTE (memory): without retain_graph, autograd drops its references to the saved tensors
+        # now rather than after this returns (as AOTAutograd's backward does): the backward
+        # program, handed ours (``consume``), frees each after its last use.
+        ctx.maybe_clear_saved_tensors()
         if not given:  # no output of this region is in the loss's graph
             return (None,) * len(ctx.needs_input_grad)
         partial = _partial_backward(region, given) if len(given) < len(grads) else None
@@ -107,12 +111,17 @@ class _RegionFunction(torch.autograd.Function):
                 results = _differentiable_backward(ctx, region, grads, region.build_double_backward, saved)
         elif partial is not None:
             program, take, _ = partial
-            results = program.run([saved[i] for i in take] + [grads[k] for k in sorted(given)], region.stats)
-        else:
+            args = [saved[i] for i in take] + [grads[k] for k in sorted(given)]
+            del saved
+            results = program.run(args, region.stats, consume=True)
+        elif torch.is_anomaly_enabled() and region.explain_nan is not None:
             results = region.backward.run(saved + grads, region.stats)
-            if torch.is_anomaly_enabled() and region.explain_nan is not None and _has_nan(results) \
-                    and not _has_nan(grads):
+            if _has_nan(results) and not _has_nan(grads):
                 raise RuntimeError(region.explain_nan(saved + grads))
+        else:
+            args = saved + grads
+            del saved
+            results = region.backward.run(args, region.stats, consume=True)
         if region.grad_sources:  # an input reached only through outputs outside the loss's graph: None
             results = [r if sources & given else None for r, sources in zip(results, region.grad_sources)]
         return (None, None, *results)
