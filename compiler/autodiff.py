@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from compiler.ir import GraphBuilder, meta_of, update_meta
+from compiler.ir import GraphBuilder, arg_symbol, meta_of, update_meta
 from compiler.ops import catalog as C
 from compiler.saved_set import choose_saved
 
@@ -161,6 +161,11 @@ def partition(graph: fx.Graph, mutated_inputs=frozenset(), only_outputs=None, wr
         return env[node]
 
     results = [copy_backward(g) if g is not None else None for g in input_grads]
+    for p in {inputs[i] for i in written_later} - overwritten:
+        if p in env and _read_result_instead(backward, p, env, to_save, fetch):
+            saved_placeholders.remove(env[p])
+            saved_nodes.remove(p)
+            backward.erase_node(env.pop(p))
     backward.output(tuple(results))
     # fx keeps placeholders where they were created; put them first: saved, then grads.
     _reorder_placeholders(backward, saved_placeholders + [grad_inputs[g] for _, g in grad_placeholders])
@@ -233,6 +238,37 @@ def propagate_requires_grad(graph: fx.Graph, placeholder_flags) -> None:
                 (dtype.is_floating_point or dtype.is_complex) and name not in C.BOOL_RESULT_OPS
                 and name != "fill"
                 and any(isinstance(a, fx.Node) and meta_of(a).requires_grad for a in node.args)))
+
+
+def _read_result_instead(backward: fx.Graph, p, env, to_save, fetch) -> bool:
+    """Rewrite backward pointwise nodes that read input ``p`` (changed in place after the
+    forward) to read the result of a forward op on ``p`` instead, where that removes ``p``
+    from them: ``g * x0 / sqrt(x0**2 + x1**2)`` becomes ``g * x0 / hypot`` (eager's hypot
+    saved its result, so eager's backward runs after ``x1`` changes). Returns whether
+    backward no longer reads ``p``."""
+    read = env[p]
+    for user in list(read.users):
+        expr = meta_of(user).expr if getattr(user.target, "kind", None) == "pointwise" else None
+        if expr is None:
+            continue
+        for op in p.users:
+            op_expr = meta_of(op).expr if getattr(op.target, "kind", None) == "pointwise" else None
+            if op_expr is None or (op in env and env[op].op != "placeholder") or \
+                    any(a not in env or env[a] not in user.args for a in op.all_input_nodes):
+                continue
+            pattern = op_expr.xreplace({arg_symbol(k): arg_symbol(user.args.index(env[a]))
+                                        for k, a in enumerate(op.args) if isinstance(a, fx.Node)})
+            replaced = expr.subs(pattern, arg_symbol(len(user.args)))  # (subs: sees 1/sqrt(u) as u**-1)
+            if arg_symbol(user.args.index(read)) in replaced.free_symbols:
+                continue
+            to_save.add(op)
+            args = list(user.args) + [fetch(op)]
+            kept = [k for k, a in enumerate(args) if a is not read]
+            expr = replaced.xreplace({arg_symbol(old): arg_symbol(new) for new, old in enumerate(kept)})
+            user.args = tuple(args[k] for k in kept)
+            update_meta(user, expr=expr)
+            break
+    return not read.users
 
 
 def _read_by_backward(input_grads, forward_set) -> set:

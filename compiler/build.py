@@ -38,7 +38,9 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset(), written_later=froz
         _transpose_matmul_gradients(parts.backward)
         backward_schedule = fuse(parts.backward)
         # the forward checked the indices the backward gathers with (saved: version-checked)
-        backward_program, backward_kernels = lower(parts.backward, backward_schedule, check_indices=False)
+        transient = [k for k, (kind, _) in enumerate(parts.saved) if kind == "output"]  # freed when last read
+        backward_program, backward_kernels = lower(parts.backward, backward_schedule, check_indices=False,
+                                                   transient_inputs=transient)
     outputs = list(next(n for n in parts.forward.nodes if n.op == "output").args[0])[: parts.num_user_outputs]
     differentiable = [meta_of(o).requires_grad and (meta_of(o).dtype.is_floating_point or meta_of(o).dtype.is_complex)
                       for o in outputs]
@@ -226,8 +228,10 @@ def _view_step(node) -> ViewStep:
     return ViewStep(node.target, tuple(node.kwargs.items()))
 
 
-def lower(graph: fx.Graph, schedule: Schedule, check_indices: bool = True):
-    """Assign slots to buffers and turn the schedule's steps into runtime steps."""
+def lower(graph: fx.Graph, schedule: Schedule, check_indices: bool = True, transient_inputs=()):
+    """Assign slots to buffers and turn the schedule's steps into runtime steps.
+    ``transient_inputs``: positions of inputs the program holds the only reference to (saved
+    intermediates handed over by the backward), whose memory is freed at their last use."""
     slots: dict = {}
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for p in placeholders:
@@ -267,7 +271,10 @@ def lower(graph: fx.Graph, schedule: Schedule, check_indices: bool = True):
         check(src.stores)
     outputs = [ref(o) if isinstance(o, fx.Node) else None
                for o in next(n for n in graph.nodes if n.op == "output").args[0]]
-    program = Program(len(placeholders), len(slots), steps, outputs)
+    nbytes = {slot: math.prod(meta_of(node).shape) * meta_of(node).dtype.itemsize for node, slot in slots.items()
+              if slot >= len(placeholders) or slot in transient_inputs}
+    kept = {o.slot for o in outputs if o is not None}
+    program = Program(len(placeholders), len(slots), _memory_order(steps, nbytes, kept), outputs)
     program.frees = _liveness(program)
     return program, sources
 
@@ -300,13 +307,55 @@ def _constant(source: str, name: str) -> int:
     raise KeyError(name)
 
 
+def _reads(step) -> list:
+    return step.loads if isinstance(step, KernelLaunch) else [a.slot for a in step.args]
+
+
+def _writes(step) -> list:
+    if isinstance(step, KernelLaunch):
+        return [slot for slot, _, _ in step.stores]
+    return [step.out] if isinstance(step, ExternCall) else []
+
+
+def _memory_order(steps, nbytes, kept) -> list:
+    """The steps in an order that keeps less memory allocated at once: greedily, of the steps
+    whose inputs are ready, the one that allocates least net of what it frees (the buffers it
+    is the last reader of; ``kept``: slots never freed, the program's outputs); ties keep the
+    schedule's order.
+
+    NOTE (memory): the fusion's order is a valid one, not a frugal one: a bias gradient's sum
+    run last keeps the output gradient alive across both weight-gradient matmuls; a matmul
+    that frees two buffers waits behind one that frees one. Slots are written once, so a
+    step depends only on the steps that write what it reads.
+    """
+    writer = {slot: i for i, step in enumerate(steps) for slot in _writes(step)}
+    readers: dict = {}
+    for i, step in enumerate(steps):
+        for slot in set(_reads(step)):
+            readers.setdefault(slot, set()).add(i)
+    done: set = set()
+    order = []
+    while len(order) < len(steps):
+        best, best_net = None, None
+        for i, step in enumerate(steps):
+            if i in done or any(writer.get(slot, -1) not in done and slot in writer for slot in _reads(step)):
+                continue
+            freed = sum(nbytes.get(slot, 0) for slot in set(_reads(step))
+                        if slot not in kept and readers[slot] - done == {i})
+            net = sum(nbytes.get(slot, 0) for slot in _writes(step)) - freed
+            if best_net is None or net < best_net:
+                best, best_net = i, net
+        done.add(best)
+        order.append(steps[best])
+    return order
+
+
 def _liveness(program: Program):
     """Per step, the slots no later step or output reads: freed as soon as possible."""
     keep = {o.slot for o in program.outputs if o is not None}
     last_use = {}
     for i, step in enumerate(program.steps):
-        reads = step.loads if isinstance(step, KernelLaunch) else [a.slot for a in step.args]
-        for slot in reads:
+        for slot in _reads(step):
             last_use[slot] = i
     frees = [[] for _ in program.steps]
     for slot, i in last_use.items():
