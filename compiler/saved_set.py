@@ -67,9 +67,14 @@ def choose_saved(forward_nodes, needed, free, unreadable, policy="balanced", onl
         cost = _cost(node, free, unreadable)
         if only_from is not None:
             cost = 0 if node.name in only_from else math.inf
-        graph.add_edge((node, "in"), (node, "out"), capacity=cost)
         recomputable = node.op == "call_function" and getattr(node.target, "kind", None) not in always_saved \
             and not any(a in unreadable for a in node.all_input_nodes)
+        if recomputable and cost:
+            # NOTE: of equal sizes, save the value that is not recomputable (a reduction's
+            # result rather than a pointwise function of it): the forward writes it anyway,
+            # while saving a pointwise value makes its kernel write one more output.
+            cost *= 1.001
+        graph.add_edge((node, "in"), (node, "out"), capacity=cost)
         if not recomputable:
             graph.add_edge(_SOURCE, (node, "in"), capacity=math.inf)
         if node in needed:
