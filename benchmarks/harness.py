@@ -67,8 +67,10 @@ class Result:
     gbps: float | None = None            # ours on GPU: bytes_moved / step time
     copy_bw_fraction: float | None = None
     tflops: float | None = None          # matmul-bound workloads
-    peak_mem_mb: float | None = None     # GPU: peak allocated during a step, above what was before it
+    peak_mem_mb: float | None = None     # peak allocated during a step, above what was before it (measure.step_memory)
     mem_ratio_vs_eager: float | None = None   # eager's peak / this backend's
+    saved_mb: float | None = None        # allocated when backward starts, above the step's start: kept for backward
+    saved_ratio_vs_eager: float | None = None  # eager's saved / this backend's
     stubbed_ms: float | None = None      # ours: step with Triton launches skipped (host overhead + rest)
     launch_us: float | None = None       # ours: host µs per launch up to the driver call (benchmarks/launch.py)
     fallbacks: list = field(default_factory=list)  # ours: explain(...).fallbacks
@@ -205,9 +207,10 @@ class _Workload:
         if not _in_interpreter(row):  # ours in the interpreter: counted with launches stubbed instead
             with _noted(row, "kernel count"):
                 row.kernels_per_step = measure.count_kernels(step, device, python_calls=name.startswith(TORCH_COMPILE))
-        with _noted(row, "peak memory"):
-            peak = measure.peak_memory(step, device)
-            row.peak_mem_mb = None if peak is None else peak / 2**20
+        with _noted(row, "memory"):
+            memory = measure.step_memory(step, device)
+            row.peak_mem_mb = memory.peak / 2**20
+            row.saved_mb = memory.saved / 2**20
         return step
 
     def _ours_extras(self, row):
@@ -305,6 +308,7 @@ def _derive(case, rows, device, copy_bw):
         return r.step_ms if r and r.status == "ok" and r.step_ms and r.timing != INTERPRETER else None
     eager_ms, compile_ms = speed(EAGER), speed(TORCH_COMPILE)
     eager_peak = rows[EAGER].peak_mem_mb if EAGER in rows else None
+    eager_saved = rows[EAGER].saved_mb if EAGER in rows else None
     for n, row in rows.items():
         ms = speed(n)
         if ms:
@@ -317,6 +321,8 @@ def _derive(case, rows, device, copy_bw):
                 row.copy_bw_fraction = row.gbps / copy_bw if copy_bw else None
         if eager_peak and row.peak_mem_mb:
             row.mem_ratio_vs_eager = eager_peak / row.peak_mem_mb
+        if eager_saved and row.saved_mb:
+            row.saved_ratio_vs_eager = eager_saved / row.saved_mb
 
 
 def _in_interpreter(row) -> bool:

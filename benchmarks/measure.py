@@ -14,6 +14,7 @@ True
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import statistics
 import sys
@@ -207,16 +208,95 @@ def _quiet_stderr():
 
 
 # -- memory and bandwidth -------------------------------------------------------------------------
-def peak_memory(step, device) -> int | None:
-    """Bytes allocated at the peak of one step, above what was allocated before it (CUDA only)."""
-    if device.type != "cuda":
-        return None
+@dataclass
+class Memory:
+    peak: int           # bytes: the highest allocated during the step, above what was allocated before it
+    saved: int          # bytes allocated when backward starts, above the step's start: what the graph keeps
+    leaked: int         # bytes still allocated after the step, above its start (outputs the caller keeps too)
+
+
+_LAUNCH = "symgrad::interpreted_launch"
+_BACKWARD = "autograd::engine::evaluate_function"
+
+
+def step_memory(step, device) -> Memory | None:
+    """Peak and saved-for-backward bytes of one step, from ``torch.profiler``'s allocation
+    records (``profile_memory=True``): every allocation and free in order, summed, the
+    running maximum is the peak; the sum when autograd's engine runs its first node is what
+    the forward left for backward (saved tensors, and anything else its graph holds: tensors
+    kept on a ``ctx`` outside ``save_for_backward`` too). On CUDA the peak is
+    ``max_memory_allocated``'s (the allocator's own count), the rest from the CUDA records.
+
+    NOTE: ours on CPU runs its kernels in Triton's interpreter, which copies arguments and
+    makes NumPy temporaries that a GPU kernel never allocates: allocations made inside a
+    launch (after the launch allocated its outputs) are left out, and the reference cycle it
+    leaves holding the arguments is collected after each launch, so the numbers are the
+    program's own (what a GPU run of the same program allocates).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     sync(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    step()
-    sync(device)
-    return torch.cuda.max_memory_allocated(device) - before
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    with _quiet_stderr(), _launches_marked(), profile(activities=activities, profile_memory=True) as prof:
+        step()
+        sync(device)
+    events = list(prof.profiler.kineto_results.events())
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    launches = [(e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() == _LAUNCH]
+    records = sorted((e.start_ns(), e.nbytes()) for e in events
+                     if e.name() == "[memory]" and e.device_type() == kind
+                     and not any(lo <= e.start_ns() <= hi for lo, hi in launches))
+    backward = min((e.start_ns() for e in events if e.name().startswith(_BACKWARD)), default=None)
+    total = peak = 0
+    saved = None
+    for t, nbytes in records:
+        if saved is None and backward is not None and t >= backward:
+            saved = total
+        total += nbytes
+        peak = max(peak, total)
+    if cuda:
+        peak = torch.cuda.max_memory_allocated(device) - before
+    return Memory(peak, saved or 0, total)
+
+
+@contextlib.contextmanager
+def _launches_marked():
+    """Each of our Triton launches inside a profiler range (see ``step_memory``). Relies on
+    ``runtime.program.KernelLaunch.kernel``."""
+    from runtime import program
+
+    original = program.KernelLaunch.kernel
+
+    def marked(self, wide=False):
+        return _MarkedKernel(original(self, wide))
+
+    program.KernelLaunch.kernel = marked
+    try:
+        yield
+    finally:
+        program.KernelLaunch.kernel = original
+
+
+class _MarkedKernel:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        launch = self.fn[grid]
+
+        def run(*args, **kwargs):
+            with torch.profiler.record_function(_LAUNCH):
+                result = launch(*args, **kwargs)
+            # NOTE: the interpreter's argument copier is a recursive closure (a reference cycle,
+            # triton/runtime/interpreter.py ``_init_args_hst``) that holds every argument's
+            # storage until the garbage collector runs: collect it now, as a GPU launch holds none.
+            gc.collect(0)
+            return result
+        return run
 
 
 def copy_bandwidth(device, nbytes=1 << 30) -> float | None:

@@ -66,7 +66,7 @@ def _csv_value(value):
 # -- markdown ---------------------------------------------------------------------------------------
 _COLUMNS = ["workload", "backend", "check", "ran", "step ms: median (p20–p80)", "× eager", "× torch.compile",
             "compile s: cold / warm", "kernels / step", "our bytes / step", "GB/s (of copy)", "TFLOP/s",
-            "peak MB (eager ÷ this)"]
+            "peak MB (eager ÷ this)", "saved MB (eager ÷ this)"]
 
 
 def markdown(results, environment, tag, size) -> str:
@@ -111,11 +111,17 @@ def _table_row(r, show_workload):
     if r.fused_kernels is not None:
         kernels += f" ({r.fused_kernels} fused)"
     gbps = "-" if r.gbps is None else f"{r.gbps:.0f}" + (f" ({r.copy_bw_fraction:.0%})" if r.copy_bw_fraction else "")
-    memory = "n/a" if r.peak_mem_mb is None else \
-        f"{_num(r.peak_mem_mb)}" + (f" ({_num(r.mem_ratio_vs_eager)}×)" if r.mem_ratio_vs_eager else "")
+    memory = _megabytes(r.peak_mem_mb, r.mem_ratio_vs_eager)
+    saved = _megabytes(r.saved_mb, r.saved_ratio_vs_eager)
     return [f"`{r.workload}`" if show_workload else "", r.backend, check, r.ran or "-", step,
             _ratio(r.speedup_vs_eager), _ratio(r.speedup_vs_torch_compile), compile_s, kernels,
-            _bytes(r.bytes_moved), gbps, _num(r.tflops), memory]
+            _bytes(r.bytes_moved), gbps, _num(r.tflops), memory, saved]
+
+
+def _megabytes(mb, ratio):
+    if mb is None:
+        return "n/a"
+    return f"{_num(mb)}" + (f" ({_num(ratio)}×)" if ratio else "")
 
 
 def _fallbacks_section(results):
@@ -186,8 +192,8 @@ def _bytes(n):
 
 # -- plots ------------------------------------------------------------------------------------------
 def plot(results, environment, path, tag):
-    """Four panels: speedup over eager, compile time, kernels per step, and peak memory (GPU)
-    or bytes moved by our kernels (CPU). Failed results are left out."""
+    """Four panels: speedup over eager, compile time, kernels per step, and memory (peak and
+    saved for backward, each eager's over this backend's). Failed results are left out."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -211,9 +217,14 @@ def plot(results, environment, path, tag):
           "compile time, s (log): cold = fresh process, empty caches", log=True)
     _bars(axes[1, 0], workloads, backends, {(r.workload, r.backend): r.kernels_per_step for r in good},
           "kernels launched per step")
-    memory = {(r.workload, r.backend): r.mem_ratio_vs_eager for r in good if r.backend != "eager"}
+    memory = {}
+    for r in good:
+        if r.backend != "eager":
+            memory[(r.workload, f"{r.backend} peak")] = r.mem_ratio_vs_eager
+            memory[(r.workload, f"{r.backend} saved")] = r.saved_ratio_vs_eager
     if any(v for v in memory.values()):
-        _bars(axes[1, 1], workloads, speed, memory, "peak memory: eager / this (×)", baseline=1.0)
+        _bars(axes[1, 1], workloads, [f"{b} {k}" for b in speed for k in ("peak", "saved")], memory,
+              "memory: eager / this (×, above 1 is less); saved = kept for backward", baseline=1.0)
     else:
         moved = {(r.workload, "ours"): r.bytes_moved / 2**20 for r in good if r.backend == "ours" and r.bytes_moved}
         _bars(axes[1, 1], workloads, ["ours"], moved, "bytes moved per step by our kernels, MiB")
@@ -242,7 +253,7 @@ def _bars(ax, workloads, series, values, title, log=False, baseline=None, note=N
             continue
         backend, _, kind = name.partition(" ")
         ax.bar(xs, heights, width, label=name, color=_COLORS.get(backend, None),
-               hatch="//" if kind == "warm" else None, alpha=0.6 if kind == "warm" else 1.0)
+               hatch="//" if kind in ("warm", "saved") else None, alpha=0.6 if kind in ("warm", "saved") else 1.0)
     if baseline is not None:
         ax.axhline(baseline, color="black", linewidth=0.8)
     if log:

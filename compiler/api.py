@@ -3,6 +3,7 @@ fusion → codegen) to the runtime's dispatcher, which calls ``_build`` on a cac
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch.fx as fx
@@ -12,6 +13,7 @@ from compiler.capture import RecordingFailed, capture
 from compiler.codegen.triton_printer import NotPrintable
 from compiler.bindings import Unsupported
 from compiler.report import KernelInfo, Report
+from compiler.saved_set import check_policy
 from runtime.dispatch import CompiledFunction, Entry
 from runtime.fallback import CompileError, internal_error
 from runtime.torch_functions import function_name
@@ -23,7 +25,7 @@ DELIBERATE = (Unsupported, NotPrintable)
 log = logging.getLogger("compiler")
 
 
-def compile(fn=None, *, backend: str = "auto", fullgraph: bool = False):
+def compile(fn=None, *, backend: str = "auto", fullgraph: bool = False, memory: str = "balanced"):
     """Compile ``fn``: its torch ops become fused Triton kernels, forward and backward.
 
     Usable as ``@compiler.compile`` or ``@compiler.compile(backend=..., fullgraph=...)``.
@@ -33,6 +35,12 @@ def compile(fn=None, *, backend: str = "auto", fullgraph: bool = False):
     it records; later calls run the compiled kernels. With ``fullgraph=True``, anything that
     would run eagerly raises ``CompileError`` instead.
 
+    ``memory`` chooses what the forward saves for backward (the rest is recomputed inside the
+    backward's kernels; ``compiler.saved_set``): ``"balanced"`` (the default) recomputes
+    pointwise values and views where that saves bytes and always saves reductions' statistics
+    and matmul/convolution results; ``"min"`` saves the fewest bytes, recomputing reductions
+    too.
+
     >>> import torch, compiler
     >>> @compiler.compile
     ... def f(x, y):
@@ -40,11 +48,13 @@ def compile(fn=None, *, backend: str = "auto", fullgraph: bool = False):
     >>> x = torch.randn(8, requires_grad=True)
     >>> _ = f(x, torch.randn(8)); loss = f(x, torch.randn(8)); loss.backward()
     """
+    check_policy(memory)
     if fn is None:
-        return lambda f: compile(f, backend=backend, fullgraph=fullgraph)
+        return lambda f: compile(f, backend=backend, fullgraph=fullgraph, memory=memory)
     if isinstance(fn, CompiledFunction):
         fn = fn.fn
-    return CompiledFunction(fn, _build, backend=backend, fullgraph=fullgraph)
+    build = _build if memory == "balanced" else functools.partial(_build, memory=memory)
+    return CompiledFunction(fn, build, backend=backend, fullgraph=fullgraph)
 
 
 def explain(fn, *args, **kwargs) -> Report:
@@ -64,7 +74,7 @@ def explain(fn, *args, **kwargs) -> Report:
     return entry.report
 
 
-def _build(fn, args, kwargs, *, fullgraph=False, stats=None):
+def _build(fn, args, kwargs, *, fullgraph=False, stats=None, memory="balanced"):
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
     try:
         result, trace = capture(fn, args, kwargs)
@@ -91,7 +101,11 @@ def _build(fn, args, kwargs, *, fullgraph=False, stats=None):
             continue
         try:
             mutated = {plan.input_ids.index(v) for v in plan.mutated}
-            plan.compiled, details = build_region(plan.graph, mutated)
+            later = _written_after(trace, plan)
+            written_later = {i for i, v in enumerate(plan.input_ids) if v in later}
+            options = {k: v for k, v in (("written_later", written_later), ("memory", memory))
+                       if v and v != "balanced"}  # (defaults left out: tests stand in for build_region)
+            plan.compiled, details = build_region(plan.graph, mutated, **options)
             plan.compiled.stats = stats if stats is not None else {}
             info["backward_graph"] = details["backward_graph"]
             info["kernels"] = (
@@ -121,6 +135,22 @@ def _build(fn, args, kwargs, *, fullgraph=False, stats=None):
         kernels=kernels, fallbacks=fallbacks, eager_calls=eager_calls, regions=regions,
         internal_errors=internal_errors)
     return result, Entry(trace, report)
+
+
+def _written_after(trace, plan) -> set:
+    """Value ids that calls after ``plan``'s region change in place (an in-place op's result
+    keeps its argument's value id), region calls and eager calls alike, up to the first
+    backward call (an optimizer's updates after ``loss.backward()`` come after the backward
+    that read them)."""
+    written = set()
+    for call in trace.calls[max(plan.calls, default=-1) + 1:]:
+        if function_name(call.func) in _BACKWARD_CALLS:
+            break
+        written.update(call.outputs)
+    return written
+
+
+_BACKWARD_CALLS = ("Tensor.backward", "torch.autograd.backward", "torch.autograd.grad")
 
 
 def _copy(graph: fx.Graph) -> fx.Graph:

@@ -6,11 +6,10 @@ summed, and broadcasting is undone by ``catalog.sum_to_shape``. ``partition`` th
 the joint graph into the forward program (which also returns what backward must keep) and
 the backward program.
 
-NOTE (memory): forward values that backward needs are recomputed inside the backward
-kernels when they are cheap pointwise/view chains of saved values, and saved otherwise —
-the policy of AOTAutograd's min-cut partitioner, in its simplest form. A fused elementwise
-chain then saves only its inputs. A pointwise value the forward writes to memory anyway (a
-matmul's operand) is saved: recomputing it would cost a second write, and eager keeps it too.
+NOTE (memory): which forward values backward reads are saved and which are recomputed
+inside the backward kernels is a minimum cut over the joint graph (``compiler.saved_set``,
+in the spirit of AOTAutograd's min-cut partitioner): a fused elementwise chain saves only
+what it needs fewest bytes of; reductions' statistics are saved at their own dtype.
 """
 
 from __future__ import annotations
@@ -19,8 +18,9 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from compiler.ir import GraphBuilder, meta_of, update_meta
+from compiler.ir import GraphBuilder, arg_symbol, meta_of, update_meta
 from compiler.ops import catalog as C
+from compiler.saved_set import choose_saved
 
 
 @dataclass
@@ -85,12 +85,18 @@ def _accumulate(b, existing, new):
     return C.emit_pointwise(b, "add", [existing, new], dtype=meta_of(existing).dtype, requires_grad=False)
 
 
-def partition(graph: fx.Graph, mutated_inputs=frozenset(), only_outputs=None) -> Partitioned:
+def partition(graph: fx.Graph, mutated_inputs=frozenset(), only_outputs=None, written_later=frozenset(),
+              memory="balanced", saved_from=None) -> Partitioned | None:
     """Differentiate a forward region graph and split it into forward and backward programs.
 
     ``mutated_inputs`` are positions of inputs the region overwrites in place: backward must
     not recompute from them (their old value is gone), so values derived from them are saved.
-    ``only_outputs``: differentiate through these output positions only (``differentiate``).
+    ``written_later``: positions of inputs the recorded function changes in place after this
+    region: likewise never recomputed from. ``only_outputs``: differentiate through these
+    output positions only (``differentiate``). ``memory``: the saved-set policy
+    (``compiler.saved_set``). ``saved_from``: names of the only forward values it may save
+    (a backward for some outputs, reading the full one's saved values); None where they do not
+    suffice.
     """
     forward_nodes = list(graph.nodes)
     inputs = [n for n in forward_nodes if n.op == "placeholder"]
@@ -105,6 +111,11 @@ def partition(graph: fx.Graph, mutated_inputs=frozenset(), only_outputs=None) ->
     grad_sources = tuple(sources.get(x, frozenset()) for x in inputs)
     output_sources = tuple(sources.get(o, frozenset()) for o in user_outputs)
     joint = _joint(inputs, [g for _, g in grad_placeholders], input_grads)
+    values = [n for n in forward_nodes if n.op in ("placeholder", "call_function")]
+    to_save = choose_saved(values, _read_by_backward(input_grads, forward_set), set(inputs) | set(user_outputs),
+                           overwritten | {inputs[i] for i in written_later}, memory, saved_from)
+    if to_save is None:
+        return None
 
     backward = fx.Graph()
     backward_builder = GraphBuilder(backward)
@@ -117,7 +128,6 @@ def partition(graph: fx.Graph, mutated_inputs=frozenset(), only_outputs=None) ->
         """The backward graph's version of a forward value: recomputed, or saved."""
         if node in env:
             return env[node]
-        kind = getattr(node.target, "kind", None)
         if node in overwritten:
             # NOTE: the region overwrites this input in place (eager keeps the original for
             # such backwards too): the forward saves a copy of its old value.
@@ -126,13 +136,12 @@ def partition(graph: fx.Graph, mutated_inputs=frozenset(), only_outputs=None) ->
             p = backward_builder.placeholder_like(f"saved_old_{node.name}", node)
             saved_placeholders.append(p)
             env[node] = p
-        elif node.op == "placeholder" or node in user_outputs or kind in ("reduction", "extern") or \
-                _reaches(node, overwritten) or _written_by_forward(node):
+        elif node in to_save or node.op == "placeholder":
             saved_nodes.append(node)
             p = backward_builder.placeholder_like(f"saved_{node.name}", node)
             saved_placeholders.append(p)
             env[node] = p
-        else:  # cheap pointwise or view: recompute it from what backward has anyway
+        else:  # recomputed from what backward has anyway (the cut proved its inputs are there)
             env[node] = backward.node_copy(node, fetch)
         return env[node]
 
@@ -152,6 +161,11 @@ def partition(graph: fx.Graph, mutated_inputs=frozenset(), only_outputs=None) ->
         return env[node]
 
     results = [copy_backward(g) if g is not None else None for g in input_grads]
+    for p in {inputs[i] for i in written_later} - overwritten:
+        if p in env and _read_result_instead(backward, p, env, to_save, fetch):
+            saved_placeholders.remove(env[p])
+            saved_nodes.remove(p)
+            backward.erase_node(env.pop(p))
     backward.output(tuple(results))
     # fx keeps placeholders where they were created; put them first: saved, then grads.
     _reorder_placeholders(backward, saved_placeholders + [grad_inputs[g] for _, g in grad_placeholders])
@@ -226,37 +240,51 @@ def propagate_requires_grad(graph: fx.Graph, placeholder_flags) -> None:
                 and any(isinstance(a, fx.Node) and meta_of(a).requires_grad for a in node.args)))
 
 
-def _written_by_forward(node) -> bool:
-    """Whether the forward stores ``node`` in memory anyway: a matmul's operand (or an index a
-    gather reads), through views. Backward then reads it rather than computing it again and
-    writing it a second time (a GELU output that a linear layer's weight gradient needs)."""
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        for user in n.users:
-            kind = getattr(user.target, "kind", None)
-            if kind == "extern" or (kind == "gather" and user.args[1] is n):
-                return True
-            if kind == "view":
-                stack.append(user)
-    return False
-
-
-def _reaches(node, targets) -> bool:
-    """Whether recomputing ``node`` (through pointwise ops and views) would read ``targets``."""
-    if not targets:
-        return False
-    stack, seen = [node], set()
-    while stack:
-        n = stack.pop()
-        if n in targets:
-            return True
-        if n in seen or not isinstance(n, fx.Node) or \
-                getattr(n.target, "kind", None) not in ("pointwise", "scatter", "view"):
+def _read_result_instead(backward: fx.Graph, p, env, to_save, fetch) -> bool:
+    """Rewrite backward pointwise nodes that read input ``p`` (changed in place after the
+    forward) to read the result of a forward op on ``p`` instead, where that removes ``p``
+    from them: ``g * x0 / sqrt(x0**2 + x1**2)`` becomes ``g * x0 / hypot`` (eager's hypot
+    saved its result, so eager's backward runs after ``x1`` changes). Returns whether
+    backward no longer reads ``p``."""
+    read = env[p]
+    for user in list(read.users):
+        expr = meta_of(user).expr if getattr(user.target, "kind", None) == "pointwise" else None
+        if expr is None:
             continue
-        seen.add(n)
-        stack.extend(a for a in n.args if isinstance(a, fx.Node))
-    return False
+        for op in p.users:
+            op_expr = meta_of(op).expr if getattr(op.target, "kind", None) == "pointwise" else None
+            if op_expr is None or (op in env and env[op].op != "placeholder") or \
+                    any(a not in env or env[a] not in user.args for a in op.all_input_nodes):
+                continue
+            pattern = op_expr.xreplace({arg_symbol(k): arg_symbol(user.args.index(env[a]))
+                                        for k, a in enumerate(op.args) if isinstance(a, fx.Node)})
+            replaced = expr.subs(pattern, arg_symbol(len(user.args)))  # (subs: sees 1/sqrt(u) as u**-1)
+            if arg_symbol(user.args.index(read)) in replaced.free_symbols:
+                continue
+            to_save.add(op)
+            args = list(user.args) + [fetch(op)]
+            kept = [k for k, a in enumerate(args) if a is not read]
+            expr = replaced.xreplace({arg_symbol(old): arg_symbol(new) for new, old in enumerate(kept)})
+            user.args = tuple(args[k] for k in kept)
+            update_meta(user, expr=expr)
+            break
+    return not read.users
+
+
+def _read_by_backward(input_grads, forward_set) -> set:
+    """The forward values the backward nodes that make ``input_grads`` read directly."""
+    needed, seen = set(), set()
+    stack = [g for g in input_grads if g is not None]
+    while stack:
+        node = stack.pop()
+        if node in forward_set:
+            needed.add(node)
+            continue
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(node.all_input_nodes)
+    return needed
 
 
 def _reorder_placeholders(graph: fx.Graph, order):

@@ -18,24 +18,29 @@ from compiler.fusion import Schedule, fuse
 from compiler.reference import first_nan
 from runtime.autograd_bridge import CompiledRegion
 from runtime.program import ExternCall, IndexCheck, KernelLaunch, Program, ValueRef, ViewStep
-from compiler.ir import meta_of
+from compiler.ir import meta_of, update_meta
 
 
-def build_region(graph: fx.Graph, mutated_inputs=frozenset()):
+def build_region(graph: fx.Graph, mutated_inputs=frozenset(), written_later=frozenset(), memory="balanced"):
     """Compile one captured region. Returns (CompiledRegion, details for ``explain``).
-    ``mutated_inputs``: positions of inputs the region changes in place."""
+    ``mutated_inputs``: positions of inputs the region changes in place; ``written_later``:
+    of inputs the function changes in place after the region; ``memory``: the saved-set
+    policy (``compiler.saved_set``)."""
     output = next(n for n in graph.nodes if n.op == "output")
     eager_saved = {output.args[0][i]: found for i, found in output.meta.get(EAGER_SAVED, {}).items()}
     input_views = _split_input_views(graph)
     pristine = _copy_graph(graph)  # partition appends the backward to ``graph``
-    parts = partition(graph, mutated_inputs)
+    parts = partition(graph, mutated_inputs, written_later=written_later, memory=memory)
     forward_schedule = fuse(parts.forward)
     forward_program, forward_kernels = lower(parts.forward, forward_schedule)
     backward_program, backward_kernels = None, []
     if parts.backward is not None:
+        _transpose_matmul_gradients(parts.backward)
         backward_schedule = fuse(parts.backward)
         # the forward checked the indices the backward gathers with (saved: version-checked)
-        backward_program, backward_kernels = lower(parts.backward, backward_schedule, check_indices=False)
+        transient = [k for k, (kind, _) in enumerate(parts.saved) if kind == "output"]  # freed when last read
+        backward_program, backward_kernels = lower(parts.backward, backward_schedule, check_indices=False,
+                                                   transient_inputs=transient)
     outputs = list(next(n for n in parts.forward.nodes if n.op == "output").args[0])[: parts.num_user_outputs]
     differentiable = [meta_of(o).requires_grad and (meta_of(o).dtype.is_floating_point or meta_of(o).dtype.is_complex)
                       for o in outputs]
@@ -44,12 +49,12 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset()):
                             mutated_inputs=tuple(sorted(mutated_inputs)))
     if parts.backward is not None:
         region.grad_sources = parts.grad_sources
-        region.backward_for = _partial_backward_builder(pristine, mutated_inputs, parts)
+        region.backward_for = _partial_backward_builder(pristine, mutated_inputs, parts, written_later, memory)
         kept = list(output.args[0])
         region.eager_saved = tuple((kept.index(node), name, output_nr, parts.output_sources[kept.index(node)])
                                    for node, (name, output_nr) in eager_saved.items() if node in kept)
     if parts.joint is not None:
-        region.build_double_backward = _double_backward_builder(parts.joint)
+        region.build_double_backward = _double_backward_builder(parts.joint, memory)
         region.double_backward_reads = _placeholders_read(parts.joint)
         region.explain_nan = _nan_explainer(parts.backward)
     details = {
@@ -59,6 +64,33 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset()):
         "backward_kernels": backward_kernels,
     }
     return region, details
+
+
+def _transpose_matmul_gradients(graph: fx.Graph) -> None:
+    """``mm(a, b).T`` read only as its transpose becomes ``mm(b.T, a.T)``, in place.
+
+    NOTE (memory): a linear layer's weight gradient is the transpose of a matmul's result; as a
+    view it reaches autograd non-contiguous, and ``AccumulateGrad`` then copies it into the
+    parameter's layout (a second weight-sized buffer at the backward's peak). Computed
+    transposed, it is contiguous and stolen as eager's is.
+    """
+    for node in list(graph.nodes):
+        if getattr(node.target, "name", None) != "permute" or node.kwargs.get("dims") != (1, 0):
+            continue
+        mm = node.args[0]
+        if getattr(mm.target, "name", None) != "mm" or len(mm.users) != 1 or mm.kwargs:
+            continue
+        a, b = mm.args
+        with graph.inserting_before(node):
+            b_t = graph.node_copy(node, lambda _: b)
+            update_meta(b_t, shape=tuple(reversed(meta_of(b).shape)), dtype=meta_of(b).dtype)
+            a_t = graph.node_copy(node, lambda _: a)
+            update_meta(a_t, shape=tuple(reversed(meta_of(a).shape)), dtype=meta_of(a).dtype)
+            swapped = graph.node_copy(mm, lambda n: {a: b_t, b: a_t}[n])
+            update_meta(swapped, shape=meta_of(node).shape)
+        node.replace_all_uses_with(swapped)
+        graph.erase_node(node)
+        graph.erase_node(mm)
 
 
 def _memoized(make):
@@ -79,7 +111,7 @@ def _memoized(make):
     return get
 
 
-def _double_backward_builder(joint: fx.Graph):
+def _double_backward_builder(joint: fx.Graph, memory="balanced"):
     """For create_graph=True: the backward as a compiled, differentiable region of its own,
     built per pattern of which of its inputs require grad (the same machinery, one order up)."""
     def build(requires_grad: tuple):
@@ -88,12 +120,12 @@ def _double_backward_builder(joint: fx.Graph):
         output = next(n for n in graph.nodes if n.op == "output")
         present = [g is not None for g in output.args[0]]  # inputs with no gradient (indices)
         output.args = (tuple(g for g in output.args[0] if g is not None),)
-        region, _ = build_region(graph)
+        region, _ = build_region(graph, memory=memory)
         return region if all(present) else _WithAbsentOutputs(region, present)
     return _memoized(build)
 
 
-def _partial_backward_builder(forward: fx.Graph, mutated_inputs, parts):
+def _partial_backward_builder(forward: fx.Graph, mutated_inputs, parts, written_later, memory):
     """The backward for a call where only some outputs are in the loss's graph, built per set of
     those outputs: the others contribute nothing, as in eager (a zero gradient through them is
     not nothing: 0 * inf is NaN, log(x) at 0). Returns (Program, positions in the full saved list
@@ -102,11 +134,12 @@ def _partial_backward_builder(forward: fx.Graph, mutated_inputs, parts):
     position = {name: k for k, name in enumerate(parts.saved_names)}
 
     def build(given_outputs: frozenset):
-        sub = partition(_copy_graph(forward), mutated_inputs, only_outputs=given_outputs)
-        if sub.backward is None or any(name not in position for name in sub.saved_names):
+        sub = partition(_copy_graph(forward), mutated_inputs, only_outputs=given_outputs,
+                        written_later=written_later, memory=memory, saved_from=set(position))
+        if sub is None or sub.backward is None or any(name not in position for name in sub.saved_names):
             return None
         program, _ = lower(sub.backward, fuse(sub.backward), check_indices=False)
-        double = _double_backward_builder(sub.joint) if sub.joint is not None else None
+        double = _double_backward_builder(sub.joint, memory) if sub.joint is not None else None
         return program, [position[name] for name in sub.saved_names], double
     return _memoized(build)
 
@@ -195,8 +228,10 @@ def _view_step(node) -> ViewStep:
     return ViewStep(node.target, tuple(node.kwargs.items()))
 
 
-def lower(graph: fx.Graph, schedule: Schedule, check_indices: bool = True):
-    """Assign slots to buffers and turn the schedule's steps into runtime steps."""
+def lower(graph: fx.Graph, schedule: Schedule, check_indices: bool = True, transient_inputs=()):
+    """Assign slots to buffers and turn the schedule's steps into runtime steps.
+    ``transient_inputs``: positions of inputs the program holds the only reference to (saved
+    intermediates handed over by the backward), whose memory is freed at their last use."""
     slots: dict = {}
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for p in placeholders:
@@ -236,7 +271,10 @@ def lower(graph: fx.Graph, schedule: Schedule, check_indices: bool = True):
         check(src.stores)
     outputs = [ref(o) if isinstance(o, fx.Node) else None
                for o in next(n for n in graph.nodes if n.op == "output").args[0]]
-    program = Program(len(placeholders), len(slots), steps, outputs)
+    nbytes = {slot: math.prod(meta_of(node).shape) * meta_of(node).dtype.itemsize for node, slot in slots.items()
+              if slot >= len(placeholders) or slot in transient_inputs}
+    kept = {o.slot for o in outputs if o is not None}
+    program = Program(len(placeholders), len(slots), _memory_order(steps, nbytes, kept), outputs)
     program.frees = _liveness(program)
     return program, sources
 
@@ -269,13 +307,55 @@ def _constant(source: str, name: str) -> int:
     raise KeyError(name)
 
 
+def _reads(step) -> list:
+    return step.loads if isinstance(step, KernelLaunch) else [a.slot for a in step.args]
+
+
+def _writes(step) -> list:
+    if isinstance(step, KernelLaunch):
+        return [slot for slot, _, _ in step.stores]
+    return [step.out] if isinstance(step, ExternCall) else []
+
+
+def _memory_order(steps, nbytes, kept) -> list:
+    """The steps in an order that keeps less memory allocated at once: greedily, of the steps
+    whose inputs are ready, the one that allocates least net of what it frees (the buffers it
+    is the last reader of; ``kept``: slots never freed, the program's outputs); ties keep the
+    schedule's order.
+
+    NOTE (memory): the fusion's order is a valid one, not a frugal one: a bias gradient's sum
+    run last keeps the output gradient alive across both weight-gradient matmuls; a matmul
+    that frees two buffers waits behind one that frees one. Slots are written once, so a
+    step depends only on the steps that write what it reads.
+    """
+    writer = {slot: i for i, step in enumerate(steps) for slot in _writes(step)}
+    readers: dict = {}
+    for i, step in enumerate(steps):
+        for slot in set(_reads(step)):
+            readers.setdefault(slot, set()).add(i)
+    done: set = set()
+    order = []
+    while len(order) < len(steps):
+        best, best_net = None, None
+        for i, step in enumerate(steps):
+            if i in done or any(writer.get(slot, -1) not in done and slot in writer for slot in _reads(step)):
+                continue
+            freed = sum(nbytes.get(slot, 0) for slot in set(_reads(step))
+                        if slot not in kept and readers[slot] - done == {i})
+            net = sum(nbytes.get(slot, 0) for slot in _writes(step)) - freed
+            if best_net is None or net < best_net:
+                best, best_net = i, net
+        done.add(best)
+        order.append(steps[best])
+    return order
+
+
 def _liveness(program: Program):
     """Per step, the slots no later step or output reads: freed as soon as possible."""
     keep = {o.slot for o in program.outputs if o is not None}
     last_use = {}
     for i, step in enumerate(program.steps):
-        reads = step.loads if isinstance(step, KernelLaunch) else [a.slot for a in step.args]
-        for slot in reads:
+        for slot in _reads(step):
             last_use[slot] = i
     frees = [[] for _ in program.steps]
     for slot, i in last_use.items():

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field
 
 import torch
+from torch._C._autograd import _make_saved_tensor
 
 from runtime.program import Program, apply_views
 
@@ -71,26 +72,8 @@ class _RegionFunction(torch.autograd.Function):
         # NOTE: an output outside the loss's graph gets None, not zeros: an input reached only
         # through such outputs then gets None too, as eager leaves it (``backward``).
         ctx.set_materialize_grads(False)
-        # For create_graph=True the backward is recomputed from the inputs themselves, so
-        # keep them (their versions too: eager's in-place check still applies).
-        ctx.versions = [t._version if isinstance(t, torch.Tensor) else None for t in inputs]
-        if region.mutated_inputs and region.build_double_backward is not None:
-            # NOTE: the region's own in-place writes land in these inputs after this forward;
-            # the double backward recomputes from the values the forward read, so keep those
-            # (inputs needing no grad: a copy; ones that require grad: the copy made on their
-            # autograd history before the call, ``CompiledRegion._originals``).
-            inputs = list(inputs)
-            for i in region.mutated_inputs:
-                t = inputs[i]
-                if isinstance(t, torch.Tensor) and not t.requires_grad:
-                    inputs[i] = t.detach().clone()
-                elif i in originals:
-                    inputs[i] = originals[i]
-                else:
-                    continue
-                ctx.versions[i] = inputs[i]._version
-            inputs = tuple(inputs)
-        ctx.inputs = inputs
+        if region.build_double_backward is not None:
+            ctx.double_backward_inputs = _keep_for_double_backward(region, inputs, originals)
         user = outs[: region.num_outputs]
         ctx.shapes = [(o.shape, o.dtype, o.device) for o in user]
         non_diff = [o for o, d in zip(user, region.differentiable) if not d]
@@ -118,22 +101,31 @@ class _RegionFunction(torch.autograd.Function):
             saved = list(ctx.saved_tensors)  # version-checked by PyTorch
         except RuntimeError as e:
             saved = _saved_for_partial_backward(ctx, region, given, e)
+        # NOTE (memory): without retain_graph, autograd drops its references to the saved tensors
+        # now rather than after this returns (as AOTAutograd's backward does): the backward
+        # program, handed ours (``consume``), frees each after its last use.
+        ctx.maybe_clear_saved_tensors()
         if not given:  # no output of this region is in the loss's graph
             return (None,) * len(ctx.needs_input_grad)
         partial = _partial_backward(region, given) if len(given) < len(grads) else None
         if torch.is_grad_enabled() and region.build_double_backward is not None:
             if partial is not None and partial[2] is not None:
-                results = _differentiable_backward(ctx, region, [grads[k] for k in sorted(given)], partial[2])
+                results = _differentiable_backward(ctx, region, [grads[k] for k in sorted(given)], partial[2], saved)
             else:
-                results = _differentiable_backward(ctx, region, grads, region.build_double_backward)
+                results = _differentiable_backward(ctx, region, grads, region.build_double_backward, saved)
         elif partial is not None:
             program, take, _ = partial
-            results = program.run([saved[i] for i in take] + [grads[k] for k in sorted(given)], region.stats)
-        else:
+            args = [saved[i] for i in take] + [grads[k] for k in sorted(given)]
+            del saved
+            results = program.run(args, region.stats, consume=True)
+        elif torch.is_anomaly_enabled() and region.explain_nan is not None:
             results = region.backward.run(saved + grads, region.stats)
-            if torch.is_anomaly_enabled() and region.explain_nan is not None and _has_nan(results) \
-                    and not _has_nan(grads):
+            if _has_nan(results) and not _has_nan(grads):
                 raise RuntimeError(region.explain_nan(saved + grads))
+        else:
+            args = saved + grads
+            del saved
+            results = region.backward.run(args, region.stats, consume=True)
         if region.grad_sources:  # an input reached only through outputs outside the loss's graph: None
             results = [r if sources & given else None for r, sources in zip(results, region.grad_sources)]
         return (None, None, *results)
@@ -172,18 +164,55 @@ def _has_nan(tensors) -> bool:
                and bool(torch.isnan(t).any()) for t in tensors)
 
 
-def _differentiable_backward(ctx, region: CompiledRegion, grads, build):
+def _keep_for_double_backward(region: CompiledRegion, inputs, originals) -> dict:
+    """For create_graph=True the backward is recomputed from the region's inputs: position ->
+    the input, for those the double backward reads and the first-order backward has not saved.
+
+    NOTE (memory): each is packed as autograd packs ``save_for_backward``'s tensors (a
+    ``SavedTensor``: saved-tensor hooks see it, ``save_on_cpu()`` moves it), but unpacked only
+    on the create_graph path, with PyTorch's own version check there: a first-order backward
+    never reads it, so, as in eager, a later in-place change to it is no error then. Inputs
+    neither backward reads are not kept: they are freed when the caller drops them.
+    """
+    reads = region.double_backward_reads or (True,) * len(inputs)
+    saved_inputs = {i for kind, i in region.saved if kind == "input"}
+    kept = {}
+    for i, t in enumerate(inputs):
+        if not reads[i] or i in saved_inputs:
+            continue
+        if isinstance(t, torch.Tensor) and i in region.mutated_inputs:
+            # NOTE: the region's own in-place writes land in this input after the forward; the
+            # double backward recomputes from the value the forward read: a copy made before
+            # the write (on its autograd history where it requires grad, ``_originals``).
+            if t.requires_grad and i not in originals:
+                continue
+            t = originals[i] if t.requires_grad else t.detach().clone()
+        kept[i] = _make_saved_tensor(t, is_output=False) if isinstance(t, torch.Tensor) else _Constant(t)
+    return kept
+
+
+class _Constant:
+    """A non-tensor input kept for the double backward, unpacked like a saved tensor."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def unpack(self):
+        return self.value
+
+
+def _differentiable_backward(ctx, region: CompiledRegion, grads, build, saved):
     """create_graph=True: run the backward as a compiled region with its own backward (``build``:
     requires_grad pattern -> that region; of the full backward, or of one without the outputs
-    outside the loss's graph)."""
-    inputs = list(ctx.inputs)
-    # NOTE: only the inputs the double backward reads: eager saves no more than its backward
-    # needs (x - y saves nothing), so a later in-place op on another input is no error there
-    reads = region.double_backward_reads or (True,) * len(inputs)
-    for t, version, read in zip(inputs, ctx.versions, reads):
-        if read and isinstance(t, torch.Tensor) and t._version != version:
-            raise RuntimeError(_version_error(t, version))
-    pattern = tuple(t.requires_grad for t in inputs + grads)
+    outside the loss's graph). Its inputs are the forward's: from the saved tensors, or kept
+    for it (``_keep_for_double_backward``); one that neither reads is None."""
+    inputs = [None] * (len(ctx.needs_input_grad) - 2)
+    for (kind, i), t in zip(region.saved, saved):
+        if kind == "input":
+            inputs[i] = t
+    for i, packed in ctx.double_backward_inputs.items():
+        inputs[i] = packed.unpack()  # version-checked by PyTorch
+    pattern = tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs + grads)
     backward_region = build(pattern)
     backward_region.stats = region.stats
     results = backward_region(inputs + grads)

@@ -227,9 +227,13 @@ class Program:
     def kernels(self):
         return [s for s in self.steps if isinstance(s, KernelLaunch)]
 
-    def run(self, inputs, stats=None) -> list:
+    def run(self, inputs, stats=None, consume=False) -> list:
+        """Run the steps on ``inputs``; return the outputs. ``consume``: the caller hands its
+        references over (``inputs``, a list, is emptied): each input is freed after its last use."""
         env = list(inputs) + [None] * (self.num_slots - self.num_inputs)
         device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+        if consume:
+            inputs.clear()
         for step, dead in zip(self.steps, self.frees):
             step.run(env, device)
             for slot in dead:

@@ -235,11 +235,6 @@ def test_fixed_regressions(name):
 
 # -- found and not fixed yet: each is reported; strict, so a fix turns it into a pass -------------
 KNOWN = {
-    "recomputed-from-input-changed-in-place-refused": (
-        "the backward recomputes hypot(x0, x2) from x2 (eager saved the result), x2 (no grad) is then changed "
-        "in place: the version check of x2 refuses the backward eager runs",
-        _program([((1, 1), f64, "contiguous", True, 38), ((), f32, "contiguous", False, 39)],
-                 ["v0 = torch.hypot(x0, x1)", "v1 = x1.masked_fill_(x1 < 0, 0.5)"], ["v1", "v0"])),
     "inplace-on-saved-value-names-region": (
         "eager raises at backward for a saved value changed in place later; the replay raises the "
         "same error but names another node as the tensor's producer (README's known limits)",

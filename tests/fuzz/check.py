@@ -61,12 +61,6 @@ KNOWN_BUGS = [
     # and the value's grad_fn at backward time where it saved an input, and which one fails first is
     # the order of eager's backward inside our region; the same error otherwise (README's limits).
     ("inplace-on-saved-value-names-region", lambda m: _same_but_producer(m)),
-    # The backward recomputes a value from an input that needs no grad (hypot(x, c): from x and c,
-    # where eager saved the result), and that input is changed in place afterwards: the version
-    # check of the recomputation's input refuses what eager runs.
-    ("recomputed-from-input-changed-in-place-refused",
-     lambda m: "backward raised 'RuntimeError: one of the variables needed" in m and ", eager None" in m
-     and "of _RegionFunction," not in m),
     # Second derivatives at degenerate points (a norm at the zero vector, var/std with no degrees
     # of freedom): eager's formulas give NaN where ours give 0, or the other way round.
     ("second-order-at-degenerate-points",
