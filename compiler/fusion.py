@@ -19,7 +19,7 @@ import torch.fx as fx
 from compiler.ir import GraphBuilder, compute_dtype, meta_of, numel
 from compiler.ops import catalog as C
 from compiler.ops import symbols as Y
-from compiler.tiling import MIN_PROGRAMS, fits_one_block, holds_row, reduction_programs
+from compiler.tiling import MIN_PROGRAMS, fits_one_block, holds_row, is_outer, reduction_programs, rereads_row_from_l2
 
 
 @dataclass
@@ -29,6 +29,7 @@ class KernelPlan:
     roots: list = field(default_factory=list)   # nodes this kernel stores
     online: dict = field(default_factory=dict)  # sum root -> the amax root it is computed with (online softmax)
     reads_rows: bool = False     # a root reads a reduction of this kernel: rows are held whole (persistent)
+    second_pass: list = field(default_factory=list)  # roots that read a looped row's reductions: a second loop
 
     def accepts(self, shape, reduce_dims) -> bool:
         if shape != self.shape:
@@ -47,6 +48,21 @@ class KernelPlan:
                 if tuple(meta_of(b).shape) == tuple(self.shape)}
         wide = any(meta_of(n).dtype.itemsize >= 8 for n in rows | set(self.roots) | {node})
         return holds_row(self.shape, dims, row_values=len(rows), wide_values=wide)
+
+    def second_pass_with(self, node: fx.Node, reductions, buffers) -> bool:
+        """Whether ``node``, a pointwise value reading this looped kernel's reductions at its own
+        row, can be computed in a second loop over the row after the reductions' loop (as eager's
+        softmax backward does: ``tiling.rereads_row_from_l2``), instead of a kernel of its own that
+        reads the row from memory again. Real reductions of an inner row only."""
+        if kind_of(node) == "reduction" or self.reads_rows or is_outer(self.shape, self.reduce_dims):
+            return False
+        if any(meta_of(n).dtype.is_complex for n in list(reductions) + [node]):
+            return False
+        if not _row_aligned(node, reductions, self):
+            return False
+        rows = {b for root in self.second_pass + [node] for b in _reads(root, buffers)
+                if tuple(meta_of(b).shape) == tuple(self.shape)}
+        return rereads_row_from_l2(self.shape, self.reduce_dims, [meta_of(b).dtype.itemsize for b in rows])
 
 
 @dataclass
@@ -173,7 +189,7 @@ def fuse(graph: fx.Graph) -> Schedule:
         # writes something it reads, same iteration space, not reading its reductions.
         barrier = max((step_of[b] for b in _reads(node, buffers) if b in step_of), default=0)
         target = None
-        partner, reads_row = None, False
+        partner, reads_row, second = None, False, False
         for i in range(barrier, len(steps)):
             kind_i, plan = steps[i]
             reductions = reduction_roots_of.get(id(plan), ())
@@ -194,6 +210,9 @@ def fuse(graph: fx.Graph) -> Schedule:
             if partner is not None:
                 target = i
                 break
+            if not persistent and plan.second_pass_with(node, reductions, buffers):
+                target, second = i, True
+                break
         if target is None:
             target = len(steps)
             steps.append(("kernel", KernelPlan(space[0], space[1], [])))
@@ -201,6 +220,8 @@ def fuse(graph: fx.Graph) -> Schedule:
         plan.roots.append(node)
         if partner is not None:
             plan.online[node] = partner
+        if second:
+            plan.second_pass.append(node)
         plan.reads_rows = plan.reads_rows or reads_row
         plan.reduce_dims = plan.reduce_dims or space[1]
         step_of[node] = target

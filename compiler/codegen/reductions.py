@@ -148,9 +148,28 @@ class ReductionWriter:
                     total = self.online_total(root, acc, *maxima[self.plan.online[root]], acc_dtype, src)
                 if scale != 1.0:
                     total = f"{total} * {literal(scale)}"
+                if len(accs) == 1:   # a real row's value, kept for a second loop (``write_second_loop``)
+                    held = f"red{self.counter}"
+                    self.counter += 1
+                    src.append(f"{held} = {total}")
+                    self.reductions[root] = (held, acc_dtype)
+                    total = held
                 self.store(out, f"({total}).to({TL_DTYPE[part_dtype]})", [self.row_addresses(dtype)[k]], "xmask",
                            into=src)
         return src
+
+    def write_second_loop(self, body_prefix, rnumel, stores, wide) -> list:
+        """A second loop over the row for the roots that read its reductions (``plan.second_pass``,
+        ``tiling.rereads_row_from_l2``): they read the reduced values kept by ``write_loop``, and
+        their stores are appended to ``stores``."""
+        self.values = {}     # the first loop's variables hold its last step's elements
+        mark = len(self.lines)
+        for root in self.plan.second_pass:
+            stores.append(root)
+            self.store_root(root, f"out{len(stores) - 1}")
+        body = [masked(line, "xmask & rmask").replace("SHAPE", "[XBLOCK, RBLOCK]") for line in self.lines[mark:]]
+        loop = [f"rindex = roffset + {arange('RBLOCK', wide)}[None, :]", f"rmask = rindex < {rnumel}"]
+        return [f"for roffset in range(0, {rnumel}, RBLOCK):"] + ["    " + line for line in loop + body_prefix + body]
 
     # -- online softmax ------------------------------------------------------------------
     def online_update(self, value, acc_max, acc_sum):

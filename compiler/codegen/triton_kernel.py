@@ -393,7 +393,7 @@ class KernelWriter(ReductionWriter):
         stores = []
         accumulators = []   # (root, [accumulator per part], part dtype)
         for root in plan.roots:
-            if root in plan.online:  # accumulated with its amax
+            if root in plan.online or root in plan.second_pass:  # accumulated with its amax; the second loop
                 continue
             if kind_of(root) == "reduction":
                 self.accumulate(root, accumulators)
@@ -404,6 +404,8 @@ class KernelWriter(ReductionWriter):
                 .replace("SHAPE", "[XBLOCK, RBLOCK]" if reduction else "[XBLOCK]") for line in self.lines]
         if reduction:
             src = header + self.write_loop(body_prefix, body, rnumel, accumulators, stores, wide)
+            if plan.second_pass:
+                src += self.write_second_loop(body_prefix, rnumel, stores, wide)
         else:
             src = header + body_prefix + body
         return self.finish(src, stores, xnumel, wide, accumulators=sum(len(a[1]) for a in accumulators))
@@ -412,7 +414,8 @@ class KernelWriter(ReductionWriter):
         loads = list(self.load_args)
         tiling = choose_tiling(self.plan.shape, self.plan.reduce_dims, persistent=self.persistent,
                                live_values=_live_values(self.lines, accumulators, self.persistent),
-                               wide_values=any(meta_of(n).dtype.itemsize >= 8 for n in loads + stores))
+                               wide_values=any(meta_of(n).dtype.itemsize >= 8 for n in loads + stores),
+                               two_pass=bool(self.plan.second_pass))
         xblock = tiling.xblock
         strides = [f"{arg}_s{d}" for node, arg in self.load_args.items() for d in range(len(meta_of(node).shape))]
         # Strides in int64 make every offset product int64 (the index stays int32 where it fits).
