@@ -176,7 +176,7 @@ class KernelWriter(ReductionWriter):
     def value(self, node: fx.Node, index: tuple):
         """(Triton variable(s), dtype) of ``node`` at ``index``: loaded, or computed inline."""
         index = tuple(_fold(i) for i in index)
-        key = (node, index)
+        key = (node, tuple(_unwrapped(i) for i in index))   # "((i0))" is the element "i0" is
         if key in self.values:
             return self.values[key]
         kind = kind_of(node)
@@ -388,7 +388,7 @@ class KernelWriter(ReductionWriter):
         self.r_names = {"rindex", "roffset"} | {f"i{d}" for d in rdims} if reduction else set()
         if self.persistent:
             src, stores = self.write_persistent(header, body_prefix, rnumel, wide)
-            return self.finish(src, stores, xnumel, wide, accumulators=0)
+            return self.finish(src, stores, xnumel, wide, accumulators=len(plan.columns))
 
         stores = []
         accumulators = []   # (root, [accumulator per part], part dtype)
@@ -428,7 +428,8 @@ class KernelWriter(ReductionWriter):
             name, source, signature = self.module(src, stores, tiling, "i32")
             if strides:
                 wide_name, wide_source, _ = self.module(widen + src, stores, tiling, "i64")
-        grid = -(-xnumel // xblock)
+        # a kernel with column sums runs one program per chunk of rows (``loop_over_chunk``)
+        grid = xnumel // self.chunk_rows() if self.plan.columns else -(-xnumel // xblock)
         read = {n: numel(meta_of(n).shape) if n in self.full_reads else
                 min(numel(meta_of(n).shape), self.gathered_reads[n]) for n in loads}
         moved = sum(read[n] * meta_of(n).dtype.itemsize for n in loads)
@@ -495,6 +496,18 @@ def _live_values(lines, accumulators: int, persistent: bool) -> int:
     loads = sum(1 for line in lines if "tl.load(" in line and "mask=MASK" in line)
     reductions = sum(line.count("tl.sum(") + line.count("tl.max(") for line in lines) if persistent else 0
     return loads + accumulators + 2 * reductions
+
+
+def _unwrapped(index: str) -> str:
+    """``index`` without parentheses around all of it: "(((i0) * 8 + (i1)))" -> "(i0) * 8 + (i1)"."""
+    while index.startswith("(") and index.endswith(")"):
+        depth = 0
+        for k, ch in enumerate(index):
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth == 0 and k < len(index) - 1:
+                return index     # the first parenthesis closes before the end: "(a) * (b)"
+        index = index[1:-1]
+    return index
 
 
 def _fold(index: str) -> str:
