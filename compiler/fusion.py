@@ -19,7 +19,7 @@ import torch.fx as fx
 from compiler.ir import GraphBuilder, compute_dtype, meta_of, numel
 from compiler.ops import catalog as C
 from compiler.ops import symbols as Y
-from compiler.tiling import MIN_PROGRAMS, fits_one_block, holds_row, reduction_programs
+from compiler.tiling import MIN_PROGRAMS, fits_one_block, holds_row, is_outer, reduction_programs, rereads_row_from_l2
 
 
 @dataclass
@@ -29,6 +29,10 @@ class KernelPlan:
     roots: list = field(default_factory=list)   # nodes this kernel stores
     online: dict = field(default_factory=dict)  # sum root -> the amax root it is computed with (online softmax)
     reads_rows: bool = False     # a root reads a reduction of this kernel: rows are held whole (persistent)
+    second_pass: list = field(default_factory=list)  # roots that read a looped row's reductions: a second loop
+    # column partial sums computed beside the rows (``_column_partial``): root -> (value of ``shape``,
+    # chunks); each of the kernel's programs loops over one chunk of rows and writes its partial sums
+    columns: dict = field(default_factory=dict)
 
     def accepts(self, shape, reduce_dims) -> bool:
         if shape != self.shape:
@@ -47,6 +51,42 @@ class KernelPlan:
                 if tuple(meta_of(b).shape) == tuple(self.shape)}
         wide = any(meta_of(n).dtype.itemsize >= 8 for n in rows | set(self.roots) | {node})
         return holds_row(self.shape, dims, row_values=len(rows), wide_values=wide)
+
+    def takes_column(self, node: fx.Node, value: fx.Node, chunks: int, buffers) -> bool:
+        """Whether this kernel, over rows of ``value``'s shape held whole, can also compute ``node``,
+        a chunk's column sums of ``value``, in each program (``split_column_sum``)."""
+        if tuple(self.shape) != tuple(meta_of(value).shape) or tuple(self.reduce_dims) != (1,):
+            return False
+        if meta_of(node).dtype.is_complex:
+            return False
+        if self.online or self.second_pass or any(c != chunks for _, c in self.columns.values()):
+            return False
+        return self.persistent_with(self.reduce_dims, node, buffers)
+
+    def loops_over_chunks(self, value: fx.Node, chunks: int) -> bool:
+        """Whether this elementwise kernel over ``value``'s shape (M, N) can run as the kernel of the
+        column sums of chunks of ``value``'s rows: a loop over each chunk's rows for a tile of
+        columns, storing its elements at each (the complex gate's backward: the input's gradient and
+        the gain's and bias's column sums of values computed from it, in one pass)."""
+        shape = tuple(meta_of(value).shape)
+        if self.reduce_dims or tuple(self.shape) != shape or self.columns:
+            return False
+        return all(kind_of(r) in ("pointwise", "scatter") and tuple(meta_of(r).shape) == shape for r in self.roots)
+
+    def second_pass_with(self, node: fx.Node, reductions, buffers) -> bool:
+        """Whether ``node``, a pointwise value reading this looped kernel's reductions at its own
+        row, can be computed in a second loop over the row after the reductions' loop (as eager's
+        softmax backward does: ``tiling.rereads_row_from_l2``), instead of a kernel of its own that
+        reads the row from memory again. Real reductions of an inner row only."""
+        if kind_of(node) == "reduction" or self.reads_rows or is_outer(self.shape, self.reduce_dims):
+            return False
+        if any(meta_of(n).dtype.is_complex for n in list(reductions) + [node]):
+            return False
+        if not _row_aligned(node, reductions, self):
+            return False
+        rows = {b for root in self.second_pass + [node] for b in _reads(root, buffers)
+                if tuple(meta_of(b).shape) == tuple(self.shape)}
+        return rereads_row_from_l2(self.shape, self.reduce_dims, [meta_of(b).dtype.itemsize for b in rows])
 
 
 @dataclass
@@ -90,6 +130,10 @@ def split_starved_reductions(graph: fx.Graph) -> None:
             continue
         if reduction_programs(shape, dims) >= MIN_PROGRAMS:
             continue
+        chunks = _row_kernel_chunks(graph, x, dims)
+        if chunks:   # as many chunks as the rows' kernel has programs: it computes the partial sums
+            split_column_sum(graph, node, chunks)
+            continue
         if len(dims) > 1 and dims == tuple(range(dims[0], dims[-1] + 1)):  # adjacent: split them as one
             shape = shape[:dims[0]] + (numel([shape[d] for d in dims]),) + shape[dims[-1] + 1:]
             dims = (dims[0],)
@@ -115,6 +159,64 @@ def split_starved_reductions(graph: fx.Graph) -> None:
             total = C.emit_view(b, "reshape", total, shape=meta_of(node).shape)
         node.replace_all_uses_with(total)
         graph.erase_node(node)
+
+
+COLUMN_CHUNK_MIN_ROWS = 16   # a column sum shares its rows' kernel when each program gets this many rows
+
+
+def _row_kernel_chunks(graph: fx.Graph, x: fx.Node, dims) -> int | None:
+    """How many chunks of rows to split ``x.sum(0)`` into so that the kernel that reduces the rows of
+    ``x``'s shape (a norm's backward: its row sums and input gradient) computes the column sums too,
+    one chunk a program, instead of a kernel of its own reading the rows again (dgamma, dbeta); None
+    when no such kernel is expected: ``x`` (M, N) computed inline or an input, rows that
+    fit one block, a row reduction over that shape in the graph, and at least MIN_PROGRAMS chunks of
+    COLUMN_CHUNK_MIN_ROWS rows. The partial sums ([chunks, N] in fp32) are then summed by a small
+    second kernel, as Apex's and Triton's tutorial layer-norm backwards do (each program accumulates
+    its rows' dgamma into a buffer, reduced by a second kernel)."""
+    shape = tuple(meta_of(x).shape)
+    if len(shape) != 2 or tuple(dims) != (0,) or kind_of(x) not in INLINE_KINDS + ("input",) or \
+            meta_of(x).dtype.is_complex:
+        return None
+    if not fits_one_block(shape, (1,)):
+        return None
+    if not any(kind_of(n) == "reduction" and tuple(n.kwargs["dims"]) == (1,) and
+               tuple(meta_of(n.args[0]).shape) == shape for n in graph.nodes):
+        return None
+    return next((k for k in range(MIN_PROGRAMS, shape[0] // COLUMN_CHUNK_MIN_ROWS + 1) if shape[0] % k == 0), None)
+
+
+def split_column_sum(graph: fx.Graph, node: fx.Node, chunks: int) -> None:
+    """``node`` (a sum over dim 0 of an (M, N) value) as the sum of ``chunks`` partial column sums."""
+    x = node.args[0]
+    rows, cols = meta_of(x).shape
+    b = GraphBuilder(graph)
+    with graph.inserting_before(node):
+        chunked = C.emit_view(b, "reshape", x, shape=(chunks, rows // chunks, cols))
+        partial = C.emit_reduction(b, "sum", chunked, (1,), dtype=compute_dtype(meta_of(node).dtype))
+        total = C.emit_reduction(b, node.target.name, partial, (0,), dtype=meta_of(node).dtype)
+        if node.target.name == "mean":
+            total.kwargs = {**total.kwargs, "count": node.kwargs.get("count") or rows}
+        total = C.emit_view(b, "reshape", total, shape=meta_of(node).shape)
+    node.replace_all_uses_with(total)
+    graph.erase_node(node)
+
+
+def _column_partial(node: fx.Node):
+    """(value, chunks) when ``node`` is a chunk's column sums made by ``split_column_sum``: a sum over
+    dim 1 of an (M, N) value reshaped to (chunks, M / chunks, N)."""
+    if kind_of(node) != "reduction" or node.target.name != "sum" or tuple(node.kwargs["dims"]) != (1,):
+        return None
+    view = node.args[0]
+    if node.kwargs["keepdim"] or kind_of(view) != "view" or view.target.name != "reshape":
+        return None
+    value = view.args[0]
+    shape, chunked = tuple(meta_of(value).shape), tuple(meta_of(view).shape)
+    if len(shape) != 2 or len(chunked) != 3:
+        return None
+    chunks, rows, cols = chunked
+    if shape != (chunks * rows, cols):
+        return None
+    return value, chunks
 
 
 def _split_count(size: int, other: int, programs):
@@ -173,10 +275,19 @@ def fuse(graph: fx.Graph) -> Schedule:
         # writes something it reads, same iteration space, not reading its reductions.
         barrier = max((step_of[b] for b in _reads(node, buffers) if b in step_of), default=0)
         target = None
-        partner, reads_row = None, False
+        partner, reads_row, second = None, False, False
+        column = _column_partial(node)
         for i in range(barrier, len(steps)):
             kind_i, plan = steps[i]
             reductions = reduction_roots_of.get(id(plan), ())
+            if column is not None and kind_i == "kernel":
+                if plan.takes_column(node, *column, buffers):
+                    target, reads_row = i, True
+                    break
+                if plan.loops_over_chunks(*column):   # its elements, met in the column sums' loop
+                    plan.shape, plan.reduce_dims = space
+                    target = i
+                    break
             if kind_i != "kernel" or not plan.accepts(*space):
                 continue
             depends = _depends_on(node, reductions, buffers)
@@ -194,6 +305,9 @@ def fuse(graph: fx.Graph) -> Schedule:
             if partner is not None:
                 target = i
                 break
+            if not persistent and plan.second_pass_with(node, reductions, buffers):
+                target, second = i, True
+                break
         if target is None:
             target = len(steps)
             steps.append(("kernel", KernelPlan(space[0], space[1], [])))
@@ -201,6 +315,13 @@ def fuse(graph: fx.Graph) -> Schedule:
         plan.roots.append(node)
         if partner is not None:
             plan.online[node] = partner
+        if second:
+            plan.second_pass.append(node)
+        if column is not None and plan.shape != space[0]:   # joined a rows' kernel (``takes_column``)
+            plan.columns[node] = column
+            plan.reads_rows = True
+            step_of[node] = target
+            continue
         plan.reads_rows = plan.reads_rows or reads_row
         plan.reduce_dims = plan.reduce_dims or space[1]
         step_of[node] = target

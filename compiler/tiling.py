@@ -39,6 +39,10 @@ REGISTER_BUDGET = 64             # registers per thread for block values (of 255
 # written to hold no second row value: codegen/reductions.py ``reduce_row``.)
 LONG_ROW_MAX = 32768             # no longer row is held whole: even one value would not fit the registers
 LONG_ROW_WARPS = 32              # 1024 threads, as PyTorch's softmax kernels launch for long rows
+# A looped row read again by a second loop over it (``rereads_row_from_l2``)
+L2_BYTES = 50 * 2**20            # H100 SXM's L2 cache
+TWO_PASS_WARPS = 32              # at most 2 such programs an SM (64 warps), so few rows are in flight
+TWO_PASS_RBLOCK = 4096           # 4 elements a thread each step: 16-byte fp32 loads
 REGISTER_FILE = 65536            # 32-bit registers of an SM (and the most one block may use)
 RESERVED_REGISTERS = 24          # per thread, besides the row's values: index, masks, addresses, reduction scratch
 
@@ -127,6 +131,31 @@ def holds_row(shape, reduce_dims, row_values: int = 1, wide_values: bool = False
     return need <= min(255, REGISTER_FILE // threads)
 
 
+def rereads_row_from_l2(shape, reduce_dims, row_itemsizes) -> bool:
+    """Whether a kernel that loops over each row twice (its reductions, then the values that read
+    them: softmax's backward past ``holds_row``) finds the row in L2 on its second loop, so it
+    moves the row's bytes from memory once. ``row_itemsizes``: the element size of each row-shaped
+    buffer the second loop reads again.
+
+    Such a kernel runs one row a program at TWO_PASS_WARPS (1024 threads), so an SM runs at most
+    2 of them (64 warps) and SM_COUNT * 2 rows are in flight. Between a program's first and
+    second read of an element, the programs in flight each stream one row pass; about half of
+    them are in their first pass (bringing new lines into L2), so the reuse distance is about
+    SM_COUNT rows' bytes, which must fit L2_BYTES. This is the shape of eager's own kernel: CUDA's
+    cunn_SoftMaxBackward (aten/src/ATen/native/cuda/SoftMax.cu) reads gradOutput and output once
+    for the row's sum and again to write, one row a block, and the kernel model
+    (benchmarks/README.md) counts eager's row as read once too.
+    NOTE: an estimate, not a measurement: L2 is two partitions, and lines are not kept in LRU order.
+
+    >>> rereads_row_from_l2((8192, 32768), (1,), [4, 4]), rereads_row_from_l2((8192, 65536), (1,), [4, 4])
+    (True, False)
+    """
+    if not reduce_dims or is_outer(shape, reduce_dims):
+        return False
+    rnumel = numel([shape[d] for d in reduce_dims])
+    return SM_COUNT * rnumel * sum(row_itemsizes) <= L2_BYTES
+
+
 def _elements_per_thread(live_values: int, wide_values: bool) -> int:
     """Elements of each block value a thread holds: 8 (two 16-byte fp32 vectors, one of
     bf16) when few values are live, fewer as more are (the register budget), never under 2."""
@@ -140,12 +169,13 @@ def _warps_for(tile: int, per_thread: int, max_warps: int = MAX_WARPS) -> int:
 
 
 def choose_tiling(shape, reduce_dims, *, persistent: bool | None = None, live_values: int = 1,
-                  wide_values: bool = False) -> Tiling:
+                  wide_values: bool = False, two_pass: bool = False) -> Tiling:
     """Blocks and warps for a kernel over ``shape`` reducing ``reduce_dims``.
 
     ``persistent``: rows are held whole (default: when they fit one block);
     ``live_values``: block-shaped values held at once (an estimate from the kernel body);
-    ``wide_values``: the kernel computes in 64-bit (fp64), two registers per element.
+    ``wide_values``: the kernel computes in 64-bit (fp64), two registers per element;
+    ``two_pass``: a looped row is read by a second loop (``rereads_row_from_l2``): one row a program.
 
     >>> choose_tiling((4096, 1024), (1,), live_values=8)
     Tiling(xblock=1, rblock=1024, num_warps=4)
@@ -162,6 +192,8 @@ def choose_tiling(shape, reduce_dims, *, persistent: bool | None = None, live_va
             xblock //= 2
         return Tiling(xblock, 1, warps)
     outer = is_outer(shape, rdims)
+    if two_pass:
+        return Tiling(1, min(next_pow2(max(rnumel, 1)), TWO_PASS_RBLOCK), TWO_PASS_WARPS)
     if persistent is None:
         persistent = fits_one_block(shape, rdims)
     if persistent and next_pow2(max(rnumel, 1)) > PERSISTENT_MAX and not outer:

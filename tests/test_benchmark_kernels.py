@@ -122,3 +122,20 @@ def test_vector_share_leaves_out_broadcast_loads():
         @%p1 ld.global.b32 { %r7 }, [ %rd3 + 0 ];
     """
     assert load_counts(ptx) == (4, 1, 2)
+
+
+@pytest.mark.parametrize("index", [[0, 3, 9], [0, 3, 1234567]], ids=["in-range", "garbage"])
+def test_recorded_index_check_runs_as_on_a_gpu_whatever_the_index_holds(index):
+    """A traced program's index check is the range test and an asynchronous assert, as on a GPU; the
+    index may be a skipped kernel's output (garbage), which once took the CPU error path's extra
+    operators (cross-entropy's forward: 8 host operators in one table, 4 in another)."""
+    from benchmarks.sm90 import recorded_launches
+    from benchmarks.step_trace import _Tracer
+    from runtime.program import IndexCheck, ValueRef
+
+    check = IndexCheck([ValueRef(0)], size=10, wrap=False, what="cross_entropy")
+    tracer = _Tracer()
+    tracer.ops = []
+    with recorded_launches(), tracer:
+        check.run([torch.tensor(index)], torch.device("cpu"))
+    assert [op.name for op in tracer.ops] == ["ge", "lt", "bitwise_and", "all", "_assert_async"]

@@ -42,7 +42,8 @@ REPRESENTATIVE = [
     ("rmsnorm", dict(rows=32, cols=8192), torch.float32),
     ("softmax", dict(rows=16, vocab=8192), torch.float32),
     # long rows held whole in one block of 32 warps (tiling.holds_row): 16384 forward (one row
-    # value) and backward (two), 32768 forward (its backward, two values, is looped); rows
+    # value) and backward (two), 32768 forward (its backward, two values, loops over the row twice
+    # in one kernel: tiling.rereads_row_from_l2); rows
     # enough (>= tiling.MIN_PROGRAMS) that they are not split
     ("softmax", dict(rows=300, vocab=16384), torch.float32),
     ("softmax", dict(rows=300, vocab=16384), torch.bfloat16),

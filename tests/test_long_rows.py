@@ -55,10 +55,54 @@ def test_long_row_max_propagates_nan_as_eager():
                  grad_seed=torch.randn(ROWS, COLS))
 
 
-def test_rows_past_the_register_file_stay_looped(monkeypatch):
-    """(LONG_ROW_MAX lowered, so the interpreter runs a short row on the path a row past it takes.)"""
+def _looped(monkeypatch):
+    """LONG_ROW_MAX lowered, so the interpreter runs a short row on the path a row past it takes."""
     monkeypatch.setattr(tiling, "LONG_ROW_MAX", tiling.PERSISTENT_MAX)
+
+
+def test_rows_past_the_register_file_loop_twice_in_one_kernel(monkeypatch):
+    """A row the registers cannot hold is looped over twice in one kernel: its max and sum (online),
+    then the values that read them (forward); its sum of grad * softmax, then the gradient
+    (backward), as eager's cunn_SoftMaxBackward does: the second loop finds the row in L2
+    (``tiling.rereads_row_from_l2``), so the phase moves each input once. Was two kernels a phase,
+    the second reading the row from memory again (softmax backward at (8192, 32768): 1.67x the
+    minimal bytes)."""
+    _looped(monkeypatch)
     x = torch.randn(ROWS, COLS, requires_grad=True)
     report = compiler.explain(lambda x: torch.softmax(x, -1), x)
-    assert len(report.forward_kernels) == 2
+    assert [len(report.forward_kernels), len(report.backward_kernels)] == [1, 1], report
+    for kernel in report.forward_kernels + report.backward_kernels:
+        assert kernel.source.count("for roffset") == 2
+        assert f"NUM_WARPS = {tiling.TWO_PASS_WARPS}" in kernel.source
+    row_bytes = ROWS * COLS * 4
+    # forward: x in, y out; backward: x (softmax recomputed from x and its row statistics) and
+    # grad in, grad_x out; plus a few values a row
+    assert report.forward_kernels[0].bytes_moved < 2 * row_bytes + 64 * ROWS
+    assert report.backward_kernels[0].bytes_moved < 3 * row_bytes + 64 * ROWS
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+def test_rows_looped_twice_give_eager_values_and_gradients(op, dtype, monkeypatch):
+    _looped(monkeypatch)
+    fn = getattr(torch, op)
+    check_parity(lambda x: fn(x, -1), [_input(dtype)], tol=TOL[dtype],
+                 grad_seed=torch.randn(ROWS, COLS, dtype=torch.float64).to(dtype))
+
+
+def test_rows_past_l2_take_a_second_kernel(monkeypatch):
+    """Where the rows in flight would not fit L2, the second loop is a kernel of its own."""
+    _looped(monkeypatch)
+    monkeypatch.setattr(tiling, "L2_BYTES", tiling.SM_COUNT * COLS * 4 - 1)
+    x = torch.randn(ROWS, COLS, requires_grad=True)
+    report = compiler.explain(lambda x: torch.softmax(x, -1), x)
+    assert [len(report.forward_kernels), len(report.backward_kernels)] == [2, 2], report
     assert "for roffset" in report.forward_kernels[0].source
+
+
+def test_softmax_backward_at_full_size_rereads_from_l2():
+    """The benchmark's softmax (8192, 32768) fp32 backward: two row values do not fit the registers
+    of one block (holds_row), but fit L2 for a second loop."""
+    assert not tiling.holds_row((8192, 32768), (1,), row_values=2)
+    assert tiling.rereads_row_from_l2((8192, 32768), (1,), [4, 4])
+    assert not tiling.rereads_row_from_l2((8192, 65536), (1,), [4, 4])

@@ -60,11 +60,14 @@ class ReductionWriter:
         """One block holds whole rows: reductions are computed once per row, in order, and
         later values of the same row (pointwise roots, other reductions) read them.
         Returns (source lines, stored roots)."""
-        stores = []
+        stores, columns = [], []
         for root in self.plan.roots:
             out = f"out{len(stores)}"
             stores.append(root)
             dtype = meta_of(root).dtype
+            if root in self.plan.columns:
+                columns.append((root, out, self.accumulate_column(root, f"cacc{len(columns)}")))
+                continue
             if kind_of(root) == "reduction":
                 var, have = self.reduced(root, self._reduced_index(root))
                 self.store(out, self.cast(var, have, dtype), self.row_addresses(dtype), "xmask")
@@ -72,7 +75,45 @@ class ReductionWriter:
             self.store_root(root, out)
         body = [masked(line, "xmask & rmask").replace("SHAPE", "[XBLOCK, RBLOCK]") for line in self.lines]
         rindex = [f"rindex = {arange('RBLOCK', wide)}[None, :]", f"rmask = rindex < {rnumel}"]
+        if columns:
+            return self.loop_over_chunk(header, rindex, body_prefix + body, columns, wide), stores
         return header + rindex + body_prefix + body, stores
+
+    # -- column sums beside the rows (fusion.split_column_sum) ----------------------------
+    def accumulate_column(self, root, acc: str) -> str:
+        """The loop body's update of ``acc``, the partial column sums of a chunk's rows of ``root``'s
+        value (``plan.columns``); returns the accumulator's dtype."""
+        value, _ = self.plan.columns[root]
+        acc_dtype = compute_dtype(meta_of(root).dtype)
+        var, have = self.value(value, self.base_index)
+        var = self.cast(var, have, acc_dtype)
+        self.lines.append(f"{acc} = {acc} + tl.where(MASK, {var}, 0)")
+        return acc_dtype
+
+    def loop_over_chunk(self, header, rindex, body, columns, wide) -> list:
+        """One program per chunk of rows (``plan.columns``): the rows of the chunk in steps of XBLOCK,
+        whole rows at a time (``write_persistent``'s body), accumulating the chunk's column sums,
+        stored once at the end at the program's row of the [chunks, N] partial sums."""
+        chunk_rows = self.chunk_rows()
+        pid = "tl.program_id(0).to(tl.int64)" if wide else "tl.program_id(0)"
+        _xindex, _xmask, *x_dims = header
+        src = rindex + [f"{acc} = tl.zeros([XBLOCK, RBLOCK], {TL_DTYPE[dtype]})" for _, acc, dtype in
+                        ((r, f"cacc{k}", d) for k, (r, _, d) in enumerate(columns))]
+        src.append(f"for xoffset in range(0, {chunk_rows}, XBLOCK):")
+        src += ["    " + line for line in [
+            f"xindex = {pid} * {chunk_rows} + xoffset + tl.arange(0, XBLOCK)[:, None]",
+            f"xmask = xoffset + tl.arange(0, XBLOCK)[:, None] < {chunk_rows}", *x_dims, *body]]
+        cols = self.plan.shape[-1]
+        for k, (root, out, _) in enumerate(columns):
+            total = f"tl.sum(cacc{k}, 0)[None, :].to({TL_DTYPE[meta_of(root).dtype]})"
+            self.store(out, total, [f"{pid} * {cols} + rindex"], "rmask", into=src)
+        return src
+
+    def chunk_rows(self) -> int:
+        """Rows each program of a kernel with column sums takes (``loop_over_chunk``)."""
+        chunks = {c for _, c in self.plan.columns.values()}
+        assert len(chunks) == 1, chunks
+        return self.plan.shape[0] // chunks.pop()
 
     def _reduced_index(self, root):
         kept = [d for d in range(len(self.plan.shape)) if d not in self.plan.reduce_dims]
@@ -82,8 +123,14 @@ class ReductionWriter:
         return tuple(self.base_index[d] for d in kept)
 
     def store_root(self, root, out: str):
-        """Store a pointwise root at the current elements (contiguous output)."""
-        var, have = self.value(root, self.base_index)
+        """Store a pointwise root at the current elements (contiguous output). A root of shape (M, N)
+        in a kernel over its rows' chunks (chunks, M / chunks, N) (``fusion.KernelPlan.loops_over_chunks``)
+        is read at row chunk * (M / chunks) + row: the same contiguous offset."""
+        index = self.base_index
+        if tuple(meta_of(root).shape) != tuple(self.plan.shape):
+            (chunk, row, col), rows = index, self.plan.shape[1]
+            index = (f"({chunk}) * {rows} + ({row})", col)
+        var, have = self.value(root, index)
         dtype = meta_of(root).dtype
         var = self.cast(var, have, dtype)
         single = "(xindex + rindex)" if self.plan.reduce_dims else "xindex"
@@ -148,9 +195,28 @@ class ReductionWriter:
                     total = self.online_total(root, acc, *maxima[self.plan.online[root]], acc_dtype, src)
                 if scale != 1.0:
                     total = f"{total} * {literal(scale)}"
+                if len(accs) == 1:   # a real row's value, kept for a second loop (``write_second_loop``)
+                    held = f"red{self.counter}"
+                    self.counter += 1
+                    src.append(f"{held} = {total}")
+                    self.reductions[root] = (held, acc_dtype)
+                    total = held
                 self.store(out, f"({total}).to({TL_DTYPE[part_dtype]})", [self.row_addresses(dtype)[k]], "xmask",
                            into=src)
         return src
+
+    def write_second_loop(self, body_prefix, rnumel, stores, wide) -> list:
+        """A second loop over the row for the roots that read its reductions (``plan.second_pass``,
+        ``tiling.rereads_row_from_l2``): they read the reduced values kept by ``write_loop``, and
+        their stores are appended to ``stores``."""
+        self.values = {}     # the first loop's variables hold its last step's elements
+        mark = len(self.lines)
+        for root in self.plan.second_pass:
+            stores.append(root)
+            self.store_root(root, f"out{len(stores) - 1}")
+        body = [masked(line, "xmask & rmask").replace("SHAPE", "[XBLOCK, RBLOCK]") for line in self.lines[mark:]]
+        loop = [f"rindex = roffset + {arange('RBLOCK', wide)}[None, :]", f"rmask = rindex < {rnumel}"]
+        return [f"for roffset in range(0, {rnumel}, RBLOCK):"] + ["    " + line for line in loop + body_prefix + body]
 
     # -- online softmax ------------------------------------------------------------------
     def online_update(self, value, acc_max, acc_sum):

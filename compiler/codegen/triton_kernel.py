@@ -176,7 +176,7 @@ class KernelWriter(ReductionWriter):
     def value(self, node: fx.Node, index: tuple):
         """(Triton variable(s), dtype) of ``node`` at ``index``: loaded, or computed inline."""
         index = tuple(_fold(i) for i in index)
-        key = (node, index)
+        key = (node, tuple(_unwrapped(i) for i in index))   # "((i0))" is the element "i0" is
         if key in self.values:
             return self.values[key]
         kind = kind_of(node)
@@ -388,12 +388,12 @@ class KernelWriter(ReductionWriter):
         self.r_names = {"rindex", "roffset"} | {f"i{d}" for d in rdims} if reduction else set()
         if self.persistent:
             src, stores = self.write_persistent(header, body_prefix, rnumel, wide)
-            return self.finish(src, stores, xnumel, wide, accumulators=0)
+            return self.finish(src, stores, xnumel, wide, accumulators=len(plan.columns))
 
         stores = []
         accumulators = []   # (root, [accumulator per part], part dtype)
         for root in plan.roots:
-            if root in plan.online:  # accumulated with its amax
+            if root in plan.online or root in plan.second_pass:  # accumulated with its amax; the second loop
                 continue
             if kind_of(root) == "reduction":
                 self.accumulate(root, accumulators)
@@ -404,6 +404,8 @@ class KernelWriter(ReductionWriter):
                 .replace("SHAPE", "[XBLOCK, RBLOCK]" if reduction else "[XBLOCK]") for line in self.lines]
         if reduction:
             src = header + self.write_loop(body_prefix, body, rnumel, accumulators, stores, wide)
+            if plan.second_pass:
+                src += self.write_second_loop(body_prefix, rnumel, stores, wide)
         else:
             src = header + body_prefix + body
         return self.finish(src, stores, xnumel, wide, accumulators=sum(len(a[1]) for a in accumulators))
@@ -412,7 +414,8 @@ class KernelWriter(ReductionWriter):
         loads = list(self.load_args)
         tiling = choose_tiling(self.plan.shape, self.plan.reduce_dims, persistent=self.persistent,
                                live_values=_live_values(self.lines, accumulators, self.persistent),
-                               wide_values=any(meta_of(n).dtype.itemsize >= 8 for n in loads + stores))
+                               wide_values=any(meta_of(n).dtype.itemsize >= 8 for n in loads + stores),
+                               two_pass=bool(self.plan.second_pass))
         xblock = tiling.xblock
         strides = [f"{arg}_s{d}" for node, arg in self.load_args.items() for d in range(len(meta_of(node).shape))]
         # Strides in int64 make every offset product int64 (the index stays int32 where it fits).
@@ -425,7 +428,8 @@ class KernelWriter(ReductionWriter):
             name, source, signature = self.module(src, stores, tiling, "i32")
             if strides:
                 wide_name, wide_source, _ = self.module(widen + src, stores, tiling, "i64")
-        grid = -(-xnumel // xblock)
+        # a kernel with column sums runs one program per chunk of rows (``loop_over_chunk``)
+        grid = xnumel // self.chunk_rows() if self.plan.columns else -(-xnumel // xblock)
         read = {n: numel(meta_of(n).shape) if n in self.full_reads else
                 min(numel(meta_of(n).shape), self.gathered_reads[n]) for n in loads}
         moved = sum(read[n] * meta_of(n).dtype.itemsize for n in loads)
@@ -492,6 +496,18 @@ def _live_values(lines, accumulators: int, persistent: bool) -> int:
     loads = sum(1 for line in lines if "tl.load(" in line and "mask=MASK" in line)
     reductions = sum(line.count("tl.sum(") + line.count("tl.max(") for line in lines) if persistent else 0
     return loads + accumulators + 2 * reductions
+
+
+def _unwrapped(index: str) -> str:
+    """``index`` without parentheses around all of it: "(((i0) * 8 + (i1)))" -> "(i0) * 8 + (i1)"."""
+    while index.startswith("(") and index.endswith(")"):
+        depth = 0
+        for k, ch in enumerate(index):
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth == 0 and k < len(index) - 1:
+                return index     # the first parenthesis closes before the end: "(a) * (b)"
+        index = index[1:-1]
+    return index
 
 
 def _fold(index: str) -> str:
