@@ -5,7 +5,9 @@ Scenarios (all on one process group, one spawn, so the test stays a few seconds)
 - ``plain``: SGD with momentum, 5 steps;
 - ``no_sync``: gradient accumulation over 2 micro-batches, the first under ``model.no_sync()``;
 - ``unused``: ``find_unused_parameters=True`` with a branch the step never uses;
-- ``static``: ``static_graph=True``.
+- ``static``: ``static_graph=True``;
+- ``fsdp2``: ``fully_shard`` on each layer and the root, AdamW, 6 steps (its first step
+  initializes FSDP2's state lazily, so the compiled function records twice).
 Each records the loss per step, the parameters after, the compiled function's stats and
 fallbacks, and the bucket all-reduces DDP's communication hook saw per step (to compare the
 reducer's behaviour, not only its result).
@@ -46,8 +48,11 @@ def _train(model, compiled: bool, scenario: str, rank: int):
     import compiler
 
     counts: list = []
-    model.register_comm_hook(dist.group.WORLD, _counting_hook(counts))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if scenario == "fsdp2":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    else:
+        model.register_comm_hook(dist.group.WORLD, _counting_hook(counts))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
     def step(x, y):
         loss = torch.nn.functional.mse_loss(model(x), y)
@@ -69,7 +74,7 @@ def _train(model, compiled: bool, scenario: str, rank: int):
     run_micro = compiler.compile(micro) if compiled else micro
     generator = torch.Generator().manual_seed(100 + rank)
     losses = []
-    for _ in range(STEPS):
+    for _ in range(STEPS + (scenario == "fsdp2")):
         counts.append(0)
         x, y = torch.randn(8, 16, generator=generator), torch.randn(8, 4, generator=generator)
         if scenario == "no_sync":
@@ -85,8 +90,20 @@ def _train(model, compiled: bool, scenario: str, rank: int):
         for fn in (run_step, run_micro):
             entry = fn.last_entry
             stats[fn.fn.__name__] = {**fn.stats, "fallbacks": entry.report.fallbacks if entry else None}
-    params = [p.detach().clone() for p in model.parameters()]
+    params = [(p.full_tensor() if scenario == "fsdp2" else p).detach().clone() for p in model.parameters()]
     return {"losses": losses, "params": params, "stats": stats, "buckets": counts}
+
+
+def _fully_sharded():
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = TwoBranch()
+    del model.unused
+    for layer in (*model.body, model.head):
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer)
+    return fully_shard(model)
 
 
 def worker(rank: int, world: int, init_file: str, out_dir: str):
@@ -104,6 +121,8 @@ def worker(rank: int, world: int, init_file: str, out_dir: str):
                 "compiled": _train(DDP(copy.deepcopy(base), **options), True, scenario, rank),
                 "eager": _train(DDP(copy.deepcopy(base), **options), False, scenario, rank),
             }
+        results["fsdp2"] = {"compiled": _train(_fully_sharded(), True, "fsdp2", rank),
+                            "eager": _train(_fully_sharded(), False, "fsdp2", rank)}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
