@@ -23,6 +23,10 @@ AUTOGRAD_CALLS = {torch.Tensor.backward, torch.autograd.backward, torch.autograd
 FACTORIES = {torch.ones, torch.zeros, torch.full, torch.empty, torch.arange, torch.eye, torch.tensor,
              torch.as_tensor, torch.linspace, torch.ones_like, torch.zeros_like, torch.full_like,
              torch.empty_like, torch.randn, torch.rand, torch.randint, torch.randn_like, torch.rand_like}
+STORAGE_CALLS = {torch.Tensor.untyped_storage, torch.as_strided}
+# GradScaler's bookkeeping: its scale, growth tracker and found-inf flags, updated in place
+# (no math of the model's); `torch.device(...)` makes no tensor at all.
+AMP_STATE_CALLS = {torch._amp_update_scale_, torch._amp_foreach_non_finite_check_and_unscale_, torch.device}
 VALUE_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "__format__",
                "__repr__", "__str__", "__array__"}
 FUNCTIONS = (types.FunctionType, types.MethodType, functools.partial)
@@ -78,6 +82,12 @@ def expected_eager(func, reads_region_value: bool) -> bool:
         return True
     if func in FACTORIES and not reads_region_value:
         return True  # a new constant tensor (a mask, positions): made eagerly, read by regions
+    if func in AMP_STATE_CALLS:
+        return True
+    if func in STORAGE_CALLS and not reads_region_value:
+        # FSDP2's parameter management: a storage handle to free or reallocate, and a parameter
+        # viewed out of an all-gather buffer; no math, and the regions read their results as inputs
+        return True
     if not torch.is_grad_enabled() and not reads_region_value:
         return True
     name = getattr(func, "__name__", "") or ""

@@ -1,0 +1,128 @@
+"""Worker side of tests/test_distributed.py: each rank trains the same scenarios twice, with a
+compiled step and with eager's, on DDP over gloo, and writes what the test compares.
+
+Scenarios (all on one process group, one spawn, so the test stays a few seconds):
+- ``plain``: SGD with momentum, 5 steps;
+- ``no_sync``: gradient accumulation over 2 micro-batches, the first under ``model.no_sync()``;
+- ``unused``: ``find_unused_parameters=True`` with a branch the step never uses;
+- ``static``: ``static_graph=True``;
+- ``fsdp2``: ``fully_shard`` on each layer and the root, AdamW, 6 steps (its first step
+  initializes FSDP2's state lazily, so the compiled function records twice).
+Each records the loss per step, the parameters after, the compiled function's stats and
+fallbacks, and the bucket all-reduces DDP's communication hook saw per step (to compare the
+reducer's behaviour, not only its result).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+STEPS = 5
+
+
+class TwoBranch(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32))
+        self.head = torch.nn.Linear(32, 4)
+        self.unused = torch.nn.Linear(32, 4)  # never called: find_unused_parameters must cope
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def _counting_hook(counts):
+    def hook(state, bucket):
+        counts[-1] += 1
+        return allreduce_hook(state, bucket)
+    return hook
+
+
+def _train(model, compiled: bool, scenario: str, rank: int):
+    import compiler
+
+    counts: list = []
+    if scenario == "fsdp2":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    else:
+        model.register_comm_hook(dist.group.WORLD, _counting_hook(counts))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step(x, y):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    def micro(x, y):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    def apply():
+        opt.step()
+        opt.zero_grad()
+
+    run_step = compiler.compile(step) if compiled else step
+    run_micro = compiler.compile(micro) if compiled else micro
+    generator = torch.Generator().manual_seed(100 + rank)
+    losses = []
+    for _ in range(STEPS + (scenario == "fsdp2")):
+        counts.append(0)
+        x, y = torch.randn(8, 16, generator=generator), torch.randn(8, 4, generator=generator)
+        if scenario == "no_sync":
+            with model.no_sync():
+                first = run_micro(x[:4], y[:4])
+            second = run_micro(x[4:], y[4:])
+            apply()
+            losses.append((first.item() + second.item()) / 2)
+        else:
+            losses.append(run_step(x, y).item())
+    stats = {}
+    if compiled:
+        for fn in (run_step, run_micro):
+            entry = fn.last_entry
+            stats[fn.fn.__name__] = {**fn.stats, "fallbacks": entry.report.fallbacks if entry else None}
+    params = [(p.full_tensor() if scenario == "fsdp2" else p).detach().clone() for p in model.parameters()]
+    return {"losses": losses, "params": params, "stats": stats, "buckets": counts}
+
+
+def _fully_sharded():
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = TwoBranch()
+    del model.unused
+    for layer in (*model.body, model.head):
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer)
+    return fully_shard(model)
+
+
+def worker(rank: int, world: int, init_file: str, out_dir: str):
+    """One rank: every scenario, compiled and eager, saved to ``out_dir/rank{rank}.pt``."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        results = {}
+        for scenario in ("plain", "no_sync", "unused", "static"):
+            torch.manual_seed(0)
+            base = TwoBranch()
+            options = {"find_unused_parameters": scenario == "unused", "static_graph": scenario == "static"}
+            if scenario != "unused":
+                del base.unused  # DDP without find_unused_parameters refuses parameters that get no grad
+            results[scenario] = {
+                "compiled": _train(DDP(copy.deepcopy(base), **options), True, scenario, rank),
+                "eager": _train(DDP(copy.deepcopy(base), **options), False, scenario, rank),
+            }
+        results["fsdp2"] = {"compiled": _train(_fully_sharded(), True, "fsdp2", rank),
+                            "eager": _train(_fully_sharded(), False, "fsdp2", rank)}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
