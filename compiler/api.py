@@ -9,6 +9,7 @@ import torch.fx as fx
 
 from compiler.build import build_region
 from compiler.capture import RecordingFailed, capture
+from compiler.optimizers import compile_optimizer_steps
 from compiler.codegen.triton_printer import NotPrintable
 from compiler.bindings import Unsupported
 from compiler.report import KernelInfo, Report
@@ -114,6 +115,11 @@ def _build(fn, args, kwargs, *, fullgraph=False, stats=None):
             info["internal_error"] = True
             internal_errors.append(plan.reason)
         regions.append(info)
+    # optimizer.step() calls: fused kernels where the optimizer is one the compiler knows
+    optimizer_kernels, optimizer_reasons = compile_optimizer_steps(trace, trace.recorded_optimizer_steps, stats)
+    trace.recorded_optimizer_steps = []  # (they hold the optimizer: the compiled steps hold a weak reference)
+    kernels.extend(optimizer_kernels)
+    fallbacks.extend(optimizer_reasons)
     eager_calls = list(dict.fromkeys(function_name(c.func) for c in trace.calls if c.kind == "eager"))
     report = Report(
         graph=_merged_graph(regions),

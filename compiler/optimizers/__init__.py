@@ -1,0 +1,123 @@
+"""``optimizer.step()`` inside a compiled function, compiled to a few fused kernels.
+
+While a function is recorded, ``StepRecorder`` notes each ``optimizer.step()`` (which
+optimizer, where among the recorded calls). The step itself runs eagerly then: the
+recording call is eager PyTorch, and an optimizer's first step creates its state
+(``exp_avg``, ``momentum_buffer``, ``step``) as eager does. ``compile_optimizer_steps`` then
+turns each step of an optimizer the compiler knows (``rules``: SGD, Adam, AdamW) into a
+``runtime.optimizer_step.FusedOptimizerStep``: per parameter group and dtype, combo kernels
+that update up to ``combo.MAX_PARAMETERS`` parameters each. Later calls run those kernels in
+place of the optimizer's per-parameter loop. Any other optimizer (RMSprop, a subclass) keeps
+running eagerly, with the reason in ``explain()``'s fallbacks.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from compiler.optimizers.combo import BLOCK, MAX_PARAMETERS, NUM_WARPS, combo_source
+from compiler.optimizers.rules import rule_for
+from compiler.report import KernelInfo
+from runtime.optimizer_step import ComboLaunch, FusedOptimizerStep, GroupStep
+
+_FUSED_DTYPES = (torch.float32, torch.float64)
+_INT32_LIMIT = 2 ** 31
+
+
+class NotFused(Exception):
+    """Why an optimizer step keeps running eagerly."""
+
+
+class StepRecorder:
+    """Optimizer-step hooks for a recording: each step's first call index and its optimizer."""
+
+    def __init__(self, mode):
+        self.mode = mode
+        self.thread = threading.get_ident()
+        self.found: list = []    # (first call index, optimizer, args, kwargs)
+
+    def begin(self, optimizer, args, kwargs):
+        if threading.get_ident() == self.thread:
+            self.found.append((len(self.mode.calls), optimizer, tuple(args), dict(kwargs)))
+
+
+def compile_optimizer_steps(trace, recorded, stats=None) -> tuple:
+    """Compile the recorded optimizer steps of ``trace`` (``StepRecorder.found``) into
+    ``trace.fused_steps``. Returns (KernelInfo list, reasons some steps run eagerly)."""
+    kernels, reasons, fused = [], [], {}
+    for start, optimizer, args, kwargs in recorded:
+        name = type(optimizer).__name__
+        try:
+            if start not in trace.optimizer_steps:
+                raise NotFused("its calls were not all plain eager updates (another mode, or a call that failed)")
+            if start in fused:
+                raise NotFused("another optimizer step began at the same call (a step calling another)")
+            step = _fuse(optimizer, args, kwargs, stats)
+        except NotFused as e:
+            reasons.append(f"optimizer.step() of {name} runs eagerly: {e}")
+            continue
+        fused[start] = step
+        kernels.extend(KernelInfo(launch.name, launch.source, "optimizer", -1, launch.bytes_moved)
+                       for launch in step.launches)
+    trace.fused_steps = fused
+    return kernels, reasons
+
+
+def _fuse(optimizer, args, kwargs, stats) -> FusedOptimizerStep:
+    rule = rule_for(optimizer)
+    if rule is None:
+        raise NotFused(f"{type(optimizer).__name__} is not an optimizer the compiler fuses "
+                       "(it fuses torch.optim.SGD, Adam and AdamW themselves, not subclasses)")
+    if len(args) > 1 or kwargs:
+        raise NotFused("step() was given a closure")
+    groups = []
+    for index, group in enumerate(optimizer.param_groups):
+        refused = rule.refuse(optimizer, group)
+        if refused:
+            raise NotFused(f"parameter group {index}: {refused}")
+        groups.append(_fuse_group(optimizer, rule, index, group))
+    return FusedOptimizerStep(optimizer, groups, stats)
+
+
+def _fuse_group(optimizer, rule, index, group) -> GroupStep:
+    key = rule.key(group)
+    state_keys = rule.state_keys(key)
+    updated, device = [], None
+    for i, p in enumerate(group["params"]):
+        g = p.grad
+        if g is None:
+            continue
+        where = f"parameter group {index}, parameter {i}"
+        if p.dtype not in _FUSED_DTYPES:
+            raise NotFused(f"{where} is {p.dtype} (fused for float32 and float64; eager rounds each op to "
+                           "half precision, which the kernel does not reproduce yet)")
+        if g.layout != torch.strided or g.dtype != p.dtype or not p.is_contiguous() or not g.is_contiguous():
+            raise NotFused(f"{where}: the parameter or its gradient is not a contiguous dense tensor of its dtype")
+        if p.numel() >= _INT32_LIMIT:
+            raise NotFused(f"{where} has 2**31 elements or more")
+        if device is None:
+            device = p.device
+        if p.device != device:
+            raise NotFused(f"parameter group {index} has parameters on several devices")
+        state = optimizer.state.get(p, {})
+        for name in state_keys:
+            t = state.get(name)
+            if not isinstance(t, torch.Tensor) or t.dtype != p.dtype or t.shape != p.shape or not t.is_contiguous():
+                raise NotFused(f"{where}: its state {name!r} is not a contiguous tensor like the parameter")
+        if rule.has_step(key) and not isinstance(state.get("step"), torch.Tensor):
+            raise NotFused(f"{where}: its state 'step' is not a tensor")
+        updated.append((i, p.numel(), p.dtype))
+    launches = []
+    for dtype in dict.fromkeys(d for _, _, d in updated):
+        members = [m for m, (_, _, d) in enumerate(updated) if d == dtype]
+        for chunk in range(0, len(members), MAX_PARAMETERS):
+            part = members[chunk:chunk + MAX_PARAMETERS]
+            numels = [updated[m][1] for m in part]
+            name, source, scalar_names, grid = combo_source(rule, key, dtype, numels)
+            tensors = 2 + len(state_keys)
+            moved = sum(n for n in numels) * dtype.itemsize * (tensors + 1 + len(state_keys))
+            launches.append(ComboLaunch(name, source, part, scalar_names, grid, BLOCK, NUM_WARPS, moved))
+    return GroupStep(rule, key, tuple(id(p) for p in group["params"]), updated, rule.state_names(key), state_keys,
+                     rule.has_step(key), launches)
