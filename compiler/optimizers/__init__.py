@@ -50,11 +50,11 @@ def compile_optimizer_steps(trace, recorded, stats=None) -> tuple:
     for start, optimizer, args, kwargs in recorded:
         name = type(optimizer).__name__
         try:
+            step = _fuse(optimizer, args, kwargs, stats)
             if start not in trace.optimizer_steps:
-                raise NotFused("its calls were not all plain eager updates (another mode, or a call that failed)")
+                raise NotFused("its calls were not all eager updates (the replay could not skip them)")
             if start in fused:
                 raise NotFused("another optimizer step began at the same call (a step calling another)")
-            step = _fuse(optimizer, args, kwargs, stats)
         except NotFused as e:
             reasons.append(f"optimizer.step() of {name} runs eagerly: {e}")
             continue
