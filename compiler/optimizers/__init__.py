@@ -36,21 +36,34 @@ class StepRecorder:
     def __init__(self, mode):
         self.mode = mode
         self.thread = threading.get_ident()
-        self.found: list = []    # (first call index, optimizer, args, kwargs)
+        self.found: list = []    # (first call index, optimizer, args, kwargs, gradients)
 
     def begin(self, optimizer, args, kwargs):
         if threading.get_ident() == self.thread:
-            self.found.append((len(self.mode.calls), optimizer, tuple(args), dict(kwargs)))
+            # which parameters have a gradient, and what it is like, now: the function may
+            # zero them (set them to None) after the step, before the step is compiled. (Not
+            # seen by the recording's mode: these reads are the compiler's, not the function's.)
+            with torch._C.DisableTorchFunction():
+                grads = [[_gradient_facts(p) for p in group["params"]] for group in optimizer.param_groups]
+            self.found.append((len(self.mode.calls), optimizer, tuple(args), dict(kwargs), grads))
+
+
+def _gradient_facts(p):
+    """None (no gradient), or whether it is a dense contiguous tensor of the parameter's dtype."""
+    g = p.grad
+    if g is None:
+        return None
+    return g.layout == torch.strided and g.dtype == p.dtype and g.is_contiguous() and g.shape == p.shape
 
 
 def compile_optimizer_steps(trace, recorded, stats=None) -> tuple:
     """Compile the recorded optimizer steps of ``trace`` (``StepRecorder.found``) into
     ``trace.fused_steps``. Returns (KernelInfo list, reasons some steps run eagerly)."""
     kernels, reasons, fused = [], [], {}
-    for start, optimizer, args, kwargs in recorded:
+    for start, optimizer, args, kwargs, grads in recorded:
         name = type(optimizer).__name__
         try:
-            step = _fuse(optimizer, args, kwargs, stats)
+            step = _fuse(optimizer, args, kwargs, grads, stats)
             if start not in trace.optimizer_steps:
                 raise NotFused("its calls were not all eager updates (the replay could not skip them)")
             if start in fused:
@@ -65,7 +78,7 @@ def compile_optimizer_steps(trace, recorded, stats=None) -> tuple:
     return kernels, reasons
 
 
-def _fuse(optimizer, args, kwargs, stats) -> FusedOptimizerStep:
+def _fuse(optimizer, args, kwargs, grads, stats) -> FusedOptimizerStep:
     rule = rule_for(optimizer)
     if rule is None:
         raise NotFused(f"{type(optimizer).__name__} is not an optimizer the compiler fuses "
@@ -73,27 +86,30 @@ def _fuse(optimizer, args, kwargs, stats) -> FusedOptimizerStep:
     if len(args) > 1 or kwargs:
         raise NotFused("step() was given a closure")
     groups = []
-    for index, group in enumerate(optimizer.param_groups):
+    if len(grads) != len(optimizer.param_groups):
+        raise NotFused("its parameter groups changed during the step")
+    for index, (group, group_grads) in enumerate(zip(optimizer.param_groups, grads)):
         refused = rule.refuse(optimizer, group)
         if refused:
             raise NotFused(f"parameter group {index}: {refused}")
-        groups.append(_fuse_group(optimizer, rule, index, group))
+        groups.append(_fuse_group(optimizer, rule, index, group, group_grads))
     return FusedOptimizerStep(optimizer, groups, stats)
 
 
-def _fuse_group(optimizer, rule, index, group) -> GroupStep:
+def _fuse_group(optimizer, rule, index, group, grads) -> GroupStep:
     key = rule.key(group)
     state_keys = rule.state_keys(key)
     updated, device = [], None
-    for i, p in enumerate(group["params"]):
-        g = p.grad
-        if g is None:
+    if len(grads) != len(group["params"]):
+        raise NotFused(f"parameter group {index} changed during the step")
+    for i, (p, grad_ok) in enumerate(zip(group["params"], grads)):
+        if grad_ok is None:
             continue
         where = f"parameter group {index}, parameter {i}"
         if p.dtype not in _FUSED_DTYPES:
             raise NotFused(f"{where} is {p.dtype} (fused for float32 and float64; eager rounds each op to "
                            "half precision, which the kernel does not reproduce yet)")
-        if g.layout != torch.strided or g.dtype != p.dtype or not p.is_contiguous() or not g.is_contiguous():
+        if not grad_ok or not p.is_contiguous():
             raise NotFused(f"{where}: the parameter or its gradient is not a contiguous dense tensor of its dtype")
         if p.numel() >= _INT32_LIMIT:
             raise NotFused(f"{where} has 2**31 elements or more")
