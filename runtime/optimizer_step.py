@@ -59,6 +59,8 @@ class ComboLaunch:
     _fn: object = None
 
     def launch(self, tensors: list, scalars: dict, device) -> None:
+        if not self.grid:  # parameters with no elements
+            return
         if self._fn is None:
             self._fn = load_kernel(self.name, self.source)
         with _on_device(device), _interpreter_lock:

@@ -49,13 +49,19 @@ def combo_source(rule, key, dtype, numels) -> tuple:
               "    pid = tl.program_id(0)"]
     start = 0
     for i, numel in enumerate(numels):
-        end = start + -(-numel // BLOCK)
-        keyword = "if" if i == 0 else "elif"
-        lines.append(f"    {keyword} pid < {end}:")
-        lines.append(f"        offsets = (pid - {start}) * BLOCK + tl.arange(0, BLOCK)")
+        # whole blocks unmasked, the last partial one masked: a mask bound that is not a
+        # multiple of the vector width would make every load of the parameter scalar
+        full, tail = divmod(numel, BLOCK)
         args = ", ".join(f"{t}{i}" for t in tensors)
-        lines.append(f"        _update({args}, offsets, offsets < {numel}, {', '.join(scalar_names)})")
-        start = end
+        first = start
+        for programs, mask in ((full, "None"), (int(tail > 0), f"offsets < {numel}")):
+            if programs == 0:
+                continue
+            end = start + programs
+            lines.append(f"    {'elif' if start else 'if'} pid < {end}:")
+            lines.append(f"        offsets = (pid - {first}) * BLOCK + tl.arange(0, BLOCK)")
+            lines.append(f"        _update({args}, offsets, {mask}, {', '.join(scalar_names)})")
+            start = end
     source = "\n".join(lines) + "\n"
     digest = hashlib.sha256(source.encode()).hexdigest()[:16]
     name = f"optimizer_{rule.name}_{digest}"
