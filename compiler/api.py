@@ -117,7 +117,7 @@ def _build(fn, args, kwargs, *, fullgraph=False, stats=None):
         regions.append(info)
     # optimizer.step() calls: fused kernels where the optimizer is one the compiler knows
     optimizer_kernels, optimizer_reasons = compile_optimizer_steps(trace, trace.recorded_optimizer_steps, stats)
-    trace.recorded_optimizer_steps = []  # (they hold the optimizer: the compiled steps hold a weak reference)
+    trace.recorded_optimizer_steps = []  # (consumed)
     kernels.extend(optimizer_kernels)
     fallbacks.extend(optimizer_reasons)
     eager_calls = list(dict.fromkeys(function_name(c.func) for c in trace.calls if c.kind == "eager"))

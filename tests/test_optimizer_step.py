@@ -285,7 +285,7 @@ def test_optimizer_kernels_compile_for_hopper_without_spills():
             p.grad = torch.randn_like(p)
         opt.step()  # (eager: creates the state the kernels update)
         grads = [[_gradient_facts(p) for p in group["params"]] for group in opt.param_groups]
-        (group_step,) = _fuse(opt, (opt,), {}, grads, None).groups
+        (group_step,) = _fuse(opt, False, grads, None).groups
         (combo,) = group_step.launches
         tensors = 2 + len(group_step.state_names)  # parameter, gradient, state
         values = group_step.rule.scalars(opt.param_groups[0], 1, dtype)
@@ -297,3 +297,24 @@ def test_optimizer_kernels_compile_for_hopper_without_spills():
         assert result["spill_bytes"] == 0, (launch.name, result)
         assert result["vector_loads"] > 0, (launch.name, result)
     assert results[0]["vector_share"] == 1.0, results[0]
+
+
+def test_an_optimizer_made_inside_the_function_runs_eagerly_and_records_once():
+    """A new optimizer each call cannot have a compiled step; noting its step must not keep it
+    (and its parameters) alive past the call, or each call would record again."""
+    def fn(x):
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model(x).pow(2).sum().backward()
+        opt.step()
+        return model.weight.detach().clone()
+
+    step = compiler.compile(fn)
+    x = torch.randn(3, 4)
+    for _ in range(3):
+        torch.manual_seed(0)
+        expected = fn(x)
+        torch.manual_seed(0)
+        torch.testing.assert_close(step(x), expected)
+    assert step.stats["captures"] == 1 and step.stats["replays"] == 2, step.stats
+    assert any("made inside the function" in r for r in step.last_entry.report.fallbacks)

@@ -14,6 +14,7 @@ running eagerly, with the reason in ``explain()``'s fallbacks.
 from __future__ import annotations
 
 import threading
+import weakref
 
 import torch
 
@@ -36,7 +37,12 @@ class StepRecorder:
     def __init__(self, mode):
         self.mode = mode
         self.thread = threading.get_ident()
-        self.found: list = []    # (first call index, optimizer, args, kwargs, gradients)
+        # (first call index, weak reference to the optimizer, whether step() was given arguments,
+        # gradients). NOTE: nothing here may hold the optimizer (nor so its parameters) while
+        # the recording decides which tensors outlive the call: an optimizer made inside the
+        # function would keep its parameters alive, to be guarded by identity, and every call
+        # would record again.
+        self.found: list = []
 
     def begin(self, optimizer, args, kwargs):
         if threading.get_ident() == self.thread:
@@ -45,7 +51,7 @@ class StepRecorder:
             # seen by the recording's mode: these reads are the compiler's, not the function's.)
             with torch._C.DisableTorchFunction():
                 grads = [[_gradient_facts(p) for p in group["params"]] for group in optimizer.param_groups]
-            self.found.append((len(self.mode.calls), optimizer, tuple(args), dict(kwargs), grads))
+            self.found.append((len(self.mode.calls), weakref.ref(optimizer), len(args) > 1 or bool(kwargs), grads))
 
 
 def _gradient_facts(p):
@@ -60,10 +66,15 @@ def compile_optimizer_steps(trace, recorded, stats=None) -> tuple:
     """Compile the recorded optimizer steps of ``trace`` (``StepRecorder.found``) into
     ``trace.fused_steps``. Returns (KernelInfo list, reasons some steps run eagerly)."""
     kernels, reasons, fused = [], [], {}
-    for start, optimizer, args, kwargs, grads in recorded:
+    for start, optimizer_ref, given_arguments, grads in recorded:
+        optimizer = optimizer_ref()
+        if optimizer is None:
+            reasons.append("optimizer.step() runs eagerly: its optimizer was made inside the function (a new one "
+                           "each call)")
+            continue
         name = type(optimizer).__name__
         try:
-            step = _fuse(optimizer, args, kwargs, grads, stats)
+            step = _fuse(optimizer, given_arguments, grads, stats)
             if start not in trace.optimizer_steps:
                 raise NotFused("its calls were not all eager updates (the replay could not skip them)")
             if start in fused:
@@ -78,12 +89,12 @@ def compile_optimizer_steps(trace, recorded, stats=None) -> tuple:
     return kernels, reasons
 
 
-def _fuse(optimizer, args, kwargs, grads, stats) -> FusedOptimizerStep:
+def _fuse(optimizer, given_arguments, grads, stats) -> FusedOptimizerStep:
     rule = rule_for(optimizer)
     if rule is None:
         raise NotFused(f"{type(optimizer).__name__} is not an optimizer the compiler fuses "
                        "(it fuses torch.optim.SGD, Adam and AdamW themselves, not subclasses)")
-    if len(args) > 1 or kwargs:
+    if given_arguments:
         raise NotFused("step() was given a closure")
     groups = []
     if len(grads) != len(optimizer.param_groups):
