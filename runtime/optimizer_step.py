@@ -123,6 +123,8 @@ class GroupStep:
                 if not isinstance(step, torch.Tensor) or step.numel() != 1:
                     return None
                 steps.append(step)
+            if p.is_complex():  # updated as its real view (the kernel's dtype is the real one)
+                tensors = [torch.view_as_real(t) for t in tensors]
             per_param.append(tensors)
         count = self._step_count(steps) if self.has_step else 0
         if count is None:
@@ -147,7 +149,7 @@ class GroupStep:
             count = count + 1 if count + 1 < _EXACT_STEPS else steps[0].item()
             self._known_steps = (steps, [t._version for t in steps], count)
         for launch in self.launches:
-            dtype = self.updated[launch.members[0]][2]
+            dtype = self.updated[launch.members[0]][2].to_real()
             scalars = self.rule.scalars(group, count, dtype)
             tensors = [t for m in launch.members for t in per_param[m]]
             launch.launch(tensors, scalars, device)

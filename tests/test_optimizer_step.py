@@ -107,6 +107,7 @@ def test_fused_step_tracks_eager_for_20_steps(name, dtype):
     report = step.last_entry.report
     assert not report.fallbacks
     assert [k.phase for k in report.kernels].count("optimizer") == 1
+    assert "[optimizer] optimizer_" in str(report)
 
 
 @pytest.mark.parametrize("flags", [dict(foreach=True), dict(foreach=False), dict(fused=True)])
@@ -318,3 +319,27 @@ def test_an_optimizer_made_inside_the_function_runs_eagerly_and_records_once():
         torch.testing.assert_close(step(x), expected)
     assert step.stats["captures"] == 1 and step.stats["replays"] == 2, step.stats
     assert any("made inside the function" in r for r in step.last_entry.report.fallbacks)
+
+
+@pytest.mark.parametrize("name", ["sgd_nesterov_decay", "adam_decay_amsgrad"])
+def test_complex_parameters_are_updated_as_their_real_views(name):
+    torch.manual_seed(0)
+    w = torch.randn(5, 3, dtype=torch.complex128)
+    eager_w, ours_w = torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.clone())
+    eager_opt, ours_opt = OPTIMIZERS[name]([eager_w]), OPTIMIZERS[name]([ours_w])
+    x = torch.randn(4, 5, dtype=torch.complex128)
+
+    def fn(w, opt, x):
+        opt.zero_grad()
+        loss = (x @ w).abs().pow(2).sum()
+        loss.backward()
+        opt.step()
+        return loss
+
+    step = compiler.compile(fn)
+    for _ in range(8):
+        fn(eager_w, eager_opt, x)
+        step(ours_w, ours_opt, x)
+        torch.testing.assert_close(ours_w, eager_w, **TOLERANCE[torch.float64])
+    _assert_same_state(eager_opt, ours_opt, TOLERANCE[torch.float64])
+    assert step.stats["optimizer_launches"] >= 4 and not step.last_entry.report.fallbacks

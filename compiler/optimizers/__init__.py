@@ -23,7 +23,10 @@ from compiler.optimizers.rules import rule_for
 from compiler.report import KernelInfo
 from runtime.optimizer_step import ComboLaunch, FusedOptimizerStep, GroupStep
 
-_FUSED_DTYPES = (torch.float32, torch.float64)
+# parameter dtype -> the kernel's: complex parameters are updated as their real views, as
+# eager's Adam does (view_as_real) and SGD's ops do element by element
+_FUSED_DTYPES = {torch.float32: torch.float32, torch.float64: torch.float64,
+                 torch.complex64: torch.float32, torch.complex128: torch.float64}
 _INT32_LIMIT = 2 ** 31
 
 
@@ -118,8 +121,8 @@ def _fuse_group(optimizer, rule, index, group, grads) -> GroupStep:
             continue
         where = f"parameter group {index}, parameter {i}"
         if p.dtype not in _FUSED_DTYPES:
-            raise NotFused(f"{where} is {p.dtype} (fused for float32 and float64; eager rounds each op to "
-                           "half precision, which the kernel does not reproduce yet)")
+            raise NotFused(f"{where} is {p.dtype} (fused for float32, float64 and complex; eager rounds each op "
+                           "to its dtype, which the kernel does not reproduce for it yet)")
         if not grad_ok or not p.is_contiguous():
             raise NotFused(f"{where}: the parameter or its gradient is not a contiguous dense tensor of its dtype")
         if p.numel() >= _INT32_LIMIT:
@@ -139,12 +142,13 @@ def _fuse_group(optimizer, rule, index, group, grads) -> GroupStep:
     launches = []
     for dtype in dict.fromkeys(d for _, _, d in updated):
         members = [m for m, (_, _, d) in enumerate(updated) if d == dtype]
+        real = _FUSED_DTYPES[dtype]
         for chunk in range(0, len(members), MAX_PARAMETERS):
             part = members[chunk:chunk + MAX_PARAMETERS]
-            numels = [updated[m][1] for m in part]
-            name, source, scalar_names, grid = combo_source(rule, key, dtype, numels)
-            tensors = 2 + len(state_keys)
-            moved = sum(n for n in numels) * dtype.itemsize * (tensors + 1 + len(state_keys))
+            numels = [updated[m][1] * (2 if dtype.is_complex else 1) for m in part]
+            name, source, scalar_names, grid = combo_source(rule, key, real, numels)
+            # reads: parameter, gradient, state; writes: parameter, state
+            moved = sum(numels) * real.itemsize * (3 + 2 * len(state_keys))
             launches.append(ComboLaunch(name, source, part, scalar_names, grid, BLOCK, NUM_WARPS, moved))
     return GroupStep(rule, key, tuple(id(p) for p in group["params"]), updated, rule.state_names(key), state_keys,
                      rule.has_step(key), launches)
