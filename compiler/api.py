@@ -10,6 +10,7 @@ import torch.fx as fx
 
 from compiler.build import build_region
 from compiler.capture import RecordingFailed, capture
+from compiler.optimizers import compile_optimizer_steps
 from compiler.codegen.triton_printer import NotPrintable
 from compiler.bindings import Unsupported
 from compiler.report import KernelInfo, Report
@@ -128,6 +129,11 @@ def _build(fn, args, kwargs, *, fullgraph=False, stats=None, memory="balanced"):
             info["internal_error"] = True
             internal_errors.append(plan.reason)
         regions.append(info)
+    # optimizer.step() calls: fused kernels where the optimizer is one the compiler knows
+    optimizer_kernels, optimizer_reasons = compile_optimizer_steps(trace, trace.recorded_optimizer_steps, stats)
+    trace.recorded_optimizer_steps = []  # (consumed)
+    kernels.extend(optimizer_kernels)
+    fallbacks.extend(optimizer_reasons)
     eager_calls = list(dict.fromkeys(function_name(c.func) for c in trace.calls if c.kind == "eager"))
     report = Report(
         graph=_merged_graph(regions),

@@ -28,6 +28,7 @@ from compiler.capture_calls import (FUNCTIONS, UNKEPT, UNREFERENCED, VALUE_READS
 from compiler.capture_regions import (InPlaceTracking, Region, ViewMutation, apply_writes, keep_overwritten_history,
                                       mark_eager_saved, map_to_nodes, saves_result)
 from compiler.ir import meta_of, update_meta
+from compiler.optimizers import StepRecorder
 from compiler.ops import catalog as C
 from compiler.bindings import Unsupported, Writes, lookup
 from runtime.calls import flatten_call, unflatten_call
@@ -542,9 +543,11 @@ def capture(fn, args, kwargs):
     # of ours): the recording call is eager PyTorch, version checks and saved tensors included.
     modules = ModulesRun()
     steps = OptimizerSteps(mode)
+    optimizer_steps = StepRecorder(mode)  # which optimizer each step was, to compile it (compiler.optimizers)
     handles = [torch.nn.modules.module.register_module_forward_pre_hook(modules),
                register_optimizer_step_pre_hook(steps.begin),
-               register_optimizer_step_post_hook(steps.end)]
+               register_optimizer_step_post_hook(steps.end),
+               register_optimizer_step_pre_hook(optimizer_steps.begin)]
     try:
         with mode:
             result = fn(*args, **kwargs)
@@ -559,6 +562,7 @@ def capture(fn, args, kwargs):
             trace = mode.finish(result)
             trace.module_modes = modules.modes
             trace.optimizer_steps = steps.spans(trace)
+            trace.recorded_optimizer_steps = optimizer_steps.found
         except Exception as e:
             mode.broken = internal_error(f"{mode.fn_name} (analysing its recording)", e)
     if mode.broken is not None:

@@ -13,7 +13,7 @@ from compiler.ir import format_graph
 class KernelInfo:
     name: str
     source: str
-    phase: str          # "forward" | "backward"
+    phase: str          # "forward" | "backward" | "optimizer" (a fused optimizer.step(), region -1)
     region: int
     bytes_moved: int
 
@@ -64,6 +64,11 @@ class Report:
                 out.append(f"   runs eagerly after an internal error: {region['reason']}")
             elif region.get("reason"):
                 out.append(f"   runs eagerly: {region['reason']}")
+        optimizer = [k for k in self.kernels if k.phase == "optimizer"]
+        if optimizer:  # optimizer.step() fused (compiler.optimizers)
+            out.append("")
+            out.append(f"== optimizer steps: {len(optimizer)} fused kernel(s)")
+            out.extend(f"   [optimizer] {k.name}  ({k.bytes_moved} bytes moved)" for k in optimizer)
         out.append("")
         out.append("eager calls: " + (", ".join(self.eager_calls) if self.eager_calls else "none"))
         out.append("fallbacks: " + ("none" if not self.fallbacks else ""))

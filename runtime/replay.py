@@ -76,7 +76,7 @@ _active = threading.local()  # the replay running in this thread, for the optimi
 def _optimizer_step_begins(optimizer, args, kwargs):
     replay = getattr(_active, "replay", None)
     if replay is not None:
-        replay.step_begins()
+        return replay.step_begins(optimizer, args, kwargs)  # a compiled step: the call's new arguments
 
 
 def _optimizer_step_ends(optimizer, args, kwargs):
@@ -118,11 +118,13 @@ class Replay(TorchFunctionMode):
         finally:
             _active.replay = None
 
-    def step_begins(self):
+    def step_begins(self, optimizer=None, args=(), kwargs=None):
         """An optimizer.step() begins where the recording has one: its calls are all eager,
         so they run with this mode off the stack (no per-call checks), and the replay goes on
         after them. Values it makes are not tracked: a recorded call reading one later sees
-        an unknown tensor and diverges."""
+        an unknown tensor and diverges. Where the step was compiled (``trace.fused_steps``)
+        its fused kernels make the update, and the step call gets arguments that skip its
+        own (``runtime.optimizer_step``); returned for the pre-hook to hand back."""
         end = self.trace.optimizer_steps.get(self.pos)
         if end is None or self.diverged or self.suspended_until is not None:
             return
@@ -133,6 +135,10 @@ class Replay(TorchFunctionMode):
             torch._C._push_on_torch_function_stack(top)
             return
         self.suspended_until = end
+        fused = self.trace.fused_steps.get(self.pos)
+        if fused is not None:
+            return fused.run(optimizer, args, kwargs or {})
+        return None
 
     def step_ends(self):
         if self.suspended_until is None:

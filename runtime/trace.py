@@ -96,6 +96,10 @@ class Trace:
     transient: dict = field(default_factory=dict)  # value id -> TensorMeta: externals made during the call
     module_modes: list = field(default_factory=list)  # (weakref to an nn.Module it ran, its .training)
     optimizer_steps: dict = field(default_factory=dict)  # call index where an optimizer.step began -> where it ended
+    # optimizer steps: (call index where one began, optimizer, args, kwargs) as recorded, and the
+    # compiled ones by that call index (runtime.optimizer_step.FusedOptimizerStep)
+    recorded_optimizer_steps: list = field(default_factory=list)
+    fused_steps: dict = field(default_factory=dict)
 
     def modes_match(self) -> bool:
         """Whether every module the recording ran is still in the same train/eval mode."""

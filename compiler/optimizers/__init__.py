@@ -1,0 +1,154 @@
+"""``optimizer.step()`` inside a compiled function, compiled to a few fused kernels.
+
+While a function is recorded, ``StepRecorder`` notes each ``optimizer.step()`` (which
+optimizer, where among the recorded calls). The step itself runs eagerly then: the
+recording call is eager PyTorch, and an optimizer's first step creates its state
+(``exp_avg``, ``momentum_buffer``, ``step``) as eager does. ``compile_optimizer_steps`` then
+turns each step of an optimizer the compiler knows (``rules``: SGD, Adam, AdamW) into a
+``runtime.optimizer_step.FusedOptimizerStep``: per parameter group and dtype, combo kernels
+that update up to ``combo.MAX_PARAMETERS`` parameters each. Later calls run those kernels in
+place of the optimizer's per-parameter loop. Any other optimizer (RMSprop, a subclass) keeps
+running eagerly, with the reason in ``explain()``'s fallbacks.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+from compiler.optimizers.combo import BLOCK, MAX_PARAMETERS, NUM_WARPS, combo_source
+from compiler.optimizers.rules import rule_for
+from compiler.report import KernelInfo
+from runtime.optimizer_step import ComboLaunch, FusedOptimizerStep, GroupStep
+
+# parameter dtype -> the kernel's: complex parameters are updated as their real views, as
+# eager's Adam does (view_as_real) and SGD's ops do element by element
+_FUSED_DTYPES = {torch.float32: torch.float32, torch.float64: torch.float64,
+                 torch.complex64: torch.float32, torch.complex128: torch.float64}
+_INT32_LIMIT = 2 ** 31
+
+
+class NotFused(Exception):
+    """Why an optimizer step keeps running eagerly."""
+
+
+class StepRecorder:
+    """Optimizer-step hooks for a recording: each step's first call index and its optimizer."""
+
+    def __init__(self, mode):
+        self.mode = mode
+        self.thread = threading.get_ident()
+        # (first call index, weak reference to the optimizer, whether step() was given arguments,
+        # gradients). NOTE: nothing here may hold the optimizer (nor so its parameters) while
+        # the recording decides which tensors outlive the call: an optimizer made inside the
+        # function would keep its parameters alive, to be guarded by identity, and every call
+        # would record again.
+        self.found: list = []
+
+    def begin(self, optimizer, args, kwargs):
+        if threading.get_ident() == self.thread:
+            # which parameters have a gradient, and what it is like, now: the function may
+            # zero them (set them to None) after the step, before the step is compiled. (Not
+            # seen by the recording's mode: these reads are the compiler's, not the function's.)
+            with torch._C.DisableTorchFunction():
+                grads = [[_gradient_facts(p) for p in group["params"]] for group in optimizer.param_groups]
+            self.found.append((len(self.mode.calls), weakref.ref(optimizer), len(args) > 1 or bool(kwargs), grads))
+
+
+def _gradient_facts(p):
+    """None (no gradient), or whether it is a dense contiguous tensor of the parameter's dtype."""
+    g = p.grad
+    if g is None:
+        return None
+    return g.layout == torch.strided and g.dtype == p.dtype and g.is_contiguous() and g.shape == p.shape
+
+
+def compile_optimizer_steps(trace, recorded, stats=None) -> tuple:
+    """Compile the recorded optimizer steps of ``trace`` (``StepRecorder.found``) into
+    ``trace.fused_steps``. Returns (KernelInfo list, reasons some steps run eagerly)."""
+    kernels, reasons, fused = [], [], {}
+    for start, optimizer_ref, given_arguments, grads in recorded:
+        optimizer = optimizer_ref()
+        if optimizer is None:
+            reasons.append("optimizer.step() runs eagerly: its optimizer was made inside the function (a new one "
+                           "each call)")
+            continue
+        name = type(optimizer).__name__
+        try:
+            step = _fuse(optimizer, given_arguments, grads, stats)
+            if start not in trace.optimizer_steps:
+                raise NotFused("its calls were not all eager updates (the replay could not skip them)")
+            if start in fused:
+                raise NotFused("another optimizer step began at the same call (a step calling another)")
+        except NotFused as e:
+            reasons.append(f"optimizer.step() of {name} runs eagerly: {e}")
+            continue
+        fused[start] = step
+        kernels.extend(KernelInfo(launch.name, launch.source, "optimizer", -1, launch.bytes_moved)
+                       for launch in step.launches)
+    trace.fused_steps = fused
+    return kernels, reasons
+
+
+def _fuse(optimizer, given_arguments, grads, stats) -> FusedOptimizerStep:
+    rule = rule_for(optimizer)
+    if rule is None:
+        raise NotFused(f"{type(optimizer).__name__} is not an optimizer the compiler fuses "
+                       "(it fuses torch.optim.SGD, Adam and AdamW themselves, not subclasses)")
+    if given_arguments:
+        raise NotFused("step() was given a closure")
+    groups = []
+    if len(grads) != len(optimizer.param_groups):
+        raise NotFused("its parameter groups changed during the step")
+    for index, (group, group_grads) in enumerate(zip(optimizer.param_groups, grads)):
+        refused = rule.refuse(optimizer, group)
+        if refused:
+            raise NotFused(f"parameter group {index}: {refused}")
+        groups.append(_fuse_group(optimizer, rule, index, group, group_grads))
+    return FusedOptimizerStep(optimizer, groups, stats)
+
+
+def _fuse_group(optimizer, rule, index, group, grads) -> GroupStep:
+    key = rule.key(group)
+    state_keys = rule.state_keys(key)
+    updated, device = [], None
+    if len(grads) != len(group["params"]):
+        raise NotFused(f"parameter group {index} changed during the step")
+    for i, (p, grad_ok) in enumerate(zip(group["params"], grads)):
+        if grad_ok is None:
+            continue
+        where = f"parameter group {index}, parameter {i}"
+        if p.dtype not in _FUSED_DTYPES:
+            raise NotFused(f"{where} is {p.dtype} (fused for float32, float64 and complex; eager rounds each op "
+                           "to its dtype, which the kernel does not reproduce for it yet)")
+        if not grad_ok or not p.is_contiguous():
+            raise NotFused(f"{where}: the parameter or its gradient is not a contiguous dense tensor of its dtype")
+        if p.numel() >= _INT32_LIMIT:
+            raise NotFused(f"{where} has 2**31 elements or more")
+        if device is None:
+            device = p.device
+        if p.device != device:
+            raise NotFused(f"parameter group {index} has parameters on several devices")
+        state = optimizer.state.get(p, {})
+        for name in state_keys:
+            t = state.get(name)
+            if not isinstance(t, torch.Tensor) or t.dtype != p.dtype or t.shape != p.shape or not t.is_contiguous():
+                raise NotFused(f"{where}: its state {name!r} is not a contiguous tensor like the parameter")
+        if rule.has_step(key) and not isinstance(state.get("step"), torch.Tensor):
+            raise NotFused(f"{where}: its state 'step' is not a tensor")
+        updated.append((i, p.numel(), p.dtype))
+    launches = []
+    for dtype in dict.fromkeys(d for _, _, d in updated):
+        members = [m for m, (_, _, d) in enumerate(updated) if d == dtype]
+        real = _FUSED_DTYPES[dtype]
+        for chunk in range(0, len(members), MAX_PARAMETERS):
+            part = members[chunk:chunk + MAX_PARAMETERS]
+            numels = [updated[m][1] * (2 if dtype.is_complex else 1) for m in part]
+            name, source, scalar_names, grid = combo_source(rule, key, real, numels)
+            # reads: parameter, gradient, state; writes: parameter, state
+            moved = sum(numels) * real.itemsize * (3 + 2 * len(state_keys))
+            launches.append(ComboLaunch(name, source, part, scalar_names, grid, BLOCK, NUM_WARPS, moved))
+    return GroupStep(rule, key, tuple(id(p) for p in group["params"]), updated, rule.state_names(key), state_keys,
+                     rule.has_step(key), launches)

@@ -1,0 +1,189 @@
+"""A recorded ``optimizer.step()`` run as fused kernels, in place of the optimizer's own loop.
+
+The compiler hands over, per parameter group, combo kernels (``ComboLaunch``: many parameters
+per launch) and the optimizer's update rule (what the runtime asks of it: ``key(group)`` and
+``scalars(group, step, dtype)``). On a replay the optimizer-step pre-hook calls
+``FusedOptimizerStep.run``: it checks that the step is the one compiled (the same optimizer,
+parameters, settings that change the kernel, gradients present where they were, state
+tensors of the right shape and dtype), runs the kernels, and returns the arguments for the
+step call: ``optimizer.step`` then runs on a stand-in with no parameter groups, so it updates
+nothing (Optimizer's step pre-hooks may replace the call's arguments). Any check that fails
+returns None before anything changed: that step runs eagerly, as it was recorded.
+
+Learning rates, betas and the step count are read from the optimizer on every step and passed
+as kernel arguments: an LR scheduler changes arguments, never the kernel.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.kernels import load_kernel
+from runtime.program import _interpreter_lock, _on_device
+
+# A float32 step counter counts exactly up to here; past it the count is read back each step.
+_EXACT_STEPS = 2 ** 24
+
+
+class _StepTaken:
+    """What ``optimizer.step`` runs on after the fused kernels made the update: the step
+    bodies of SGD, Adam and AdamW loop over ``param_groups`` (none here) and return None."""
+    param_groups = ()
+    defaults = {"differentiable": False}
+    state: dict = {}
+
+    def _accelerator_graph_capture_health_check(self):
+        pass
+
+    def _cuda_graph_capture_health_check(self):
+        pass
+
+
+_STEP_TAKEN = _StepTaken()
+
+
+@dataclass
+class ComboLaunch:
+    """One kernel over several parameters: ``members`` index the group's updated parameters."""
+    name: str
+    source: str
+    members: list
+    scalar_names: list
+    grid: int
+    block: int
+    num_warps: int
+    bytes_moved: int
+    _fn: object = None
+
+    def launch(self, tensors: list, scalars: dict, device) -> None:
+        if not self.grid:  # parameters with no elements
+            return
+        if self._fn is None:
+            self._fn = load_kernel(self.name, self.source)
+        with _on_device(device), _interpreter_lock:
+            self._fn[(self.grid,)](*tensors, *[scalars[n] for n in self.scalar_names], BLOCK=self.block,
+                                   num_warps=self.num_warps)
+
+
+@dataclass
+class GroupStep:
+    """The fused step of one parameter group."""
+    rule: object                 # the compiler's update rule (key, scalars, state names)
+    key: tuple                   # the group's settings the kernels were built for
+    param_ids: tuple             # id() of every parameter of the group, in order
+    updated: list                # (index in the group, numel, dtype) of the parameters with a gradient
+    state_names: tuple           # the state tensors per parameter, in kernel argument order
+    state_keys: tuple            # their keys in ``optimizer.state[p]``
+    has_step: bool               # a per-parameter ``state["step"]`` tensor counts steps
+    launches: list               # ComboLaunch per dtype and chunk
+    _known_steps: tuple | None = field(default=None, repr=False)  # (step tensors, versions, count)
+
+    def bind(self, optimizer, group):
+        """The tensors each launch takes and the step count, or None where this step is not
+        the one compiled (then nothing has changed)."""
+        if self.rule.refuse(optimizer, group) is not None or self.rule.key(group) != self.key:
+            return None
+        params = group["params"]
+        if len(params) != len(self.param_ids):
+            return None
+        for p, expected in zip(params, self.param_ids):
+            if id(p) != expected:
+                return None
+        updated = {i for i, _, _ in self.updated}
+        for i, p in enumerate(params):
+            if i not in updated and p.grad is not None:
+                return None  # a parameter that had no gradient when recorded has one now
+        per_param, steps, device = [], [], None
+        state = optimizer.state
+        for i, numel, dtype in self.updated:
+            p = params[i]
+            g = p.grad
+            if g is None or g.layout != torch.strided or p.dtype != dtype or g.dtype != dtype or p.numel() != numel \
+                    or g.numel() != numel or not p.is_contiguous() or not g.is_contiguous():
+                return None
+            if device is None:
+                device = p.device
+            if p.device != device or g.device != device:
+                return None
+            s = state.get(p)
+            if s is None and self.state_keys:
+                return None
+            tensors = [p, g]
+            for name in self.state_keys:
+                t = s.get(name)
+                if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.numel() != numel \
+                        or t.device != device or not t.is_contiguous():
+                    return None
+                tensors.append(t)
+            if self.has_step:
+                step = s.get("step")
+                if not isinstance(step, torch.Tensor) or step.numel() != 1:
+                    return None
+                steps.append(step)
+            if p.is_complex():  # updated as its real view (the kernel's dtype is the real one)
+                tensors = [torch.view_as_real(t) for t in tensors]
+            per_param.append(tensors)
+        count = self._step_count(steps) if self.has_step else 0
+        if count is None:
+            return None
+        return per_param, steps, count, device
+
+    def _step_count(self, steps):
+        """The step count all parameters share (None: they differ; that step runs eagerly).
+        Known without reading the tensors when they are the ones this plan last advanced and
+        nothing wrote them since (their version counters say so)."""
+        known = self._known_steps
+        if known is not None and len(known[0]) == len(steps) and all(a is b for a, b in zip(known[0], steps)) \
+                and all(t._version == v for t, v in zip(steps, known[1])):
+            return known[2]
+        counts = {t.item() for t in steps}
+        return counts.pop() if len(counts) == 1 else None
+
+    def apply(self, group, bound, stats) -> None:
+        per_param, steps, count, device = bound
+        if steps:
+            torch._foreach_add_(steps, 1)  # eager: step_t += 1, each a 0-d tensor
+            count = count + 1 if count + 1 < _EXACT_STEPS else steps[0].item()
+            self._known_steps = (steps, [t._version for t in steps], count)
+        for launch in self.launches:
+            dtype = self.updated[launch.members[0]][2].to_real()
+            scalars = self.rule.scalars(group, count, dtype)
+            tensors = [t for m in launch.members for t in per_param[m]]
+            launch.launch(tensors, scalars, device)
+        if stats is not None:
+            stats["kernel_launches"] = stats.get("kernel_launches", 0) + len(self.launches)
+            stats["optimizer_launches"] = stats.get("optimizer_launches", 0) + len(self.launches)
+
+
+class FusedOptimizerStep:
+    """One recorded ``optimizer.step()`` compiled: its groups' fused steps."""
+
+    def __init__(self, optimizer, groups: list, stats=None):
+        self.optimizer = weakref.ref(optimizer)
+        self.groups = groups
+        self.stats = stats
+
+    @property
+    def launches(self) -> list:
+        return [launch for g in self.groups for launch in g.launches]
+
+    def run(self, optimizer, args, kwargs):
+        """Update the parameters and state with the fused kernels; the arguments the step call
+        then runs with (its own update skipped), or None where it must run eagerly."""
+        if optimizer is not self.optimizer() or len(args) > 1 or kwargs:
+            return None  # another optimizer, or a closure to call: eager
+        param_groups = optimizer.param_groups
+        if len(param_groups) != len(self.groups):
+            return None
+        bound = []
+        for plan, group in zip(self.groups, param_groups):
+            b = plan.bind(optimizer, group)
+            if b is None:
+                return None
+            bound.append(b)
+        for plan, group, b in zip(self.groups, param_groups, bound):
+            plan.apply(group, b, self.stats)
+        return (_STEP_TAKEN,), {}
