@@ -43,7 +43,10 @@ def test_compiled_step_matches_eager_under_ddp_and_fsdp2(results, scenario):
         for name, stats in ours["stats"].items():
             if stats["calls"] == 0:
                 continue
-            assert stats["fallbacks"] == [], (scenario, name, stats)
+            # FSDP2's sharded parameters are DTensors: their optimizer step runs eagerly, said once
+            expected = ["tensor subclass"] if scenario == "fsdp2" else []
+            assert [e for e in expected if not any(e in f for f in stats["fallbacks"])] == [], (scenario, stats)
+            assert len(stats["fallbacks"]) == len(expected), (scenario, name, stats)
             assert stats["replays"] >= 1 and stats["kernel_launches"] > 0, (scenario, name, stats)
     # the ranks saw different data and still agree on the parameters: gradients were all-reduced
     for scenario in ("plain", "no_sync", "unused", "static", "fsdp2"):

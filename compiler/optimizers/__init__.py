@@ -120,6 +120,10 @@ def _fuse_group(optimizer, rule, index, group, grads) -> GroupStep:
         if grad_ok is None:
             continue
         where = f"parameter group {index}, parameter {i}"
+        plain = (torch.Tensor, torch.nn.Parameter)
+        if type(p) not in plain or (p.grad is not None and type(p.grad) is not torch.Tensor):
+            # a tensor subclass (FSDP2's sharded DTensor): its data is not one dense buffer a kernel reads
+            raise NotFused(f"{where} is a {type(p).__name__} (a tensor subclass), not a plain tensor")
         if p.dtype not in _FUSED_DTYPES:
             raise NotFused(f"{where} is {p.dtype} (fused for float32, float64 and complex; eager rounds each op "
                            "to its dtype, which the kernel does not reproduce for it yet)")
