@@ -74,13 +74,19 @@ def _direct(launch, compiled, ran):
                           compile=compile, stream=lambda index: 77, runner=runner)
 
 
-def test_a_changed_layout_rebinds_and_a_known_one_does_not():
+def _exp_kernel_bound_directly():
+    """A compiled ``exp(x) * 2``'s one launch, with a direct launcher recording what it would compile
+    and run: (x, the launch, compiled, ran, the launcher)."""
     f = compiler.compile(lambda x: torch.exp(x) * 2)
     x = torch.randn(6, 4)
     f(x)
     launch, = _launches(f)
     compiled, ran = [], []
-    direct = _direct(launch, compiled, ran)
+    return x, launch, compiled, ran, _direct(launch, compiled, ran)
+
+
+def test_a_changed_layout_rebinds_and_a_known_one_does_not():
+    x, launch, compiled, ran, direct = _exp_kernel_bound_directly()
     cpu = torch.device("cpu")
     misaligned = torch.randn(25)[1:].view(6, 4)
     layouts = [x, x, x.t().contiguous().t(), x, misaligned, x.t().contiguous().t()]
@@ -99,12 +105,7 @@ def test_a_changed_layout_rebinds_and_a_known_one_does_not():
 def test_launch_metadata_is_computed_only_while_a_hook_is_installed():
     from triton import knobs
 
-    f = compiler.compile(lambda x: torch.exp(x) * 2)
-    x = torch.randn(6, 4)
-    f(x)
-    launch, = _launches(f)
-    compiled, ran = [], []
-    direct = _direct(launch, compiled, ran)
+    x, launch, compiled, ran, direct = _exp_kernel_bound_directly()
     cpu = torch.device("cpu")
     args, key, _ = launch.arguments([x, None], cpu)
     direct.launch(args, key, cpu)
