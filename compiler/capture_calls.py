@@ -25,8 +25,8 @@ FACTORIES = {torch.ones, torch.zeros, torch.full, torch.empty, torch.arange, tor
              torch.empty_like, torch.randn, torch.rand, torch.randint, torch.randn_like, torch.rand_like}
 STORAGE_CALLS = {torch.Tensor.untyped_storage, torch.as_strided}
 # GradScaler's bookkeeping: its scale, growth tracker and found-inf flags, updated in place
-# (no math of the model's); `torch.device(...)` makes no tensor at all.
-AMP_STATE_CALLS = {torch._amp_update_scale_, torch._amp_foreach_non_finite_check_and_unscale_, torch.device}
+# (no math of the model's). (`torch.device(...)` is metadata: runtime.torch_functions.)
+AMP_STATE_CALLS = {torch._amp_update_scale_, torch._amp_foreach_non_finite_check_and_unscale_}
 VALUE_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "__format__",
                "__repr__", "__str__", "__array__"}
 FUNCTIONS = (types.FunctionType, types.MethodType, functools.partial)

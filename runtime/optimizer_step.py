@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.kernels import load_kernel
-from runtime.program import _interpreter_lock, _on_device
+from runtime.program import interpreter_lock, on_device
 
 # A float32 step counter counts exactly up to here; past it the count is read back each step.
 _EXACT_STEPS = 2 ** 24
@@ -63,7 +63,7 @@ class ComboLaunch:
             return
         if self._fn is None:
             self._fn = load_kernel(self.name, self.source)
-        with _on_device(device), _interpreter_lock:
+        with on_device(device), interpreter_lock:
             self._fn[(self.grid,)](*tensors, *[scalars[n] for n in self.scalar_names], BLOCK=self.block,
                                    num_warps=self.num_warps)
 

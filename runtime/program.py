@@ -24,7 +24,7 @@ from runtime.triton_math import INTERPRETING
 # NOTE: Triton's interpreter patches triton.language's globals while a kernel runs, so two
 # threads interpreting at once corrupt each other; compiled GPU kernels need no such lock.
 _NO_GUARD = contextlib.nullcontext()
-_interpreter_lock = threading.Lock() if INTERPRETING else _NO_GUARD
+interpreter_lock = threading.Lock() if INTERPRETING else _NO_GUARD
 
 
 @dataclass(frozen=True)
@@ -126,12 +126,12 @@ class KernelLaunch:
         args, key, wide = self.arguments(env, device)
         if self.grid:  # an empty iteration space: outputs stay empty
             launcher = self.launcher(wide)
-            guard = _on_device(device)
-            if guard is _NO_GUARD and _interpreter_lock is _NO_GUARD:
+            guard = on_device(device)
+            if guard is _NO_GUARD and interpreter_lock is _NO_GUARD:
                 launcher.launch(args, key, device)   # compiled Triton on the current device: no context
                 return
             # the tensors' device (and its current stream), not whichever device is current
-            with guard, _interpreter_lock:
+            with guard, interpreter_lock:
                 launcher.launch(args, key, device)
 
     def launcher(self, wide: bool = False):
@@ -159,8 +159,10 @@ def _last_offset(t: torch.Tensor) -> int:
     return sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 1)
 
 
-def _on_device(device: torch.device):
-    """Launches on CUDA go to the tensors' device: Triton launches on the current one."""
+def on_device(device: torch.device):
+    """Launches on CUDA go to the tensors' device: Triton launches on the current one. Every
+    launcher of ours (these programs, the optimizer's combo kernels) enters this and
+    ``interpreter_lock``."""
     if device.type != "cuda":
         return _NO_GUARD
     try:
