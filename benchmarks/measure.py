@@ -333,7 +333,11 @@ def kernels_stubbed():
 
     def allocate_only(self, env, device):
         for slot, shape, dtype in self.stores:
-            env[slot] = torch.empty(shape, dtype=dtype, device=device)
+            # Integer and bool outputs are zeros: an index a skipped kernel computed (cross
+            # entropy's target with ignore_index masked) is checked and gathered with later,
+            # and uninitialized memory there fails the index check (issue 13)
+            env[slot] = (torch.empty if dtype.is_floating_point or dtype.is_complex else torch.zeros)(
+                shape, dtype=dtype, device=device)
 
     program.KernelLaunch.run = allocate_only
     # optimizer steps' combo kernels update in place: nothing to allocate

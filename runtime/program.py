@@ -82,6 +82,12 @@ class KernelLaunch:
 
     _launchers: dict = field(default_factory=dict)  # wide -> runtime.launcher.Launcher, bound once
     _wide: dict = field(default_factory=dict)       # layout key -> whether it needs the 64-bit twin
+    # The generated straight-line launch of the first layout that has one (runtime.launcher's
+    # ``generate_launch``); None: none yet, False: this kernel's launcher never has one.
+    _straight: object = None
+    # Loads that are outputs of earlier launches of the same program (set by ``Program``): always
+    # contiguous and freshly allocated, so the generated launch does not check their layout.
+    fresh_loads: frozenset = frozenset()
 
     def arguments(self, env, device) -> tuple:
         """(arguments, layout key, wide) for this launch: each input with its strides, then each
@@ -123,12 +129,20 @@ class KernelLaunch:
         return wide
 
     def run(self, env, device):
+        """Launch on ``env``'s input slots, allocating the output slots. The caller makes
+        ``device`` current (``Program.run`` does): the generated launch does not switch."""
+        straight = self._straight
+        if straight and straight(env, device):
+            return  # the usual layout: generated code checked it and launched
         args, key, wide = self.arguments(env, device)
         if self.grid:  # an empty iteration space: outputs stay empty
             launcher = self.launcher(wide)
             guard = on_device(device)
             if guard is _NO_GUARD and interpreter_lock is _NO_GUARD:
                 launcher.launch(args, key, device)   # compiled Triton on the current device: no context
+                if straight is None:
+                    self._straight = launcher.straight_line(self.loads, self.stores, key,
+                                                            [env[slot] for slot in self.loads], self.fresh_loads)
                 return
             # the tensors' device (and its current stream), not whichever device is current
             with guard, interpreter_lock:
@@ -141,6 +155,7 @@ class KernelLaunch:
         launcher = self._launchers.get(wide)
         if launcher is None or launcher.fn is not fn:
             launcher = self._launchers[wide] = make_launcher(fn, self.grid, self.xblock, self.rblock, self.num_warps)
+            self._straight = None  # generated for the old launcher's kernel
         return launcher
 
     def kernel(self, wide: bool = False):
@@ -225,6 +240,15 @@ class Program:
     outputs: list                          # ValueRef or None (no value, e.g. no gradient)
     frees: list = field(default_factory=list)  # per step: slots dead after it
 
+    def __post_init__(self):
+        # Slots are written once: a slot a launch stores is, wherever it is loaded later, that
+        # launch's contiguous fresh output (tell each launch which of its loads those are)
+        stored: set = set()
+        for step in self.steps:
+            if isinstance(step, KernelLaunch):
+                step.fresh_loads = frozenset(slot for slot in step.loads if slot in stored)
+                stored.update(slot for slot, _, _ in step.stores)
+
     @property
     def kernels(self):
         return [s for s in self.steps if isinstance(s, KernelLaunch)]
@@ -236,13 +260,21 @@ class Program:
         device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
         if consume:
             inputs.clear()
-        for step, dead in zip(self.steps, self.frees):
-            step.run(env, device)
-            for slot in dead:
-                env[slot] = None
+        guard = on_device(device)
+        if guard is _NO_GUARD:
+            self._run_steps(env, device)
+        else:  # once for the program: each launch then runs on the current device without a switch
+            with guard:
+                self._run_steps(env, device)
         if stats is not None:
             count = self.__dict__.get("_launch_count")
             if count is None:  # (counted once: the steps are fixed once the program runs)
                 count = self._launch_count = len(self.kernels)
             stats["kernel_launches"] = stats.get("kernel_launches", 0) + count
         return [o.resolve(env) if o is not None else None for o in self.outputs]
+
+    def _run_steps(self, env, device):
+        for step, dead in zip(self.steps, self.frees):
+            step.run(env, device)
+            for slot in dead:
+                env[slot] = None
