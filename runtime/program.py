@@ -12,6 +12,7 @@ table of ops and imports nothing from the compiler.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from dataclasses import dataclass, field
 
@@ -34,11 +35,8 @@ class ViewStep:
     op: object
     params: tuple = ()     # (name, value) pairs: the view node's kwargs
 
-    def __post_init__(self):  # the keyword arguments made once, not on every call's apply
-        object.__setattr__(self, "_kwargs", dict(self.params))
-
-    def apply(self, value):
-        return self.op.apply(value, **self._kwargs)
+    def __post_init__(self):  # the call made once (a partial: no frame of ours per apply)
+        object.__setattr__(self, "apply", functools.partial(self.op.apply, **dict(self.params)))
 
 
 @dataclass(frozen=True)
@@ -47,7 +45,10 @@ class ValueRef:
     views: tuple = ()      # ViewSteps, applied in order
 
     def resolve(self, env):
-        return apply_views(env[self.slot], self.views)
+        value = env[self.slot]
+        for step in self.views:
+            value = step.apply(value)
+        return value
 
 
 def apply_views(value, views):
@@ -119,6 +120,9 @@ class KernelLaunch:
         if wide is None:
             wide = self._wide_for(args, key)
         return args, key, wide
+
+    def __getstate__(self):  # generated code is made again after unpickling
+        return {k: v for k, v in self.__dict__.items() if k != "_straight"} | {"_straight": None}
 
     def _wide_for(self, args, key) -> bool:
         if len(self._wide) >= 64:  # layouts seen (rarely more than two): keep the memo small
@@ -199,13 +203,30 @@ class ExternCall:
     kwargs: dict = field(default_factory=dict)  # constant parameters (dim, shape, ...)
 
     def run(self, env, device):
-        slots = self.__dict__.get("_plain_slots")
-        if slots is None:  # (once) the argument slots when no argument is a view: most matmuls
-            slots = self._plain_slots = () if any(a.views for a in self.args) else tuple(a.slot for a in self.args)
-        if slots or not self.args:
-            env[self.out] = self.fn(*[env[s] for s in slots], **self.kwargs)
-        else:
-            env[self.out] = self.fn(*[a.resolve(env) for a in self.args], **self.kwargs)
+        call = self.__dict__.get("_call")
+        if call is None:
+            call = self._call = self._generate()
+        call(env)
+
+    def __getstate__(self):  # the generated call is made again after unpickling
+        return {k: v for k, v in self.__dict__.items() if k != "_call"}
+
+    def _generate(self):
+        """``call(env)``: this call written out once, as Inductor's generated wrappers call their
+        externs: ``env[out] = fn(env[2], v0(env[5]), **kwargs)``, each view step a partial."""
+        names = {"fn": self.fn, "kwargs": self.kwargs}
+        arguments = []
+        for i, arg in enumerate(self.args):
+            text = f"env[{arg.slot}]"
+            for j, step in enumerate(arg.views):
+                names[f"v{i}_{j}"] = step.apply
+                text = f"v{i}_{j}({text})"
+            arguments.append(text)
+        if self.kwargs:
+            arguments.append("**kwargs")
+        source = f"def call(env):\n    env[{self.out}] = fn({', '.join(arguments)})\n"
+        exec(compile(source, f"<symgrad call of {self.name}>", "exec"), names)
+        return names["call"]
 
 
 @dataclass
@@ -274,7 +295,26 @@ class Program:
         return [o.resolve(env) if o is not None else None for o in self.outputs]
 
     def _run_steps(self, env, device):
-        for step, dead in zip(self.steps, self.frees):
-            step.run(env, device)
-            for slot in dead:
-                env[slot] = None
+        run = self.__dict__.get("_straight")
+        if run is None or run.frees is not self.frees or run.steps is not self.steps:
+            run = self._straight = self._generate()
+        run(env, device)
+
+    def __getstate__(self):  # the generated steps are made again after unpickling
+        return {k: v for k, v in self.__dict__.items() if k != "_straight"}
+
+    def _generate(self):
+        """The steps written out once: ``s3.run(env, device)`` then ``env[7] = None`` for each slot
+        dead after it (no loop, no zip per step). ``sN.run`` is looked up per call, so a step
+        class's ``run`` replaced later (a benchmark stubbing launches) is still what runs."""
+        names = {f"s{i}": step for i, step in enumerate(self.steps)}
+        lines = ["def run(env, device):"]
+        for i, (_, dead) in enumerate(zip(self.steps, self.frees)):  # (as the loop it replaces ran)
+            lines.append(f"    s{i}.run(env, device)")
+            if dead:
+                lines.append("    " + " = ".join(f"env[{slot}]" for slot in dead) + " = None")
+        lines.append("    return None")
+        exec(compile("\n".join(lines) + "\n", "<symgrad program steps>", "exec"), names)
+        run = names["run"]
+        run.frees, run.steps = self.frees, self.steps  # what it was written for (frees are set after)
+        return run
