@@ -17,8 +17,10 @@ real compiled-Triton code path, without a GPU:
    either: it is the driver call.
 
 ``python -m benchmarks.launch --only overhead_step,transformer_step`` prints a table; the
-harness stores the mean of our launches as ``launch_us`` on our rows. CPU allocations stand in
-for CUDA's caching allocator (both take about a microsecond on the host).
+harness stores the mean of our launches as ``launch_us`` on our rows. Outputs are allocated by
+a stand-in for CUDA's caching allocator (``_CachingEmpty``: a tensor per shape and dtype, kept):
+the CPU allocator maps fresh pages for large tensors, tens of noisy microseconds that swamped
+the differences measured here, while CUDA's allocator takes about a microsecond.
 
 This file runs in two roles, as ``benchmarks/sm90.py`` does: imported, it records launches and
 starts the worker; run as a script (``python benchmarks/launch.py JOBS.json``) it is the worker.
@@ -73,7 +75,7 @@ def _job(step, env) -> dict:
         t = env[slot]
         inputs[str(slot)] = [list(t.shape), list(t.stride()), t.storage_offset(), str(t.dtype),
                              t.untyped_storage().nbytes()]
-    return dict(name=step.name, source=step.source, loads=list(step.loads),
+    return dict(name=step.name, source=step.source, loads=list(step.loads), fresh=sorted(step.fresh_loads),
                 stores=[[slot, list(shape), str(dtype)] for slot, shape, dtype in step.stores],
                 grid=step.grid, xblock=step.xblock, rblock=step.rblock, num_warps=step.num_warps, inputs=inputs)
 
@@ -141,6 +143,24 @@ def _tensor(shape, stride, offset, dtype, nbytes):
     return storage.as_strided(shape, stride, offset)
 
 
+class _CachingEmpty:
+    """``torch.empty`` as CUDA's caching allocator behaves on the host: a block of the size asked
+    for comes back from a cache (here: one tensor per shape and dtype, handed out again; the
+    timed launches do not read their outputs). Installed as ``torch.empty`` in the worker before
+    any launch is built, so our launches, the old path and the allocation column all use it."""
+
+    def __init__(self, empty):
+        self._empty = empty
+        self._kept: dict = {}
+
+    def __call__(self, shape, dtype=None, device=None):
+        key = (shape, dtype)
+        t = self._kept.get(key)
+        if t is None:
+            t = self._kept[key] = self._empty(shape, dtype=dtype, device=device)
+        return t
+
+
 def _time_us(calls: dict, iterations: int, rounds: int) -> dict:
     """µs per call of each zero-argument callable: interleaved rounds, median of round means.
     CPU time of this thread: host work, not what other processes on a busy machine take."""
@@ -159,6 +179,7 @@ def _worker(jobs_path: str) -> None:
     import torch
 
     torch.set_num_threads(1)
+    torch.empty = _CachingEmpty(torch.empty)
     triton.runtime.driver.set_active(_HostOnlyDriver())
     from runtime import launcher as direct
     from runtime.program import KernelLaunch
@@ -170,7 +191,7 @@ def _worker(jobs_path: str) -> None:
     for job in spec["jobs"]:
         stores = [(slot, tuple(shape), getattr(torch, dtype.split(".")[-1])) for slot, shape, dtype in job["stores"]]
         launch = KernelLaunch(job["name"], job["source"], job["loads"], stores, job["grid"], job["xblock"],
-                              job["rblock"], 0, job["num_warps"])
+                              job["rblock"], 0, job["num_warps"], fresh_loads=frozenset(job["fresh"]))
         env = [None] * (1 + max([*job["loads"], *(s for s, _, _ in stores)]))
         for slot, layout in job["inputs"].items():
             env[int(slot)] = _tensor(*layout)
@@ -199,7 +220,7 @@ def _worker(jobs_path: str) -> None:
         timed = _time_us(calls, spec["iterations"], spec["rounds"])
         # launch_us: our launch's host work up to the driver call, its outputs' allocation aside
         out.append(dict(name=job["name"], launch_us=timed["ours_us"] - timed["alloc_us"],
-                        jit_launch_us=timed["jit_us"] - timed["alloc_us"], **timed))
+                        jit_launch_us=timed["jit_us"] - timed["alloc_us"], generated=bool(launch._straight), **timed))
     print(json.dumps(out), flush=True)
 
 

@@ -331,9 +331,21 @@ def kernels_stubbed():
 
     original = program.KernelLaunch.run
 
+    zeros: dict = {}
+
     def allocate_only(self, env, device):
         for slot, shape, dtype in self.stores:
-            env[slot] = torch.empty(shape, dtype=dtype, device=device)
+            if dtype.is_floating_point or dtype.is_complex:
+                env[slot] = torch.empty(shape, dtype=dtype, device=device)
+                continue
+            # Integer and bool outputs are zeros: an index a skipped kernel computed (cross
+            # entropy's target with ignore_index masked) is checked and gathered with later,
+            # and uninitialized memory there fails the index check (issue 13). Made once and
+            # handed out again: a zero fill per step would be counted as one more kernel.
+            key = (tuple(shape), dtype, device)
+            if key not in zeros:
+                zeros[key] = torch.zeros(shape, dtype=dtype, device=device)
+            env[slot] = zeros[key]
 
     program.KernelLaunch.run = allocate_only
     # optimizer steps' combo kernels update in place: nothing to allocate

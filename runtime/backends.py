@@ -29,8 +29,20 @@ def prepare_process() -> None:
         os.environ["TRITON_INTERPRET"] = "1"
 
 
+_decided: bool | None = None   # the mode, once Triton is imported (it is fixed from then on)
+
+
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """Whether Triton runs in its interpreter in this process (``TRITON_INTERPRET``). Read from
+    the environment until Triton is imported, then remembered: ``choose`` asks on every call of
+    a compiled function, and the environment lookup costs microseconds a call."""
+    global _decided
+    if _decided is not None:
+        return _decided
+    value = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if "triton" in sys.modules:
+        _decided = value
+    return value
 
 
 def choose(backend: str, device_type: str | None) -> tuple[str, str]:

@@ -43,6 +43,11 @@ class Launcher:
         self.num_warps = num_warps
         self.binds = 0          # how many specializations were bound (the first call binds one)
 
+    def straight_line(self, loads, stores, key, inputs, fresh=frozenset()):
+        """A generated launch for the layout ``key`` (see ``generate_launch``); ``False``: never
+        (only compiled Triton's driver launcher is called directly)."""
+        return False
+
 
 class IndexedLauncher(Launcher):
     """The interpreter's (or any ``fn[grid]`` kernel's) launch: the grid proxy made once."""
@@ -127,12 +132,78 @@ class DirectLauncher(Launcher):
             self._current = (key, bound)
             return bound
 
+    def straight_line(self, loads, stores, key, inputs, fresh=frozenset()):
+        """The generated launch of the specialization bound for ``key`` (just launched with
+        ``inputs``), or None where this layout gets none (see ``generate_launch``)."""
+        current_key, bound = self._current
+        if current_key != key:
+            return None
+        return generate_launch(loads, stores, inputs, bound, self.grid, self._stream, fresh)
+
     def launch(self, args, key, device):
         # the cheap per-call check: the layout key the bound kernel was specialized for
         current_key, bound = self._current
         if key != current_key:
             bound = self.bind(args, key)
         bound.launch(self.grid, self._stream(device.index), args)
+
+
+def generate_launch(loads, stores, inputs, bound: BoundKernel, grid: int, stream, fresh=frozenset()):
+    """One straight-line Python function for a launch at one layout, as Inductor generates its
+    wrappers' launch code: ``launch(env, device) -> bool`` reads the input slots, checks each
+    input's layout against this one's and that every input address is 16-byte aligned, then
+    allocates the outputs into ``env`` and calls the driver launcher with the arguments written
+    out (strides as literals). It returns False, with nothing allocated or launched, when the
+    layout differs: the caller takes the general path (layout key, another specialization).
+    ``loads`` are slots, ``stores`` (slot, shape, dtype), ``inputs`` the input tensors of the
+    launch just bound (their layout is the one generated); ``fresh``: the slots that are outputs
+    of earlier launches of the same program (contiguous, freshly allocated: nothing to check).
+
+    The layout check per input is the cheapest that decides it (on this CPU a tensor method call
+    costs ~0.4 µs): ``is_contiguous()`` where the bound layout was contiguous (the program fixes
+    the shape, so a contiguous tensor has these strides but on size-1 dims, whose stride is never
+    multiplied by a nonzero index), else one compare of ``stride()`` with the literal tuple.
+
+    None where this layout gets no generated code (the general path handles it): an input
+    misaligned (rare: the generated check is "all aligned"), a complex input (read through its
+    real view), a launch hook installed (its launch metadata is computed by the general path)."""
+    import torch
+
+    enter, exit_ = bound.enter_hook, bound.exit_hook
+    hook_calls = getattr(enter, "calls", None) if enter is not None else []
+    if hook_calls is None or hook_calls:
+        return None
+    if any(t.is_complex() or t.data_ptr() & 15 for t in inputs):
+        return None
+    names = {"runner": bound.runner, "function": bound.function, "metadata": bound.metadata, "enter": enter,
+             "exit": exit_, "hook_calls": hook_calls, "stream": stream, "empty": torch.empty,
+             "view_as_real": torch.view_as_real}
+    checked = [i for i, slot in enumerate(loads) if slot not in fresh]
+    lines = ["def launch(env, device):"]
+    lines += [f"    t{i} = env[{slot}]" for i, slot in enumerate(loads)]
+    checks = [f"not t{i}.is_contiguous()" if inputs[i].is_contiguous() else f"t{i}.stride() != {inputs[i].stride()!r}"
+              for i in checked]
+    if checked:
+        checks.append("(" + " | ".join(f"t{i}.data_ptr()" for i in checked) + ") & 15")
+    if enter is not None:
+        checks.append("hook_calls")  # a hook added since: the general path computes launch metadata
+    if checks:
+        lines += ["    if " + " or ".join(checks) + ":", "        return False"]
+    arguments = []
+    for i, t in enumerate(inputs):
+        arguments += [f"t{i}", *map(repr, t.stride())]
+    for j, (slot, shape, dtype) in enumerate(stores):
+        names[f"dtype{j}"] = dtype
+        lines.append(f"    o{j} = env[{slot}] = empty({tuple(shape)!r}, dtype=dtype{j}, device=device)")
+        arguments.append(f"view_as_real(o{j})" if dtype.is_complex else f"o{j}")
+    arguments += map(repr, bound.constants)
+    lines += [f"    runner({grid}, 1, 1, stream(device.index), function, metadata, None, enter, exit, "
+              + ", ".join(arguments) + ")", "    return True"]
+    source = "\n".join(lines) + "\n"
+    exec(compile(source, f"<symgrad launch of {getattr(bound.kernel, 'name', 'a kernel')}>", "exec"), names)
+    launch = names["launch"]
+    launch.source = source  # what runs, for a reader (and a test)
+    return launch
 
 
 def _current_stream_of_driver():

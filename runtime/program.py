@@ -12,6 +12,7 @@ table of ops and imports nothing from the compiler.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from dataclasses import dataclass, field
 
@@ -34,11 +35,8 @@ class ViewStep:
     op: object
     params: tuple = ()     # (name, value) pairs: the view node's kwargs
 
-    def __post_init__(self):  # the keyword arguments made once, not on every call's apply
-        object.__setattr__(self, "_kwargs", dict(self.params))
-
-    def apply(self, value):
-        return self.op.apply(value, **self._kwargs)
+    def __post_init__(self):  # the call made once (a partial: no frame of ours per apply)
+        object.__setattr__(self, "apply", functools.partial(self.op.apply, **dict(self.params)))
 
 
 @dataclass(frozen=True)
@@ -47,7 +45,10 @@ class ValueRef:
     views: tuple = ()      # ViewSteps, applied in order
 
     def resolve(self, env):
-        return apply_views(env[self.slot], self.views)
+        value = env[self.slot]
+        for step in self.views:
+            value = step.apply(value)
+        return value
 
 
 def apply_views(value, views):
@@ -82,6 +83,12 @@ class KernelLaunch:
 
     _launchers: dict = field(default_factory=dict)  # wide -> runtime.launcher.Launcher, bound once
     _wide: dict = field(default_factory=dict)       # layout key -> whether it needs the 64-bit twin
+    # The generated straight-line launch of the first layout that has one (runtime.launcher's
+    # ``generate_launch``); None: none yet, False: this kernel's launcher never has one.
+    _straight: object = None
+    # Loads that are outputs of earlier launches of the same program (set by ``Program``): always
+    # contiguous and freshly allocated, so the generated launch does not check their layout.
+    fresh_loads: frozenset = frozenset()
 
     def arguments(self, env, device) -> tuple:
         """(arguments, layout key, wide) for this launch: each input with its strides, then each
@@ -114,6 +121,9 @@ class KernelLaunch:
             wide = self._wide_for(args, key)
         return args, key, wide
 
+    def __getstate__(self):  # generated code is made again after unpickling
+        return {k: v for k, v in self.__dict__.items() if k != "_straight"} | {"_straight": None}
+
     def _wide_for(self, args, key) -> bool:
         if len(self._wide) >= 64:  # layouts seen (rarely more than two): keep the memo small
             self._wide.clear()
@@ -123,12 +133,20 @@ class KernelLaunch:
         return wide
 
     def run(self, env, device):
+        """Launch on ``env``'s input slots, allocating the output slots. The caller makes
+        ``device`` current (``Program.run`` does): the generated launch does not switch."""
+        straight = self._straight
+        if straight and straight(env, device):
+            return  # the usual layout: generated code checked it and launched
         args, key, wide = self.arguments(env, device)
         if self.grid:  # an empty iteration space: outputs stay empty
             launcher = self.launcher(wide)
             guard = on_device(device)
             if guard is _NO_GUARD and interpreter_lock is _NO_GUARD:
                 launcher.launch(args, key, device)   # compiled Triton on the current device: no context
+                if straight is None:
+                    self._straight = launcher.straight_line(self.loads, self.stores, key,
+                                                            [env[slot] for slot in self.loads], self.fresh_loads)
                 return
             # the tensors' device (and its current stream), not whichever device is current
             with guard, interpreter_lock:
@@ -141,6 +159,7 @@ class KernelLaunch:
         launcher = self._launchers.get(wide)
         if launcher is None or launcher.fn is not fn:
             launcher = self._launchers[wide] = make_launcher(fn, self.grid, self.xblock, self.rblock, self.num_warps)
+            self._straight = None  # generated for the old launcher's kernel
         return launcher
 
     def kernel(self, wide: bool = False):
@@ -184,13 +203,30 @@ class ExternCall:
     kwargs: dict = field(default_factory=dict)  # constant parameters (dim, shape, ...)
 
     def run(self, env, device):
-        slots = self.__dict__.get("_plain_slots")
-        if slots is None:  # (once) the argument slots when no argument is a view: most matmuls
-            slots = self._plain_slots = () if any(a.views for a in self.args) else tuple(a.slot for a in self.args)
-        if slots or not self.args:
-            env[self.out] = self.fn(*[env[s] for s in slots], **self.kwargs)
-        else:
-            env[self.out] = self.fn(*[a.resolve(env) for a in self.args], **self.kwargs)
+        call = self.__dict__.get("_call")
+        if call is None:
+            call = self._call = self._generate()
+        call(env)
+
+    def __getstate__(self):  # the generated call is made again after unpickling
+        return {k: v for k, v in self.__dict__.items() if k != "_call"}
+
+    def _generate(self):
+        """``call(env)``: this call written out once, as Inductor's generated wrappers call their
+        externs: ``env[out] = fn(env[2], v0(env[5]), **kwargs)``, each view step a partial."""
+        names = {"fn": self.fn, "kwargs": self.kwargs}
+        arguments = []
+        for i, arg in enumerate(self.args):
+            text = f"env[{arg.slot}]"
+            for j, step in enumerate(arg.views):
+                names[f"v{i}_{j}"] = step.apply
+                text = f"v{i}_{j}({text})"
+            arguments.append(text)
+        if self.kwargs:
+            arguments.append("**kwargs")
+        source = f"def call(env):\n    env[{self.out}] = fn({', '.join(arguments)})\n"
+        exec(compile(source, f"<symgrad call of {self.name}>", "exec"), names)
+        return names["call"]
 
 
 @dataclass
@@ -208,10 +244,13 @@ class IndexCheck:
         if index.numel() == 0:
             return
         low = -self.size if self.wrap else 0
-        ok = ((index >= low) & (index < self.size)).all()
         if index.device.type == "cuda":
+            ok = ((index >= low) & (index < self.size)).all()
             torch._assert_async(ok, f"{self.what}: index out of range")
-        elif not ok:
+            return
+        # on the host: one reduction (the smallest and largest index), not four operators
+        smallest, largest = (v.item() for v in torch.aminmax(index))
+        if smallest < low or largest >= self.size:
             bad = index[(index < low) | (index >= self.size)].flatten()[0].item()
             raise IndexError(f"{self.what}: index {bad} is out of bounds for a dimension of size {self.size} "
                              "(raised by the compiled region, as eager would)")
@@ -225,6 +264,15 @@ class Program:
     outputs: list                          # ValueRef or None (no value, e.g. no gradient)
     frees: list = field(default_factory=list)  # per step: slots dead after it
 
+    def __post_init__(self):
+        # Slots are written once: a slot a launch stores is, wherever it is loaded later, that
+        # launch's contiguous fresh output (tell each launch which of its loads those are)
+        stored: set = set()
+        for step in self.steps:
+            if isinstance(step, KernelLaunch):
+                step.fresh_loads = frozenset(slot for slot in step.loads if slot in stored)
+                stored.update(slot for slot, _, _ in step.stores)
+
     @property
     def kernels(self):
         return [s for s in self.steps if isinstance(s, KernelLaunch)]
@@ -236,13 +284,40 @@ class Program:
         device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
         if consume:
             inputs.clear()
-        for step, dead in zip(self.steps, self.frees):
-            step.run(env, device)
-            for slot in dead:
-                env[slot] = None
+        guard = on_device(device)
+        if guard is _NO_GUARD:
+            self._run_steps(env, device)
+        else:  # once for the program: each launch then runs on the current device without a switch
+            with guard:
+                self._run_steps(env, device)
         if stats is not None:
             count = self.__dict__.get("_launch_count")
             if count is None:  # (counted once: the steps are fixed once the program runs)
                 count = self._launch_count = len(self.kernels)
             stats["kernel_launches"] = stats.get("kernel_launches", 0) + count
         return [o.resolve(env) if o is not None else None for o in self.outputs]
+
+    def _run_steps(self, env, device):
+        run = self.__dict__.get("_straight")
+        if run is None or run.frees is not self.frees or run.steps is not self.steps:
+            run = self._straight = self._generate()
+        run(env, device)
+
+    def __getstate__(self):  # the generated steps are made again after unpickling
+        return {k: v for k, v in self.__dict__.items() if k != "_straight"}
+
+    def _generate(self):
+        """The steps written out once: ``s3.run(env, device)`` then ``env[7] = None`` for each slot
+        dead after it (no loop, no zip per step). ``sN.run`` is looked up per call, so a step
+        class's ``run`` replaced later (a benchmark stubbing launches) is still what runs."""
+        names = {f"s{i}": step for i, step in enumerate(self.steps)}
+        lines = ["def run(env, device):"]
+        for i, (_, dead) in enumerate(zip(self.steps, self.frees)):  # (as the loop it replaces ran)
+            lines.append(f"    s{i}.run(env, device)")
+            if dead:
+                lines.append("    " + " = ".join(f"env[{slot}]" for slot in dead) + " = None")
+        lines.append("    return None")
+        exec(compile("\n".join(lines) + "\n", "<symgrad program steps>", "exec"), names)
+        run = names["run"]
+        run.frees, run.steps = self.frees, self.steps  # what it was written for (frees are set after)
+        return run

@@ -119,6 +119,36 @@ def test_launch_metadata_is_computed_only_while_a_hook_is_installed():
     assert ran[0][1][6] is None and ran[1][1][6] == {"grid": (launch.grid, 1, 1)}
 
 
+def test_the_generated_launch_runs_the_usual_layout_and_hands_others_to_the_general_path(monkeypatch):
+    """After the first launch, the kernel's generated straight-line launch checks the layout and
+    calls the driver launcher itself; another layout (transposed, misaligned) returns to the
+    general path and its own specialization, and the usual layout still finds the first one."""
+    from runtime import program
+
+    monkeypatch.setattr(program, "interpreter_lock", program._NO_GUARD)  # as on a GPU: no interpreter
+    x, launch, compiled, ran, direct = _exp_kernel_bound_directly()
+    direct.fn = launch.kernel()
+    launch._launchers[False] = direct
+    cpu = torch.device("cpu")
+    general = []
+    arguments = launch.arguments
+    monkeypatch.setattr(launch, "arguments", lambda env, device: general.append(1) or arguments(env, device))
+    misaligned = torch.randn(25)[1:].view(6, 4)
+    outputs = []
+    for t in [x, x, x.t().contiguous().t(), x, misaligned, x]:
+        env = [t, None]
+        launch.run(env, cpu)
+        outputs.append(env[1])
+    assert "not t0.is_contiguous()" in launch._straight.source
+    assert len(general) == 3  # the first launch, the transposed one, the misaligned one
+    assert [k for k, _ in ran] == [1, 1, 2, 1, 3, 1] and len(compiled) == 3
+    # the generated launch passes exactly what the general path passes: x, its strides, the new output
+    first, second = ran[0][1], ran[1][1]
+    assert first[:9] == second[:9] and second[9] is x and list(second[10:12]) == [4, 1]
+    assert second[12] is outputs[1] and outputs[1].shape == x.shape and outputs[1] is not outputs[0]
+    assert list(second[13:]) == list(first[13:]) == [launch.xblock, launch.rblock]
+
+
 # -- the compiled-Triton branch, with a kernel compiled for sm_90 ---------------------------------
 SM90_SCRIPT = textwrap.dedent("""
     import json, sys
@@ -155,6 +185,7 @@ SM90_SCRIPT = textwrap.dedent("""
     cpu = torch.device("cpu")
     for t in (x, x, x.t().contiguous().t()):
         launch.run([t, None], cpu)
+    assert launch._straight and "not t0.is_contiguous()" in launch._straight.source  # the second launch's
     out = []
     for (kernel, arguments), in zip(ran):
         grid, one, one_, stream, function, metadata, launch_metadata, enter, exit_, *passed = arguments
@@ -183,6 +214,7 @@ def test_the_gpu_branch_passes_the_driver_what_jit_run_would():
     first, second, transposed = result["launches"]
     assert result["compiles"] == 2  # the second launch reused the bound kernel
     assert first["kernel"] == second["kernel"] != transposed["kernel"] and first["arch"] == 90
+    assert second["passed"] == first["passed"]  # the generated launch's arguments are the general path's
     assert first["grid"] == [launch.grid, 1, 1] and first["stream"] == 1234 and first["same_metadata"]
     assert first["launch_metadata"] is None  # no launch hook installed
     # exactly JITFunction.run's arguments: every parameter bound, XBLOCK and RBLOCK last
@@ -202,3 +234,41 @@ def test_the_launch_benchmark_times_our_launch_and_the_jit_path():
         assert r["launch_us"] == r["ours_us"] - r["alloc_us"] and r["jit_launch_us"] == r["jit_us"] - r["alloc_us"]
         assert min(r["alloc_us"], r["args_us"], r["ours_us"], r["jit_us"]) > 0
     assert launch.mean_us(results) == pytest.approx(sum(r["launch_us"] for r in results) / len(results))
+
+
+def test_loads_of_an_earlier_launch_s_output_are_not_checked():
+    """Slots are written once: a slot stored by an earlier launch of the program is that launch's
+    fresh contiguous output wherever it is loaded, so its generated launch checks only the others."""
+    from runtime.launcher import BoundKernel, generate_launch
+    from runtime.program import KernelLaunch, Program, ValueRef
+
+    f32 = torch.float32
+    first = KernelLaunch("a", "", [0], [(1, (6, 4), f32)], 1, 32, 1, 0)
+    second = KernelLaunch("b", "", [0, 1], [(2, (6, 4), f32)], 1, 32, 1, 0)
+    Program(1, 3, [first, second], [ValueRef(2)])
+    assert first.fresh_loads == frozenset() and second.fresh_loads == {1}
+    bound = BoundKernel(_FakeKernel(1), (32, 1), runner=lambda *arguments: ran.append(arguments))
+    ran = []
+    x = torch.randn(4, 6).t()   # the program's input, column-major: its strides are checked
+    launch = generate_launch(second.loads, second.stores, [x, torch.randn(6, 4)], bound, 1, lambda index: 0,
+                             second.fresh_loads)
+    assert "t0.stride() != (1, 6)" in launch.source and "t1." not in launch.source.split("return False")[0]
+    env = [x, torch.randn(6, 4), None]
+    assert launch(env, torch.device("cpu")) and ran[0][9:] == (x, 1, 6, env[1], 4, 1, env[2], 32, 1)
+    assert not launch([x.contiguous(), env[1], None], torch.device("cpu")) and len(ran) == 1
+
+
+def test_a_stubbed_step_checks_indices_a_skipped_kernel_computed():
+    """Cross entropy's target (ignore_index masked) is computed by a kernel, then index-checked:
+    with launches stubbed that kernel's integer output must still hold valid indices (zeros), or
+    the benchmark's stubbed step raises the compiled region's IndexError."""
+    from benchmarks import measure
+    from benchmarks.workloads import WORKLOADS
+
+    case = WORKLOADS["cross_entropy"].build("tiny", torch.device("cpu"))
+    run = compiler.compile(case.fn)
+    args = case.make_args(torch.float32)
+    case.step(run, args)  # the recording
+    with measure.kernels_stubbed():
+        for _ in range(2):
+            case.step(run, args)
