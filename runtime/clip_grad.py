@@ -149,7 +149,8 @@ def watch(recorder) -> _Watch:
     return _Watch(recorder)
 
 
-_original = _clip_grad_module.clip_grad_norm_
+# PyTorch's own (a reloaded module must not wrap its own stand-in)
+_original = getattr(_clip_grad_module.clip_grad_norm_, "pytorch_function", _clip_grad_module.clip_grad_norm_)
 
 
 @functools.wraps(_original)
@@ -175,6 +176,9 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     if total is not None:
         return total
     return _original(given, max_norm, norm_type, error_if_nonfinite, foreach)
+
+
+clip_grad_norm_.pytorch_function = _original
 
 
 def install() -> None:
