@@ -10,7 +10,7 @@ import torch.fx as fx
 
 from compiler.build import build_region
 from compiler.capture import RecordingFailed, capture
-from compiler.optimizers import compile_optimizer_steps
+from compiler.optimizers import compile_optimizer_steps, fused_call_indices
 from compiler.codegen.triton_printer import NotPrintable
 from compiler.bindings import Unsupported
 from compiler.report import KernelInfo, Report
@@ -134,7 +134,9 @@ def _build(fn, args, kwargs, *, fullgraph=False, stats=None, memory="balanced"):
     trace.recorded_optimizer_steps = []  # (consumed)
     kernels.extend(optimizer_kernels)
     fallbacks.extend(optimizer_reasons)
-    eager_calls = list(dict.fromkeys(function_name(c.func) for c in trace.calls if c.kind == "eager"))
+    fused = fused_call_indices(trace)  # (optimizer steps and clip_grad_norm_ run as kernels, not eagerly)
+    eager_calls = list(dict.fromkeys(function_name(c.func) for i, c in enumerate(trace.calls)
+                                     if c.kind == "eager" and i not in fused))
     report = Report(
         graph=_merged_graph(regions),
         backward_graph=next((r["backward_graph"] for r in regions if r.get("backward_graph") is not None), None),

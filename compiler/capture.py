@@ -547,7 +547,8 @@ def capture(fn, args, kwargs):
     handles = [torch.nn.modules.module.register_module_forward_pre_hook(modules),
                register_optimizer_step_pre_hook(steps.begin),
                register_optimizer_step_post_hook(steps.end),
-               register_optimizer_step_pre_hook(optimizer_steps.begin)]
+               register_optimizer_step_pre_hook(optimizer_steps.begin),
+               optimizer_steps.watch_clipping()]  # clip_grad_norm_ calls, compiled as the steps are
     try:
         with mode:
             result = fn(*args, **kwargs)

@@ -1,8 +1,8 @@
 """Train a small transformer with DistributedDataParallel and a compiled training step.
 
-    torchrun --nproc-per-node 2 examples/train_ddp.py [--steps 10] [--backend auto]
+    torchrun --nproc-per-node 2 examples/train_ddp.py [--steps 10] [--layers 2] [--backend auto]
 
-Each rank wraps the same nanoGPT-style model (two pre-norm blocks) in DDP
+Each rank wraps the same nanoGPT-style model (``--layers`` pre-norm blocks, 2 by default) in DDP
 and trains it twice from one initialization: with a compiled step — forward, cross-entropy,
 loss.backward() (DDP's bucketed all-reduce fires from our compiled backward's gradient
 hooks), optimizer.step(), zero_grad() — and with the same step run eagerly. Every step prints
@@ -58,6 +58,7 @@ class TinyGPT(nn.Module):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--layers", type=int, default=2, help="transformer blocks")
     parser.add_argument("--backend", default="auto", choices=["auto", "triton", "interpret", "eager"])
     args = parser.parse_args()
     if "RANK" not in os.environ:
@@ -72,7 +73,7 @@ def main():
 
     vocab, dim, heads, seq, batch = 96, 32, 2, 16, 4
     torch.manual_seed(0)  # the same initialization on every rank (DDP also broadcasts rank 0's)
-    base = TinyGPT(vocab, dim, heads, seq).to(device)
+    base = TinyGPT(vocab, dim, heads, seq, args.layers).to(device)
     models = {"compiled": DDP(copy.deepcopy(base)), "eager": DDP(copy.deepcopy(base))}
     optimizers = {k: torch.optim.AdamW(m.parameters(), lr=3e-3) for k, m in models.items()}
 

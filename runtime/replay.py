@@ -89,6 +89,12 @@ register_optimizer_step_pre_hook(_optimizer_step_begins)
 register_optimizer_step_post_hook(_optimizer_step_ends)
 
 
+def active_replay():
+    """The replay running in this thread, or None (for library calls the compiler fuses,
+    which PyTorch gives no hooks: runtime.clip_grad)."""
+    return getattr(_active, "replay", None)
+
+
 class Replay(TorchFunctionMode):
     def __init__(self, trace: Trace, arg_leaves: list, externals: dict, alternatives=()):
         super().__init__()
@@ -146,6 +152,26 @@ class Replay(TorchFunctionMode):
         torch._C._push_on_torch_function_stack(self)
         self.pos = self.suspended_until
         self.suspended_until = None
+
+    # -- library calls run as fused kernels (runtime.clip_grad) --------------------------
+    def run_fused_call(self, *args):
+        """A library call the compiler fused (``trace.fused_calls``: clip_grad_norm_) made where
+        the recording made it: its kernels run in place of its recorded calls, with this mode
+        off the stack, and the replay goes on after them. Returns its result, or None where it
+        must run as recorded (then nothing has changed)."""
+        fused = self.trace.fused_calls.get(self.pos)
+        if fused is None or self.diverged or self.suspended_until is not None \
+                or torch._C._len_torch_function_stack() == 0:
+            return None
+        top = torch._C._pop_torch_function_stack()
+        try:
+            result = fused.run(*args) if top is self else None
+        finally:
+            torch._C._push_on_torch_function_stack(top)
+        if result is not None:
+            self.pos = fused.end
+            self.env[fused.output_id] = self.shown[fused.output_id] = result
+        return result
 
     # -- the mode ----------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):

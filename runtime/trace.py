@@ -100,6 +100,9 @@ class Trace:
     # compiled ones by that call index (runtime.optimizer_step.FusedOptimizerStep)
     recorded_optimizer_steps: list = field(default_factory=list)
     fused_steps: dict = field(default_factory=dict)
+    # library calls compiled as a whole (clip_grad_norm_), by the index of their first recorded
+    # call: runtime.clip_grad.FusedClipGradNorm (its ``end``: the index after its calls)
+    fused_calls: dict = field(default_factory=dict)
 
     def modes_match(self) -> bool:
         """Whether every module the recording ran is still in the same train/eval mode."""

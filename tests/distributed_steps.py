@@ -2,7 +2,7 @@
 compiled step and with eager's, on DDP over gloo, and writes what the test compares.
 
 Scenarios (all on one process group, one spawn, so the test stays a few seconds):
-- ``plain``: SGD with momentum, 5 steps;
+- ``plain``: SGD with momentum and clip_grad_norm_, 5 steps;
 - ``no_sync``: gradient accumulation over 2 micro-batches, the first under ``model.no_sync()``;
 - ``unused``: ``find_unused_parameters=True`` with a branch the step never uses;
 - ``static``: ``static_graph=True``;
@@ -57,6 +57,8 @@ def _train(model, compiled: bool, scenario: str, rank: int):
     def step(x, y):
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
+        if scenario == "plain":  # on the all-reduced gradients, as DDP training scripts clip
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 3.0)
         opt.step()
         opt.zero_grad()
         return loss

@@ -48,6 +48,8 @@ def test_compiled_step_matches_eager_under_ddp_and_fsdp2(results, scenario):
             assert [e for e in expected if not any(e in f for f in stats["fallbacks"])] == [], (scenario, stats)
             assert len(stats["fallbacks"]) == len(expected), (scenario, name, stats)
             assert stats["replays"] >= 1 and stats["kernel_launches"] > 0, (scenario, name, stats)
+            if scenario == "plain":  # clip_grad_norm_ fused on DDP's all-reduced gradients
+                assert stats.get("clip_launches", 0) > 0, stats
     # the ranks saw different data and still agree on the parameters: gradients were all-reduced
     for scenario in ("plain", "no_sync", "unused", "static", "fsdp2"):
         first, second = (r[scenario]["compiled"] for r in results)
@@ -61,7 +63,8 @@ def test_ddp_example_runs_from_the_readme():
     env = dict(os.environ, PYTHONPATH=root)
     env.pop("TRITON_INTERPRET", None)  # the example sets things up itself, as for a user
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               os.path.join(root, "examples", "train_ddp.py"), "--steps", "3"]
+               os.path.join(root, "examples", "train_ddp.py"), "--steps", "3", "--layers", "1"]
+    # (one transformer block: the same features as the README's two, a quarter less compiling on 2 cores)
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=TIMEOUT_S, cwd=root)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     steps = re.findall(r"rank (\d)/2 step +(\d+) +compiled ([\d.]+) +eager ([\d.]+)", result.stdout)

@@ -268,10 +268,12 @@ def test_optimizer_kernels_compile_for_hopper_without_spills():
     """The combo kernels of the richest settings (Adam with weight decay and amsgrad in fp32,
     SGD with nesterov momentum in fp64), 32 parameters each, compile for sm_90 with their real
     specialization (aligned pointers) and do not spill; whole blocks load in vectors (all loads
-    when every size is a multiple of the vector width, as Linear layers' are)."""
+    when every size is a multiple of the vector width, as Linear layers' are). So do
+    clip_grad_norm_'s three kernels for the 2-norm over 32 gradients (tests/test_clip_grad.py
+    runs them; compiled here, in the same worker processes, to keep the suite's time down)."""
     from benchmarks.sm90 import Launch, compile_launches
-    from compiler.optimizers import _fuse, _gradient_facts
-    from compiler.optimizers.combo import MAX_PARAMETERS
+    from compiler.optimizers import _fuse, _gradient_facts, clip
+    from compiler.optimizers.combo import BLOCK, MAX_PARAMETERS, NUM_WARPS
 
     launches = []
     linear_sizes = [64 * 64 if i % 2 else 64 for i in range(MAX_PARAMETERS)]
@@ -292,12 +294,22 @@ def test_optimizer_kernels_compile_for_hopper_without_spills():
         values = group_step.rule.scalars(opt.param_groups[0], 1, dtype)
         args = [["ptr", str(dtype), 0]] * (tensors * MAX_PARAMETERS) + [["int", values[n]] for n in combo.scalar_names]
         launches.append(Launch(combo.name, combo.source, args, {"BLOCK": combo.block}, combo.num_warps, combo.grid))
+    pointer = ["ptr", "torch.float32", 0]
+    partials = clip.partials_source(2.0, torch.float32, linear_sizes)
+    finalize = clip.finalize_source(2.0, torch.float32, MAX_PARAMETERS)
+    scale = clip.scale_source(torch.float32, linear_sizes)
+    launches += [
+        Launch(partials[0], partials[1], [pointer] * (MAX_PARAMETERS + 1), {"BLOCK": BLOCK}, NUM_WARPS, partials[2]),
+        Launch(scale[0], scale[1], [pointer] * (MAX_PARAMETERS + 1), {"BLOCK": BLOCK}, NUM_WARPS, scale[2]),
+        Launch(finalize[0], finalize[1], [pointer, ["ptr", "torch.int32", 0], pointer, pointer, ["int", 1.0],
+                                          ["int", 1e-6]], {"BLOCK": BLOCK}, NUM_WARPS, 1)]
     results = compile_launches(launches)
     for launch, result in zip(launches, results):
         assert result["error"] is None, (launch.name, result["error"])
         assert result["spill_bytes"] == 0, (launch.name, result)
+    for launch, result in zip(launches[:-1], results):  # (the finalize kernel reads one partial per block)
         assert result["vector_loads"] > 0, (launch.name, result)
-    assert results[0]["vector_share"] == 1.0, results[0]
+    assert results[0]["vector_share"] == 1.0 and results[2]["vector_share"] == 1.0, results
 
 
 def test_an_optimizer_made_inside_the_function_runs_eagerly_and_records_once():

@@ -70,5 +70,6 @@ def test_scaled_clipped_scheduled_steps_match_eager(autocast, accumulate):
     # replayed, with kernels; the only part run eagerly is the scaler reading found_inf into
     # Python (GradScaler.step's `if not sum(v.item() ...)`: eager semantics need that value)
     assert compiled.stats["replays"] >= STEPS - 2 and compiled.stats["kernel_launches"] > 0
+    assert compiled.stats.get("clip_launches", 0) > 0  # clip_grad_norm_ fused (tests/test_clip_grad.py)
     fallbacks = compiled.last_entry.report.fallbacks
     assert all(f.startswith("Tensor.item reads a tensor's value") for f in fallbacks), fallbacks

@@ -9,6 +9,9 @@ turns each step of an optimizer the compiler knows (``rules``: SGD, Adam, AdamW)
 that update up to ``combo.MAX_PARAMETERS`` parameters each. Later calls run those kernels in
 place of the optimizer's per-parameter loop. Any other optimizer (RMSprop, a subclass) keeps
 running eagerly, with the reason in ``explain()``'s fallbacks.
+
+``torch.nn.utils.clip_grad_norm_``, the bookkeeping between backward and the step, is noted
+and compiled the same way (``clip``: a few combo kernels per call, ``Trace.fused_calls``).
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ import weakref
 
 import torch
 
+from compiler.optimizers import clip
 from compiler.optimizers.combo import BLOCK, MAX_PARAMETERS, NUM_WARPS, combo_source
 from compiler.optimizers.rules import rule_for
 from compiler.report import KernelInfo
+from runtime import clip_grad
 from runtime.optimizer_step import ComboLaunch, FusedOptimizerStep, GroupStep
 
 # parameter dtype -> the kernel's: complex parameters are updated as their real views, as
@@ -35,7 +40,8 @@ class NotFused(Exception):
 
 
 class StepRecorder:
-    """Optimizer-step hooks for a recording: each step's first call index and its optimizer."""
+    """Optimizer-step hooks for a recording: each step's first call index and its optimizer;
+    and each ``clip_grad_norm_`` call (``clip.ClipRecord``), through ``watch_clipping()``."""
 
     def __init__(self, mode):
         self.mode = mode
@@ -56,6 +62,21 @@ class StepRecorder:
                 grads = [[_gradient_facts(p) for p in group["params"]] for group in optimizer.param_groups]
             self.found.append((len(self.mode.calls), weakref.ref(optimizer), len(args) > 1 or bool(kwargs), grads))
 
+    def watch_clipping(self):
+        """Note this thread's ``clip_grad_norm_`` calls until the handle's ``remove()``."""
+        return clip_grad.watch(self)
+
+    def clip_begins(self, params, max_norm, norm_type, error_if_nonfinite, foreach):
+        found = clip.record(len(self.mode.calls), params, max_norm, norm_type, error_if_nonfinite, foreach)
+        self.found.append(found)
+        return found
+
+    def clip_ends(self, found, total_norm):
+        found.end = len(self.mode.calls)
+        entry = self.mode.ids.get(id(total_norm))
+        if entry is not None and entry[0]() is total_norm:
+            found.output_id = entry[1]
+
 
 def _gradient_facts(p):
     """None (no gradient), or whether it is a dense contiguous tensor of the parameter's dtype."""
@@ -68,8 +89,21 @@ def _gradient_facts(p):
 def compile_optimizer_steps(trace, recorded, stats=None) -> tuple:
     """Compile the recorded optimizer steps of ``trace`` (``StepRecorder.found``) into
     ``trace.fused_steps``. Returns (KernelInfo list, reasons some steps run eagerly)."""
-    kernels, reasons, fused = [], [], {}
-    for start, optimizer_ref, given_arguments, grads in recorded:
+    kernels, reasons, fused, clips = [], [], {}, {}
+    for entry in recorded:
+        if isinstance(entry, clip.ClipRecord):
+            if entry.end is None:
+                continue  # it raised (eager's error for a non-finite norm): nothing to compile
+            try:
+                plan = clip.compile_clip(trace, entry, stats)
+            except clip.NotFused as e:
+                reasons.append(f"clip_grad_norm_ runs eagerly: {e}")
+                continue
+            clips[entry.start] = plan
+            kernels.extend(KernelInfo(launch.name, launch.source, "optimizer", -1, launch.bytes_moved)
+                           for launch in plan.launches)
+            continue
+        start, optimizer_ref, given_arguments, grads = entry
         optimizer = optimizer_ref()
         if optimizer is None:
             reasons.append("optimizer.step() runs eagerly: its optimizer was made inside the function (a new one "
@@ -89,7 +123,16 @@ def compile_optimizer_steps(trace, recorded, stats=None) -> tuple:
         kernels.extend(KernelInfo(launch.name, launch.source, "optimizer", -1, launch.bytes_moved)
                        for launch in step.launches)
     trace.fused_steps = fused
+    trace.fused_calls = clips
     return kernels, reasons
+
+
+def fused_call_indices(trace) -> set:
+    """The indices of the recorded calls that fused kernels replace (optimizer steps and
+    clip_grad_norm_ calls compiled): not run eagerly on a replay that follows the recording."""
+    spans = [(start, trace.optimizer_steps[start]) for start in trace.fused_steps]
+    spans += [(start, plan.end) for start, plan in trace.fused_calls.items()]
+    return {i for start, end in spans for i in range(start, end)}
 
 
 def _fuse(optimizer, given_arguments, grads, stats) -> FusedOptimizerStep:

@@ -52,8 +52,24 @@ def combo_source(rule, key, dtype, numels) -> tuple:
               f"def KERNEL({', '.join(pointer_args)}, {', '.join(scalar_param(s) for s in scalar_names)}, "
               "BLOCK: tl.constexpr):",
               "    pid = tl.program_id(0)"]
-    # the program's parameter: its pointers, first program and size picked by selects (one
-    # copy of the update, not one per parameter: compile time stays flat in the count)
+    selection, grid = select_member(tensors, numels)
+    lines += selection
+    lines.append("    offsets = (pid - first) * BLOCK + tl.arange(0, BLOCK)")
+    args = ", ".join(f"{t}_ptr" for t in tensors)
+    # whole blocks unmasked, the last partial one masked: a mask would make every load scalar
+    lines.append("    if (pid - first + 1) * BLOCK <= numel:")
+    lines.append(f"        _update({args}, offsets, None, {', '.join(scalar_names)})")
+    lines.append("    else:")
+    lines.append(f"        _update({args}, offsets, offsets < numel, {', '.join(scalar_names)})")
+    name, source = named(f"optimizer_{rule.name}", lines)
+    return name, source, scalar_names, grid
+
+
+def select_member(tensors, numels) -> tuple:
+    """(Triton lines, grid): each member gets ``cdiv(numel, BLOCK)`` programs in order; the
+    lines set, for the running program, ``<t>_ptr`` for each name in ``tensors`` (from the
+    arguments ``<t>0``, ``<t>1``...), its member's ``first`` program and ``numel``."""
+    # NOTE: selects, one copy of the body whatever the count (see the module's note)
     ends, starts, start = [], [], 0
     for numel in numels:
         starts.append(start)
@@ -66,19 +82,16 @@ def combo_source(rule, key, dtype, numels) -> tuple:
         for i in range(last - 1, -1, -1):
             text = f"tl.where(pid < {ends[i]}, {values[i]}, {text})"
         return text
-    for t in tensors:
-        lines.append(f"    {t}_ptr = {select([f'{t}{i}' for i in range(len(numels))])}")
+    lines = [f"    {t}_ptr = {select([f'{t}{i}' for i in range(len(numels))])}" for t in tensors]
     lines.append(f"    first = {select([str(s) for s in starts])}")
     lines.append(f"    numel = {select([str(n) for n in numels])}")
-    lines.append("    offsets = (pid - first) * BLOCK + tl.arange(0, BLOCK)")
-    args = ", ".join(f"{t}_ptr" for t in tensors)
-    # whole blocks unmasked, the last partial one masked: a mask would make every load scalar
-    lines.append("    if (pid - first + 1) * BLOCK <= numel:")
-    lines.append(f"        _update({args}, offsets, None, {', '.join(scalar_names)})")
-    lines.append("    else:")
-    lines.append(f"        _update({args}, offsets, offsets < numel, {', '.join(scalar_names)})")
+    return lines, start
+
+
+def named(prefix: str, lines: list) -> tuple:
+    """(name, source) of a kernel written as ``KERNEL``: named by its prefix and a digest of
+    its source, so identical kernels share a name (and a cache file)."""
     source = "\n".join(lines) + "\n"
-    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
-    name = f"optimizer_{rule.name}_{digest}"
-    return name, source.replace("KERNEL", name), scalar_names, start
+    name = f"{prefix}_{hashlib.sha256(source.encode()).hexdigest()[:16]}"
+    return name, source.replace("KERNEL", name)
 

@@ -1,0 +1,200 @@
+"""When do DDP's gradient buckets fire during a compiled backward? (an observation, not a test)
+
+DDP all-reduces a bucket as soon as every gradient in it has been accumulated, so that the
+communication overlaps the rest of the backward. This script trains the same MLP under DDP
+(2 gloo processes over loopback) with a compiled step and with an eager one, and logs, in
+order, on rank 0 of each step: every kernel our runtime launches (forward, backward, extern
+matmuls, optimizer), every aten op eager's backward runs, each parameter's gradient being
+accumulated (``register_post_accumulate_grad_hook``) and each bucket reaching DDP's
+communication hook. It prints, for each bucket, how much of the step's backward work had run
+when the bucket fired.
+
+    PYTHONPATH=$PWD python benchmarks/ddp_overlap.py [--layers 6] [--width 128] [--bucket-mb 0.1]
+
+Instrumentation only: it wraps the runtime's launch methods in this process to log them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+
+import compiler  # noqa: F401  (first: on CPU it puts Triton in interpreter mode before torch imports it)
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils._python_dispatch import TorchDispatchMode
+
+STEPS = 4   # the first calls record (and DDP rebuilds its buckets after its first step)
+
+
+class _AtenLog(TorchDispatchMode):
+    """Eager's work: each aten op run, as ("op", name)."""
+
+    def __init__(self, log):
+        super().__init__()
+        self.log = log
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.log.append(("op", func.__name__))
+        return func(*args, **(kwargs or {}))
+
+
+def _instrument(log):
+    """Log each launch of our runtime as ("kernel", name)."""
+    from runtime import program
+
+    for cls, label in ((program.KernelLaunch, None), (program.ExternCall, "extern")):
+        original = cls.run
+
+        def run(self, env, device, _original=original, _label=label):
+            log.append(("kernel", _label or getattr(self, "name", "?")))
+            return _original(self, env, device)
+        cls.run = run
+
+
+def _model(layers, width):
+    torch.manual_seed(0)
+    mods = []
+    for _ in range(layers):
+        mods += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    mods.append(torch.nn.Linear(width, 4))
+    return torch.nn.Sequential(*mods)
+
+
+def _run(rank, compiled, args, log):
+    model = DDP(_model(args.layers, args.width), bucket_cap_mb=args.bucket_mb)
+    names = {p: n for n, p in model.module.named_parameters()}
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: log.append(("grad", names[p])))
+
+    def hook(state, bucket):
+        log.append(("bucket", len(bucket.parameters())))
+        return allreduce_hook(state, bucket)
+    model.register_comm_hook(dist.group.WORLD, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step(x, y):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        log.append(("backward", "begins"))
+        loss.backward()
+        log.append(("backward", "returned"))
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    fn = compiler.compile(step) if compiled else step
+    generator = torch.Generator().manual_seed(rank)
+    for _ in range(STEPS):
+        log.clear()
+        x, y = torch.randn(32, args.width, generator=generator), torch.randn(32, 4, generator=generator)
+        if compiled:
+            fn(x, y)
+        else:
+            with _AtenLog(log):
+                fn(x, y)
+    report = fn.last_entry.report if compiled else None
+    return list(log), report
+
+
+def _summary(log, report):
+    """Lines: for each bucket, the backward work done before it fired."""
+    if report is not None:
+        backward = {k.name for k in report.backward_kernels}
+        work = [i for i, (kind, name) in enumerate(log) if kind == "kernel"]
+        start = next(i for i, e in enumerate(log) if e == ("backward", "begins"))
+        end = next(i for i, e in enumerate(log) if e == ("backward", "returned"))
+        bwd = [i for i in work if start < i < end]
+        unit = "backward launches (our kernels and extern matmuls)"
+        kernels = [log[i][1] for i in bwd]
+        detail = f"{sum(k in backward for k in kernels)} fused kernels + {kernels.count('extern')} extern calls"
+    else:
+        start = next(i for i, e in enumerate(log) if e == ("backward", "begins"))
+        end = next(i for i, e in enumerate(log) if e == ("backward", "returned"))
+        bwd = [i for i, (kind, _) in enumerate(log) if kind == "op" and start < i < end]
+        unit = "backward aten ops"
+        detail = "eager"
+    lines = [f"backward: {len(bwd)} {unit} ({detail})"]
+    grads = 0
+    for i in range(start, end):
+        kind, what = log[i]
+        if kind == "grad":
+            grads += 1
+        if kind == "bucket":
+            done = sum(1 for j in bwd if j < i)
+            lines.append(f"  bucket of {what} parameters fired after {done}/{len(bwd)} {unit.split(' (')[0]}, "
+                         f"{grads} gradients accumulated")
+    lines.append("  timeline (K: backward work, N of them in a row as Kxn; g: a gradient accumulated; B<n>: a bucket "
+                 "of n parameters handed to its all-reduce):")
+    lines.append("    " + _timeline(log, set(bwd), start, end))
+    return lines
+
+
+def _timeline(log, work, start, end) -> str:
+    marks, run = [], 0
+    for i in range(start, end):
+        kind, what = log[i]
+        if i in work:
+            run += 1
+            continue
+        if kind not in ("grad", "bucket"):
+            continue
+        if run:
+            marks.append(f"Kx{run}")
+            run = 0
+        marks.append("g" if kind == "grad" else f"B{what}")
+    if run:
+        marks.append(f"Kx{run}")
+    return " ".join(marks)
+
+
+def _ops(graph) -> int:
+    return sum(1 for n in graph.nodes if n.op == "call_function")
+
+
+def worker(rank, world, init_file, args, out):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        log: list = []
+        _instrument(log)
+        results = {}
+        for compiled in (True, False):
+            events, report = _run(rank, compiled, args, log)
+            results["compiled" if compiled else "eager"] = _summary(events, report)
+            if compiled:
+                results["kernels"] = (f"forward kernels {len(report.forward_kernels)}, backward kernels "
+                                      f"{len(report.backward_kernels)}, backward segments {report.backward_segments} "
+                                      f"(regions' captured ops: {[_ops(r['captured']) for r in report.regions]}), "
+                                      f"fallbacks {report.fallbacks or 'none'}")
+        if rank == 0:
+            torch.save(results, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--bucket-mb", type=float, default=0.1)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rank0.pt")
+        mp.start_processes(worker, args=(2, os.path.join(tmp, "init"), args, out), nprocs=2, start_method="spawn")
+        results = torch.load(out)
+    params = (args.width + 1) * args.width * args.layers + (args.width + 1) * 4
+    print(f"DDP, 2 gloo processes, MLP of {args.layers} Linear({args.width}, {args.width}) + GELU and a head "
+          f"({params} parameters in {2 * args.layers + 2} tensors), bucket_cap_mb={args.bucket_mb}; "
+          f"step {STEPS} of {STEPS}, rank 0")
+    print(results["kernels"])
+    for mode in ("compiled", "eager"):
+        print(f"{mode}:")
+        for line in results[mode]:
+            print("  " + line)
+
+
+if __name__ == "__main__":
+    main()
