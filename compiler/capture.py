@@ -465,8 +465,10 @@ class Capture(InPlaceTracking, TorchFunctionMode):
             if r.stale.intersection(outputs) and r.eager_reason is None:
                 r.eager_reason = ("a view that an in-place op changed through other memory it shares is used "
                                   "after the region (the functional capture cannot follow); the region runs eagerly")
+            views = {v: r.view_of[v] for v in outputs if v in r.view_of and r.view_of[v][0] in outputs}
             plans.append(RegionPlan(r.calls, list(r.inputs), outputs, internal, r.grad_enabled, mutated=mutated,
-                                    reason=r.eager_reason, seeds=[(v, r.device) for v in r.seeds], writes=writes))
+                                    reason=r.eager_reason, seeds=[(v, r.device) for v in r.seeds], writes=writes,
+                                    views=views))
             plans[-1].graph = b.graph
         # Externals already gone appeared during the call, from code the mode does not see (a
         # Parameter made inside the function, a tensor unpacked from a grad_fn): replay binds

@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from compiler.ir import GraphBuilder, meta_of
 from compiler.ops import catalog as C
+from runtime.program import ViewStep
 from runtime.trace import ValueId
 
 
@@ -42,6 +43,9 @@ class Region:
     # value ids read under autograd by calls other than view ops (whose backward reads no value):
     # what eager may have saved for backward
     saved_for_grad: set = field(default_factory=set)
+    # a view written in place here -> (its base's value id, ViewSteps from base to view): the
+    # runtime remakes it from the real base after the region, so it stays a view (issue 11)
+    view_of: dict = field(default_factory=dict)
 
 
 class ViewMutation(Exception):
@@ -128,6 +132,7 @@ class InPlaceTracking:
                 "an in-place op on a view whose base is outside this region, or made by a view op "
                 "other than reshape, permute or slicing; "
                 "the region runs eagerly")
+        region.view_of[vid] = (base_vid, tuple(ViewStep(n.target, tuple(n.kwargs.items())) for n in reversed(chain)))
         value = new_node
         for view in chain:  # undo the views, last first
             value = view.target.scatter_back(region.builder, view, value)
