@@ -29,8 +29,6 @@ SLACK = 8.0
 # Fallbacks the compiler is allowed: substrings of reasons, each with why it is no bug.
 ALLOWED_FALLBACKS = {
     "max with a dim": "Tensor.max(dim) returns indices too; README: use amax",
-    "clone of an input that requires grad": "kept eager around two reported replay bugs (compiler/bindings/"
-                                            "elementwise.py _clone)",
     "in-place op changed through other memory": "a view read after an in-place write through other "
                                                "memory it shares: that region runs eagerly",
     "elements share memory (expanded)": "an in-place write into an expanded tensor: that region runs eagerly",
