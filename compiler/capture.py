@@ -244,6 +244,12 @@ class Capture(InPlaceTracking, TorchFunctionMode):
                         region.saved_for_grad.add(v)
                         region.eager_saved[v] = (type(t.grad_fn).__name__, t.output_nr)
             self.calls.append(TraceCall(func, "compute", region.index, spec, recorded, outputs, out_spec))
+            if self._wrote_input_that_requires_grad(region, outputs, out_tensors, recorded):
+                # NOTE: eager's later ops read the written tensor, whose grad_fn is the in-place op:
+                # gradients with respect to it (a non-leaf now) take their paths. Inside the region
+                # they would read the functional value instead, so the region ends here, and what
+                # reads the tensor next starts from the real, written-back one.
+                self.current = None
         else:
             self.current = None  # an eager call closes the region
             for vid in outputs:
@@ -337,6 +343,16 @@ class Capture(InPlaceTracking, TorchFunctionMode):
     def _reads_region_value(self, recorded) -> bool:
         return any(isinstance(v, ValueId) and v in r.nodes and v not in r.inputs
                    for v in recorded for r in self.regions)
+
+    def _wrote_input_that_requires_grad(self, region, outputs, out_tensors, recorded) -> bool:
+        """Whether this call wrote in place into one of the region's inputs (or a view of one)
+        that requires grad afterwards."""
+        for vid, t in zip(outputs, out_tensors):
+            if vid not in recorded or not t.requires_grad:
+                continue  # (a new tensor, not an in-place op)
+            if vid in region.inputs or any(v in region.inputs for v in self._base_of(t)):
+                return True
+        return False
 
     # -- after the run -------------------------------------------------------------------
     def _split_isolated(self):
