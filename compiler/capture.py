@@ -211,6 +211,8 @@ class Capture(InPlaceTracking, TorchFunctionMode):
                 region.nodes[vid] = node
                 region.produced.append(vid)
                 self.produced_by[vid] = index
+                if old is None and t._base is not None:
+                    self._note_view(region, vid, node, t)
                 if old is not None:
                     region.writes[vid] = region.writes.get(vid, 0) + 1
                 if old is not None and t._base is not None:

@@ -413,6 +413,28 @@ def test_view_written_in_place_in_a_region_still_views_its_base_afterwards(fn, c
         torch.testing.assert_close(x.detach(), expected_x.detach())
 
 
+def test_view_of_a_region_value_written_in_place_after_the_region(call):
+    # y and its view e both leave the region: e must be a view of y that PyTorch lets one write
+    # in place (not one of several views a custom Function returned), and gradients see the write
+    def fn(x):
+        y = x * 2
+        e = y[1:].view(2, 1)
+        _break()
+        e.mul_(x[0])
+        return y, e
+
+    f = compiled(fn, call)
+    for _ in range(3):  # the recording, then replays
+        x = torch.arange(1.0, 4.0, dtype=F64, requires_grad=True)
+        expected_x = x.detach().clone().requires_grad_(True)
+        expected = fn(expected_x)
+        out = f(x)
+        torch.testing.assert_close(out, expected)
+        assert out[1]._base is out[0]
+        grads = torch.autograd.grad(out[0].sum() + out[1].sum(), x)
+        torch.testing.assert_close(grads, torch.autograd.grad(expected[0].sum() + expected[1].sum(), expected_x))
+
+
 def test_gradcheck_inside_a_compiled_function(call):
     # gradcheck perturbs its input through views of x.data and restores it: every write must
     # reach the input, or the numerical gradient (and the input afterwards) is wrong (the
