@@ -31,6 +31,7 @@ class CompiledRegion:
     build_double_backward: object = None  # requires_grad pattern -> CompiledRegion of the backward
     explain_nan: object = None  # backward inputs -> message naming the forward op that made NaN
     mutated_inputs: tuple = ()  # positions of inputs the region writes into (after its forward)
+    written_later: tuple = ()  # positions of inputs the function writes in place after this region
     double_backward_reads: tuple = ()  # per input: whether the double backward reads its value
     grad_sources: tuple = ()    # per input gradient: positions in grad_output_for it is computed from
     eager_saved: tuple = ()     # (output position, eager grad_fn type, output_nr, grad positions reaching it)
@@ -203,6 +204,11 @@ def _keep_for_double_backward(region: CompiledRegion, inputs, originals) -> dict
             if t.requires_grad and i not in originals:
                 continue
             t = originals[i] if t.requires_grad else t.detach().clone()
+        elif isinstance(t, torch.Tensor) and i in region.written_later and not t.requires_grad:
+            # NOTE: the function writes this input in place after the region (fuzz seed 3643). Eager's
+            # double backward reads no value of a tensor that needs no gradient but through its own
+            # saved values; ours recomputes from it: a copy of the value the forward read
+            t = t.detach().clone()
         kept[i] = _make_saved_tensor(t, is_output=False) if isinstance(t, torch.Tensor) else _Constant(t)
     return kept
 
