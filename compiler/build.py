@@ -46,7 +46,7 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset(), written_later=froz
                       for o in outputs]
     region = CompiledRegion(forward_program, backward_program, parts.num_user_outputs, parts.saved,
                             parts.grad_output_for, differentiable, input_views=input_views,
-                            mutated_inputs=tuple(sorted(mutated_inputs)))
+                            mutated_inputs=tuple(sorted(mutated_inputs)), written_later=tuple(sorted(written_later)))
     if parts.backward is not None:
         region.grad_sources = parts.grad_sources
         region.backward_for = _partial_backward_builder(pristine, mutated_inputs, parts, written_later, memory)

@@ -211,6 +211,8 @@ class Capture(InPlaceTracking, TorchFunctionMode):
                 region.nodes[vid] = node
                 region.produced.append(vid)
                 self.produced_by[vid] = index
+                if old is None and t._base is not None:
+                    self._note_view(region, vid, node, t)
                 if old is not None:
                     region.writes[vid] = region.writes.get(vid, 0) + 1
                 if old is not None and t._base is not None:
@@ -244,6 +246,12 @@ class Capture(InPlaceTracking, TorchFunctionMode):
                         region.saved_for_grad.add(v)
                         region.eager_saved[v] = (type(t.grad_fn).__name__, t.output_nr)
             self.calls.append(TraceCall(func, "compute", region.index, spec, recorded, outputs, out_spec))
+            if self._wrote_input_that_requires_grad(region, outputs, out_tensors, recorded):
+                # NOTE: eager's later ops read the written tensor, whose grad_fn is the in-place op:
+                # gradients with respect to it (a non-leaf now) take their paths. Inside the region
+                # they would read the functional value instead, so the region ends here, and what
+                # reads the tensor next starts from the real, written-back one.
+                self.current = None
         else:
             self.current = None  # an eager call closes the region
             for vid in outputs:
@@ -337,6 +345,16 @@ class Capture(InPlaceTracking, TorchFunctionMode):
     def _reads_region_value(self, recorded) -> bool:
         return any(isinstance(v, ValueId) and v in r.nodes and v not in r.inputs
                    for v in recorded for r in self.regions)
+
+    def _wrote_input_that_requires_grad(self, region, outputs, out_tensors, recorded) -> bool:
+        """Whether this call wrote in place into one of the region's inputs (or a view of one)
+        that requires grad afterwards."""
+        for vid, t in zip(outputs, out_tensors):
+            if vid not in recorded or not t.requires_grad:
+                continue  # (a new tensor, not an in-place op)
+            if vid in region.inputs or any(v in region.inputs for v in self._base_of(t)):
+                return True
+        return False
 
     # -- after the run -------------------------------------------------------------------
     def _split_isolated(self):
@@ -465,8 +483,10 @@ class Capture(InPlaceTracking, TorchFunctionMode):
             if r.stale.intersection(outputs) and r.eager_reason is None:
                 r.eager_reason = ("a view that an in-place op changed through other memory it shares is used "
                                   "after the region (the functional capture cannot follow); the region runs eagerly")
+            views = {v: r.view_of[v] for v in outputs if v in r.view_of and r.view_of[v][0] in outputs}
             plans.append(RegionPlan(r.calls, list(r.inputs), outputs, internal, r.grad_enabled, mutated=mutated,
-                                    reason=r.eager_reason, seeds=[(v, r.device) for v in r.seeds], writes=writes))
+                                    reason=r.eager_reason, seeds=[(v, r.device) for v in r.seeds], writes=writes,
+                                    views=views))
             plans[-1].graph = b.graph
         # Externals already gone appeared during the call, from code the mode does not see (a
         # Parameter made inside the function, a tensor unpacked from a grad_fn): replay binds

@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from compiler.ir import GraphBuilder, meta_of
 from compiler.ops import catalog as C
+from runtime.program import ViewStep
 from runtime.trace import ValueId
 
 
@@ -42,6 +43,9 @@ class Region:
     # value ids read under autograd by calls other than view ops (whose backward reads no value):
     # what eager may have saved for backward
     saved_for_grad: set = field(default_factory=set)
+    # a view written in place here -> (its base's value id, ViewSteps from base to view): the
+    # runtime remakes it from the real base after the region, so it stays a view (issue 11)
+    view_of: dict = field(default_factory=dict)
 
 
 class ViewMutation(Exception):
@@ -109,6 +113,23 @@ class InPlaceTracking:
                     owner.stale.add(other)
                     region.stale.add(other)
 
+    def _note_view(self, region, vid, node, t) -> None:
+        """A new view ``t`` of a value of this region, made by view nodes from its base's node:
+        ``region.view_of`` (if the base becomes an output too, the runtime makes this view from
+        the real base; returned by the region it would be a view PyTorch refuses to write in
+        place: "a function that returns multiple views")."""
+        entry = self.ids.get(id(t._base))
+        base_vid = entry[1] if entry is not None and entry[0]() is t._base else None
+        base_node = region.nodes.get(base_vid) if base_vid is not None else None
+        if base_node is None or base_node.op == "placeholder":
+            return  # (views of inputs: the build takes them out of the graph already)
+        chain = []
+        while node is not base_node and getattr(node.target, "kind", None) == "view":
+            chain.append(node)
+            node = node.args[0]
+        if node is base_node and chain:
+            region.view_of[vid] = (base_vid, _view_steps(chain))
+
     def _update_base(self, region, vid, old_node, new_node, base, index):
         """An in-place op changed a view: its base changes too (eager views share memory).
 
@@ -128,12 +149,18 @@ class InPlaceTracking:
                 "an in-place op on a view whose base is outside this region, or made by a view op "
                 "other than reshape, permute or slicing; "
                 "the region runs eagerly")
+        region.view_of[vid] = (base_vid, _view_steps(chain))
         value = new_node
         for view in chain:  # undo the views, last first
             value = view.target.scatter_back(region.builder, view, value)
         region.nodes[base_vid] = value
         region.produced.append(base_vid)
         self.produced_by[base_vid] = index
+
+
+def _view_steps(chain) -> tuple:
+    """The runtime's steps that remake a view from its base: ``chain``'s view nodes, base first."""
+    return tuple(ViewStep(n.target, tuple(n.kwargs.items())) for n in reversed(chain))
 
 
 def saves_result(t: torch.Tensor) -> bool:

@@ -9,6 +9,7 @@ grad_fn; ``.grad`` accumulation and its hooks stay with PyTorch's engine.
 from __future__ import annotations
 
 import re
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +31,7 @@ class CompiledRegion:
     build_double_backward: object = None  # requires_grad pattern -> CompiledRegion of the backward
     explain_nan: object = None  # backward inputs -> message naming the forward op that made NaN
     mutated_inputs: tuple = ()  # positions of inputs the region writes into (after its forward)
+    written_later: tuple = ()  # positions of inputs the function writes in place after this region
     double_backward_reads: tuple = ()  # per input: whether the double backward reads its value
     grad_sources: tuple = ()    # per input gradient: positions in grad_output_for it is computed from
     eager_saved: tuple = ()     # (output position, eager grad_fn type, output_nr, grad positions reaching it)
@@ -63,6 +65,8 @@ class _RegionFunction(torch.autograd.Function):
         saved = [inputs[i] if kind == "input" else outs[i] for kind, i in region.saved]
         ctx.save_for_backward(*saved)
         ctx.saved_versions = [t._version if isinstance(t, torch.Tensor) else None for t in saved]
+        # the user's tensors of the saved outputs, weakly: eager's message names their grad_fn then
+        ctx.saved_outputs = {k: weakref.ref(outs[i]) for k, (kind, i) in enumerate(region.saved) if kind == "output"}
         # outputs eager's op saved (exp, polar: its result), version-checked where eager would run
         # that op's backward, with eager's message. NOTE: detach() shares the version counter;
         # the output itself would make a reference cycle through its grad_fn (this ctx).
@@ -100,7 +104,7 @@ class _RegionFunction(torch.autograd.Function):
         try:
             saved = list(ctx.saved_tensors)  # version-checked by PyTorch
         except RuntimeError as e:
-            saved = _saved_for_partial_backward(ctx, region, given, e)
+            saved = _saved_for_partial_backward(ctx, region, given, _named_as_eager(ctx, e))
         # NOTE (memory): without retain_graph, autograd drops its references to the saved tensors
         # now rather than after this returns (as AOTAutograd's backward does): the backward
         # program, handed ours (``consume``), frees each after its last use.
@@ -138,6 +142,19 @@ def _partial_backward(region: CompiledRegion, given: set):
     if region.backward_for is None:
         return None
     return region.backward_for(frozenset(region.grad_output_for[k] for k in given))
+
+
+def _named_as_eager(ctx, error: RuntimeError) -> RuntimeError:
+    """``error`` with eager's wording where a saved *output* of the region was changed in place:
+    PyTorch names a custom Function's saved output after the Function (_RegionFunction), eager
+    after the tensor's grad_fn now (a custom Function's ``mark_dirty``: "output 0 of Inplace")."""
+    if "of _RegionFunction" not in str(error):
+        return error
+    for k, ref in ctx.saved_outputs.items():
+        t = ref()
+        if t is not None and t.grad_fn is not None and t._version != ctx.saved_versions[k]:
+            return RuntimeError(_version_error(t, ctx.saved_versions[k]))
+    return error
 
 
 def _saved_for_partial_backward(ctx, region: CompiledRegion, given: set, error: RuntimeError) -> list:
@@ -187,6 +204,11 @@ def _keep_for_double_backward(region: CompiledRegion, inputs, originals) -> dict
             if t.requires_grad and i not in originals:
                 continue
             t = originals[i] if t.requires_grad else t.detach().clone()
+        elif isinstance(t, torch.Tensor) and i in region.written_later and not t.requires_grad:
+            # NOTE: the function writes this input in place after the region (fuzz seed 3643). Eager's
+            # double backward reads no value of a tensor that needs no gradient but through its own
+            # saved values; ours recomputes from it: a copy of the value the forward read
+            t = t.detach().clone()
         kept[i] = _make_saved_tensor(t, is_output=False) if isinstance(t, torch.Tensor) else _Constant(t)
     return kept
 

@@ -23,6 +23,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from runtime.calls import flatten_call, holds_tensor, unflatten_call
+from runtime.program import apply_views
 from runtime.torch_functions import REFLECTED_COMPARISONS, function_name, is_metadata, is_state_read
 from runtime.trace import Trace, ValueId
 
@@ -404,6 +405,10 @@ class Replay(TorchFunctionMode):
                 for _ in range(region.writes.get(vid, 1) - 1):  # as many bumps as eager's in-place ops
                     torch.autograd.graph.increment_version(target)
                 written[vid] = target
+            for vid, (base, steps) in region.views.items():
+                # NOTE: the kernels computed the view's value into fresh memory; eager's view
+                # still shares its base's, so later in-place writes through it change the base
+                written[vid] = apply_views(written[base], steps)
         for vid, t in written.items():
             self.env[vid] = t
             self.shown[vid] = t

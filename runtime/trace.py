@@ -82,6 +82,9 @@ class RegionPlan:
     stand_ins: dict | None = None  # value id -> stand-in tensor, made at the first replay
     seeds: list = field(default_factory=list)  # (value id, device) of inputs given a fresh RNG seed per run
     writes: dict = field(default_factory=dict)  # mutated input's value id -> in-place ops on it (version bumps)
+    # outputs that eager has as views of another output (or of a mutated input), written in place
+    # here: value id -> (base value id, ViewSteps); remade from the real base after the region
+    views: dict = field(default_factory=dict)
 
 
 @dataclass

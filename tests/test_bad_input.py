@@ -237,8 +237,6 @@ def test_closed_over_tensor_freed_and_replaced():
     torch.testing.assert_close(compiled(x), f(x))
 
 
-@pytest.mark.xfail(strict=True, reason="known: gradients with respect to an input the region wrote into (a non-leaf "
-                   "after the call) miss the paths computed inside the region; the leaves' gradients are right")
 def test_gradient_with_respect_to_an_input_written_in_place():
     def f(x1, x2):
         x2.copy_(x1)

@@ -222,6 +222,20 @@ FIXED = {
          "v3 = v1.sin_()", "v4 = torch.softmax(v2, dim=0)"], ["v4"]),
     # cat of empty 1-d tensors only (x0 and layer_norm(x0) of shape (0,)): the binding refused it, a
     # fallback with no reason to allow (fuzz 10,000-run at b35ea94, seed 2370); now an empty result
+    # a view of a region value that left the region with its base (v2 = v1.reshape(...)), written in
+    # place later: the region's autograd Function returned both, and PyTorch refuses in-place ops on
+    # "one of several views a function returns" (fuzz 10,000-run at 8ef7f5f, seed 5279); now replay
+    # makes the view from the real base
+    "view-of-region-output-written-later": _program(
+        [((3, 4), f32, "contiguous", True, 46)],
+        ["v0 = x0.sin()", "v1 = v0.clone()", "v2 = v1.reshape((4, 3))", "v3 = torch.tensor([0], dtype=torch.long)",
+         "v4 = v2.mul_(2)"], ["v4", "v1"]),
+    # an input that needs no gradient, read by a region's double backward and written in place after the
+    # region: the double backward's version check raised where eager's reads no value of it (fuzz
+    # 10,000-run at eb5830a, seed 3643); now the double backward keeps a copy of the value read
+    "double-backward-reads-input-written-later": _program(
+        [((1, 1), f64, "contiguous", True, 48), ((), f32, "contiguous", False, 49)],
+        ["v0 = torch.hypot(x0, x1)", "v1 = x1.masked_fill_(x1 < 0, 0.5)"], ["v1", "v0"]),
     "cat-of-empty-1d-tensors-only": _program(
         [((0,), f32, "contiguous", True, 45)],
         ["v1 = torch.nn.functional.layer_norm(x0, x0.shape[-1:])", "v4 = torch.cat([x0, v1], dim=-1)"], ["v4"]),
@@ -240,6 +254,13 @@ KNOWN = {
         "same error but names another node as the tensor's producer (README's known limits)",
         _program([((1, 3, 4), f64, "contiguous", True, 14)],
                  ["v0 = torch.hypot(x0, x0)", "v1 = torch.square(v0)", "v2 = v0.sin_()"], ["v1", "v2"])),
+    "region-output-written-later-saved": (
+        "a region output that a later call writes in place (through a view) is saved by the region's "
+        "backward where eager saved something else (leaky_relu saves its input): the replay's backward "
+        "raises eager's in-place error where eager raises none (fuzz 10,000-run: seeds 1148, 4445)",
+        _program([((2, 2), f32, "contiguous", True, 47)],
+                 ["v2 = torch.nn.functional.leaky_relu(x0, 0.1)", "v4 = torch.where(v2 > 0, v2, x0)",
+                  "v2[1:] = 0.5"], ["v4"])),
     "second-order-at-degenerate-points": (
         "second derivatives at degenerate points (var with no degrees of freedom, a norm at the zero "
         "vector): eager gives 0 where ours is NaN, or NaN where ours is 0",

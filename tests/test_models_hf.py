@@ -35,8 +35,7 @@ STILL_EAGER = {
     # `if mask.all():` in the padding-mask code reads a bool into Python: only that read runs
     # eagerly (the region ends there and the rest compiles), as eager semantics need
     "bert": ["Tensor.__bool__"],
-    # clone of a tensor that requires grad still falls back (README's op list says why)
-    "t5": ["Tensor.clone"],
+    "t5": [],
     "resnet": [],
 }
 

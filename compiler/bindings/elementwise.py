@@ -363,17 +363,6 @@ def _clone(b, x, *, memory_format=torch.preserve_format):
     """A copy of x (a new value; its gradient passes straight through)."""
     if memory_format not in _KEPT_FORMATS:
         raise Unsupported("clone(memory_format=...) other than preserve/contiguous is not supported yet")
-    source = x
-    while isinstance(source, fx.Node) and getattr(source.target, "kind", None) == "view":
-        source = source.args[0]
-    if source.op == "placeholder" and (source is not x or meta_of(x).requires_grad):
-        # NOTE: two replay bugs (reported; they reach any op, a clone only makes them common):
-        # a view of an input that the region writes in place is handed out as a fresh tensor
-        # (gradcheck clones an input's element, then perturbs the input through that view), and
-        # a region value saved for backward misses eager's version check when an eager op
-        # changes it unseen (a custom Function's mark_dirty). Eager's clone of a region input
-        # keeps the boundary that avoids both; a clone of an intermediate compiles.
-        raise Unsupported("clone of an input that requires grad, or of a view of an input, is not supported yet")
     return C.emit_pointwise(b, "identity", [x], dtype=meta_of(x).dtype)
 
 
