@@ -237,6 +237,9 @@ def step_memory(step, device) -> Memory | None:
 
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    # NOTE: garbage of earlier steps (reference cycles) freed by a collection during this step
+    # would lower its running total and hide part of its peak: collected before it starts.
+    gc.collect()
     sync(device)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
@@ -267,18 +270,27 @@ def step_memory(step, device) -> Memory | None:
 def _launches_marked():
     """Each of our Triton launches inside a profiler range (see ``step_memory``). Relies on
     ``runtime.program.KernelLaunch.kernel``."""
-    from runtime import program
+    from runtime import optimizer_step, program
 
     original = program.KernelLaunch.kernel
+    original_combo = optimizer_step.ComboLaunch.launch
 
     def marked(self, wide=False):
         return _MarkedKernel(original(self, wide))
 
+    def marked_combo(self, tensors, scalars, device):
+        # the optimizer's combo kernels launch their jit function themselves (not ``kernel``)
+        with torch.profiler.record_function(_LAUNCH):
+            original_combo(self, tensors, scalars, device)
+        gc.collect(0)  # (the interpreter's reference cycle, as in ``_MarkedKernel``)
+
     program.KernelLaunch.kernel = marked
+    optimizer_step.ComboLaunch.launch = marked_combo
     try:
         yield
     finally:
         program.KernelLaunch.kernel = original
+        optimizer_step.ComboLaunch.launch = original_combo
 
 
 class _MarkedKernel:

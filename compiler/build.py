@@ -7,6 +7,7 @@ into a runtime ``Program`` (value slots, kernel launches, matmul calls, view out
 from __future__ import annotations
 
 import math
+import re
 import threading
 
 import torch.fx as fx
@@ -14,7 +15,7 @@ import torch.fx as fx
 from compiler.autodiff import partition, propagate_requires_grad
 from compiler.capture_regions import EAGER_SAVED
 from compiler.codegen.triton_kernel import render_kernel
-from compiler.fusion import Schedule, fuse
+from compiler.fusion import Schedule, fuse, kind_of
 from compiler.reference import first_nan
 from runtime.autograd_bridge import CompiledRegion
 from runtime.program import ExternCall, IndexCheck, KernelLaunch, Program, ValueRef, ViewStep
@@ -245,6 +246,7 @@ def lower(graph: fx.Graph, schedule: Schedule, check_indices: bool = True, trans
         return ValueRef(slots[node], tuple(reversed(views)))
 
     steps, sources = [], []
+    donors = {}  # id(KernelLaunch) -> its (store index, load slot) candidates (``_donors``)
     checks = _index_checks(graph) if check_indices else {}  # buffer -> range checks of its indices
 
     def check(produced):
@@ -267,6 +269,7 @@ def lower(graph: fx.Graph, schedule: Schedule, check_indices: bool = True, trans
             [(slots[n], meta_of(n).shape, meta_of(n).dtype) for n in src.stores],
             src.grid, _constant(src.source, "XBLOCK_DEFAULT"), _constant(src.source, "RBLOCK_DEFAULT"),
             src.bytes_moved, src.num_warps, wide_name=src.wide_name, wide_source=src.wide_source))
+        donors[id(steps[-1])] = _donors(item, src, slots, len(placeholders))
         sources.append(src)
         check(src.stores)
     outputs = [ref(o) if isinstance(o, fx.Node) else None
@@ -276,7 +279,113 @@ def lower(graph: fx.Graph, schedule: Schedule, check_indices: bool = True, trans
     kept = {o.slot for o in outputs if o is not None}
     program = Program(len(placeholders), len(slots), _memory_order(steps, nbytes, kept), outputs)
     program.frees = _liveness(program)
+    for step, dead in zip(program.steps, program.frees):
+        if isinstance(step, KernelLaunch):
+            step.reuse = _donations(donors[id(step)], set(dead) - kept)
     return program, sources
+
+
+def _donors(plan, src, slots, num_inputs: int) -> list:
+    """(store index, load slot) pairs of an elementwise kernel: an output that may be written into
+    the memory of a buffer the kernel reads, where that buffer dies at this kernel (``_donations``),
+    made by this program (an input may be held elsewhere: a saved tensor under retain_graph).
+
+    NOTE (memory): as Inductor's in-place buffers (``in_out_ptr``): safe where every element of the
+    output is written by the program that read the same element of the input, after reading it:
+    the kernel has no reduction, reads every buffer at the output's own index (pointwise ops of
+    one shape and reshapes only: no broadcast, permute or slice anywhere), computes the output from it
+    (so each load comes before the store that depends on it), and loads it nowhere after the
+    store. The runtime checks that the tensor is contiguous (``runtime.program._reused``).
+    """
+    if plan.reduce_dims or plan.columns or plan.online or plan.second_pass or plan.reads_rows or \
+            not _elementwise_aligned(plan, src):
+        return []
+    pairs = []
+    for j, out in enumerate(src.stores):
+        m = meta_of(out)
+        if kind_of(out) != "pointwise" or tuple(m.shape) != tuple(plan.shape) or m.dtype.is_complex:
+            continue
+        for k, buffer in enumerate(src.loads):
+            b = meta_of(buffer)
+            if slots[buffer] >= num_inputs and _fresh(buffer) and b.dtype == m.dtype \
+                    and math.prod(b.shape) == math.prod(m.shape) and _depends(out, buffer) \
+                    and _loaded_before_store(src, k, j):
+                pairs.append((j, slots[buffer]))
+    return pairs
+
+
+# externs whose result is a new tensor of its own (never a view of an argument)
+_FRESH_EXTERNS = ("mm", "bmm", "addmm", "conv", "conv_backward")
+
+
+def _fresh(buffer) -> bool:
+    """Whether ``buffer``'s memory is its own: a kernel's output, or a matmul's or convolution's."""
+    return kind_of(buffer) != "extern" or buffer.target.name in _FRESH_EXTERNS
+
+
+def _donations(donors, dying: set) -> tuple:
+    """Of ``donors`` (``_donors``), one buffer per output among those that die here (``dying``)."""
+    pairs, taken = [], set()
+    for j, slot in donors:
+        if slot in dying and slot not in taken and j not in {k for k, _ in pairs}:
+            pairs.append((j, slot))
+            taken.add(slot)
+    return tuple(pairs)
+
+
+def _elementwise_aligned(plan, src) -> bool:
+    """Whether the kernel reads every buffer at its own index: each value it computes is a
+    pointwise op of the kernel's shape over values of that shape, or a reshape (which keeps a
+    contiguous tensor's element order). (A view elsewhere, a permute of a computed value,
+    reads the buffers below it at other indices: ``dz + dz.t()`` loads dz's inputs transposed.)"""
+    for node in _computed(src):
+        if kind_of(node) == "view":
+            if node.target.name != "reshape":
+                return False
+            continue
+        if kind_of(node) != "pointwise" or tuple(meta_of(node).shape) != tuple(plan.shape) or \
+                any(tuple(meta_of(a).shape) != tuple(plan.shape) for a in node.all_input_nodes):
+            return False
+    return True
+
+
+def _computed(src) -> set:
+    """The values a kernel computes: from its stores down to the buffers it loads."""
+    computed, stack = set(), list(src.stores)
+    while stack:
+        node = stack.pop()
+        if node not in computed and (node in src.stores or node not in src.loads):
+            computed.add(node)
+            stack.extend(node.all_input_nodes)
+    return computed
+
+
+def _depends(out, buffer) -> bool:
+    """Whether the kernel's value ``out`` is computed from ``buffer`` (above the buffers it loads)."""
+    stack, seen = [out], set()
+    while stack:
+        n = stack.pop()
+        if n is buffer:
+            return True
+        if n in seen or (n is not out and kind_of(n) not in ("pointwise", "view")):
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return False
+
+
+def _loaded_before_store(src, load: int, store: int) -> bool:
+    """Whether, in the kernel's source (and its 64-bit twin), every load of input ``load`` comes
+    before the store to output ``store``."""
+    for source in (src.source, src.wide_source):
+        if source is None:
+            continue
+        lines = source.splitlines()
+        loads = [i for i, line in enumerate(lines) if re.search(rf"tl\.load\(in{load}_ptr\b", line)]
+        stores = [i for i, line in enumerate(lines) if re.search(rf"tl\.store\(out{store}_ptr\b", line)]
+        if not loads or not stores or max(loads) > min(stores):
+            return False
+    return True
 
 
 def _index_checks(graph: fx.Graph) -> dict:

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from compiler.capture_calls import (FUNCTIONS, UNKEPT, UNREFERENCED, VALUE_READS, ModulesRun, OptimizerSteps,
                                     expected_eager, gradient_inputs, inspects_node, python_references, user_frame)
+from compiler.checkpointing import MIXED_BLOCK, CheckpointedCalls, tag_block
 from compiler.capture_regions import (InPlaceTracking, Region, ViewMutation, apply_writes, keep_overwritten_history,
                                       mark_eager_saved, map_to_nodes, saves_result)
 from compiler.ir import meta_of, update_meta
@@ -71,6 +72,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         self.isolate: set = set()    # calls whose result's grad_fn the user reads: run eagerly
         self.split_after: set = set()  # calls whose result backward takes as `inputs`: a region ends there
         self.call_meta: dict = {}    # call index -> (input TensorMetas by value id, output metas)
+        self.checkpoints = CheckpointedCalls()  # calls inside torch.utils.checkpoint blocks
 
     # -- value ids -----------------------------------------------------------------------
     def _new_id(self, t: torch.Tensor) -> ValueId:
@@ -163,6 +165,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         reason = None
         region = None
         nodes = None
+        self.checkpoints.begin()
         binding = _binding(func)
         # NOTE: math the function itself runs under no_grad (an optimizer's update, with a
         # step size that changes every step; a custom autograd.Function's forward) runs
@@ -201,6 +204,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
                 outputs.append(self._new_id(t))
                 makes_views = makes_views and t._base is not None
         index = len(self.calls)
+        self.checkpoints.end(index, region is not None, bool(out_tensors))
         if region is not None:
             self.call_meta[index] = ({v: TensorMeta.of(x) for v, x in zip(recorded, leaves) if isinstance(v, ValueId)},
                                      [TensorMeta.of(t) for t in out_tensors], _autocast_dtype(region.device))
@@ -241,7 +245,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
                 # eager's op saved its own result (exp, relu, softmax, polar): an in-place op on it
                 # later is eager's error too
                 for v, t in zip(outputs, out_tensors):
-                    if saves_result(t):
+                    if saves_result(t) and self.checkpoints.block is None:  # (in a checkpoint: a holder)
                         region.read_for_grad.add(v)
                         region.saved_for_grad.add(v)
                         region.eager_saved[v] = (type(t.grad_fn).__name__, t.output_nr)
@@ -320,6 +324,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
             if meta_of(node).requires_grad != t.requires_grad:
                 update_meta(node, requires_grad=t.requires_grad)
         apply_writes(region, writes)
+        tag_block(b.created[start:], self.checkpoints.block)
         if region is not self.current:
             self.regions.append(region)
             self.current = region
@@ -401,11 +406,13 @@ class Capture(InPlaceTracking, TorchFunctionMode):
             call = self.calls[c]
             in_meta, out_meta, autocast_dtype = self.call_meta[c]
             a, k = unflatten_call(map_to_nodes(region, call.leaves, in_meta), call.spec)
+            start = len(b.created)
             result = _apply_binding(b, _binding(call.func), a, k, out_meta, autocast_dtype)
             if isinstance(result, Writes):
                 apply_writes(region, result.writes)
                 result = result.result
             nodes = list(result) if isinstance(result, (tuple, list)) else [result]
+            tag_block(b.created[start:], self.checkpoints.block_of(c))
             for vid, node, m in zip(call.outputs, nodes, out_meta):
                 if region.nodes.get(vid) is node:
                     continue
@@ -447,6 +454,10 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         # make some) is not: collect the young generations, where the call's own cycles are
         # (a full collection costs a large program ~0.3 s per recording).
         gc.collect(1)
+        eager_blocks = self.checkpoints.to_run_eagerly()
+        if eager_blocks:
+            self.isolate |= eager_blocks
+            self.breaks.append(MIXED_BLOCK)
         self._split_isolated()
         returned = {self.ids[id(t)][1] for t in tree_flatten(result)[0]
                     if isinstance(t, torch.Tensor) and id(t) in self.ids and self.ids[id(t)][0]() is t}

@@ -32,6 +32,7 @@ class NodeMeta:
     torch_op: str | None = None         # capture's: the PyTorch function this node came from
     source: str | None = None           # capture's: the user's source line of that call
     origin: tuple | None = None         # autodiff's: (torch_op, source) of the forward node differentiated
+    checkpoint: int | None = None       # capture's: the torch.utils.checkpoint block it ran in (recomputed)
 
 
 _META_KEY = "symgrad"

@@ -22,6 +22,12 @@ Policies (``compile(..., memory=...)``):
   for one extra write.
 - ``"min"``: the fewest bytes: reductions are recomputed too (only externs are always saved).
 
+Inside a ``torch.utils.checkpoint`` block (nodes tagged ``NodeMeta.checkpoint`` by capture) a
+value that only the block's own ops read is never saved, whatever its kind (a matmul too): the
+backward recomputes it, as eager's checkpoint does. The block's outputs that later ops read stay
+saveable, as eager's later ops save them. (Only where nothing else is possible, an input changed in
+place after the forward, is the block's value saved after all.)
+
 Inputs and user outputs cost nothing to save: they are alive anyway. An input the region
 overwrites in place costs its bytes (a copy of its old value is saved). No value is recomputed
 from an input that is changed in place after the forward read it (by the region itself or later
@@ -58,17 +64,28 @@ def choose_saved(forward_nodes, needed, free, unreadable, policy="balanced", onl
     of the only nodes that may be saved (a backward for some outputs, reading what the full
     backward's forward saved); None where that is not enough.
     """
+    chosen = _min_cut(forward_nodes, needed, free, unreadable, policy, only_from, checkpointed=True)
+    if chosen is None:  # a checkpointed value reads an input changed in place later: saved after all
+        chosen = _min_cut(forward_nodes, needed, free, unreadable, policy, only_from, checkpointed=False)
+    return chosen
+
+
+def _min_cut(forward_nodes, needed, free, unreadable, policy, only_from, checkpointed) -> set | None:
     import networkx as nx  # a dependency of torch
 
     graph = nx.DiGraph()
     nodes = set(forward_nodes)
     always_saved = _ALWAYS_SAVED[check_policy(policy)]
+    inside = _inside_checkpoints(forward_nodes, nodes) if checkpointed and only_from is None else set()
     for node in forward_nodes:
         cost = _cost(node, free, unreadable)
         if only_from is not None:
             cost = 0 if node.name in only_from else math.inf
-        recomputable = node.op == "call_function" and getattr(node.target, "kind", None) not in always_saved \
+        recomputable = node.op == "call_function" and (node in inside or getattr(node.target, "kind", None)
+                                                       not in always_saved) \
             and not any(a in unreadable for a in node.all_input_nodes)
+        if node in inside and cost:
+            cost = math.inf
         if recomputable and cost:
             # NOTE: of equal sizes, save the value that is not recomputable (a reduction's
             # result rather than a pointwise function of it): the forward writes it anyway,
@@ -88,6 +105,17 @@ def choose_saved(forward_nodes, needed, free, unreadable, policy="balanced", onl
     if cut == math.inf:
         return None
     return {n for n in forward_nodes if (n, "in") in source_side and (n, "out") not in source_side}
+
+
+def _inside_checkpoints(forward_nodes, nodes: set) -> set:
+    """Values of a checkpointed block that only the same block's ops read (in the forward)."""
+    inside = set()
+    for node in forward_nodes:
+        block = meta_of(node).checkpoint
+        if block is not None and node.op == "call_function" and \
+                all(meta_of(u).checkpoint == block for u in node.users if u in nodes):
+            inside.add(node)
+    return inside
 
 
 def _cost(node: fx.Node, free, unreadable) -> float:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch._C._autograd import _make_saved_tensor
 
+from runtime.checkpoints import in_checkpoint, outside_checkpoints
 from runtime.program import Program, apply_views
 
 
@@ -40,6 +41,13 @@ class CompiledRegion:
     def __call__(self, inputs):
         if self.backward is None or not torch.is_grad_enabled():
             outs = self.forward.run(inputs, self.stats)[: self.num_outputs]
+        elif in_checkpoint():
+            # NOTE (memory): inside torch.utils.checkpoint the region does the checkpoint's work:
+            # its saved set leaves out the block's values (recomputed by its backward kernels),
+            # and what it saves goes through the hooks around the checkpoint, not into holders
+            # whose unpack would rerun the block eagerly (``runtime.checkpoints``).
+            with outside_checkpoints():
+                outs = list(_RegionFunction.apply(self, self._originals(inputs), *inputs))
         else:
             outs = list(_RegionFunction.apply(self, self._originals(inputs), *inputs))
         for position, index, views in self.input_views:  # views of inputs: made outside, by torch

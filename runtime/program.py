@@ -78,6 +78,11 @@ class KernelLaunch:
     # need it (a view with a large stride), rather than computing wrapped addresses.
     wide_name: str | None = None
     wide_source: str | None = None
+    # (store index, load slot): the output written into that input's memory, an input that dies
+    # at this launch and that the kernel reads at the output's own index (the compiler's
+    # ``build._donations``); used when the tensor there is contiguous and fits, as Inductor's
+    # in-place buffers. Fewer bytes allocated at once.
+    reuse: tuple = ()
     _fn: object = None
     _wide_fn: object = None
 
@@ -110,8 +115,11 @@ class KernelLaunch:
             key.append(t.data_ptr() & 15)
             key.extend(strides)
         key = tuple(key)
-        for slot, shape, dtype in self.stores:
-            out = torch.empty(shape, dtype=dtype, device=device)
+        donors = dict(self.reuse)
+        for k, (slot, shape, dtype) in enumerate(self.stores):
+            out = _reused(env[donors[k]], shape, dtype) if k in donors else None
+            if out is None:
+                out = torch.empty(shape, dtype=dtype, device=device)
             env[slot] = out
             args.append(torch.view_as_real(out) if dtype.is_complex else out)
         # NOTE: the inputs' shapes are the program's, so the last offset each input's strides
@@ -171,6 +179,21 @@ class KernelLaunch:
         if self._fn is None:
             self._fn = load_kernel(self.name, self.source)
         return self._fn
+
+
+def _reused(t, shape, dtype):
+    """``t`` viewed as a fresh output of ``shape``, when its memory is exactly that (contiguous, from
+    its storage's start: as aligned as a new allocation); else None."""
+    if t.dtype != dtype or not t.is_contiguous() or t.storage_offset() != 0 or t.numel() != _numel(shape):
+        return None
+    return t.view(shape)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for size in shape:
+        n *= size
+    return n
 
 
 def _last_offset(t: torch.Tensor) -> int:

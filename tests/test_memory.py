@@ -225,3 +225,34 @@ def test_memory_policies_match_eager(memory):
 def test_unknown_memory_policy_is_refused():
     with pytest.raises(ValueError, match="balanced"):
         compiler.compile(block, memory="tiny")
+
+
+def _launches(f):
+    """The kernel launches of the regions ``f`` ran last, forward and backward."""
+    from runtime.program import KernelLaunch
+    regions = [plan.compiled for plan in f.last_entry.trace.regions if plan.compiled is not None]
+    programs = [p for r in regions for p in (r.forward, r.backward) if p is not None]
+    return [s for p in programs for s in p.steps if isinstance(s, KernelLaunch)]
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_elementwise_output_written_into_a_dying_buffer(transposed):
+    # backward of gelu(y) @ w: the GELU gradient is written into the memory of the backward's
+    # matmul result that only it reads (an in-place buffer). Read transposed as well (the
+    # gradient of y.t() + y), it must not be: other programs of the kernel still read it.
+    def fn(x, w):
+        y = x @ w
+        return (torch.nn.functional.gelu(y.t() + y if transposed else y) @ w).sum()
+
+    def args():
+        gen = torch.Generator().manual_seed(2)
+        return [(torch.randn(64, 64, generator=gen) / 8).requires_grad_() for _ in range(2)]
+    f = compiler.compile(fn)
+    for _ in range(3):
+        (x, w), (eager_x, eager_w) = args(), args()
+        f(x, w).backward()
+        fn(eager_x, eager_w).backward()
+        torch.testing.assert_close(x.grad, eager_x.grad)
+        torch.testing.assert_close(w.grad, eager_w.grad)
+    if not transposed:
+        assert any(launch.reuse for launch in _launches(f))
