@@ -13,7 +13,8 @@ from compiler.capture import RecordingFailed, capture
 from compiler.optimizers import compile_optimizer_steps
 from compiler.codegen.triton_printer import NotPrintable
 from compiler.bindings import Unsupported
-from compiler.report import KernelInfo, Report
+from compiler import dumps, logs
+from compiler.report import KernelInfo, Report, fused_user_ops
 from compiler.saved_set import check_policy
 from runtime.dispatch import CompiledFunction, Entry
 from runtime.fallback import CompileError, internal_error
@@ -90,14 +91,18 @@ def _build(fn, args, kwargs, *, fullgraph=False, stats=None, memory="balanced"):
     if fullgraph and (fallbacks or internal_errors):
         raise CompileError(f"{name} cannot be compiled whole: " + "; ".join(fallbacks + internal_errors))
     regions, kernels = [], []
+    for reason in fallbacks:
+        logs.fallback(name, reason)
     for index, plan in enumerate(trace.regions):
         captured = _copy(plan.graph)
+        logs.graph(name, index, captured)
         info = {"captured": captured}
         if plan.reason:  # capture found this region cannot be compiled faithfully
             if fullgraph:
                 raise CompileError(f"region {index}: {plan.reason}")
             info["reason"] = plan.reason
             fallbacks.append(plan.reason)
+            logs.fallback(name, plan.reason)
             regions.append(info)
             continue
         try:
@@ -109,9 +114,13 @@ def _build(fn, args, kwargs, *, fullgraph=False, stats=None, memory="balanced"):
             plan.compiled, details = build_region(plan.graph, mutated, **options)
             plan.compiled.stats = stats if stats is not None else {}
             info["backward_graph"] = details["backward_graph"]
+            logs.backward(name, index, details["backward_graph"])
             info["kernels"] = (
-                [KernelInfo(k.name, k.source, "forward", index, k.bytes_moved) for k in details["forward_kernels"]]
-                + [KernelInfo(k.name, k.source, "backward", index, k.bytes_moved) for k in details["backward_kernels"]])
+                [KernelInfo(k.name, k.source, "forward", index, k.bytes_moved, fused_user_ops(k))
+                 for k in details["forward_kernels"]]
+                + [KernelInfo(k.name, k.source, "backward", index, k.bytes_moved, fused_user_ops(k))
+                   for k in details["backward_kernels"]])
+            logs.kernels(name, info["kernels"])
             kernels.extend(info["kernels"])
         except DELIBERATE as e:  # something this compiler does not do (yet): its ops run eagerly
             if fullgraph:
@@ -120,6 +129,7 @@ def _build(fn, args, kwargs, *, fullgraph=False, stats=None, memory="balanced"):
             plan.reason = f"region {index} cannot be compiled ({e}); its ops run eagerly"
             info["reason"] = plan.reason
             fallbacks.append(plan.reason)
+            logs.fallback(name, plan.reason)
         except Exception as e:  # noqa: BLE001 — a bug: loud (strict: raises), and the user's program goes on
             plan.compiled = None
             plan.reason = internal_error(f"{name} (compiling region {index})", e)
@@ -134,12 +144,16 @@ def _build(fn, args, kwargs, *, fullgraph=False, stats=None, memory="balanced"):
     trace.recorded_optimizer_steps = []  # (consumed)
     kernels.extend(optimizer_kernels)
     fallbacks.extend(optimizer_reasons)
+    logs.kernels(name, optimizer_kernels)
+    for reason in optimizer_reasons:
+        logs.fallback(name, reason)
     eager_calls = list(dict.fromkeys(function_name(c.func) for c in trace.calls if c.kind == "eager"))
     report = Report(
         graph=_merged_graph(regions),
         backward_graph=next((r["backward_graph"] for r in regions if r.get("backward_graph") is not None), None),
         kernels=kernels, fallbacks=fallbacks, eager_calls=eager_calls, regions=regions,
         internal_errors=internal_errors)
+    dumps.dump(name, report)  # (when SYMGRAD_DUMP_DIR is set)
     return result, Entry(trace, report)
 
 
