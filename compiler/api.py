@@ -121,6 +121,7 @@ def _build(fn, args, kwargs, *, fullgraph=False, stats=None, memory="balanced"):
                 + [KernelInfo(k.name, k.source, "backward", index, k.bytes_moved, fused_user_ops(k))
                    for k in details["backward_kernels"]])
             logs.kernels(name, info["kernels"])
+            name_for_profiler(plan.compiled, name, index, captured, info["kernels"])
             kernels.extend(info["kernels"])
         except DELIBERATE as e:  # something this compiler does not do (yet): its ops run eagerly
             if fullgraph:
@@ -155,6 +156,21 @@ def _build(fn, args, kwargs, *, fullgraph=False, stats=None, memory="balanced"):
         internal_errors=internal_errors)
     dumps.dump(name, report)  # (when SYMGRAD_DUMP_DIR is set)
     return result, Entry(trace, report)
+
+
+def name_for_profiler(region, fn_name: str, index: int, captured: fx.Graph, kernels) -> None:
+    """Names under which a compiled region's programs and kernels appear in a profile
+    (``runtime.program.Program.run`` records them only while a profiler is on)."""
+    ops = [getattr(n.meta.get("symgrad"), "torch_op", None) for n in captured.nodes if n.op == "call_function"]
+    ops = list(dict.fromkeys(op for op in ops if op))
+    shown = ", ".join(ops[:8]) + (", ..." if len(ops) > 8 else "")
+    for phase, program in (("forward", region.forward), ("backward", region.backward)):
+        if program is None:
+            continue
+        program.profile_name = f"symgrad {fn_name} region {index} {phase} [{shown}]"
+        ops_of = {k.name: k.op_names for k in kernels if k.phase == phase}
+        for launch in program.kernels:
+            launch.profile_name = f"symgrad kernel {launch.name} [{', '.join(ops_of.get(launch.name, ()))}]"
 
 
 def _written_after(trace, plan) -> set:
