@@ -77,6 +77,13 @@ class Report:
     def backward_kernels(self):
         return [k for k in self.kernels if k.phase == "backward"]
 
+    def save(self, path: str) -> str:
+        """Write this report as a self-contained HTML page (``compiler.report_html``): regions,
+        kernels with the user ops each fused, fallbacks, graphs and sources. Returns ``path``."""
+        from compiler.report_html import save
+
+        return save([self], path, "symgrad explain")
+
     def __str__(self):
         out = [f"backend: {self.backend} ({self.backend_reason})" if self.backend else "backend: -"]
         out.append(f"regions: {len(self.regions)} (backward segments: {self.backward_segments})   "
