@@ -3,6 +3,7 @@ fusion → codegen) to the runtime's dispatcher, which calls ``_build`` on a cac
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
@@ -13,12 +14,14 @@ from compiler.capture import RecordingFailed, capture
 from compiler.optimizers import compile_optimizer_steps
 from compiler.codegen.triton_printer import NotPrintable
 from compiler.bindings import Unsupported
-from compiler import dumps, logs
+from compiler import dumps, logs, persist
 from compiler.report import KernelInfo, Report, fused_user_ops
 from compiler.saved_set import check_policy
 from runtime.dispatch import CompiledFunction, Entry
 from runtime.fallback import CompileError, internal_error
 from runtime.torch_functions import function_name
+
+_BUILD_REGION = build_region
 
 # The compiler's deliberate refusals: what it does not compile (yet), each with its reason.
 # Any other exception while compiling is a bug (see runtime.fallback.internal_error).
@@ -111,15 +114,10 @@ def _build(fn, args, kwargs, *, fullgraph=False, stats=None, memory="balanced"):
             written_later = {i for i, v in enumerate(plan.input_ids) if v in later}
             options = {k: v for k, v in (("written_later", written_later), ("memory", memory))
                        if v and v != "balanced"}  # (defaults left out: tests stand in for build_region)
-            plan.compiled, details = build_region(plan.graph, mutated, **options)
+            compiled = _compile_region(plan.graph, mutated, options, index)
+            plan.compiled, info["backward_graph"], info["kernels"] = compiled
             plan.compiled.stats = stats if stats is not None else {}
-            info["backward_graph"] = details["backward_graph"]
-            logs.backward(name, index, details["backward_graph"])
-            info["kernels"] = (
-                [KernelInfo(k.name, k.source, "forward", index, k.bytes_moved, fused_user_ops(k))
-                 for k in details["forward_kernels"]]
-                + [KernelInfo(k.name, k.source, "backward", index, k.bytes_moved, fused_user_ops(k))
-                   for k in details["backward_kernels"]])
+            logs.backward(name, index, info["backward_graph"])
             logs.kernels(name, info["kernels"])
             name_for_profiler(plan.compiled, name, index, captured, info["kernels"])
             kernels.extend(info["kernels"])
@@ -156,6 +154,27 @@ def _build(fn, args, kwargs, *, fullgraph=False, stats=None, memory="balanced"):
         internal_errors=internal_errors)
     dumps.dump(name, report)  # (when SYMGRAD_DUMP_DIR is set)
     return result, Entry(trace, report)
+
+
+def _compile_region(graph: fx.Graph, mutated: set, options: dict, index: int):
+    """(CompiledRegion, backward graph, KernelInfos) of a region graph: built (SymPy autodiff,
+    fusion, codegen), or loaded from the compiled-region cache (``compiler.persist``) when this
+    graph was compiled before, here or in another process."""
+    # (a test standing in for build_region gets its stand-in, never a stored region)
+    key = persist.region_key(graph, mutated, options) if persist.enabled() and build_region is _BUILD_REGION else None
+    if key is not None:
+        loaded = persist.load(key, lambda: build_region(_copy(graph), mutated, **options)[0])
+        if loaded is not None:
+            region, backward_graph, kernels = loaded
+            return region, backward_graph, [dataclasses.replace(k, region=index) for k in kernels]
+    region, details = build_region(graph, mutated, **options)
+    kernels = ([KernelInfo(k.name, k.source, "forward", index, k.bytes_moved, fused_user_ops(k))
+                for k in details["forward_kernels"]]
+               + [KernelInfo(k.name, k.source, "backward", index, k.bytes_moved, fused_user_ops(k))
+                  for k in details["backward_kernels"]])
+    if key is not None:
+        persist.store(key, region, details["backward_graph"], kernels)
+    return region, details["backward_graph"], kernels
 
 
 def name_for_profiler(region, fn_name: str, index: int, captured: fx.Graph, kernels) -> None:
