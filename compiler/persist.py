@@ -60,16 +60,15 @@ def regions_dir() -> str:
 
 
 def clear_cache() -> None:
-    """Delete every stored compiled region and kernel source (the whole ``SYMGRAD_CACHE_DIR``
-    contents); the next calls compile again. Kernels already loaded in this process stay loaded."""
+    """Delete every stored compiled region and kernel source in ``SYMGRAD_CACHE_DIR`` (what this
+    package wrote there: ``regions/`` and the kernels' ``.py`` files; nothing else is touched);
+    the next calls compile again. Kernels already loaded in this process stay loaded."""
     root = cache_dir()
+    shutil.rmtree(os.path.join(root, "regions"), ignore_errors=True)
     for name in os.listdir(root):
-        path = os.path.join(root, name)
-        if os.path.isdir(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
+        if name.endswith((".py", ".tmp")) and os.path.isfile(os.path.join(root, name)):
             try:
-                os.remove(path)
+                os.remove(os.path.join(root, name))
             except FileNotFoundError:
                 pass
 
