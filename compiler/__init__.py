@@ -9,7 +9,7 @@
         opt.step(); opt.zero_grad()
         return loss
 
-See ``compile`` and ``explain``.
+See ``compile`` and ``explain``; ``set_logs`` (or ``SYMGRAD_LOG``) and ``SYMGRAD_DUMP_DIR`` show each stage.
 """
 
 from runtime.backends import prepare_process as _prepare_process
@@ -19,6 +19,12 @@ _prepare_process()  # before anything imports triton: interpreter mode on CPU-on
 from compiler import scalar_math as math  # noqa: E402
 from compiler.api import compile, explain  # noqa: E402
 from compiler.elementwise import elementwise  # noqa: E402
+from compiler.logs import configure_from_environment as _configure_logs, set_logs  # noqa: E402
+from compiler.persist import clear_cache  # noqa: E402
+from compiler.report_html import report_html  # noqa: E402
 from runtime.fallback import CompileError, InternalCompilerError  # noqa: E402
 
-__all__ = ["compile", "explain", "elementwise", "math", "CompileError", "InternalCompilerError"]
+__all__ = ["compile", "explain", "elementwise", "math", "set_logs", "report_html", "clear_cache",
+           "CompileError", "InternalCompilerError"]
+
+_configure_logs()  # SYMGRAD_LOG

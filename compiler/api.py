@@ -3,6 +3,7 @@ fusion → codegen) to the runtime's dispatcher, which calls ``_build`` on a cac
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
@@ -13,11 +14,14 @@ from compiler.capture import RecordingFailed, capture
 from compiler.optimizers import compile_optimizer_steps, fused_call_indices
 from compiler.codegen.triton_printer import NotPrintable
 from compiler.bindings import Unsupported
-from compiler.report import KernelInfo, Report
+from compiler import dumps, logs, persist
+from compiler.report import KernelInfo, Report, fused_user_ops
 from compiler.saved_set import check_policy
 from runtime.dispatch import CompiledFunction, Entry
 from runtime.fallback import CompileError, internal_error
 from runtime.torch_functions import function_name
+
+_BUILD_REGION = build_region
 
 # The compiler's deliberate refusals: what it does not compile (yet), each with its reason.
 # Any other exception while compiling is a bug (see runtime.fallback.internal_error).
@@ -90,14 +94,18 @@ def _build(fn, args, kwargs, *, fullgraph=False, stats=None, memory="balanced"):
     if fullgraph and (fallbacks or internal_errors):
         raise CompileError(f"{name} cannot be compiled whole: " + "; ".join(fallbacks + internal_errors))
     regions, kernels = [], []
+    for reason in fallbacks:
+        logs.fallback(name, reason)
     for index, plan in enumerate(trace.regions):
         captured = _copy(plan.graph)
+        logs.graph(name, index, captured)
         info = {"captured": captured}
         if plan.reason:  # capture found this region cannot be compiled faithfully
             if fullgraph:
                 raise CompileError(f"region {index}: {plan.reason}")
             info["reason"] = plan.reason
             fallbacks.append(plan.reason)
+            logs.fallback(name, plan.reason)
             regions.append(info)
             continue
         try:
@@ -106,12 +114,12 @@ def _build(fn, args, kwargs, *, fullgraph=False, stats=None, memory="balanced"):
             written_later = {i for i, v in enumerate(plan.input_ids) if v in later}
             options = {k: v for k, v in (("written_later", written_later), ("memory", memory))
                        if v and v != "balanced"}  # (defaults left out: tests stand in for build_region)
-            plan.compiled, details = build_region(plan.graph, mutated, **options)
+            compiled = _compile_region(plan.graph, mutated, options, index)
+            plan.compiled, info["backward_graph"], info["kernels"] = compiled
             plan.compiled.stats = stats if stats is not None else {}
-            info["backward_graph"] = details["backward_graph"]
-            info["kernels"] = (
-                [KernelInfo(k.name, k.source, "forward", index, k.bytes_moved) for k in details["forward_kernels"]]
-                + [KernelInfo(k.name, k.source, "backward", index, k.bytes_moved) for k in details["backward_kernels"]])
+            logs.backward(name, index, info["backward_graph"])
+            logs.kernels(name, info["kernels"])
+            name_for_profiler(plan.compiled, name, index, captured, info["kernels"])
             kernels.extend(info["kernels"])
         except DELIBERATE as e:  # something this compiler does not do (yet): its ops run eagerly
             if fullgraph:
@@ -120,6 +128,7 @@ def _build(fn, args, kwargs, *, fullgraph=False, stats=None, memory="balanced"):
             plan.reason = f"region {index} cannot be compiled ({e}); its ops run eagerly"
             info["reason"] = plan.reason
             fallbacks.append(plan.reason)
+            logs.fallback(name, plan.reason)
         except Exception as e:  # noqa: BLE001 — a bug: loud (strict: raises), and the user's program goes on
             plan.compiled = None
             plan.reason = internal_error(f"{name} (compiling region {index})", e)
@@ -134,6 +143,9 @@ def _build(fn, args, kwargs, *, fullgraph=False, stats=None, memory="balanced"):
     trace.recorded_optimizer_steps = []  # (consumed)
     kernels.extend(optimizer_kernels)
     fallbacks.extend(optimizer_reasons)
+    logs.kernels(name, optimizer_kernels)
+    for reason in optimizer_reasons:
+        logs.fallback(name, reason)
     fused = fused_call_indices(trace)  # (optimizer steps and clip_grad_norm_ run as kernels, not eagerly)
     eager_calls = list(dict.fromkeys(function_name(c.func) for i, c in enumerate(trace.calls)
                                      if c.kind == "eager" and i not in fused))
@@ -142,7 +154,44 @@ def _build(fn, args, kwargs, *, fullgraph=False, stats=None, memory="balanced"):
         backward_graph=next((r["backward_graph"] for r in regions if r.get("backward_graph") is not None), None),
         kernels=kernels, fallbacks=fallbacks, eager_calls=eager_calls, regions=regions,
         internal_errors=internal_errors)
+    dumps.dump(name, report)  # (when SYMGRAD_DUMP_DIR is set)
     return result, Entry(trace, report)
+
+
+def _compile_region(graph: fx.Graph, mutated: set, options: dict, index: int):
+    """(CompiledRegion, backward graph, KernelInfos) of a region graph: built (SymPy autodiff,
+    fusion, codegen), or loaded from the compiled-region cache (``compiler.persist``) when this
+    graph was compiled before, here or in another process."""
+    # (a test standing in for build_region gets its stand-in, never a stored region)
+    key = persist.region_key(graph, mutated, options) if persist.enabled() and build_region is _BUILD_REGION else None
+    if key is not None:
+        loaded = persist.load(key, lambda: build_region(_copy(graph), mutated, **options)[0])
+        if loaded is not None:
+            region, backward_graph, kernels = loaded
+            return region, backward_graph, [dataclasses.replace(k, region=index) for k in kernels]
+    region, details = build_region(graph, mutated, **options)
+    kernels = ([KernelInfo(k.name, k.source, "forward", index, k.bytes_moved, fused_user_ops(k))
+                for k in details["forward_kernels"]]
+               + [KernelInfo(k.name, k.source, "backward", index, k.bytes_moved, fused_user_ops(k))
+                  for k in details["backward_kernels"]])
+    if key is not None:
+        persist.store(key, region, details["backward_graph"], kernels)
+    return region, details["backward_graph"], kernels
+
+
+def name_for_profiler(region, fn_name: str, index: int, captured: fx.Graph, kernels) -> None:
+    """Names under which a compiled region's programs and kernels appear in a profile
+    (``runtime.program.Program.run`` records them only while a profiler is on)."""
+    ops = [getattr(n.meta.get("symgrad"), "torch_op", None) for n in captured.nodes if n.op == "call_function"]
+    ops = list(dict.fromkeys(op for op in ops if op))
+    shown = ", ".join(ops[:8]) + (", ..." if len(ops) > 8 else "")
+    for phase, program in (("forward", region.forward), ("backward", region.backward)):
+        if program is None:
+            continue
+        program.profile_name = f"symgrad {fn_name} region {index} {phase} [{shown}]"
+        ops_of = {k.name: k.op_names for k in kernels if k.phase == phase}
+        for launch in program.kernels:
+            launch.profile_name = f"symgrad kernel {launch.name} [{', '.join(ops_of.get(launch.name, ()))}]"
 
 
 def _written_after(trace, plan) -> set:

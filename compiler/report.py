@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from compiler.ir import format_graph
+from compiler.ir import format_graph, meta_of
 
 
 @dataclass
@@ -16,9 +16,39 @@ class KernelInfo:
     phase: str          # "forward" | "backward" | "optimizer" (a fused optimizer.step(), region -1)
     region: int
     bytes_moved: int
+    ops: tuple = ()     # (user op, "file:line") of each user op it fused, in graph order (``fused_user_ops``)
 
     def __repr__(self):
         return f"KernelInfo({self.phase} {self.name}, {self.bytes_moved} bytes)"
+
+    @property
+    def op_names(self) -> list:
+        """The user ops it fused, each once (``torch.nn.functional.gelu`` -> ``gelu``)."""
+        return list(dict.fromkeys(op for op, _ in self.ops))
+
+
+def fused_user_ops(kernel) -> tuple:
+    """(user op, source line) of each graph node a generated kernel computes — the nodes between
+    the buffers it loads and the values it stores — in graph order. Backward nodes name the
+    forward op they differentiate."""
+    loads = set(kernel.loads)
+    inside, stack = set(), list(kernel.stores)
+    while stack:
+        node = stack.pop()
+        if node in inside or node in loads or node.op != "call_function":
+            continue
+        inside.add(node)
+        stack.extend(node.all_input_nodes)
+    ops = []
+    for node in kernel.stores[0].graph.nodes if kernel.stores else ():
+        if node in inside:
+            meta = meta_of(node)
+            op, source = (meta.torch_op, meta.source) if meta.torch_op else (meta.origin or (None, None))
+            if op and (op, source) not in ops:
+                ops.append((op, source))
+    if not ops:  # nodes autodiff added with no forward op behind them (a broadcast's gradient sum)
+        ops = [(f"{getattr(n.target, 'name', n.target)} (autodiff)", None) for n in kernel.stores]
+    return tuple(dict.fromkeys(ops))
 
 
 @dataclass
@@ -46,6 +76,13 @@ class Report:
     @property
     def backward_kernels(self):
         return [k for k in self.kernels if k.phase == "backward"]
+
+    def save(self, path: str) -> str:
+        """Write this report as a self-contained HTML page (``compiler.report_html``): regions,
+        kernels with the user ops each fused, fallbacks, graphs and sources. Returns ``path``."""
+        from compiler.report_html import save
+
+        return save([self], path, "symgrad explain")
 
     def __str__(self):
         out = [f"backend: {self.backend} ({self.backend_reason})" if self.backend else "backend: -"]

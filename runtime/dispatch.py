@@ -18,7 +18,7 @@ import threading
 
 import torch
 
-from runtime import backends
+from runtime import backends, guard_log
 from runtime.calls import flatten_call
 from runtime.fallback import CompileError, say_once
 from runtime.replay import Replay
@@ -93,6 +93,8 @@ class CompiledFunction:
         variants = self.cache.get(key, [])
         if key in self.needs_variant:  # the last call took a path no recording has: record it
             self.needs_variant.discard(key)
+            if guard_log.on():
+                guard_log.log_miss(self.__name__, "the last two calls left their recording: recording the path taken")
             return self._record(key, backend, why, args, kwargs, recapture=True)
         entry = None
         for candidate in list(variants):
@@ -104,11 +106,17 @@ class CompiledFunction:
                 continue
             externals = candidate.trace.external_values()
             if externals is None:  # a tensor it closed over is gone or changed: record again
+                if guard_log.on():
+                    guard_log.log_miss(self.__name__, guard_log.describe_externals(candidate.trace))
                 variants.remove(candidate)
                 return self._record(key, backend, why, args, kwargs, recapture=True)
             entry = candidate
             break
         if entry is None:  # first, or another train/eval mode
+            if guard_log.on():
+                guard_log.log_miss(self.__name__, guard_log.describe_modes([e.trace for e in variants]) if variants
+                                   else guard_log.describe_miss(self.__name__, key, self.cache,
+                                                                guard_log.leaf_names(self.fn, spec, len(leaves))))
             return self._record(key, backend, why, args, kwargs, seen=self.cache.get(key))
         self.last_backend = backend
         self.stats["replays"] += 1
@@ -128,6 +136,10 @@ class CompiledFunction:
         # recording only for its eager tail); two in a row mean the path changed: record it.
         if mode.diverged and entry.diverged_last:
             self.needs_variant.add(key)
+        if mode.diverged and guard_log.on():
+            guard_log.guards.info("%s: a per-call guard failed: %s; the rest of the call ran eagerly%s", self.__name__,
+                                  mode.diverged, " (twice in a row: the next call records this path)"
+                                  if key in self.needs_variant else "")
         entry.diverged_last = bool(mode.diverged)
         if mode.diverged:
             self.last_backend = f"{backend}, then eager (the call left its recording)"
@@ -176,6 +188,7 @@ class CompiledFunction:
                 if self.recaptures > MAX_RECAPTURES:
                     self.disabled = (f"recorded {self.recaptures} times: its torch calls change from call "
                                      "to call (Python control flow or changing constants); running eagerly")
+                    guard_log.recompiles.info("%s: %s", self.__name__, self.disabled)
                     return self._eager(self.disabled, args, kwargs)
             self.stats["captures"] += 1
             result, entry = self.builder(self.fn, args, kwargs, fullgraph=self.fullgraph, stats=self.stats)
@@ -186,6 +199,10 @@ class CompiledFunction:
             # recordings that agree on the calls made so far: an optimizer step every few calls).
             variants = self.cache.get(key, [])
             self.cache[key] = [entry] + variants[:MAX_VARIANTS - 1]
+            if guard_log.on():
+                leaves, spec = flatten_call(args, kwargs)
+                names = guard_log.leaf_names(self.fn, spec, len(leaves))
+                guard_log.log_recorded(self.__name__, key, names, entry.trace)
             self.last_entry = entry
             # (a recording broken by a compiler bug, logged: this key runs eagerly from now on)
             self.last_backend = "eager (recording)" if entry.trace is not None else "eager (after an internal error)"

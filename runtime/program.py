@@ -22,6 +22,8 @@ from runtime.kernels import load_kernel
 from runtime.launcher import make_launcher
 from runtime.triton_math import INTERPRETING
 
+_profiler_enabled = torch.autograd._profiler_enabled
+
 # NOTE: Triton's interpreter patches triton.language's globals while a kernel runs, so two
 # threads interpreting at once corrupt each other; compiled GPU kernels need no such lock.
 _NO_GUARD = contextlib.nullcontext()
@@ -303,6 +305,8 @@ class Program:
     def run(self, inputs, stats=None, consume=False) -> list:
         """Run the steps on ``inputs``; return the outputs. ``consume``: the caller hands its
         references over (``inputs``, a list, is emptied): each input is freed after its last use."""
+        if _profiler_enabled():  # (one C call: the unprofiled run pays nothing else)
+            return self._run_profiled(inputs, stats, consume)
         env = list(inputs) + [None] * (self.num_slots - self.num_inputs)
         device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
         if consume:
@@ -344,3 +348,27 @@ class Program:
         run = names["run"]
         run.frees, run.steps = self.frees, self.steps  # what it was written for (frees are set after)
         return run
+
+    def _run_profiled(self, inputs, stats, consume) -> list:
+        """``run`` under a profiler: the program, and each kernel launch in it, as a
+        ``record_function`` range named by the compiler (``compiler.api.name_for_profiler``:
+        the region, the phase and the user ops each fused), so a profile reads like eager's."""
+        from torch.autograd.profiler import record_function
+
+        with record_function(getattr(self, "profile_name", "symgrad program")):
+            env = list(inputs) + [None] * (self.num_slots - self.num_inputs)
+            device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+            if consume:
+                inputs.clear()
+            with on_device(device):  # (as ``run``: the launches expect their device current)
+                for step, dead in zip(self.steps, self.frees):
+                    if isinstance(step, KernelLaunch):
+                        with record_function(getattr(step, "profile_name", None) or f"symgrad kernel {step.name}"):
+                            step.run(env, device)
+                    else:
+                        step.run(env, device)
+                    for slot in dead:
+                        env[slot] = None
+            if stats is not None:
+                stats["kernel_launches"] = stats.get("kernel_launches", 0) + len(self.kernels)
+            return [o.resolve(env) if o is not None else None for o in self.outputs]

@@ -1,0 +1,86 @@
+"""Warm start: a fresh process, from its first call to its first replayed result, with the
+compiled-region cache (``compiler.persist``) empty (cold) and filled by an earlier process (warm).
+
+    PYTHONPATH=$PWD python -m benchmarks.warm_start --size small mlp_step transformer_step
+
+Each workload runs in two fresh processes sharing one ``SYMGRAD_CACHE_DIR`` that starts empty
+(``benchmarks.fresh_process``: forks of a server that has imported torch and the compiler).
+In each: eager's step (its time, and PyTorch's lazy start-up out of the way), then the
+compiled function's first call (the recording: capture, then SymPy autodiff, fusion and
+codegen for each region, or loading them from the cache) and its second call (the first
+replay). ``regions built`` counts the regions differentiated in that process. With
+``--no-cache`` both processes run with ``SYMGRAD_REGION_CACHE=0`` (the state before the cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+import torch
+
+from benchmarks import fresh_process
+from benchmarks.workloads import WORKLOADS
+
+
+def probe(request: dict) -> dict:
+    """In the fresh process: the first call's and first replay's seconds, regions built."""
+    import compiler
+    import compiler.build
+
+    builds = []
+    partition = compiler.build.partition
+
+    def counting(*args, **kwargs):
+        builds.append(1)
+        return partition(*args, **kwargs)
+    compiler.build.partition = counting
+    case = WORKLOADS[request["workload"]].build(request["size"], torch.device("cpu"))
+    eager_args = case.make_args(torch.float32)
+    eager = min(_timed(lambda: case.step(case.fn, eager_args)) for _ in range(3))
+    fn = compiler.compile(case.fn)
+    args = case.make_args(torch.float32)
+    first = _timed(lambda: case.step(fn, args))
+    replay = _timed(lambda: case.step(fn, args))
+    return {"eager_s": eager, "first_call_s": first, "first_replay_s": replay, "regions_built": len(builds),
+            "replays": fn.stats["replays"]}
+
+
+def _timed(run) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def measure(workload: str, size: str, cache: bool = True, timeout: float = 900) -> dict:
+    """{"cold": probe result, "warm": probe result} for one workload."""
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="symgrad-warm-start-") as tmp:
+        env = {"SYMGRAD_CACHE_DIR": os.path.join(tmp, "symgrad"), "SYMGRAD_REGION_CACHE": "1" if cache else "0"}
+        for which in ("cold", "warm"):
+            out[which] = fresh_process.call("benchmarks.warm_start:probe", {"workload": workload, "size": size}, env,
+                                            os.path.join(tmp, f"{which}.log"), timeout, fork=True)
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("workloads", nargs="+")
+    parser.add_argument("--size", default="small")
+    parser.add_argument("--no-cache", action="store_true", help="SYMGRAD_REGION_CACHE=0 in both processes")
+    options = parser.parse_args()
+    print("| workload | process | first call s | first replay s | first call to first replayed result s "
+          "| regions built | eager step s |")
+    print("|---|---|---|---|---|---|---|")
+    for name in options.workloads:
+        result = measure(name, options.size, cache=not options.no_cache)
+        for which, r in result.items():
+            total = r["first_call_s"] + r["first_replay_s"]
+            print(f"| `{name}` | {which} | {r['first_call_s']:.2f} | {r['first_replay_s']:.2f} | {total:.2f} | "
+                  f"{r['regions_built']} | {r['eager_s'] * 1e3:.2f} ms |")
+
+
+if __name__ == "__main__":
+    main()

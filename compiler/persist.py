@@ -1,0 +1,236 @@
+"""Compiled regions on disk: a region graph seen before, in this process or another, is loaded
+instead of being differentiated (SymPy), fused and rendered again.
+
+The key of a region is everything its compiled form depends on: the captured graph (each
+node's op, arguments and metadata — shapes, dtypes, devices, requires_grad, SymPy expressions),
+which inputs it writes in place and which the function writes after it, the saved-set policy,
+and the versions of Python, torch, triton, sympy and this package's own source (a hash of every
+``compiler/`` and ``runtime/`` file, so an edit or an upgrade never loads a stale build). The
+entry holds the ``CompiledRegion`` (its programs: kernel sources, launches, matmul calls,
+views) and what ``explain`` shows (the backward graph, the kernels and the user ops each
+fused). Kernel sources load through ``runtime.kernels`` (checked against the file on disk).
+
+Three parts of a region are closures over autodiff's graphs and are not stored: the double
+backward (``create_graph=True``), the backward of a subset of the outputs, and anomaly mode's
+NaN explanation. A loaded region builds them the long way the first time one is needed, and
+uses them only if that build saves the same values in the same order as the loaded one.
+
+Where: ``$SYMGRAD_CACHE_DIR/regions`` (by default under the temp dir, next to the kernels).
+Entries are written to a private name and renamed into place (processes share the folder);
+each carries a SHA-256 of its bytes, and an entry that fails the check or does not load is
+deleted, logged and rebuilt. ``SYMGRAD_REGION_CACHE=0`` turns the cache off;
+``compiler.clear_cache()`` (or deleting the folder) empties it.
+
+NOTE: this is the compile half of a persistent cache. A fresh process still records its first
+call eagerly (the recording holds live objects: parameters and modules by identity, property
+setters, optimizer state); see the README's "Compile cache" section.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import functools
+import hashlib
+import io
+import logging
+import os
+import pickle
+import shutil
+import sys
+import threading
+
+import torch.fx as fx
+
+from runtime.kernels import cache_dir
+from runtime.program import KernelLaunch
+
+log = logging.getLogger("symgrad.cache")
+ENV = "SYMGRAD_REGION_CACHE"
+_MAGIC = b"SYMGRAD-REGION-1\n"
+_LAZY = ("build_double_backward", "backward_for", "explain_nan")
+
+
+def enabled() -> bool:
+    """Whether compiled regions are stored and loaded (``SYMGRAD_REGION_CACHE=0``: not)."""
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def regions_dir() -> str:
+    return os.path.join(cache_dir(), "regions")
+
+
+def clear_cache() -> None:
+    """Delete every stored compiled region and kernel source in ``SYMGRAD_CACHE_DIR`` (what this
+    package wrote there: ``regions/`` and the kernels' ``.py`` files; nothing else is touched);
+    the next calls compile again. Kernels already loaded in this process stay loaded."""
+    root = cache_dir()
+    shutil.rmtree(os.path.join(root, "regions"), ignore_errors=True)
+    for name in os.listdir(root):
+        if name.endswith((".py", ".tmp")) and os.path.isfile(os.path.join(root, name)):
+            try:
+                os.remove(os.path.join(root, name))
+            except FileNotFoundError:
+                pass
+
+
+@functools.lru_cache(maxsize=1)
+def _versions() -> str:
+    import sympy
+    import torch
+    import triton
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = hashlib.sha256()
+    for package in ("compiler", "runtime"):
+        for folder, dirs, files in sorted(os.walk(os.path.join(here, package))):
+            dirs.sort()
+            for name in sorted(files):
+                if name.endswith(".py"):
+                    with open(os.path.join(folder, name), "rb") as f:
+                        code.update(name.encode() + b"\0" + f.read())
+    return f"py{sys.version_info[:3]} torch{torch.__version__} triton{triton.__version__} sympy{sympy.__version__} " \
+           f"code{code.hexdigest()[:16]}"
+
+
+def _settings() -> str:
+    """The compiler's tunable constants as they are now (``tiling.PERSISTENT_MAX``, ...): upper-case
+    module attributes of plain values, which a test or a user may change at run time."""
+    out = []
+    for name, module in sorted(sys.modules.items()):
+        if module is None or not name.startswith(("compiler.", "runtime.")):
+            continue
+        for attr, value in sorted(vars(module).items()):
+            if attr.isupper() and type(value) in (int, float, bool, str, tuple) and " at 0x" not in repr(value):
+                out.append(f"{name}.{attr}={value!r}")
+    return ";".join(out)
+
+
+def region_key(graph: fx.Graph, mutated, options: dict) -> str | None:
+    """The key of a region graph (a hex digest), or None when some part of it has no stable
+    text (an object printed by address): such a region is compiled every time."""
+    index = {}
+    options = sorted((k, sorted(v) if isinstance(v, (set, frozenset)) else v) for k, v in options.items())
+    parts = [_versions(), _settings(), repr(sorted(mutated)), repr(options)]
+    for i, node in enumerate(graph.nodes):
+        index[node] = i
+        target = node.target
+        if node.op == "call_function":
+            fn = getattr(target, "torch_fn", None)
+            target_text = (f"{type(target).__module__}.{type(target).__qualname__}:{getattr(target, 'name', '')}:"
+                           f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', '')}")
+        else:
+            target_text = str(target)
+        args = fx.node.map_arg((node.args, node.kwargs), lambda n: f"%{index[n]}")
+        meta = sorted((k, repr(v)) for k, v in node.meta.items() if k != "val")
+        parts.append(f"{node.op} {target_text} {args!r} {meta!r}")
+    text = "\n".join(parts)
+    if " at 0x" in text:
+        return None
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+# -- storing ------------------------------------------------------------------------------------
+def _reduce_launch(launch: KernelLaunch):
+    """A kernel launch without what it loaded at run time (the jit function, bound launchers)."""
+    return KernelLaunch, (launch.name, launch.source, launch.loads, launch.stores, launch.grid, launch.xblock,
+                          launch.rblock, launch.bytes_moved, launch.num_warps, launch.wide_name, launch.wide_source)
+
+
+class _Pickler(pickle.Pickler):
+    dispatch_table = copyreg.dispatch_table.copy()
+    dispatch_table[KernelLaunch] = _reduce_launch
+
+
+def store(key: str, region, backward_graph, kernels) -> None:
+    """Write one compiled region (without its closures and run-time caches) under ``key``."""
+    saved = {name: getattr(region, name) for name in _LAZY + ("stats",)}
+    try:
+        for name in _LAZY:
+            setattr(region, name, None)
+        region.stats = {}
+        buffer = io.BytesIO()
+        _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(
+            {"region": region, "lazy": [n for n in _LAZY if saved[n] is not None],
+             "backward_graph": backward_graph, "kernels": kernels})
+    except Exception as e:  # noqa: BLE001 — something in it does not pickle: compiled each time, said once
+        log.info("compiled region not stored (%s: %s)", type(e).__name__, e)
+        return
+    finally:
+        for name, value in saved.items():
+            setattr(region, name, value)
+    payload = buffer.getvalue()
+    path = _path(key)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(_MAGIC + hashlib.sha256(payload).digest() + payload)
+    os.replace(tmp, path)
+
+
+def load(key: str, rebuild):
+    """(region, backward graph, kernels) stored under ``key``, or None. ``rebuild()`` builds
+    the region the long way; a loaded region calls it for its closures, the first time one is
+    needed. A damaged entry is deleted (and logged): the caller builds and stores it again."""
+    path = _path(key)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    head = len(_MAGIC) + 32
+    try:
+        if data[:len(_MAGIC)] != _MAGIC or hashlib.sha256(data[head:]).digest() != data[len(_MAGIC):head]:
+            raise ValueError("its checksum does not match its contents")
+        entry = pickle.loads(data[head:])
+        region = entry["region"]
+    except Exception as e:  # noqa: BLE001 — truncated, garbled, or from an incompatible build
+        log.warning("compiled-region cache entry %s is damaged (%s: %s); deleting it and compiling again",
+                    path, type(e).__name__, e)
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+        return None
+    lazy = _LazyParts(region, rebuild)
+    for name in entry["lazy"]:
+        setattr(region, name, functools.partial(lazy.call, name))
+    return region, entry["backward_graph"], entry["kernels"]
+
+
+def _path(key: str) -> str:
+    return os.path.join(regions_dir(), key[:2], f"{key}.pkl")
+
+
+class _LazyParts:
+    """The closures of a loaded region, from a build of the same graph made when first needed.
+    That build must save the same values in the same order (its backward programs read the
+    loaded forward's saved tensors); if it does not, the loaded region says so and the part
+    is unavailable: the partial backward then gives zeros for the absent outputs' gradients
+    (as with no partial backward), the others raise."""
+
+    def __init__(self, region, rebuild):
+        self.region = region
+        self.rebuild = rebuild
+        self.built = None
+        self.lock = threading.Lock()
+
+    def _built(self):
+        with self.lock:
+            if self.built is None:
+                built = self.rebuild()
+                same = (built.saved == self.region.saved and built.grad_output_for == self.region.grad_output_for
+                        and [k.name for k in built.forward.kernels] == [k.name for k in self.region.forward.kernels])
+                self.built = built if same else False
+                if not same:
+                    log.warning("a loaded compiled region differs from a fresh build of its graph; its double "
+                                "backward and partial backward are unavailable (please report this)")
+            return self.built
+
+    def call(self, name, *args):
+        built = self._built()
+        if built is False:
+            if name == "backward_for":
+                return None
+            raise RuntimeError("symgrad: a compiled region loaded from the cache cannot run this backward "
+                               "(a fresh build of its graph differs); set SYMGRAD_REGION_CACHE=0 and run again")
+        return getattr(built, name)(*args)

@@ -1,0 +1,53 @@
+"""Under torch.profiler / torch.autograd.profiler.profile, each compiled region's forward and
+backward and each kernel appear by name with the user ops they fused; with no profiler on,
+the replay records nothing."""
+
+import pytest
+import torch
+
+import compiler
+from runtime.program import Program
+
+
+def _step():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8)
+
+    @compiler.compile(backend="interpret")
+    def step(x):
+        loss = torch.nn.functional.gelu(lin(x)).softmax(-1).sum()
+        loss.backward()
+        return loss
+    return step
+
+
+@pytest.mark.parametrize("profiler", ["torch.profiler", "torch.autograd.profiler"])
+def test_profile_of_a_compiled_step_names_regions_and_kernels(profiler):
+    step = _step()
+    x = torch.randn(4, 8, requires_grad=True)
+    step(x)  # recorded (eager)
+    make = torch.profiler.profile if profiler == "torch.profiler" else torch.autograd.profiler.profile
+    with make() as prof:
+        step(x)  # replayed: forward and backward kernels
+    names = [e.key for e in prof.key_averages()]
+    report = step.last_entry.report
+    name = step.fn.__qualname__  # _step.<locals>.step
+    assert f"symgrad {name} region 0 forward [linear, gelu, Tensor.softmax, Tensor.sum]" in names
+    assert f"symgrad {name} region 0 backward [linear, gelu, Tensor.softmax, Tensor.sum]" in names
+    for kernel in report.kernels:
+        matching = [n for n in names if n.startswith(f"symgrad kernel {kernel.name} [")]
+        assert len(matching) == 1, (kernel.name, names)
+        assert all(op in matching[0] for op in kernel.op_names)  # the user ops it fused
+    assert any("gelu" in k.op_names and "Tensor.softmax" in k.op_names for k in report.forward_kernels)
+
+
+def test_no_profiler_no_ranges(monkeypatch):
+    step = _step()
+    x = torch.randn(4, 8, requires_grad=True)
+    step(x)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("profiled run without a profiler")
+    monkeypatch.setattr(Program, "_run_profiled", refuse)
+    step(x)  # a replay (forward and backward programs) takes the plain path
+    assert step.stats["replays"] == 1 and step.stats["kernel_launches"] > 0
