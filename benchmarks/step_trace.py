@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import compiler
-from benchmarks.roofline import distinct_bytes, launches_kernel, op_cost, predicted_us
+from benchmarks.roofline import distinct_bytes, launches_kernel, op_kernels, predicted_us
 from benchmarks.sm90 import Launch, recorded_launches
 from benchmarks.workloads import WORKLOADS
 
@@ -80,8 +80,8 @@ class _Tracer(TorchDispatchMode):
         name = func._overloadpacket.__name__
         out = _allocated_like_result(func, args, kwargs) if name in _NOT_COMPUTED else func(*args, **kwargs)
         if self.ops is not None and launches_kernel(func, args, out):
-            moved, flops, dtype = op_cost(func, args, kwargs, out)
-            self.ops.append(Op(self.phase, name, moved, flops, dtype))
+            for moved, flops, dtype in op_kernels(func, args, kwargs, out):   # an Op per kernel launched
+                self.ops.append(Op(self.phase, name, moved, flops, dtype))
         return out
 
 
