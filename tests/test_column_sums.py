@@ -4,6 +4,8 @@ each program summing one chunk of rows into a [chunks, N] buffer, then a small k
 chunks; before, a kernel of their own read the rows from memory again (layer_norm / rms_norm
 backward at (32768, 4096): 1.67x the minimal bytes)."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -101,3 +103,58 @@ def test_elementwise_gradient_is_stored_by_its_column_sums_kernel():
     z_bytes = 2048 * 64 * 8
     assert first.bytes_moved < 3 * z_bytes * 1.05, first.bytes_moved   # z, grad in; z's gradient out
     assert second.bytes_moved < 0.05 * z_bytes
+
+
+# A (B, T, C) activation (a transformer's): the weight gradients sum over B and T, as the (B*T, C) rows.
+BATCH, SEQ = 4, ROWS // 4
+
+
+def layer_norm_3d(x, w, b):
+    return F.layer_norm(x, (COLS,), w, b)
+
+
+def rms_norm_3d(x, w):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+
+def _args_3d(n, dtype=torch.float32):
+    torch.manual_seed(0)
+    return [torch.randn(BATCH, SEQ, COLS, dtype=dtype, requires_grad=True)] + \
+        [torch.randn(COLS, dtype=dtype, requires_grad=True) for _ in range(n)]
+
+
+@pytest.mark.parametrize("fn,n", [(layer_norm_3d, 2), (rms_norm_3d, 1)], ids=["layer_norm", "rms_norm"])
+def test_3d_norm_weight_gradients_beside_the_rows_match_eager(fn, n):
+    check_parity(fn, _args_3d(n), tol=TOL, grad_seed=torch.randn(BATCH, SEQ, COLS))
+
+
+@pytest.mark.parametrize("fn,n", [(layer_norm_3d, 2), (rms_norm_3d, 1)], ids=["layer_norm", "rms_norm"])
+def test_3d_norm_backward_reads_its_rows_once(fn, n):
+    """The sums over B and T of a (B, T, C) norm's backward: computed beside the rows as the 2-D ones
+    (was: a kernel of their own re-reading x and grad, 1.67x the minimal bytes)."""
+    report = compiler.explain(fn, *_args_3d(n))
+    rows, *small = report.backward_kernels
+    assert len(report.backward_kernels) == 2, report
+    assert rows.source.count("for xoffset") == 1 and "cacc0" in rows.source
+    activation = ROWS * COLS * 4
+    assert rows.bytes_moved < 3 * activation * 1.1, rows.bytes_moved
+    assert small[0].bytes_moved < activation * 0.1
+
+
+def _launch_shape(kernel):
+    """(xnumel, XBLOCK, RBLOCK) of a kernel's source."""
+    def number(pattern):
+        return int(re.search(pattern, kernel.source).group(1))
+    return number(r"xmask = xindex < (\d+)"), number(r"XBLOCK_DEFAULT = (\d+)"), number(r"RBLOCK_DEFAULT = (\d+)")
+
+
+def test_3d_column_sum_without_row_sums_runs_as_the_2d_one():
+    """A bias gradient over (B, T, C) is split and tiled as the (B*T, C) one: a tile of contiguous
+    columns a program, chunks of rows, then the chunks summed."""
+    x3 = torch.randn(BATCH, SEQ, COLS, requires_grad=True)
+    x2 = x3.detach().reshape(ROWS, COLS).requires_grad_()
+    three = compiler.explain(lambda x: (x * 2).sum((0, 1)), x3).forward_kernels
+    two = compiler.explain(lambda x: (x * 2).sum(0), x2).forward_kernels
+    assert len(three) == len(two) == 2
+    assert [_launch_shape(k) for k in three] == [_launch_shape(k) for k in two]
+    check_parity(lambda x: (x * 2).sum((0, 1)), [x3], tol=TOL)
