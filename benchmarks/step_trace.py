@@ -152,13 +152,17 @@ def trace_workload(name: str, size, dtype: torch.dtype) -> WorkloadTrace:
     def record(step, launch):
         tracer.launches.append(OurLaunch(tracer.phase, launch, step.bytes_moved))
 
+    def combo(launch):   # the fused optimizer step's kernels: priced by their bytes, among the other ops
+        if tracer.ops is not None:
+            tracer.ops.append(Op(tracer.phase, "fused_optimizer_step", launch.bytes_moved, 0.0, None))
+
     def traced_step(fn, launches):
         # NOTE: the second of two steps is traced: the first makes what later steps reuse
         # (our replay's stand-in tensors, made once per region).
         for ops in (None, []):
             _reset_grads(args, training)
             tracer.phase, tracer.ops, tracer.launches = "forward", ops, []
-            with amp(), (recorded_launches(record) if launches else contextlib.nullcontext()):
+            with amp(), (recorded_launches(record, on_combo=combo) if launches else contextlib.nullcontext()):
                 out = case.step(fn, args)
         return out
 
