@@ -86,20 +86,37 @@ def _layer_norm_backward_kernels(args, out):
     dy, x, _shape, mean, rstd, weight = args[:6]
     mask = args[7] if len(args) > 7 else (True, True, True)
     grad_x, grad_w, grad_b = (out[k] if mask[k] else None for k in range(3))
-    stats = [t for t in (mean, rstd) if isinstance(t, torch.Tensor)]
+    stats = sum(_cuda_stats_bytes(t) for t in (mean, rstd) if isinstance(t, torch.Tensor))
     kernels = []
-    for reads, writes in (([dy, x, *stats, weight], [grad_x]), ([dy, x, *stats], [grad_w, grad_b])):
+    for reads, writes in (([dy, x, weight], [grad_x]), ([dy, x], [grad_w, grad_b])):
         writes = [t for t in writes if isinstance(t, torch.Tensor)]
         if writes:
             reads = [t for t in reads if isinstance(t, torch.Tensor)]
             moved = sum(distinct_bytes(t) for t in _unique(reads)) + sum(distinct_bytes(t) for t in _unique(writes))
-            kernels.append((moved, 0.0, None))
+            kernels.append((moved + stats, 0.0, None))
     return kernels
 
 
-# Operators whose CUDA implementation runs several kernels, each reading the inputs again (the
-# others are priced as one pass: their inputs read once, outputs written once).
-_SEVERAL_KERNELS = {"native_layer_norm_backward": _layer_norm_backward_kernels}
+def _layer_norm_kernels(args, out):
+    """``native_layer_norm``: one kernel, whose mean and rstd are float32 on CUDA for a bfloat16 or
+    float16 input (``layer_norm_cuda``: ``at::empty({M}, X->options().dtype(acc_type))``), where
+    the CPU op traced here returns them in the input's dtype."""
+    y, mean, rstd = out
+    reads = [t for t in args if isinstance(t, torch.Tensor)]
+    moved = sum(distinct_bytes(t) for t in _unique(reads)) + distinct_bytes(y)
+    return [(moved + _cuda_stats_bytes(mean) + _cuda_stats_bytes(rstd), 0.0, None)]
+
+
+def _cuda_stats_bytes(t: torch.Tensor) -> int:
+    """Bytes of a norm's saved statistic on CUDA: float32 (its accumulation type) for a narrower float."""
+    return t.numel() * max(t.element_size(), 4)
+
+
+# Operators whose CUDA implementation runs several kernels, each reading the inputs again, or whose
+# CUDA outputs differ from the CPU op traced (the others are priced as one pass: their inputs read
+# once, outputs written once).
+_SEVERAL_KERNELS = {"native_layer_norm_backward": _layer_norm_backward_kernels,
+                    "native_layer_norm": _layer_norm_kernels}   # one kernel, but CUDA's statistics
 
 
 def op_cost(func, args, kwargs, out) -> tuple[int, float, torch.dtype | None]:

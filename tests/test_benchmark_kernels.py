@@ -92,6 +92,15 @@ def test_eager_layer_norm_backward_is_priced_as_its_two_cuda_kernels():
     assert roofline.op_kernels(torch.ops.aten.neg.default, (a,), {}, -a) == [(2 * a.nbytes, 0.0, None)]
 
 
+def test_eager_layer_norm_statistics_are_priced_in_float32_as_on_cuda():
+    """CPU's bf16 layer norm returns bf16 mean and rstd; CUDA's are float32 (its accumulation type)."""
+    x, w, b = (t.to(torch.bfloat16) for t in (torch.randn(64, 32), torch.randn(32), torch.randn(32)))
+    func = torch.ops.aten.native_layer_norm.default
+    args = (x, [32], w, b, 1e-5)
+    (moved, _, _), = roofline.op_kernels(func, args, {}, func(*args))
+    assert moved == 2 * x.nbytes + w.nbytes + b.nbytes + 2 * 64 * 4
+
+
 SIGNATURE = {"in0_ptr": "*fp32", "in0_s0": "i32", "in0_s1": "i32", "out0_ptr": "*fp32",
              "XBLOCK": "constexpr", "RBLOCK": "constexpr"}
 KERNEL = f'''import triton
