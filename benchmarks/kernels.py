@@ -143,7 +143,8 @@ def markdown(doc: dict) -> str:
         ratio = r["bytes"] / r["min_bytes"] if r["min_bytes"] else float("nan")
         out.append(f"| {name} | {r['phase']} | {r['kernels']} + {r['other_ops']} | {_mb(r['bytes'])} | "
                    f"{_mb(r['min_bytes'])} | {ratio:.2f} | {r['eager_ops']} | {_mb(r['eager_bytes'])} | "
-                   f"{r['ours_us']:.1f} | {r['eager_us']:.1f} | {r['speedup']:.2f} |")
+                   f"{r['ours_us']:.1f} | {r['eager_us']:.1f} | "
+                   f"{'-' if r['speedup'] is None else format(r['speedup'], '.2f')} |")
     out += ["", "## Kernels", "",
             "| workload | phase | kernel | grid | XBLOCK×RBLOCK | warps | regs | spill B | vector loads | MB | µs |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -185,12 +186,13 @@ def main(argv=None):
     parser.add_argument("--processes", type=int, default=2, help="sm_90 compile workers (default: %(default)s)")
     args = parser.parse_args(argv)
     doc = run(args.size, args.dtype, args.only.split(",") if args.only else None, args.processes)
-    text = markdown(doc)
     if args.json:
         _write(args.json, json.dumps(doc, indent=1))
-    if args.out:
-        stem = os.path.join(args.out, f"kernels-{args.size}-{args.dtype}")
-        _write(stem + ".json", json.dumps(doc, indent=1))
+    stem = args.out and os.path.join(args.out, f"kernels-{args.size}-{args.dtype}")
+    if stem:
+        _write(stem + ".json", json.dumps(doc, indent=1))   # before the table: a long run's data is kept
+    text = markdown(doc)
+    if stem:
         _write(stem + ".md", text)
         print(f"wrote {stem}.md and .json", file=sys.stderr)
     print(text)

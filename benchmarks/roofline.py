@@ -68,6 +68,57 @@ def launches_kernel(func, args, out) -> bool:
     return not outputs or not all(t.untyped_storage().data_ptr() in inputs for t in outputs)
 
 
+def op_kernels(func, args, kwargs, out) -> list[tuple[int, float, torch.dtype | None]]:
+    """(bytes, flops, matmul dtype) of each kernel an aten operator launches on a GPU: one
+    (``op_cost``) for all but the operators in ``_SEVERAL_KERNELS``, whose CUDA implementation is
+    known to run several kernels that each read their inputs (see there)."""
+    several = _SEVERAL_KERNELS.get(func._overloadpacket.__name__)
+    kernels = several(args, out) if several else None
+    return kernels or [op_cost(func, args, kwargs, out)]
+
+
+def _layer_norm_backward_kernels(args, out):
+    """``native_layer_norm_backward(dY, X, shape, mean, rstd, weight, bias, mask)`` on CUDA
+    (aten/src/ATen/native/cuda/layer_norm_kernel.cu, ``LayerNormBackwardKernelImplInternal``) runs
+    one kernel for dX (``layer_norm_grad_input_kernel[_vectorized]``: reads dY, X, mean, rstd,
+    weight) and another for dweight and dbias (``GammaBetaBackward*CUDAKernel``: reads dY, X, mean,
+    rstd again), each one launch; priced as one operator it would read dY and X once."""
+    dy, x, _shape, mean, rstd, weight = args[:6]
+    mask = args[7] if len(args) > 7 else (True, True, True)
+    grad_x, grad_w, grad_b = (out[k] if mask[k] else None for k in range(3))
+    stats = sum(_cuda_stats_bytes(t) for t in (mean, rstd) if isinstance(t, torch.Tensor))
+    kernels = []
+    for reads, writes in (([dy, x, weight], [grad_x]), ([dy, x], [grad_w, grad_b])):
+        writes = [t for t in writes if isinstance(t, torch.Tensor)]
+        if writes:
+            reads = [t for t in reads if isinstance(t, torch.Tensor)]
+            moved = sum(distinct_bytes(t) for t in _unique(reads)) + sum(distinct_bytes(t) for t in _unique(writes))
+            kernels.append((moved + stats, 0.0, None))
+    return kernels
+
+
+def _layer_norm_kernels(args, out):
+    """``native_layer_norm``: one kernel, whose mean and rstd are float32 on CUDA for a bfloat16 or
+    float16 input (``layer_norm_cuda``: ``at::empty({M}, X->options().dtype(acc_type))``), where
+    the CPU op traced here returns them in the input's dtype."""
+    y, mean, rstd = out
+    reads = [t for t in args if isinstance(t, torch.Tensor)]
+    moved = sum(distinct_bytes(t) for t in _unique(reads)) + distinct_bytes(y)
+    return [(moved + _cuda_stats_bytes(mean) + _cuda_stats_bytes(rstd), 0.0, None)]
+
+
+def _cuda_stats_bytes(t: torch.Tensor) -> int:
+    """Bytes of a norm's saved statistic on CUDA: float32 (its accumulation type) for a narrower float."""
+    return t.numel() * max(t.element_size(), 4)
+
+
+# Operators whose CUDA implementation runs several kernels, each reading the inputs again, or whose
+# CUDA outputs differ from the CPU op traced (the others are priced as one pass: their inputs read
+# once, outputs written once).
+_SEVERAL_KERNELS = {"native_layer_norm_backward": _layer_norm_backward_kernels,
+                    "native_layer_norm": _layer_norm_kernels}   # one kernel, but CUDA's statistics
+
+
 def op_cost(func, args, kwargs, out) -> tuple[int, float, torch.dtype | None]:
     """(bytes, flops, matmul dtype) of one aten operator: every input read once and every output
     written once (a tensor passed twice counts once); FLOPs of matmuls and convolutions."""

@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import compiler
-from benchmarks.roofline import distinct_bytes, launches_kernel, op_cost, predicted_us
+from benchmarks.roofline import distinct_bytes, launches_kernel, op_kernels, predicted_us
 from benchmarks.sm90 import Launch, recorded_launches
 from benchmarks.workloads import WORKLOADS
 
@@ -80,8 +80,8 @@ class _Tracer(TorchDispatchMode):
         name = func._overloadpacket.__name__
         out = _allocated_like_result(func, args, kwargs) if name in _NOT_COMPUTED else func(*args, **kwargs)
         if self.ops is not None and launches_kernel(func, args, out):
-            moved, flops, dtype = op_cost(func, args, kwargs, out)
-            self.ops.append(Op(self.phase, name, moved, flops, dtype))
+            for moved, flops, dtype in op_kernels(func, args, kwargs, out):   # an Op per kernel launched
+                self.ops.append(Op(self.phase, name, moved, flops, dtype))
         return out
 
 
@@ -152,13 +152,17 @@ def trace_workload(name: str, size, dtype: torch.dtype) -> WorkloadTrace:
     def record(step, launch):
         tracer.launches.append(OurLaunch(tracer.phase, launch, step.bytes_moved))
 
+    def combo(launch):   # the fused optimizer step's kernels: priced by their bytes, among the other ops
+        if tracer.ops is not None:
+            tracer.ops.append(Op(tracer.phase, "fused_optimizer_step", launch.bytes_moved, 0.0, None))
+
     def traced_step(fn, launches):
         # NOTE: the second of two steps is traced: the first makes what later steps reuse
         # (our replay's stand-in tensors, made once per region).
         for ops in (None, []):
             _reset_grads(args, training)
             tracer.phase, tracer.ops, tracer.launches = "forward", ops, []
-            with amp(), (recorded_launches(record) if launches else contextlib.nullcontext()):
+            with amp(), (recorded_launches(record, on_combo=combo) if launches else contextlib.nullcontext()):
                 out = case.step(fn, args)
         return out
 

@@ -55,7 +55,7 @@ class KernelPlan:
     def takes_column(self, node: fx.Node, value: fx.Node, chunks: int, buffers) -> bool:
         """Whether this kernel, over rows of ``value``'s shape held whole, can also compute ``node``,
         a chunk's column sums of ``value``, in each program (``split_column_sum``)."""
-        if tuple(self.shape) != tuple(meta_of(value).shape) or tuple(self.reduce_dims) != (1,):
+        if tuple(self.shape) != tuple(meta_of(value).shape) or tuple(self.reduce_dims) != (len(self.shape) - 1,):
             return False
         if meta_of(node).dtype.is_complex:
             return False
@@ -64,7 +64,7 @@ class KernelPlan:
         return self.persistent_with(self.reduce_dims, node, buffers)
 
     def loops_over_chunks(self, value: fx.Node, chunks: int) -> bool:
-        """Whether this elementwise kernel over ``value``'s shape (M, N) can run as the kernel of the
+        """Whether this elementwise kernel over ``value``'s shape (..., N) can run as the kernel of the
         column sums of chunks of ``value``'s rows: a loop over each chunk's rows for a tile of
         columns, storing its elements at each (the complex gate's backward: the input's gradient and
         the gain's and bias's column sums of values computed from it, in one pass)."""
@@ -165,7 +165,8 @@ COLUMN_CHUNK_MIN_ROWS = 16   # a column sum shares its rows' kernel when each pr
 
 
 def _row_kernel_chunks(graph: fx.Graph, x: fx.Node, dims) -> int | None:
-    """How many chunks of rows to split ``x.sum(0)`` into so that the kernel that reduces the rows of
+    """How many chunks of rows to split ``x.sum(0)`` (of a (B, T, N) ``x``: ``x.sum((0, 1))``, its B*T
+    rows) into so that the kernel that reduces the rows of
     ``x``'s shape (a norm's backward: its row sums and input gradient) computes the column sums too,
     one chunk a program, instead of a kernel of its own reading the rows again (dgamma, dbeta); None
     when no such kernel is expected: ``x`` (M, N) computed inline or an input, rows that
@@ -174,21 +175,25 @@ def _row_kernel_chunks(graph: fx.Graph, x: fx.Node, dims) -> int | None:
     second kernel, as Apex's and Triton's tutorial layer-norm backwards do (each program accumulates
     its rows' dgamma into a buffer, reduced by a second kernel)."""
     shape = tuple(meta_of(x).shape)
-    if len(shape) != 2 or tuple(dims) != (0,) or kind_of(x) not in INLINE_KINDS + ("input",) or \
+    last = len(shape) - 1
+    if last < 1 or tuple(dims) != tuple(range(last)) or kind_of(x) not in INLINE_KINDS + ("input",) or \
             meta_of(x).dtype.is_complex:
         return None
-    if not fits_one_block(shape, (1,)):
+    if not fits_one_block(shape, (last,)):
         return None
-    if not any(kind_of(n) == "reduction" and tuple(n.kwargs["dims"]) == (1,) and
+    if not any(kind_of(n) == "reduction" and tuple(n.kwargs["dims"]) == (last,) and
                tuple(meta_of(n.args[0]).shape) == shape for n in graph.nodes):
         return None
-    return next((k for k in range(MIN_PROGRAMS, shape[0] // COLUMN_CHUNK_MIN_ROWS + 1) if shape[0] % k == 0), None)
+    rows = numel(shape[:-1])
+    return next((k for k in range(MIN_PROGRAMS, rows // COLUMN_CHUNK_MIN_ROWS + 1) if rows % k == 0), None)
 
 
 def split_column_sum(graph: fx.Graph, node: fx.Node, chunks: int) -> None:
-    """``node`` (a sum over dim 0 of an (M, N) value) as the sum of ``chunks`` partial column sums."""
+    """``node`` (a sum over all dims but the last of an (M, N) or (..., N) value) as the sum of ``chunks``
+    partial column sums."""
     x = node.args[0]
-    rows, cols = meta_of(x).shape
+    shape = meta_of(x).shape
+    rows, cols = numel(shape[:-1]), shape[-1]
     b = GraphBuilder(graph)
     with graph.inserting_before(node):
         chunked = C.emit_view(b, "reshape", x, shape=(chunks, rows // chunks, cols))
@@ -203,7 +208,7 @@ def split_column_sum(graph: fx.Graph, node: fx.Node, chunks: int) -> None:
 
 def _column_partial(node: fx.Node):
     """(value, chunks) when ``node`` is a chunk's column sums made by ``split_column_sum``: a sum over
-    dim 1 of an (M, N) value reshaped to (chunks, M / chunks, N)."""
+    dim 1 of an (M, N) value (or (..., N), M rows in all) reshaped to (chunks, M / chunks, N)."""
     if kind_of(node) != "reduction" or node.target.name != "sum" or tuple(node.kwargs["dims"]) != (1,):
         return None
     view = node.args[0]
@@ -211,10 +216,10 @@ def _column_partial(node: fx.Node):
         return None
     value = view.args[0]
     shape, chunked = tuple(meta_of(value).shape), tuple(meta_of(view).shape)
-    if len(shape) != 2 or len(chunked) != 3:
+    if len(shape) < 2 or len(chunked) != 3:
         return None
     chunks, rows, cols = chunked
-    if shape != (chunks * rows, cols):
+    if (numel(shape[:-1]), shape[-1]) != (chunks * rows, cols):
         return None
     return value, chunks
 

@@ -75,6 +75,32 @@ def test_op_cost_counts_inputs_once_outputs_once_and_matmul_flops():
     assert roofline.launches_kernel(torch.ops.aten.add_.Tensor, (x, x), x)
 
 
+def test_eager_layer_norm_backward_is_priced_as_its_two_cuda_kernels():
+    """dX, then dweight and dbias in a kernel that reads dY and X again (layer_norm_kernel.cu)."""
+    x, w, b = torch.randn(64, 32), torch.randn(32), torch.randn(32)
+    y, mean, rstd = torch.ops.aten.native_layer_norm.default(x, [32], w, b, 1e-5)
+    dy = torch.randn_like(y)
+    func = torch.ops.aten.native_layer_norm_backward.default
+    args = (dy, x, [32], mean, rstd, w, b, [True, True, True])
+    out = func(*args)
+    dx_kernel, dw_kernel = roofline.op_kernels(func, args, {}, out)
+    assert dx_kernel[0] == dy.nbytes + x.nbytes + mean.nbytes + rstd.nbytes + w.nbytes + dy.nbytes
+    assert dw_kernel[0] == dy.nbytes + x.nbytes + mean.nbytes + rstd.nbytes + 2 * w.nbytes
+    args = (dy, x, [32], mean, rstd, w, b, [True, False, False])          # no weight gradients asked
+    assert len(roofline.op_kernels(func, args, {}, func(*args))) == 1
+    a = torch.randn(8, 16)
+    assert roofline.op_kernels(torch.ops.aten.neg.default, (a,), {}, -a) == [(2 * a.nbytes, 0.0, None)]
+
+
+def test_eager_layer_norm_statistics_are_priced_in_float32_as_on_cuda():
+    """CPU's bf16 layer norm returns bf16 mean and rstd; CUDA's are float32 (its accumulation type)."""
+    x, w, b = (t.to(torch.bfloat16) for t in (torch.randn(64, 32), torch.randn(32), torch.randn(32)))
+    func = torch.ops.aten.native_layer_norm.default
+    args = (x, [32], w, b, 1e-5)
+    (moved, _, _), = roofline.op_kernels(func, args, {}, func(*args))
+    assert moved == 2 * x.nbytes + w.nbytes + b.nbytes + 2 * 64 * 4
+
+
 SIGNATURE = {"in0_ptr": "*fp32", "in0_s0": "i32", "in0_s1": "i32", "out0_ptr": "*fp32",
              "XBLOCK": "constexpr", "RBLOCK": "constexpr"}
 KERNEL = f'''import triton

@@ -76,5 +76,5 @@ def test_starved_reductions_are_split_to_fill_the_gpu(shape, dim):
 
 def test_column_sums_load_vectors_of_contiguous_columns():
     x = torch.randn(4096, 1024)
-    (first, result), *_ = _compiled(_launches(lambda x: x.sum(0), x))
+    (first, result), = _compiled(_launches(lambda x: x.sum(0), x)[:1])   # the column sums' chunks (not their sum)
     assert first.constexprs["XBLOCK"] >= 32 and result["vector_loads"] == result["loads"], (first, result)

@@ -10,6 +10,7 @@ import torch
 import compiler
 from compiler import tiling
 from tests.parity import check_parity
+from tests.small_grids import fewer_programs
 
 # enough rows that the reductions are not split (tiling.MIN_PROGRAMS programs), rows past one
 # ordinary block and not a power of two (a masked tail in the block)
@@ -20,20 +21,34 @@ assert tiling.PERSISTENT_MAX < COLS <= tiling.LONG_ROW_MAX
 TOL = {torch.float32: dict(rtol=1e-4, atol=2e-5), torch.bfloat16: dict(rtol=2e-2, atol=5e-2)}
 
 
-def _input(dtype):
+def _rows(monkeypatch) -> int:
+    """Rows for a value test: enough that its reductions are not split at the MIN_PROGRAMS in effect
+    (lowered by tests/small_grids.py, so the interpreter runs 16 long rows, not 264)."""
+    return max(16, fewer_programs(monkeypatch))
+
+
+def _input(dtype, rows=ROWS):
     torch.manual_seed(0)
-    x = torch.randn(ROWS, COLS, dtype=torch.float64) * 3
-    x[torch.rand(ROWS, COLS) < 0.1] = float("-inf")   # masked entries
+    x = torch.randn(rows, COLS, dtype=torch.float64) * 3
+    x[torch.rand(rows, COLS) < 0.1] = float("-inf")   # masked entries
     x[7, 5990:] = 40.0                                  # the max at the end of the row
     return x.to(dtype).requires_grad_()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("op", ["softmax", "log_softmax"])
-def test_long_row_values_and_gradients_match_eager(op, dtype):
-    fn = getattr(torch, op)
-    check_parity(lambda x: fn(x, -1), [_input(dtype)], tol=TOL[dtype],
-                 grad_seed=torch.randn(ROWS, COLS, dtype=torch.float64).to(dtype))
+def test_long_row_values_and_gradients_match_eager(op, dtype, monkeypatch):
+    fn, rows = getattr(torch, op), _rows(monkeypatch)
+    _assert_kernels(lambda x: fn(x, -1), _input(dtype, rows), [1, 1], row_loops=0)
+    check_parity(lambda x: fn(x, -1), [_input(dtype, rows)], tol=TOL[dtype],
+                 grad_seed=torch.randn(rows, COLS, dtype=torch.float64).to(dtype))
+
+
+def _assert_kernels(fn, x, counts, row_loops):
+    """The path a value test checks: kernels a phase, and loops over the row in each."""
+    report = compiler.explain(fn, x)
+    assert [len(report.forward_kernels), len(report.backward_kernels)] == counts, report
+    assert all(k.source.count("for roffset") == row_loops for k in report.forward_kernels + report.backward_kernels)
 
 
 @pytest.mark.parametrize("op", ["softmax", "log_softmax"])
@@ -46,13 +61,15 @@ def test_long_row_softmax_is_one_kernel_per_phase(op):
     assert f"NUM_WARPS = {tiling.LONG_ROW_WARPS}" in source and "for roffset" not in source
 
 
-def test_long_row_max_propagates_nan_as_eager():
+def test_long_row_max_propagates_nan_as_eager(monkeypatch):
     """A long row's max is one NaN-propagating reduction (codegen/reductions.py): a NaN anywhere in
     a row makes its softmax NaN, as eager's; an infinite row too."""
-    x = _input(torch.float32).detach()
+    rows = _rows(monkeypatch)
+    x = _input(torch.float32, rows).detach()
     x[3, 17], x[9, 5999], x[11, :] = float("nan"), float("nan"), float("inf")
-    check_parity(lambda x: torch.softmax(x, -1), [x.requires_grad_()], tol=TOL[torch.float32],
-                 grad_seed=torch.randn(ROWS, COLS))
+    _assert_kernels(lambda x: torch.softmax(x, -1), x.requires_grad_(), [1, 1], row_loops=0)
+    check_parity(lambda x: torch.softmax(x, -1), [x], tol=TOL[torch.float32],
+                 grad_seed=torch.randn(rows, COLS))
 
 
 def _looped(monkeypatch):
@@ -85,9 +102,10 @@ def test_rows_past_the_register_file_loop_twice_in_one_kernel(monkeypatch):
 @pytest.mark.parametrize("op", ["softmax", "log_softmax"])
 def test_rows_looped_twice_give_eager_values_and_gradients(op, dtype, monkeypatch):
     _looped(monkeypatch)
-    fn = getattr(torch, op)
-    check_parity(lambda x: fn(x, -1), [_input(dtype)], tol=TOL[dtype],
-                 grad_seed=torch.randn(ROWS, COLS, dtype=torch.float64).to(dtype))
+    fn, rows = getattr(torch, op), _rows(monkeypatch)
+    _assert_kernels(lambda x: fn(x, -1), _input(dtype, rows), [1, 1], row_loops=2)
+    check_parity(lambda x: fn(x, -1), [_input(dtype, rows)], tol=TOL[dtype],
+                 grad_seed=torch.randn(rows, COLS, dtype=torch.float64).to(dtype))
 
 
 def test_rows_past_l2_take_a_second_kernel(monkeypatch):

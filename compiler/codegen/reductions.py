@@ -11,7 +11,7 @@ from __future__ import annotations
 from compiler.codegen.kernel_text import TL_DTYPE, arange, broadcast_index, contiguous_offset, masked
 from compiler.codegen.triton_printer import NotPrintable, literal
 from compiler.fusion import kind_of
-from compiler.ir import compute_dtype, meta_of
+from compiler.ir import compute_dtype, meta_of, numel
 
 
 class ReductionWriter:
@@ -113,7 +113,7 @@ class ReductionWriter:
         """Rows each program of a kernel with column sums takes (``loop_over_chunk``)."""
         chunks = {c for _, c in self.plan.columns.values()}
         assert len(chunks) == 1, chunks
-        return self.plan.shape[0] // chunks.pop()
+        return numel(self.plan.shape[:-1]) // chunks.pop()     # the rows of (..., N)
 
     def _reduced_index(self, root):
         kept = [d for d in range(len(self.plan.shape)) if d not in self.plan.reduce_dims]
@@ -125,11 +125,17 @@ class ReductionWriter:
     def store_root(self, root, out: str):
         """Store a pointwise root at the current elements (contiguous output). A root of shape (M, N)
         in a kernel over its rows' chunks (chunks, M / chunks, N) (``fusion.KernelPlan.loops_over_chunks``)
-        is read at row chunk * (M / chunks) + row: the same contiguous offset."""
+        is read at row chunk * (M / chunks) + row: the same contiguous offset; one of shape (..., N)
+        at that row's index among its leading dims."""
         index = self.base_index
-        if tuple(meta_of(root).shape) != tuple(self.plan.shape):
+        shape = tuple(meta_of(root).shape)
+        if shape != tuple(self.plan.shape):
             (chunk, row, col), rows = index, self.plan.shape[1]
-            index = (f"({chunk}) * {rows} + ({row})", col)
+            flat, index = f"(({chunk}) * {rows} + ({row}))", [col]
+            for d in reversed(range(1, len(shape) - 1)):    # row-major: the last leading dim varies fastest
+                index.insert(0, f"({flat} % {shape[d]})")
+                flat = f"({flat} // {shape[d]})"
+            index = (flat, *index)
         var, have = self.value(root, index)
         dtype = meta_of(root).dtype
         var = self.cast(var, have, dtype)
