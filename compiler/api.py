@@ -10,6 +10,7 @@ import torch.fx as fx
 
 from compiler.build import build_region
 from compiler.capture import RecordingFailed, capture
+from compiler.capture_calls import VALUE_READS
 from compiler.optimizers import compile_optimizer_steps
 from compiler.codegen.triton_printer import NotPrintable
 from compiler.bindings import Unsupported
@@ -87,8 +88,9 @@ def _build(fn, args, kwargs, *, fullgraph=False, stats=None, memory="balanced"):
         return failed.result, Entry(None, report)
     fallbacks = list(trace.fallbacks)
     internal_errors = list(trace.internal_errors)
-    if fullgraph and (fallbacks or internal_errors):
-        raise CompileError(f"{name} cannot be compiled whole: " + "; ".join(fallbacks + internal_errors))
+    if fullgraph and (fallbacks or internal_errors or trace.graph_breaks):
+        raise CompileError(f"{name} cannot be compiled whole: "
+                           + "; ".join(fallbacks + internal_errors + trace.graph_breaks))
     regions, kernels = [], []
     for index, plan in enumerate(trace.regions):
         captured = _copy(plan.graph)
@@ -134,12 +136,14 @@ def _build(fn, args, kwargs, *, fullgraph=False, stats=None, memory="balanced"):
     trace.recorded_optimizer_steps = []  # (consumed)
     kernels.extend(optimizer_kernels)
     fallbacks.extend(optimizer_reasons)
-    eager_calls = list(dict.fromkeys(function_name(c.func) for c in trace.calls if c.kind == "eager"))
+    # (a value read into Python is a graph break, listed apart: not an eager op)
+    eager_calls = list(dict.fromkeys(function_name(c.func) for c in trace.calls
+                                     if c.kind == "eager" and getattr(c.func, "__name__", "") not in VALUE_READS))
     report = Report(
         graph=_merged_graph(regions),
         backward_graph=next((r["backward_graph"] for r in regions if r.get("backward_graph") is not None), None),
         kernels=kernels, fallbacks=fallbacks, eager_calls=eager_calls, regions=regions,
-        internal_errors=internal_errors)
+        internal_errors=internal_errors, graph_breaks=list(trace.graph_breaks))
     return result, Entry(trace, report)
 
 

@@ -126,8 +126,8 @@ class CompiledFunction:
         self.last_entry = entry
         # NOTE: one divergence records nothing (an optimizer step every few calls leaves the
         # recording only for its eager tail); two in a row mean the path changed: record it.
-        if mode.diverged and entry.diverged_last:
-            self.needs_variant.add(key)
+        if mode.diverged and (entry.diverged_last or mode.path_changed):
+            self.needs_variant.add(key)  # (a guarded bool that no recording read: a new branch, record it)
         entry.diverged_last = bool(mode.diverged)
         if mode.diverged:
             self.last_backend = f"{backend}, then eager (the call left its recording)"
