@@ -28,7 +28,7 @@ STORAGE_CALLS = {torch.Tensor.untyped_storage, torch.as_strided}
 # (no math of the model's). (`torch.device(...)` is metadata: runtime.torch_functions.)
 AMP_STATE_CALLS = {torch._amp_update_scale_, torch._amp_foreach_non_finite_check_and_unscale_}
 VALUE_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "__format__",
-               "__repr__", "__str__", "__array__"}
+               "__repr__", "__str__", "__array__", "equal", "allclose", "is_nonzero", "__contains__"}
 
 
 def value_read_break(func, value) -> str:

@@ -237,3 +237,15 @@ def test_a_mask_check_reads_only_the_bool():
 def test_max_pool_ceil_mode_dilation_and_indices(dims, shape, options):
     pool = getattr(F, f"max_pool{dims}d")
     check(lambda x: pool(x, **options), randn(*shape, dtype=torch.float64))
+
+
+# ----------------------------------------------------------------------------- x.long(), x.half(), ...
+@pytest.mark.parametrize("name", ["half", "bfloat16", "long", "int", "short", "char", "bool", "cfloat", "cdouble"])
+def test_dtype_shorthand_casts_compile(name):
+    """``x.long()``, ``x.bool()``, ``x.half()``... are casts, as ``x.to(dtype)`` (they fell back)."""
+    x = randn(5, 3, dtype=torch.float64).detach() * 4
+    if name in ("long", "int", "short", "char", "bool"):
+        check(lambda x: getattr(x * 2, name)().to(torch.float64) * 3, x)
+    else:
+        check(lambda x: (getattr(x * 2, name)() * 3).abs().to(torch.float64), x.requires_grad_(),
+              tol=dict(rtol=1e-2, atol=1e-2))

@@ -82,6 +82,24 @@ def test_both_branches_recorded_then_replayed_by_the_bool():
     assert compiled.stats["kernel_launches"] > launches
 
 
+@pytest.mark.parametrize("read", [lambda y: torch.equal(y, y.clamp(min=0)), lambda y: bool((y > 0).all()),
+                                  lambda y: torch.allclose(y, y.abs()), lambda y: 0 in (y > 0).long()],
+                         ids=["equal", "bool", "allclose", "contains"])
+def test_bool_reads_are_guarded(read):
+    def f(x):
+        y = x * 2
+        if read(y):
+            return y + 1
+        return y - 1
+
+    compiled = compiler.compile(f, backend="interpret")
+    report = compiler.explain(f, torch.ones(3))
+    assert report.fallbacks == [] and len(report.graph_breaks) == 1
+    for x in (torch.ones(3), torch.ones(3), -torch.ones(3), -torch.ones(3), torch.ones(3), -torch.ones(3)):
+        torch.testing.assert_close(compiled(x), f(x))
+    assert compiled.stats["captures"] == 2
+
+
 def test_a_number_read_is_not_guarded():
     """``loss.item()`` for a log line changes every call: a graph break, not a reason to leave
     the recording (a number that flows into a later call is checked there as a constant)."""
