@@ -74,8 +74,6 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         self.isolate: set = set()    # calls whose result's grad_fn the user reads: run eagerly
         self.split_after: set = set()  # calls whose result backward takes as `inputs`: a region ends there
         self.call_meta: dict = {}    # call index -> (input TensorMetas by value id, output metas)
-        self.modules: ModulesRun | None = None  # which modules run (capture() sets it)
-        self.no_grad_in_forward = False  # a module's forward turned grad off itself (@torch.no_grad)
 
     # -- value ids -----------------------------------------------------------------------
     def _new_id(self, t: torch.Tensor) -> ValueId:
@@ -172,10 +170,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         # NOTE: math the function itself runs under no_grad (an optimizer's update, with a
         # step size that changes every step; a custom autograd.Function's forward) runs
         # eagerly by design, not as a fallback; a whole call made under no_grad compiles.
-        by_design = binding is not None and not torch.is_grad_enabled() and self.entry_grad_mode \
-            and not self._model_constants_under_no_grad(leaves)
-        if func is torch._C._set_grad_enabled and args:
-            self.no_grad_in_forward = not args[0] and self.modules is not None and self.modules.depth > 0
+        by_design = binding is not None and not torch.is_grad_enabled() and self.entry_grad_mode
         if by_design:
             binding = None
         if binding is not None:
@@ -268,16 +263,6 @@ class Capture(InPlaceTracking, TorchFunctionMode):
             self.calls.append(call)
             if reason:
                 self.breaks.append(reason)
-
-    def _model_constants_under_no_grad(self, leaves) -> bool:
-        """Whether this call is a model's own math under a ``no_grad`` its module's forward turned
-        on (a rotary embedding's cos/sin from its ``inv_freq`` buffer, under ``@torch.no_grad``)
-        that reads nothing requiring grad: it compiles, as a region without autograd.
-        (Math under no_grad elsewhere — an optimizer's update, whose step size changes every
-        step; a custom autograd.Function's forward — keeps running eagerly by design.)"""
-        if not self.no_grad_in_forward or self.modules is None or self.modules.depth == 0:
-            return False
-        return not any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves)
 
     def _emit(self, func, binding, args, kwargs, leaves, recorded, out_tensors):
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
@@ -566,9 +551,7 @@ def capture(fn, args, kwargs):
     modules = ModulesRun()
     steps = OptimizerSteps(mode)
     optimizer_steps = StepRecorder(mode)  # which optimizer each step was, to compile it (compiler.optimizers)
-    mode.modules = modules
     handles = [torch.nn.modules.module.register_module_forward_pre_hook(modules),
-               torch.nn.modules.module.register_module_forward_hook(modules.finished, always_call=True),
                register_optimizer_step_pre_hook(steps.begin),
                register_optimizer_step_post_hook(steps.end),
                register_optimizer_step_pre_hook(optimizer_steps.begin)]

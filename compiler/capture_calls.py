@@ -147,20 +147,11 @@ class ModulesRun:
         self.thread = threading.get_ident()
         self.seen: set = set()
         self.modes: list = []
-        self.depth = 0  # modules whose forward is running now (a model's math, not an update)
 
     def __call__(self, module, args):
-        if threading.get_ident() != self.thread:
-            return
-        self.depth += 1
-        if id(module) not in self.seen:
+        if threading.get_ident() == self.thread and id(module) not in self.seen:
             self.seen.add(id(module))
             self.modes.append((weakref.ref(module), module.training))
-
-    def finished(self, module, args, output):
-        """The global forward hook (``always_call``): that module's forward returned or raised."""
-        if threading.get_ident() == self.thread and self.depth > 0:
-            self.depth -= 1
 
 
 def python_references(t: torch.Tensor) -> int:
