@@ -146,7 +146,7 @@ class Hypot(Primitive, sympy.Function):
 
     nargs = 2
     torch_fn = torch.hypot
-    user_op = False  # emitted by the hypot op and by complex |z|, sgn and log
+    # (the op hypot, compiler.math.hypot in user ops, and complex |z|, sgn and log)
 
     def fdiff(self, argindex=1):
         return self.args[argindex - 1] / self
