@@ -11,6 +11,7 @@ import torch.fx as fx
 
 from compiler.build import build_region
 from compiler.capture import RecordingFailed, capture
+from compiler.capture_calls import VALUE_READS
 from compiler.optimizers import compile_optimizer_steps, fused_call_indices
 from compiler.codegen.triton_printer import NotPrintable
 from compiler.bindings import Unsupported
@@ -91,8 +92,9 @@ def _build(fn, args, kwargs, *, fullgraph=False, stats=None, memory="balanced"):
         return failed.result, Entry(None, report)
     fallbacks = list(trace.fallbacks)
     internal_errors = list(trace.internal_errors)
-    if fullgraph and (fallbacks or internal_errors):
-        raise CompileError(f"{name} cannot be compiled whole: " + "; ".join(fallbacks + internal_errors))
+    if fullgraph and (fallbacks or internal_errors or trace.graph_breaks):
+        raise CompileError(f"{name} cannot be compiled whole: "
+                           + "; ".join(fallbacks + internal_errors + trace.graph_breaks))
     regions, kernels = [], []
     for reason in fallbacks:
         logs.fallback(name, reason)
@@ -147,13 +149,15 @@ def _build(fn, args, kwargs, *, fullgraph=False, stats=None, memory="balanced"):
     for reason in optimizer_reasons:
         logs.fallback(name, reason)
     fused = fused_call_indices(trace)  # (optimizer steps and clip_grad_norm_ run as kernels, not eagerly)
+    # (a value read into Python is a graph break, listed apart: not an eager op)
     eager_calls = list(dict.fromkeys(function_name(c.func) for i, c in enumerate(trace.calls)
-                                     if c.kind == "eager" and i not in fused))
+                                     if c.kind == "eager" and i not in fused
+                                     and getattr(c.func, "__name__", "") not in VALUE_READS))
     report = Report(
         graph=_merged_graph(regions),
         backward_graph=next((r["backward_graph"] for r in regions if r.get("backward_graph") is not None), None),
         kernels=kernels, fallbacks=fallbacks, eager_calls=eager_calls, regions=regions,
-        internal_errors=internal_errors)
+        internal_errors=internal_errors, graph_breaks=list(trace.graph_breaks))
     dumps.dump(name, report)  # (when SYMGRAD_DUMP_DIR is set)
     return result, Entry(trace, report)
 

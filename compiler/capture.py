@@ -4,7 +4,8 @@ A ``TorchFunctionMode`` sees every torch-level call. Each call runs for real (so
 call returns eager PyTorch's results) and is recorded. Calls with a binding in the op
 catalog are also appended, as catalog ops, to the graph of the current *region*; any other
 call — ``backward()``, an optimizer's in-place update, an op the catalog lacks, reading a
-value with ``.item()`` — is recorded as an eager call and closes the region.
+value with ``.item()`` (a graph break; a bool read is guarded on replay) — is recorded as an
+eager call and closes the region.
 
 After the function returns, escape analysis decides which region values must be
 materialized: those returned, read by eager calls or later regions, or still alive
@@ -24,7 +25,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from compiler.capture_calls import (FUNCTIONS, UNKEPT, UNREFERENCED, VALUE_READS, ModulesRun, OptimizerSteps,
-                                    expected_eager, gradient_inputs, inspects_node, python_references, user_frame)
+                                    expected_eager, gradient_inputs, inspects_node, python_references, user_frame,
+                                    value_read_break)
 from compiler.checkpointing import MIXED_BLOCK, CheckpointedCalls, tag_block
 from compiler.capture_regions import (InPlaceTracking, Region, ViewMutation, apply_writes, keep_overwritten_history,
                                       mark_eager_saved, map_to_nodes, saves_result)
@@ -67,7 +69,8 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         self.arg_ids: list = []
         self.produced_by: dict = {}
         self.next_id = 0
-        self.breaks: list = []       # reasons the graph was broken
+        self.breaks: list = []       # why calls run eagerly (fallbacks)
+        self.graph_breaks: list = []  # values read into Python: the regions on both sides compile
         self.entry_grad_mode = torch.is_grad_enabled()
         self.isolate: set = set()    # calls whose result's grad_fn the user reads: run eagerly
         self.split_after: set = set()  # calls whose result backward takes as `inputs`: a region ends there
@@ -186,12 +189,13 @@ class Capture(InPlaceTracking, TorchFunctionMode):
                 self.internal_errors.append(internal)
                 region = None
                 self.current = None
+        elif getattr(func, "__name__", "") in VALUE_READS:
+            # NOTE: a graph break, not a fallback: the region before ends with the value (made
+            # by its kernels), only the read runs eagerly, and what follows compiles again.
+            if not by_design and not expected_eager(func, self._reads_region_value(recorded)):
+                self.graph_breaks.append(value_read_break(func, result))
         elif not by_design and not expected_eager(func, self._reads_region_value(recorded)):
-            if getattr(func, "__name__", "") in VALUE_READS:
-                reason = (f"{function_name(func)} reads a tensor's value into Python (a graph break: the compiled "
-                          "region ends there, and the call is recorded again if the value steers control flow)")
-            else:
-                reason = f"{function_name(func)} is not supported by the compiler yet"
+            reason = f"{function_name(func)} is not supported by the compiler yet"
 
         outputs = []
         makes_views = bool(out_tensors)  # only new views (a view op: its backward saves no value)
@@ -265,7 +269,10 @@ class Capture(InPlaceTracking, TorchFunctionMode):
                 # not needed to replay it, and keeping it would keep what its closure holds
                 # (the gradients a hook saw) alive, mistaken for tensors reached from outside.
                 recorded = [UNKEPT if isinstance(x, FUNCTIONS) else x for x in recorded]
-            self.calls.append(TraceCall(func, "eager", None, spec, recorded, outputs, out_spec, reason))
+            call = TraceCall(func, "eager", None, spec, recorded, outputs, out_spec, reason)
+            if type(result) is bool and getattr(func, "__name__", "") in VALUE_READS:
+                call.guard, call.guarded = result, True  # the branch Python takes next depends on it
+            self.calls.append(call)
             if reason:
                 self.breaks.append(reason)
 
@@ -505,7 +512,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         transient = {vid: meta for vid, (ref, meta) in self.externals.items() if ref() is None}
         externals = {vid: e for vid, e in self.externals.items() if vid not in transient}
         return Trace(self.calls, plans, self.arg_ids, externals, dict(self.produced_by),
-                     list(dict.fromkeys(self.breaks)), transient=transient)
+                     list(dict.fromkeys(self.breaks)), list(dict.fromkeys(self.graph_breaks)), transient=transient)
 
 
 def _autocast_dtype(device: torch.device):

@@ -13,7 +13,7 @@ import weakref
 
 import torch
 
-from runtime.torch_functions import is_state_read
+from runtime.torch_functions import function_name, is_state_read
 
 # Eager calls that are part of a training step, not gaps in the compiled graph.
 AUTOGRAD_CALLS = {torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad,
@@ -28,7 +28,21 @@ STORAGE_CALLS = {torch.Tensor.untyped_storage, torch.as_strided}
 # (no math of the model's). (`torch.device(...)` is metadata: runtime.torch_functions.)
 AMP_STATE_CALLS = {torch._amp_update_scale_, torch._amp_foreach_non_finite_check_and_unscale_}
 VALUE_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "__format__",
-               "__repr__", "__str__", "__array__"}
+               "__repr__", "__str__", "__array__", "equal", "allclose", "is_nonzero", "__contains__"}
+
+
+def value_read_break(func, value) -> str:
+    """The graph break a read of a tensor's value into Python makes, with where and why."""
+    if type(value) is bool:
+        then = ("replay checks the bool and takes the recording of the branch it steers (a new one is "
+                "recorded for a branch not seen yet)")
+    else:
+        then = ("the value is not guarded: a number that flows into a later call as an argument is checked "
+                "there; one that only steers Python's control flow should be read as a bool")
+    return (f"{function_name(func)} reads a tensor's value into Python at {user_frame()}: the region before ends "
+            f"with the value, only the read runs eagerly and what follows compiles again; {then}")
+
+
 FUNCTIONS = (types.FunctionType, types.MethodType, functools.partial)
 UNKEPT = "<a function, not kept by the recording>"
 

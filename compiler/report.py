@@ -60,6 +60,9 @@ class Report:
     eager_calls: list                   # calls run as they are (backward(), optimizer updates)
     regions: list = field(default_factory=list)   # per region: dict of graphs and kernels
     internal_errors: list = field(default_factory=list)  # compiler bugs (ran eagerly): please report them
+    # values read into Python (``if mask.all():``, ``loss.item()``): the regions on both sides
+    # compile, only the read runs eagerly; each with where and why
+    graph_breaks: list = field(default_factory=list)
     backend: str = ""
     backend_reason: str = ""
 
@@ -110,6 +113,9 @@ class Report:
         out.append("eager calls: " + (", ".join(self.eager_calls) if self.eager_calls else "none"))
         out.append("fallbacks: " + ("none" if not self.fallbacks else ""))
         out.extend(f"  - {reason}" for reason in self.fallbacks)
+        if self.graph_breaks:
+            out.append("graph breaks:")
+            out.extend(f"  - {reason}" for reason in self.graph_breaks)
         if self.internal_errors:  # not fallbacks: bugs, run eagerly so the program goes on
             out.append("internal errors (compiler bugs: please report them):")
             out.extend(f"  - {message}" for message in self.internal_errors)

@@ -134,8 +134,8 @@ class CompiledFunction:
         self.last_entry = entry
         # NOTE: one divergence records nothing (an optimizer step every few calls leaves the
         # recording only for its eager tail); two in a row mean the path changed: record it.
-        if mode.diverged and entry.diverged_last:
-            self.needs_variant.add(key)
+        if mode.diverged and (entry.diverged_last or mode.path_changed):
+            self.needs_variant.add(key)  # (a guarded bool that no recording read: a new branch, record it)
         if mode.diverged and guard_log.on():
             guard_log.guards.info("%s: a per-call guard failed: %s; the rest of the call ran eagerly%s", self.__name__,
                                   mode.diverged, " (twice in a row: the next call records this path)"

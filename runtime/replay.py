@@ -110,6 +110,7 @@ class Replay(TorchFunctionMode):
         self.stand_ins: dict = {}           # id(stand-in) -> value id
         self.done_regions: set = set()
         self.diverged: str | None = None
+        self.path_changed = False  # a guarded bool differed from every recording's (_guard_failed)
         self.suspended_until: int | None = None  # inside an optimizer step run unwatched
 
     # -- optimizer steps run unwatched ------------------------------------------------------
@@ -239,6 +240,35 @@ class Replay(TorchFunctionMode):
             return True
         return False
 
+    def _guard_failed(self, value):
+        """The bool just read (``if mask.all():``) differs from the recording's: Python takes
+        another branch now. Go on with a recording that read this value at the same point
+        after the same calls; with none, the replay diverges here, before any region of the
+        other branch runs (a region runs whole at its first call: were its first call shared
+        by both branches, its in-place writes would be the other branch's). Sets
+        ``path_changed``: the dispatcher records this path next time."""
+        k = self.pos - 1
+        rec = self.trace.calls[k]
+        for alt in self.alternatives:
+            if alt is self.trace or len(alt.calls) <= k or not alt.calls[k].guarded or alt.calls[k].guard != value:
+                continue
+            read = alt.calls[k]  # the same read (of the same value id), with this result
+            if read.func is not rec.func or read.spec != rec.spec or read.leaves != rec.leaves:
+                continue
+            if not _same_prefix(self.trace, alt, k) or not alt.modes_match():
+                continue
+            externals = alt.external_values()
+            if externals is None:
+                continue
+            for vid, t in externals.items():
+                self.env.setdefault(vid, t)
+                self.shown.setdefault(vid, t)
+            self.trace = alt
+            return
+        self.path_changed = True
+        self.diverged = (f"{function_name(rec.func)} read {value!r} where the recording read {rec.guard!r}: "
+                         "Python takes another branch")
+
     # -- replaying a recorded call --------------------------------------------------------
     def _replay_flat(self, rec, func, args):
         """The recorded call ``rec`` made again with positional arguments only, each a leaf: the
@@ -275,6 +305,8 @@ class Replay(TorchFunctionMode):
         result = func(*args)
         outputs = rec.outputs
         if not outputs:  # most eager calls: optimizer updates, attribute writes, grad mode
+            if rec.guarded and result != rec.guard:
+                self._guard_failed(result)
             return result
         if rec.out_spec == "setitem":
             env[outputs[0]] = shown[outputs[0]] = args[0]
@@ -354,6 +386,8 @@ class Replay(TorchFunctionMode):
             a, k = unflatten_call(real, spec)
             result = func(*a, **k)
         if not rec.outputs:  # most eager calls: optimizer updates, attribute reads, grad mode
+            if rec.guarded and result != rec.guard:
+                self._guard_failed(result)
             return result
         if rec.out_spec == "setitem":
             tensors = [real[0]]
@@ -466,7 +500,7 @@ def _compare_prefix(a: Trace, b: Trace, k: int) -> bool:
     for ca, cb in zip(a.calls[:k], b.calls[:k]):
         if (ca.func is not cb.func and ca.func != cb.func) or ca.spec != cb.spec or ca.kind != cb.kind \
                 or ca.region != cb.region or ca.outputs != cb.outputs or ca.out_spec != cb.out_spec \
-                or len(ca.leaves) != len(cb.leaves):
+                or len(ca.leaves) != len(cb.leaves) or ca.guarded != cb.guarded or ca.guard != cb.guard:
             return False
         for x, y in zip(ca.leaves, cb.leaves):
             if isinstance(x, ValueId) or isinstance(y, ValueId):

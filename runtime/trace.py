@@ -29,6 +29,10 @@ class TraceCall:
     outputs: list              # ValueId per tensor leaf of the result, in order
     out_spec: object = None
     reason: str | None = None  # for an eager call that breaks a region: why
+    # A Python bool the call read out of a tensor (``if mask.all():``): the branch Python took
+    # next depends on it, so replay compares it (``guarded``; runtime.replay).
+    guard: object = None
+    guarded: bool = False
 
     @functools.cached_property
     def value_slots(self) -> tuple:
@@ -95,6 +99,7 @@ class Trace:
     externals: dict            # value id -> (weakref to a tensor reached inside, TensorMeta)
     produced_by: dict          # value id -> index of the call that made it
     fallbacks: list = field(default_factory=list)
+    graph_breaks: list = field(default_factory=list)  # values read into Python (compiled on both sides)
     internal_errors: list = field(default_factory=list)  # compiler bugs met while recording (ran eagerly)
     transient: dict = field(default_factory=dict)  # value id -> TensorMeta: externals made during the call
     module_modes: list = field(default_factory=list)  # (weakref to an nn.Module it ran, its .training)

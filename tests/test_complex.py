@@ -102,6 +102,24 @@ def test_abs_and_angle_at_zero_follow_eager():
     check_parity(lambda z: z.abs() + torch.angle(z) + (z * 0.5).abs(), [z])
 
 
+@pytest.mark.parametrize("dtype", CDTYPES, ids=str)
+def test_abs_of_huge_and_tiny_values_does_not_overflow(dtype):
+    """|z| is a true hypot (scaled by max(|re|, |im|)), as eager's: re² + im² of complex64 parts
+    near 1e30 overflows float32 (|z| would print as inf, its gradient as 0), and parts near 1e-30
+    underflow to 0 (a gradient of NaN or 0)."""
+    big = 1e30 if dtype == torch.complex64 else 1e300
+    tiny = 1e-30 if dtype == torch.complex64 else 1e-300
+    z = torch.tensor([big + big * 1j, -big + 0.5j, tiny - tiny * 1j, 3 + 4j, 0j, complex("inf") + 1j],
+                     dtype=dtype, requires_grad=True)
+    check_parity(lambda z: z.abs() * 2, [z], tol=TOL[dtype])
+
+
+def test_real_hypot_of_huge_values_does_not_overflow():
+    a = torch.tensor([1e30, -3e30, 1e-30, 3.0, 0.5], requires_grad=True)
+    b = torch.tensor([1e30, 4e30, 2e-30, 4.0, 0.0], requires_grad=True)
+    check_parity(lambda a, b: torch.hypot(a, b) * 2, [a, b])
+
+
 def test_complex_chain_is_one_kernel_each_way():
     def f(z, w):
         return (torch.exp(z) * w + z.conj() * 0.5).abs().sum()

@@ -199,7 +199,7 @@ def test_max_with_dim_in_a_training_step_fuses_with_its_neighbours():
 # ----------------------------------------------------------------------------- if mask.all():
 def test_a_mask_check_reads_only_the_bool():
     """``if mask.all():`` ends the region at the bool: ``all`` is computed in the region before,
-    only ``__bool__`` runs eagerly, and what follows is compiled again."""
+    only ``__bool__`` runs eagerly (a graph break, not an eager op), and what follows is compiled again."""
     def f(x, mask):
         y = torch.sin(x) * 2
         if mask.all():
@@ -210,7 +210,8 @@ def test_a_mask_check_reads_only_the_bool():
 
     x, full_mask = randn(4, 6), torch.ones(4, 6, dtype=torch.bool)
     report = compiler.explain(f, x, full_mask)
-    assert report.eager_calls == ["Tensor.__bool__"]
+    assert report.eager_calls == [] and report.fallbacks == []
+    assert [b.split(" reads ")[0] for b in report.graph_breaks] == ["Tensor.__bool__"]
     assert len(report.kernels) >= 3  # both regions compiled
     compiled = compiler.compile(f, backend="interpret")
     partial = full_mask.clone()
@@ -237,3 +238,15 @@ def test_a_mask_check_reads_only_the_bool():
 def test_max_pool_ceil_mode_dilation_and_indices(dims, shape, options):
     pool = getattr(F, f"max_pool{dims}d")
     check(lambda x: pool(x, **options), randn(*shape, dtype=torch.float64))
+
+
+# ----------------------------------------------------------------------------- x.long(), x.half(), ...
+@pytest.mark.parametrize("name", ["half", "bfloat16", "long", "int", "short", "char", "bool", "cfloat", "cdouble"])
+def test_dtype_shorthand_casts_compile(name):
+    """``x.long()``, ``x.bool()``, ``x.half()``... are casts, as ``x.to(dtype)`` (they fell back)."""
+    x = randn(5, 3, dtype=torch.float64).detach() * 4
+    if name in ("long", "int", "short", "char", "bool"):
+        check(lambda x: getattr(x * 2, name)().to(torch.float64) * 3, x)
+    else:
+        check(lambda x: (getattr(x * 2, name)() * 3).abs().to(torch.float64), x.requires_grad_(),
+              tol=dict(rtol=1e-2, atol=1e-2))

@@ -366,8 +366,12 @@ def _clone(b, x, *, memory_format=torch.preserve_format):
     return C.emit_pointwise(b, "identity", [x], dtype=meta_of(x).dtype)
 
 
-binds(_t("float"))(lambda b, x: _to(b, x, torch.float32))
-binds(_t("double"))(lambda b, x: _to(b, x, torch.float64))
+# x.float(), x.long(), ...: casts, as x.to(dtype)
+for _name, _dtype in (("float", torch.float32), ("double", torch.float64), ("half", torch.float16),
+                      ("bfloat16", torch.bfloat16), ("long", torch.int64), ("int", torch.int32),
+                      ("short", torch.int16), ("char", torch.int8), ("byte", torch.uint8), ("bool", torch.bool),
+                      ("cfloat", torch.complex64), ("cdouble", torch.complex128)):
+    binds(_t(_name))(lambda b, x, _dtype=_dtype: _to(b, x, _dtype))
 
 
 # ----------------------------------------------------------------------------- constants

@@ -96,10 +96,7 @@ RANDOM = {"nn.functional.scaled_dot_product_attention"}
 
 # Mismatches found by the sweep in code outside this sweep's owners' files, reported, not yet
 # fixed: counted apart ("known") so that any other mismatch fails. (op, dtype, sample index): why.
-KNOWN = {
-    ("abs", C64, 1): "|z| as sqrt(re² + im²) overflows for |re|, |im| ~ 1e30 in complex64 (eager: hypot); "
-                     "compiler/ops/primitives/base.py hypot",
-}
+KNOWN: dict = {}  # (none now: complex64 |z| near 1e30 is a true hypot since issue 16)
 
 TOLERANCE = {F32: dict(rtol=1e-4, atol=1e-5), F64: dict(rtol=1e-7, atol=1e-7), BF16: dict(rtol=2e-2, atol=2e-2),
              C64: dict(rtol=1e-4, atol=1e-5)}

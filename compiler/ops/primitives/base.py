@@ -170,7 +170,10 @@ def complex_recip(p):
 
 
 def hypot(a, b):
-    return sympy.sqrt(a * a + b * b)
+    """|(a, b)| without overflow: the Hypot primitive (transcendental.py, imported here at call
+    time because it prints with comparisons, which import this module)."""
+    from compiler.ops.primitives.transcendental import Hypot
+    return Hypot(a, b)
 
 
 def complex_exp(p):

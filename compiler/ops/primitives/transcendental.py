@@ -137,11 +137,39 @@ class NormSqrt(Primitive, sympy.Function):
         return Where(compare("eq", s, 0), 0, 1 / (2 * NormSqrt(s)))
 
 
+class Hypot(Primitive, sympy.Function):
+    """sqrt(a² + b²) of reals without overflow or underflow, as C's hypot (eager's torch.hypot
+    and complex |z|): printed scaled by m = max(|a|, |b|), m·sqrt((a/m)² + (b/m)²), so parts
+    near 1e30 in float32 do not square to inf (nor parts near 1e-30 to 0); inf if either part is
+    infinite (even with a NaN), 0 at (0, 0). Derivatives a/hypot and b/hypot (eager's hypot
+    backward)."""
+
+    nargs = 2
+    torch_fn = torch.hypot
+    # (the op hypot, compiler.math.hypot in user ops, and complex |z|, sgn and log)
+
+    def fdiff(self, argindex=1):
+        return self.args[argindex - 1] / self
+
+    @classmethod
+    def render(cls, printer, e):
+        a, b = e.args
+        m = Maximum(Abs(a), Abs(b))
+        scale = Where(compare("eq", m, 0), 1, m)  # (0, 0): 0 · sqrt(0), not 0/0
+        # (unevaluated squares: SymPy would write (a/m)² as a²/m², which overflows again)
+        ratio_a, ratio_b = sympy.Pow(a / scale, 2, evaluate=False), sympy.Pow(b / scale, 2, evaluate=False)
+        scaled = m * sympy.sqrt(sympy.Add(ratio_a, ratio_b, evaluate=False), evaluate=False)
+        # (|a| = inf with b NaN: C's hypot gives inf, where Maximum would propagate the NaN)
+        infinite = sympy.oo
+        return printer.p(Where(compare("eq", Abs(a), infinite), infinite,
+                               Where(compare("eq", Abs(b), infinite), infinite, scaled)))
+
+
 _FLOAT_REAL = dict(result=FLOAT, in_place=True)
 composite("log2", lambda a: sympy.log(a) / sympy.log(2), binds=("log2",), **_FLOAT_REAL)
 composite("log10", lambda a: sympy.log(a) / sympy.log(10), binds=("log10",), **_FLOAT_REAL)
 composite("exp2", lambda a: sympy.exp(a * sympy.log(2)), binds=("exp2",), **_FLOAT_REAL)
-composite("hypot", lambda a, b: sympy.sqrt(a * a + b * b), binds=("hypot",), math=True, **_FLOAT_REAL)
+composite("hypot", lambda a, b: Hypot(a, b), binds=("hypot",), math=True, **_FLOAT_REAL)
 composite("xlogy", lambda a, b: Where(compare("eq", a, 0), 0, a * sympy.log(b)), binds=("xlogy",), **_FLOAT_REAL)
 
 

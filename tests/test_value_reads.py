@@ -1,0 +1,120 @@
+"""Reading a tensor's value into Python (``if mask.all():``, ``loss.item()``) is a graph break:
+the region before compiles and ends with the value, only the read runs eagerly, what follows
+compiles again. A bool read steers Python's branch, so replay checks it: a call whose bool
+differs from the recording's must not run the other branch's compiled regions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import compiler
+
+
+def branchy(x, mask, w):
+    y = x * 2
+    if mask.all():
+        z = y + 1
+        w.add_(z)  # (the branches share their first call: the region after the read starts alike)
+    else:
+        z = y + 1
+        w.sub_(z)
+    return z * 3
+
+
+def masks():
+    full = torch.ones(4, dtype=torch.bool)
+    partial = full.clone()
+    partial[1] = False
+    return full, partial
+
+
+def run_both(compiled, x, mask, w):
+    w_eager, w_compiled = w.clone(), w.clone()
+    expected = branchy(x, mask, w_eager)
+    got = compiled(x, mask, w_compiled)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(w_compiled, w_eager)
+
+
+def test_a_bool_read_is_a_graph_break_not_a_fallback():
+    x, w = torch.randn(4), torch.zeros(4)
+    report = compiler.explain(branchy, x, masks()[0], w)
+    assert report.fallbacks == [] and report.eager_calls == []
+    assert len(report.graph_breaks) == 1
+    assert report.graph_breaks[0].startswith("Tensor.__bool__ reads a tensor's value into Python at ")
+    assert "test_value_reads.py" in report.graph_breaks[0]  # where, in the user's code
+    assert "graph breaks:" in str(report)
+    assert len(report.regions) == 2 and all(r.get("kernels") for r in report.regions)  # both sides compiled
+
+
+def test_fullgraph_refuses_a_graph_break():
+    compiled = compiler.compile(branchy, backend="interpret", fullgraph=True)
+    with pytest.raises(compiler.CompileError, match="__bool__"):
+        compiled(torch.randn(4), masks()[0], torch.zeros(4))
+
+
+def test_a_different_bool_never_runs_the_other_branch():
+    """Recorded with an all-true mask; then a mask with a False: the region after the read
+    begins with the same call on both branches, so only the bool tells them apart (without the
+    guard the region of the recorded branch ran whole and wrote w += z, then the replay saw
+    w.sub_ and went on eagerly: w ended wrong)."""
+    full, partial = masks()
+    x, w = torch.randn(4), torch.randn(4)
+    compiled = compiler.compile(branchy, backend="interpret")
+    run_both(compiled, x, full, w)  # records
+    run_both(compiled, x, full, w)  # replays
+    run_both(compiled, x, partial, w)  # the other branch: diverges at the read, eagerly from there
+    assert compiled.stats["divergences"] == 1
+
+
+def test_both_branches_recorded_then_replayed_by_the_bool():
+    full, partial = masks()
+    x, w = torch.randn(4), torch.randn(4)
+    compiled = compiler.compile(branchy, backend="interpret")
+    for mask in (full, partial, partial):  # record, diverge (a new branch), record it
+        run_both(compiled, x, mask, w)
+    assert compiled.stats["captures"] == 2
+    divergences, launches = compiled.stats["divergences"], compiled.stats["kernel_launches"]
+    for mask in (full, partial, full, partial, partial, full):
+        run_both(compiled, x, mask, w)
+    assert compiled.stats["captures"] == 2 and compiled.stats["divergences"] == divergences
+    assert compiled.stats["kernel_launches"] > launches
+
+
+@pytest.mark.parametrize("read", [lambda y: torch.equal(y, y.clamp(min=0)), lambda y: bool((y > 0).all()),
+                                  lambda y: torch.allclose(y, y.abs()), lambda y: 0 in (y > 0).long()],
+                         ids=["equal", "bool", "allclose", "contains"])
+def test_bool_reads_are_guarded(read):
+    def f(x):
+        y = x * 2
+        if read(y):
+            return y + 1
+        return y - 1
+
+    compiled = compiler.compile(f, backend="interpret")
+    report = compiler.explain(f, torch.ones(3))
+    assert report.fallbacks == [] and len(report.graph_breaks) == 1
+    for x in (torch.ones(3), torch.ones(3), -torch.ones(3), -torch.ones(3), torch.ones(3), -torch.ones(3)):
+        torch.testing.assert_close(compiled(x), f(x))
+    assert compiled.stats["captures"] == 2
+
+
+def test_a_number_read_is_not_guarded():
+    """``loss.item()`` for a log line changes every call: a graph break, not a reason to leave
+    the recording (a number that flows into a later call is checked there as a constant)."""
+    def step(x):
+        y = (x * x).sum()
+        value = y.item()
+        return y * 2, value
+
+    compiled = compiler.compile(step, backend="interpret")
+    report = compiler.explain(step, torch.randn(5))
+    assert report.fallbacks == [] and len(report.graph_breaks) == 1 and "Tensor.item" in report.graph_breaks[0]
+    for i in range(4):
+        x = torch.randn(5) + i
+        got, value = compiled(x)
+        expected, expected_value = step(x)
+        torch.testing.assert_close(got, expected)
+        assert value == pytest.approx(expected_value, rel=1e-6)
+    assert compiled.stats["divergences"] == 0 and compiled.stats["captures"] == 1
