@@ -102,6 +102,8 @@ def _recording(i: int, report, guard_lines) -> str:
         out.append("".join(f"<div class='eager'>{_e(reason)}</div>" for reason in report.fallbacks))
     else:
         out.append("<p class='ok'>none: everything captured runs as compiled kernels</p>")
+    if report.graph_breaks:  # (values read into Python: the call splits there, nothing runs eagerly)
+        out.append("<h3>Graph breaks</h3>" + "".join(f"<div>{_e(reason)}</div>" for reason in report.graph_breaks))
     if report.internal_errors:
         out.append("<h3>Internal errors</h3>" + "".join(f"<div class='eager'>{_e(m)}</div>"
                                                          for m in report.internal_errors))

@@ -37,9 +37,9 @@ def _step():
 
     def step(x):
         y = torch.nn.functional.gelu(lin(x)).softmax(-1)
-        if y.sum() > 0:  # Python reads a tensor's value: the call is split there
+        if y.sum() > 0:  # Python reads a tensor's value: the call is split there (a graph break)
             y = y * 2
-        return y.sum()
+        return torch.cumprod(y, -1).sum()  # not compiled: a fallback with its reason
     return compiler.compile(step, backend="interpret")
 
 
@@ -55,8 +55,8 @@ def test_report_of_a_compiled_function_shows_regions_kernels_fallbacks_and_sourc
     reports = [entry.report for variants in step.cache.values() for entry in variants]
     assert len(reports) == 2
     for report in reports:
-        assert report.fallbacks  # the value read
-        for reason in report.fallbacks:
+        assert report.fallbacks and report.graph_breaks  # cumprod, the value read
+        for reason in report.fallbacks + report.graph_breaks:
             assert reason in text
         for kernel in report.kernels:
             assert kernel.name in text and kernel.source in text  # the source, unescaped by the parser
