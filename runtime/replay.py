@@ -230,15 +230,21 @@ class Replay(TorchFunctionMode):
                 continue
             if not _same_prefix(self.trace, alt, k) or not alt.modes_match():
                 continue
-            externals = alt.external_values()
-            if externals is None:
-                continue
-            for vid, t in externals.items():
-                self.env.setdefault(vid, t)
-                self.shown.setdefault(vid, t)
-            self.trace = alt
-            return True
+            if self._switch_to(alt):
+                return True
         return False
+
+    def _switch_to(self, alt) -> bool:
+        """Go on with recording ``alt`` from here, if the values it takes from outside (closed-over
+        tensors, parameters) are all still alive; they join this replay's environment."""
+        externals = alt.external_values()
+        if externals is None:
+            return False
+        for vid, t in externals.items():
+            self.env.setdefault(vid, t)
+            self.shown.setdefault(vid, t)
+        self.trace = alt
+        return True
 
     def _guard_failed(self, value):
         """The bool just read (``if mask.all():``) differs from the recording's: Python takes
@@ -257,14 +263,8 @@ class Replay(TorchFunctionMode):
                 continue
             if not _same_prefix(self.trace, alt, k) or not alt.modes_match():
                 continue
-            externals = alt.external_values()
-            if externals is None:
-                continue
-            for vid, t in externals.items():
-                self.env.setdefault(vid, t)
-                self.shown.setdefault(vid, t)
-            self.trace = alt
-            return
+            if self._switch_to(alt):
+                return
         self.path_changed = True
         self.diverged = (f"{function_name(rec.func)} read {value!r} where the recording read {rec.guard!r}: "
                          "Python takes another branch")

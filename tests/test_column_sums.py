@@ -71,9 +71,12 @@ def test_bf16_norm_weight_gradients_are_as_close_to_exact_as_eager(fn, n, monkey
         assert ours_error <= eager_error + 0.01 * x.abs().max(), (ours_error, eager_error)
 
 
+@pytest.mark.parametrize("dims", ["2d", "3d"])
 @pytest.mark.parametrize("fn,n", [(layer_norm, 2), (rms_norm, 1)], ids=["layer_norm", "rms_norm"])
-def test_norm_backward_reads_its_rows_once(fn, n):
-    report = compiler.explain(fn, *_args(torch.float32, n))
+def test_norm_backward_reads_its_rows_once(fn, n, dims):
+    """Also the sums over B and T of a (B, T, C) norm's backward (3d): computed beside the rows as
+    the 2-D ones (was: a kernel of their own re-reading x and grad, 1.67x the minimal bytes)."""
+    report = compiler.explain(fn, *(_args(torch.float32, n) if dims == "2d" else _args_3d(n)))
     rows, *small = report.backward_kernels
     # the input gradient's kernel also sums the weight (and bias) gradients' chunks; the chunks are
     # summed by one small kernel (was: a second kernel re-reading x and grad for the column sums)
@@ -138,19 +141,6 @@ def test_3d_norm_weight_gradients_beside_the_rows_match_eager(fn, n, monkeypatch
     rows = _rows(monkeypatch)
     _assert_beside_the_rows(fn, _args_3d(n, rows))
     check_parity(fn, _args_3d(n, rows), tol=TOL, grad_seed=torch.randn(BATCH, rows // BATCH, COLS))
-
-
-@pytest.mark.parametrize("fn,n", [(layer_norm, 2), (rms_norm, 1)], ids=["layer_norm", "rms_norm"])
-def test_3d_norm_backward_reads_its_rows_once(fn, n):
-    """The sums over B and T of a (B, T, C) norm's backward: computed beside the rows as the 2-D ones
-    (was: a kernel of their own re-reading x and grad, 1.67x the minimal bytes)."""
-    report = compiler.explain(fn, *_args_3d(n))
-    rows, *small = report.backward_kernels
-    assert len(report.backward_kernels) == 2, report
-    assert rows.source.count("for xoffset") == 1 and "cacc0" in rows.source
-    activation = ROWS * COLS * 4
-    assert rows.bytes_moved < 3 * activation * 1.1, rows.bytes_moved
-    assert small[0].bytes_moved < activation * 0.1
 
 
 def _launch_shape(kernel):

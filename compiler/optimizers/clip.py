@@ -168,11 +168,7 @@ def partials_source(norm_type, dtype, numels) -> tuple:
     lines = _HEADER + ["@triton.jit",
                        "def _partial(g_ptr, offsets, mask, other):",
                        f"    g = tl.load(g_ptr + offsets, mask=mask, other=other).to({acc})"] + reduce
-    args = ", ".join(f"g{i}" for i in range(len(numels)))
-    lines += ["", "", "@triton.jit", f"def KERNEL({args}, out_ptr, BLOCK: tl.constexpr):",
-              "    pid = tl.program_id(0)"]
-    selection, grid = select_member(("g",), numels)
-    lines += selection
+    grid = _kernel_head(lines, numels, "out_ptr")
     lines += ["    offsets = (pid - first) * BLOCK + tl.arange(0, BLOCK)",
               # whole blocks unmasked (vector loads), the last partial one masked
               "    if (pid - first + 1) * BLOCK <= numel:",
@@ -225,17 +221,24 @@ def finalize_source(norm_type, dtype, count) -> tuple:
     return named(f"optimizer_clip_{_norm_kind(norm_type)}_finalize", lines)
 
 
+def _kernel_head(lines: list, numels, extra_arg: str):
+    """Append the combo kernel's signature (one pointer per gradient, then ``extra_arg``) and the
+    selection of this program's gradient (``g_ptr``, ``numel``, ``first``); return the grid."""
+    args = ", ".join(f"g{i}" for i in range(len(numels)))
+    lines += ["", "", "@triton.jit", f"def KERNEL({args}, {extra_arg}, BLOCK: tl.constexpr):",
+              "    pid = tl.program_id(0)"]
+    selection, grid = select_member(("g",), numels)
+    lines += selection
+    return grid
+
+
 def scale_source(dtype, numels) -> tuple:
     """(name, source, grid): every gradient multiplied in place by ``coef_ptr[0]``."""
     lines = _HEADER + ["@triton.jit",
                        "def _scale(g_ptr, offsets, mask, coef):",
                        "    g = tl.load(g_ptr + offsets, mask=mask)",
                        "    tl.store(g_ptr + offsets, g * coef, mask=mask)"]
-    args = ", ".join(f"g{i}" for i in range(len(numels)))
-    lines += ["", "", "@triton.jit", f"def KERNEL({args}, coef_ptr, BLOCK: tl.constexpr):",
-              "    pid = tl.program_id(0)"]
-    selection, grid = select_member(("g",), numels)
-    lines += selection
+    grid = _kernel_head(lines, numels, "coef_ptr")
     lines += ["    coef = tl.load(coef_ptr)",
               "    offsets = (pid - first) * BLOCK + tl.arange(0, BLOCK)",
               "    if (pid - first + 1) * BLOCK <= numel:",
