@@ -169,12 +169,8 @@ def partials_source(norm_type, dtype, numels) -> tuple:
                        "def _partial(g_ptr, offsets, mask, other):",
                        f"    g = tl.load(g_ptr + offsets, mask=mask, other=other).to({acc})"] + reduce
     grid = _kernel_head(lines, numels, "out_ptr")
-    lines += ["    offsets = (pid - first) * BLOCK + tl.arange(0, BLOCK)",
-              # whole blocks unmasked (vector loads), the last partial one masked
-              "    if (pid - first + 1) * BLOCK <= numel:",
-              "        tl.store(out_ptr + pid, _partial(g_ptr, offsets, None, None))",
-              "    else:",
-              "        tl.store(out_ptr + pid, _partial(g_ptr, offsets, offsets < numel, 0.0))"]
+    lines += _whole_blocks_then_tail(
+        lambda mask, other: f"tl.store(out_ptr + pid, _partial(g_ptr, offsets, {mask}, {other}))")
     name, source = named(f"optimizer_clip_{_norm_kind(norm_type)}_partials", lines)
     return name, source, grid
 
@@ -232,6 +228,16 @@ def _kernel_head(lines: list, numels, extra_arg: str):
     return grid
 
 
+def _whole_blocks_then_tail(body) -> list:
+    """This program's block of its gradient: whole blocks unmasked (vector loads), the last
+    partial one masked; ``body(mask, other)`` is the line that loads (and stores) it."""
+    return ["    offsets = (pid - first) * BLOCK + tl.arange(0, BLOCK)",
+            "    if (pid - first + 1) * BLOCK <= numel:",
+            "        " + body(None, None),
+            "    else:",
+            "        " + body("offsets < numel", "0.0")]
+
+
 def scale_source(dtype, numels) -> tuple:
     """(name, source, grid): every gradient multiplied in place by ``coef_ptr[0]``."""
     lines = _HEADER + ["@triton.jit",
@@ -239,11 +245,7 @@ def scale_source(dtype, numels) -> tuple:
                        "    g = tl.load(g_ptr + offsets, mask=mask)",
                        "    tl.store(g_ptr + offsets, g * coef, mask=mask)"]
     grid = _kernel_head(lines, numels, "coef_ptr")
-    lines += ["    coef = tl.load(coef_ptr)",
-              "    offsets = (pid - first) * BLOCK + tl.arange(0, BLOCK)",
-              "    if (pid - first + 1) * BLOCK <= numel:",
-              "        _scale(g_ptr, offsets, None, coef)",
-              "    else:",
-              "        _scale(g_ptr, offsets, offsets < numel, coef)"]
+    lines += ["    coef = tl.load(coef_ptr)"]
+    lines += _whole_blocks_then_tail(lambda mask, other: f"_scale(g_ptr, offsets, {mask}, coef)")
     name, source = named(f"optimizer_clip_scale_{_DTYPES[dtype]}", lines)
     return name, source, grid
