@@ -118,3 +118,22 @@ def test_a_number_read_is_not_guarded():
         torch.testing.assert_close(got, expected)
         assert value == pytest.approx(expected_value, rel=1e-6)
     assert compiled.stats["divergences"] == 0 and compiled.stats["captures"] == 1
+
+
+@pytest.mark.xfail(strict=True, reason="known bug (issue 11): a number read (.item()) that steers Python's "
+                   "branch is not guarded; a region shared by both branches runs whole with the recorded "
+                   "branch's in-place write before the replay sees the other branch's constant")
+def test_a_number_that_steers_a_branch_never_runs_the_other_branch():
+    def f(x, a):
+        if x.sum().item() > 0:
+            b = a * 2
+            b.add_(1)
+        else:
+            b = a * 2
+            b.add_(-100)
+        return b
+
+    compiled = compiler.compile(f, backend="interpret")
+    a = torch.ones(3)
+    for x in [torch.ones(3), torch.ones(3), -torch.ones(3), -torch.ones(3)]:
+        torch.testing.assert_close(compiled(x, a), f(x, a))
