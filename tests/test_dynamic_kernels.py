@@ -133,6 +133,21 @@ def test_matmul_epilogues_and_bias_gradients(generic_builds):
     _same_sources(per_size)
 
 
+def test_gathers_slice_scatters_unfold_and_complex(generic_builds):
+    """Embedding rows (a gather bounded by the table's size), a slice written into a fill (cat),
+    windows (unfold) and complex math take their sizes as arguments too."""
+    table = _randn(7, 4)
+
+    def fn(x, z, ids):
+        y = torch.cat([x[:, :2] * 2, x[:, 2:].flip(1)], 1).unfold(1, 3, 2).sum(-1)
+        return y.sum(1, keepdim=True) + F.embedding(ids, table).sum(-1) + (z * z.conj()).real.mean(1, keepdim=True)
+
+    def make(t):
+        return _randn(4, t), torch.randn(4, t, dtype=torch.complex64, requires_grad=True), torch.randint(0, 7, (4, 1))
+    per_size = _check_sizes(generic_builds, fn, make, (9, 13, 15), atol=1e-4)   # 4..7 windows: one bucket
+    _same_sources(per_size)
+
+
 def test_rows_in_another_bucket_get_another_block_and_stay_right(generic_builds):
     """Rows of 8 and of 20 are in different buckets (``tiling.size_bucket``): another RBLOCK, so
     another source; both compute eager's values."""
@@ -169,6 +184,20 @@ def test_static_builds_keep_their_sizes_as_literals():
     generic = [build_region(_copy(g), shape_generic=True)[1]["forward_kernels"] for g in graphs]
     assert static[0][0].source != static[1][0].source and static[0][0].sizes == ()
     assert generic[0][0].source == generic[1][0].source and generic[0][0].sizes != generic[1][0].sizes
+
+
+def test_dropout_positions_take_sizes_as_arguments():
+    """Random numbers are drawn at each element's position in the shape (``KernelWriter.random``):
+    with the strides of that shape as arguments, one source for every size."""
+    sources, values = [], []
+    for t in (9, 14):
+        x = torch.ones(3, t, requires_grad=True)
+        graph = compiler.explain(lambda x: F.dropout(x, 0.5) * 2, x).regions[0]["captured"]
+        kernels = build_region(_copy(graph), shape_generic=True)[1]["forward_kernels"]
+        sources.append([k.source for k in kernels])
+        values.append([k.sizes for k in kernels])
+    assert sources[0] == sources[1] and values[0] != values[1]
+    assert any("tl.rand(" in s for s in sources[0])
 
 
 def _copy(graph):
