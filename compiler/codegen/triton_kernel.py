@@ -429,6 +429,9 @@ class KernelWriter(ReductionWriter):
         body_prefix = []
         for dims, var, target in ((xdims, "xindex", header), (rdims, "rindex", body_prefix)):
             sizes = [shape[d] for d in dims]
+            if self.generic:
+                target.extend(self.split_index(var, dims, sizes, index))
+                continue
             strides = contiguous_strides(sizes)
             for d, size, stride in zip(dims, sizes, strides):
                 if size == 1:
@@ -467,6 +470,29 @@ class KernelWriter(ReductionWriter):
         else:
             src = header + body_prefix + body
         return self.finish(src, stores, xnumel, wide, accumulators=sum(len(a[1]) for a in accumulators))
+
+    def split_index(self, var: str, dims, sizes, index: list) -> list:
+        """Lines splitting the flat ``var`` into the row-major index of ``dims`` (of ``sizes``, given
+        as arguments), filling ``index``: one division a dim, innermost first, each remainder as a
+        product's difference. NOTE: a static kernel writes ``(var // stride) % size`` per dim (one
+        or two divisions by constants, which the compiler turns into multiplications); by runtime
+        sizes each division is a long sequence of instructions, so a shape-generic kernel chains
+        them instead (as many divisions as dims, less one)."""
+        kept = [(d, size) for d, size in zip(dims, sizes) if size != 1]
+        for d, size in zip(dims, sizes):
+            if size == 1:
+                index[d] = "0"
+        lines, rest = [], var
+        for k, (d, size) in enumerate(reversed(kept)):
+            index[d] = f"i{d}"
+            if k == len(kept) - 1:   # the outermost dim: what is left
+                lines.append(f"i{d} = {rest}")
+                break
+            text = self.size(size, ("shape", d))
+            quotient = f"{var[0]}q{d}"
+            lines += [f"{quotient} = {rest} // {text}", f"i{d} = {rest} - {quotient} * {text}"]
+            rest = quotient
+        return lines
 
     def finish(self, src, stores, xnumel, wide, accumulators) -> KernelSource:
         loads = list(self.load_args)
