@@ -8,7 +8,11 @@ over their arguments' values, and views rewrite the index (``View.index_map``, `
 shared within a kernel by (node, index), so a fused chain is computed once per element.
 
 Sizes are baked into the source (shapes are guarded), strides are arguments; the kernel's
-name is a hash of its body, so identical kernels are compiled once. Block sizes and warps are
+name is a hash of its body, so identical kernels are compiled once. A shape-generic kernel
+(``render_kernel(..., shape_generic=True)``, for regions whose sizes change between calls) takes
+its sizes as arguments too (``KernelWriter.size``: ``ks0, ks1, ...``; fp32 constants of its math
+``kf0, ...``), and its blocks come from size buckets, so builds that differ only in sizes within a
+bucket write one source. Block sizes and warps are
 chosen by ``compiler.tiling`` from the written body and recorded in the module
 (``XBLOCK_DEFAULT``, ``RBLOCK_DEFAULT``, ``NUM_WARPS``): the launch uses exactly these.
 Reductions are written by ``reductions.ReductionWriter``.
