@@ -298,3 +298,24 @@ def test_generic_kernels_compile_for_hopper_without_spills():
 def _params(source: str) -> list:
     header = source.split("def ", 1)[1].split("(", 1)[1].split(")", 1)[0]
     return [p.split(":")[0].strip() for p in header.split(",")]
+
+
+def test_generated_launch_passes_the_sizes_after_the_outputs():
+    """The straight-line launch (``runtime.launcher.generate_launch``) of a shape-generic kernel
+    passes its size arguments, fixed for the build, as literals between the outputs and the
+    constexprs: the order of the kernel's parameters."""
+    from types import SimpleNamespace
+
+    from runtime.launcher import generate_launch
+
+    calls = []
+    bound = SimpleNamespace(enter_hook=None, exit_hook=None, function="f", metadata="m", constants=(64, 8),
+                            kernel=None, runner=lambda *args: calls.append(args))
+    x = torch.randn(6, 4)
+    launch = generate_launch([0], [(1, (6, 4), torch.float32)], [x], bound, 3, lambda index: "stream",
+                             sizes=(24, 4, 0.25))
+    env = {0: x}
+    assert launch(env, torch.device("cpu"))
+    *_, given_x, s0, s1, out, ks0, ks1, kf0, xblock, rblock = calls[0]
+    assert given_x is x and (s0, s1) == x.stride() and out is env[1]
+    assert (ks0, ks1, kf0, xblock, rblock) == (24, 4, 0.25, 64, 8)
