@@ -112,6 +112,11 @@ def kind_of(node: fx.Node) -> str:
 
 
 SPLIT_MIN_CHUNK = 256   # a split reduction's programs each reduce at least this many elements
+# An inner reduction (over the trailing, contiguous dims) of at most this many elements per result is
+# not split, however few programs it runs as: one looped program reads it faster than a second launch
+# costs. Inductor's threshold for sm_90 (torch/_inductor/choices.py ``reduction_split_factor``:
+# ``no_split_threshold``); e.g. a loss's mean over a (64, 128) batch is one kernel, not two.
+NO_SPLIT_NUMEL = 8192
 
 
 def split_starved_reductions(graph: fx.Graph) -> None:
@@ -129,6 +134,9 @@ def split_starved_reductions(graph: fx.Graph) -> None:
         if not dims or fits_one_block(shape, dims):
             continue
         if reduction_programs(shape, dims) >= MIN_PROGRAMS:
+            continue
+        inner = dims == tuple(range(len(shape) - len(dims), len(shape)))
+        if inner and numel([shape[d] for d in dims]) <= NO_SPLIT_NUMEL:
             continue
         chunks = _row_kernel_chunks(graph, x, dims)
         if chunks:   # as many chunks as the rows' kernel has programs: it computes the partial sums

@@ -28,4 +28,5 @@ def fewer_programs(monkeypatch) -> int:
     if not FULL_SIZE:
         monkeypatch.setattr(fusion, "MIN_PROGRAMS", SMALL_GRID)
         monkeypatch.setattr(fusion, "SPLIT_MIN_CHUNK", SMALL_CHUNK)
+        monkeypatch.setattr(fusion, "NO_SPLIT_NUMEL", 0)   # small rows take the split paths too
     return fusion.MIN_PROGRAMS

@@ -64,6 +64,18 @@ def test_mlp_kernel_counts():
     assert report.fallbacks == []
 
 
+def test_inner_reduction_up_to_8192_elements_is_not_split():
+    # the mlp_step benchmark's loss: mean over a (64, 128) batch, 8192 elements. One looped program
+    # (Inductor's no-split threshold on sm_90), not a split sum and a second kernel for the 32 partials.
+    x, y = torch.randn(64, 128, requires_grad=True), torch.randn(64, 128)
+    report = compiler.explain(lambda x, y: F.mse_loss(x.sin(), y), x, y)
+    assert len(report.forward_kernels) == 1
+    check_parity(lambda x, y: F.mse_loss(x.sin(), y), [x, y])
+    # above the threshold (or over outer dims: column sums) it is still split in two stages
+    big = compiler.explain(lambda x: (x.sin() * x).mean(), torch.randn(64, 129, requires_grad=True))
+    assert len(big.forward_kernels) == 2
+
+
 def test_kernels_are_cached_by_source():
     from runtime.kernels import _loaded
     x = torch.randn(5, 7, requires_grad=True)
