@@ -21,6 +21,7 @@ import torch.fx as fx
 from compiler.ir import GraphBuilder, arg_symbol, meta_of, update_meta
 from compiler.ops import catalog as C
 from compiler.saved_set import choose_saved
+from compiler.softmax_vjp import output_vjp
 
 
 @dataclass
@@ -61,10 +62,15 @@ def differentiate(graph: fx.Graph, only_outputs=None):
             if node.op != "call_function" or node not in grads:
                 continue
             start = len(b.created)
+            closed_form = output_vjp(b, node, grads[node])
+            if closed_form is not None:  # softmax and log_softmax: from their output, as eager
+                z, contribution = closed_form
+                _name_origin(b, start, node)
+                grads[z] = _accumulate(b, grads.get(z), contribution)
+                sources[z] = sources.get(z, frozenset()) | sources[node]
+                continue
             contributions = C.vjp(b, node, grads[node])
-            for made in b.created[start:]:  # for errors that name the forward op (anomaly mode)
-                if meta_of(made).origin is None:
-                    update_meta(made, origin=(meta_of(node).torch_op or node.target.name, meta_of(node).source))
+            _name_origin(b, start, node)
             for arg, contribution in zip(node.args, contributions):
                 if contribution is None or not _differentiable(arg):
                     continue
@@ -72,6 +78,14 @@ def differentiate(graph: fx.Graph, only_outputs=None):
                 grads[arg] = _accumulate(b, grads.get(arg), contribution)
                 sources[arg] = sources.get(arg, frozenset()) | sources[node]
     return grad_placeholders, [grads.get(x) if meta_of(x).requires_grad else None for x in inputs], sources
+
+
+def _name_origin(b, start, node) -> None:
+    """Tag the gradient nodes made since ``start`` with ``node``'s op, for errors that name the
+    forward op (anomaly mode)."""
+    for made in b.created[start:]:
+        if meta_of(made).origin is None:
+            update_meta(made, origin=(meta_of(node).torch_op or node.target.name, meta_of(node).source))
 
 
 def _differentiable(node) -> bool:
