@@ -100,7 +100,7 @@ def _accumulate(b, existing, new):
 
 
 def partition(graph: fx.Graph, mutated_inputs=frozenset(), only_outputs=None, written_later=frozenset(),
-              memory="balanced", saved_from=None) -> Partitioned | None:
+              memory="balanced", saved_from=None, outputs_written_later=frozenset()) -> Partitioned | None:
     """Differentiate a forward region graph and split it into forward and backward programs.
 
     ``mutated_inputs`` are positions of inputs the region overwrites in place: backward must
@@ -110,12 +110,16 @@ def partition(graph: fx.Graph, mutated_inputs=frozenset(), only_outputs=None, wr
     output positions only (``differentiate``). ``memory``: the saved-set policy
     (``compiler.saved_set``). ``saved_from``: names of the only forward values it may save
     (a backward for some outputs, reading the full one's saved values); None where they do not
-    suffice.
+    suffice. ``outputs_written_later``: positions of user outputs the recorded function changes in
+    place after this region (through a view too): never saved as they are (their value at
+    backward is not the forward's) but recomputed, or saved as a copy made by the forward.
     """
     forward_nodes = list(graph.nodes)
     inputs = [n for n in forward_nodes if n.op == "placeholder"]
     overwritten = {inputs[i] for i in mutated_inputs}
     user_outputs = list(next(n for n in forward_nodes if n.op == "output").args[0])
+    written_outputs = {user_outputs[j] for j in outputs_written_later
+                       if isinstance(user_outputs[j], fx.Node) and user_outputs[j].op == "call_function"}
     input_needs_grad = [meta_of(x).requires_grad for x in inputs]
     if not any(_differentiable(o) for o in user_outputs) or not any(input_needs_grad):
         return Partitioned(graph, None, len(user_outputs), [], [], [False] * len(inputs))
@@ -126,7 +130,11 @@ def partition(graph: fx.Graph, mutated_inputs=frozenset(), only_outputs=None, wr
     output_sources = tuple(sources.get(o, frozenset()) for o in user_outputs)
     joint = _joint(inputs, [g for _, g in grad_placeholders], input_grads)
     values = [n for n in forward_nodes if n.op in ("placeholder", "call_function")]
-    to_save = choose_saved(values, _read_by_backward(input_grads, forward_set), set(inputs) | set(user_outputs),
+    # NOTE: an output written later is not free to save: it is saved as a copy (its bytes), as an
+    # input the region overwrites is (eager's ops saved their values before the write, or the output
+    # itself, which the runtime version-checks apart: eager_saved)
+    free = (set(inputs) | set(user_outputs)) - written_outputs
+    to_save = choose_saved(values, _read_by_backward(input_grads, forward_set), free,
                            overwritten | {inputs[i] for i in written_later}, memory, saved_from)
     if to_save is None:
         return None
@@ -142,9 +150,10 @@ def partition(graph: fx.Graph, mutated_inputs=frozenset(), only_outputs=None, wr
         """The backward graph's version of a forward value: recomputed, or saved."""
         if node in env:
             return env[node]
-        if node in overwritten:
+        if node in overwritten or (node in to_save and _view_base(node) in written_outputs):
             # NOTE: the region overwrites this input in place (eager keeps the original for
-            # such backwards too): the forward saves a copy of its old value.
+            # such backwards too), or a later call overwrites this output (or its base): the
+            # forward saves a copy of the value it had.
             clones.append(node)
             saved_nodes.append(node)
             p = backward_builder.placeholder_like(f"saved_old_{node.name}", node)
@@ -215,6 +224,13 @@ def partition(graph: fx.Graph, mutated_inputs=frozenset(), only_outputs=None, wr
     return Partitioned(forward, backward, len(user_outputs), saved,
                        [i for i, _ in grad_placeholders], input_needs_grad, joint, grad_sources,
                        output_sources, tuple(n.name for n in saved_nodes))
+
+
+def _view_base(node: fx.Node) -> fx.Node:
+    """The value whose storage ``node`` shares: itself, or the base of its chain of views."""
+    while getattr(node.target, "kind", None) == "view":
+        node = node.args[0]
+    return node
 
 
 def _joint(inputs, grad_placeholders, input_grads) -> fx.Graph:
