@@ -130,7 +130,9 @@ def markdown(doc: dict) -> str:
     out = [f"# Kernels on Hopper (sm_90), predicted: {meta['size']} size, {meta['dtype']}", "",
            f"Roofline of an H100 SXM: copy {meta['copy_bandwidth'] / 1e12:.1f} TB/s, matmul peak (TFLOP/s) {peaks}, "
            f"{meta['launch_us']:.0f} µs per launch. torch {meta['torch']}, triton {meta['triton']}; "
-           f"made in {meta['seconds']:.0f} s by `python -m benchmarks.kernels` (see benchmarks/README.md).", "",
+           f"made in {meta['seconds']:.0f} s by `python -m benchmarks.kernels` (see benchmarks/README.md)."
+           + "".join(f" Rerun with `--update` ({u['seconds']:.0f} s): {', '.join(u['workloads'])}."
+                     for u in meta.get("updated", [])), "",
            *(["Workloads marked (autocast) are training steps with float32 weights under "
               "`torch.autocast(dtype=torch.bfloat16)`; the others take bfloat16 tensors.", ""]
              if any("autocast" in r["dtype"] for r in doc["workloads"]) else []),
@@ -184,8 +186,15 @@ def main(argv=None):
     parser.add_argument("--json", help="write the JSON document here")
     parser.add_argument("--out", help="write kernels-<size>-<dtype>.md and .json into this directory")
     parser.add_argument("--processes", type=int, default=2, help="sm_90 compile workers (default: %(default)s)")
+    parser.add_argument("--update", action="store_true", help=(
+        "with --out and --only: rerun only those workloads and replace their rows in the existing "
+        "kernels-<size>-<dtype>.json (the other workloads' rows are kept as they were)"))
     args = parser.parse_args(argv)
+    if args.update and not (args.out and args.only):
+        parser.error("--update needs --out (the tables to update) and --only (the workloads to rerun)")
     doc = run(args.size, args.dtype, args.only.split(",") if args.only else None, args.processes)
+    if args.update:
+        doc = _updated(os.path.join(args.out, f"kernels-{args.size}-{args.dtype}.json"), doc)
     if args.json:
         _write(args.json, json.dumps(doc, indent=1))
     stem = args.out and os.path.join(args.out, f"kernels-{args.size}-{args.dtype}")
@@ -197,6 +206,26 @@ def main(argv=None):
         print(f"wrote {stem}.md and .json", file=sys.stderr)
     print(text)
     return 1 if doc["failures"] else 0
+
+
+def _updated(path: str, fresh: dict) -> dict:
+    """The document at ``path`` with the rows of ``fresh``'s workloads replaced by ``fresh``'s, in
+    the same order; ``meta.updated`` records which workloads were rerun, and how long that took."""
+    with open(path) as f:
+        doc = json.load(f)
+    rerun = {r["workload"] for r in fresh["workloads"]} | {f["workload"] for f in fresh["failures"]}
+
+    def merged(key):
+        old, new = doc[key], [r for r in fresh[key] if r["workload"] in rerun]
+        order = list(dict.fromkeys(r["workload"] for r in old + new))
+        return [r for w in order for r in (new if w in rerun else old) if r["workload"] == w]
+
+    doc["kernels"], doc["workloads"] = merged("kernels"), merged("workloads")
+    doc["fallbacks"] = {**{w: v for w, v in doc["fallbacks"].items() if w not in rerun}, **fresh["fallbacks"]}
+    doc["failures"] = [f for f in doc["failures"] if f["workload"] not in rerun] + fresh["failures"]
+    doc["meta"]["updated"] = doc["meta"].get("updated", []) + [
+        {"workloads": sorted(rerun), "seconds": fresh["meta"]["seconds"]}]
+    return doc
 
 
 def _write(path, text):

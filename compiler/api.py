@@ -114,7 +114,9 @@ def _build(fn, args, kwargs, *, fullgraph=False, stats=None, memory="balanced"):
             mutated = {plan.input_ids.index(v) for v in plan.mutated}
             later = _written_after(trace, plan)
             written_later = {i for i, v in enumerate(plan.input_ids) if v in later}
-            options = {k: v for k, v in (("written_later", written_later), ("memory", memory))
+            outputs_written_later = _outputs_written(plan, later)
+            options = {k: v for k, v in (("written_later", written_later), ("memory", memory),
+                                         ("outputs_written_later", outputs_written_later))
                        if v and v != "balanced"}  # (defaults left out: tests stand in for build_region)
             compiled = _compile_region(plan.graph, mutated, options, index)
             plan.compiled, info["backward_graph"], info["kernels"] = compiled
@@ -204,11 +206,26 @@ def _written_after(trace, plan) -> set:
     backward call (an optimizer's updates after ``loss.backward()`` come after the backward
     that read them)."""
     written = set()
-    for call in trace.calls[max(plan.calls, default=-1) + 1:]:
+    start = max(plan.calls, default=-1) + 1
+    stop = len(trace.calls)
+    for index, call in enumerate(trace.calls[start:], start):
         if function_name(call.func) in _BACKWARD_CALLS:
+            stop = index
             break
         written.update(call.outputs)
+    # a base written through a view in a later region (``v[1:].fill_(c)``) is made again there
+    written.update(v for v, index in trace.produced_by.items() if start <= index < stop)
     return written
+
+
+def _outputs_written(plan, written: set) -> set:
+    """Positions of ``plan``'s outputs that later calls change in place (``written``), with their
+    views or bases (they share memory); not the new values of inputs it changes in place (the
+    runtime copies those into the caller's tensor: the output itself is not written)."""
+    base = {v: plan.views[v][0] for v in plan.output_ids if v in plan.views}
+    touched = written | {base[v] for v in written if v in base}
+    return {j for j, v in enumerate(plan.output_ids)
+            if v not in plan.mutated and (v in touched or base.get(v) in touched)}
 
 
 _BACKWARD_CALLS = ("Tensor.backward", "torch.autograd.backward", "torch.autograd.grad")

@@ -21,6 +21,7 @@ import torch.fx as fx
 from compiler.ir import GraphBuilder, arg_symbol, meta_of, update_meta
 from compiler.ops import catalog as C
 from compiler.saved_set import choose_saved
+from compiler.softmax_vjp import output_vjp
 
 
 @dataclass
@@ -61,10 +62,15 @@ def differentiate(graph: fx.Graph, only_outputs=None):
             if node.op != "call_function" or node not in grads:
                 continue
             start = len(b.created)
+            closed_form = output_vjp(b, node, grads[node])
+            if closed_form is not None:  # softmax and log_softmax: from their output, as eager
+                z, contribution = closed_form
+                _name_origin(b, start, node)
+                grads[z] = _accumulate(b, grads.get(z), contribution)
+                sources[z] = sources.get(z, frozenset()) | sources[node]
+                continue
             contributions = C.vjp(b, node, grads[node])
-            for made in b.created[start:]:  # for errors that name the forward op (anomaly mode)
-                if meta_of(made).origin is None:
-                    update_meta(made, origin=(meta_of(node).torch_op or node.target.name, meta_of(node).source))
+            _name_origin(b, start, node)
             for arg, contribution in zip(node.args, contributions):
                 if contribution is None or not _differentiable(arg):
                     continue
@@ -72,6 +78,14 @@ def differentiate(graph: fx.Graph, only_outputs=None):
                 grads[arg] = _accumulate(b, grads.get(arg), contribution)
                 sources[arg] = sources.get(arg, frozenset()) | sources[node]
     return grad_placeholders, [grads.get(x) if meta_of(x).requires_grad else None for x in inputs], sources
+
+
+def _name_origin(b, start, node) -> None:
+    """Tag the gradient nodes made since ``start`` with ``node``'s op, for errors that name the
+    forward op (anomaly mode)."""
+    for made in b.created[start:]:
+        if meta_of(made).origin is None:
+            update_meta(made, origin=(meta_of(node).torch_op or node.target.name, meta_of(node).source))
 
 
 def _differentiable(node) -> bool:
@@ -86,7 +100,7 @@ def _accumulate(b, existing, new):
 
 
 def partition(graph: fx.Graph, mutated_inputs=frozenset(), only_outputs=None, written_later=frozenset(),
-              memory="balanced", saved_from=None) -> Partitioned | None:
+              memory="balanced", saved_from=None, outputs_written_later=frozenset()) -> Partitioned | None:
     """Differentiate a forward region graph and split it into forward and backward programs.
 
     ``mutated_inputs`` are positions of inputs the region overwrites in place: backward must
@@ -96,12 +110,16 @@ def partition(graph: fx.Graph, mutated_inputs=frozenset(), only_outputs=None, wr
     output positions only (``differentiate``). ``memory``: the saved-set policy
     (``compiler.saved_set``). ``saved_from``: names of the only forward values it may save
     (a backward for some outputs, reading the full one's saved values); None where they do not
-    suffice.
+    suffice. ``outputs_written_later``: positions of user outputs the recorded function changes in
+    place after this region (through a view too): never saved as they are (their value at
+    backward is not the forward's) but recomputed, or saved as a copy made by the forward.
     """
     forward_nodes = list(graph.nodes)
     inputs = [n for n in forward_nodes if n.op == "placeholder"]
     overwritten = {inputs[i] for i in mutated_inputs}
     user_outputs = list(next(n for n in forward_nodes if n.op == "output").args[0])
+    written_outputs = {user_outputs[j] for j in outputs_written_later
+                       if isinstance(user_outputs[j], fx.Node) and user_outputs[j].op == "call_function"}
     input_needs_grad = [meta_of(x).requires_grad for x in inputs]
     if not any(_differentiable(o) for o in user_outputs) or not any(input_needs_grad):
         return Partitioned(graph, None, len(user_outputs), [], [], [False] * len(inputs))
@@ -112,7 +130,11 @@ def partition(graph: fx.Graph, mutated_inputs=frozenset(), only_outputs=None, wr
     output_sources = tuple(sources.get(o, frozenset()) for o in user_outputs)
     joint = _joint(inputs, [g for _, g in grad_placeholders], input_grads)
     values = [n for n in forward_nodes if n.op in ("placeholder", "call_function")]
-    to_save = choose_saved(values, _read_by_backward(input_grads, forward_set), set(inputs) | set(user_outputs),
+    # NOTE: an output written later is not free to save: it is saved as a copy (its bytes), as an
+    # input the region overwrites is (eager's ops saved their values before the write, or the output
+    # itself, which the runtime version-checks apart: eager_saved)
+    free = (set(inputs) | set(user_outputs)) - written_outputs
+    to_save = choose_saved(values, _read_by_backward(input_grads, forward_set), free,
                            overwritten | {inputs[i] for i in written_later}, memory, saved_from)
     if to_save is None:
         return None
@@ -128,9 +150,10 @@ def partition(graph: fx.Graph, mutated_inputs=frozenset(), only_outputs=None, wr
         """The backward graph's version of a forward value: recomputed, or saved."""
         if node in env:
             return env[node]
-        if node in overwritten:
+        if node in overwritten or (node in to_save and _view_base(node) in written_outputs):
             # NOTE: the region overwrites this input in place (eager keeps the original for
-            # such backwards too): the forward saves a copy of its old value.
+            # such backwards too), or a later call overwrites this output (or its base): the
+            # forward saves a copy of the value it had.
             clones.append(node)
             saved_nodes.append(node)
             p = backward_builder.placeholder_like(f"saved_old_{node.name}", node)
@@ -201,6 +224,13 @@ def partition(graph: fx.Graph, mutated_inputs=frozenset(), only_outputs=None, wr
     return Partitioned(forward, backward, len(user_outputs), saved,
                        [i for i, _ in grad_placeholders], input_needs_grad, joint, grad_sources,
                        output_sources, tuple(n.name for n in saved_nodes))
+
+
+def _view_base(node: fx.Node) -> fx.Node:
+    """The value whose storage ``node`` shares: itself, or the base of its chain of views."""
+    while getattr(node.target, "kind", None) == "view":
+        node = node.args[0]
+    return node
 
 
 def _joint(inputs, grad_placeholders, input_grads) -> fx.Graph:

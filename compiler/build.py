@@ -23,17 +23,19 @@ from compiler.ir import meta_of, update_meta
 
 
 def build_region(graph: fx.Graph, mutated_inputs=frozenset(), written_later=frozenset(), memory="balanced",
-                 shape_generic=False):
+                 outputs_written_later=frozenset(), shape_generic=False):
     """Compile one captured region. Returns (CompiledRegion, details for ``explain``).
     ``mutated_inputs``: positions of inputs the region changes in place; ``written_later``:
     of inputs the function changes in place after the region; ``memory``: the saved-set
-    policy (``compiler.saved_set``); ``shape_generic``: kernels take their sizes as arguments
+    policy (``compiler.saved_set``); ``outputs_written_later``: of outputs the function
+    changes in place after the region; ``shape_generic``: kernels take their sizes as arguments
     (``codegen.triton_kernel.render_kernel``), so builds that differ only in sizes share sources."""
     output = next(n for n in graph.nodes if n.op == "output")
     eager_saved = {output.args[0][i]: found for i, found in output.meta.get(EAGER_SAVED, {}).items()}
     input_views = _split_input_views(graph)
     pristine = _copy_graph(graph)  # partition appends the backward to ``graph``
-    parts = partition(graph, mutated_inputs, written_later=written_later, memory=memory)
+    parts = partition(graph, mutated_inputs, written_later=written_later, memory=memory,
+                      outputs_written_later=outputs_written_later)
     forward_schedule = fuse(parts.forward, shape_generic)
     forward_program, forward_kernels = lower(parts.forward, forward_schedule, shape_generic=shape_generic)
     backward_program, backward_kernels = None, []
@@ -53,7 +55,7 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset(), written_later=froz
     if parts.backward is not None:
         region.grad_sources = parts.grad_sources
         region.backward_for = _partial_backward_builder(pristine, mutated_inputs, parts, written_later, memory,
-                                                        shape_generic)
+                                                        outputs_written_later, shape_generic)
         kept = list(output.args[0])
         region.eager_saved = tuple((kept.index(node), name, output_nr, parts.output_sources[kept.index(node)])
                                    for node, (name, output_nr) in eager_saved.items() if node in kept)
@@ -129,7 +131,8 @@ def _double_backward_builder(joint: fx.Graph, memory="balanced", shape_generic=F
     return _memoized(build)
 
 
-def _partial_backward_builder(forward: fx.Graph, mutated_inputs, parts, written_later, memory, shape_generic=False):
+def _partial_backward_builder(forward: fx.Graph, mutated_inputs, parts, written_later, memory,
+                              outputs_written_later=frozenset(), shape_generic=False):
     """The backward for a call where only some outputs are in the loss's graph, built per set of
     those outputs: the others contribute nothing, as in eager (a zero gradient through them is
     not nothing: 0 * inf is NaN, log(x) at 0). Returns (Program, positions in the full saved list
@@ -139,7 +142,8 @@ def _partial_backward_builder(forward: fx.Graph, mutated_inputs, parts, written_
 
     def build(given_outputs: frozenset):
         sub = partition(_copy_graph(forward), mutated_inputs, only_outputs=given_outputs,
-                        written_later=written_later, memory=memory, saved_from=set(position))
+                        written_later=written_later, memory=memory, saved_from=set(position),
+                        outputs_written_later=outputs_written_later)
         if sub is None or sub.backward is None or any(name not in position for name in sub.saved_names):
             return None
         program, _ = lower(sub.backward, fuse(sub.backward, shape_generic), check_indices=False,

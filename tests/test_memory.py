@@ -256,3 +256,26 @@ def test_elementwise_output_written_into_a_dying_buffer(transposed):
         torch.testing.assert_close(w.grad, eager_w.grad)
     if not transposed:
         assert any(launch.reuse for launch in _launches(f))
+
+
+def test_a_region_loaded_from_the_region_cache_keeps_its_buffer_reuse(tmp_path, monkeypatch):
+    # the compiled-region cache (compiler.persist) stored kernel launches without ``reuse``: a
+    # step compiled in an earlier process allocated every output anew (transformer_step: 30 KB
+    # above its fresh peak, over torch.compile's)
+    monkeypatch.setenv("SYMGRAD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SYMGRAD_REGION_CACHE", "1")
+
+    def fn(x, w):
+        return (torch.nn.functional.gelu(x @ w) @ w).sum()
+
+    def reuses():
+        f = compiler.compile(fn)
+        gen = torch.Generator().manual_seed(2)
+        x, w = [(torch.randn(64, 64, generator=gen) / 8).requires_grad_() for _ in range(2)]
+        for _ in range(2):
+            f(x, w).backward()
+        return [launch.reuse for launch in _launches(f)]
+
+    built = reuses()
+    assert any(built)
+    assert reuses() == built   # the second wrapper loads the region stored by the first

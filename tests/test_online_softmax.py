@@ -7,6 +7,7 @@ import torch
 
 import compiler
 from compiler import fusion, tiling
+from compiler.ir import meta_of
 from tests.parity import check_parity
 
 ROWS, COLS = 20, 700
@@ -68,3 +69,32 @@ def test_max_and_sum_are_one_pass():
     assert len(report.forward_kernels) == 1, [k.name for k in report.forward_kernels]
     assert "amax" in report.forward_kernels[0].name
     assert report.forward_kernels[0].source.count("for roffset") == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+def test_backward_reads_the_output_as_eager(op, dtype):
+    # eager's backward reads the output (saved) and the output's gradient; ours did read the
+    # input, the row max and the row sum and recompute the output (a few bytes a row more)
+    x = torch.randn(ROWS, COLS, dtype=dtype, requires_grad=True)
+    report = compiler.explain(lambda x: getattr(torch, op)(x, -1), x)
+    backward = report.backward_graph
+    saved = [p for p in backward.nodes if p.op == "placeholder" and p.name.startswith("saved_")]
+    assert len(saved) == 1, [p.name for p in saved]
+    assert meta_of(saved[0]).dtype == dtype and meta_of(saved[0]).shape == (ROWS, COLS)
+
+
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+def test_output_changed_in_place_raises_as_eager(op):
+    # eager saved the output: changing it in place before backward is an error there, and here
+    def fn(x):
+        return getattr(torch, op)(x * 2, -1)
+
+    compiled = compiler.compile(fn, backend="interpret")
+    for _call in range(2):   # the recording call and a replay
+        x = torch.randn(4, 8, requires_grad=True)
+        for f in (fn, compiled):
+            y = f(x)
+            y.mul_(2)
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                y.sum().backward()

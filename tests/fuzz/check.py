@@ -59,13 +59,6 @@ KNOWN_BUGS = [
     # and the value's grad_fn at backward time where it saved an input, and which one fails first is
     # the order of eager's backward inside our region; the same error otherwise (README's limits).
     ("inplace-on-saved-value-names-region", lambda m: _same_but_producer(m)),
-    # A region output written in place by a later call (through a view: v2[1:] = c) that the
-    # region's backward saved where eager's ops saved other values: the backward raises eager's
-    # in-place error, eager none. The fix: the saved set treats outputs written later as it treats
-    # inputs written later (compiler.api._written_after, autodiff.partition's written_later).
-    ("region-output-written-later-saved",
-     # (the message names the region, or the tensor's grad_fn now: the replay's write-back, CopyBackwards)
-     lambda m: "backward raised 'RuntimeError: one of the variables needed" in m and m.rstrip().endswith("eager None")),
     # Second derivatives at degenerate points (a norm at the zero vector, var/std with no degrees
     # of freedom): eager's formulas give NaN where ours give 0, or the other way round.
     ("second-order-at-degenerate-points",
