@@ -131,9 +131,15 @@ def region_key(graph: fx.Graph, mutated, options: dict) -> str | None:
 
 # -- storing ------------------------------------------------------------------------------------
 def _reduce_launch(launch: KernelLaunch):
-    """A kernel launch without what it loaded at run time (the jit function, bound launchers)."""
-    return KernelLaunch, (launch.name, launch.source, launch.loads, launch.stores, launch.grid, launch.xblock,
-                          launch.rblock, launch.bytes_moved, launch.num_warps, launch.wide_name, launch.wide_source)
+    """A kernel launch without what it loaded at run time (the jit function, bound launchers);
+    its CPU path's function (``torch_kernel``) is kept, as source text."""
+    return _launch, ((launch.name, launch.source, launch.loads, launch.stores, launch.grid, launch.xblock,
+                      launch.rblock, launch.bytes_moved, launch.num_warps, launch.wide_name, launch.wide_source),
+                     launch.torch_kernel)
+
+
+def _launch(args, torch_kernel):
+    return KernelLaunch(*args, torch_kernel=torch_kernel)
 
 
 class _Pickler(pickle.Pickler):

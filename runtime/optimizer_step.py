@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.backends import torch_on_cpu
 from runtime.kernels import load_kernel
 from runtime.program import interpreter_lock, on_device
 
@@ -175,6 +176,8 @@ class FusedOptimizerStep:
         then runs with (its own update skipped), or None where it must run eagerly."""
         if optimizer is not self.optimizer() or len(args) > 1 or kwargs:
             return None  # another optimizer, or a closure to call: eager
+        if torch_on_cpu() and _on_cpu(optimizer):  # the CPU path: the optimizer's own step (its foreach kernels)
+            return None
         param_groups = optimizer.param_groups
         if len(param_groups) != len(self.groups):
             return None
@@ -187,3 +190,7 @@ class FusedOptimizerStep:
         for plan, group, b in zip(self.groups, param_groups, bound):
             plan.apply(group, b, self.stats)
         return (_STEP_TAKEN,), {}
+
+
+def _on_cpu(optimizer) -> bool:
+    return any(p.device.type == "cpu" for group in optimizer.param_groups for p in group["params"][:1])
