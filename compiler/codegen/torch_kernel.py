@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import math
+
 import sympy
 import torch
 import torch.fx as fx
@@ -107,6 +109,7 @@ class _Writer:
         self.functions: dict = {}
         self.values: dict = {}       # node -> variable name
         self.aliases: set = set()    # variables that may share memory with a loaded tensor
+        self.types: dict = {}        # variable -> (dtype, shape) where known when the code is written
         self.stores = set(stores)
         self.store_order = list(stores)
         self.printer = _ExprPrinter(self)
@@ -122,6 +125,7 @@ class _Writer:
             else:
                 self.aliases.add(var)
             self.values[node] = var
+            self.types[var] = (compute_dtype(dtype), tuple(meta_of(node).shape))
         self.first_load = f"l{load_slots[0]}" if load_slots else None
 
     def write(self, name, store_slots) -> TorchKernel:
@@ -163,17 +167,24 @@ class _Writer:
         dtype = compute_dtype(meta.dtype)
         if kind == "pointwise":
             text = self._pointwise(node, args)
-            self.lines.append(f"{var} = _fix({text}, {self._obj(dtype)}, {tuple(meta.shape)!r}, {self._device()})")
-            if text in args:  # (the expression is an operand itself: no new tensor)
+            if self.types.get(text) == (dtype, tuple(meta.shape)):  # known to be the node's value as it is
+                self.lines.append(f"{var} = {text}")
+            else:
+                self.lines.append(f"{var} = _fix({text}, {self._obj(dtype)}, {tuple(meta.shape)!r}, {self._device()})")
+            if text in args or text in self.aliases:  # (the expression is an operand itself: no new tensor)
                 self.aliases.add(var)
+            self.types[var] = (dtype, tuple(meta.shape))
         elif kind == "reduction" and node.target.name in ("sum", "mean", "amax"):
             self.lines.append(f"{var} = {self._reduction(node, args[0])}.to({self._obj(dtype)})")
+            self.types[var] = (dtype, tuple(meta.shape))
         elif kind == "view":
             op = self._obj(node.target)
             params = ", ".join(f"{k}={v!r}" for k, v in node.kwargs.items())
             self.lines.append(f"{var} = {op}.apply({args[0]}{', ' if params else ''}{params})")
             if args[0] in self.aliases:
                 self.aliases.add(var)
+            if args[0] in self.types:
+                self.types[var] = (self.types[args[0]][0], tuple(meta.shape))
         else:  # the op's own evaluation on real tensors (compiler.reference)
             op = self._obj(node.target)
             stub = self._obj(_Node(dict(node.kwargs), dict(node.meta)))
@@ -246,62 +257,188 @@ class _ExprPrinter:
         cached = self.cache.get(e)
         if cached is not None:
             return cached
-        text = self._text(e)
+        text, info = self._text(e)
         if not (e.is_Symbol or e.is_number):
             var = f"e{len(self.writer.lines)}"
             self.writer.lines.append(f"{var} = {text}")
             text = var
+            if info is not None:
+                self.writer.types[var] = info
         self.cache[e] = text
         return text
 
-    def _text(self, e) -> str:
+    def _text(self, e) -> tuple:
+        """(source text, (dtype, shape) of its value where known)."""
+        types = self.writer.types
         if e.is_Symbol:
             if e not in self.names:
                 raise KeyError(f"unbound symbol {e}")
-            return self.names[e]
+            return self.names[e], types.get(self.names[e])
         if e.is_number:
-            return _number(complex(e))
-        if e.is_Add:
+            return _number(complex(e)), None
+        if e.is_Add or e.is_Mul:
+            return self._chain(e)
+        if e.is_Pow:
+            base = self.text(e.base)
+            info = _float_info(types.get(base))
+            if e.exp == sympy.Rational(1, 2):
+                return (f"torch.sqrt({base})", info) if info else (f"_sqrt({base})", None)
+            if e.exp == -1:
+                return (f"torch.reciprocal({base})", info) if info else (f"(1 / {base})", None)
+            if e.exp == 2 and info:
+                return f"torch.square({base})", info
+            exp = self.text(e.exp)
+            return f"({base} ** {exp})", (info if e.exp.is_number and complex(e.exp).imag == 0 else None)
+        primitive = primitives.head(e.func)
+        if primitive is None:
+            raise NotImplementedError(f"no torch evaluation for {e.func.__name__}")
+        args = [self.text(a) for a in e.args]
+        infos = [_float_info(types.get(a)) for a in args]
+        if all(infos) and primitive.torch_fn is not None and \
+                getattr(primitive.torch_eval, "__func__", None) is _BASE_TORCH_EVAL:
+            # (tensors in: the torch function itself, without the wrapper's conversions)
+            same = len(infos) == 1 and primitive.result in ("same", "float")
+            return f"{self.writer._obj(primitive.torch_fn)}({', '.join(args)})", (infos[0] if same else None)
+        functions = self.writer.functions
+        name = next((n for n, f in functions.items() if f is e.func), None)
+        if name is None:
+            name = f"f{len(functions)}"
+            functions[name] = e.func
+        return f"{name}({', '.join(args)})", None
+
+    def _chain(self, e) -> tuple:
+        """A sum or product. Where every operand is a tensor of one floating dtype (known), one of
+        them of the result's shape: one new tensor, then in-place ops on it (no allocation per term)."""
+        add = e.is_Add
+        if add:
             constant = sum((complex(a) for a in e.args if a.is_number), 0j)
-            plus, minus = [], []
+            terms = []  # (sign, text)
             for a in e.args:
                 if a.is_number:
                     continue
                 coefficient, rest = _split_coefficient(a)
-                if coefficient == -1:
-                    minus.append(self.text(rest))
-                else:
-                    plus.append(self.text(a))
+                terms.append((-1, self.text(rest)) if coefficient == -1 else (1, self.text(a)))
+        else:
+            constant, rest = _split_coefficient(e)
+            gelu = _gelu_argument(constant, rest)
+            if gelu is not None:
+                x = self.text(gelu)
+                info = _float_info(self.writer.types.get(x))
+                if info:  # 0.5·x·(1 + erf(x/√2)): PyTorch's own GELU (one pass, not five ops)
+                    return f"torch.nn.functional.gelu({x})", info
+            factors = list(rest.args if rest.is_Mul else (rest,))
+            if constant == 1 and len(factors) == 2:
+                for g, other in (factors, factors[::-1]):
+                    x = _gelu_derivative_argument(other)
+                    if x is None:
+                        continue
+                    g, x = self.text(g), self.text(x)
+                    gi, xi = _float_info(self.writer.types.get(g)), _float_info(self.writer.types.get(x))
+                    if gi and gi == xi:  # g · GELU'(x): eager's own GELU backward (one pass, not ten ops)
+                        return f"torch.ops.aten.gelu_backward({g}, {x})", gi
+            terms = [(1, self.text(a)) for a in factors]
+        infos = [_float_info(self.writer.types.get(t)) for _, t in terms]
+        known = all(infos) and len({i[0] for i in infos}) == 1 and constant.imag == 0
+        if known:
+            shape = tuple(torch.broadcast_shapes(*[i[1] for i in infos]))
+            full = next((k for k, i in enumerate(infos) if i[1] == shape), None)
+            if len(terms) == 1:  # one op (a Python float and a tensor of dtype D: a tensor of D)
+                return self._plain(add, terms, constant), infos[0]
+            if full is not None and (not add or any(sign > 0 for sign, _ in terms)):
+                return self._in_place(add, terms, full, constant), (infos[0][0], shape)
+        return self._plain(add, terms, constant), None
+
+    def _in_place(self, add: bool, terms: list, full: int, constant: complex) -> str:
+        first = terms.pop(full)
+        if add and first[0] < 0:  # start from a term added: x - y, not -y + x
+            k = next(k for k, (sign, _) in enumerate(terms) if sign > 0)
+            terms.insert(0, first)
+            first = terms.pop(k + 1)
+            second = terms.pop(0)
+        else:
+            second = terms.pop(0)
+        if add:
+            text = f"torch.{'add' if second[0] > 0 else 'sub'}({first[1]}, {second[1]})"
+            for sign, t in terms:
+                text += f".{'add_' if sign > 0 else 'sub_'}({t})"
+            if constant != 0:
+                text += f".add_({_literal(constant.real)})"
+            return text
+        text = f"torch.mul({first[1]}, {second[1]})"
+        for _, t in terms:
+            text += f".mul_({t})"
+        if constant == -1:
+            text += ".neg_()"
+        elif constant != 1:
+            text += f".mul_({_literal(constant.real)})"
+        return text
+
+    def _plain(self, add: bool, terms: list, constant: complex) -> str:
+        if add:
+            plus = [t for sign, t in terms if sign > 0]
+            minus = [t for sign, t in terms if sign < 0]
             if not plus:  # (a tensor first: ``-x`` then the rest)
                 plus.append(f"(-{minus.pop(0)})")
             text = " + ".join(plus) + "".join(f" - {m}" for m in minus)
             if constant != 0:
                 text += f" + {_number(constant)}"
             return f"({text})"
-        if e.is_Mul:
-            coefficient, rest = _split_coefficient(e)
-            factors = [self.text(a) for a in (rest.args if rest.is_Mul else (rest,))]
-            if coefficient == -1:
-                return f"(-{' * '.join(factors)})"
-            if coefficient != 1:
-                factors.insert(0, _number(coefficient))
-            return f"({' * '.join(factors)})"
-        if e.is_Pow:
-            base = self.text(e.base)
-            if e.exp == sympy.Rational(1, 2):
-                return f"_sqrt({base})"
-            if e.exp == -1:
-                return f"(1 / {base})"
-            return f"({base} ** {self.text(e.exp)})"
-        primitive = primitives.head(e.func)
-        if primitive is None:
-            raise NotImplementedError(f"no torch evaluation for {e.func.__name__}")
-        functions = self.writer.functions
-        name = next((n for n, f in functions.items() if f is e.func), None)
-        if name is None:
-            name = f"f{len(functions)}"
-            functions[name] = e.func
-        return f"{name}({', '.join(self.text(a) for a in e.args)})"
+        factors = [t for _, t in terms]
+        if constant == -1:
+            return f"(-{' * '.join(factors)})"
+        if constant != 1:
+            factors.insert(0, _number(constant))
+        return f"({' * '.join(factors)})"
+
+
+_BASE_TORCH_EVAL = primitives.base.Primitive.torch_eval.__func__
+
+
+def _float_info(info):
+    """``info`` when it is a real floating dtype's (dtype, shape), else None."""
+    return info if info is not None and info[0].is_floating_point else None
+
+
+def _gelu_derivative_argument(e):
+    """x where ``e`` is GELU'(x) = 0.5 + 0.5·erf(x/√2) + x·exp(-x²/2)/√(2π) (as SymPy writes the
+    derivative of the captured GELU), else None."""
+    if not e.is_Add or len(e.args) != 3 or sum(1 for a in e.args if a.is_number and complex(a) == 0.5) != 1:
+        return None
+    from_erf = from_exp = None
+    for a in e.args:
+        if a.is_number:
+            continue
+        c, r = _split_coefficient(a)
+        if c == 0.5 and r.func is sympy.erf:
+            c1, from_erf = _split_coefficient(r.args[0])
+            if abs(c1 - 0.5 ** 0.5) > 1e-15:
+                return None
+        elif abs(c - (2 * math.pi) ** -0.5) < 1e-15 and r.is_Mul and len(r.args) == 2:
+            exp = next((f for f in r.args if f.func is sympy.exp), None)
+            if exp is None:
+                return None
+            x = next(f for f in r.args if f is not exp)
+            c2, square = _split_coefficient(exp.args[0])
+            if c2 != -0.5 or square != x ** 2:
+                return None
+            from_exp = x
+    return from_erf if from_erf is not None and from_erf == from_exp else None
+
+
+def _gelu_argument(coefficient, rest):
+    """x where ``coefficient · rest`` is 0.5·x·(1 + erf(x/√2)) (GELU, as captured), else None."""
+    if coefficient != 0.5 or not rest.is_Mul or len(rest.args) != 2:
+        return None
+    for x, other in (rest.args, reversed(rest.args)):
+        if not other.is_Add or len(other.args) != 2 or sympy.Integer(1) not in other.args:
+            continue
+        erf = next(a for a in other.args if a != 1)
+        if erf.func is not sympy.erf:
+            continue
+        c, inner = _split_coefficient(erf.args[0])
+        if inner == x and abs(c - 0.5 ** 0.5) < 1e-15:
+            return x
+    return None
 
 
 def _split_coefficient(e):
