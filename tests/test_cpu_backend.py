@@ -17,6 +17,8 @@ import compiler.build
 import runtime.program as program
 from runtime import backends
 
+_make_launcher = program.make_launcher
+
 
 @pytest.fixture(autouse=True)
 def no_triton(monkeypatch):
@@ -243,3 +245,38 @@ def test_a_region_loaded_from_the_disk_cache_keeps_its_cpu_path(monkeypatch, tmp
     ref.backward(torch.arange(7.0))
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(xs.grad, xe.grad)
+
+
+def test_gelu_and_its_derivative_run_as_pytorchs_own_kernels():
+    """SymPy's GELU (0.5·x·(1 + erf(x/√2))) and its expanded derivative print as one PyTorch op
+    each (``gelu``, ``gelu_backward``), not five and ten: the CPU path's speed depends on it."""
+    from compiler.codegen import torch_kernel
+
+    sources = []
+    write = torch_kernel._Writer.write
+
+    def recording(self, name, store_slots):
+        kernel = write(self, name, store_slots)
+        sources.append(kernel.source)
+        return kernel
+    import unittest.mock
+    with unittest.mock.patch.object(torch_kernel._Writer, "write", recording):
+        lin = torch.nn.Linear(8, 8)
+        check(lambda x: F.gelu(lin(x)).sum(), [torch.randn(4, 8, requires_grad=True)])
+    text = "\n".join(sources)
+    assert "torch.nn.functional.gelu(" in text and "torch.ops.aten.gelu_backward(" in text, text
+    assert "erf" not in text, text
+
+
+def test_a_kernel_the_printer_cannot_write_keeps_its_triton_form(monkeypatch):
+    from compiler.codegen import torch_kernel
+
+    def fail(self, name, store_slots):
+        raise NotImplementedError("a gap of the printer")
+    monkeypatch.setattr(torch_kernel._Writer, "write", fail)
+    monkeypatch.setattr(program, "make_launcher", _make_launcher)  # (this test launches Triton kernels)
+    f = compiler.compile(lambda x: torch.tanh(x) * 3, backend="torch")
+    x = torch.randn(5)
+    f(x)
+    torch.testing.assert_close(f(x), torch.tanh(x) * 3)
+    assert f.last_backend == "torch" and f.stats["kernel_launches"] > 0
