@@ -14,6 +14,7 @@ import torch.fx as fx
 
 from compiler.autodiff import partition, propagate_requires_grad
 from compiler.capture_regions import EAGER_SAVED
+from compiler.codegen.torch_kernel import render_torch_kernel
 from compiler.codegen.triton_kernel import render_kernel
 from compiler.fusion import Schedule, fuse, kind_of
 from compiler.reference import first_nan
@@ -276,7 +277,9 @@ def lower(graph: fx.Graph, schedule: Schedule, check_indices: bool = True, trans
             src.name, src.source, [slots[n] for n in src.loads],
             [(slots[n], meta_of(n).shape, meta_of(n).dtype) for n in src.stores],
             src.grid, _constant(src.source, "XBLOCK_DEFAULT"), _constant(src.source, "RBLOCK_DEFAULT"),
-            src.bytes_moved, src.num_warps, wide_name=src.wide_name, wide_source=src.wide_source, sizes=src.sizes))
+            src.bytes_moved, src.num_warps, wide_name=src.wide_name, wide_source=src.wide_source, sizes=src.sizes,
+            torch_kernel=render_torch_kernel(src.name, src.loads, [slots[n] for n in src.loads], src.stores,
+                                             [slots[n] for n in src.stores], schedule.buffers)))
         donors[id(steps[-1])] = _donors(item, src, slots, len(placeholders))
         sources.append(src)
         check(src.stores)

@@ -132,11 +132,19 @@ def region_key(graph: fx.Graph, mutated, options: dict) -> str | None:
 # -- storing ------------------------------------------------------------------------------------
 def _reduce_launch(launch: KernelLaunch):
     """A kernel launch without what it loaded at run time (the jit function, bound launchers).
-    Its buffer reuse and fresh loads (set by the compiler after construction) are kept: without
-    them a loaded step allocates every output anew (a higher peak than the step built here)."""
-    return KernelLaunch, (launch.name, launch.source, launch.loads, launch.stores, launch.grid, launch.xblock,
-                          launch.rblock, launch.bytes_moved, launch.num_warps, launch.wide_name, launch.wide_source), \
-        {"reuse": launch.reuse, "fresh_loads": launch.fresh_loads}
+    Kept: a shape-generic kernel's size arguments, the CPU path's function (``torch_kernel``, as
+    source text), and the buffer reuse and fresh loads (set by the compiler after construction;
+    without them a loaded step allocates every output anew: a higher peak than the step built here)."""
+    return _launch, ((launch.name, launch.source, launch.loads, launch.stores, launch.grid, launch.xblock,
+                      launch.rblock, launch.bytes_moved, launch.num_warps, launch.wide_name, launch.wide_source),
+                     {"sizes": launch.sizes, "torch_kernel": launch.torch_kernel},
+                     {"reuse": launch.reuse, "fresh_loads": launch.fresh_loads})
+
+
+def _launch(args, fields, state):
+    launch = KernelLaunch(*args, **fields)
+    launch.reuse, launch.fresh_loads = state["reuse"], state["fresh_loads"]
+    return launch
 
 
 class _Pickler(pickle.Pickler):

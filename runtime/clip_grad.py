@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.nn.utils.clip_grad as _clip_grad_module
 
+from runtime.backends import torch_on_cpu
 from runtime.replay import active_replay
 
 _hooks = threading.local()   # .recorder: the recording in this thread that notes calls
@@ -69,6 +70,8 @@ class FusedClipGradNorm:
         if grads is None:
             return None
         device = grads[0].device
+        if device.type == "cpu" and torch_on_cpu():  # the CPU path: PyTorch's own clip (its foreach kernels)
+            return None
         bounds = self._bounds_on.get(device)
         if bounds is None:
             bounds = self._bounds_on[device] = torch.tensor(self.bounds, dtype=torch.int32, device=device)

@@ -21,8 +21,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.backends import torch_on_cpu
 from runtime.kernels import load_kernel
 from runtime.program import interpreter_lock, on_device
+
+_profiler_enabled = torch.autograd._profiler_enabled
 
 # A float32 step counter counts exactly up to here; past it the count is read back each step.
 _EXACT_STEPS = 2 ** 24
@@ -63,6 +66,14 @@ class ComboLaunch:
             return
         if self._fn is None:
             self._fn = load_kernel(self.name, self.source)
+        if _profiler_enabled():  # named as the regions' kernels are (the compiler sets ``profile_name``)
+            from torch.autograd.profiler import record_function
+
+            with record_function(getattr(self, "profile_name", None) or f"symgrad kernel {self.name}"), \
+                    on_device(device), interpreter_lock:
+                self._fn[(self.grid,)](*tensors, *[scalars[n] for n in self.scalar_names], BLOCK=self.block,
+                                       num_warps=self.num_warps)
+            return
         with on_device(device), interpreter_lock:
             self._fn[(self.grid,)](*tensors, *[scalars[n] for n in self.scalar_names], BLOCK=self.block,
                                    num_warps=self.num_warps)
@@ -175,6 +186,8 @@ class FusedOptimizerStep:
         then runs with (its own update skipped), or None where it must run eagerly."""
         if optimizer is not self.optimizer() or len(args) > 1 or kwargs:
             return None  # another optimizer, or a closure to call: eager
+        if torch_on_cpu() and _on_cpu(optimizer):  # the CPU path: the optimizer's own step (its foreach kernels)
+            return None
         param_groups = optimizer.param_groups
         if len(param_groups) != len(self.groups):
             return None
@@ -187,3 +200,7 @@ class FusedOptimizerStep:
         for plan, group, b in zip(self.groups, param_groups, bound):
             plan.apply(group, b, self.stats)
         return (_STEP_TAKEN,), {}
+
+
+def _on_cpu(optimizer) -> bool:
+    return any(p.device.type == "cpu" for group in optimizer.param_groups for p in group["params"][:1])

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.backends import torch_on_cpu
 from runtime.kernels import load_kernel
 from runtime.launcher import make_launcher
 from runtime.triton_math import INTERPRETING
@@ -88,6 +89,9 @@ class KernelLaunch:
     # ``build._donations``); used when the tensor there is contiguous and fits, as Inductor's
     # in-place buffers. Fewer bytes allocated at once.
     reuse: tuple = ()
+    # The CPU path's function of this kernel (``compiler.codegen.torch_kernel.TorchKernel``): run in
+    # place of the Triton kernel when ``runtime.backends`` says CPU kernels run as PyTorch ops.
+    torch_kernel: object = None
     _fn: object = None
     _wide_fn: object = None
 
@@ -150,6 +154,9 @@ class KernelLaunch:
     def run(self, env, device):
         """Launch on ``env``'s input slots, allocating the output slots. The caller makes
         ``device`` current (``Program.run`` does): the generated launch does not switch."""
+        if device.type == "cpu" and self.torch_kernel is not None and torch_on_cpu():
+            self.torch_kernel.run(env)  # the CPU path: PyTorch's kernels (backend="torch")
+            return
         straight = self._straight
         if straight and straight(env, device):
             return  # the usual layout: generated code checked it and launched

@@ -1,6 +1,8 @@
 """Test set-up: Triton's interpreter (set before triton is imported), a kernel cache of
 this session's own, so the Hopper compile test can find every kernel the suite generated,
-and strict mode: a compiler bug raises instead of falling back to eager (SYMGRAD_STRICT)."""
+strict mode: a compiler bug raises instead of falling back to eager (SYMGRAD_STRICT), and
+backend="auto" on CPU tensors running the real Triton kernels in Triton's interpreter
+(SYMGRAD_CPU_BACKEND=interpret; tests/test_cpu_backend.py runs the CPU path explicitly)."""
 
 import os
 import tempfile
@@ -8,6 +10,7 @@ import tempfile
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("SYMGRAD_CACHE_DIR", tempfile.mkdtemp(prefix="symgrad-test-kernels-"))
 os.environ.setdefault("SYMGRAD_STRICT", "1")
+os.environ.setdefault("SYMGRAD_CPU_BACKEND", "interpret")
 
 import compiler  # noqa: E402,F401  (import order: before anything imports triton)
 

@@ -51,3 +51,29 @@ def test_no_profiler_no_ranges(monkeypatch):
     monkeypatch.setattr(Program, "_run_profiled", refuse)
     step(x)  # a replay (forward and backward programs) takes the plain path
     assert step.stats["replays"] == 1 and step.stats["kernel_launches"] > 0
+
+
+def test_fused_optimizer_and_clip_kernels_appear_by_name():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    @compiler.compile(backend="interpret")
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        return loss
+    x = torch.randn(4, 8)
+    for _ in range(3):  # recorded, then the optimizer's first step (its state made), then replays
+        step(x)
+    with torch.profiler.profile() as prof:
+        step(x)
+    assert step.stats["optimizer_launches"] > 0
+    names = [e.key for e in prof.key_averages()]
+    adam = [n for n in names if n.startswith("symgrad kernel ") and "[Adam.step, " in n]
+    clip = [n for n in names if n.startswith("symgrad kernel ") and "[clip_grad_norm_, " in n]
+    assert adam and clip, names
+    assert all(n.endswith(" tensors]") for n in adam + clip)

@@ -100,6 +100,7 @@ def compile_optimizer_steps(trace, recorded, stats=None) -> tuple:
                 reasons.append(f"clip_grad_norm_ runs eagerly: {e}")
                 continue
             clips[entry.start] = plan
+            _name_for_profiler(plan.launches, "clip_grad_norm_")
             kernels.extend(KernelInfo(launch.name, launch.source, "optimizer", -1, launch.bytes_moved)
                            for launch in plan.launches)
             continue
@@ -120,11 +121,19 @@ def compile_optimizer_steps(trace, recorded, stats=None) -> tuple:
             reasons.append(f"optimizer.step() of {name} runs eagerly: {e}")
             continue
         fused[start] = step
+        _name_for_profiler(step.launches, f"{name}.step")
         kernels.extend(KernelInfo(launch.name, launch.source, "optimizer", -1, launch.bytes_moved)
                        for launch in step.launches)
     trace.fused_steps = fused
     trace.fused_calls = clips
     return kernels, reasons
+
+
+def _name_for_profiler(launches, what: str) -> None:
+    """The names the combo kernels run under in a profile (as ``compiler.api.name_for_profiler``
+    names the regions' kernels): the kernel, the call it does and how many parameters it updates."""
+    for launch in launches:
+        launch.profile_name = f"symgrad kernel {launch.name} [{what}, {len(launch.members)} tensors]"
 
 
 def fused_call_indices(trace) -> set:

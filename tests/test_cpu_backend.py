@@ -1,0 +1,282 @@
+"""The CPU path (backend="torch"): the same capture, SymPy backward and runtime, with each fused
+kernel run as a generated function of PyTorch ops. Eager PyTorch is the oracle: values,
+gradients, hooks, saved-tensor checks, double backward and whole training steps.
+
+The rest of the suite runs the generated Triton kernels in Triton's interpreter (conftest sets
+SYMGRAD_CPU_BACKEND=interpret); these tests name backend="torch" and check that no Triton
+kernel was launched."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import compiler
+import compiler.build
+import runtime.program as program
+from runtime import backends
+
+_make_launcher = program.make_launcher
+
+
+@pytest.fixture(autouse=True)
+def no_triton(monkeypatch):
+    """Every kernel of these tests runs as PyTorch ops: launching a Triton kernel fails the test."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a Triton kernel was launched on the CPU path")
+    monkeypatch.setattr(program, "make_launcher", refuse)
+
+
+def _clone(args):
+    return [a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def check(fn, args, tol=None, calls=3):
+    """``fn`` compiled with backend="torch": every call's value and gradients equal eager's."""
+    compiled = compiler.compile(fn, backend="torch", fullgraph=True)
+    tol = tol or {}
+    for _ in range(calls):
+        ref_args, our_args = _clone(args), _clone(args)
+        ref, ours = fn(*ref_args), compiled(*our_args)
+        torch.testing.assert_close(ours, ref, **tol)
+        if ref.requires_grad:
+            seed = torch.randn_like(ref) if ref.dtype.is_floating_point else torch.ones_like(ref)
+            ref.backward(seed)
+            ours.backward(seed.clone())
+            for a, b in zip(our_args, ref_args):
+                if isinstance(a, torch.Tensor) and a.requires_grad:
+                    torch.testing.assert_close(a.grad, b.grad, **tol)
+    assert compiled.last_backend == "torch"
+    assert compiled.stats["replays"] >= calls - 1 and compiled.stats["kernel_launches"] > 0
+    return compiled
+
+
+def test_auto_picks_the_cpu_path_unless_told_to_interpret(monkeypatch):
+    monkeypatch.delenv(backends.CPU_BACKEND_ENV, raising=False)
+    backend, why = backends.choose("auto", "cpu")
+    assert backend == "torch" and "PyTorch CPU ops" in why
+    monkeypatch.setenv(backends.CPU_BACKEND_ENV, "interpret")
+    assert backends.choose("auto", "cpu")[0] == "interpret"
+    monkeypatch.setenv(backends.CPU_BACKEND_ENV, "numpy")
+    with pytest.raises(ValueError, match="SYMGRAD_CPU_BACKEND"):
+        backends.choose("auto", "cpu")
+    with pytest.raises(backends.BackendUnavailable, match="CUDA tensors"):
+        backends.choose("torch", "cuda")
+
+
+def test_explain_says_which_backend_ran(monkeypatch):
+    monkeypatch.delenv(backends.CPU_BACKEND_ENV, raising=False)
+    f = compiler.compile(lambda x: torch.tanh(x) * 2)
+    x = torch.randn(8)
+    f(x)
+    f(x)
+    assert f.last_backend == "torch"
+    report = compiler.explain(f, x)
+    assert report.backend == "torch" and "PyTorch CPU ops" in report.backend_reason
+    assert "backend: torch" in str(report)
+
+
+def test_pointwise_and_reductions():
+    def f(x, w):
+        y = torch.sigmoid(x) * w + torch.exp(-x * x)
+        return y.sum(-1) + y.mean(0).amax() + torch.logsumexp(x, -1)
+    check(f, [torch.randn(6, 10, requires_grad=True), torch.randn(10, requires_grad=True)])
+
+
+def test_softmax_layer_norm_and_integer_math():
+    def f(x, g, b, idx):
+        h = F.layer_norm(x, (x.shape[-1],), g, b)
+        return F.softmax(h, -1)[..., :3].sum(-1) + (idx % 3).float() * torch.where(x[:, 0] > 0, 1.0, -2.0)
+    idx = torch.arange(5)
+    check(f, [torch.randn(5, 16, requires_grad=True), torch.randn(16, requires_grad=True),
+              torch.randn(16, requires_grad=True), idx])
+
+
+def test_views():
+    def f(x):
+        y = x.permute(1, 0, 2).reshape(4, -1)[:, 1::2] * 3
+        return y.flip(0).t().expand(2, -1, -1) + x.sum()
+    check(f, [torch.randn(3, 4, 5, requires_grad=True)])
+
+
+def test_outputs_are_fresh_tensors_not_views_of_inputs():
+    def f(x):
+        return x.reshape(2, 3) + 0, x.t().reshape(-1) * 1
+    compiled = compiler.compile(f, backend="torch")
+    x = torch.randn(3, 2)
+    for _ in range(2):
+        a, b = compiled(x)
+    before = x.clone()
+    a.add_(1)
+    b.add_(1)
+    assert torch.equal(x, before) and a.is_contiguous() and b.is_contiguous()
+
+
+def test_complex():
+    def f(z, w):
+        return ((z * w.conj() + torch.exp(z)).abs() ** 2).sum(-1)
+    z = torch.randn(4, 5, dtype=torch.complex64, requires_grad=True)
+    w = torch.randn(4, 5, dtype=torch.complex64, requires_grad=True)
+    check(f, [z, w], tol=dict(rtol=1e-4, atol=1e-4))
+
+
+def test_half_precision_is_computed_in_float32():
+    def f(x):
+        return F.gelu(x) * x
+    x = torch.randn(64, dtype=torch.bfloat16, requires_grad=True)
+    check(f, [x], tol=dict(rtol=2e-2, atol=2e-2))
+
+
+def test_transformer_block_values_and_grads():
+    torch.manual_seed(0)
+    block = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True,
+                                             activation="gelu")
+    reference = copy.deepcopy(block)
+    compiled = compiler.compile(lambda x: block(x).square().mean(), backend="torch")
+    x = torch.randn(2, 5, 16)
+    for _ in range(3):
+        loss = compiled(x)
+        loss.backward()
+        ref = reference(x).square().mean()
+        ref.backward()
+        torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+        for p, q in zip(block.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+    assert compiled.last_backend == "torch" and compiled.stats["replays"] == 2
+
+
+@pytest.mark.parametrize("optimizer", ["sgd_momentum", "adam"])
+def test_mlp_training_step_with_optimizer(optimizer):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+    reference = copy.deepcopy(model)
+
+    def make(params):
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9) if optimizer == "sgd_momentum" \
+            else torch.optim.Adam(params, lr=1e-2)
+    opt, ref_opt = make(model.parameters()), make(reference.parameters())
+
+    def step(model, opt, x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    compiled = compiler.compile(step, backend="torch")
+    x, y = torch.randn(32, 4), torch.randn(32, 1)
+    for _ in range(5):
+        torch.testing.assert_close(compiled(model, opt, x, y), step(reference, ref_opt, x, y), rtol=1e-5, atol=1e-6)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+            assert p.grad is None
+    assert compiled.last_backend == "torch" and compiled.stats["replays"] >= 3
+    assert compiled.stats["divergences"] == 0
+
+
+def test_hooks_and_retain_grad_run_as_in_eager():
+    seen = []
+
+    def f(x, w):
+        h = torch.tanh(x * w)
+        h.register_hook(lambda g: seen.append(g.clone()))
+        return (h * h).sum()
+    compiled = compiler.compile(f, backend="torch")
+    x, w = torch.randn(8), torch.randn(8, requires_grad=True)
+    for _ in range(2):
+        compiled(x, w).backward()
+    eager_seen = seen[-1]
+    seen.clear()
+    f(x, w.detach().clone().requires_grad_()).backward()
+    assert compiled.last_backend == "torch"
+    torch.testing.assert_close(eager_seen, seen[0])
+
+
+def test_saved_tensor_modified_in_place_raises_as_in_eager():
+    def f(x):
+        return torch.exp(x)
+    compiled = compiler.compile(f, backend="torch")
+    for _ in range(2):
+        x = torch.randn(4, requires_grad=True)
+        y = compiled(x)
+    assert compiled.last_backend == "torch"
+    with torch.no_grad():
+        y.mul_(2)  # exp saves its output: eager's version check must fire
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_double_backward():
+    def f(x):
+        return (torch.sin(x) * x).sum()
+    compiled = compiler.compile(f, backend="torch")
+    for _ in range(2):
+        x = torch.randn(6, requires_grad=True)
+        (g,) = torch.autograd.grad(compiled(x), x, create_graph=True)
+        (gg,) = torch.autograd.grad(g.sum(), x)
+    assert compiled.last_backend == "torch"
+    xe = x.detach().clone().requires_grad_()
+    (ge,) = torch.autograd.grad(f(xe), xe, create_graph=True)
+    (gge,) = torch.autograd.grad(ge.sum(), xe)
+    torch.testing.assert_close(g, ge)
+    torch.testing.assert_close(gg, gge)
+
+
+def test_a_region_loaded_from_the_disk_cache_keeps_its_cpu_path(monkeypatch, tmp_path):
+    """A region loaded from the on-disk cache (``compiler.persist``) runs the CPU path too: its
+    kernels' PyTorch functions are stored with them."""
+    monkeypatch.setenv("SYMGRAD_CACHE_DIR", str(tmp_path / "cache"))
+    builds = []
+    partition = compiler.build.partition
+    monkeypatch.setattr(compiler.build, "partition", lambda *a, **k: builds.append(1) or partition(*a, **k))
+
+    def f(x):
+        return (torch.tanh(x).sum(0) * 2).softmax(-1)
+    x = torch.randn(5, 7, requires_grad=True)
+    compiler.compile(f, backend="torch")(x)
+    loaded = compiler.compile(f, backend="torch")  # another function, the same graph: loaded
+    for _ in range(2):
+        xs = x.detach().clone().requires_grad_()
+        out = loaded(xs)
+        out.backward(torch.arange(7.0))
+    assert len(builds) == 1 and loaded.last_backend == "torch"
+    xe = x.detach().clone().requires_grad_()
+    ref = f(xe)
+    ref.backward(torch.arange(7.0))
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(xs.grad, xe.grad)
+
+
+def test_gelu_and_its_derivative_run_as_pytorchs_own_kernels():
+    """SymPy's GELU (0.5·x·(1 + erf(x/√2))) and its expanded derivative print as one PyTorch op
+    each (``gelu``, ``gelu_backward``), not five and ten: the CPU path's speed depends on it."""
+    from compiler.codegen import torch_kernel
+
+    sources = []
+    write = torch_kernel._Writer.write
+
+    def recording(self, name, store_slots):
+        kernel = write(self, name, store_slots)
+        sources.append(kernel.source)
+        return kernel
+    import unittest.mock
+    with unittest.mock.patch.object(torch_kernel._Writer, "write", recording):
+        lin = torch.nn.Linear(8, 8)
+        check(lambda x: F.gelu(lin(x)).sum(), [torch.randn(4, 8, requires_grad=True)])
+    text = "\n".join(sources)
+    assert "torch.nn.functional.gelu(" in text and "torch.ops.aten.gelu_backward(" in text, text
+    assert "erf" not in text, text
+
+
+def test_a_kernel_the_printer_cannot_write_keeps_its_triton_form(monkeypatch):
+    from compiler.codegen import torch_kernel
+
+    def fail(self, name, store_slots):
+        raise NotImplementedError("a gap of the printer")
+    monkeypatch.setattr(torch_kernel._Writer, "write", fail)
+    monkeypatch.setattr(program, "make_launcher", _make_launcher)  # (this test launches Triton kernels)
+    f = compiler.compile(lambda x: torch.tanh(x) * 3, backend="torch")
+    x = torch.randn(5)
+    f(x)
+    torch.testing.assert_close(f(x), torch.tanh(x) * 3)
+    assert f.last_backend == "torch" and f.stats["kernel_launches"] > 0
