@@ -4,7 +4,7 @@ A ``TorchFunctionMode`` sees every torch-level call. Each call runs for real (so
 call returns eager PyTorch's results) and is recorded. Calls with a binding in the op
 catalog are also appended, as catalog ops, to the graph of the current *region*; any other
 call — ``backward()``, an optimizer's in-place update, an op the catalog lacks, reading a
-value with ``.item()`` (a graph break; a bool read is guarded on replay) — is recorded as an
+value with ``.item()`` (a graph break; the value read is guarded on replay) — is recorded as an
 eager call and closes the region.
 
 After the function returns, escape analysis decides which region values must be
@@ -37,7 +37,7 @@ from compiler.bindings import Unsupported, Writes, lookup
 from runtime.calls import flatten_call, unflatten_call
 from runtime.fallback import InternalCompilerError, internal_error
 from runtime.torch_functions import function_name, is_metadata
-from runtime.trace import RegionPlan, TensorMeta, Trace, TraceCall, ValueId
+from runtime.trace import RegionPlan, TensorMeta, Trace, TraceCall, ValueId, read_snapshot
 
 _SUPPORTED_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool,
                      torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
@@ -270,8 +270,9 @@ class Capture(InPlaceTracking, TorchFunctionMode):
                 # (the gradients a hook saw) alive, mistaken for tensors reached from outside.
                 recorded = [UNKEPT if isinstance(x, FUNCTIONS) else x for x in recorded]
             call = TraceCall(func, "eager", None, spec, recorded, outputs, out_spec, reason)
-            if type(result) is bool and getattr(func, "__name__", "") in VALUE_READS:
-                call.guard, call.guarded = result, True  # the branch Python takes next depends on it
+            if getattr(func, "__name__", "") in VALUE_READS and not isinstance(result, torch.Tensor):
+                # the calls Python makes next may depend on the value: replay compares it
+                call.guard, call.guarded = read_snapshot(result), True
             self.calls.append(call)
             if reason:
                 self.breaks.append(reason)
@@ -504,7 +505,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
             views = {v: r.view_of[v] for v in outputs if v in r.view_of and r.view_of[v][0] in outputs}
             plans.append(RegionPlan(r.calls, list(r.inputs), outputs, internal, r.grad_enabled, mutated=mutated,
                                     reason=r.eager_reason, seeds=[(v, r.device) for v in r.seeds], writes=writes,
-                                    views=views))
+                                    views=views, writes_in_place=bool(r.writes) or r.view_mutation))
             plans[-1].graph = b.graph
         # Externals already gone appeared during the call, from code the mode does not see (a
         # Parameter made inside the function, a tensor unpacked from a grad_fn): replay binds

@@ -37,8 +37,9 @@ def value_read_break(func, value) -> str:
         then = ("replay checks the bool and takes the recording of the branch it steers (a new one is "
                 "recorded for a branch not seen yet)")
     else:
-        then = ("the value is not guarded: a number that flows into a later call as an argument is checked "
-                "there; one that only steers Python's control flow should be read as a bool")
+        then = ("replay checks the value: where it differs (a loss for a log line), the calls after it are "
+                "checked one by one where a region writes in place, and a call Python does not make leaves the "
+                "recording")
     return (f"{function_name(func)} reads a tensor's value into Python at {user_frame()}: the region before ends "
             f"with the value, only the read runs eagerly and what follows compiles again; {then}")
 
