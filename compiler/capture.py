@@ -400,7 +400,12 @@ class Capture(InPlaceTracking, TorchFunctionMode):
                     call = self.calls[seg[0]]
                     call.kind, call.region = "eager", None
                     continue
-                regions.append(self._rebuild(len(regions), seg, r.grad_enabled, r.device))
+                rebuilt = self._rebuild(len(regions), seg, r.grad_enabled, r.device)
+                # (views of the segment's own values, as capture noted them: made from the real base)
+                produced = set(rebuilt.produced)
+                rebuilt.view_of.update((v, view) for v, view in r.view_of.items()
+                                       if v in produced and view[0] in produced)
+                regions.append(rebuilt)
         for r in regions:
             for c in r.calls:
                 self.calls[c].region = r.index
