@@ -60,6 +60,23 @@ def user_frame() -> str:
 
 
 LIBRARY_PATHS = (os.sep + "torch" + os.sep, os.sep + "compiler" + os.sep, os.sep + "runtime" + os.sep)
+DISTRIBUTED_PATHS = tuple(os.sep + os.path.join("torch", *parts) + os.sep
+                          for parts in (("distributed",), ("nn", "parallel")))
+
+
+def made_by_distributed() -> bool:
+    """Whether the torch call being recorded was made by torch.distributed's own code (FSDP2's
+    copies into and views of its all-gather buffers, in its hooks around a module's forward;
+    DDP's bucket views), not by a model's: the nearest caller outside torch's (and our) internals."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if any(part in path for part in DISTRIBUTED_PATHS):
+            return True
+        if not any(part in path for part in LIBRARY_PATHS):
+            return False  # the model's code (or the user's) made it
+        frame = frame.f_back
+    return False
 
 
 def gradient_inputs(func, args, kwargs) -> list:
