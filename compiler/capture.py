@@ -4,7 +4,7 @@ A ``TorchFunctionMode`` sees every torch-level call. Each call runs for real (so
 call returns eager PyTorch's results) and is recorded. Calls with a binding in the op
 catalog are also appended, as catalog ops, to the graph of the current *region*; any other
 call — ``backward()``, an optimizer's in-place update, an op the catalog lacks, reading a
-value with ``.item()`` (a graph break; a bool read is guarded on replay) — is recorded as an
+value with ``.item()`` (a graph break; the value read is guarded on replay) — is recorded as an
 eager call and closes the region.
 
 After the function returns, escape analysis decides which region values must be
@@ -25,8 +25,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from compiler.capture_calls import (FUNCTIONS, UNKEPT, UNREFERENCED, VALUE_READS, ModulesRun, OptimizerSteps,
-                                    expected_eager, gradient_inputs, inspects_node, python_references, user_frame,
-                                    value_read_break)
+                                    expected_eager, gradient_inputs, inspects_node, made_by_distributed,
+                                    python_references, user_frame, value_read_break)
 from compiler.checkpointing import MIXED_BLOCK, CheckpointedCalls, tag_block
 from compiler.capture_regions import (InPlaceTracking, Region, ViewMutation, apply_writes, keep_overwritten_history,
                                       mark_eager_saved, map_to_nodes, saves_result)
@@ -36,8 +36,8 @@ from compiler.ops import catalog as C
 from compiler.bindings import Unsupported, Writes, lookup
 from runtime.calls import flatten_call, unflatten_call
 from runtime.fallback import InternalCompilerError, internal_error
-from runtime.torch_functions import function_name, is_metadata
-from runtime.trace import RegionPlan, TensorMeta, Trace, TraceCall, ValueId
+from runtime.torch_functions import function_name, is_metadata, is_state_read
+from runtime.trace import RegionPlan, TensorMeta, Trace, TraceCall, ValueId, read_snapshot
 
 _SUPPORTED_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool,
                      torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
@@ -75,6 +75,8 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         self.isolate: set = set()    # calls whose result's grad_fn the user reads: run eagerly
         self.split_after: set = set()  # calls whose result backward takes as `inputs`: a region ends there
         self.call_meta: dict = {}    # call index -> (input TensorMetas by value id, output metas)
+        self.in_library_call = None  # () -> whether an optimizer step or clip_grad_norm_ runs now
+        self.gradients: set = set()  # id() of the .grad tensors the function read (bookkeeping reads them)
         self.checkpoints = CheckpointedCalls()  # calls inside torch.utils.checkpoint blocks
 
     # -- value ids -----------------------------------------------------------------------
@@ -121,6 +123,8 @@ class Capture(InPlaceTracking, TorchFunctionMode):
             self.current = None
             self.calls.append(TraceCall(func, "eager", None, spec, recorded, [], None))
             raise
+        if type(result) is torch.Tensor and is_state_read(func):
+            self.gradients.add(id(result))  # (t.grad: what a hand-written update reads)
         try:
             self._record(func, args, kwargs, leaves, spec, recorded, result)
         except Exception as e:
@@ -170,10 +174,11 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         nodes = None
         self.checkpoints.begin()
         binding = _binding(func)
-        # NOTE: math the function itself runs under no_grad (an optimizer's update, with a
-        # step size that changes every step; a custom autograd.Function's forward) runs
-        # eagerly by design, not as a fallback; a whole call made under no_grad compiles.
-        by_design = binding is not None and not torch.is_grad_enabled() and self.entry_grad_mode
+        # NOTE: math the function runs under no_grad compiles (a rotary embedding's cos/sin),
+        # as a region without autograd, but for a training step's own bookkeeping, which runs
+        # eagerly by design, not as a fallback (``_bookkeeping_under_no_grad``).
+        by_design = binding is not None and not torch.is_grad_enabled() and self.entry_grad_mode \
+            and self._bookkeeping_under_no_grad(leaves, out_tensors)
         if by_design:
             binding = None
         if binding is not None:
@@ -270,11 +275,32 @@ class Capture(InPlaceTracking, TorchFunctionMode):
                 # (the gradients a hook saw) alive, mistaken for tensors reached from outside.
                 recorded = [UNKEPT if isinstance(x, FUNCTIONS) else x for x in recorded]
             call = TraceCall(func, "eager", None, spec, recorded, outputs, out_spec, reason)
-            if type(result) is bool and getattr(func, "__name__", "") in VALUE_READS:
-                call.guard, call.guarded = result, True  # the branch Python takes next depends on it
+            if getattr(func, "__name__", "") in VALUE_READS and not isinstance(result, torch.Tensor):
+                # the calls Python makes next may depend on the value: replay compares it
+                call.guard, call.guarded = read_snapshot(result), True
             self.calls.append(call)
             if reason:
                 self.breaks.append(reason)
+
+    def _bookkeeping_under_no_grad(self, leaves, out_tensors) -> bool:
+        """Whether a call under a no_grad the function turned on is a training step's bookkeeping,
+        run eagerly by design: inside an optimizer.step() or clip_grad_norm_ (their own kernels,
+        or eager), made by torch.distributed (FSDP2 views and copies its all-gather buffers under
+        no_grad in its hooks: compiled, those views became region values that its collectives and
+        copy-out ops, which the compiler does not know, then read: fallbacks and divergences),
+        reading a gradient (a hand-written update, whose step size changes every step), or
+        writing in place into a tensor that requires grad (a parameter) or is a subclass."""
+        if self.in_library_call is not None and self.in_library_call():
+            return True
+        if made_by_distributed():
+            return True
+        inputs = [x for x in leaves if isinstance(x, torch.Tensor)]
+        if any(id(x) in self.gradients for x in inputs):
+            return True
+        for t in out_tensors:
+            if any(t is x for x in inputs) and (t.requires_grad or type(t) is not torch.Tensor):
+                return True
+        return False
 
     def _emit(self, func, binding, args, kwargs, leaves, recorded, out_tensors):
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
@@ -399,7 +425,12 @@ class Capture(InPlaceTracking, TorchFunctionMode):
                     call = self.calls[seg[0]]
                     call.kind, call.region = "eager", None
                     continue
-                regions.append(self._rebuild(len(regions), seg, r.grad_enabled, r.device))
+                rebuilt = self._rebuild(len(regions), seg, r.grad_enabled, r.device)
+                # (views of the segment's own values, as capture noted them: made from the real base)
+                produced = set(rebuilt.produced)
+                rebuilt.view_of.update((v, view) for v, view in r.view_of.items()
+                                       if v in produced and view[0] in produced)
+                regions.append(rebuilt)
         for r in regions:
             for c in r.calls:
                 self.calls[c].region = r.index
@@ -504,7 +535,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
             views = {v: r.view_of[v] for v in outputs if v in r.view_of and r.view_of[v][0] in outputs}
             plans.append(RegionPlan(r.calls, list(r.inputs), outputs, internal, r.grad_enabled, mutated=mutated,
                                     reason=r.eager_reason, seeds=[(v, r.device) for v in r.seeds], writes=writes,
-                                    views=views))
+                                    views=views, writes_in_place=bool(r.writes) or r.view_mutation))
             plans[-1].graph = b.graph
         # Externals already gone appeared during the call, from code the mode does not see (a
         # Parameter made inside the function, a tensor unpacked from a grad_fn): replay binds
@@ -582,6 +613,10 @@ def capture(fn, args, kwargs):
     modules = ModulesRun()
     steps = OptimizerSteps(mode)
     optimizer_steps = StepRecorder(mode)  # which optimizer each step was, to compile it (compiler.optimizers)
+    # (a clip_grad_norm_ call runs from its ClipRecord until its end is set; one that raised
+    # counts as running on, which only keeps later no_grad math eager)
+    mode.in_library_call = lambda: bool(steps.open) or any(
+        getattr(found, "end", 0) is None for found in optimizer_steps.found)
     handles = [torch.nn.modules.module.register_module_forward_pre_hook(modules),
                register_optimizer_step_pre_hook(steps.begin),
                register_optimizer_step_post_hook(steps.end),

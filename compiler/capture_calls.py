@@ -37,8 +37,9 @@ def value_read_break(func, value) -> str:
         then = ("replay checks the bool and takes the recording of the branch it steers (a new one is "
                 "recorded for a branch not seen yet)")
     else:
-        then = ("the value is not guarded: a number that flows into a later call as an argument is checked "
-                "there; one that only steers Python's control flow should be read as a bool")
+        then = ("replay checks the value: where it differs (a loss for a log line), the calls after it are "
+                "checked one by one where a region writes in place, and a call Python does not make leaves the "
+                "recording")
     return (f"{function_name(func)} reads a tensor's value into Python at {user_frame()}: the region before ends "
             f"with the value, only the read runs eagerly and what follows compiles again; {then}")
 
@@ -59,6 +60,23 @@ def user_frame() -> str:
 
 
 LIBRARY_PATHS = (os.sep + "torch" + os.sep, os.sep + "compiler" + os.sep, os.sep + "runtime" + os.sep)
+DISTRIBUTED_PATHS = tuple(os.sep + os.path.join("torch", *parts) + os.sep
+                          for parts in (("distributed",), ("nn", "parallel")))
+
+
+def made_by_distributed() -> bool:
+    """Whether the torch call being recorded was made by torch.distributed's own code (FSDP2's
+    copies into and views of its all-gather buffers, in its hooks around a module's forward;
+    DDP's bucket views), not by a model's: the nearest caller outside torch's (and our) internals."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if any(part in path for part in DISTRIBUTED_PATHS):
+            return True
+        if not any(part in path for part in LIBRARY_PATHS):
+            return False  # the model's code (or the user's) made it
+        frame = frame.f_back
+    return False
 
 
 def gradient_inputs(func, args, kwargs) -> list:

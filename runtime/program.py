@@ -197,11 +197,14 @@ class KernelLaunch:
 
 
 def _reused(t, shape, dtype):
-    """``t`` viewed as a fresh output of ``shape``, when its memory is exactly that (contiguous, from
-    its storage's start: as aligned as a new allocation); else None."""
+    """``t``'s memory as a fresh output of ``shape``, when it is exactly that (contiguous, from its
+    storage's start: as aligned as a new allocation); else None. Neither ``t`` nor a view of it: a
+    region's output that is a view of (or is) a tensor its autograd Function got or made is one
+    PyTorch refuses to write in place later ("a view created inside a custom Function", "one of
+    several views a function returns"), where eager's output is a tensor of its own."""
     if t.dtype != dtype or not t.is_contiguous() or t.storage_offset() != 0 or t.numel() != _numel(shape):
         return None
-    return t.view(shape)
+    return torch.empty(0, dtype=dtype, device=t.device).set_(t.untyped_storage(), 0, shape)
 
 
 def _numel(shape) -> int:

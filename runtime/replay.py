@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from runtime.calls import flatten_call, holds_tensor, unflatten_call
 from runtime.program import apply_views
 from runtime.torch_functions import REFLECTED_COMPARISONS, function_name, is_metadata, is_state_read
-from runtime.trace import Trace, ValueId
+from runtime.trace import Trace, ValueId, same_read
 
 
 class Diverged(Exception):
@@ -111,6 +111,9 @@ class Replay(TorchFunctionMode):
         self.done_regions: set = set()
         self.diverged: str | None = None
         self.path_changed = False  # a guarded bool differed from every recording's (_guard_failed)
+        # a number read into Python differed from the recording's (_guard_failed): why, or None
+        self.unverified: str | None = None
+        self.eager_regions: set = set()  # regions run call by call since (they write in place)
         self.suspended_until: int | None = None  # inside an optimizer step run unwatched
 
     # -- optimizer steps run unwatched ------------------------------------------------------
@@ -247,16 +250,20 @@ class Replay(TorchFunctionMode):
         return True
 
     def _guard_failed(self, value):
-        """The bool just read (``if mask.all():``) differs from the recording's: Python takes
-        another branch now. Go on with a recording that read this value at the same point
-        after the same calls; with none, the replay diverges here, before any region of the
-        other branch runs (a region runs whole at its first call: were its first call shared
-        by both branches, its in-place writes would be the other branch's). Sets
-        ``path_changed``: the dispatcher records this path next time."""
+        """The value just read differs from the recording's. Go on with a recording that read this
+        value at the same point after the same calls. With none: a bool (``if mask.all():``)
+        steers Python's branch, so the replay diverges here, before any region of the other
+        branch runs (a region runs whole at its first call: were its first call shared by both
+        branches, its in-place writes would be the other branch's), and sets ``path_changed``:
+        the dispatcher records this path next time. A number (``loss.item()``) may steer
+        nothing (a log line): the replay goes on unverified, each later region that writes in
+        place runs call by call (``_run_region``), so a call Python does not make diverges
+        before any of its effects."""
         k = self.pos - 1
         rec = self.trace.calls[k]
         for alt in self.alternatives:
-            if alt is self.trace or len(alt.calls) <= k or not alt.calls[k].guarded or alt.calls[k].guard != value:
+            if alt is self.trace or len(alt.calls) <= k or not alt.calls[k].guarded \
+                    or not same_read(alt.calls[k].guard, value):
                 continue
             read = alt.calls[k]  # the same read (of the same value id), with this result
             if read.func is not rec.func or read.spec != rec.spec or read.leaves != rec.leaves:
@@ -265,6 +272,9 @@ class Replay(TorchFunctionMode):
                 continue
             if self._switch_to(alt):
                 return
+        if type(value) is not bool:
+            self.unverified = f"{function_name(rec.func)} read {value!r} where the recording read {rec.guard!r}"
+            return
         self.path_changed = True
         self.diverged = (f"{function_name(rec.func)} read {value!r} where the recording read {rec.guard!r}: "
                          "Python takes another branch")
@@ -285,7 +295,7 @@ class Replay(TorchFunctionMode):
                 if isinstance(leaf, torch.Tensor) or not _same_constant(leaf, expected):
                     return _SLOW
             region = self.trace.regions[rec.region]
-            if rec.region not in self.done_regions or region.compiled is None:
+            if rec.region not in self.done_regions or region.compiled is None or rec.region in self.eager_regions:
                 return _SLOW
             self.pos += 1
             if rec.out_spec is None:  # the common case: one tensor
@@ -305,7 +315,7 @@ class Replay(TorchFunctionMode):
         result = func(*args)
         outputs = rec.outputs
         if not outputs:  # most eager calls: optimizer updates, attribute writes, grad mode
-            if rec.guarded and result != rec.guard:
+            if rec.guarded and not same_read(result, rec.guard):
                 self._guard_failed(result)
             return result
         if rec.out_spec == "setitem":
@@ -366,7 +376,7 @@ class Replay(TorchFunctionMode):
             region = self.trace.regions[rec.region]
             if rec.region not in self.done_regions:
                 self._run_region(rec.region)
-            if region.compiled is not None:
+            if region.compiled is not None and rec.region not in self.eager_regions:
                 self.pos += 1
                 if rec.out_spec is None:  # the common case: one tensor
                     return self.shown[rec.outputs[0]]
@@ -386,7 +396,7 @@ class Replay(TorchFunctionMode):
             a, k = unflatten_call(real, spec)
             result = func(*a, **k)
         if not rec.outputs:  # most eager calls: optimizer updates, attribute reads, grad mode
-            if rec.guarded and result != rec.guard:
+            if rec.guarded and not same_read(result, rec.guard):
                 self._guard_failed(result)
             return result
         if rec.out_spec == "setitem":
@@ -416,7 +426,15 @@ class Replay(TorchFunctionMode):
 
     def _run_region(self, index: int):
         region = self.trace.regions[index]
-        if region.compiled is None:
+        if region.compiled is not None and self.unverified and (region.writes_in_place or region.seeds):
+            # NOTE: a region runs whole at its first call. After a number read that differs from
+            # the recording's, Python may not make all its calls (``if v > 0:`` took the other
+            # branch, whose first call is the same): a region that only computes is harmless
+            # (what Python did not ask for is never shown), but one that writes in place or
+            # draws random numbers would leave the other branch's effects. It runs call by
+            # call, each checked, as eager would.
+            self.eager_regions.add(index)
+        if region.compiled is None or index in self.eager_regions:
             self.done_regions.add(index)
             return  # runs call by call, eagerly
         for vid, device in region.seeds:
@@ -500,7 +518,8 @@ def _compare_prefix(a: Trace, b: Trace, k: int) -> bool:
     for ca, cb in zip(a.calls[:k], b.calls[:k]):
         if (ca.func is not cb.func and ca.func != cb.func) or ca.spec != cb.spec or ca.kind != cb.kind \
                 or ca.region != cb.region or ca.outputs != cb.outputs or ca.out_spec != cb.out_spec \
-                or len(ca.leaves) != len(cb.leaves) or ca.guarded != cb.guarded or ca.guard != cb.guard:
+                or len(ca.leaves) != len(cb.leaves) or ca.guarded != cb.guarded \
+                or (type(ca.guard) is bool and ca.guard != cb.guard):  # (a number read: any value)
             return False
         for x, y in zip(ca.leaves, cb.leaves):
             if isinstance(x, ValueId) or isinstance(y, ValueId):

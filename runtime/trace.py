@@ -29,8 +29,8 @@ class TraceCall:
     outputs: list              # ValueId per tensor leaf of the result, in order
     out_spec: object = None
     reason: str | None = None  # for an eager call that breaks a region: why
-    # A Python bool the call read out of a tensor (``if mask.all():``): the branch Python took
-    # next depends on it, so replay compares it (``guarded``; runtime.replay).
+    # A value the call read out of a tensor into Python (``if mask.all():``, ``loss.item()``): the
+    # calls Python makes next may depend on it, so replay compares it (``guarded``; runtime.replay).
     guard: object = None
     guarded: bool = False
 
@@ -55,6 +55,29 @@ class TraceCall:
         if type(spec) is not tuple or spec[0] == "tree" or spec[1] or self.func in REFLECTED_COMPARISONS:
             return None
         return spec[0]
+
+
+def read_snapshot(value):
+    """What replay compares a value read into Python against: the value itself, or a copy of an
+    array (``Tensor.numpy()`` shares the tensor's memory, which later calls may change)."""
+    copy = getattr(value, "copy", None)
+    return copy() if callable(copy) and not isinstance(value, (list, dict, set)) else value
+
+
+def same_read(a, b) -> bool:
+    """Whether two values read into Python are the same (NaN equals NaN; arrays element-wise)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
+        return a == b or (a != a and b != b)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_read(x, y) for x, y in zip(a, b))
+    try:
+        equal = a == b
+        return bool(equal if isinstance(equal, bool) else equal.all()) and getattr(a, "shape", None) == getattr(
+            b, "shape", None)
+    except Exception:
+        return a is b
 
 
 @dataclass
@@ -89,6 +112,9 @@ class RegionPlan:
     # outputs that eager has as views of another output (or of a mutated input), written in place
     # here: value id -> (base value id, ViewSteps); remade from the real base after the region
     views: dict = field(default_factory=dict)
+    # whether a call inside writes in place (into an input or a value made inside): such a region
+    # must not run whole where Python may not make all its calls (runtime.replay, after a read)
+    writes_in_place: bool = False
 
 
 @dataclass

@@ -435,6 +435,31 @@ def test_view_of_a_region_value_written_in_place_after_the_region(call):
         torch.testing.assert_close(grads, torch.autograd.grad(expected[0].sum() + expected[1].sum(), expected_x))
 
 
+def test_view_of_a_value_of_a_split_region_written_in_place_after_the_region(call):
+    # as above, in a region rebuilt around an op whose Node the user reads (run eagerly, the
+    # region split around it): the rebuilt region must still make e from the real y
+    def fn(x):
+        z = x.exp()
+        y = z * 2
+        e = y[1:].view(2, 1)
+        _break()
+        e.mul_(x[0])
+        name = type(z.grad_fn).__name__  # z's Node shown: exp runs eagerly, the region splits
+        return y, e, name
+
+    f = compiled(fn, call)
+    for _ in range(3):  # the recording, then replays
+        x = torch.arange(1.0, 4.0, dtype=F64, requires_grad=True)
+        expected_x = x.detach().clone().requires_grad_(True)
+        expected = fn(expected_x)
+        out = f(x)
+        torch.testing.assert_close(out[:2], expected[:2])
+        assert out[2] == expected[2] == "ExpBackward0"
+        assert out[1]._base is out[0]
+        grads = torch.autograd.grad(out[0].sum() + out[1].sum(), x)
+        torch.testing.assert_close(grads, torch.autograd.grad(expected[0].sum() + expected[1].sum(), expected_x))
+
+
 def test_gradcheck_inside_a_compiled_function(call):
     # gradcheck perturbs its input through views of x.data and restores it: every write must
     # reach the input, or the numerical gradient (and the input afterwards) is wrong (the
