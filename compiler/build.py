@@ -22,11 +22,13 @@ from runtime.program import ExternCall, IndexCheck, KernelLaunch, Program, Value
 from compiler.ir import meta_of, update_meta
 
 
-def build_region(graph: fx.Graph, mutated_inputs=frozenset(), written_later=frozenset(), memory="balanced"):
+def build_region(graph: fx.Graph, mutated_inputs=frozenset(), written_later=frozenset(), memory="balanced",
+                 shape_generic=False):
     """Compile one captured region. Returns (CompiledRegion, details for ``explain``).
     ``mutated_inputs``: positions of inputs the region changes in place; ``written_later``:
     of inputs the function changes in place after the region; ``memory``: the saved-set
-    policy (``compiler.saved_set``)."""
+    policy (``compiler.saved_set``); ``shape_generic``: the region was instantiated from a
+    template for other sizes (``compiler.dynamic``): its kernels may take sizes as arguments."""
     output = next(n for n in graph.nodes if n.op == "output")
     eager_saved = {output.args[0][i]: found for i, found in output.meta.get(EAGER_SAVED, {}).items()}
     input_views = _split_input_views(graph)
