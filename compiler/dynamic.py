@@ -21,6 +21,7 @@ still compare every constant Python passes with the instantiated one.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import itertools
 import math
 from fractions import Fraction
@@ -30,6 +31,7 @@ import torch
 import torch.fx as fx
 
 from compiler.ir import NodeMeta, broadcast_shapes, meta_of, set_meta
+from runtime.torch_functions import function_name
 from runtime.trace import TensorMeta, Trace, ValueId
 
 MAX_DEGREE = 3          # monomials of the sizes tried: s0, s0*s1, s0**2*s1, ...
@@ -77,14 +79,16 @@ def _map_expr(e, f):
     return e.func(*args)
 
 
-def _map_meta(meta: TensorMeta, f) -> TensorMeta:
+def _map_meta(meta: TensorMeta, f, unit) -> TensorMeta:
+    unit(("meta", len(meta.shape)))
     return dataclasses.replace(meta, shape=_map_ints(tuple(meta.shape), f))
 
 
-def _remake_graph(graph: fx.Graph, f) -> fx.Graph:
+def _remake_graph(graph: fx.Graph, f, unit) -> fx.Graph:
     new = fx.Graph()
     env = {}
     for node in graph.nodes:
+        unit(("node", node.op, str(node.target)))
         copy = new.node_copy(node, lambda n: env[n])
         copy.args = _map_ints(copy.args, f)
         copy.kwargs = _map_ints(copy.kwargs, f)
@@ -97,21 +101,27 @@ def _remake_graph(graph: fx.Graph, f) -> fx.Graph:
     return new
 
 
-def remake(trace: Trace, graphs: list, f) -> tuple:
+def _no_unit(label):
+    pass
+
+
+def remake(trace: Trace, graphs: list, f, unit=_no_unit) -> tuple:
     """(trace, graphs) with every int position mapped by ``f``, in the order ``positions``
     lists them. The trace's calls and plans are new objects; what does not depend on sizes
-    (functions, value ids, compiled optimizer steps, external tensors) is shared."""
+    (functions, value ids, compiled optimizer steps, external tensors) is shared. ``unit(label)``
+    is called before the ints of each call, tensor metadata and graph node."""
     calls = []
     for call in trace.calls:
+        unit(("call", function_name(call.func), call.kind, len(call.leaves)))
         leaves = [x if isinstance(x, ValueId) else _map_ints(x, f) for x in call.leaves]
         calls.append(dataclasses.replace(call, leaves=leaves))
-    externals = {vid: (ref, _map_meta(meta, f)) for vid, (ref, meta) in trace.externals.items()}
-    transient = {vid: _map_meta(meta, f) for vid, meta in trace.transient.items()}
+    externals = {vid: (ref, _map_meta(meta, f, unit)) for vid, (ref, meta) in trace.externals.items()}
+    transient = {vid: _map_meta(meta, f, unit) for vid, meta in trace.transient.items()}
     plans, new_graphs = [], []
     for plan, graph in zip(trace.regions, graphs):
-        internal = {vid: _map_meta(meta, f) for vid, meta in plan.internal.items()}
+        internal = {vid: _map_meta(meta, f, unit) for vid, meta in plan.internal.items()}
         new_plan = dataclasses.replace(plan, internal=internal, compiled=None, stand_ins=None)
-        new_graph = None if graph is None else _remake_graph(graph, f)
+        new_graph = None if graph is None else _remake_graph(graph, f, unit)
         new_plan.graph = new_graph
         plans.append(new_plan)
         new_graphs.append(new_graph)
@@ -120,32 +130,32 @@ def remake(trace: Trace, graphs: list, f) -> tuple:
     return new, new_graphs
 
 
-def positions(trace: Trace, graphs: list) -> list:
-    """Every int of a recording, in ``remake``'s order."""
+def units(trace: Trace, graphs: list) -> list:
+    """The ints of a recording in ``remake``'s order, by unit: [(label, [ints])]."""
     found = []
 
     def note(x):
-        found.append(x)
+        found[-1][1].append(x)
         return x
-    remake(trace, graphs, note)
+    remake(trace, graphs, note, lambda label: found.append((label, [])))
     return found
 
 
-def same_structure(a: Trace, b: Trace, graphs_a: list, graphs_b: list) -> bool:
-    """Whether two recordings made the same calls into the same graphs (ints aside)."""
-    if len(a.calls) != len(b.calls) or len(a.regions) != len(b.regions) or a.arg_ids != b.arg_ids:
-        return False
-    for x, y in zip(a.calls, b.calls):
-        if (x.func is not y.func and x.func != y.func) or x.spec != y.spec or x.kind != y.kind \
-                or x.region != y.region or x.outputs != y.outputs or len(x.leaves) != len(y.leaves):
-            return False
-    for pa, pb, ga, gb in zip(a.regions, b.regions, graphs_a, graphs_b):
-        if pa.calls != pb.calls or pa.input_ids != pb.input_ids or pa.output_ids != pb.output_ids \
-                or (ga is None) != (gb is None) or (pa.compiled is None) != (pb.compiled is None):
-            return False
-        if ga is not None and [n.target for n in ga.nodes] != [n.target for n in gb.nodes]:
-            return False
-    return True
+def align(base: list, other: list) -> list:
+    """For each int of ``base`` (``units``), the int at the same place of ``other`` (another
+    recording of the same function), or None where the recordings differ there (a first call
+    whose optimizer step created its state made calls the later ones do not)."""
+    matcher = difflib.SequenceMatcher(None, [label for label, _ in base], [label for label, _ in other],
+                                      autojunk=False)
+    matched = {}
+    for a, b, size in matcher.get_matching_blocks():
+        for k in range(size):
+            if len(base[a + k][1]) == len(other[b + k][1]):
+                matched[a + k] = other[b + k][1]
+    out = []
+    for u, (_, ints) in enumerate(base):
+        out += matched.get(u) or [None] * len(ints)
+    return out
 
 
 # -- fitting an expression to each position ---------------------------------------------------------------
@@ -189,31 +199,48 @@ class Fit:
         return " = ".join(names)
 
 
-def fit_position(values: list, points: list, monos: list) -> Fit:
+def fit_position(values: list, points: list, varying: list, fixed: list) -> Fit:
     """The expressions that give ``values[p]`` at sizes ``points[p]`` for every recording p.
-    A monomial whose sizes changed between the recordings may be scaled (``4*s0``, ``s0/4``);
-    one whose sizes did not (a size seen once) must equal the value exactly: that is a guess
-    (the value is taken to be that size), which the relations and the shape rules check."""
+
+    First over the sizes that changed between the recordings (``varying`` monomials, scaled:
+    ``4*s0``, ``s0/4``), or the constant where the value never changed. Then each is *lifted*
+    by the sizes the recordings all had alike (``fixed`` monomials, seen at one value): where
+    the scale (or the constant) equals such a monomial's value exactly, the size is taken to be
+    it (``8*s1`` with a batch of 8 becomes ``s0*s1``). That is a guess; the relations and the
+    shape rules check it at instantiation, and the replay checks every int Python passes."""
     first = values[0]
     if first < 2:
         return Fit(first, ())
-    same = all(v == first for v in values)
+    base = []  # (monomial over changing sizes, ratio); () with the constant as ratio
+    for mono in varying:
+        ratio = Fraction(first, _value(mono, points[0]))
+        if (ratio.numerator == 1 or ratio.denominator == 1) \
+                and all(ratio * _value(mono, p) == v for v, p in zip(values, points)):
+            base.append((mono, ratio))
+    if not base:
+        if any(v != first for v in values):
+            raise NotInstantiable(f"an int of the recording changed ({values}) as no product of the dynamic "
+                                  "sizes does")
+        base = [((), Fraction(first))]
     terms = []
-    for mono, varies in monos:
-        if varies:
-            ratio = Fraction(first, _value(mono, points[0]))
-            if not (ratio.numerator == 1 or ratio.denominator == 1):
-                continue
-            if all(ratio * _value(mono, p) == v for v, p in zip(values, points)):
-                terms.append((mono, ratio))
-        elif same and _value(mono, points[0]) == first:
-            terms.append((mono, Fraction(1)))
-    if not terms:
-        if same:
-            return Fit(first, ())
-        raise NotInstantiable(f"an int of the recording changed ({values}) as no product of the dynamic sizes does")
+    for mono, ratio in base:
+        lifted = [(tuple(sorted(mono + extra)), Fraction(1)) for extra in fixed
+                  if len(mono) + len(extra) <= MAX_DEGREE and ratio == _value(extra, points[0])]
+        terms += lifted or [(mono, ratio)]
+    if len(terms) == 1 and terms[0][0] == ():
+        return Fit(first, ())
     # (several terms: sizes equal at every recording, or products that coincide: all kept, they must agree)
-    return Fit(None, tuple(terms))
+    return Fit(None, tuple(dict.fromkeys(terms)))
+
+
+def _monomial_space(points, count) -> tuple:
+    """(monomials of the sizes that changed between ``points``, of those that did not)."""
+    changing = [i for i in range(count) if any(p[i] != points[0][i] for p in points)]
+    alike = [i for i in range(count) if i not in changing]
+    varying = [tuple(changing[j] for j in m) for m in _monomials(len(changing))]
+    # (one size seen at one value only: a product of two such, 8*8, is far likelier a constant, 64)
+    fixed = [tuple(alike[j] for j in m) for m in _monomials(len(alike)) if len(m) == 1]
+    return varying, fixed
 
 
 # -- the template ----------------------------------------------------------------------------------------------
@@ -224,28 +251,31 @@ class Template:
         """``sizes``: the dynamic sizes the recording was made at; ``others``: earlier
         recordings of the same calls at other sizes, as (trace, graphs, sizes)."""
         self.trace, self.graphs, self.sizes = trace, graphs, tuple(sizes)
-        values = [positions(trace, graphs)]
-        if len(values[0]) > MAX_POSITIONS:
-            raise NotInstantiable(f"the recording has {len(values[0])} ints (more than {MAX_POSITIONS})")
-        points = [self.sizes]
-        for other_trace, other_graphs, other_sizes in others:
-            if tuple(other_sizes) == self.sizes or len(other_sizes) != len(self.sizes) \
-                    or not same_structure(trace, other_trace, graphs, other_graphs):
-                continue
-            other = positions(other_trace, other_graphs)
-            if len(other) == len(values[0]):
-                values.append(other)
-                points.append(tuple(other_sizes))
-        self.points = len(points)
-        monos = [(m, any(_value(m, p) != _value(m, points[0]) for p in points)) for m in _monomials(len(self.sizes))]
+        base = units(trace, graphs)
+        values = [x for _, ints in base for x in ints]
+        if len(values) > MAX_POSITIONS:
+            raise NotInstantiable(f"the recording has {len(values)} ints (more than {MAX_POSITIONS})")
+        # the newest other recording at other sizes: a second point for the ints it shares
+        other_sizes, other_values = None, [None] * len(values)
+        for o_trace, o_graphs, o_sizes in reversed(list(others)):
+            if len(o_sizes) == len(self.sizes) and tuple(o_sizes) != self.sizes:
+                other_sizes, other_values = tuple(o_sizes), align(base, units(o_trace, o_graphs))
+                break
+        self.points = 1 + (other_sizes is not None)
+        one = [self.sizes]
+        two = [self.sizes, other_sizes] if other_sizes is not None else one
+        spaces = {1: _monomial_space(one, len(self.sizes)), 2: _monomial_space(two, len(self.sizes))}
         cache: dict = {}
         self.fits = []
-        for column in zip(*values):
+        alike = spaces[2][1]
+        for v, w in zip(values, other_values):
+            column = (v,) if w is None else (v, w)
             fit = cache.get(column)
             if fit is None:
-                fit = cache[column] = fit_position(list(column), points, monos)
+                points = one if w is None else two
+                fit = cache[column] = fit_position(list(column), points, *spaces[len(column)])
             self.fits.append(fit)
-        self.guessed = any(not varies for _, varies in monos)
+        self.guessed = bool(alike)  # (some sizes were seen at one value only: their expressions are guesses)
         # (nodes whose rule does not give their shape even in the recording itself are not checked)
         self.unchecked = [_rule_breaks(g) if g is not None else set() for g in graphs]
 

@@ -138,7 +138,8 @@ class DynamicShapes:
         template = made[1]
         if isinstance(template, str):
             return None, template
-        if self.mode is None and not self._marks and template.points < 2:
-            return None, "automatic dynamic shapes instantiate after two recordings at different sizes"
+        if self.mode is None and not self._marks and len(recorded) < 2:
+            # (a first call often differs from the next ones: an optimizer creates its state)
+            return None, "automatic dynamic shapes instantiate from the second recording on"
         sizes = self.sizes(key, dims)
         return self.provider.instantiate(template, sizes, fn, fullgraph, stats)
