@@ -123,7 +123,7 @@ class DynamicShapes:
         # the recordings (not instantiations) whose sizes this dynamic key covers, newest last
         recorded = [(k, e) for k, entries in cache.items() for e in entries
                     if not e.instantiated and e.trace is not None and len(k) == len(key)
-                    and self.dynamic_key(k, dims) == dkey]
+                    and self.dynamic_key(k, dims) == dkey and min(self.sizes(k, dims)) >= 2]
         if not recorded:
             return None, None
         made = self.templates.get(dkey)
