@@ -22,6 +22,7 @@ import torch
 from runtime.fallback import say_once
 
 _MARKS = "_symgrad_dynamic_dims"
+TEMPLATES_TRIED = 3  # templates made from the newest recordings of a dynamic key, tried in turn
 
 
 class _Dynamic:
@@ -126,20 +127,31 @@ class DynamicShapes:
                     and self.dynamic_key(k, dims) == dkey and min(self.sizes(k, dims)) >= 2]
         if not recorded:
             return None, None
-        made = self.templates.get(dkey)
-        if made is None or made[0] != len(recorded):
-            try:
-                template = self.provider.make_template(
-                    recorded[-1][1], self.sizes(recorded[-1][0], dims),
-                    [(e, self.sizes(k, dims)) for k, e in recorded[:-1]])
-            except Exception as e:  # noqa: BLE001 — NotInstantiable, or a bug: either way the call records
-                template = f"no template: {e}"
-            made = self.templates[dkey] = (len(recorded), template)
-        template = made[1]
-        if isinstance(template, str):
-            return None, template
         if self.mode is None and not self._marks and len(recorded) < 2:
             # (a first call often differs from the next ones: an optimizer creates its state)
             return None, "automatic dynamic shapes instantiate from the second recording on"
+        made = self.templates.get(dkey)
+        if made is None or made[0] != len(recorded):
+            # NOTE: a template from each of the newest recordings, tried in turn: one made at a
+            # degenerate size (a sequence as long as the position table: its slice was no slice)
+            # does not cover the others
+            templates = []
+            for base in range(len(recorded) - 1, max(-1, len(recorded) - 1 - TEMPLATES_TRIED), -1):
+                others = [(e, self.sizes(k, dims)) for j, (k, e) in enumerate(recorded) if j != base]
+                try:
+                    templates.append(self.provider.make_template(recorded[base][1], self.sizes(recorded[base][0], dims),
+                                                                 others))
+                except Exception as e:  # noqa: BLE001 — NotInstantiable, or a bug: either way the call records
+                    templates.append(f"no template: {e}")
+            made = self.templates[dkey] = (len(recorded), templates)
         sizes = self.sizes(key, dims)
-        return self.provider.instantiate(template, sizes, fn, fullgraph, stats)
+        first_reason = None
+        for template in made[1]:
+            if isinstance(template, str):
+                entry, reason = None, template
+            else:
+                entry, reason = self.provider.instantiate(template, sizes, fn, fullgraph, stats)
+            if entry is not None:
+                return entry, None
+            first_reason = first_reason or reason
+        return None, first_reason
