@@ -87,11 +87,11 @@ class _Templates:
         return Template(entry.trace, graphs(entry), sizes,
                         [(e.trace, graphs(e), s) for e, s in others if e.report.regions is not None])
 
-    def instantiate(self, template: Template, sizes, fn, fullgraph, stats):
+    def instantiate(self, template: Template, sizes, fn, fullgraph, stats, arg_shapes=None):
         """(Entry, None), or (None, why the sizes break the template's relations)."""
         name = _name(fn)
         try:
-            trace, _ = template.instantiate(sizes)
+            trace, _ = template.instantiate(sizes, arg_shapes)
         except NotInstantiable as e:
             return None, str(e)
         entry = _compile_trace(name, trace, fullgraph=fullgraph, stats=stats, memory=self.memory, shape_generic=True)

@@ -279,16 +279,32 @@ class Template:
         # (nodes whose rule does not give their shape even in the recording itself are not checked)
         self.unchecked = [_rule_breaks(g) if g is not None else set() for g in graphs]
 
-    def instantiate(self, sizes) -> tuple:
-        """(trace, graphs) re-made for ``sizes``; raises ``NotInstantiable`` when a relation fails."""
+    def instantiate(self, sizes, arg_shapes=None) -> tuple:
+        """(trace, graphs) re-made for ``sizes``; raises ``NotInstantiable`` when a relation fails.
+        ``arg_shapes``: the call's tensor arguments' shapes, which the re-made graphs must have."""
         sizes = tuple(sizes)
         values = {}
         new = [values.setdefault(fit, fit.at(sizes)) if fit not in values else values[fit] for fit in self.fits]
         it = iter(new)
         trace, graphs = remake(self.trace, self.graphs, lambda _: next(it))
+        # what is known exactly: tensors reached from outside keep their metadata, arguments have the call's
+        known = {vid: tuple(meta.shape) for vid, (_, meta) in self.trace.externals.items()}
+        for vid, (_, meta) in trace.externals.items():
+            if tuple(meta.shape) != known[vid]:
+                raise NotInstantiable(f"a guess changed the shape of a tensor the function reaches (value {vid})")
+        if arg_shapes is not None:
+            known.update((vid, tuple(shape)) for vid, shape in zip(trace.arg_ids, arg_shapes))
         for graph, unchecked in zip(graphs, self.unchecked):
-            if graph is not None:
-                check_shapes(graph, unchecked)
+            if graph is None:
+                continue
+            for node in graph.nodes:
+                if node.op != "placeholder" or not node.name.startswith("v") or not node.name[1:].isdigit():
+                    continue
+                shape = known.get(int(node.name[1:]))
+                if shape is not None and tuple(meta_of(node).shape) != shape:
+                    raise NotInstantiable(f"input {node.name} would have shape {list(meta_of(node).shape)}, "
+                                          f"not its {list(shape)}")
+            check_shapes(graph, unchecked)
         return trace, graphs
 
 

@@ -145,12 +145,13 @@ class DynamicShapes:
                     templates.append(f"no template: {e}")
             made = self.templates[dkey] = (len(recorded), templates)
         sizes = self.sizes(key, dims)
+        arg_shapes = [tuple(x.shape) for x in leaves if isinstance(x, torch.Tensor)]
         first_reason = None
         for template in made[1]:
             if isinstance(template, str):
                 entry, reason = None, template
             else:
-                entry, reason = self.provider.instantiate(template, sizes, fn, fullgraph, stats)
+                entry, reason = self.provider.instantiate(template, sizes, fn, fullgraph, stats, arg_shapes)
             if entry is not None:
                 return entry, None
             first_reason = first_reason or reason
