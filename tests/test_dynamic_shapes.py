@@ -188,6 +188,32 @@ def test_mark_dynamic_marks_one_dim_up_front():
         compiler.mark_dynamic(y, 2)
 
 
+def test_a_constant_equal_to_a_size_seen_once_is_a_guess_the_shape_rules_check():
+    def f(x):
+        return x.view(x.shape[0], 4, -1).softmax(-1).sum(1)  # at the recording, the 4 equals the batch
+    compiled = compiler.compile(f, backend="interpret")
+    x = torch.randn(4, 20)
+    compiler.mark_dynamic(x, 0)
+    _close(compiled(x), f(x))
+    y = torch.randn(6, 20)  # the guess (4 was the batch) gives view(6, 6, 5): not 120 elements; recorded
+    compiler.mark_dynamic(y, 0)
+    _close(compiled(y), f(y))
+    assert (compiled.stats["captures"], compiled.stats["instantiations"]) == (2, 0)
+    z = torch.randn(9, 20)  # two recordings now: the 4 stayed 4 between them, the batch did not
+    compiler.mark_dynamic(z, 0)
+    _close(compiled(z), f(z))
+    assert (compiled.stats["captures"], compiled.stats["instantiations"]) == (2, 1)
+
+
+def test_dynamic_true_keeps_dims_that_were_equal_equal():
+    compiled = compiler.compile(lambda x: (x.exp() * 2).sum(0), backend="interpret", dynamic=True)
+    x = torch.randn(5, 5)  # both dims 5: every 5 could be either
+    _close(compiled(x), (x.exp() * 2).sum(0))
+    x = torch.randn(7, 5)
+    _close(compiled(x), (x.exp() * 2).sum(0))
+    assert (compiled.stats["captures"], compiled.stats["instantiations"]) == (2, 0)
+
+
 def test_dynamic_argument_is_checked():
     with pytest.raises(ValueError, match="dynamic="):
         compiler.compile(_norm_rows, dynamic="yes")
