@@ -277,3 +277,16 @@ def test_dropout_draws_a_fresh_mask_each_call_at_every_size():
         assert 0.3 < kept.float().mean() < 0.7
     assert not torch.equal(masks[2], masks[3])  # a fresh seed per call
     assert compiled.stats["instantiations"] >= 2
+
+
+def test_the_recompiles_log_says_what_was_instantiated_and_why_a_call_records(caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="symgrad.recompiles")
+    compiled = compiler.compile(lambda x, y: x.sum(0) + y.sum(0), backend="interpret")
+    for n in (4, 6, 5):
+        compiled(torch.randn(n, 3), torch.randn(n, 3))
+    compiled(torch.randn(7, 3), torch.randn(8, 3))
+    text = caplog.text
+    assert "instantiated its template for sizes 5, 5 (no recording)" in text
+    assert "sizes the recording had related" in text and "differ now: [7, 8]" in text
