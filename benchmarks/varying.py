@@ -63,23 +63,22 @@ class _Timed:
             self.seconds.append(time.perf_counter() - start)
 
 
-def kernel_versions(compiled) -> dict:
+def kernel_versions(entries) -> dict:
     """Distinct sources of each kernel (a kernel: its phase, region and place in the region's
-    program) across every entry the run made."""
+    program) across ``entries``."""
     versions: dict = {}
-    for entries in compiled.cache.values():
-        for entry in entries:
-            if entry.trace is None:
-                continue
-            place: dict = {}
-            for k in entry.report.kernels:
-                n = place.setdefault((k.phase, k.region), 0)
-                place[(k.phase, k.region)] = n + 1
-                versions.setdefault((k.phase, k.region, n), {})[k.source] = k.name
+    for entry in entries:
+        if entry.trace is None:
+            continue
+        place: dict = {}
+        for k in entry.report.kernels:
+            n = place.setdefault((k.phase, k.region), 0)
+            place[(k.phase, k.region)] = n + 1
+            versions.setdefault((k.phase, k.region, n), {})[k.source] = k.name
     return versions
 
 
-def run(size="small", device="cpu", sm90_compile=True):
+def run(size="small", device="cpu", sm90_compile=True, with_torch_compile=True):
     make_model, batches = varying_run(torch.device(device), size)
     result = {"size": size, "device": device, "config": VARYING[size],
               "lengths": [tuple(idx.shape) for idx, _ in batches]}
@@ -93,7 +92,12 @@ def run(size="small", device="cpu", sm90_compile=True):
     step.shapes.provider.instantiate = inst = _Timed(step.shapes.provider.instantiate)
     kinds, marks = [], {"captures": 0, "instantiations": 0, "inst_s": 0.0}
 
+    launched = {}  # id -> entry: the entries whose kernels ran (a recording's run eagerly: on a GPU,
+    # Triton compiles a kernel at its first launch, so a recording never replayed compiles nothing)
+
     def note(i):
+        if not step.last_backend.startswith("eager"):
+            launched[id(step.last_entry)] = step.last_entry
         kind = "replay"
         if step.stats["captures"] > marks["captures"]:
             kind = "recording"
@@ -104,13 +108,15 @@ def run(size="small", device="cpu", sm90_compile=True):
         marks.update(captures=step.stats["captures"], instantiations=step.stats["instantiations"],
                      inst_s=sum(inst.seconds))
     losses, times, params = _steps(step, make_model(), batches, note)
-    versions = kernel_versions(step)
+    built = kernel_versions([e for entries in step.cache.values() for e in entries])
+    versions = kernel_versions(launched.values())
     sources = {src: name for v in versions.values() for src, name in v.items()}
     recordings_s = sum(max(0.0, b - e) for b, e in zip(build.seconds, [eager_times[i] for i, (k, _) in
                                                                        enumerate(kinds) if k == "recording"]))
     ours = {"losses": losses, "times": times, "kinds": kinds, "stats": dict(step.stats),
             "kernels": len(versions), "max_versions": max((len(v) for v in versions.values()), default=0),
-            "distinct_sources": len(sources), "record_build_s": recordings_s, "instantiate_s": sum(inst.seconds),
+            "distinct_sources": len(sources), "built_sources": len({s for v in built.values() for s in v}),
+            "record_build_s": recordings_s, "instantiate_s": sum(inst.seconds),
             "loss_diff": max(abs(a - b) for a, b in zip(losses, eager_losses)),
             "param_diff": max(float((p - q).abs().max()) for p, q in zip(params, eager_params))}
     ours["replay_times"] = [t - spent if kind == "instantiation" else t
@@ -126,6 +132,10 @@ def run(size="small", device="cpu", sm90_compile=True):
         ours["sm90_errors"] = sum(1 for c in compiled if c.get("error"))
     result["ours"] = ours
 
+    if not with_torch_compile:
+        result["torch.compile"] = {"losses": [], "times": [], "cold_s": 0.0, "loss_diff": float("nan"),
+                                   "param_diff": float("nan")}
+        return result
     # torch.compile(dynamic=None), cold: a fresh inductor cache
     torch._dynamo.reset()
     with tempfile.TemporaryDirectory(prefix="symgrad-varying-inductor-") as cache:
@@ -156,21 +166,27 @@ def markdown(r) -> str:
         "|---|---|---|---|",
         f"| recordings (eager runs that record / compiles) | {o['stats']['captures']} | – | ≤ 2 |",
         f"| instantiations (no eager run) | {o['stats']['instantiations']} | – | |",
-        f"| kernels; most versions of one kernel | {o['kernels']}; {o['max_versions']} | – | ≤ 2 versions |",
-        f"| distinct kernel sources (GPU compiles) | {o['distinct_sources']} | – | |",
+        f"| kernels; most versions of one kernel (launched) | {o['kernels']}; {o['max_versions']} | – "
+        "| ≤ 2 versions |",
+        f"| distinct kernel sources launched (GPU compiles); built | {o['distinct_sources']}; {o['built_sources']} "
+        "| – | |",
         f"| sm_90 compile of those sources ({o.get('sm90_kernels', 0)} region kernels, 2 processes) "
         f"| {o.get('sm90_s', float('nan')):.1f} s"
         f"{' (' + str(o['sm90_errors']) + ' failed)' if o.get('sm90_errors') else ''} | – | |",
         f"| recordings' capture + build (over eager's step) | {o['record_build_s']:.1f} s | – | |",
         f"| instantiations' build | {o['instantiate_s']:.1f} s | – | |",
         f"| cold compile of the whole run | {ours_cold:.1f} s | {tc['cold_s']:.1f} s (CPU) "
-        f"| ours ≤ 1/3 of torch.compile's: {ours_cold / tc['cold_s']:.2f}x |" if tc["cold_s"] else "",
+        f"| ours ≤ 1/3 of torch.compile's: {ours_cold / tc['cold_s']:.2f}x |" if tc["cold_s"] else None,
         f"| step time, median ms (eager {ms(e['times'])}) | {ms(o['replay_times'])} (interpreter, not a speed "
-        f"measurement) | {ms(tc['times'][3:])} (steps 4..) | |",
+        f"measurement) | {ms(tc['times'][3:])} (steps 4 on) | |",
         f"| largest loss difference vs eager, any step | {o['loss_diff']:.2e} | {tc['loss_diff']:.2e} | equal |",
         f"| largest final parameter difference vs eager | {o['param_diff']:.2e} | {tc['param_diff']:.2e} | equal |",
         "",
         "Per step (ours): " + ", ".join(f"{i + 1} {k}" for i, (k, _) in enumerate(o["kinds"])) + ".",
+        "",
+        "Kernel versions count the entries whose kernels ran: on a GPU Triton compiles a kernel at its first "
+        "launch, and a recording's own call runs eagerly, so a recording that no later call replays compiles "
+        "nothing (every length here is new: the recordings' kernels are built, never launched).",
         "",
         "Cold compile, ours: the recordings' wall time over eager's step time, the instantiations' build "
         "(SymPy, fusion, codegen), and the sm_90 compile of every distinct kernel source "
@@ -184,11 +200,13 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.varying", description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", dest="size", action="store_const", const="tiny", default="small")
     parser.add_argument("--no-sm90", dest="sm90", action="store_false", help="skip the sm_90 compile")
+    parser.add_argument("--no-torch-compile", dest="torch_compile", action="store_false",
+                        help="skip torch.compile's run")
     parser.add_argument("--out", default=RESULTS)
     parser.add_argument("--tag", default="", help="a suffix of the result file's name")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    result = run(args.size, device, args.sm90)
+    result = run(args.size, device, args.sm90, args.torch_compile)
     text = markdown(result)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"varying-{device}{args.tag}.md")
