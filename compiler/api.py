@@ -117,7 +117,7 @@ def explain(fn, *args, **kwargs) -> Report:
     return entry.report
 
 
-def _build(fn, args, kwargs, *, fullgraph=False, stats=None, memory="balanced"):
+def _build(fn, args, kwargs, *, fullgraph=False, stats=None, memory="balanced", shape_generic=False):
     name = _name(fn)
     try:
         result, trace = capture(fn, args, kwargs)
@@ -127,7 +127,8 @@ def _build(fn, args, kwargs, *, fullgraph=False, stats=None, memory="balanced"):
         report = Report(graph=None, backward_graph=None, kernels=[], fallbacks=[], eager_calls=[],
                         internal_errors=[str(failed)])
         return failed.result, Entry(None, report)
-    return result, _compile_trace(name, trace, fullgraph=fullgraph, stats=stats, memory=memory)
+    return result, _compile_trace(name, trace, fullgraph=fullgraph, stats=stats, memory=memory,
+                                  shape_generic=shape_generic)
 
 
 def _name(fn) -> str:

@@ -216,7 +216,10 @@ class CompiledFunction:
                     guard_log.recompiles.info("%s: %s", self.__name__, self.disabled)
                     return self._eager(self.disabled, args, kwargs)
             self.stats["captures"] += 1
-            result, entry = self.builder(self.fn, args, kwargs, fullgraph=self.fullgraph, stats=self.stats)
+            # (a recording under a dynamic key: its kernels shape-generic, as its instantiations' are)
+            dynamic = self.shapes.enabled and self.shapes.is_dynamic(key, args, kwargs)
+            generic = {"shape_generic": True} if dynamic else {}
+            result, entry = self.builder(self.fn, args, kwargs, fullgraph=self.fullgraph, stats=self.stats, **generic)
             entry.report.backend = backend
             entry.report.backend_reason = why
             # NOTE: several recordings per guard key: one per train/eval mode of the modules

@@ -19,6 +19,7 @@ import logging
 
 import torch
 
+from runtime.calls import flatten_call
 from runtime.fallback import say_once
 
 _MARKS = "_symgrad_dynamic_dims"
@@ -52,6 +53,11 @@ def mark_dynamic(t: torch.Tensor, dim: int) -> None:
 
 def _marked(t) -> frozenset:
     return getattr(t, _MARKS, frozenset())
+
+
+def _marks_of(spec, leaves) -> dict:
+    """(spec, leaf position) -> the dims ``mark_dynamic`` marked on that tensor argument."""
+    return {(spec, i): set(_marked(x)) for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and _marked(x)}
 
 
 class DynamicShapes:
@@ -88,7 +94,7 @@ class DynamicShapes:
                 say_once(name, f"argument leaf {i}: dims {sorted(new)} changed size; calls no longer specialize "
                          "on them (dynamic shapes)", logging.INFO)
 
-    def _dynamic_dims(self, key) -> list:
+    def _dynamic_dims(self, key, marks) -> list:
         """(leaf position, dim) of each dynamic dim of a concrete guard key, in order."""
         spec, parts = key[0], key[3:]
         found = []
@@ -97,7 +103,7 @@ class DynamicShapes:
                 continue
             shape = part[0]
             dims = set(range(len(shape))) if self.mode is True else set(self.dims.get((spec, i), ()))
-            dims |= self._marks.get((spec, i), set())
+            dims |= marks.get((spec, i), set())
             found += [(i, d) for d in sorted(dims) if d < len(shape) and shape[d] >= 2]
         return found
 
@@ -112,12 +118,16 @@ class DynamicShapes:
     def sizes(key, dims) -> tuple:
         return tuple(key[3 + i][0][d] for i, d in dims)
 
+    def is_dynamic(self, key, args, kwargs) -> bool:
+        """Whether a call with this guard key has dynamic dims."""
+        leaves, spec = flatten_call(args, kwargs)
+        return bool(self._dynamic_dims(key, _marks_of(spec, leaves)))
+
     def instantiate(self, key, spec, leaves, cache, fn, fullgraph, stats):
         """(an Entry for ``key`` made from a template, None) or (None, why not: None when no
         template applies)."""
-        self._marks = {(spec, i): set(_marked(x)) for i, x in enumerate(leaves)
-                       if isinstance(x, torch.Tensor) and _marked(x)}
-        dims = self._dynamic_dims(key)
+        marks = _marks_of(spec, leaves)
+        dims = self._dynamic_dims(key, marks)
         if not dims:
             return None, None
         dkey = self.dynamic_key(key, dims)
@@ -127,7 +137,7 @@ class DynamicShapes:
                     and self.dynamic_key(k, dims) == dkey and min(self.sizes(k, dims)) >= 2]
         if not recorded:
             return None, None
-        if self.mode is None and not self._marks and len(recorded) < 2:
+        if self.mode is None and not marks and len(recorded) < 2:
             # (a first call often differs from the next ones: an optimizer creates its state)
             return None, "automatic dynamic shapes instantiate from the second recording on"
         made = self.templates.get(dkey)
