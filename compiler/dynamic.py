@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 
 from compiler.ir import NodeMeta, broadcast_shapes, meta_of, set_meta
+from runtime.program import ViewStep
 from runtime.torch_functions import function_name
 from runtime.trace import TensorMeta, Trace, ValueId
 
@@ -120,7 +121,11 @@ def remake(trace: Trace, graphs: list, f, unit=_no_unit) -> tuple:
     plans, new_graphs = [], []
     for plan, graph in zip(trace.regions, graphs):
         internal = {vid: _map_meta(meta, f, unit) for vid, meta in plan.internal.items()}
-        new_plan = dataclasses.replace(plan, internal=internal, compiled=None, stand_ins=None)
+        views = {}
+        for vid, (base, steps) in plan.views.items():  # outputs remade as views of another output
+            unit(("views", len(steps)))
+            views[vid] = (base, tuple(ViewStep(step.op, _map_ints(step.params, f)) for step in steps))
+        new_plan = dataclasses.replace(plan, internal=internal, views=views, compiled=None, stand_ins=None)
         new_graph = None if graph is None else _remake_graph(graph, f, unit)
         new_plan.graph = new_graph
         plans.append(new_plan)

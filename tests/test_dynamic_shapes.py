@@ -96,6 +96,22 @@ def test_dynamic_sequence_training_steps_match_eager_with_at_most_two_recordings
     assert compiled.stats["divergences"] <= 1  # (the first replay: the optimizer's state exists now)
 
 
+def test_outputs_that_are_views_of_other_outputs_follow_the_sizes():
+    def f(x):
+        y = x.exp() * 2
+        z = y.view(x.shape[0] * 2, -1)
+        z.mul_(3)  # through the view: y changes too
+        return y, z
+    compiled = compiler.compile(f, backend="interpret")
+    for n in (4, 6, 5, 7):
+        x = torch.randn(n, 6)
+        (y, z), (y_ref, z_ref) = compiled(x), f(x)
+        _close(y, y_ref)
+        _close(z, z_ref)
+        assert z._base is y or z._base is y._base
+    assert compiled.stats["instantiations"] == 2
+
+
 # -- what stays specialized, and the relations a guard keeps ------------------------------------------------
 def test_a_dim_no_expression_gives_stays_static_and_records_again():
     # x[:, 1:] reshaped by a Python constant: the reshape's size, D - 1, is no product or quotient
