@@ -94,6 +94,8 @@ class _Templates:
             trace, _ = template.instantiate(sizes, arg_shapes)
         except NotInstantiable as e:
             return None, str(e)
+        except Exception as e:  # noqa: BLE001 — a bug (logged; strict: raises): this call records instead
+            return None, internal_error(f"{name} (instantiating its template)", e)
         entry = _compile_trace(name, trace, fullgraph=fullgraph, stats=stats, memory=self.memory, shape_generic=True)
         entry.instantiated = True
         entry.sizes = tuple(sizes)

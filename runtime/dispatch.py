@@ -5,7 +5,9 @@ requires_grad, the other arguments' values, the grad mode and autocast — selec
 and the train/eval mode of the modules each one ran picks among them.
 A miss calls the compiler's builder, which runs the function eagerly once while recording
 it (that call's results are eager's) and compiles it; later calls replay the entry with its
-compiled regions. Tensors reached inside the function (parameters, closed-over tensors) are
+compiled regions. A miss at new sizes of dynamic dims (``runtime.dynamic_shapes``) is first
+offered to the templates: an entry instantiated from a recording for these sizes replays at
+once, without an eager run. Tensors reached inside the function (parameters, closed-over tensors) are
 guarded by identity and metadata at replay. Thread-safe: recording is serialized, replays
 run concurrently (modes are thread-local).
 """
