@@ -57,7 +57,7 @@ class Launch:
 
     name: str
     source: str               # the generated module (defines the @triton.jit function ``name``)
-    args: list                # per argument: ["ptr", "torch.float32", byte offset] or ["int", value]
+    args: list                # per argument: ["ptr", "torch.float32", byte offset], ["int", value] or ["float", value]
     constexprs: dict          # XBLOCK, RBLOCK
     num_warps: int = DEFAULT_NUM_WARPS
     grid: int = 0             # programs launched (reported, not part of the compilation)
@@ -70,13 +70,16 @@ class Launch:
 
 
 def describe_args(args) -> list:
-    """Real launch arguments (tensors and Python numbers) as ``Launch.args``."""
+    """Real launch arguments (tensors and Python numbers) as ``Launch.args``: a shape-generic kernel's
+    fp32 constants (``kf<k>``) are floats."""
     out = []
     for a in args:
         if hasattr(a, "data_ptr"):
             out.append(["ptr", str(a.dtype), a.storage_offset() * a.element_size()])
+        elif isinstance(a, float):
+            out.append(["float", a])
         elif isinstance(a, bool) or not isinstance(a, int):
-            raise TypeError(f"a kernel argument of type {type(a).__name__}: only tensors and ints are described")
+            raise TypeError(f"a kernel argument of type {type(a).__name__}: only tensors and numbers are described")
         else:
             out.append(["int", int(a)])
     return out
@@ -95,7 +98,8 @@ _TORCH_DTYPE = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp64"
 def generic_launch(name: str, source: str, stride: int = 17) -> Launch:
     """A launch of a generated kernel whose real arguments are not known: pointers aligned (as
     fresh allocations are), every stride ``stride`` (17: neither 1 nor a multiple of 16, so no
-    integer is specialized), the module's default tiles and warps."""
+    integer is specialized; a shape-generic kernel's sizes are never specialized), fp32 arguments
+    0.5, the module's default tiles and warps."""
     def constant(key):
         match = re.search(rf"^{key} = (.+)$", source, re.MULTILINE)
         if match is None:
@@ -106,6 +110,8 @@ def generic_launch(name: str, source: str, stride: int = 17) -> Launch:
     for kind in constant("SIGNATURE").values():
         if kind.startswith("*"):
             args.append(["ptr", "torch." + _TORCH_DTYPE[kind[1:]], 0])
+        elif kind == "fp32":
+            args.append(["float", 0.5])
         elif kind != "constexpr":
             args.append(["int", stride])
     return Launch(name, source, args, {"XBLOCK": constant("XBLOCK_DEFAULT"), "RBLOCK": constant("RBLOCK_DEFAULT")},

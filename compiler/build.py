@@ -27,23 +27,23 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset(), written_later=froz
     """Compile one captured region. Returns (CompiledRegion, details for ``explain``).
     ``mutated_inputs``: positions of inputs the region changes in place; ``written_later``:
     of inputs the function changes in place after the region; ``memory``: the saved-set
-    policy (``compiler.saved_set``); ``shape_generic``: the region was instantiated from a
-    template for other sizes (``compiler.dynamic``): its kernels may take sizes as arguments."""
+    policy (``compiler.saved_set``); ``shape_generic``: kernels take their sizes as arguments
+    (``codegen.triton_kernel.render_kernel``), so builds that differ only in sizes share sources."""
     output = next(n for n in graph.nodes if n.op == "output")
     eager_saved = {output.args[0][i]: found for i, found in output.meta.get(EAGER_SAVED, {}).items()}
     input_views = _split_input_views(graph)
     pristine = _copy_graph(graph)  # partition appends the backward to ``graph``
     parts = partition(graph, mutated_inputs, written_later=written_later, memory=memory)
-    forward_schedule = fuse(parts.forward)
-    forward_program, forward_kernels = lower(parts.forward, forward_schedule)
+    forward_schedule = fuse(parts.forward, shape_generic)
+    forward_program, forward_kernels = lower(parts.forward, forward_schedule, shape_generic=shape_generic)
     backward_program, backward_kernels = None, []
     if parts.backward is not None:
         _transpose_matmul_gradients(parts.backward)
-        backward_schedule = fuse(parts.backward)
+        backward_schedule = fuse(parts.backward, shape_generic)
         # the forward checked the indices the backward gathers with (saved: version-checked)
         transient = [k for k, (kind, _) in enumerate(parts.saved) if kind == "output"]  # freed when last read
         backward_program, backward_kernels = lower(parts.backward, backward_schedule, check_indices=False,
-                                                   transient_inputs=transient)
+                                                   transient_inputs=transient, shape_generic=shape_generic)
     outputs = list(next(n for n in parts.forward.nodes if n.op == "output").args[0])[: parts.num_user_outputs]
     differentiable = [meta_of(o).requires_grad and (meta_of(o).dtype.is_floating_point or meta_of(o).dtype.is_complex)
                       for o in outputs]
@@ -52,12 +52,13 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset(), written_later=froz
                             mutated_inputs=tuple(sorted(mutated_inputs)), written_later=tuple(sorted(written_later)))
     if parts.backward is not None:
         region.grad_sources = parts.grad_sources
-        region.backward_for = _partial_backward_builder(pristine, mutated_inputs, parts, written_later, memory)
+        region.backward_for = _partial_backward_builder(pristine, mutated_inputs, parts, written_later, memory,
+                                                        shape_generic)
         kept = list(output.args[0])
         region.eager_saved = tuple((kept.index(node), name, output_nr, parts.output_sources[kept.index(node)])
                                    for node, (name, output_nr) in eager_saved.items() if node in kept)
     if parts.joint is not None:
-        region.build_double_backward = _double_backward_builder(parts.joint, memory)
+        region.build_double_backward = _double_backward_builder(parts.joint, memory, shape_generic)
         region.double_backward_reads = _placeholders_read(parts.joint)
         region.explain_nan = _nan_explainer(parts.backward)
     details = {
@@ -114,7 +115,7 @@ def _memoized(make):
     return get
 
 
-def _double_backward_builder(joint: fx.Graph, memory="balanced"):
+def _double_backward_builder(joint: fx.Graph, memory="balanced", shape_generic=False):
     """For create_graph=True: the backward as a compiled, differentiable region of its own,
     built per pattern of which of its inputs require grad (the same machinery, one order up)."""
     def build(requires_grad: tuple):
@@ -123,12 +124,12 @@ def _double_backward_builder(joint: fx.Graph, memory="balanced"):
         output = next(n for n in graph.nodes if n.op == "output")
         present = [g is not None for g in output.args[0]]  # inputs with no gradient (indices)
         output.args = (tuple(g for g in output.args[0] if g is not None),)
-        region, _ = build_region(graph, memory=memory)
+        region, _ = build_region(graph, memory=memory, shape_generic=shape_generic)
         return region if all(present) else _WithAbsentOutputs(region, present)
     return _memoized(build)
 
 
-def _partial_backward_builder(forward: fx.Graph, mutated_inputs, parts, written_later, memory):
+def _partial_backward_builder(forward: fx.Graph, mutated_inputs, parts, written_later, memory, shape_generic=False):
     """The backward for a call where only some outputs are in the loss's graph, built per set of
     those outputs: the others contribute nothing, as in eager (a zero gradient through them is
     not nothing: 0 * inf is NaN, log(x) at 0). Returns (Program, positions in the full saved list
@@ -141,8 +142,9 @@ def _partial_backward_builder(forward: fx.Graph, mutated_inputs, parts, written_
                         written_later=written_later, memory=memory, saved_from=set(position))
         if sub is None or sub.backward is None or any(name not in position for name in sub.saved_names):
             return None
-        program, _ = lower(sub.backward, fuse(sub.backward), check_indices=False)
-        double = _double_backward_builder(sub.joint, memory) if sub.joint is not None else None
+        program, _ = lower(sub.backward, fuse(sub.backward, shape_generic), check_indices=False,
+                           shape_generic=shape_generic)
+        double = _double_backward_builder(sub.joint, memory, shape_generic) if sub.joint is not None else None
         return program, [position[name] for name in sub.saved_names], double
     return _memoized(build)
 
@@ -231,7 +233,7 @@ def _view_step(node) -> ViewStep:
     return ViewStep(node.target, tuple(node.kwargs.items()))
 
 
-def lower(graph: fx.Graph, schedule: Schedule, check_indices: bool = True, transient_inputs=()):
+def lower(graph: fx.Graph, schedule: Schedule, check_indices: bool = True, transient_inputs=(), shape_generic=False):
     """Assign slots to buffers and turn the schedule's steps into runtime steps.
     ``transient_inputs``: positions of inputs the program holds the only reference to (saved
     intermediates handed over by the backward), whose memory is freed at their last use."""
@@ -263,14 +265,14 @@ def lower(graph: fx.Graph, schedule: Schedule, check_indices: bool = True, trans
                                      dict(item.kwargs)))
             check([item])
             continue
-        src = render_kernel(item, schedule.buffers)
+        src = render_kernel(item, schedule.buffers, shape_generic)
         for node in src.stores:
             slots[node] = len(slots)
         steps.append(KernelLaunch(
             src.name, src.source, [slots[n] for n in src.loads],
             [(slots[n], meta_of(n).shape, meta_of(n).dtype) for n in src.stores],
             src.grid, _constant(src.source, "XBLOCK_DEFAULT"), _constant(src.source, "RBLOCK_DEFAULT"),
-            src.bytes_moved, src.num_warps, wide_name=src.wide_name, wide_source=src.wide_source))
+            src.bytes_moved, src.num_warps, wide_name=src.wide_name, wide_source=src.wide_source, sizes=src.sizes))
         donors[id(steps[-1])] = _donors(item, src, slots, len(placeholders))
         sources.append(src)
         check(src.stores)

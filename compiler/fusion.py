@@ -236,8 +236,11 @@ def _split_count(size: int, other: int, programs):
     return next((k for k in divisors if programs(k) >= MIN_PROGRAMS), divisors[-1])
 
 
-def fuse(graph: fx.Graph) -> Schedule:
-    split_starved_reductions(graph)
+def fuse(graph: fx.Graph, shape_generic: bool = False) -> Schedule:
+    """Kernels of ``graph``. ``shape_generic``: reductions are not split (a split's chunk count and
+    its chunks' shapes follow the sizes: each size would make new kernels; ``render_kernel``)."""
+    if not shape_generic:
+        split_starved_reductions(graph)
     nodes = [n for n in graph.nodes if n.op == "call_function"]
     outputs = [o for o in next(n for n in graph.nodes if n.op == "output").args[0] if isinstance(o, fx.Node)]
     buffers = {n for n in graph.nodes if kind_of(n) in ("input", "extern", "reduction")}

@@ -168,14 +168,62 @@ def _warps_for(tile: int, per_thread: int, max_warps: int = MAX_WARPS) -> int:
     return max(1, min(max_warps, tile // (32 * per_thread)))
 
 
+def size_bucket(n: int) -> int:
+    """The size a shape-generic kernel's blocks are chosen for, for a dim of ``n`` elements: the
+    smallest odd power of two at or above it (2, 8, 32, 128, 512, 2048, ...).
+
+    Why these: the buckets are 4x wide, so a block chosen for the top of a bucket holds at most 4x
+    the elements of the smallest row in it (masked lanes of a short row are cheap: a row of 16
+    in a block of 32, one of 33 in 128); narrower buckets would give more compiled versions of a
+    kernel over a range of lengths (16..128 spans two: 32 and 128), wider ones a row of a few
+    elements in a block of hundreds. The boundaries sit at odd powers of two so that the usual
+    maximum lengths (128, 512, 2048) fill their block exactly.
+
+    >>> [size_bucket(n) for n in (1, 2, 3, 16, 17, 32, 33, 100, 128, 129)]
+    [2, 2, 8, 32, 32, 32, 128, 128, 128, 512]
+    """
+    bucket = 2
+    while bucket < n:
+        bucket *= 4
+    return bucket
+
+
+def _generic_sizes(shape, rdims, xnumel: int, rnumel: int, persistent: bool) -> tuple:
+    """(xnumel, rnumel) a shape-generic kernel chooses its blocks for (``choose_tiling``), so that
+    every size in one bucket gives the same blocks and warps, hence the same source text.
+
+    - The rows (xnumel) are taken as unbounded: a block is as wide as the other caps allow,
+      whatever the count (a small kernel then has a few masked lanes in one program: it is bound
+      by its launch anyway, and a per-count block would be a new version for each power of two).
+      One row (a full reduction: a count of 1 is a literal, part of the guard key) looped over is
+      taken in the largest steps whatever its length: one program, launch-bound when short.
+    - A reduced row (rnumel) is its ``size_bucket``; a row held whole (persistent) keeps that under
+      the most a block holds (PERSISTENT_MAX, OUTER_PERSISTENT_MAX) where its exact size fits: the
+      fusion decided the row fits by its exact size. A long row held whole (past PERSISTENT_MAX, at
+      most LONG_ROW_MAX, one row a block at 32 warps) keeps its exact power of two: ``holds_row``
+      checked that one against the register file, not a 4x larger one.
+    """
+    unbounded = 1 << 40
+    if xnumel == 1 and not persistent:
+        return 1, unbounded      # one row (a full reduction): the largest step, whatever its length
+    xnumel = unbounded
+    cap = OUTER_PERSISTENT_MAX if is_outer(shape, rdims) else PERSISTENT_MAX
+    if not persistent or next_pow2(max(rnumel, 1)) <= cap:
+        bucket = size_bucket(rnumel)
+        rnumel = min(bucket, cap) if persistent else bucket
+    return xnumel, rnumel
+
+
 def choose_tiling(shape, reduce_dims, *, persistent: bool | None = None, live_values: int = 1,
-                  wide_values: bool = False, two_pass: bool = False) -> Tiling:
+                  wide_values: bool = False, two_pass: bool = False, shape_generic: bool = False) -> Tiling:
     """Blocks and warps for a kernel over ``shape`` reducing ``reduce_dims``.
 
     ``persistent``: rows are held whole (default: when they fit one block);
     ``live_values``: block-shaped values held at once (an estimate from the kernel body);
     ``wide_values``: the kernel computes in 64-bit (fp64), two registers per element;
-    ``two_pass``: a looped row is read by a second loop (``rereads_row_from_l2``): one row a program.
+    ``two_pass``: a looped row is read by a second loop (``rereads_row_from_l2``): one row a program;
+    ``shape_generic``: blocks for the sizes' buckets, not the sizes (``_generic_sizes``): the same
+    tiling for every size of a bucket, so a kernel whose sizes are arguments has one source for them.
 
     >>> choose_tiling((4096, 1024), (1,), live_values=8)
     Tiling(xblock=1, rblock=1024, num_warps=4)
@@ -184,6 +232,10 @@ def choose_tiling(shape, reduce_dims, *, persistent: bool | None = None, live_va
     xnumel = numel([s for d, s in enumerate(shape) if d not in rdims])
     rnumel = numel([shape[d] for d in rdims])
     per_thread = _elements_per_thread(live_values, wide_values)
+    if persistent is None:
+        persistent = bool(rdims) and fits_one_block(shape, rdims)
+    if shape_generic:
+        xnumel, rnumel = _generic_sizes(shape, rdims, xnumel, rnumel, persistent)
     if not rdims:
         # NOTE: not shrunk to fill the SMs: a small elementwise kernel is bound by its launch
         xblock = min(next_pow2(max(xnumel, 1)), 1024)
@@ -194,8 +246,6 @@ def choose_tiling(shape, reduce_dims, *, persistent: bool | None = None, live_va
     outer = is_outer(shape, rdims)
     if two_pass:
         return Tiling(1, min(next_pow2(max(rnumel, 1)), TWO_PASS_RBLOCK), TWO_PASS_WARPS)
-    if persistent is None:
-        persistent = fits_one_block(shape, rdims)
     if persistent and next_pow2(max(rnumel, 1)) > PERSISTENT_MAX and not outer:
         return Tiling(1, next_pow2(rnumel), LONG_ROW_WARPS)     # a long row held whole (``holds_row``)
     if persistent:

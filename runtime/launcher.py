@@ -43,7 +43,7 @@ class Launcher:
         self.num_warps = num_warps
         self.binds = 0          # how many specializations were bound (the first call binds one)
 
-    def straight_line(self, loads, stores, key, inputs, fresh=frozenset()):
+    def straight_line(self, loads, stores, key, inputs, fresh=frozenset(), sizes=()):
         """A generated launch for the layout ``key`` (see ``generate_launch``); ``False``: never
         (only compiled Triton's driver launcher is called directly)."""
         return False
@@ -132,13 +132,13 @@ class DirectLauncher(Launcher):
             self._current = (key, bound)
             return bound
 
-    def straight_line(self, loads, stores, key, inputs, fresh=frozenset()):
+    def straight_line(self, loads, stores, key, inputs, fresh=frozenset(), sizes=()):
         """The generated launch of the specialization bound for ``key`` (just launched with
         ``inputs``), or None where this layout gets none (see ``generate_launch``)."""
         current_key, bound = self._current
         if current_key != key:
             return None
-        return generate_launch(loads, stores, inputs, bound, self.grid, self._stream, fresh)
+        return generate_launch(loads, stores, inputs, bound, self.grid, self._stream, fresh, sizes)
 
     def launch(self, args, key, device):
         # the cheap per-call check: the layout key the bound kernel was specialized for
@@ -148,7 +148,7 @@ class DirectLauncher(Launcher):
         bound.launch(self.grid, self._stream(device.index), args)
 
 
-def generate_launch(loads, stores, inputs, bound: BoundKernel, grid: int, stream, fresh=frozenset()):
+def generate_launch(loads, stores, inputs, bound: BoundKernel, grid: int, stream, fresh=frozenset(), sizes=()):
     """One straight-line Python function for a launch at one layout, as Inductor generates its
     wrappers' launch code: ``launch(env, device) -> bool`` reads the input slots, checks each
     input's layout against this one's and that every input address is 16-byte aligned, then
@@ -157,7 +157,8 @@ def generate_launch(loads, stores, inputs, bound: BoundKernel, grid: int, stream
     layout differs: the caller takes the general path (layout key, another specialization).
     ``loads`` are slots, ``stores`` (slot, shape, dtype), ``inputs`` the input tensors of the
     launch just bound (their layout is the one generated); ``fresh``: the slots that are outputs
-    of earlier launches of the same program (contiguous, freshly allocated: nothing to check).
+    of earlier launches of the same program (contiguous, freshly allocated: nothing to check);
+    ``sizes``: a shape-generic kernel's size arguments (after the outputs), written as literals.
 
     The layout check per input is the cheapest that decides it (on this CPU a tensor method call
     costs ~0.4 µs): ``is_contiguous()`` where the bound layout was contiguous (the program fixes
@@ -196,6 +197,7 @@ def generate_launch(loads, stores, inputs, bound: BoundKernel, grid: int, stream
         names[f"dtype{j}"] = dtype
         lines.append(f"    o{j} = env[{slot}] = empty({tuple(shape)!r}, dtype=dtype{j}, device=device)")
         arguments.append(f"view_as_real(o{j})" if dtype.is_complex else f"o{j}")
+    arguments += map(repr, sizes)
     arguments += map(repr, bound.constants)
     lines += [f"    runner({grid}, 1, 1, stream(device.index), function, metadata, None, enter, exit, "
               + ", ".join(arguments) + ")", "    return True"]

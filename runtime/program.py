@@ -80,6 +80,9 @@ class KernelLaunch:
     # need it (a view with a large stride), rather than computing wrapped addresses.
     wide_name: str | None = None
     wide_source: str | None = None
+    # A shape-generic kernel's size (and constant) arguments, passed after the outputs: fixed for
+    # this build (its program is for these shapes), so bound once, as literals in the generated launch
+    sizes: tuple = ()
     # (store index, load slot): the output written into that input's memory, an input that dies
     # at this launch and that the kernel reads at the output's own index (the compiler's
     # ``build._donations``); used when the tensor there is contiguous and fits, as Inductor's
@@ -129,6 +132,8 @@ class KernelLaunch:
         wide = self._wide.get(key)
         if wide is None:
             wide = self._wide_for(args, key)
+        if self.sizes:
+            args.extend(self.sizes)
         return args, key, wide
 
     def __getstate__(self):  # generated code is made again after unpickling
@@ -156,7 +161,8 @@ class KernelLaunch:
                 launcher.launch(args, key, device)   # compiled Triton on the current device: no context
                 if straight is None:
                     self._straight = launcher.straight_line(self.loads, self.stores, key,
-                                                            [env[slot] for slot in self.loads], self.fresh_loads)
+                                                            [env[slot] for slot in self.loads], self.fresh_loads,
+                                                            self.sizes)
                 return
             # the tensors' device (and its current stream), not whichever device is current
             with guard, interpreter_lock:

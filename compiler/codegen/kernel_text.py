@@ -25,11 +25,17 @@ def broadcast_index(index: tuple, out_shape: tuple, arg_shape: tuple) -> tuple:
     return tuple("0" if size == 1 else index[lead + d] for d, size in enumerate(arg_shape))
 
 
-def contiguous_offset(index: tuple, shape: tuple, single: str) -> str:
+def literal_size(value: int, key=None) -> str:
+    """A size as kernel text in a static kernel: its literal (``KernelWriter.size`` in a shape-generic one)."""
+    return str(value)
+
+
+def contiguous_offset(index: tuple, shape: tuple, single: str, size=literal_size) -> str:
     """The offset of ``index`` in a contiguous tensor of ``shape``; ``single`` when it has one
-    element (any lane's index works, the mask keeps one lane)."""
-    terms = [f"({i}) * {st}" if st != 1 else f"({i})" for i, st, size in zip(index, contiguous_strides(shape), shape)
-             if size != 1 and i != "0"]
+    element (any lane's index works, the mask keeps one lane). ``size(value, key)``: a stride's text."""
+    terms = [f"({i}) * {size(st, ('contiguous', d))}" if st != 1 else f"({i})"
+             for d, (i, st, size_) in enumerate(zip(index, contiguous_strides(shape), shape))
+             if size_ != 1 and i != "0"]
     return " + ".join(terms) or single
 
 

@@ -15,6 +15,14 @@ from compiler.ir import compute_dtype, meta_of, numel
 
 
 class ReductionWriter:
+    def scaled(self, total: str, node, scale: float) -> str:
+        """A mean's row total times its ``scale`` (1 / count): the literal in a static kernel; in a
+        shape-generic one divided by the count, an argument (the count follows the sizes)."""
+        count = node.kwargs.get("count") or numel([meta_of(node.args[0]).shape[d] for d in node.kwargs["dims"]])
+        if self.generic and count:
+            return f"{total} / {self.size(count, (node, 'count'))}"
+        return f"{total} * {literal(scale)}"
+
     # -- rows held whole in one block ----------------------------------------------------
     def reduced(self, node, index):
         """A reduction root of this kernel whose value is known, read by a later value of
@@ -52,7 +60,7 @@ class ReductionWriter:
             else:
                 total = f"tl.sum(tl.where(MASK, {part}, 0), 1)[:, None]"
             if scale != 1.0:
-                total = f"({total}) * {literal(scale)}"
+                total = self.scaled(f"({total})", node, scale)
             out.append(self.tmp(total))
         return (tuple(out) if acc_dtype.is_complex else out[0]), acc_dtype
 
@@ -99,11 +107,12 @@ class ReductionWriter:
         _xindex, _xmask, *x_dims = header
         src = rindex + [f"{acc} = tl.zeros([XBLOCK, RBLOCK], {TL_DTYPE[dtype]})" for _, acc, dtype in
                         ((r, f"cacc{k}", d) for k, (r, _, d) in enumerate(columns))]
+        chunk_rows = self.size(chunk_rows, ("chunk rows",))
         src.append(f"for xoffset in range(0, {chunk_rows}, XBLOCK):")
         src += ["    " + line for line in [
             f"xindex = {pid} * {chunk_rows} + xoffset + tl.arange(0, XBLOCK)[:, None]",
             f"xmask = xoffset + tl.arange(0, XBLOCK)[:, None] < {chunk_rows}", *x_dims, *body]]
-        cols = self.plan.shape[-1]
+        cols = self.size(self.plan.shape[-1], ("shape", len(self.plan.shape) - 1))
         for k, (root, out, _) in enumerate(columns):
             total = f"tl.sum(cacc{k}, 0)[None, :].to({TL_DTYPE[meta_of(root).dtype]})"
             self.store(out, total, [f"{pid} * {cols} + rindex"], "rmask", into=src)
@@ -130,17 +139,18 @@ class ReductionWriter:
         index = self.base_index
         shape = tuple(meta_of(root).shape)
         if shape != tuple(self.plan.shape):
-            (chunk, row, col), rows = index, self.plan.shape[1]
+            (chunk, row, col), rows = index, self.size(self.plan.shape[1], ("shape", 1))
             flat, index = f"(({chunk}) * {rows} + ({row}))", [col]
             for d in reversed(range(1, len(shape) - 1)):    # row-major: the last leading dim varies fastest
-                index.insert(0, f"({flat} % {shape[d]})")
-                flat = f"({flat} // {shape[d]})"
+                dim = self.size(shape[d], (root, "dim", d))
+                index.insert(0, f"({flat} % {dim})")
+                flat = f"({flat} // {dim})"
             index = (flat, *index)
         var, have = self.value(root, index)
         dtype = meta_of(root).dtype
         var = self.cast(var, have, dtype)
         single = "(xindex + rindex)" if self.plan.reduce_dims else "xindex"
-        offset = contiguous_offset(self.base_index, tuple(self.plan.shape), single)
+        offset = contiguous_offset(self.base_index, tuple(self.plan.shape), single, self.size)
         self.store(out, var, self.element_addresses(offset, dtype), "MASK")
 
     # -- rows looped over ----------------------------------------------------------------
@@ -200,7 +210,7 @@ class ReductionWriter:
                 if root in self.plan.online:
                     total = self.online_total(root, acc, *maxima[self.plan.online[root]], acc_dtype, src)
                 if scale != 1.0:
-                    total = f"{total} * {literal(scale)}"
+                    total = self.scaled(total, root, scale)
                 if len(accs) == 1:   # a real row's value, kept for a second loop (``write_second_loop``)
                     held = f"red{self.counter}"
                     self.counter += 1

@@ -8,7 +8,11 @@ over their arguments' values, and views rewrite the index (``View.index_map``, `
 shared within a kernel by (node, index), so a fused chain is computed once per element.
 
 Sizes are baked into the source (shapes are guarded), strides are arguments; the kernel's
-name is a hash of its body, so identical kernels are compiled once. Block sizes and warps are
+name is a hash of its body, so identical kernels are compiled once. A shape-generic kernel
+(``render_kernel(..., shape_generic=True)``, for regions whose sizes change between calls) takes
+its sizes as arguments too (``KernelWriter.size``: ``ks0, ks1, ...``; fp32 constants of its math
+``kf0, ...``), and its blocks come from size buckets, so builds that differ only in sizes within a
+bucket write one source. Block sizes and warps are
 chosen by ``compiler.tiling`` from the written body and recorded in the module
 (``XBLOCK_DEFAULT``, ``RBLOCK_DEFAULT``, ``NUM_WARPS``): the launch uses exactly these.
 Reductions are written by ``reductions.ReductionWriter``.
@@ -63,6 +67,9 @@ class KernelSource:
     # None when ``source`` computes every index in int64 already
     wide_name: str | None = None
     wide_source: str | None = None
+    # shape-generic kernels (``render_kernel(..., shape_generic=True)``): the values of the size and
+    # constant arguments (``ks0, ks1, ..., kf0, ...``) for this build, passed after the outputs
+    sizes: tuple = ()
 
 
 # Element offsets at or past this need 64-bit index math.
@@ -75,8 +82,11 @@ def _storage_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class KernelWriter(ReductionWriter):
-    def __init__(self, plan: KernelPlan, buffers: set):
+    def __init__(self, plan: KernelPlan, buffers: set, shape_generic: bool = False):
         self.plan = plan
+        self.generic = shape_generic
+        self.size_args: dict = {}    # shape-generic: key -> (argument name, value), in argument order
+        self.float_args: dict = {}   # shape-generic: key -> (argument name, value) of fp32 constants
         self.buffers = buffers
         self.roots = set(plan.roots)
         self.lines: list[str] = []
@@ -95,6 +105,23 @@ class KernelWriter(ReductionWriter):
         self.r_names: set = set()    # index variables that vary only along a row
 
     # -- helpers -----------------------------------------------------------------------
+    def size(self, value: int, key) -> str:
+        """A size (or a product of sizes) used in the kernel's index math, masks or loop bounds, as
+        kernel text: the literal in a static kernel; in a shape-generic one an argument ``ks<k>``,
+        one per ``key`` (what the size is: ``("shape", d)``, ``(view_node, "in", d)``...), so that
+        two builds of one region whose sizes differ write the same text. Sizes 0 and 1 stay literal:
+        they are part of the guard key (a dim of size 1 broadcasts, one of 0 has no elements).
+
+        NOTE: keyed by what the size is, not by its value: two dims equal at one size and not at
+        another would otherwise share an argument at one and not the other (two sources)."""
+        if not self.generic or value in (0, 1):
+            return str(value)
+        if key not in self.size_args:
+            self.size_args[key] = (f"ks{len(self.size_args)}", value)
+        name, known = self.size_args[key]
+        assert known == value, (key, known, value)
+        return name
+
     def tmp(self, text: str) -> str:
         name = f"t{self.counter}"
         self.counter += 1
@@ -120,7 +147,7 @@ class KernelWriter(ReductionWriter):
         terms = [f"({idx}) * {arg}_s{d}" for d, (idx, size) in enumerate(zip(index, meta_of(node).shape))
                  if size != 1 and idx != "0"]
         offset = " + ".join(terms)
-        if offset and all(idx.isdigit() for idx in index):  # a fixed element: scalar load
+        if offset and all(_fixed(idx) for idx in index):  # a fixed element: scalar load
             if dtype.is_complex:
                 return (self.tmp(f"tl.load({arg}_ptr + {offset})"),
                         self.tmp(f"tl.load({arg}_ptr + {offset} + 1)")), dtype
@@ -132,7 +159,7 @@ class KernelWriter(ReductionWriter):
                     self.tmp(f"tl.load({arg}_ptr + {offset} + 1, mask=MASK, other=0)")), dtype
         if not offset:  # one element for the whole block: a scalar load, broadcast on use
             return self.tmp(f"tl.load({arg}_ptr)"), dtype
-        names = set(re.findall(r"[A-Za-z_]\w*", offset)) - {f"{arg}_s{d}" for d in range(len(index))}
+        names = _index_names(offset) - {f"{arg}_s{d}" for d in range(len(index))}
         if self.r_names and names <= self.x_names:  # the same element all along a row: one per row ([XBLOCK, 1])
             return self.tmp(f"tl.load({arg}_ptr + {offset}, mask=XMASK, other=0)"), dtype
         if names <= self.r_names:  # the same element for every row: one per column ([1, RBLOCK])
@@ -182,7 +209,7 @@ class KernelWriter(ReductionWriter):
         kind = kind_of(node)
         if kind == "iota" and not (node in self.buffers and node not in self.roots):
             position = index[node.kwargs["dim"]]
-            result = self.tmp(f"tl.full(SHAPE, {position}, tl.int64)" if position.isdigit()
+            result = self.tmp(f"tl.full(SHAPE, {position}, tl.int64)" if _fixed(position)
                               else f"({position}).to(tl.int64)"), torch.int64
             self.values[key] = result
             return result
@@ -244,17 +271,18 @@ class KernelWriter(ReductionWriter):
         source, index_node = node.args
         index_at, source_at = node.target.positions(node, list(index))
         dim, size = node.kwargs["dim"], meta_of(source).shape[node.kwargs["dim"]]
+        size_text = self.size(size, (source, "dim", dim))
         i, _ = self.value(index_node, tuple(index_at))
         i = self.tmp(f"{i}.to(tl.int64)")
-        if all(str(idx).isdigit() for idx in index_at):
+        if all(_fixed(str(idx)) for idx in index_at):
             # one index for the whole block (a scalar load): give it the block's shape, since
             # the gathered load is masked and a masked load needs a block of pointers
             i = self.tmp(f"tl.full(SHAPE, 0, tl.int64) + {i}")
         if node.kwargs.get("wrap"):
-            i = self.tmp(f"tl.where({i} < 0, {i} + {size}, {i})")
+            i = self.tmp(f"tl.where({i} < 0, {i} + {size_text}, {i})")
         # NOTE: clamped, so a bad index never reads outside memory; the program checks the
         # indices on the host and raises eager's error (``runtime.program.IndexCheck``).
-        i = self.tmp(f"tl.minimum(tl.maximum({i}, 0), {size - 1})")
+        i = self.tmp(f"tl.minimum(tl.maximum({i}, 0), {_minus_one(size_text)})")
         source_at[dim] = i
         self.gathering.append(numel(meta_of(node).shape))
         value, dtype = self.value(source, tuple(source_at))
@@ -271,8 +299,12 @@ class KernelWriter(ReductionWriter):
         """Philox(seed, position of the element in the rand node's shape), in [0, 1)."""
         seed, _ = self.value(node.args[0], ())
         shape, strides = meta_of(node).shape, contiguous_strides(meta_of(node).shape)
-        if all(idx.isdigit() for idx in index):  # one known element
-            position = f"tl.full(SHAPE, {sum(int(i) * st for i, st in zip(index, strides))}, tl.int64)"
+        strides = [self.size(st, (node, "stride", d)) for d, st in enumerate(strides)]
+        terms = [(idx, st) for idx, size, st in zip(index, shape, strides) if size != 1 and idx != "0"]
+        if all(idx.isdigit() and st.isdigit() for idx, st in terms):  # one known element
+            position = f"tl.full(SHAPE, {sum(int(i) * int(st) for i, st in terms)}, tl.int64)"
+        elif all(_fixed(idx) for idx in index):   # a known element at sizes given as arguments
+            position = "tl.full(SHAPE, 0, tl.int64) + " + " + ".join(f"({idx}) * {st}" for idx, st in terms)
         else:
             position = " + ".join(f"({idx}).to(tl.int64) * {stride}" for idx, size, stride in zip(index, shape, strides)
                                   if size != 1 and idx != "0") or "tl.full(SHAPE, 0, tl.int64)"
@@ -295,13 +327,14 @@ class KernelWriter(ReductionWriter):
             src_index = broadcast_index(src_index, meta_of(node).shape, meta_of(src).shape)
             src_value, src_dtype = self.value(src, src_index)
             return self.cast(src_value, src_dtype, dtype), dtype
-        rel = self.tmp(f"{index[d]} - {start}")
-        inside = f"({rel} >= 0) & ({rel} < {length * step})"
+        length_text = self.size(length, (node, "length"))
+        rel = self.tmp(f"{index[d]} - {self.size(start, (node, 'start')) if start else start}")
+        inside = f"({rel} >= 0) & ({rel} < {length * step if length_text.isdigit() else f'{length_text} * {step}'})"
         if step != 1:
             inside += f" & ({rel} % {step} == 0)"
         inside = self.tmp(inside)
         # clamp, so positions outside the slice still read inside src (their value is unused)
-        position = self.tmp(f"tl.minimum(tl.maximum({rel} // {step}, 0), {length - 1})")
+        position = self.tmp(f"tl.minimum(tl.maximum({rel} // {step}, 0), {_minus_one(length_text)})")
         src_index = tuple(position if i == d else idx for i, idx in enumerate(index))
         src_index = broadcast_index(src_index, meta_of(node).shape, meta_of(src).shape)
         src_value, src_dtype = self.value(src, src_index)
@@ -335,6 +368,8 @@ class KernelWriter(ReductionWriter):
         return self.tmp(text)
 
     def print_exprs(self, exprs, names, dtype):
+        if self.generic and dtype == torch.float32:
+            exprs = [self.hoist_constants(e, names) for e in exprs]
         replacements, reduced = sympy.cse(list(exprs), symbols=_cse_symbols(), order="none")
         printer = TritonPrinter(names, dtype)
         for sym, sub in replacements:
@@ -342,6 +377,32 @@ class KernelWriter(ReductionWriter):
             # float32 scalar, which would round fp64 constants.
             names[sym] = printer(sub) if sub.is_number else self.tmp(printer(sub))
         return [printer(e) for e in reduced]
+
+    def hoist_constants(self, expr, names):
+        """``expr`` with each non-whole float coefficient or term (a mean's 1/N in its backward, a
+        variance's N/(N-1), a loss's 1/(B*T)) replaced by an fp32 argument ``kf<k>`` of a
+        shape-generic kernel: such constants follow the sizes, and as literals they would make
+        every size a new source. Only fp32 math: an fp32 argument would round an fp64 constant
+        (fp64 kernels keep their literals, a source per value)."""
+        found = []
+
+        def visit(e):
+            if e.is_Add or e.is_Mul:
+                found.extend(a for a in e.args if a.is_Float and a.is_finite and not float(a).is_integer())
+            for a in e.args:
+                visit(a)
+        visit(expr)
+        if not found:
+            return expr
+        replace = {}
+        for constant in dict.fromkeys(found):
+            key = ("constant", len(self.float_args))
+            name = f"kf{len(self.float_args)}"
+            self.float_args[key] = (name, float(constant))
+            symbol = sympy.Symbol(name, real=True)
+            names[symbol] = name
+            replace[constant] = symbol
+        return expr.xreplace(replace)
 
     # -- the kernel --------------------------------------------------------------------
     def write(self) -> KernelSource:
@@ -368,24 +429,28 @@ class KernelWriter(ReductionWriter):
             header.append(f"xindex = {pid} * XBLOCK + tl.arange(0, XBLOCK)[:, None]")
         else:
             header.append(f"xindex = {pid} * XBLOCK + tl.arange(0, XBLOCK)")
-        header.append(f"xmask = xindex < {xnumel}")
+        header.append(f"xmask = xindex < {self.size(xnumel, ('xnumel',))}")
         body_prefix = []
         for dims, var, target in ((xdims, "xindex", header), (rdims, "rindex", body_prefix)):
             sizes = [shape[d] for d in dims]
+            if self.generic:
+                target.extend(self.split_index(var, dims, sizes, index))
+                continue
             strides = contiguous_strides(sizes)
             for d, size, stride in zip(dims, sizes, strides):
                 if size == 1:
                     index[d] = "0"
                     continue
-                term = var if stride == 1 else f"({var} // {stride})"
+                term = var if stride == 1 else f"({var} // {self.size(stride, (var, 'stride', d))})"
                 if stride * size < numel(sizes):
-                    term = f"({term} % {size})"
+                    term = f"({term} % {self.size(size, ('shape', d))})"
                 target.append(f"i{d} = {term}")
                 index[d] = f"i{d}"
         index = tuple(index)
         self.base_index = index
         self.x_names = {"xindex"} | {f"i{d}" for d in xdims}
         self.r_names = {"rindex", "roffset"} | {f"i{d}" for d in rdims} if reduction else set()
+        rnumel = self.size(rnumel, ("rnumel",))   # text from here on: a literal, or an argument
         if self.persistent:
             src, stores = self.write_persistent(header, body_prefix, rnumel, wide)
             return self.finish(src, stores, xnumel, wide, accumulators=len(plan.columns))
@@ -410,12 +475,35 @@ class KernelWriter(ReductionWriter):
             src = header + body_prefix + body
         return self.finish(src, stores, xnumel, wide, accumulators=sum(len(a[1]) for a in accumulators))
 
+    def split_index(self, var: str, dims, sizes, index: list) -> list:
+        """Lines splitting the flat ``var`` into the row-major index of ``dims`` (of ``sizes``, given
+        as arguments), filling ``index``: one division a dim, innermost first, each remainder as a
+        product's difference. NOTE: a static kernel writes ``(var // stride) % size`` per dim (one
+        or two divisions by constants, which the compiler turns into multiplications); by runtime
+        sizes each division is a long sequence of instructions, so a shape-generic kernel chains
+        them instead (as many divisions as dims, less one)."""
+        kept = [(d, size) for d, size in zip(dims, sizes) if size != 1]
+        for d, size in zip(dims, sizes):
+            if size == 1:
+                index[d] = "0"
+        lines, rest = [], var
+        for k, (d, size) in enumerate(reversed(kept)):
+            index[d] = f"i{d}"
+            if k == len(kept) - 1:   # the outermost dim: what is left
+                lines.append(f"i{d} = {rest}")
+                break
+            text = self.size(size, ("shape", d))
+            quotient = f"{var[0]}q{d}"
+            lines += [f"{quotient} = {rest} // {text}", f"i{d} = {rest} - {quotient} * {text}"]
+            rest = quotient
+        return lines
+
     def finish(self, src, stores, xnumel, wide, accumulators) -> KernelSource:
         loads = list(self.load_args)
         tiling = choose_tiling(self.plan.shape, self.plan.reduce_dims, persistent=self.persistent,
                                live_values=_live_values(self.lines, accumulators, self.persistent),
                                wide_values=any(meta_of(n).dtype.itemsize >= 8 for n in loads + stores),
-                               two_pass=bool(self.plan.second_pass))
+                               two_pass=bool(self.plan.second_pass), shape_generic=self.generic)
         xblock = tiling.xblock
         strides = [f"{arg}_s{d}" for node, arg in self.load_args.items() for d in range(len(meta_of(node).shape))]
         # Strides in int64 make every offset product int64 (the index stays int32 where it fits).
@@ -423,7 +511,7 @@ class KernelWriter(ReductionWriter):
         widen = [f"{stride} = tl.cast({stride}, tl.int64)" for stride in strides]
         wide_name = wide_source = None
         if wide:
-            name, source, signature = self.module(widen + src, stores, tiling, "i64")
+            name, source, signature = self.module(widen + src, stores, tiling, "i64", "i64")
         else:
             name, source, signature = self.module(src, stores, tiling, "i32")
             if strides:
@@ -434,10 +522,12 @@ class KernelWriter(ReductionWriter):
                 min(numel(meta_of(n).shape), self.gathered_reads[n]) for n in loads}
         moved = sum(read[n] * meta_of(n).dtype.itemsize for n in loads)
         moved += sum(numel(meta_of(n).shape) * meta_of(n).dtype.itemsize for n in stores)
+        sizes = tuple(value for _, value in self.size_args.values()) + \
+            tuple(value for _, value in self.float_args.values())
         return KernelSource(name, source, loads, stores, grid, signature, moved, tiling.num_warps,
-                            wide_name, wide_source)
+                            wide_name, wide_source, sizes)
 
-    def module(self, src, stores, tiling, stride_type):
+    def module(self, src, stores, tiling, stride_type, size_type="i32"):
         """(name, source, signature) of the module defining the kernel that runs ``src``."""
         params, signature = [], {}
         for node, arg in self.load_args.items():
@@ -449,6 +539,13 @@ class KernelWriter(ReductionWriter):
         for i, node in enumerate(stores):
             params.append(f"out{i}_ptr")
             signature[f"out{i}_ptr"] = "*" + SIGNATURE_DTYPE[_storage_dtype(meta_of(node).dtype)]
+        # shape-generic: the sizes (64-bit where the kernel's index math is) and fp32 constants
+        sized = [name for name, _ in self.size_args.values()] + [name for name, _ in self.float_args.values()]
+        for name, _ in self.size_args.values():
+            signature[name] = size_type
+        for name, _ in self.float_args.values():
+            signature[name] = "fp32"
+        params += sized
         signature["XBLOCK"] = "constexpr"
         signature["RBLOCK"] = "constexpr"
         body_text = "\n".join("    " + line for line in src)
@@ -468,7 +565,9 @@ class KernelWriter(ReductionWriter):
             f"SIGNATURE = {signature!r}",
             "",
             "",
-            "@triton.jit",
+            # NOTE: sizes are not specialized (an integer divisible by 16 or equal to 1 would be a
+            # compiled variant of its own): one compiled kernel for every size of a bucket
+            f"@triton.jit(do_not_specialize={sized!r})" if sized else "@triton.jit",
             f"def {name}({', '.join(params + ['XBLOCK: tl.constexpr', 'RBLOCK: tl.constexpr'])}):",
             body_text,
             "",
@@ -477,6 +576,23 @@ class KernelWriter(ReductionWriter):
 
 
 _cse_counter = itertools.count()
+
+_SIZE_ARGUMENT = re.compile(r"k[sf]\d+")
+
+
+def _index_names(text: str) -> set:
+    """The variables an index text depends on (size arguments are not: fixed for the launch)."""
+    return {name for name in re.findall(r"[A-Za-z_]\w*", text) if not _SIZE_ARGUMENT.fullmatch(name)}
+
+
+def _fixed(index: str) -> bool:
+    """Whether an index names one element for the whole block: digits, or (shape-generic) sizes."""
+    return index.isdigit() or (bool(_SIZE_ARGUMENT.search(index)) and not _index_names(index))
+
+
+def _minus_one(size: str) -> str:
+    """``size - 1`` as text: folded where ``size`` is a literal."""
+    return str(int(size) - 1) if size.isdigit() else f"({size} - 1)"
 
 
 def _cse_symbols():
@@ -560,5 +676,13 @@ def _describe(plan: KernelPlan) -> str:
     return "fused_" + "_".join(reversed(ops[:4])).replace("pointwise", "pw")
 
 
-def render_kernel(plan: KernelPlan, buffers: set) -> KernelSource:
-    return KernelWriter(plan, buffers).write()
+def render_kernel(plan: KernelPlan, buffers: set, shape_generic: bool = False) -> KernelSource:
+    """The Triton source of one fused kernel (``plan``; ``buffers``: the nodes held in memory).
+
+    ``shape_generic``: every size the kernel's text would hold (numels, row lengths, the dims of its
+    index math and of its views' index maps, a mean's count, the float constants of its math) is
+    an argument instead (``KernelSource.sizes`` holds their values for this build), and blocks and
+    warps come from the sizes' buckets (``tiling.size_bucket``): builds of one region that differ
+    only in sizes within a bucket give the same source, compiled once. Static kernels keep their
+    sizes as literals (index math by constants is cheaper: divisions become shifts)."""
+    return KernelWriter(plan, buffers, shape_generic).write()

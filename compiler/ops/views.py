@@ -4,8 +4,9 @@ A view moves no data: it says which element of its input each output element is.
 view class declares, next to each other:
 
 * ``out_shape(in_shape, params)`` — its shape rule;
-* ``index_map(node, out_index)`` — the input index (kernel text) an output index reads, so a
-  view fuses into any kernel for free;
+* ``index_map(node, out_index, size)`` — the input index (kernel text) an output index reads, so a
+  view fuses into any kernel for free; every size it writes into that text goes through
+  ``size(value, key)`` (its literal, or a shape-generic kernel's argument: ``KernelWriter.size``);
 * ``vjp(b, node, grad_out)`` — its gradient, as graph nodes;
 * ``apply(tensor, **params)`` — the same view on a real tensor, with PyTorch's own view
   function (the runtime's views of buffers, the reference executor);
@@ -21,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from compiler.codegen.kernel_text import literal_size
 from compiler.ir import meta_of, update_meta
 from compiler.ops import reductions, structural
 from compiler.ops.base import OpDef
@@ -37,8 +39,9 @@ class View(OpDef):
         """The view's shape, from its input's shape and its parameters."""
         raise NotImplementedError(f"{self.name}: out_shape")
 
-    def index_map(self, node: fx.Node, out_index: list[str]) -> list[str]:
-        """The input index (kernel text, one entry per input dim) that ``out_index`` reads."""
+    def index_map(self, node: fx.Node, out_index: list[str], size=literal_size) -> list[str]:
+        """The input index (kernel text, one entry per input dim) that ``out_index`` reads;
+        ``size(value, key)`` writes a size into it (``key``: which size of ``node`` it is)."""
         raise NotImplementedError(f"{self.name}: index_map")
 
     def vjp(self, b, node: fx.Node, grad_out: fx.Node) -> list:
@@ -59,7 +62,7 @@ class View(OpDef):
     def read(self, writer, node: fx.Node, index: tuple):
         """The view's value at ``index`` inside a kernel being written (``KernelWriter``):
         its input's value at the mapped index."""
-        return writer.value(node.args[0], tuple(self.index_map(node, list(index))))
+        return writer.value(node.args[0], tuple(self.index_map(node, list(index), writer.size)))
 
     def evaluate(self, node: fx.Node, args: list) -> torch.Tensor:
         """The op's value on real tensors (``compiler.reference``)."""
@@ -85,7 +88,7 @@ class Reshape(View):
     def out_shape(self, in_shape, params):
         return tuple(params["shape"])
 
-    def index_map(self, node, out_index):
+    def index_map(self, node, out_index, size=literal_size):
         in_shape = meta_of(node.args[0]).shape
         out_shape = meta_of(node).shape
         kept_in = [d for d, size in enumerate(in_shape) if size != 1]
@@ -98,7 +101,7 @@ class Reshape(View):
             for d_in, d_out in zip(kept_in, kept_out):
                 result[d_in] = out_index[d_out]
             return result
-        return _reshape_index(in_shape, out_shape, out_index)
+        return _reshape_index(in_shape, out_shape, out_index, lambda value, key: size(value, (node, *key)))
 
     def vjp(self, b, node, grad_out):
         return [emit_view(b, "reshape", grad_out, shape=meta_of(node.args[0]).shape)]
@@ -110,7 +113,7 @@ class Reshape(View):
         return emit_view(b, "reshape", value, shape=meta_of(node.args[0]).shape)
 
 
-def _reshape_index(in_shape, out_shape, out_index: list[str]) -> list[str]:
+def _reshape_index(in_shape, out_shape, out_index: list[str], size=literal_size) -> list[str]:
     """A reshape's input index: through the row-major position of the element, taken
     separately in each group of dims that the reshape merges or splits (where the prefix
     products of both shapes meet), so dims it leaves alone keep their index unchanged and
@@ -128,13 +131,13 @@ def _reshape_index(in_shape, out_shape, out_index: list[str]) -> list[str]:
     for low, high in zip(bounds, bounds[1:]):
         outs = [d for d in range(len(out_shape)) if out_shape[d] != 1 and low <= p_out[d] and p_out[d + 1] <= high]
         ins = [d for d in range(len(in_shape)) if in_shape[d] != 1 and low <= p_in[d] and p_in[d + 1] <= high]
-        terms = [f"({out_index[d]}) * {high // p_out[d + 1]}" if p_out[d + 1] != high else f"({out_index[d]})"
-                 for d in outs]
+        terms = [f"({out_index[d]}) * {size(high // p_out[d + 1], ('out', d))}" if p_out[d + 1] != high
+                 else f"({out_index[d]})" for d in outs]
         linear = " + ".join(terms) if terms else "0"
         for k, d in enumerate(ins):
             stride = high // p_in[d + 1]
-            term = f"({linear})" if stride == 1 else f"(({linear}) // {stride})"
-            result[d] = term if k == 0 else f"({term} % {in_shape[d]})"
+            term = f"({linear})" if stride == 1 else f"(({linear}) // {size(stride, ('in', d))})"
+            result[d] = term if k == 0 else f"({term} % {size(in_shape[d], ('dim', d))})"
     return result
 
 
@@ -149,7 +152,7 @@ class Permute(View):
     def is_identity(self, in_shape, params):
         return tuple(params["dims"]) == tuple(range(len(in_shape)))
 
-    def index_map(self, node, out_index):
+    def index_map(self, node, out_index, size=literal_size):
         result = [None] * len(meta_of(node.args[0]).shape)
         for out_dim, in_dim in enumerate(node.kwargs["dims"]):
             result[in_dim] = out_index[out_dim]
@@ -179,7 +182,7 @@ class Expand(View):
     def out_shape(self, in_shape, params):
         return tuple(params["shape"])
 
-    def index_map(self, node, out_index):
+    def index_map(self, node, out_index, size=literal_size):
         in_shape = meta_of(node.args[0]).shape
         lead = len(meta_of(node).shape) - len(in_shape)
         return ["0" if size == 1 else out_index[lead + i] for i, size in enumerate(in_shape)]
@@ -205,11 +208,12 @@ class Slice(View):
     def is_identity(self, in_shape, params):
         return params["start"] == 0 and params["step"] == 1 and params["length"] == in_shape[params["dim"]]
 
-    def index_map(self, node, out_index):
+    def index_map(self, node, out_index, size=literal_size):
         result = list(out_index)
         d, start, step = node.kwargs["dim"], node.kwargs["start"], node.kwargs["step"]
         scaled = result[d] if step == 1 else f"({result[d]}) * {step}"
-        result[d] = scaled if start == 0 else f"{start} + {scaled}"
+        # a start follows the sizes where it counts from the end (x[:, -T:]): an argument when generic
+        result[d] = scaled if start == 0 else f"{size(start, (node, 'start'))} + {scaled}"
         return result
 
     def vjp(self, b, node, grad_out):  # the gradient goes back to the sliced positions, 0 elsewhere
@@ -237,7 +241,7 @@ class Unfold(View):
         shape[params["dim"]] = (in_shape[params["dim"]] - params["size"]) // params["step"] + 1
         return tuple(shape) + (params["size"],)
 
-    def index_map(self, node, out_index):
+    def index_map(self, node, out_index, size=literal_size):
         result = list(out_index[:-1])
         d, step = node.kwargs["dim"], node.kwargs["step"]
         result[d] = f"({result[d]}) * {step} + ({out_index[-1]})"
@@ -280,15 +284,21 @@ class Flip(View):
     def is_identity(self, in_shape, params):
         return all(in_shape[d] == 1 for d in params["dims"])
 
-    def index_map(self, node, out_index):
+    def index_map(self, node, out_index, size=literal_size):
         shape, dims = meta_of(node).shape, node.kwargs["dims"]
-        return [f"{shape[d] - 1} - ({i})" if d in dims and shape[d] != 1 else i for d, i in enumerate(out_index)]
+        return [f"{_last(size(shape[d], (node, 'dim', d)))} - ({i})" if d in dims and shape[d] != 1 else i
+                for d, i in enumerate(out_index)]
 
     def vjp(self, b, node, grad_out):  # each element's gradient comes from its mirrored position
         return [emit_view(b, "flip", grad_out, dims=node.kwargs["dims"])]
 
     def apply(self, tensor, *, dims):
         return torch.flip(tensor, dims)
+
+
+def _last(size: str) -> str:
+    """The last index of a dim of ``size`` (text): folded where the size is a literal."""
+    return str(int(size) - 1) if size.isdigit() else f"({size} - 1)"
 
 
 # ----------------------------------------------------------------------------- complex parts
