@@ -133,7 +133,8 @@ def region_key(graph: fx.Graph, mutated, options: dict) -> str | None:
 def _reduce_launch(launch: KernelLaunch):
     """A kernel launch without what it loaded at run time (the jit function, bound launchers)."""
     return KernelLaunch, (launch.name, launch.source, launch.loads, launch.stores, launch.grid, launch.xblock,
-                          launch.rblock, launch.bytes_moved, launch.num_warps, launch.wide_name, launch.wide_source)
+                          launch.rblock, launch.bytes_moved, launch.num_warps, launch.wide_name, launch.wide_source,
+                          launch.sizes)  # (a shape-generic kernel's size arguments: its launch passes them)
 
 
 class _Pickler(pickle.Pickler):
