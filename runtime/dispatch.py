@@ -169,8 +169,8 @@ class CompiledFunction:
                 return
             entry, reason = self.shapes.instantiate(key, spec, leaves, self.cache, self.fn, self.fullgraph, self.stats)
             if entry is None:
-                if reason and guard_log.on():
-                    guard_log.recompiles.info("%s: recording again, not instantiating: %s", self.__name__, reason)
+                if reason and guard_log.on():  # (the recompiles log then says that it records, and why)
+                    guard_log.guards.info("%s: no template covers these sizes: %s", self.__name__, reason)
                 return
             self.stats["instantiations"] += 1
             self.cache[key] = [entry]
