@@ -328,6 +328,35 @@ def _make_cnn(device, batch, channels, size, classes):
                          flops=3.0 * per_image * batch)
 
 
+# -- varying: the transformer step over batches whose shapes change (issue 15; benchmarks.varying) --------
+VARYING = {
+    "small": dict(batch=3, last_batch=2, steps=20, min_len=16, max_len=128, dim=64, heads=4, vocab=256),
+    "tiny": dict(batch=3, last_batch=2, steps=5, min_len=5, max_len=20, dim=16, heads=2, vocab=32),
+}
+
+
+def varying_run(device, size="small", seed=0):
+    """(make_model, batches) of the "varying" workload: the transformer step's model with room
+    for the longest sequence, and ``steps`` batches of (idx, targets) whose sequence lengths are
+    distinct, drawn from ``min_len..max_len`` (seeded), the last batch smaller, as the last
+    batch of an epoch is."""
+    import random
+
+    c = VARYING[size]
+    lengths = random.Random(seed).sample(range(c["min_len"], c["max_len"] + 1), c["steps"])
+    g = _generator(device, seed=1)
+    batches = []
+    for i, t in enumerate(lengths):
+        b = c["last_batch"] if i == len(lengths) - 1 else c["batch"]
+        batches.append((torch.randint(0, c["vocab"], (b, t), generator=g, device=device),
+                        torch.randint(0, c["vocab"], (b, t), generator=g, device=device)))
+
+    def make_model():
+        torch.manual_seed(0)
+        return TinyTransformer(c["vocab"], c["dim"], c["heads"], c["max_len"]).to(device)
+    return make_model, batches
+
+
 WORKLOADS = {w.name: w for w in [
     Workload("gelu", 1, "GELU (tanh) forward+backward", make=_make_gelu, sizes={
         "full": dict(t=8192, i=14336), "small": dict(t=64, i=512), "tiny": dict(t=8, i=64)}),

@@ -22,9 +22,10 @@ from compiler.elementwise import elementwise  # noqa: E402
 from compiler.logs import configure_from_environment as _configure_logs, set_logs  # noqa: E402
 from compiler.persist import clear_cache  # noqa: E402
 from compiler.report_html import report_html  # noqa: E402
+from runtime.dynamic_shapes import mark_dynamic  # noqa: E402
 from runtime.fallback import CompileError, InternalCompilerError  # noqa: E402
 
-__all__ = ["compile", "explain", "elementwise", "math", "set_logs", "report_html", "clear_cache",
+__all__ = ["compile", "explain", "elementwise", "math", "set_logs", "report_html", "clear_cache", "mark_dynamic",
            "CompileError", "InternalCompilerError"]
 
 _configure_logs()  # SYMGRAD_LOG

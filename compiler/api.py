@@ -12,6 +12,7 @@ import torch.fx as fx
 from compiler.build import build_region
 from compiler.capture import RecordingFailed, capture
 from compiler.capture_calls import VALUE_READS
+from compiler.dynamic import NotInstantiable, Template
 from compiler.optimizers import compile_optimizer_steps, fused_call_indices
 from compiler.codegen.triton_printer import NotPrintable
 from compiler.bindings import Unsupported
@@ -31,7 +32,8 @@ DELIBERATE = (Unsupported, NotPrintable)
 log = logging.getLogger("compiler")
 
 
-def compile(fn=None, *, backend: str = "auto", fullgraph: bool = False, memory: str = "balanced"):
+def compile(fn=None, *, backend: str = "auto", fullgraph: bool = False, memory: str = "balanced",
+            dynamic: bool | None = None):
     """Compile ``fn``: its torch ops become fused Triton kernels, forward and backward.
 
     Usable as ``@compiler.compile`` or ``@compiler.compile(backend=..., fullgraph=...)``.
@@ -47,6 +49,13 @@ def compile(fn=None, *, backend: str = "auto", fullgraph: bool = False, memory: 
     and matmul/convolution results; ``"min"`` saves the fewest bytes, recomputing reductions
     too.
 
+    ``dynamic`` chooses which tensor sizes calls specialize on (README "Shapes that change"):
+    ``None`` (the default) stops specializing on a dimension once it is seen with a second size,
+    ``True`` on every dimension from the first call, ``False`` always specializes (each new
+    shape records again). A call at sizes a recording covers is instantiated from it: no eager
+    run, no recording. ``compiler.mark_dynamic(t, dim)`` marks one dimension up front. Sizes 0
+    and 1 always specialize.
+
     >>> import torch, compiler
     >>> @compiler.compile
     ... def f(x, y):
@@ -56,11 +65,41 @@ def compile(fn=None, *, backend: str = "auto", fullgraph: bool = False, memory: 
     """
     check_policy(memory)
     if fn is None:
-        return lambda f: compile(f, backend=backend, fullgraph=fullgraph, memory=memory)
+        return lambda f: compile(f, backend=backend, fullgraph=fullgraph, memory=memory, dynamic=dynamic)
     if isinstance(fn, CompiledFunction):
         fn = fn.fn
     build = _build if memory == "balanced" else functools.partial(_build, memory=memory)
-    return CompiledFunction(fn, build, backend=backend, fullgraph=fullgraph)
+    return CompiledFunction(fn, build, backend=backend, fullgraph=fullgraph, dynamic=dynamic,
+                            templates=_Templates(memory))
+
+
+class _Templates:
+    """The dispatcher's way to the templates of ``compiler.dynamic``: make one from recordings,
+    and instantiate it for a call's sizes (``runtime.dynamic_shapes``)."""
+
+    def __init__(self, memory: str):
+        self.memory = memory
+
+    @staticmethod
+    def make_template(entry: Entry, sizes, others) -> Template:
+        def graphs(e):
+            return [info.get("captured") for info in e.report.regions]
+        return Template(entry.trace, graphs(entry), sizes,
+                        [(e.trace, graphs(e), s) for e, s in others if e.report.regions is not None])
+
+    def instantiate(self, template: Template, sizes, fn, fullgraph, stats, arg_shapes=None):
+        """(Entry, None), or (None, why the sizes break the template's relations)."""
+        name = _name(fn)
+        try:
+            trace, _ = template.instantiate(sizes, arg_shapes)
+        except NotInstantiable as e:
+            return None, str(e)
+        except Exception as e:  # noqa: BLE001 — a bug (logged; strict: raises): this call records instead
+            return None, internal_error(f"{name} (instantiating its template)", e)
+        entry = _compile_trace(name, trace, fullgraph=fullgraph, stats=stats, memory=self.memory, shape_generic=True)
+        entry.instantiated = True
+        entry.sizes = tuple(sizes)
+        return entry, None
 
 
 def explain(fn, *args, **kwargs) -> Report:
@@ -80,8 +119,8 @@ def explain(fn, *args, **kwargs) -> Report:
     return entry.report
 
 
-def _build(fn, args, kwargs, *, fullgraph=False, stats=None, memory="balanced"):
-    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+def _build(fn, args, kwargs, *, fullgraph=False, stats=None, memory="balanced", shape_generic=False):
+    name = _name(fn)
     try:
         result, trace = capture(fn, args, kwargs)
     except RecordingFailed as failed:  # a bug (logged): this key runs eagerly from now on
@@ -90,6 +129,17 @@ def _build(fn, args, kwargs, *, fullgraph=False, stats=None, memory="balanced"):
         report = Report(graph=None, backward_graph=None, kernels=[], fallbacks=[], eager_calls=[],
                         internal_errors=[str(failed)])
         return failed.result, Entry(None, report)
+    return result, _compile_trace(name, trace, fullgraph=fullgraph, stats=stats, memory=memory,
+                                  shape_generic=shape_generic)
+
+
+def _name(fn) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _compile_trace(name, trace, *, fullgraph, stats, memory, shape_generic=False) -> Entry:
+    """Compile a recording's regions (and optimizer steps): the Entry to replay it with.
+    ``shape_generic``: the trace was instantiated from a template (``compiler.dynamic``)."""
     fallbacks = list(trace.fallbacks)
     internal_errors = list(trace.internal_errors)
     if fullgraph and (fallbacks or internal_errors or trace.graph_breaks):
@@ -116,7 +166,8 @@ def _build(fn, args, kwargs, *, fullgraph=False, stats=None, memory="balanced"):
             written_later = {i for i, v in enumerate(plan.input_ids) if v in later}
             outputs_written_later = _outputs_written(plan, later)
             options = {k: v for k, v in (("written_later", written_later), ("memory", memory),
-                                         ("outputs_written_later", outputs_written_later))
+                                         ("outputs_written_later", outputs_written_later),
+                                         ("shape_generic", shape_generic))
                        if v and v != "balanced"}  # (defaults left out: tests stand in for build_region)
             compiled = _compile_region(plan.graph, mutated, options, index)
             plan.compiled, info["backward_graph"], info["kernels"] = compiled
@@ -161,7 +212,7 @@ def _build(fn, args, kwargs, *, fullgraph=False, stats=None, memory="balanced"):
         kernels=kernels, fallbacks=fallbacks, eager_calls=eager_calls, regions=regions,
         internal_errors=internal_errors, graph_breaks=list(trace.graph_breaks))
     dumps.dump(name, report)  # (when SYMGRAD_DUMP_DIR is set)
-    return result, Entry(trace, report)
+    return Entry(trace, report)
 
 
 def _compile_region(graph: fx.Graph, mutated: set, options: dict, index: int):

@@ -5,7 +5,9 @@ requires_grad, the other arguments' values, the grad mode and autocast — selec
 and the train/eval mode of the modules each one ran picks among them.
 A miss calls the compiler's builder, which runs the function eagerly once while recording
 it (that call's results are eager's) and compiles it; later calls replay the entry with its
-compiled regions. Tensors reached inside the function (parameters, closed-over tensors) are
+compiled regions. A miss at new sizes of dynamic dims (``runtime.dynamic_shapes``) is first
+offered to the templates: an entry instantiated from a recording for these sizes replays at
+once, without an eager run. Tensors reached inside the function (parameters, closed-over tensors) are
 guarded by identity and metadata at replay. Thread-safe: recording is serialized, replays
 run concurrently (modes are thread-local).
 """
@@ -20,6 +22,7 @@ import torch
 
 from runtime import backends, guard_log
 from runtime.calls import flatten_call
+from runtime.dynamic_shapes import DynamicShapes
 from runtime.fallback import CompileError, say_once
 from runtime.replay import Replay
 
@@ -30,11 +33,13 @@ DYNAMIC_AFTER = 3  # different values of a number argument before calls stop spe
 
 class Entry:
     """One recorded program for one guard key (``trace`` None: a compiler bug broke the
-    recording; calls with this key run eagerly)."""
+    recording; calls with this key run eagerly). ``instantiated``: made from a template
+    (``compiler.dynamic``) for this key's sizes, not recorded."""
 
-    def __init__(self, trace, report):
+    def __init__(self, trace, report, instantiated=False):
         self.trace = trace
         self.report = report
+        self.instantiated = instantiated
         self.diverged_last = False  # whether its last replay left it
 
 
@@ -42,7 +47,7 @@ _UNCHECKED = object()   # _record's `seen` when the caller asks for a recording 
 
 
 class CompiledFunction:
-    def __init__(self, fn, builder, backend="auto", fullgraph=False):
+    def __init__(self, fn, builder, backend="auto", fullgraph=False, dynamic=None, templates=None):
         functools.update_wrapper(self, fn, updated=())  # not __dict__: fn may be a Module
         if backend not in backends.BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(backends.BACKENDS)}")
@@ -57,8 +62,10 @@ class CompiledFunction:
         self.scalars_seen: dict = {}     # (spec, leaf position) -> values seen
         self.needs_variant: set = set()  # guard keys whose last call took an unrecorded path
         self.disabled: str | None = None
-        self.stats = {"calls": 0, "captures": 0, "replays": 0, "eager_calls": 0, "divergences": 0,
-                      "kernel_launches": 0}
+        # (captures: recordings, each an eager run; instantiations: entries re-made from a template)
+        self.stats = {"calls": 0, "captures": 0, "instantiations": 0, "replays": 0, "eager_calls": 0,
+                      "divergences": 0, "kernel_launches": 0}
+        self.shapes = DynamicShapes(dynamic, templates)
         self.last_backend: str | None = None
         self.last_entry: Entry | None = None
 
@@ -90,6 +97,8 @@ class CompiledFunction:
         key = _guard_key(spec, leaves, self.dynamic)
         if key not in self.cache and self._note_changing_scalars(spec, leaves):
             key = _guard_key(spec, leaves, self.dynamic)
+        if key not in self.cache and tensors and self.shapes.enabled:
+            self._instantiate(key, spec, leaves)  # sizes a template covers: an entry without recording
         variants = self.cache.get(key, [])
         if key in self.needs_variant:  # the last call took a path no recording has: record it
             self.needs_variant.discard(key)
@@ -151,6 +160,24 @@ class CompiledFunction:
                      logging.INFO)
         return result
 
+    def _instantiate(self, key, spec, leaves) -> None:
+        """Put an entry for ``key`` in the cache, made from the template of its dynamic key when
+        the call's sizes satisfy the template's relations; else leave the miss to record."""
+        self.shapes.note_shapes(spec, leaves, self.__name__)
+        with self.lock:
+            if key in self.cache:
+                return
+            entry, reason = self.shapes.instantiate(key, spec, leaves, self.cache, self.fn, self.fullgraph, self.stats)
+            if entry is None:
+                if reason and guard_log.on():  # (the recompiles log then says that it records, and why)
+                    guard_log.guards.info("%s: no template covers these sizes: %s", self.__name__, reason)
+                return
+            self.stats["instantiations"] += 1
+            self.cache[key] = [entry]
+            if guard_log.on():
+                guard_log.recompiles.info("%s: instantiated its template for sizes %s (no recording)",
+                                          self.__name__, ", ".join(map(str, entry.sizes)))
+
     def _note_changing_scalars(self, spec, leaves) -> bool:
         """A Python number argument seen with DYNAMIC_AFTER different values (a step counter,
         a learning rate) stops being part of the guard key: the replay still checks every
@@ -191,7 +218,10 @@ class CompiledFunction:
                     guard_log.recompiles.info("%s: %s", self.__name__, self.disabled)
                     return self._eager(self.disabled, args, kwargs)
             self.stats["captures"] += 1
-            result, entry = self.builder(self.fn, args, kwargs, fullgraph=self.fullgraph, stats=self.stats)
+            # (a recording under a dynamic key: its kernels shape-generic, as its instantiations' are)
+            dynamic = self.shapes.enabled and self.shapes.is_dynamic(key, args, kwargs)
+            generic = {"shape_generic": True} if dynamic else {}
+            result, entry = self.builder(self.fn, args, kwargs, fullgraph=self.fullgraph, stats=self.stats, **generic)
             entry.report.backend = backend
             entry.report.backend_reason = why
             # NOTE: several recordings per guard key: one per train/eval mode of the modules

@@ -4,7 +4,7 @@ source (one compiled kernel), and every build computes eager's values and gradie
 
 Each test compiles a function with every region built shape-generic (``compiler.api``'s
 ``build_region`` stood in for by one that passes ``shape_generic=True``); the guard key is still
-per shape (dynamic recordings are dynr15's), so each size records and builds its own region and
+per shape (``dynamic=False``: no instantiation), so each size records and builds its own region and
 the kernels of the builds are compared by position (forward, then backward, in schedule order).
 """
 
@@ -28,7 +28,7 @@ def generic_builds(monkeypatch):
     builds = []
 
     def build(graph, *args, **kwargs):
-        region, details = build_region(graph, *args, shape_generic=True, **kwargs)
+        region, details = build_region(graph, *args, **{**kwargs, "shape_generic": True})
         builds.append(details["forward_kernels"] + details["backward_kernels"])
         return region, details
     monkeypatch.setattr(api, "build_region", build)
@@ -38,7 +38,7 @@ def generic_builds(monkeypatch):
 def _check_sizes(builds, fn, make_args, sizes, atol=1e-5):
     """Run ``compile(fn)`` and eager ``fn`` on ``make_args(size)`` for each size: outputs and the
     gradients of every input that requires grad agree. Returns the kernels built per size."""
-    compiled = compiler.compile(fn)
+    compiled = compiler.compile(fn, dynamic=False)  # (each size records: builds compared by position)
     per_size = []
     for size in sizes:
         torch.manual_seed(size)
@@ -243,7 +243,7 @@ def test_transformer_step_one_source_per_kernel_within_a_bucket(generic_builds):
         loss = m(idx, targets)
         loss.backward()
         return loss.detach()
-    compiled = compiler.compile(step)
+    compiled = compiler.compile(step, dynamic=False)
     per_build = []
     for t, b in ((9, 3), (20, 3), (32, 4)):   # batches 3 and 4: one bucket (tiling.size_bucket)
         idx, targets = torch.randint(0, 11, (b, t)), torch.randint(0, 11, (b, t))
@@ -267,7 +267,7 @@ def _generic_and_static_launches(seq_lengths=(20, 100)):
         api.build_region = functools.partial(build_region, shape_generic=generic)
         try:
             model = _Transformer(vocab=64, dim=64, heads=4, seq=128)
-            compiled = compiler.compile(lambda m, i, t: m(i, t).backward())
+            compiled = compiler.compile(lambda m, i, t: m(i, t).backward(), dynamic=False)
             for t in seq_lengths:
                 idx = torch.randint(0, 64, (8, t))
                 compiled(model, idx, idx)     # the first call of a shape records (eagerly)
