@@ -25,8 +25,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from compiler.capture_calls import (FUNCTIONS, UNKEPT, UNREFERENCED, VALUE_READS, ModulesRun, OptimizerSteps,
-                                    expected_eager, gradient_inputs, inspects_node, made_by_distributed,
-                                    python_references, user_frame, value_read_break)
+                                    expected_eager, gradient_inputs, inside_custom_function, inspects_node,
+                                    made_by_distributed, python_references, user_frame, value_read_break)
 from compiler.checkpointing import MIXED_BLOCK, CheckpointedCalls, tag_block
 from compiler.capture_regions import (InPlaceTracking, Region, ViewMutation, apply_writes, keep_overwritten_history,
                                       mark_eager_saved, map_to_nodes, saves_result)
@@ -288,11 +288,12 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         or eager), made by torch.distributed (FSDP2 views and copies its all-gather buffers under
         no_grad in its hooks: compiled, those views became region values that its collectives and
         copy-out ops, which the compiler does not know, then read: fallbacks and divergences),
+        inside a custom autograd.Function's forward (its own math, for its own backward),
         reading a gradient (a hand-written update, whose step size changes every step), or
         writing in place into a tensor that requires grad (a parameter) or is a subclass."""
         if self.in_library_call is not None and self.in_library_call():
             return True
-        if made_by_distributed():
+        if made_by_distributed() or inside_custom_function():
             return True
         inputs = [x for x in leaves if isinstance(x, torch.Tensor)]
         if any(id(x) in self.gradients for x in inputs):

@@ -79,6 +79,23 @@ def made_by_distributed() -> bool:
     return False
 
 
+_FUNCTION_APPLY = os.path.join("torch", "autograd", "function.py")
+
+
+def inside_custom_function() -> bool:
+    """Whether the torch call being recorded runs inside a custom ``torch.autograd.Function``'s
+    forward (which autograd runs under no_grad): its math is the Function's own, whose saved
+    tensors and outputs its ``backward`` reads, so it runs eagerly as the Function does."""
+    frame = sys._getframe(2)
+    for _ in range(64):  # (a forward nests a few frames deep at most; bounded: this runs per call)
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "apply" and frame.f_code.co_filename.endswith(_FUNCTION_APPLY):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def gradient_inputs(func, args, kwargs) -> list:
     """The tensors a ``grad``/``backward`` call differentiates with respect to (``inputs``)."""
     position = INPUTS_POSITION.get(func)

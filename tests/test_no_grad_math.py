@@ -75,3 +75,38 @@ def test_a_hand_written_update_stays_eager_by_design():
         torch.testing.assert_close(compiled(w_c, x, lr), sgd_by_hand(w_e, x, lr))
         torch.testing.assert_close(w_c.detach(), w_e.detach())
     assert compiled.stats["divergences"] == 0
+
+
+class _ScaledSin(torch.autograd.Function):
+    """A custom Function whose forward (run by autograd under no_grad) saves an intermediate."""
+
+    @staticmethod
+    def forward(ctx, x):
+        s = x.sin()
+        ctx.save_for_backward(x, s)
+        return s * 3
+
+    @staticmethod
+    def backward(ctx, g):
+        x, s = ctx.saved_tensors
+        return g * 3 * x.cos() + 0 * s
+
+
+def test_a_custom_functions_forward_stays_its_own():
+    # a custom Function's forward runs under no_grad too, but its math is the Function's: it runs
+    # eagerly, as the Function does (compiled, its saved intermediates and a checkpoint around it
+    # gave wrong gradients: tests/test_checkpoint.py, the autograd notes' sinh examples)
+    def f(x):
+        return (_ScaledSin.apply(x * 2) * x).sum()
+
+    report = compiler.explain(f, torch.randn(5, requires_grad=True))
+    assert "torch.Tensor.sin" in report.eager_calls or "Tensor.sin" in " ".join(report.eager_calls), report.eager_calls
+    compiled = compiler.compile(f, backend="interpret")
+    for _ in range(3):
+        x = torch.randn(5, requires_grad=True)
+        xe = x.detach().clone().requires_grad_()
+        got, expected = compiled(x), f(xe)
+        torch.testing.assert_close(got, expected)
+        got.backward()
+        expected.backward()
+        torch.testing.assert_close(x.grad, xe.grad)
