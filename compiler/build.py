@@ -13,7 +13,7 @@ import threading
 import torch.fx as fx
 
 from compiler.autodiff import partition, propagate_requires_grad
-from compiler.capture_regions import EAGER_SAVED
+from compiler.capture_regions import EAGER_SAVED, SAVED_BY_CONSUMERS
 from compiler.codegen.torch_kernel import render_torch_kernel
 from compiler.codegen.triton_kernel import render_kernel
 from compiler.fusion import Schedule, fuse, kind_of
@@ -33,6 +33,10 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset(), written_later=froz
     (``codegen.triton_kernel.render_kernel``), so builds that differ only in sizes share sources."""
     output = next(n for n in graph.nodes if n.op == "output")
     eager_saved = {output.args[0][i]: found for i, found in output.meta.get(EAGER_SAVED, {}).items()}
+    # NOTE: an output that one of eager's ops saved as its input (minimum, log) and a later call
+    # writes in place is eager's error at backward: saved as it is, ours raises it too (a copy
+    # would not); only outputs eager never saved are copied or recomputed
+    outputs_written_later = frozenset(outputs_written_later) - output.meta.get(SAVED_BY_CONSUMERS, set())
     input_views = _split_input_views(graph)
     pristine = _copy_graph(graph)  # partition appends the backward to ``graph``
     parts = partition(graph, mutated_inputs, written_later=written_later, memory=memory,

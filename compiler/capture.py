@@ -29,7 +29,7 @@ from compiler.capture_calls import (FUNCTIONS, UNKEPT, UNREFERENCED, VALUE_READS
                                     made_by_distributed, python_references, user_frame, value_read_break)
 from compiler.checkpointing import MIXED_BLOCK, CheckpointedCalls, tag_block
 from compiler.capture_regions import (InPlaceTracking, Region, ViewMutation, apply_writes, keep_overwritten_history,
-                                      mark_eager_saved, map_to_nodes, saves_result)
+                                      mark_eager_saved, map_to_nodes, saved_inputs, saves_result)
 from compiler.ir import meta_of, update_meta
 from compiler.optimizers import StepRecorder
 from compiler.ops import catalog as C
@@ -258,6 +258,14 @@ class Capture(InPlaceTracking, TorchFunctionMode):
                         region.read_for_grad.add(v)
                         region.saved_for_grad.add(v)
                         region.eager_saved[v] = (type(t.grad_fn).__name__, t.output_nr)
+                # eager's op saved one of its inputs (minimum both, log its input): a value written
+                # in place later is eager's error at backward (``build_region``'s outputs_written_later)
+                if self.checkpoints.block is None and out_tensors[0].requires_grad:
+                    inputs = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
+                    for x in saved_inputs(out_tensors[0], inputs):
+                        entry = self.ids.get(id(x))
+                        if entry is not None and entry[0]() is x:
+                            region.saved_by_consumers.add(entry[1])
             self.calls.append(TraceCall(func, "compute", region.index, spec, recorded, outputs, out_spec))
             if self._wrote_input_that_requires_grad(region, outputs, out_tensors, recorded):
                 # NOTE: eager's later ops read the written tensor, whose grad_fn is the in-place op:

@@ -9,6 +9,8 @@ may have saved starts a new region (so eager's version-counter error still fires
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +42,7 @@ class Region:
     eager_reason: str | None = None                 # set when the region must run eagerly
     stale: set = field(default_factory=set)         # views whose memory an in-place op changed since
     eager_saved: dict = field(default_factory=dict)  # value id -> (eager grad_fn type, output_nr): saved result
+    saved_by_consumers: set = field(default_factory=set)  # value ids an eager op of the region saved as an input
     # value ids read under autograd by calls other than view ops (whose backward reads no value):
     # what eager may have saved for backward
     saved_for_grad: set = field(default_factory=set)
@@ -169,6 +172,34 @@ def saves_result(t: torch.Tensor) -> bool:
     return t.requires_grad and t.grad_fn is not None and hasattr(type(t.grad_fn), "_saved_result")
 
 
+@functools.lru_cache(maxsize=None)
+def _saved_attributes(node_type) -> tuple:
+    """The ``_saved_<arg>`` attributes of an eager autograd node type, but its own result's."""
+    return tuple(n for n in dir(node_type) if n.startswith("_saved_") and n != "_saved_result")
+
+
+def saved_inputs(t: torch.Tensor, inputs: list) -> list:
+    """Which of ``inputs`` (the call's tensors) eager's node that made ``t`` saved for backward
+    (``minimum`` saves both operands; ``where`` its condition only): its ``_saved_<arg>`` is the
+    input itself (a saved input unpacks to the very tensor). Asked only where no saved-tensor
+    hooks are active: unpacking would run the user's unpack hook."""
+    fn = t.grad_fn
+    if fn is None or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        return []
+    found = []
+    for name in _saved_attributes(type(fn)):
+        try:
+            value = getattr(fn, name)
+        except RuntimeError:  # (not saved for this call: an operand that needs no gradient)
+            continue
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        found.extend(x for x in inputs if any(x is v for v in values if isinstance(v, torch.Tensor)))
+    return found
+
+
+SAVED_BY_CONSUMERS = "saved_by_consumers"  # the output node's fx meta key: output positions an eager op saved
+
+
 EAGER_SAVED = "eager_saved"  # the output node's fx meta key: {output position: (grad_fn type name, output_nr)}
 
 
@@ -180,6 +211,9 @@ def mark_eager_saved(graph, region: Region, outputs: list) -> None:
     marked = {i: region.eager_saved[v] for i, v in enumerate(outputs) if v in region.eager_saved}
     if marked:
         output.meta[EAGER_SAVED] = marked
+    consumed = {i for i, v in enumerate(outputs) if v in region.saved_by_consumers}
+    if consumed:
+        output.meta[SAVED_BY_CONSUMERS] = consumed
 
 
 def keep_overwritten_history(b: GraphBuilder, nodes: list, out_tensors, mapped, leaves, start: int) -> None:

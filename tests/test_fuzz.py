@@ -256,6 +256,14 @@ FIXED = {
         [((3, 4), f32, "transposed", True, 51)],
         ["v0 = x0.var(dim=0)", "v1 = torch.lerp(x0, x0, 0.3)", "v2 = v0.amax(dim=0, keepdim=False)", "v0[3:] = 0.5",
          "v3 = torch.cos(v1)"], ["v3"]),
+    # the other side of region-output-written-later-saved: an output that one of eager's ops saved as
+    # its *input* (cos saves its input v1 here; minimum both operands), written in place later, is eager's
+    # error at backward; saving a copy of it (as for outputs eager never saved) raised nothing (merged
+    # 10,000-run, seeds 488, 1981, 5317, 5704, 7151, 9546); now such outputs are saved as they are
+    "output-saved-by-an-eager-consumer-written-later": _program(
+        [((2,), torch.complex64, "contiguous", True, 52)],
+        ["v0 = -x0", "v1 = torch.cos(v0)", "v2 = x0.mean()", "v3 = v1.mean()", "v4 = torch.sin(v1)",
+         "v5 = v1.copy_(v1)"], ["v5", "v0", "v1", "v4"]),
     "cat-of-empty-1d-tensors-only": _program(
         [((0,), f32, "contiguous", True, 45)],
         ["v1 = torch.nn.functional.layer_norm(x0, x0.shape[-1:])", "v4 = torch.cat([x0, v1], dim=-1)"], ["v4"]),
