@@ -253,7 +253,7 @@ def launches_of(workload, size, compiler, measure, torch, **timing) -> list:
     """Record one replayed step of ``workload`` (launches stubbed) and time its launches
     (``timing``: ``iterations``, ``rounds`` of ``measure_launches``)."""
     case = workload.build(size, torch.device("cpu"))
-    run = compiler.compile(case.fn, backend="auto")
+    run = compiler.compile(case.fn, backend="interpret")  # (the Triton launches, stubbed: not the CPU path)
     args = case.make_args(torch.float32)
     case.step(run, args)  # the recording
     with measure.kernels_stubbed(), recorded() as jobs:
