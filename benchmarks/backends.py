@@ -15,6 +15,10 @@ DEFAULT = (EAGER, TORCH_COMPILE, OURS)
 # CUDA-graph and autotuning modes: GPU options, each much slower to compile.
 GPU_MODES = ("torch.compile:max-autotune-no-cudagraphs", "torch.compile:reduce-overhead")
 ALL = DEFAULT + GPU_MODES
+# Ours runs its Triton program: on a GPU "auto" (Triton); on CPU the interpreter, whose memory,
+# kernels and stubbed host work are the GPU program's ("auto" on CPU runs the kernels as PyTorch
+# ops instead, the CPU path: its speed is measured by examples/train_mlp.py, results/cpu-path.md)
+OURS_BACKEND = "auto" if torch.cuda.is_available() else "interpret"
 
 
 def prepare(name: str, fn):
@@ -22,7 +26,7 @@ def prepare(name: str, fn):
     if name == EAGER:
         return fn
     if name == OURS:
-        return compiler.compile(fn, backend="auto")
+        return compiler.compile(fn, backend=OURS_BACKEND)
     if name.startswith(TORCH_COMPILE):
         mode = name.partition(":")[2] or None  # None: torch.compile's default mode
         return torch.compile(fn, mode=mode)

@@ -27,7 +27,7 @@ import compiler
 import torch
 
 from benchmarks import compile_time, measure, report
-from benchmarks.backends import DEFAULT, EAGER, OURS, TORCH_COMPILE, prepare, reset
+from benchmarks.backends import DEFAULT, EAGER, OURS, OURS_BACKEND, TORCH_COMPILE, prepare, reset
 from benchmarks.environment import describe, device_kind
 from benchmarks.progress import Progress
 from benchmarks.report import INTERPRETER
@@ -228,7 +228,7 @@ class _Workload:
         launches = []
         with _noted(row, "launches skipped"):
             # A separate wrapper on throwaway arguments: stubbed steps compute garbage.
-            run = compiler.compile(case.fn, backend="auto")
+            run = compiler.compile(case.fn, backend=OURS_BACKEND)
             args = case.make_args(torch.float32)
             case.step(run, args)  # the recording call runs eagerly, for real
             with measure.kernels_stubbed():
