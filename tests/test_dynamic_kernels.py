@@ -9,7 +9,6 @@ the kernels of the builds are compared by position (forward, then backward, in s
 """
 
 import functools
-import math
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ import compiler
 import compiler.api as api
 from compiler import tiling
 from compiler.build import build_region
+from benchmarks.workloads import TinyTransformer
 
 
 @pytest.fixture
@@ -205,31 +205,9 @@ def _copy(graph):
     return _copy_graph(graph)
 
 
-class _Transformer(torch.nn.Module):
-    """A nanoGPT-style block (as benchmarks' TinyTransformer) small enough for the interpreter."""
-
-    def __init__(self, vocab=11, dim=16, heads=2, seq=40):
-        super().__init__()
-        self.heads = heads
-        self.embed = torch.nn.Embedding(vocab, dim)
-        self.pos = torch.nn.Parameter(torch.randn(seq, dim) * 0.02)
-        self.ln1, self.ln2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
-        self.qkv, self.proj = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
-        self.fc, self.out = torch.nn.Linear(dim, 4 * dim), torch.nn.Linear(4 * dim, dim)
-        self.head = torch.nn.Linear(dim, vocab, bias=False)
-        self.register_buffer("mask", torch.tril(torch.ones(seq, seq, dtype=torch.bool)))
-
-    def forward(self, idx, targets):
-        b, t = idx.shape
-        x = self.embed(idx) + self.pos[:t]
-        q, k, v = self.qkv(self.ln1(x)).split(x.shape[-1], dim=-1)
-        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
-        att = att.masked_fill(~self.mask[:t, :t], float("-inf"))
-        y = F.softmax(att, dim=-1) @ v
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, -1))
-        x = x + self.out(F.gelu(self.fc(self.ln2(x))))
-        return F.cross_entropy(self.head(x).view(-1, self.head.out_features), targets.view(-1))
+def _Transformer(vocab=11, dim=16, heads=2, seq=40):
+    """The benchmarks' nanoGPT-style block, small enough for the interpreter."""
+    return TinyTransformer(vocab, dim, heads, seq)
 
 
 def test_transformer_step_one_source_per_kernel_within_a_bucket(generic_builds):
