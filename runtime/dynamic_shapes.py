@@ -88,9 +88,13 @@ class DynamicShapes:
             if len(first) != len(shape):
                 continue
             changed = {d for d, (a, b) in enumerate(zip(first, shape)) if a != b and a >= 2 and b >= 2}
-            new = changed - self.dims.get((spec, i), set())
+            seen = self.dims.get((spec, i), frozenset())
+            new = changed - seen
             if new:
-                self.dims.setdefault((spec, i), set()).update(new)
+                # NOTE: a new set, not one changed in place: other threads read (iterate) the old
+                # one without the lock (``_dynamic_dims``); a set changed under them raised
+                # "Set changed size during iteration" (tests/test_stress.py, 8 threads, 4 shapes)
+                self.dims[(spec, i)] = frozenset(seen | new)
                 say_once(name, f"argument leaf {i}: dims {sorted(new)} changed size; calls no longer specialize "
                          "on them (dynamic shapes)", logging.INFO)
 
