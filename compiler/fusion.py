@@ -26,7 +26,7 @@ from compiler.tiling import MIN_PROGRAMS, fits_one_block, holds_row, is_outer, r
 class KernelPlan:
     shape: tuple                 # the iteration space
     reduce_dims: tuple           # dims of ``shape`` reduced by the reduction roots
-    roots: list = field(default_factory=list)   # nodes this kernel stores
+    roots: list = field(default_factory=list)   # nodes this kernel computes: stored, but reductions only it reads
     online: dict = field(default_factory=dict)  # sum root -> the amax root it is computed with (online softmax)
     reads_rows: bool = False     # a root reads a reduction of this kernel: rows are held whole (persistent)
     second_pass: list = field(default_factory=list)  # roots that read a looped row's reductions: a second loop
@@ -343,7 +343,38 @@ def fuse(graph: fx.Graph, shape_generic: bool = False) -> Schedule:
         step_of[node] = target
         if kind == "reduction":
             reduction_roots_of.setdefault(id(plan), []).append(node)
+    buffers -= _read_only_where_computed(nodes, outputs, steps, step_of, buffers)
     return Schedule(steps, buffers)
+
+
+def _read_only_where_computed(nodes, outputs, steps, step_of, buffers) -> set:
+    """The reduction roots no other step reads and the program does not return: softmax's row max
+    and sum of exponentials, read only by the division of the same kernel. They are computed in
+    registers and never stored (eager moves no bytes for them either: 8 bytes a row of fp32 that our
+    softmax moved more than eager's). Taken out of ``buffers``, a kernel computes them as roots
+    (``reductions.ReductionWriter``) without a store, and the CPU path computes them inline."""
+    def memory_of(value):
+        while kind_of(value) == "view":
+            value = value.args[0]
+        return value
+
+    candidates = {n for n in nodes if kind_of(n) == "reduction" and n in step_of and steps[step_of[n]][0] == "kernel"}
+    kept = {memory_of(o) for o in outputs}
+    for node in nodes:
+        if kind_of(node) == "extern":
+            kept |= {memory_of(a) for a in node.args if isinstance(a, fx.Node)}
+        elif kind_of(node) == "gather":
+            kept.add(memory_of(node.args[1]))   # its range check reads the indices on the host
+        if meta_of(node).materialize:
+            kept.add(memory_of(node))
+    for i, (kind, plan) in enumerate(steps):
+        if kind != "kernel":
+            continue
+        for root in plan.roots:
+            kept |= {b for b in _reads(root, buffers) if step_of.get(b) != i}
+        for value, _chunks in plan.columns.values():
+            kept |= {b for b in _inlined_reads(value) if b in buffers and step_of.get(b) != i}
+    return candidates - kept
 
 
 def _online_softmax_partner(node: fx.Node, reductions, buffers, plan):

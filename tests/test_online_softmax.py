@@ -98,3 +98,15 @@ def test_output_changed_in_place_raises_as_eager(op):
             y.mul_(2)
             with pytest.raises(RuntimeError, match="modified by an inplace operation"):
                 y.sum().backward()
+
+
+@pytest.mark.parametrize("cols", [COLS, 64], ids=["looped-row", "row-in-one-block"])
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+def test_row_statistics_read_only_by_their_kernel_are_not_stored(op, cols):
+    # the row max and the sum of exponentials are read only inside the kernel that computes them
+    # (the backward reads the output): storing them cost 8 bytes a row more than eager moves
+    x = torch.randn(ROWS, cols, requires_grad=True)
+    report = compiler.explain(lambda x: getattr(torch, op)(x, -1), x)
+    (kernel,) = report.forward_kernels
+    assert kernel.source.count("tl.store(") == 1, kernel.source
+    assert kernel.bytes_moved == 2 * ROWS * cols * 4

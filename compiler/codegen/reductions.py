@@ -70,6 +70,8 @@ class ReductionWriter:
         Returns (source lines, stored roots)."""
         stores, columns = [], []
         for root in self.plan.roots:
+            if root not in self.buffers:   # read only here (``fusion._read_only_where_computed``)
+                continue                   # computed where a later root reads it (``reduced``)
             out = f"out{len(stores)}"
             stores.append(root)
             dtype = meta_of(root).dtype
@@ -193,8 +195,10 @@ class ReductionWriter:
         src += ["    " + line for line in loop + body_prefix + body]
         maxima = {}    # amax root with an online sum -> (its accumulator, the variable holding its value)
         for root, accs, acc_dtype in accumulators:
+            stored = root in self.buffers   # else read only by this kernel's second loop (not stored)
             out = f"out{len(stores)}"
-            stores.append(root)
+            if stored:
+                stores.append(root)
             scale = root.target.scale(root)
             dtype = meta_of(root).dtype
             part_dtype = dtype.to_real() if dtype.is_complex else dtype
@@ -217,8 +221,9 @@ class ReductionWriter:
                     src.append(f"{held} = {total}")
                     self.reductions[root] = (held, acc_dtype)
                     total = held
-                self.store(out, f"({total}).to({TL_DTYPE[part_dtype]})", [self.row_addresses(dtype)[k]], "xmask",
-                           into=src)
+                if stored:
+                    self.store(out, f"({total}).to({TL_DTYPE[part_dtype]})", [self.row_addresses(dtype)[k]],
+                               "xmask", into=src)
         return src
 
     def write_second_loop(self, body_prefix, rnumel, stores, wide) -> list:
