@@ -55,6 +55,9 @@ REPRESENTATIVE = [
     # rows of 1024 (LayerNorm) and 5120 tokens: sums over tokens loop in RBLOCK steps, as at full
     # size; the cross-entropy over a vocabulary of 8192 too
     ("transformer_step", dict(batch=10, seq=512, dim=1024, heads=8, vocab=8192), torch.bfloat16),
+    # the full size's 8192 tokens: the cross-entropy's target mask, valid count and picked log-probs
+    # in one looped kernel (four loads, two of them int64 targets; spilled 4 B at 2048 a step)
+    ("transformer_step", dict(batch=8, seq=1024, dim=128, heads=2, vocab=16384), torch.float32),
 ]
 
 
