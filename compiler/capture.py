@@ -24,7 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from compiler.capture_calls import (FUNCTIONS, UNKEPT, UNREFERENCED, VALUE_READS, ModulesRun, OptimizerSteps,
+from compiler.capture_calls import (FACTORIES, FUNCTIONS, UNKEPT, UNREFERENCED, VALUE_READS, ModulesRun, OptimizerSteps,
                                     expected_eager, gradient_inputs, inside_custom_function, inspects_node,
                                     made_by_distributed, python_references, user_frame, value_read_break)
 from compiler.checkpointing import MIXED_BLOCK, CheckpointedCalls, tag_block
@@ -186,7 +186,10 @@ class Capture(InPlaceTracking, TorchFunctionMode):
             try:
                 region, nodes = self._emit(func, binding, args, kwargs, leaves, recorded, out_tensors)
             except Unsupported as e:
-                reason = f"{function_name(func)}: {e}"
+                if not (func in FACTORIES and not self._reads_region_value(recorded)):
+                    reason = f"{function_name(func)}: {e}"
+                # (a factory's form the compiler does not make, a list's data: an eager call, as
+                # factories always were, read by the regions as an input; no fallback)
             except InternalCompilerError:
                 raise
             except Exception as e:  # a bug in a binding: this call runs eagerly (strict: raises)
@@ -313,7 +316,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
 
     def _emit(self, func, binding, args, kwargs, leaves, recorded, out_tensors):
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        if not tensors or not out_tensors:
+        if (not tensors and func not in FACTORIES) or not out_tensors:
             raise Unsupported("no tensor inputs or outputs")
         for t in tensors + out_tensors:
             if type(t) not in (torch.Tensor, torch.nn.Parameter):

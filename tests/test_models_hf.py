@@ -44,11 +44,12 @@ GRAPH_BREAKS = {"bert": ["Tensor.__bool__"]}
 # The eager calls a training step makes by design, the only ones the report may list: the backward
 # call, the optimizer step's (its profiling marks, its .grad reads and writes: the step itself runs
 # as fused kernels), grad-mode switches (`@torch.no_grad()` around a rotary embedding: the math
-# inside compiles), the loss detached for the log, and constant tensors made by factories
-# (positions, masks), which regions read as inputs.
+# inside compiles) and the loss detached for the log. Factories (positions, masks: `torch.arange`,
+# `torch.tensor(x)`, `torch.zeros`) compile as region constants; a factory form the compiler does not
+# make (a list's data) stays an eager call, listed here per model (exact).
 STEP_BOUNDARIES = {"Tensor.backward", "_record_function_enter_new", "profiler::_record_function_exit._RecordFunction",
                    "Tensor.grad", "Tensor.grad = ...", "Tensor.detach", "_set_grad_enabled"}
-FACTORIES = {function_name(f) for f in capture_calls.FACTORIES}
+EAGER_FACTORIES: dict = {}
 
 
 def _causal_lm(name):
@@ -146,7 +147,7 @@ def test_model_trains_like_eager(name):
     assert launches > 0
     # nothing of the model's math runs eagerly (Llama/Qwen2/Mixtral's rotary cos/sin under no_grad
     # included), and the replays follow the recording
-    assert sorted(set(report.eager_calls) - STEP_BOUNDARIES - FACTORIES) == [], report.eager_calls
+    assert sorted(set(report.eager_calls) - STEP_BOUNDARIES) == EAGER_FACTORIES.get(name, []), report.eager_calls
     assert stats["divergences"] == 0, stats
     print(f"{name}: {launches} kernel launches per step; eager calls by design: {report.eager_calls}")
 

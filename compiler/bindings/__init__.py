@@ -5,8 +5,8 @@ Decompositions are written on tensor-like handles (``handles.py``: ``x - x.mean(
 so each reads like its counterpart in ``torch/_refs`` or ``torch/_decomp/decompositions.py``.
 """
 
-from compiler.bindings import (cross_entropy, elementwise, flip, indexing, layers, losses, norms,  # noqa: F401
-                               random, reductions, routing, views)
+from compiler.bindings import (cross_entropy, elementwise, factories, flip, indexing, layers, losses,  # noqa: F401
+                               norms, random, reductions, routing, views)
 from compiler.bindings.registry import BINDINGS, Unsupported, Writes, binds, lookup
 
 __all__ = ["BINDINGS", "Unsupported", "Writes", "binds", "lookup"]
