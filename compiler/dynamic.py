@@ -43,6 +43,19 @@ class NotInstantiable(Exception):
     """The call's sizes break a relation of the template, or the template cannot be made."""
 
 
+class ShapeRuleBroken(NotInstantiable):
+    """A re-made graph's node (at ``position`` in its graph) disagrees with its op's shape rule."""
+
+    def __init__(self, message: str, position: int):
+        super().__init__(message)
+        self.position = position
+        self.template_node = None   # the node at ``position`` in the template's own graph
+        self.where = (0, position)  # (graph index, position): how far an instantiation got
+
+
+MAX_REPAIRS = 8   # constants re-read as multiples of a size, one failing node at a time (``instantiate``)
+
+
 def size_symbol(i: int) -> sympy.Symbol:
     return sympy.Symbol(f"s{i}", integer=True, positive=True)
 
@@ -96,6 +109,8 @@ def _remake_graph(graph: fx.Graph, f, unit) -> fx.Graph:
         if "symgrad" in node.meta:
             m: NodeMeta = meta_of(node)
             shape = None if m.shape is None else _map_ints(tuple(m.shape), f)
+            if m.expr is not None:
+                unit(("expr",))   # (the constants of an op's math: never re-read as sizes, ``Template._repairs``)
             expr = None if m.expr is None else _map_expr(m.expr, f)
             set_meta(copy, dataclasses.replace(m, shape=shape, expr=expr))
         env[node] = copy
@@ -258,6 +273,7 @@ class Template:
         self.trace, self.graphs, self.sizes = trace, graphs, tuple(sizes)
         base = units(trace, graphs)
         values = [x for _, ints in base for x in ints]
+        self.in_math = [label == ("expr",) for label, ints in base for _ in ints]   # (positions of op constants)
         if len(values) > MAX_POSITIONS:
             raise NotInstantiable(f"the recording has {len(values)} ints (more than {MAX_POSITIONS})")
         # the newest other recording at other sizes: a second point for the ints it shares
@@ -273,23 +289,95 @@ class Template:
         cache: dict = {}
         self.fits = []
         alike = spaces[2][1]
-        for v, w in zip(values, other_values):
+        for v, w, math_constant in zip(values, other_values, self.in_math):
             column = (v,) if w is None else (v, w)
+            if math_constant and len(set(column)) == 1:
+                # NOTE: an op's constant (a comparison's code: eq is 4) is never a size, though it
+                # may equal one seen at one value (a batch of 4: eq became ge at a batch of 3)
+                self.fits.append(Fit(v, ()))
+                continue
             fit = cache.get(column)
             if fit is None:
                 points = one if w is None else two
                 fit = cache[column] = fit_position(list(column), points, *spaces[len(column)])
             self.fits.append(fit)
         self.guessed = bool(alike)  # (some sizes were seen at one value only: their expressions are guesses)
+        # the sizes seen at one value only, for constants that turn out to be multiples of one (``_repairs``)
+        self.alike = [(mono, _value(mono, self.sizes)) for mono in alike]
         # (nodes whose rule does not give their shape even in the recording itself are not checked)
         self.unchecked = [_rule_breaks(g) if g is not None else set() for g in graphs]
+        self.values = values
 
     def instantiate(self, sizes, arg_shapes=None) -> tuple:
         """(trace, graphs) re-made for ``sizes``; raises ``NotInstantiable`` when a relation fails.
-        ``arg_shapes``: the call's tensor arguments' shapes, which the re-made graphs must have."""
-        sizes = tuple(sizes)
+        ``arg_shapes``: the call's tensor arguments' shapes, which the re-made graphs must have.
+
+        A node whose shape rule fails may hold a constant that was a product with a size the
+        recordings saw at one value only (batch x heads = 12 at a batch of 3, in an attention's
+        reshape, when the batch becomes dynamic only later): such constants of that node are read
+        as that multiple of the size, everywhere they appear, and the instantiation is tried again
+        (``MAX_REPAIRS`` times at most). A wrong reading fails the shape rules again, or the
+        replay's check of the ints Python passes: the call then records, as without it."""
+        sizes, repairs = tuple(sizes), {}
+        try:
+            return self._instantiate(sizes, arg_shapes, repairs)
+        except ShapeRuleBroken as e:
+            broken = e
+        for _attempt in range(MAX_REPAIRS):
+            # one constant of the failing node at a time: a repair that gets past the node is kept
+            for fit, multiple in self._repairs(broken.template_node, repairs).items():
+                trial = {**repairs, fit: multiple}
+                try:
+                    return self._instantiate(sizes, arg_shapes, trial)
+                except ShapeRuleBroken as e:
+                    if e.where > broken.where:
+                        repairs, broken = trial, e
+                        break
+                except NotInstantiable:
+                    continue
+            else:
+                raise broken
+        raise broken
+
+    def _repairs(self, node: fx.Node, done: dict) -> dict:
+        """Constant fits among the ints of ``node`` (of a template graph: its shape, its arguments, its
+        inputs' shapes) that are a multiple (2x or more) of one size seen at one value: {fit: c * size}
+        (``node`` None: none)."""
+        if node is None:
+            return {}
+        ints: list = []
+        _map_ints((tuple(meta_of(node).shape), node.args, node.kwargs), ints.append)
+        for arg in node.all_input_nodes:
+            if "symgrad" in arg.meta and meta_of(arg).shape is not None:
+                ints += list(meta_of(arg).shape)
+        found = {}
+        for fit in self.fits_by_value(ints):
+            if fit in done:
+                continue
+            # a constant c, or c * m of sizes that changed: c a multiple of a size seen at one value
+            mono, c = ((), fit.constant) if fit.constant is not None else fit.terms[0]
+            c = Fraction(c)
+            if c.denominator != 1 or c < 2:
+                continue
+            for extra, value in self.alike:
+                if c % value == 0 and c // value >= 2 and len(mono) + len(extra) <= MAX_DEGREE:
+                    found[fit] = Fit(None, ((tuple(sorted(mono + extra)), c / value),))
+                    break
+        return found
+
+    def fits_by_value(self, ints) -> list:
+        """The single-expression fits (a constant, or one ``c * m``) of positions holding one of ``ints``
+        in the template, outside op constants."""
+        wanted = set(ints)
+        return list(dict.fromkeys(
+            fit for fit, value, math_constant in zip(self.fits, self.values, self.in_math)
+            if value in wanted and not math_constant and (fit.constant is not None) != bool(fit.terms)
+            and len(fit.terms) <= 1))
+
+    def _instantiate(self, sizes, arg_shapes, repairs) -> tuple:
+        fits = [fit if math_constant else repairs.get(fit, fit) for fit, math_constant in zip(self.fits, self.in_math)]
         values = {}
-        new = [values.setdefault(fit, fit.at(sizes)) if fit not in values else values[fit] for fit in self.fits]
+        new = [values.setdefault(fit, fit.at(sizes)) if fit not in values else values[fit] for fit in fits]
         it = iter(new)
         trace, graphs = remake(self.trace, self.graphs, lambda _: next(it))
         # what is known exactly: tensors reached from outside keep their metadata, arguments have the call's
@@ -299,7 +387,7 @@ class Template:
                 raise NotInstantiable(f"a guess changed the shape of a tensor the function reaches (value {vid})")
         if arg_shapes is not None:
             known.update((vid, tuple(shape)) for vid, shape in zip(trace.arg_ids, arg_shapes))
-        for graph, unchecked in zip(graphs, self.unchecked):
+        for index, (graph, template_graph, unchecked) in enumerate(zip(graphs, self.graphs, self.unchecked)):
             if graph is None:
                 continue
             for node in graph.nodes:
@@ -309,7 +397,11 @@ class Template:
                 if shape is not None and tuple(meta_of(node).shape) != shape:
                     raise NotInstantiable(f"input {node.name} would have shape {list(meta_of(node).shape)}, "
                                           f"not its {list(shape)}")
-            check_shapes(graph, unchecked)
+            try:
+                check_shapes(graph, unchecked)
+            except ShapeRuleBroken as e:
+                e.template_node, e.where = list(template_graph.nodes)[e.position], (index, e.position)
+                raise
         return trace, graphs
 
 
@@ -351,9 +443,9 @@ def check_shapes(graph: fx.Graph, skip=frozenset(), collect=None) -> None:
             if collect is not None:
                 collect.add(position)
                 continue
-            raise NotInstantiable(f"{node.name} ({node.target}) cannot take the new sizes: {e}") from None
+            raise ShapeRuleBroken(f"{node.name} ({node.target}) cannot take the new sizes: {e}", position) from None
         if not ok and collect is not None:
             collect.add(position)
         elif not ok:
-            raise NotInstantiable(f"{node.name} ({node.target}) would have shape {list(shape)}, which its rule "
-                                  "does not give at the new sizes")
+            raise ShapeRuleBroken(f"{node.name} ({node.target}) would have shape {list(shape)}, which its rule "
+                                  "does not give at the new sizes", position)

@@ -96,6 +96,38 @@ def test_dynamic_sequence_training_steps_match_eager_with_at_most_two_recordings
     assert compiled.stats["divergences"] <= 1  # (the first replay: the optimizer's state exists now)
 
 
+def test_a_batch_dynamic_only_at_a_smaller_last_batch_is_instantiated():
+    # the lengths change first (2 recordings); the last batch is smaller: the batch becomes dynamic
+    # only there, and batch x heads (8, inside the attention matmuls' reshapes) was never varied: a
+    # constant of both recordings, re-read as 2 x batch when the reshape's shape rule refuses 8
+    torch.manual_seed(0)
+    model = Block(dim=12, heads=2)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    compiled = compiler.compile(train_step, backend="interpret")
+    g = torch.Generator().manual_seed(1)
+    for B, T in [(4, 7), (4, 10), (4, 5), (4, 13), (4, 9), (3, 11), (3, 14), (2, 6)]:
+        idx, targets = torch.randint(0, 32, (B, T), generator=g), torch.randint(0, 32, (B, T), generator=g)
+        _close(compiled(model, opt, idx, targets), train_step(ref, ref_opt, idx, targets))
+    for p, q in zip(model.parameters(), ref.parameters()):
+        _close(p, q)
+    assert compiled.stats["captures"] == 2, compiled.stats
+    assert compiled.stats["instantiations"] == 6, compiled.stats
+
+
+def test_an_op_constant_equal_to_a_size_stays_a_constant():
+    # eq's code in a comparison's expression is 4: with a dim of 4 seen once it was read as that
+    # size, and at a size of 3 the comparison became another one (silently wrong values)
+    def f(x):
+        return torch.where(x == 0.5, 2.0, x).sum(0)
+    compiled = compiler.compile(f, backend="interpret", dynamic=True)
+    for rows in (4, 3, 5):
+        x = torch.tensor([0.5, 0.25, 1.0, 0.75, 2.0, 0.5]).repeat(rows, 1)
+        _close(compiled(x), f(x))
+    assert compiled.stats["instantiations"] == 2, compiled.stats
+
+
 def test_outputs_that_are_views_of_other_outputs_follow_the_sizes():
     def f(x):
         y = x.exp() * 2
