@@ -64,6 +64,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         self.current: Region | None = None
         self.ids: dict = {}          # id(tensor) -> (weakref, value id)
         self.refs: dict = {}         # value id -> weakref (for escape analysis)
+        self.factory_values: set = set()  # value ids made by factories compiled into a region
         self.meta: dict = {}         # value id -> TensorMeta when produced
         self.externals: dict = {}
         self.arg_ids: list = []
@@ -226,9 +227,13 @@ class Capture(InPlaceTracking, TorchFunctionMode):
                 old = region.nodes.get(vid)
                 region.nodes[vid] = node
                 region.produced.append(vid)
+                if old is not None:
+                    self._name_written_saved_result(vid, t)
                 self.produced_by[vid] = index
                 if old is None and t._base is not None:
                     self._note_view(region, vid, node, t)
+                if old is None and func in FACTORIES:
+                    self.factory_values.add(vid)
                 if old is not None:
                     region.writes[vid] = region.writes.get(vid, 0) + 1
                 if old is not None and t._base is not None:
@@ -292,6 +297,20 @@ class Capture(InPlaceTracking, TorchFunctionMode):
             self.calls.append(call)
             if reason:
                 self.breaks.append(reason)
+
+    def _name_written_saved_result(self, vid, written: torch.Tensor) -> None:
+        """A value an eager op saved as its result (hypot's) and a later op saved as its input
+        (square's), now written in place (sin_): at backward eager's error comes from the later
+        node, which names the tensor's grad_fn then (the in-place op's, "output 0 of Sin"), not the
+        op that saved its result. The name the bridge's version check gives (``eager_saved``)."""
+        producer = self.produced_by.get(vid)
+        if producer is None or self.calls[producer].region is None:
+            return
+        saved_by = self.regions[self.calls[producer].region] if self.calls[producer].region < len(self.regions) \
+            else self.current
+        if vid in saved_by.eager_saved and written.grad_fn is not None and any(
+                vid in r.saved_by_consumers for r in [*self.regions, self.current] if r is not None):
+            saved_by.eager_saved[vid] = (type(written.grad_fn).__name__, written.output_nr)
 
     def _bookkeeping_under_no_grad(self, leaves, out_tensors) -> bool:
         """Whether a call under a no_grad the function turned on is a training step's bookkeeping,
@@ -520,6 +539,11 @@ class Capture(InPlaceTracking, TorchFunctionMode):
                 used_outside.update(v for v in call.leaves if isinstance(v, ValueId))
         for r in self.regions:
             used_outside.update(r.inputs)
+        # NOTE: a factory's value no recorded call reads went where the mode does not see: a module
+        # built inside the function wraps torch.empty's tensor as nn.Parameter(...) and initializes it
+        # in place; it must be a real tensor on replay, not a stand-in
+        read = {v for call in self.calls for v in call.leaves if isinstance(v, ValueId)}
+        used_outside.update(self.factory_values - read)
         kept = self._kept_by_user()
         plans = []
         for r in self.regions:

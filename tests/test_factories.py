@@ -105,3 +105,19 @@ def test_positions_follow_a_changing_sequence_length():
         (grad,) = torch.autograd.grad(got, table)
         (expected_grad,) = torch.autograd.grad(expected, table)
         torch.testing.assert_close(grad, expected_grad)
+
+
+def test_a_module_built_inside_the_function_gets_real_parameters():
+    # nn.Linear's constructor wraps torch.empty's tensor as nn.Parameter (a use the mode does not
+    # see) and initializes it in place: the factory's value must be a real tensor on replay
+    def fn(x):
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(3, 2)
+        return layer(x).sum(), layer.weight.detach().clone()
+
+    compiled = compiler.compile(fn, backend="interpret")
+    x = torch.randn(4, 3)
+    for _call in range(3):
+        (loss, weight), (expected_loss, expected_weight) = compiled(x), fn(x)
+        torch.testing.assert_close(weight, expected_weight)
+        torch.testing.assert_close(loss, expected_loss)

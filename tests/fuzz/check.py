@@ -51,14 +51,6 @@ class KnownBug(Exception):
 
 # (name, test on the message of a Mismatch): bugs found by the fuzzer and not fixed yet.
 KNOWN_BUGS = [
-    # Eager raises at backward where a value saved for it was changed in place later; the
-    # replayed call raises the same error, but names another producer: the compiled region
-    # ("output 0 of _RegionFunction") or the op that saved its result ("of Hypot") where eager
-    # names the in-place op ("of Sin").
-    # NOTE: only that wording: eager names the op that saved the value where it saved its result,
-    # and the value's grad_fn at backward time where it saved an input, and which one fails first is
-    # the order of eager's backward inside our region; the same error otherwise (README's limits).
-    ("inplace-on-saved-value-names-region", lambda m: _same_but_producer(m)),
     # Second derivatives at degenerate points (a norm at the zero vector, var/std with no degrees
     # of freedom): eager's formulas give NaN where ours give 0, or the other way round.
     ("second-order-at-degenerate-points",
@@ -84,20 +76,6 @@ def _tiny_against_zero(message) -> bool:
     except ValueError:
         return False
     return want == 0.0 and abs(got) < 1e-3
-
-
-_PRODUCER = re.compile(r", which is output \d+ of [\w:]+,")
-
-
-def _same_but_producer(message) -> bool:
-    """Whether a backward-error mismatch is the in-place version error on both sides, the same
-    but for the node it names as the tensor's producer."""
-    found = re.fullmatch(r".*backward raised '(RuntimeError: one of the variables needed.*)', "
-                         r"eager '(RuntimeError: one of the variables needed.*)'", message, re.S)
-    if found is None:
-        return False
-    got, want = (_PRODUCER.sub(",", text) for text in found.groups())
-    return got == want
 
 
 def run_all(program, fn):
