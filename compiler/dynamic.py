@@ -53,6 +53,10 @@ class ShapeRuleBroken(NotInstantiable):
         self.where = (0, position)  # (graph index, position): how far an instantiation got
 
 
+# graph kwargs whose ints are never sizes: dim indices (a permute's (0, 2, 1, 3) at a batch of 3 became
+# (0, 2, 1, 2) at a batch of 2), a convolution's or pooling's geometry, op flags
+NOT_SIZES = frozenset({"dim", "dims", "dim0", "dim1", "stride", "padding", "dilation", "groups", "output_padding",
+                       "kernel_size", "ceil_mode", "padding_idx", "wrap", "which", "zero_padding"})
 MAX_REPAIRS = 8   # constants re-read as multiples of a size, one failing node at a time (``instantiate``)
 
 
@@ -105,7 +109,15 @@ def _remake_graph(graph: fx.Graph, f, unit) -> fx.Graph:
         unit(("node", node.op, str(node.target)))
         copy = new.node_copy(node, lambda n: env[n])
         copy.args = _map_ints(copy.args, f)
-        copy.kwargs = _map_ints(copy.kwargs, f)
+        kwargs = {}
+        for key, value in copy.kwargs.items():
+            if key in NOT_SIZES:   # (dim indices, a convolution's stride: never re-read as sizes)
+                unit(("fixed",))
+                kwargs[key] = _map_ints(value, f)
+                unit(("node", node.op, str(node.target), "after", key))
+            else:
+                kwargs[key] = _map_ints(value, f)
+        copy.kwargs = kwargs
         if "symgrad" in node.meta:
             m: NodeMeta = meta_of(node)
             shape = None if m.shape is None else _map_ints(tuple(m.shape), f)
@@ -273,7 +285,8 @@ class Template:
         self.trace, self.graphs, self.sizes = trace, graphs, tuple(sizes)
         base = units(trace, graphs)
         values = [x for _, ints in base for x in ints]
-        self.in_math = [label == ("expr",) for label, ints in base for _ in ints]   # (positions of op constants)
+        # (positions of op constants and dim indices: ``_remake_graph``'s "expr" and "fixed" units)
+        self.in_math = [label in (("expr",), ("fixed",)) for label, ints in base for _ in ints]
         if len(values) > MAX_POSITIONS:
             raise NotInstantiable(f"the recording has {len(values)} ints (more than {MAX_POSITIONS})")
         # the newest other recording at other sizes: a second point for the ints it shares

@@ -128,6 +128,18 @@ def test_an_op_constant_equal_to_a_size_stays_a_constant():
     assert compiled.stats["instantiations"] == 2, compiled.stats
 
 
+def test_dim_indices_are_not_sizes():
+    # a permute's dims (0, 2, 1, 3) hold a 3 equal to the batch seen once: read as the batch, they
+    # became (0, 2, 1, 2) at a batch of 2 and the call recorded again
+    def f(x):
+        return x.permute(0, 2, 1, 3).reshape(x.shape[0], x.shape[2], -1).softmax(-1).sum(1)
+    compiled = compiler.compile(f, backend="interpret", dynamic=True)
+    for batch in (3, 2, 5):
+        x = torch.randn(batch, 5, 6, 4)
+        _close(compiled(x), f(x))
+    assert (compiled.stats["captures"], compiled.stats["instantiations"]) == (1, 2), compiled.stats
+
+
 def test_outputs_that_are_views_of_other_outputs_follow_the_sizes():
     def f(x):
         y = x.exp() * 2
