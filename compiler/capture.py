@@ -306,8 +306,8 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         producer = self.produced_by.get(vid)
         if producer is None or self.calls[producer].region is None:
             return
-        saved_by = self.regions[self.calls[producer].region] if self.calls[producer].region < len(self.regions) \
-            else self.current
+        index = self.calls[producer].region
+        saved_by = self.regions[index] if index < len(self.regions) else self.current   # (not appended yet)
         if vid in saved_by.eager_saved and written.grad_fn is not None and any(
                 vid in r.saved_by_consumers for r in [*self.regions, self.current] if r is not None):
             saved_by.eager_saved[vid] = (type(written.grad_fn).__name__, written.output_nr)

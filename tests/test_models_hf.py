@@ -18,8 +18,6 @@ import pytest
 import torch
 
 import compiler
-from compiler import capture_calls
-from runtime.torch_functions import function_name
 
 transformers = pytest.importorskip("transformers")
 
