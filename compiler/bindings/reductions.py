@@ -258,8 +258,8 @@ def _var_like(kind):
         if isinstance(dim, bool):  # var(x, unbiased) in the old positional form
             dim, unbiased = None, dim
         var, mean = _variance(x, dim, _correction(correction, unbiased), keepdim)
-        # std: eager's gradient is 0 where the std is 0 (std_backward masks it), as norm_sqrt's
-        value = pointwise("norm_sqrt", var) if kind.startswith("std") else var
+        # std: eager's gradient is 0 where the std is 0 (std_backward masks it)
+        value = pointwise("std_sqrt", var) if kind.startswith("std") else var
         return (value, mean) if kind.endswith("_mean") else value
     return on_handles(bind)
 

@@ -133,8 +133,46 @@ class NormSqrt(Primitive, sympy.Function):
     user_op = False  # emitted by the norm bindings only
 
     def fdiff(self, argindex=1):
+        return NormSqrtSlope(self.args[0])
+
+
+class NormSqrtSlope(Primitive, sympy.Function):
+    """NormSqrt's derivative: 1 / (2 sqrt(s)), 0 at s = 0. Its own derivative is NaN at s = 0, as
+    eager's double backward of a norm (or std) at the zero vector: there eager's norm backward,
+    ``(self / norm).masked_fill_(norm == 0, 0)``, differentiates to 0 * (1 / 0) (fuzz seeds 3213,
+    5457). A ``Where`` would differentiate to 0 there."""
+
+    nargs = 1
+    user_op = False  # emitted by NormSqrt's derivative only
+
+    def fdiff(self, argindex=1):
         s = self.args[0]
-        return Where(compare("eq", s, 0), 0, 1 / (2 * NormSqrt(s)))
+        return Where(compare("eq", s, 0), sympy.nan, -1 / (4 * s * NormSqrt(s)))
+
+    @classmethod
+    def render(cls, printer, e):
+        s = e.args[0]
+        return printer.p(Where(compare("eq", s, 0), 0, 1 / (2 * NormSqrt(s))))
+
+    @classmethod
+    def torch_eval(cls, s):
+        s = as_tensor(s)
+        return torch.where(s == 0, torch.zeros_like(s), 0.5 / torch.sqrt(s))
+
+
+class StdSqrt(Primitive, sympy.Function):
+    """sqrt(var) in std: its derivative is 0 where var = 0, as eager's std_backward masks the zero
+    std, and so is its second derivative there (eager's double backward of std at a zero std is
+    0, unlike a norm's at the zero vector: ``NormSqrtSlope``)."""
+
+    nargs = 1
+    triton, torch_fn = "tl.sqrt", torch.sqrt
+    op, result = "std_sqrt", FLOAT
+    user_op = False  # emitted by the std bindings only
+
+    def fdiff(self, argindex=1):
+        s = self.args[0]
+        return Where(compare("eq", s, 0), 0, 1 / (2 * StdSqrt(s)))
 
 
 class Hypot(Primitive, sympy.Function):
