@@ -13,7 +13,7 @@ import threading
 import torch.fx as fx
 
 from compiler.autodiff import partition, propagate_requires_grad
-from compiler.capture_regions import EAGER_SAVED, SAVED_BY_CONSUMERS
+from compiler.capture_regions import EAGER_NAMES, EAGER_SAVED, SAVED_BY_CONSUMERS
 from compiler.codegen.torch_kernel import render_torch_kernel
 from compiler.codegen.triton_kernel import render_kernel
 from compiler.fusion import Schedule, fuse, kind_of
@@ -64,6 +64,10 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset(), written_later=froz
         kept = list(output.args[0])
         region.eager_saved = tuple((kept.index(node), name, output_nr, parts.output_sources[kept.index(node)])
                                    for node, (name, output_nr) in eager_saved.items() if node in kept)
+        # (saved inputs are the graph's placeholders by position; saved outputs the forward's,
+        # whose first are the graph's outputs in order, as ``eager_saved``'s positions)
+        names = output.meta.get(EAGER_NAMES, {})
+        region.eager_names = {k: names[kind, i] for k, (kind, i) in enumerate(parts.saved) if (kind, i) in names}
     if parts.joint is not None:
         region.build_double_backward = _double_backward_builder(parts.joint, memory, shape_generic)
         region.double_backward_reads = _placeholders_read(parts.joint)

@@ -265,7 +265,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
                     if saves_result(t) and self.checkpoints.block is None:  # (in a checkpoint: a holder)
                         region.read_for_grad.add(v)
                         region.saved_for_grad.add(v)
-                        region.eager_saved[v] = (type(t.grad_fn).__name__, t.output_nr)
+                        region.eager_saved[v] = (t.grad_fn.name(), t.output_nr)
                 # eager's op saved one of its inputs (minimum both, log its input): a value written
                 # in place later is eager's error at backward (``build_region``'s outputs_written_later)
                 if self.checkpoints.block is None and out_tensors[0].requires_grad:
@@ -303,6 +303,12 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         (square's), now written in place (sin_): at backward eager's error comes from the later
         node, which names the tensor's grad_fn then (the in-place op's, "output 0 of Sin"), not the
         op that saved its result. The name the bridge's version check gives (``eager_saved``)."""
+        if written.grad_fn is not None:
+            for r in [*self.regions, self.current]:
+                if r is not None and vid in r.saved_by_consumers:
+                    # NOTE: eager's error for a value an op saved as its input names the tensor's
+                    # grad_fn at backward: the last in-place op's (fuzz seeds 488, 5317, 5704, 7151)
+                    r.written_names[vid] = f"output {written.output_nr} of {written.grad_fn.name()}"
         producer = self.produced_by.get(vid)
         if producer is None or self.calls[producer].region is None:
             return
@@ -310,7 +316,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         saved_by = self.regions[index] if index < len(self.regions) else self.current   # (not appended yet)
         if vid in saved_by.eager_saved and written.grad_fn is not None and any(
                 vid in r.saved_by_consumers for r in [*self.regions, self.current] if r is not None):
-            saved_by.eager_saved[vid] = (type(written.grad_fn).__name__, written.output_nr)
+            saved_by.eager_saved[vid] = (written.grad_fn.name(), written.output_nr)
 
     def _bookkeeping_under_no_grad(self, leaves, out_tensors) -> bool:
         """Whether a call under a no_grad the function turned on is a training step's bookkeeping,
@@ -560,7 +566,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
             b = r.builder
             output_nodes = [r.nodes[v] for v in outputs]
             b.output(output_nodes)
-            mark_eager_saved(b.graph, r, outputs)
+            mark_eager_saved(b.graph, r, outputs, list(r.inputs))
             b.graph.eliminate_dead_code()
             mutated = [v for v in r.inputs if v in seen]
             # (eager bumps a version counter per in-place op; views share their base's)

@@ -43,6 +43,9 @@ class Region:
     stale: set = field(default_factory=set)         # views whose memory an in-place op changed since
     eager_saved: dict = field(default_factory=dict)  # value id -> (eager grad_fn type, output_nr): saved result
     saved_by_consumers: set = field(default_factory=set)  # value ids an eager op of the region saved as an input
+    # of those, written in place later: value id -> "output N of <its grad_fn then>", the producer
+    # eager's version error names (the writer's node: our write-back's is a copy, not eager's)
+    written_names: dict = field(default_factory=dict)
     # value ids read under autograd by calls other than view ops (whose backward reads no value):
     # what eager may have saved for backward
     saved_for_grad: set = field(default_factory=set)
@@ -200,10 +203,11 @@ def saved_inputs(t: torch.Tensor, inputs: list) -> list:
 SAVED_BY_CONSUMERS = "saved_by_consumers"  # the output node's fx meta key: output positions an eager op saved
 
 
-EAGER_SAVED = "eager_saved"  # the output node's fx meta key: {output position: (grad_fn type name, output_nr)}
+EAGER_SAVED = "eager_saved"  # the output node's fx meta key: {output position: (grad_fn name, output_nr)}
+EAGER_NAMES = "eager_names"  # the output node's fx meta key: {("input"|"output", position): producer in eager's error}
 
 
-def mark_eager_saved(graph, region: Region, outputs: list) -> None:
+def mark_eager_saved(graph, region: Region, outputs: list, inputs: list) -> None:
     """Record on the region graph's output node which outputs eager's op saved for its backward
     (``saves_result``): the compiled region checks their version counters at backward, as
     eager's saved variables do, even where its own backward does not read them."""
@@ -214,6 +218,10 @@ def mark_eager_saved(graph, region: Region, outputs: list) -> None:
     consumed = {i for i, v in enumerate(outputs) if v in region.saved_by_consumers}
     if consumed:
         output.meta[SAVED_BY_CONSUMERS] = consumed
+    names = {(kind, i): region.written_names[v] for kind, values in (("input", inputs), ("output", outputs))
+             for i, v in enumerate(values) if v in region.written_names}
+    if names:
+        output.meta[EAGER_NAMES] = names
 
 
 def keep_overwritten_history(b: GraphBuilder, nodes: list, out_tensors, mapped, leaves, start: int) -> None:

@@ -35,7 +35,8 @@ class CompiledRegion:
     written_later: tuple = ()  # positions of inputs the function writes in place after this region
     double_backward_reads: tuple = ()  # per input: whether the double backward reads its value
     grad_sources: tuple = ()    # per input gradient: positions in grad_output_for it is computed from
-    eager_saved: tuple = ()     # (output position, eager grad_fn type, output_nr, grad positions reaching it)
+    eager_saved: tuple = ()     # (output position, eager grad_fn name, output_nr, grad positions reaching it)
+    eager_names: dict = field(default_factory=dict)  # saved position -> the producer eager's version error names
     backward_for: object = None  # output positions given a gradient -> (Program, saved positions) | None
 
     def __call__(self, inputs):
@@ -155,7 +156,15 @@ def _partial_backward(region: CompiledRegion, given: set):
 def _named_as_eager(ctx, error: RuntimeError) -> RuntimeError:
     """``error`` with eager's wording where a saved *output* of the region was changed in place:
     PyTorch names a custom Function's saved output after the Function (_RegionFunction), eager
-    after the tensor's grad_fn now (a custom Function's ``mark_dirty``: "output 0 of Inplace")."""
+    after the tensor's grad_fn now (a custom Function's ``mark_dirty``: "output 0 of Inplace").
+    A value eager's op saved as its input and the function wrote later names the writer's node
+    as the recording saw it (``eager_names``): our write-back is a copy (CopyBackwards)."""
+    if "modified by an inplace operation" not in str(error):
+        return error
+    for k, name in ctx.region.eager_names.items():
+        t = ctx._raw_saved_tensors[k].data
+        if t is not None and t._version != ctx.saved_versions[k]:
+            return RuntimeError(_version_error(t, ctx.saved_versions[k], name))
     if "of _RegionFunction" not in str(error):
         return error
     for k, ref in ctx.saved_outputs.items():
@@ -249,12 +258,17 @@ def _differentiable_backward(ctx, region: CompiledRegion, grads, build, saved):
     return [r if needs else None for r, needs in zip(results, ctx.needs_input_grad[2:])]
 
 
+_GENERATED_SUFFIX = re.compile(r"Backward(?:0|([0-9]+))$")
+
+
 def _version_error(t: torch.Tensor, version: int, producer: str | None = None) -> str:
     """PyTorch's own message for a saved tensor changed in place (torch/csrc/autograd/saved_variable.cpp).
     ``producer``: "output N of Op" as eager names the node that saved it (default: t's grad_fn)."""
     if producer is None and t.grad_fn is not None:
         producer = f"output {t.output_nr} of {t.grad_fn.name()}"
-    producer = f", which is {re.sub(r'Backward[0-9]*$', '', producer)}," if producer else ""
+    # (eager prints a generated node's name without "Backward", and without its overload
+    # number 0: "output 0 of Pow1" for PowBackward1, "of Exp" for ExpBackward0)
+    producer = f", which is {_GENERATED_SUFFIX.sub(lambda m: m.group(1) or '', producer)}," if producer else ""
     return ("one of the variables needed for gradient computation has been modified by an inplace operation: "
             f"[{_type_name(t)} {list(t.shape)}]{producer} is at version {t._version}; expected version {version} "
             "instead. Hint: enable anomaly detection to find the operation that failed to compute its gradient, "
