@@ -162,13 +162,15 @@ class _Writer:
             if node in needed or node in self.values:
                 continue
             if node in self.buffers and node not in self.stores:
-                if math.prod(meta_of(node).shape) != 0:
-                    raise AssertionError(f"kernel reads buffer {node} that is not among its loads")
-                # an empty buffer the Triton kernel does not load (nothing to read): an empty tensor
+                # NOTE: a buffer an op of this kernel names but the Triton kernel does not load:
+                # empty, an operand its expression lost (a1 * 0 simplified to 0), the base of a
+                # slice_scatter whose slice covers it. Its value cannot change the Triton kernel's
+                # result, so zeros stand for it (broadcast: no memory), as the op's operand.
                 var = self.values[node] = f"z{len(self.values)}"
                 dtype = compute_dtype(meta_of(node).dtype)
-                self.lines.append(f"{var} = torch.empty({tuple(meta_of(node).shape)!r}, dtype={self._obj(dtype)})")
-                self.types[var] = (dtype, tuple(meta_of(node).shape))
+                shape = tuple(meta_of(node).shape)
+                self.lines.append(f"{var} = torch.zeros((), dtype={self._obj(dtype)}, device={self._device()}).expand({shape!r})")
+                self.types[var] = (dtype, shape)
                 continue
             needed.add(node)
             stack.extend(a for a in node.all_input_nodes)

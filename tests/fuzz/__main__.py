@@ -17,6 +17,8 @@ import time
 import traceback
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# a compiler exception is a failure of the run (as in the test suite), not a quiet eager fallback
+os.environ.setdefault("SYMGRAD_STRICT", "1")
 os.environ.setdefault("SYMGRAD_CACHE_DIR", tempfile.mkdtemp(prefix="symgrad-fuzz-kernels-"))
 
 import compiler  # noqa: E402,F401  (before anything imports triton)
