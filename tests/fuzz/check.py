@@ -55,11 +55,13 @@ KNOWN_BUGS = [
     # raises the same error but may name another node as the tensor's producer (the compiled region,
     # CopyBackwards, Pow) than eager does: which saved tensor fails first follows eager's backward
     # order inside what is one region for us. A value saved as a result and as an input, then
-    # written, names the writer now (regression test in tests/test_fuzz.py); 8 seeds of the
-    # 10,000-run at b290902 are other orders (488, 5317, 5704, 5900, 6559, 7151, 9359, 9546).
+    # written, names the writer now; one eager's op saved as its input, written later, names the
+    # writer's node as the recording saw it (regression tests in tests/test_fuzz.py). Left: seed
+    # 9359, whose consumer's backward eager never runs (its output is unused).
     ("inplace-on-saved-value-names-region", lambda m: _same_but_producer(m)),
-    # Second derivatives at degenerate points (a norm at the zero vector, var/std with no degrees
-    # of freedom): eager's formulas give NaN where ours give 0, or the other way round.
+    # Second derivatives at degenerate points (var with no degrees of freedom, pow at a zero base;
+    # a norm at the zero vector is fixed): eager's formulas give NaN where ours give 0, or the
+    # other way round.
     ("second-order-at-degenerate-points",
      lambda m: "second-order grad" in m and ("eager nan" in m or "got nan" in m)),
     # A second derivative that is zero everywhere (hypot(2x, x) = sqrt(5)|x| is linear in x), summed
