@@ -37,7 +37,15 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset(), written_later=froz
     # writes in place is eager's error at backward: saved as it is, ours raises it too (a copy
     # would not); only outputs eager never saved are copied or recomputed
     outputs_written_later = frozenset(outputs_written_later) - output.meta.get(SAVED_BY_CONSUMERS, set())
+    original_outputs = list(output.args[0])
     input_views = _split_input_views(graph)
+    # (positions among the outputs the graph keeps: views of inputs left it; an IndexError in partition)
+    kept_position = {i: list(output.args[0]).index(node) for i, node in enumerate(original_outputs)
+                     if node in output.args[0]}
+    outputs_written_later = frozenset(kept_position[i] for i in outputs_written_later if i in kept_position)
+    eager_names = {(kind, kept_position[i] if kind == "output" else i): name
+                   for (kind, i), name in output.meta.get(EAGER_NAMES, {}).items()
+                   if kind == "input" or i in kept_position}
     pristine = _copy_graph(graph)  # partition appends the backward to ``graph``
     parts = partition(graph, mutated_inputs, written_later=written_later, memory=memory,
                       outputs_written_later=outputs_written_later)
@@ -66,8 +74,8 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset(), written_later=froz
                                    for node, (name, output_nr) in eager_saved.items() if node in kept)
         # (saved inputs are the graph's placeholders by position; saved outputs the forward's,
         # whose first are the graph's outputs in order, as ``eager_saved``'s positions)
-        names = output.meta.get(EAGER_NAMES, {})
-        region.eager_names = {k: names[kind, i] for k, (kind, i) in enumerate(parts.saved) if (kind, i) in names}
+        region.eager_names = {k: eager_names[kind, i] for k, (kind, i) in enumerate(parts.saved)
+                              if (kind, i) in eager_names}
     if parts.joint is not None:
         region.build_double_backward = _double_backward_builder(parts.joint, memory, shape_generic)
         region.double_backward_reads = _placeholders_read(parts.joint)
