@@ -280,3 +280,10 @@ def test_a_kernel_the_printer_cannot_write_keeps_its_triton_form(monkeypatch):
     f(x)
     torch.testing.assert_close(f(x), torch.tanh(x) * 3)
     assert f.last_backend == "torch" and f.stats["kernel_launches"] > 0
+
+
+def test_an_infinite_constant_stays_real():
+    # a product's constant was folded as a Python complex: 1+0j times inf is inf + nan*j, and the
+    # real part of (inf + nan*j) * x is NaN (a variance with no degrees of freedom is total * inf)
+    check(lambda x: x * float("inf") + x.exp(), [torch.tensor([0.5, -1.0, 2.0])])
+

@@ -297,7 +297,7 @@ class _ExprPrinter:
                 raise KeyError(f"unbound symbol {e}")
             return self.names[e], types.get(self.names[e])
         if e.is_number:
-            return _number(complex(e)), None
+            return _number(_as_number(e)), None
         if e.is_Add or e.is_Mul:
             return self._chain(e)
         if e.is_Pow:
@@ -333,7 +333,7 @@ class _ExprPrinter:
         them of the result's shape: one new tensor, then in-place ops on it (no allocation per term)."""
         add = e.is_Add
         if add:
-            constant = sum((complex(a) for a in e.args if a.is_number), 0j)
+            constant = sum((_as_number(a) for a in e.args if a.is_number), 0)
             terms = []  # (sign, text)
             for a in e.args:
                 if a.is_number:
@@ -470,14 +470,25 @@ def _split_coefficient(e):
     numbers = [a for a in e.args if a.is_number]
     if not numbers:
         return 1, e
-    coefficient = 1 + 0j
+    coefficient = 1
     for a in numbers:
-        coefficient *= complex(a)
+        coefficient *= _as_number(a)
     rest = [a for a in e.args if not a.is_number]
     return coefficient, (sympy.Mul(*rest, evaluate=False) if len(rest) > 1 else rest[0])
 
 
-def _number(value: complex) -> str:
+def _as_number(e):
+    """A SymPy number as a Python float where it is real (oo and NaN too), else a complex.
+    NOTE: complex arithmetic would turn a real infinity's 0 imaginary part into NaN (a 1 + 0j
+    coefficient times inf is inf + nan*j), which a real part taken later carries into the value."""
+    if e is sympy.nan or e.is_extended_real:
+        return float(e)
+    return complex(e)
+
+
+def _number(value) -> str:
+    if not isinstance(value, complex):
+        return _literal(float(value))
     if value.imag == 0:
         return _literal(value.real)
     return f"complex({_literal(value.real)}, {_literal(value.imag)})"
