@@ -20,6 +20,7 @@ import torch.fx as fx
 
 from compiler.ir import GraphBuilder, arg_symbol, meta_of, update_meta
 from compiler.ops import catalog as C
+from compiler.ops.pointwise import UNDEFINED
 from compiler.saved_set import choose_saved
 from compiler.softmax_vjp import output_vjp
 
@@ -58,7 +59,12 @@ def differentiate(graph: fx.Graph, only_outputs=None):
                 sources[out] = sources.get(out, frozenset()) | {len(grad_placeholders)}
                 grad_placeholders.append((i, g))
                 grads[out] = _accumulate(b, grads.get(out), g)
+        reached: dict = {}  # node an undefined gradient reached (``UNDEFINED``) -> its sources
         for node in reversed(nodes):
+            if node.op == "call_function" and node not in grads and node in reached:
+                for a in node.args:
+                    if _differentiable(a):
+                        reached[a] = reached.get(a, frozenset()) | reached[node]
             if node.op != "call_function" or node not in grads:
                 continue
             start = len(b.created)
@@ -72,11 +78,17 @@ def differentiate(graph: fx.Graph, only_outputs=None):
             contributions = C.vjp(b, node, grads[node])
             _name_origin(b, start, node)
             for arg, contribution in zip(node.args, contributions):
-                if contribution is None or not _differentiable(arg):
+                if contribution is UNDEFINED and _differentiable(arg):
+                    reached[arg] = reached.get(arg, frozenset()) | sources[node]
+                if contribution is None or contribution is UNDEFINED or not _differentiable(arg):
                     continue
                 contribution = C.sum_to_shape(b, contribution, meta_of(arg).shape)
                 grads[arg] = _accumulate(b, grads.get(arg), contribution)
                 sources[arg] = sources.get(arg, frozenset()) | sources[node]
+        for x in inputs:  # reached by undefined gradients only: eager's autograd.grad gives zeros
+            if x not in grads and x in reached and meta_of(x).requires_grad:
+                grads[x] = C.emit_fill(b, meta_of(x).shape, meta_of(x).dtype, 0)
+                sources[x] = reached[x]
     return grad_placeholders, [grads.get(x) if meta_of(x).requires_grad else None for x in inputs], sources
 
 
@@ -266,7 +278,7 @@ def propagate_requires_grad(graph: fx.Graph, placeholder_flags) -> None:
             dtype = meta_of(node).dtype
             update_meta(node, requires_grad=(
                 (dtype.is_floating_point or dtype.is_complex) and name not in C.BOOL_RESULT_OPS
-                and name != "fill"
+                and name != "fill" and not meta_of(node).detached
                 and any(isinstance(a, fx.Node) and meta_of(a).requires_grad for a in node.args)))
 
 

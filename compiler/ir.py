@@ -33,6 +33,7 @@ class NodeMeta:
     source: str | None = None           # capture's: the user's source line of that call
     origin: tuple | None = None         # autodiff's: (torch_op, source) of the forward node differentiated
     checkpoint: int | None = None       # capture's: the torch.utils.checkpoint block it ran in (recomputed)
+    detached: bool = False              # a detach(): no gradient path through it, at any order
 
 
 _META_KEY = "symgrad"

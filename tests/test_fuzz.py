@@ -284,6 +284,14 @@ FIXED = {
     # the second derivative of a norm at the zero vector: eager's is NaN (its backward's masked
     # 1/norm differentiates to 0 * inf), ours was 0 (fuzz seeds 3213, 5457; NormSqrtSlope)
     "second-order-of-a-norm-at-the-zero-vector": draw_program(RandomChooser(5457)),
+    # a variance over all elements with no degrees of freedom: eager's gradient is a constant of x,
+    # grad * (x == mean ? NaN : inf), so its double backward is 0 where ours differentiated (2/0)(x -
+    # mean) to NaN; and abs's derivative, x.sgn() in eager, sends no gradient on, where ours sent a
+    # zero that var's backward turned into 0 * NaN (fuzz seeds 4363, 6343; DegenerateVarianceTerm,
+    # AbsSlope). The same program also checks detach() holds in a double backward.
+    "second-order-of-a-variance-with-no-degrees-of-freedom": _program(
+        [((), f64, "offset", True, 32)], ["v0 = x0.var()", "v1 = torch.abs(v0)"], ["v1"]),
+    "variance-with-no-degrees-of-freedom-in-a-complex": draw_program(RandomChooser(6343)),
     # an output that views an input leaves the region's graph before partition: the positions of the
     # outputs written later still counted it (IndexError, an internal error the fuzz CLI did not count
     # before it ran with SYMGRAD_STRICT=1; seed 2475 of the 10,000-run at 2a07bf4)
@@ -308,9 +316,9 @@ KNOWN = {
         "softmax's backward and names it; ours names the writer (README's known limits; seed 9359)",
         draw_program(RandomChooser(9359))),
     "second-order-at-degenerate-points": (
-        "second derivatives at degenerate points (var with no degrees of freedom; pow at a zero base): "
-        "eager gives 0 where ours is NaN, or NaN where ours is 0",
-        _program([((), f64, "offset", True, 32)], ["v0 = x0.var()", "v1 = torch.abs(v0)"], ["v1"])),
+        "second derivatives at degenerate points (pow at a zero base, |0| ** x): eager gives NaN where "
+        "ours is 0 (fuzz seed 9919)",
+        draw_program(RandomChooser(9919))),
     "second-order-rounding-of-a-zero": (
         "a second derivative that is zero everywhere, summed from terms that cancel (~1/|x| near x = 0): "
         "float32 rounding leaves 1.5e-4 of noise where eager's order of operations leaves 0 (fuzz "
@@ -353,3 +361,4 @@ def test_a_sample_of_fuzz_kernels_compiles_for_hopper():
     results = compile_launches(launches, processes=2, cache_dir=cache_dir())
     failures = [f"{launch.name}: {result['error']}" for launch, result in zip(launches, results) if result["error"]]
     assert not failures, f"{len(failures)} fuzz kernels do not compile for sm_90:\n" + "\n".join(failures)
+

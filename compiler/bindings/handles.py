@@ -32,7 +32,7 @@ import torch.fx as fx
 from compiler.bindings.elementwise import _cast, _pointwise
 from compiler.bindings.registry import Writes
 from compiler.bindings.views import _expand, _t_, _transpose
-from compiler.ir import GraphBuilder, compute_dtype, meta_of, numel, result_dtype
+from compiler.ir import GraphBuilder, compute_dtype, meta_of, numel, result_dtype, update_meta
 from compiler.ops import catalog as C
 
 
@@ -123,8 +123,11 @@ class Tensor:
         return self._wrap(_cast(self.b, self.node, dtype))
 
     def detach(self) -> Tensor:
-        """The same value with no gradient path (always a new node: the graph marks it)."""
-        return self._wrap(C.emit_pointwise(self.b, "identity", [self.node], dtype=self.dtype, requires_grad=False))
+        """The same value with no gradient path (always a new node: the graph marks it, so a double
+        backward that differentiates the graph again stops there too: ``propagate_requires_grad``)."""
+        node = C.emit_pointwise(self.b, "identity", [self.node], dtype=self.dtype, requires_grad=False)
+        update_meta(node, detached=True)
+        return self._wrap(node)
 
     # ------------------------------------------------------------------ reductions
     def _reduce(self, name, dim, keepdim, dtype, **options) -> Tensor:

@@ -252,12 +252,31 @@ def _variance(x: Tensor, dim, correction, keepdim):
     return var, (mean if keepdim else mean.reshape(var.shape))
 
 
+def _degenerate_variance(x: Tensor, correction, keepdim):
+    """``_variance`` over all elements where n - correction <= 0 (eager warns): the value from
+    detached x (NaN or inf), the gradient eager's var_backward gives there, grad * (x == mean ?
+    NaN : inf), a constant of x, through a term that is 0 (``DegenerateVarianceTerm``)."""
+    dims = _dims(x, None)
+    mean = x.detach().statistic("mean", dims)
+    centered = x.detach() - mean
+    total = (centered * centered).statistic("sum", dims, keepdim)
+    # total / 0, written out: as a SymPy product with 1/0 (zoo), adding the term would make NaN
+    var = where(total == 0, float("nan"), total * float("inf")).to(x.dtype)
+    term = pointwise("degenerate_var_term", x, mean).statistic("sum", dims, keepdim)
+    mean = mean.to(x.dtype)
+    return var + term.to(var.dtype), (mean if keepdim else mean.reshape(var.shape))
+
+
 def _var_like(kind):
     def bind(b, x, dim=None, unbiased=None, keepdim=False, *, correction=None, out=None):
         _no_out({"out": out})
         if isinstance(dim, bool):  # var(x, unbiased) in the old positional form
             dim, unbiased = None, dim
-        var, mean = _variance(x, dim, _correction(correction, unbiased), keepdim)
+        correction = _correction(correction, unbiased)
+        if kind.startswith("var") and (dim is None or x.ndim == 0) and numel(x.shape) - correction <= 0:
+            var, mean = _degenerate_variance(x, correction, keepdim)
+        else:
+            var, mean = _variance(x, dim, correction, keepdim)
         # std: eager's gradient is 0 where the std is 0 (std_backward masks it)
         value = pointwise("std_sqrt", var) if kind.startswith("std") else var
         return (value, mean) if kind.endswith("_mean") else value

@@ -194,12 +194,38 @@ def pointwise_vjp(b: GraphBuilder, node: fx.Node, grad_out: fx.Node):
                 continue
             grad_expr = masked_product(GRAD_SYMBOL, derivative)
         if grad_expr == 0:
+            if not any_complex and _only_inside_undefined_gradients(expr, i):
+                grads.append(UNDEFINED)  # (AbsSlope in a backward: eager's sgn sends nothing)
+                continue
             # eager gives zeros, not None, through a differentiable op whose derivative is 0
             # (round, sign, x * 0): the input's .grad is a zero tensor, not missing
             grads.append(emit_fill(b, meta_of(node).shape, dtype, 0))
             continue
         grads.append(derived_pointwise(b, grad_expr, node, grad_out, shape=meta_of(node).shape, dtype=dtype))
     return grads
+
+
+class _Undefined:
+    """A vjp's contribution where eager's backward sends an undefined gradient: nothing flows
+    on, but an input reached only so gets zeros (autograd.grad materializes them), not None."""
+
+    def __repr__(self):
+        return "UNDEFINED"
+
+
+UNDEFINED = _Undefined()
+
+
+@functools.lru_cache(maxsize=4096)
+def _only_inside_undefined_gradients(expr: sympy.Expr, index: int) -> bool:
+    """Whether argument ``index`` appears in ``expr`` only inside primitives through which
+    eager's backward sends no gradient (``gradient_undefined``)."""
+    symbol = arg_symbol(index)
+    if symbol not in expr.free_symbols:
+        return False
+    undefined = [f for f in expr.atoms(sympy.Function)
+                 if getattr(primitives.head(f.func), "gradient_undefined", False) and symbol in f.free_symbols]
+    return bool(undefined) and symbol not in expr.xreplace({f: sympy.Dummy() for f in undefined}).free_symbols
 
 
 def derived_pointwise(b: GraphBuilder, expr, node, grad_out, *, shape, dtype) -> fx.Node:

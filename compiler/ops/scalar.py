@@ -10,8 +10,16 @@ from compiler.ops.primitives.activations import Relu, Sigmoid, Step
 from compiler.ops.primitives.comparisons import COMPARE_OPS, Compare, Maximum, Minimum, TieShare, Where, compare
 from compiler.ops.primitives.complex import CAbs, CAngle, CSgn, RealAngle
 from compiler.ops.primitives.rounding import Abs, Ceil, Floor, Round, Sign, Trunc
-from compiler.ops.primitives.transcendental import Expm1, Log1p, NormSqrt, NormSqrtSlope, StdSqrt
+from compiler.ops.primitives.transcendental import (
+    DegenerateVarianceSlope,
+    DegenerateVarianceTerm,
+    Expm1,
+    Log1p,
+    NormSqrt,
+    NormSqrtSlope,
+    StdSqrt,
+)
 
 __all__ = ["Relu", "Sigmoid", "Step", "COMPARE_OPS", "Compare", "Maximum", "Minimum", "TieShare", "Where", "compare",
            "CAbs", "CAngle", "CSgn", "RealAngle", "Abs", "Ceil", "Floor", "Round", "Sign", "Trunc", "Expm1", "Log1p",
-           "NormSqrt", "NormSqrtSlope", "StdSqrt"]
+           "NormSqrt", "NormSqrtSlope", "StdSqrt", "DegenerateVarianceTerm", "DegenerateVarianceSlope"]

@@ -59,9 +59,9 @@ KNOWN_BUGS = [
     # writer's node as the recording saw it (regression tests in tests/test_fuzz.py). Left: seed
     # 9359, whose consumer's backward eager never runs (its output is unused).
     ("inplace-on-saved-value-names-region", lambda m: _same_but_producer(m)),
-    # Second derivatives at degenerate points (var with no degrees of freedom, pow at a zero base;
-    # a norm at the zero vector is fixed): eager's formulas give NaN where ours give 0, or the
-    # other way round.
+    # Second derivatives at degenerate points (pow at a zero base; a norm at the zero vector and
+    # var with no degrees of freedom are fixed): eager's formulas give NaN where ours give 0, or
+    # the other way round.
     ("second-order-at-degenerate-points",
      lambda m: "second-order grad" in m and ("eager nan" in m or "got nan" in m)),
     # A second derivative that is zero everywhere (hypot(2x, x) = sqrt(5)|x| is linear in x), summed

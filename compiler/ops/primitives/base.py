@@ -70,6 +70,7 @@ class Primitive(OpFacts):
     re_im = None                   # classmethod (cls, cx, *args) -> (re, im); cx(arg): an argument's parts
     expression = None              # the op's expression over SymPy scalars; by default the head itself
     user_op: bool = True           # allowed in compiler.elementwise expressions
+    gradient_undefined: bool = False  # eager's backward sends no gradient through it, not zeros
     abstract: bool = False         # a shared base (``_Rounding``), not a primitive itself
 
     def __init_subclass__(cls, **kwargs):

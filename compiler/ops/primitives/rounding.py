@@ -63,12 +63,31 @@ class Abs(Primitive, sympy.Function):
             return abs(x)
 
     def fdiff(self, argindex=1):
-        return Sign(self.args[0])
+        return AbsSlope(self.args[0])
 
     @classmethod
     def expression(cls, a):
         """The op ``abs``: |z| of a complex z is written in (z, z̄) for Wirtinger derivatives."""
         return CAbs(a, conj(a)) if is_complex_symbol(a) else Abs(a)
+
+
+class AbsSlope(Primitive, sympy.Function):
+    """sign(x) as abs's derivative: eager's abs backward is ``grad * x.sgn()``, and a real
+    tensor's sgn sends no gradient at all, where sign sends zeros. So a double backward stops
+    here (``gradient_undefined``): a zero reaching var's backward would be 0 * NaN there (fuzz
+    seed 4363)."""
+
+    nargs = 1
+    torch_fn = torch.sign
+    user_op = False
+    gradient_undefined = True
+
+    def fdiff(self, argindex=1):
+        return sympy.Integer(0)
+
+    @classmethod
+    def render(cls, printer, e):
+        return _render_sign(printer, e)
 
 
 class SympyAbs(Builtin):

@@ -175,6 +175,48 @@ class StdSqrt(Primitive, sympy.Function):
         return Where(compare("eq", s, 0), 0, 1 / (2 * StdSqrt(s)))
 
 
+class DegenerateVarianceTerm(Primitive, sympy.Function):
+    """0 (x * 0: NaN where x is infinite, as the variance is then), with eager's gradient of a
+    variance over all elements that has no degrees of freedom: ``DegenerateVarianceSlope``. The
+    variance binding adds its sum to the value computed from detached x (``_variance``)."""
+
+    nargs = 2
+    op, result = "degenerate_var_term", FLOAT
+    user_op = False  # emitted by the var bindings only
+
+    def fdiff(self, argindex=1):
+        return DegenerateVarianceSlope(*self.args) if argindex == 1 else sympy.Integer(0)
+
+    @classmethod
+    def render(cls, printer, e):
+        return f"({printer.p(e.args[0])} * 0.0)"
+
+    @classmethod
+    def torch_eval(cls, x, mean):
+        return as_tensor(x) * 0.0
+
+
+class DegenerateVarianceSlope(Primitive, sympy.Function):
+    """Eager's var_backward where n - correction <= 0 over all elements: grad * (x == mean ? NaN :
+    inf), a constant of x (no double backward through it; fuzz seeds 4363, 6343)."""
+
+    nargs = 2
+    user_op = False
+
+    def fdiff(self, argindex=1):
+        return sympy.Integer(0)
+
+    @classmethod
+    def render(cls, printer, e):
+        x, mean = e.args
+        return printer.p(Where(compare("eq", x, mean), sympy.nan, sympy.oo))
+
+    @classmethod
+    def torch_eval(cls, x, mean):
+        x, mean = as_tensor(x), as_tensor(mean)
+        return torch.where(x == mean, torch.full_like(x, float("nan")), torch.full_like(x, float("inf")))
+
+
 class Hypot(Primitive, sympy.Function):
     """sqrt(a² + b²) of reals without overflow or underflow, as C's hypot (eager's torch.hypot
     and complex |z|): printed scaled by m = max(|a|, |b|), m·sqrt((a/m)² + (b/m)²), so parts
