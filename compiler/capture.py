@@ -274,6 +274,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
                         entry = self.ids.get(id(x))
                         if entry is not None and entry[0]() is x:
                             region.saved_by_consumers.add(entry[1])
+                            region.consumer_outputs.setdefault(entry[1], set()).update(outputs)
             self.calls.append(TraceCall(func, "compute", region.index, spec, recorded, outputs, out_spec))
             if self._wrote_input_that_requires_grad(region, outputs, out_tensors, recorded):
                 # NOTE: eager's later ops read the written tensor, whose grad_fn is the in-place op:
@@ -316,7 +317,21 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         saved_by = self.regions[index] if index < len(self.regions) else self.current   # (not appended yet)
         if vid in saved_by.eager_saved and written.grad_fn is not None and any(
                 vid in r.saved_by_consumers for r in [*self.regions, self.current] if r is not None):
+            saved_by.result_names.setdefault(vid, saved_by.eager_saved[vid])
             saved_by.eager_saved[vid] = (written.grad_fn.name(), written.output_nr)
+
+    def _forget_names_of_unused_consumers(self, live: set) -> None:
+        """Undo ``_name_written_saved_result`` where no output of the ops that saved the value as
+        their input is used: eager never runs their backward, so its error comes from the op that
+        saved the value as its result, and names it (fuzz seed 9359: softmax's result, saved by a
+        matmul whose product is dropped, then written in place)."""
+        for r in self.regions:
+            for vid in [v for v in r.written_names if not r.consumer_outputs.get(v, set()) & live]:
+                del r.written_names[vid]
+        for r in self.regions:
+            for vid in list(r.result_names):
+                if not any(vid in other.written_names for other in self.regions):  # (no used consumer)
+                    r.eager_saved[vid] = r.result_names.pop(vid)
 
     def _bookkeeping_under_no_grad(self, leaves, out_tensors) -> bool:
         """Whether a call under a no_grad the function turned on is a training step's bookkeeping,
@@ -551,6 +566,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         read = {v for call in self.calls for v in call.leaves if isinstance(v, ValueId)}
         used_outside.update(self.factory_values - read)
         kept = self._kept_by_user()
+        self._forget_names_of_unused_consumers(read | returned | kept)
         plans = []
         for r in self.regions:
             outputs, internal = [], {}

@@ -46,6 +46,8 @@ class Region:
     # of those, written in place later: value id -> "output N of <its grad_fn then>", the producer
     # eager's version error names (the writer's node: our write-back's is a copy, not eager's)
     written_names: dict = field(default_factory=dict)
+    consumer_outputs: dict = field(default_factory=dict)  # saved_by_consumers id -> those ops' output ids
+    result_names: dict = field(default_factory=dict)  # eager_saved's names before a writer's replaced them
     # value ids read under autograd by calls other than view ops (whose backward reads no value):
     # what eager may have saved for backward
     saved_for_grad: set = field(default_factory=set)

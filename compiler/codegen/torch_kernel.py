@@ -169,7 +169,8 @@ class _Writer:
                 var = self.values[node] = f"z{len(self.values)}"
                 dtype = compute_dtype(meta_of(node).dtype)
                 shape = tuple(meta_of(node).shape)
-                self.lines.append(f"{var} = torch.zeros((), dtype={self._obj(dtype)}, device={self._device()}).expand({shape!r})")
+                zero = f"torch.zeros((), dtype={self._obj(dtype)}, device={self._device()})"
+                self.lines.append(f"{var} = {zero}.expand({shape!r})")
                 self.types[var] = (dtype, shape)
                 continue
             needed.add(node)

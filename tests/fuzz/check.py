@@ -51,14 +51,6 @@ class KnownBug(Exception):
 
 # (name, test on the message of a Mismatch): bugs found by the fuzzer and not fixed yet.
 KNOWN_BUGS = [
-    # Eager raises at backward where a value saved for it was changed in place later; the replay
-    # raises the same error but may name another node as the tensor's producer (the compiled region,
-    # CopyBackwards, Pow) than eager does: which saved tensor fails first follows eager's backward
-    # order inside what is one region for us. A value saved as a result and as an input, then
-    # written, names the writer now; one eager's op saved as its input, written later, names the
-    # writer's node as the recording saw it (regression tests in tests/test_fuzz.py). Left: seed
-    # 9359, whose consumer's backward eager never runs (its output is unused).
-    ("inplace-on-saved-value-names-region", lambda m: _same_but_producer(m)),
     # Second derivatives at degenerate points (pow at a zero base; a norm at the zero vector and
     # var with no degrees of freedom are fixed): eager's formulas give NaN where ours give 0, or
     # the other way round.
@@ -85,20 +77,6 @@ def _tiny_against_zero(message) -> bool:
     except ValueError:
         return False
     return want == 0.0 and abs(got) < 1e-3
-
-
-_PRODUCER = re.compile(r", which is output \d+ of [\w:]+,")
-
-
-def _same_but_producer(message) -> bool:
-    """Whether a backward-error mismatch is the in-place version error on both sides, the same
-    but for the node it names as the tensor's producer."""
-    found = re.fullmatch(r".*backward raised '(RuntimeError: one of the variables needed.*)', "
-                         r"eager '(RuntimeError: one of the variables needed.*)'", message, re.S)
-    if found is None:
-        return False
-    got, want = (_PRODUCER.sub(",", text) for text in found.groups())
-    return got == want
 
 
 def run_all(program, fn):
