@@ -258,7 +258,7 @@ def _differentiable_backward(ctx, region: CompiledRegion, grads, build, saved):
     return [r if needs else None for r, needs in zip(results, ctx.needs_input_grad[2:])]
 
 
-_GENERATED_SUFFIX = re.compile(r"Backward(?:0|([0-9]+))$")
+_GENERATED_SUFFIX = re.compile(r"Backward(?:0|([0-9]+))?$")
 
 
 def _version_error(t: torch.Tensor, version: int, producer: str | None = None) -> str:
@@ -266,8 +266,9 @@ def _version_error(t: torch.Tensor, version: int, producer: str | None = None) -
     ``producer``: "output N of Op" as eager names the node that saved it (default: t's grad_fn)."""
     if producer is None and t.grad_fn is not None:
         producer = f"output {t.output_nr} of {t.grad_fn.name()}"
-    # (eager prints a generated node's name without "Backward", and without its overload
-    # number 0: "output 0 of Pow1" for PowBackward1, "of Exp" for ExpBackward0)
+    # (eager prints a node's name without "Backward" and a generated one's without its overload
+    # number 0: "of Pow1" for PowBackward1, "of Exp" for ExpBackward0, "of Inplace" for a custom
+    # Function Inplace; "torch::autograd::CopyBackwards" as it is)
     producer = f", which is {_GENERATED_SUFFIX.sub(lambda m: m.group(1) or '', producer)}," if producer else ""
     return ("one of the variables needed for gradient computation has been modified by an inplace operation: "
             f"[{_type_name(t)} {list(t.shape)}]{producer} is at version {t._version}; expected version {version} "

@@ -82,6 +82,11 @@ class AbsSlope(Primitive, sympy.Function):
     user_op = False
     gradient_undefined = True
 
+    @classmethod
+    def eval(cls, x):
+        if is_number(x) and x.is_real:
+            return sympy.sign(x)
+
     def fdiff(self, argindex=1):
         return sympy.Integer(0)
 
