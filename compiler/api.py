@@ -18,7 +18,9 @@ from compiler.codegen.triton_printer import NotPrintable
 from compiler.bindings import Unsupported
 from compiler import dumps, logs, persist
 from compiler.report import KernelInfo, Report, fused_user_ops
+from compiler.ir import has_meta, meta_of
 from compiler.saved_set import check_policy
+from runtime.backends import torch_on_cpu
 from runtime.dispatch import CompiledFunction, Entry
 from runtime.fallback import CompileError, internal_error
 from runtime.torch_functions import function_name
@@ -165,7 +167,7 @@ def _compile_trace(name, trace, *, fullgraph, stats, memory, shape_generic=False
             later = _written_after(trace, plan)
             written_later = {i for i, v in enumerate(plan.input_ids) if v in later}
             outputs_written_later = _outputs_written(plan, later)
-            options = {k: v for k, v in (("written_later", written_later), ("memory", memory),
+            options = {k: v for k, v in (("written_later", written_later), ("memory", _policy(memory, plan.graph)),
                                          ("outputs_written_later", outputs_written_later),
                                          ("shape_generic", shape_generic))
                        if v and v != "balanced"}  # (defaults left out: tests stand in for build_region)
@@ -213,6 +215,15 @@ def _compile_trace(name, trace, *, fullgraph, stats, memory, shape_generic=False
         internal_errors=internal_errors, graph_breaks=list(trace.graph_breaks))
     dumps.dump(name, report)  # (when SYMGRAD_DUMP_DIR is set)
     return Entry(trace, report)
+
+
+def _policy(memory: str, graph: fx.Graph) -> str:
+    """The saved-set policy of one region: ``"balanced"`` is ``"cpu"`` where the CPU path will run
+    the region (CPU tensors, backend torch: recomputing costs a PyTorch op's full time there)."""
+    if memory != "balanced" or not torch_on_cpu():
+        return memory
+    devices = {meta_of(n).device for n in graph.nodes if n.op == "placeholder" and has_meta(n)}
+    return "cpu" if devices and all(d is not None and d.type == "cpu" for d in devices) else memory
 
 
 def _compile_region(graph: fx.Graph, mutated: set, options: dict, index: int):

@@ -21,6 +21,11 @@ Policies (``compile(..., memory=...)``):
   that reads its inputs writes it once more): fewer bytes held between forward and backward
   for one extra write.
 - ``"min"``: the fewest bytes: reductions are recomputed too (only externs are always saved).
+- ``"cpu"`` (not a user's choice: what ``"balanced"`` becomes for a region the CPU path runs,
+  ``compiler.api``): pointwise values are saved too, as eager saves them. There every kernel is
+  a sequence of PyTorch CPU ops that write each value to memory anyway, so recomputing a GELU
+  in the backward costs its full time again (a small MLP's step: two extra GELUs), where on a
+  GPU it hides in a memory-bound kernel; only views are recomputed.
 
 Inside a ``torch.utils.checkpoint`` block (nodes tagged ``NodeMeta.checkpoint`` by capture) a
 value that only the block's own ops read is never saved, whatever its kind (a matmul too): the
@@ -44,7 +49,8 @@ import torch.fx as fx
 from compiler.ir import meta_of
 
 POLICIES = ("balanced", "min")
-_ALWAYS_SAVED = {"balanced": ("reduction", "extern"), "min": ("extern",)}
+_ALWAYS_SAVED = {"balanced": ("reduction", "extern"), "min": ("extern",),
+                 "cpu": ("reduction", "extern", "pointwise", "gather", "iota", "rand", "scatter")}
 _SOURCE, _SINK = "source", "sink"
 
 
@@ -75,7 +81,7 @@ def _min_cut(forward_nodes, needed, free, unreadable, policy, only_from, checkpo
 
     graph = nx.DiGraph()
     nodes = set(forward_nodes)
-    always_saved = _ALWAYS_SAVED[check_policy(policy)]
+    always_saved = _ALWAYS_SAVED[policy if policy == "cpu" else check_policy(policy)]
     inside = _inside_checkpoints(forward_nodes, nodes) if checkpointed and only_from is None else set()
     for node in forward_nodes:
         cost = _cost(node, free, unreadable)

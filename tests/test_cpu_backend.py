@@ -287,3 +287,24 @@ def test_an_infinite_constant_stays_real():
     # real part of (inf + nan*j) * x is NaN (a variance with no degrees of freedom is total * inf)
     check(lambda x: x * float("inf") + x.exp(), [torch.tensor([0.5, -1.0, 2.0])])
 
+
+
+def test_the_cpu_path_saves_pointwise_values_rather_than_recomputing_them():
+    """A region the CPU path runs saves its pointwise values as eager does (saved-set policy "cpu"):
+    recomputing a GELU in the backward costs a PyTorch op's full time there. Triton's kernels keep
+    "balanced", which recomputes it inside the backward's memory-bound kernel."""
+    lin = torch.nn.Linear(8, 8)
+
+    def f(x):
+        return lin(F.gelu(x)).sum()
+
+    def saved(backend):
+        compiled = compiler.compile(f, backend=backend)
+        x = torch.randn(4, 8, requires_grad=True)
+        compiled(x)
+        graph = compiled.last_entry.report.backward_graph
+        return {n.name for n in graph.nodes if n.op == "placeholder"}
+
+    assert "saved_gelu" in saved("torch")
+    program.make_launcher = _make_launcher  # (the interpreter's kernels: allowed for this half)
+    assert "saved_gelu" not in saved("interpret")
