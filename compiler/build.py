@@ -54,6 +54,7 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset(), written_later=froz
     backward_program, backward_kernels = None, []
     if parts.backward is not None:
         _transpose_matmul_gradients(parts.backward)
+        _fold_permutes(parts.backward)
         backward_schedule = fuse(parts.backward, shape_generic)
         # the forward checked the indices the backward gathers with (saved: version-checked)
         transient = [k for k, (kind, _) in enumerate(parts.saved) if kind == "output"]  # freed when last read
@@ -114,6 +115,27 @@ def _transpose_matmul_gradients(graph: fx.Graph) -> None:
         node.replace_all_uses_with(swapped)
         graph.erase_node(node)
         graph.erase_node(mm)
+
+
+def _fold_permutes(graph: fx.Graph) -> None:
+    """``permute(permute(x, d1), d2)`` becomes ``permute(x, d1[d2])``, or ``x`` where that is the
+    identity: each permute is a host view call per run (a linear layer's weight gradient reads
+    the transpose of its input's transpose: ``_transpose_matmul_gradients``)."""
+    for node in list(graph.nodes):
+        inner = node.args[0] if node.args else None
+        if getattr(node.target, "name", None) != "permute" or getattr(getattr(inner, "target", None), "name",
+                                                                        None) != "permute":
+            continue
+        dims = tuple(inner.kwargs["dims"][d] for d in node.kwargs["dims"])
+        base = inner.args[0]
+        if dims == tuple(range(len(dims))):
+            node.replace_all_uses_with(base)
+            graph.erase_node(node)
+        else:
+            node.args = (base,)
+            node.kwargs = {**node.kwargs, "dims": dims}
+        if not inner.users:
+            graph.erase_node(inner)
 
 
 def _memoized(make):

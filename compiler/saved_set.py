@@ -92,6 +92,11 @@ def _min_cut(forward_nodes, needed, free, unreadable, policy, only_from, checkpo
             and not any(a in unreadable for a in node.all_input_nodes)
         if node in inside and cost:
             cost = math.inf
+        if recomputable and not cost and getattr(node.target, "kind", None) == "view":
+            # NOTE: a view of a value saved for free (an input's transpose): save the value, the
+            # backward makes the view again where it reads it, and a transpose of that transpose
+            # folds away (``build._fold_permutes``): no host view call at all
+            cost = 1e-6
         if recomputable and cost:
             # NOTE: of equal sizes, save the value that is not recomputable (a reduction's
             # result rather than a pointwise function of it): the forward writes it anyway,
