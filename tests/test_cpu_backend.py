@@ -308,3 +308,25 @@ def test_the_cpu_path_saves_pointwise_values_rather_than_recomputing_them():
     assert "saved_gelu" in saved("torch")
     program.make_launcher = _make_launcher  # (the interpreter's kernels: allowed for this half)
     assert "saved_gelu" not in saved("interpret")
+
+
+def test_an_operand_the_kernel_does_not_load_is_zeros_in_its_cpu_function():
+    """A kernel node may name a buffer its expression lost (a1 * 0 simplified away; the base of a
+    slice_scatter covered whole) and that the Triton kernel therefore does not load: its CPU
+    function stands zeros for it (it had refused to be written, and the kernel ran in Triton's
+    interpreter; 39 such kernels in the 10,000 fuzz programs)."""
+    from compiler.codegen.torch_kernel import render_torch_kernel
+    from compiler.ir import GraphBuilder
+    from compiler.ops.pointwise import DERIVED
+    from compiler.ops.symbols import REAL_ARGS
+
+    b = GraphBuilder()
+    a = b.placeholder("a", (3,), torch.float32)
+    unread = b.placeholder("unread", (3,), torch.float32)
+    out = b.call(DERIVED, [a, unread], shape=(3,), dtype=torch.float32, requires_grad=False,
+                 expr=2 * REAL_ARGS[0])
+    kernel = render_torch_kernel("k", [a], [0], [out], [2], {a, unread, out})
+    assert kernel is not None
+    env = [torch.tensor([1.0, 2.0, 3.0]), None, None]
+    kernel.run(env)
+    assert torch.equal(env[2], torch.tensor([2.0, 4.0, 6.0]))
