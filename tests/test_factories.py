@@ -26,8 +26,8 @@ FACTORY_FORMS = {
     "tensor of a float": lambda x: x * torch.tensor(0.5),
     "tensor of an int, dtype": lambda x: x + torch.tensor(3, dtype=torch.float64),
     "an empty tensor to grow": lambda x: torch.cat([torch.tensor([], dtype=x.dtype), x.flatten()]) * 2,
-    "causal mask": lambda x: x.masked_fill(torch.ones(x.shape[-1], x.shape[-1], dtype=torch.bool).tril().logical_not()[0],
-                                           float("-inf")).softmax(-1),
+    "causal mask": lambda x: x.masked_fill(
+        torch.ones(x.shape[-1], x.shape[-1], dtype=torch.bool).tril().logical_not()[0], float("-inf")).softmax(-1),
 }
 
 

@@ -244,7 +244,8 @@ ROWS = {
                         [_normal(3, 4)]),
     # (all elements, correction = their count: eager's NaN/inf value and gradient)
     "degenerate_variance": ({"degenerate_var_term"}, lambda x: x.var(correction=12), [_normal(3, 4)]),
-    "norms": ({"norm_sqrt", "std_sqrt"}, lambda x: torch.linalg.vector_norm(x, dim=1) + x.std(dim=0).sum(), [_normal(3, 4)]),
+    "norms": ({"norm_sqrt", "std_sqrt"}, lambda x: torch.linalg.vector_norm(x, dim=1) + x.std(dim=0).sum(),
+              [_normal(3, 4)]),
     "losses": ({"smooth_l1", "huber", "bce_with_logits", "kl_div", "kl_div_log_target"},
                lambda x, t: (F.smooth_l1_loss(x, t) + F.huber_loss(x, t) + F.binary_cross_entropy_with_logits(x, t)
                              + F.kl_div(x, t, reduction="batchmean") + F.kl_div(x, t.log(), log_target=True)),

@@ -71,28 +71,15 @@ class Abs(Primitive, sympy.Function):
         return CAbs(a, conj(a)) if is_complex_symbol(a) else Abs(a)
 
 
-class AbsSlope(Primitive, sympy.Function):
+class AbsSlope(Sign):
     """sign(x) as abs's derivative: eager's abs backward is ``grad * x.sgn()``, and a real
     tensor's sgn sends no gradient at all, where sign sends zeros. So a double backward stops
     here (``gradient_undefined``): a zero reaching var's backward would be 0 * NaN there (fuzz
-    seed 4363)."""
+    seed 4363). Sign's value, printing and derivative otherwise; not an op of its own."""
 
-    nargs = 1
-    torch_fn = torch.sign
+    op = expression = None
     user_op = False
     gradient_undefined = True
-
-    @classmethod
-    def eval(cls, x):
-        if is_number(x) and x.is_real:
-            return sympy.sign(x)
-
-    def fdiff(self, argindex=1):
-        return sympy.Integer(0)
-
-    @classmethod
-    def render(cls, printer, e):
-        return _render_sign(printer, e)
 
 
 class SympyAbs(Builtin):
