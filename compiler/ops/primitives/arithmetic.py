@@ -43,8 +43,7 @@ class PowTensor(Primitive, sympy.Function):
         a, b = self.args
         if argindex == 1:
             return Where(compare("eq", b, 0), 0, b * PowTensor(a, b - 1))
-        at_zero = Where(compare("ge", b, 0), 0, self * sympy.log(a))
-        return Where(compare("eq", a, 0), at_zero, self * sympy.log(a))
+        return PowExponentSlope(a, b)
 
     @classmethod
     def render(cls, printer, e):
@@ -53,6 +52,37 @@ class PowTensor(Primitive, sympy.Function):
     @classmethod
     def torch_eval(cls, a, b):
         return torch.pow(as_tensor(a), b)
+
+
+class PowExponentSlope(Primitive, sympy.Function):
+    """PowTensor's derivative in its exponent: a^b·log(a), 0 where a == 0 and b >= 0 (eager's
+    pow_backward_exponent, ``grad * where(cond, 0, result * log(self))``). Its own derivatives are
+    NaN at those points, as eager's double backward: the where sends a zero into the masked branch,
+    and 0 * log(0) is NaN there (fuzz seed 9919); a Where would differentiate to 0."""
+
+    nargs = 2
+    user_op = False  # PowTensor's derivative only
+
+    def _value(self):
+        a, b = self.args
+        return PowTensor(a, b) * sympy.log(a)
+
+    def fdiff(self, argindex=1):
+        a, b = self.args
+        derivative = sympy.diff(self._value(), self.args[argindex - 1])
+        return Where(compare("eq", a, 0), Where(compare("ge", b, 0), sympy.nan, derivative), derivative)
+
+    @classmethod
+    def render(cls, printer, e):
+        a, b = e.args
+        value = PowTensor(a, b) * sympy.log(a)
+        return printer.p(Where(compare("eq", a, 0), Where(compare("ge", b, 0), 0, value), value))
+
+    @classmethod
+    def torch_eval(cls, a, b):
+        a, b = as_tensor(a), as_tensor(b)
+        value = torch.pow(a, b) * torch.log(a)
+        return torch.where((a == 0) & (b >= 0), torch.zeros_like(value), value)
 
 
 def _power(a, b):
