@@ -27,6 +27,8 @@ from hypothesis import HealthCheck, given, note, reject, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
+import compiler
+
 from tests.fuzz.check import KnownBug, check_program
 from tests.fuzz.program import HypothesisChooser, Input, Program, RandomChooser, draw_program
 
@@ -295,6 +297,16 @@ FIXED = {
     "second-order-of-a-variance-with-no-degrees-of-freedom": _program(
         [((), f64, "offset", True, 32)], ["v0 = x0.var()", "v1 = torch.abs(v0)"], ["v1"]),
     "variance-with-no-degrees-of-freedom-in-a-complex": draw_program(RandomChooser(6343)),
+    # |0| ** x with x above 2: eager's second derivative is NaN (its exponent gradient's where sends a
+    # zero into the masked branch, and 0 * log(0) is NaN there), ours was 0 (fuzz seed 9919;
+    # PowExponentSlope)
+    "second-order-of-a-zero-base-to-a-tensor-power": draw_program(RandomChooser(9919)),
+    # a second derivative that is zero everywhere (hypot(2x, x) is linear in x), summed from terms of
+    # ~1/|x| that cancel: float32 leaves 1.5e-4 of noise at x = 0.02 where eager's order of operations
+    # leaves 0 (fuzz seed 2544). The checker now tells rounding from math: our kernels on float64
+    # copies of the inputs agree with eager's float64 run (``_second_order_rounding``)
+    "second-order-rounding-of-a-zero": _program([((3, 3), f32, "contiguous", True, 1028272762)],
+                                                ["v0 = x0 + x0", "v1 = torch.hypot(v0, x0)"], ["v1"]),
     # an output that views an input leaves the region's graph before partition: the positions of the
     # outputs written later still counted it (IndexError, an internal error the fuzz CLI did not count
     # before it ran with SYMGRAD_STRICT=1; seed 2475 of the 10,000-run at 2a07bf4)
@@ -311,18 +323,7 @@ def test_fixed_regressions(name):
 
 
 # -- found and not fixed yet: each is reported; strict, so a fix turns it into a pass -------------
-KNOWN = {
-    "second-order-at-degenerate-points": (
-        "second derivatives at degenerate points (pow at a zero base, |0| ** x): eager gives NaN where "
-        "ours is 0 (fuzz seed 9919)",
-        draw_program(RandomChooser(9919))),
-    "second-order-rounding-of-a-zero": (
-        "a second derivative that is zero everywhere, summed from terms that cancel (~1/|x| near x = 0): "
-        "float32 rounding leaves 1.5e-4 of noise where eager's order of operations leaves 0 (fuzz "
-        "10,000-run at d5787f2, seed 2544; not wrong math, a limit of the checker's tolerance)",
-        _program([((3, 3), f32, "contiguous", True, 1028272762)], ["v0 = x0 + x0", "v1 = torch.hypot(v0, x0)"],
-                 ["v1"])),
-}
+KNOWN: dict = {}  # (none open; the last, seed 2544's rounding, is in FIXED: the checker tells it from math)
 
 
 @pytest.mark.parametrize("name", list(KNOWN))
@@ -359,3 +360,21 @@ def test_a_sample_of_fuzz_kernels_compiles_for_hopper():
     failures = [f"{launch.name}: {result['error']}" for launch, result in zip(launches, results) if result["error"]]
     assert not failures, f"{len(failures)} fuzz kernels do not compile for sm_90:\n" + "\n".join(failures)
 
+
+
+def test_second_order_rounding_is_told_from_wrong_math():
+    # the checker's rule for float32 second derivatives: rounding where our float64 run agrees with
+    # eager's float64 reference, a Mismatch where it does not
+    from tests.fuzz.check import Mismatch, _Reference, _second_order_rounding, run_all
+
+    program = FIXED["second-order-rounding-of-a-zero"]
+    want = run_all(program, program.function())
+    reference = run_all(_Reference(program), program.function())
+    compiled = compiler.compile(program.function(), backend="interpret")
+    got = [run_all(program, compiled) for _ in range(2)][1]
+    mismatch = Mismatch("second (replayed) call: second-order grad of input 0: at [1, 2] got 0.00015, eager 0.0")
+    assert _second_order_rounding(program, got, want, reference, mismatch)
+    wrong = dict(reference, second=[s + 1e-3 for s in reference["second"]])
+    assert not _second_order_rounding(program, got, want, wrong, mismatch)
+    far = dict(got, second=[s + 1.0 for s in got["second"]])
+    assert not _second_order_rounding(program, far, want, reference, mismatch)
