@@ -180,14 +180,21 @@ class Replay(TorchFunctionMode):
 
     # -- the mode ----------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if not kwargs and not self.diverged:
+        if not self.diverged:
             # the common case first: the next recorded call, with its tensors and constants
             calls, pos = self.trace.calls, self.pos
             if pos < len(calls):
                 rec = calls[pos]
                 # (``==``: a property's getter and setter come as a new method-wrapper each call)
-                if (rec.func is func or rec.func == func) and rec.flat_arity == len(args):
-                    result = self._replay_flat(rec, func, args)
+                if rec.func is func or rec.func == func:
+                    if not kwargs:
+                        result = self._replay_flat(rec, func, args) if rec.flat_arity == len(args) else _SLOW
+                    elif rec.flat_keywords == (len(args), tuple(kwargs)) and not any(
+                            type(v) in (list, tuple, dict) and holds_tensor(v) for v in kwargs.values()):
+                        # (a compiled call with keywords: never called here, its leaves checked)
+                        result = self._replay_flat(rec, func, (*args, *kwargs.values()))
+                    else:
+                        result = _SLOW
                     if result is not _SLOW:
                         return result
         kwargs = kwargs or {}

@@ -56,6 +56,19 @@ class TraceCall:
             return None
         return spec[0]
 
+    @functools.cached_property
+    def flat_keywords(self) -> tuple | None:
+        """(number of positional arguments, keyword names) of a compiled call made with keywords,
+        each argument a leaf (``F.gelu(x, approximate="none")``, ``F.mse_loss(a, b, reduction=...)``):
+        replay checks ``args`` and the keywords' values as they come. None otherwise."""
+        from runtime.torch_functions import REFLECTED_COMPARISONS
+
+        spec = self.spec
+        if self.kind != "compute" or type(spec) is not tuple or spec[0] == "tree" or not spec[1] \
+                or self.func in REFLECTED_COMPARISONS:
+            return None
+        return spec
+
 
 def read_snapshot(value):
     """What replay compares a value read into Python against: the value itself, or a copy of an
