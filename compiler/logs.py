@@ -81,6 +81,12 @@ def set_logs(*stages: str, **flags: bool) -> None:
         _handler.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
         root.addHandler(_handler)
         root.propagate = False
+    elif not names and _handler is not None:
+        # all off: the records (warnings of symgrad.cache, fallbacks) reach the application's
+        # handlers through the root logger again, as before the logs were turned on
+        root.removeHandler(_handler)
+        _handler = None
+        root.propagate = True
     for stage in STAGES:
         # off: WARNING, so the stage's INFO records cost one cached level check
         logger(stage).setLevel(logging.INFO if stage in names else logging.WARNING)

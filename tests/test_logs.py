@@ -160,3 +160,14 @@ def test_dump_dir_holds_every_graph_and_kernel_with_an_index(tmp_path, monkeypat
     markdown = (tmp_path / "index.md").read_text()
     assert markdown.count("<locals>.step — ") == 2 and f"kernels/{report.kernels[0].name}.py" in markdown
     assert not list(tmp_path.rglob("*.tmp"))  # written whole, renamed into place
+
+
+def test_turning_the_logs_off_gives_records_back_to_the_application():
+    # (set_logs left the "symgrad" logger unpropagating after turning off: a later warning of
+    # symgrad.cache reached no handler of the application's, nor pytest's caplog)
+    root = logging.getLogger("symgrad")
+    handlers = list(root.handlers)
+    logs.set_logs("guards")
+    assert root.propagate is False and len(root.handlers) == len(handlers) + 1
+    logs.set_logs()
+    assert root.propagate is True and root.handlers == handlers
