@@ -121,11 +121,13 @@ def _fold_permutes(graph: fx.Graph) -> None:
     """``permute(permute(x, d1), d2)`` becomes ``permute(x, d1[d2])``, or ``x`` where that is the
     identity: each permute is a host view call per run (a linear layer's weight gradient reads
     the transpose of its input's transpose: ``_transpose_matmul_gradients``)."""
+    def is_permute(n) -> bool:
+        return isinstance(n, fx.Node) and getattr(n.target, "name", None) == "permute"
+
     for node in list(graph.nodes):
-        inner = node.args[0] if node.args else None
-        if getattr(node.target, "name", None) != "permute" or getattr(getattr(inner, "target", None), "name",
-                                                                        None) != "permute":
+        if not is_permute(node) or not is_permute(node.args[0]):
             continue
+        inner = node.args[0]
         dims = tuple(inner.kwargs["dims"][d] for d in node.kwargs["dims"])
         base = inner.args[0]
         if dims == tuple(range(len(dims))):
