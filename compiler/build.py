@@ -40,8 +40,8 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset(), written_later=froz
     original_outputs = list(output.args[0])
     input_views = _split_input_views(graph)
     # (positions among the outputs the graph keeps: views of inputs left it; an IndexError in partition)
-    kept_position = {i: list(output.args[0]).index(node) for i, node in enumerate(original_outputs)
-                     if node in output.args[0]}
+    position_of = {node: k for k, node in reversed(list(enumerate(output.args[0])))}  # (the first, as index)
+    kept_position = {i: position_of[node] for i, node in enumerate(original_outputs) if node in position_of}
     outputs_written_later = frozenset(kept_position[i] for i in outputs_written_later if i in kept_position)
     eager_names = {(kind, kept_position[i] if kind == "output" else i): name
                    for (kind, i), name in output.meta.get(EAGER_NAMES, {}).items()

@@ -238,33 +238,32 @@ def _correction(correction, unbiased):
     return 1.0 if unbiased is None or unbiased else 0.0
 
 
-def _variance(x: Tensor, dim, correction, keepdim):
-    """(var, mean) over ``dim``: sum((x - mean)²) / (count - correction), mean kept as var's shape."""
+def _variance(x: Tensor, dim, correction, keepdim, constant_gradient=False):
+    """(var, mean) over ``dim``: sum((x - mean)²) / (count - correction), mean kept as var's shape.
+
+    ``constant_gradient`` (var, not std): over all elements with no degrees of freedom (n -
+    correction <= 0; eager warns) the value comes from detached x (NaN or inf) and the gradient
+    is eager's var_backward there, grad * (x == mean ? NaN : inf), a constant of x, through a
+    term that is 0 (``DegenerateVarianceTerm``): its double backward is 0, as eager's, where the
+    quotient rule's would be NaN (fuzz seeds 4363, 6343)."""
     if not x.dtype.is_floating_point:
         raise Unsupported("var/std of a non-floating tensor")
     dims = _dims(x, dim)
     count = numel([x.shape[d] for d in dims])
-    mean = x.statistic("mean", dims)
-    centered = x - mean
+    degenerate = constant_gradient and (dim is None or x.ndim == 0) and count - correction <= 0
+    source = x.detach() if degenerate else x
+    mean = source.statistic("mean", dims)
+    centered = source - mean
     total = (centered * centered).statistic("sum", dims, keepdim)
-    var = (total / max(count - correction, 0.0)).to(x.dtype)
+    if degenerate:
+        # total / 0, written out: as a SymPy product with 1/0 (zoo), adding the term would make NaN
+        term = pointwise("degenerate_var_term", x, mean).statistic("sum", dims, keepdim)
+        var = where(total == 0, float("nan"), total * float("inf")) + term.to(total.dtype)
+    else:
+        var = total / max(count - correction, 0.0)
+    var = var.to(x.dtype)
     mean = mean.to(x.dtype)
     return var, (mean if keepdim else mean.reshape(var.shape))
-
-
-def _degenerate_variance(x: Tensor, correction, keepdim):
-    """``_variance`` over all elements where n - correction <= 0 (eager warns): the value from
-    detached x (NaN or inf), the gradient eager's var_backward gives there, grad * (x == mean ?
-    NaN : inf), a constant of x, through a term that is 0 (``DegenerateVarianceTerm``)."""
-    dims = _dims(x, None)
-    mean = x.detach().statistic("mean", dims)
-    centered = x.detach() - mean
-    total = (centered * centered).statistic("sum", dims, keepdim)
-    # total / 0, written out: as a SymPy product with 1/0 (zoo), adding the term would make NaN
-    var = where(total == 0, float("nan"), total * float("inf")).to(x.dtype)
-    term = pointwise("degenerate_var_term", x, mean).statistic("sum", dims, keepdim)
-    mean = mean.to(x.dtype)
-    return var + term.to(var.dtype), (mean if keepdim else mean.reshape(var.shape))
 
 
 def _var_like(kind):
@@ -272,11 +271,8 @@ def _var_like(kind):
         _no_out({"out": out})
         if isinstance(dim, bool):  # var(x, unbiased) in the old positional form
             dim, unbiased = None, dim
-        correction = _correction(correction, unbiased)
-        if kind.startswith("var") and (dim is None or x.ndim == 0) and numel(x.shape) - correction <= 0:
-            var, mean = _degenerate_variance(x, correction, keepdim)
-        else:
-            var, mean = _variance(x, dim, correction, keepdim)
+        var, mean = _variance(x, dim, _correction(correction, unbiased), keepdim,
+                              constant_gradient=kind.startswith("var"))
         # std: eager's gradient is 0 where the std is 0 (std_backward masks it)
         value = pointwise("std_sqrt", var) if kind.startswith("std") else var
         return (value, mean) if kind.endswith("_mean") else value

@@ -63,20 +63,19 @@ class PowExponentSlope(Primitive, sympy.Function):
     nargs = 2
     user_op = False  # PowTensor's derivative only
 
-    def _value(self):
+    def _at_zero_base(self, there, elsewhere):
+        """``there`` where a == 0 and b >= 0, else ``elsewhere``."""
         a, b = self.args
-        return PowTensor(a, b) * sympy.log(a)
+        return Where(compare("eq", a, 0), Where(compare("ge", b, 0), there, elsewhere), elsewhere)
 
     def fdiff(self, argindex=1):
         a, b = self.args
-        derivative = sympy.diff(self._value(), self.args[argindex - 1])
-        return Where(compare("eq", a, 0), Where(compare("ge", b, 0), sympy.nan, derivative), derivative)
+        return self._at_zero_base(sympy.nan, sympy.diff(PowTensor(a, b) * sympy.log(a), self.args[argindex - 1]))
 
     @classmethod
     def render(cls, printer, e):
         a, b = e.args
-        value = PowTensor(a, b) * sympy.log(a)
-        return printer.p(Where(compare("eq", a, 0), Where(compare("ge", b, 0), 0, value), value))
+        return printer.p(e._at_zero_base(0, PowTensor(a, b) * sympy.log(a)))
 
     @classmethod
     def torch_eval(cls, a, b):

@@ -138,7 +138,7 @@ class NormSqrt(Primitive, sympy.Function):
 
 class NormSqrtSlope(Primitive, sympy.Function):
     """NormSqrt's derivative: 1 / (2 sqrt(s)), 0 at s = 0. Its own derivative is NaN at s = 0, as
-    eager's double backward of a norm (or std) at the zero vector: there eager's norm backward,
+    eager's double backward of a norm at the zero vector: there eager's norm backward,
     ``(self / norm).masked_fill_(norm == 0, 0)``, differentiates to 0 * (1 / 0) (fuzz seeds 3213,
     5457). A ``Where`` would differentiate to 0 there."""
 
@@ -178,7 +178,8 @@ class StdSqrt(Primitive, sympy.Function):
 class DegenerateVarianceTerm(Primitive, sympy.Function):
     """0 (x * 0: NaN where x is infinite, as the variance is then), with eager's gradient of a
     variance over all elements that has no degrees of freedom: ``DegenerateVarianceSlope``. The
-    variance binding adds its sum to the value computed from detached x (``_variance``)."""
+    variance binding adds its sum to the value computed from detached x (``bindings.reductions.
+    _variance``)."""
 
     nargs = 2
     op, result = "degenerate_var_term", FLOAT
