@@ -6,10 +6,15 @@ compiled-region cache (``compiler.persist``) empty (cold) and filled by an earli
 Each workload runs in two fresh processes sharing one ``SYMGRAD_CACHE_DIR`` that starts empty
 (``benchmarks.fresh_process``: forks of a server that has imported torch and the compiler).
 In each: eager's step (its time, and PyTorch's lazy start-up out of the way), then the
-compiled function's first call (the recording: capture, then SymPy autodiff, fusion and
-codegen for each region, or loading them from the cache) and its second call (the first
-replay). ``regions built`` counts the regions differentiated in that process. With
-``--no-cache`` both processes run with ``SYMGRAD_REGION_CACHE=0`` (the state before the cache).
+compiled function's first call and its second. In the cold process the first call records
+(capture, then SymPy autodiff, fusion and codegen for each region) and the second is the first
+replay. In the warm process the first call loads the recording the cold process stored
+(``compiler.recordings``) and its regions (``compiler.persist``) and replays at once: no eager
+run. ``recorded`` says whether the first call recorded; ``regions built`` counts the regions
+differentiated in that process; the first replayed result is the first call's where it did not
+record, else the second's. ``--no-recordings`` runs both processes with
+``SYMGRAD_STORED_RECORDINGS=0`` (the state before stored recordings: the warm process records
+again, loading only the regions); ``--no-cache`` adds ``SYMGRAD_REGION_CACHE=0`` (no cache).
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ def probe(request: dict) -> dict:
     first = _timed(lambda: case.step(fn, args))
     replay = _timed(lambda: case.step(fn, args))
     return {"eager_s": eager, "first_call_s": first, "first_replay_s": replay, "regions_built": len(builds),
-            "replays": fn.stats["replays"]}
+            "replays": fn.stats["replays"], "recorded": fn.stats["captures"] > 0 and fn.stats["replays"] < 2}
 
 
 def _timed(run) -> float:
@@ -54,11 +59,12 @@ def _timed(run) -> float:
     return time.perf_counter() - start
 
 
-def measure(workload: str, size: str, cache: bool = True, timeout: float = 900) -> dict:
+def measure(workload: str, size: str, cache: bool = True, recordings: bool = True, timeout: float = 900) -> dict:
     """{"cold": probe result, "warm": probe result} for one workload."""
     out = {}
     with tempfile.TemporaryDirectory(prefix="symgrad-warm-start-") as tmp:
-        env = {"SYMGRAD_CACHE_DIR": os.path.join(tmp, "symgrad"), "SYMGRAD_REGION_CACHE": "1" if cache else "0"}
+        env = {"SYMGRAD_CACHE_DIR": os.path.join(tmp, "symgrad"), "SYMGRAD_REGION_CACHE": "1" if cache else "0",
+               "SYMGRAD_STORED_RECORDINGS": "1" if cache and recordings else "0"}
         for which in ("cold", "warm"):
             out[which] = fresh_process.call("benchmarks.warm_start:probe", {"workload": workload, "size": size}, env,
                                             os.path.join(tmp, f"{which}.log"), timeout, fork=True)
@@ -70,16 +76,17 @@ def main():
     parser.add_argument("workloads", nargs="+")
     parser.add_argument("--size", default="small")
     parser.add_argument("--no-cache", action="store_true", help="SYMGRAD_REGION_CACHE=0 in both processes")
+    parser.add_argument("--no-recordings", action="store_true", help="SYMGRAD_STORED_RECORDINGS=0 in both processes")
     options = parser.parse_args()
-    print("| workload | process | first call s | first replay s | first call to first replayed result s "
+    print("| workload | process | first call s | recorded | second call s | first call to first replayed result s "
           "| regions built | eager step s |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for name in options.workloads:
-        result = measure(name, options.size, cache=not options.no_cache)
+        result = measure(name, options.size, cache=not options.no_cache, recordings=not options.no_recordings)
         for which, r in result.items():
-            total = r["first_call_s"] + r["first_replay_s"]
-            print(f"| `{name}` | {which} | {r['first_call_s']:.2f} | {r['first_replay_s']:.2f} | {total:.2f} | "
-                  f"{r['regions_built']} | {r['eager_s'] * 1e3:.2f} ms |")
+            total = r["first_call_s"] + (r["first_replay_s"] if r["recorded"] else 0.0)
+            print(f"| `{name}` | {which} | {r['first_call_s']:.2f} | {'yes' if r['recorded'] else 'no'} | "
+                  f"{r['first_replay_s']:.2f} | {total:.2f} | {r['regions_built']} | {r['eager_s'] * 1e3:.2f} ms |")
 
 
 if __name__ == "__main__":

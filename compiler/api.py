@@ -16,7 +16,7 @@ from compiler.dynamic import NotInstantiable, Template
 from compiler.optimizers import compile_optimizer_steps, fused_call_indices
 from compiler.codegen.triton_printer import NotPrintable
 from compiler.bindings import Unsupported
-from compiler import dumps, logs, persist
+from compiler import dumps, logs, persist, recordings
 from compiler.report import KernelInfo, Report, fused_user_ops
 from compiler.ir import has_meta, meta_of
 from compiler.saved_set import check_policy
@@ -72,7 +72,7 @@ def compile(fn=None, *, backend: str = "auto", fullgraph: bool = False, memory: 
         fn = fn.fn
     build = _build if memory == "balanced" else functools.partial(_build, memory=memory)
     return CompiledFunction(fn, build, backend=backend, fullgraph=fullgraph, dynamic=dynamic,
-                            templates=_Templates(memory))
+                            templates=_Templates(memory), stored=_StoredRecordings(memory))
 
 
 class _Templates:
@@ -104,6 +104,27 @@ class _Templates:
         return entry, None
 
 
+class _StoredRecordings:
+    """The dispatcher's way to recordings stored by earlier processes (``compiler.recordings``):
+    find those of a call's key, and make an Entry of one whose paths lead to this call's objects."""
+
+    Unresolved = recordings.Unresolved
+
+    def __init__(self, memory: str):
+        self.memory = memory
+
+    @staticmethod
+    def find(fn, spec, leaves) -> list:
+        return recordings.find(fn, spec, leaves)
+
+    def load(self, stored, fn, leaves, fullgraph, stats) -> Entry:
+        """The Entry of a stored recording (its regions from the compiled-region cache). Raises
+        ``Unresolved`` where it does not fit this call (yet), CompileError where ``fullgraph``
+        refuses it as it would have refused the recording."""
+        trace = recordings.load(stored, fn, leaves)
+        return _compile_trace(_name(fn), trace, fullgraph=fullgraph, stats=stats, memory=self.memory)
+
+
 def explain(fn, *args, **kwargs) -> Report:
     """Record and compile ``fn`` for these arguments and report every stage.
 
@@ -131,8 +152,12 @@ def _build(fn, args, kwargs, *, fullgraph=False, stats=None, memory="balanced", 
         report = Report(graph=None, backward_graph=None, kernels=[], fallbacks=[], eager_calls=[],
                         internal_errors=[str(failed)])
         return failed.result, Entry(None, report)
-    return result, _compile_trace(name, trace, fullgraph=fullgraph, stats=stats, memory=memory,
-                                  shape_generic=shape_generic)
+    # (bytes now: compiling changes the trace; written once it compiled, for other processes)
+    stored = None if shape_generic else recordings.prepare(fn, args, kwargs, trace)
+    entry = _compile_trace(name, trace, fullgraph=fullgraph, stats=stats, memory=memory, shape_generic=shape_generic)
+    if stored is not None:
+        recordings.write(stored)
+    return result, entry
 
 
 def _name(fn) -> str:

@@ -21,9 +21,8 @@ each carries a SHA-256 of its bytes, and an entry that fails the check or does n
 deleted, logged and rebuilt. ``SYMGRAD_REGION_CACHE=0`` turns the cache off;
 ``compiler.clear_cache()`` (or deleting the folder) empties it.
 
-NOTE: this is the compile half of a persistent cache. A fresh process still records its first
-call eagerly (the recording holds live objects: parameters and modules by identity, property
-setters, optimizer state); see the README's "Compile cache" section.
+This is the compile half of the persistent cache; ``compiler.recordings`` stores the recordings
+that name these regions, so that a fresh process replays from its first call.
 """
 
 from __future__ import annotations
@@ -60,11 +59,12 @@ def regions_dir() -> str:
 
 
 def clear_cache() -> None:
-    """Delete every stored compiled region and kernel source in ``SYMGRAD_CACHE_DIR`` (what this
-    package wrote there: ``regions/`` and the kernels' ``.py`` files; nothing else is touched);
+    """Delete every stored compiled region, recording and kernel source in ``SYMGRAD_CACHE_DIR`` (what
+    this package wrote there: ``regions/``, ``recordings/`` and the kernels' ``.py`` files; nothing else is touched);
     the next calls compile again. Kernels already loaded in this process stay loaded."""
     root = cache_dir()
     shutil.rmtree(os.path.join(root, "regions"), ignore_errors=True)
+    shutil.rmtree(os.path.join(root, "recordings"), ignore_errors=True)  # (compiler.recordings)
     for name in os.listdir(root):
         if name.endswith((".py", ".tmp")) and os.path.isfile(os.path.join(root, name)):
             try:
@@ -169,13 +169,31 @@ def store(key: str, region, backward_graph, kernels) -> None:
     finally:
         for name, value in saved.items():
             setattr(region, name, value)
-    payload = buffer.getvalue()
-    path = _path(key)
+    write_checked(_path(key), buffer.getvalue())
+
+
+def write_checked(path: str, payload: bytes, magic: bytes = _MAGIC) -> None:
+    """Write ``payload`` to ``path`` with its magic line and SHA-256, under a private name renamed
+    into place: a process reading the folder sees the whole file or none."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
     with open(tmp, "wb") as f:
-        f.write(_MAGIC + hashlib.sha256(payload).digest() + payload)
+        f.write(magic + hashlib.sha256(payload).digest() + payload)
     os.replace(tmp, path)
+
+
+def read_checked(path: str, magic: bytes = _MAGIC) -> bytes | None:
+    """The payload ``write_checked`` wrote to ``path``; None if there is no such file. Raises
+    ValueError where the file is damaged (truncated, garbled, another format)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    head = len(magic) + 32
+    if data[:len(magic)] != magic or hashlib.sha256(data[head:]).digest() != data[len(magic):head]:
+        raise ValueError("its checksum does not match its contents")
+    return data[head:]
 
 
 def load(key: str, rebuild):
@@ -184,15 +202,10 @@ def load(key: str, rebuild):
     needed. A damaged entry is deleted (and logged): the caller builds and stores it again."""
     path = _path(key)
     try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        return None
-    head = len(_MAGIC) + 32
-    try:
-        if data[:len(_MAGIC)] != _MAGIC or hashlib.sha256(data[head:]).digest() != data[len(_MAGIC):head]:
-            raise ValueError("its checksum does not match its contents")
-        entry = pickle.loads(data[head:])
+        payload = read_checked(path)
+        if payload is None:
+            return None
+        entry = pickle.loads(payload)
         region = entry["region"]
     except Exception as e:  # noqa: BLE001 — truncated, garbled, or from an incompatible build
         log.warning("compiled-region cache entry %s is damaged (%s: %s); deleting it and compiling again",

@@ -6,7 +6,8 @@ The whole step — forward, MSE loss, loss.backward(), optimizer.step(), zero_gr
 one compiled function. Its forward and backward run as fused kernels: on a GPU as compiled
 Triton kernels, on CPU tensors as PyTorch CPU ops (``--backend interpret`` runs the generated
 Triton kernels in Triton's interpreter instead: slow). The first call runs eagerly while the
-compiler records it; every later call replays the compiled kernels. Each step prints the
+compiler records it; every later call replays the compiled kernels. The recording is stored
+(``$SYMGRAD_CACHE_DIR``): run the example again and its first step replays too. Each step prints the
 compiled loss next to eager PyTorch's, from an identical copy, and the end prints both times.
 """
 

@@ -23,12 +23,13 @@ import torch
 from runtime import backends, guard_log
 from runtime.calls import flatten_call
 from runtime.dynamic_shapes import DynamicShapes
-from runtime.fallback import CompileError, say_once
+from runtime.fallback import CompileError, internal_error, say_once
 from runtime.replay import Replay
 
 MAX_RECAPTURES = 8
 MAX_VARIANTS = 4  # recordings kept per guard key (modules in train or eval mode)
 DYNAMIC_AFTER = 3  # different values of a number argument before calls stop specializing on it
+STORED_TRIES = 8  # calls a stored recording waits for its paths to lead somewhere (optimizer state)
 
 
 class Entry:
@@ -47,7 +48,7 @@ _UNCHECKED = object()   # _record's `seen` when the caller asks for a recording 
 
 
 class CompiledFunction:
-    def __init__(self, fn, builder, backend="auto", fullgraph=False, dynamic=None, templates=None):
+    def __init__(self, fn, builder, backend="auto", fullgraph=False, dynamic=None, templates=None, stored=None):
         functools.update_wrapper(self, fn, updated=())  # not __dict__: fn may be a Module
         if backend not in backends.BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(backends.BACKENDS)}")
@@ -63,8 +64,11 @@ class CompiledFunction:
         self.needs_variant: set = set()  # guard keys whose last call took an unrecorded path
         self.disabled: str | None = None
         # (captures: recordings, each an eager run; instantiations: entries re-made from a template)
-        self.stats = {"calls": 0, "captures": 0, "instantiations": 0, "replays": 0, "eager_calls": 0,
+        # (loaded: recordings an earlier process stored, replayed without a recording run here)
+        self.stats = {"calls": 0, "captures": 0, "instantiations": 0, "loaded": 0, "replays": 0, "eager_calls": 0,
                       "divergences": 0, "kernel_launches": 0}
+        self.stored = stored              # compiler.recordings, through compiler.api (None: none)
+        self.stored_pending: dict = {}    # guard key -> [stored recordings not (yet) usable, tries left]
         self.shapes = DynamicShapes(dynamic, templates)
         self.last_backend: str | None = None
         self.last_entry: Entry | None = None
@@ -97,6 +101,8 @@ class CompiledFunction:
         key = _guard_key(spec, leaves, self.dynamic)
         if key not in self.cache and self._note_changing_scalars(spec, leaves):
             key = _guard_key(spec, leaves, self.dynamic)
+        if self.stored is not None and (key not in self.cache or key in self.stored_pending):
+            self._load_stored(key, spec, leaves, backend, why)  # an earlier process's recording: replayed, not recorded
         if key not in self.cache and tensors and self.shapes.enabled:
             self._instantiate(key, spec, leaves)  # sizes a template covers: an entry without recording
         variants = self.cache.get(key, [])
@@ -159,6 +165,41 @@ class CompiledFunction:
                      "the rest of the call ran eagerly; a path taken twice in a row is recorded too",
                      logging.INFO)
         return result
+
+    def _load_stored(self, key, spec, leaves, backend, why) -> None:
+        """Add the recordings stored on disk for this call (``compiler.recordings``) to the cache.
+        One whose paths do not lead to this call's objects yet (an optimizer's state, made by its
+        first step) is tried again on the next STORED_TRIES calls with this key."""
+        with self.lock:
+            pending = self.stored_pending.pop(key, None)
+            if pending is None:
+                if key in self.cache:
+                    return
+                pending = [self.stored.find(self.fn, spec, leaves), STORED_TRIES]
+            waiting, loaded = [], []
+            for stored in pending[0]:
+                try:
+                    entry = self.stored.load(stored, self.fn, leaves, self.fullgraph, self.stats)
+                    entry.report.backend, entry.report.backend_reason = backend, why
+                    loaded.append(entry)
+                except self.stored.Unresolved as e:
+                    waiting.append(stored)
+                    if guard_log.on():
+                        guard_log.guards.info("%s: a stored recording does not fit this call (yet): %s",
+                                              self.__name__, e)
+                except CompileError:  # fullgraph refuses it as it refused the recording: this call says so
+                    continue
+                except Exception as e:  # noqa: BLE001 — a bug (strict: raises); the call records instead
+                    internal_error(f"{self.__name__} (loading a stored recording)", e)
+            if waiting and pending[1] > 1:
+                self.stored_pending[key] = [waiting, pending[1] - 1]
+            if not loaded:
+                return
+            self.stats["loaded"] += len(loaded)
+            self.cache[key] = (self.cache.get(key, []) + loaded)[:MAX_VARIANTS]
+            if guard_log.on():
+                guard_log.recompiles.info("%s: loaded %d recording(s) an earlier process stored (no recording run)",
+                                          self.__name__, len(loaded))
 
     def _instantiate(self, key, spec, leaves) -> None:
         """Put an entry for ``key`` in the cache, made from the template of its dynamic key when

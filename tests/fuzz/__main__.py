@@ -20,6 +20,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # a compiler exception is a failure of the run (as in the test suite), not a quiet eager fallback
 os.environ.setdefault("SYMGRAD_STRICT", "1")
 os.environ.setdefault("SYMGRAD_CACHE_DIR", tempfile.mkdtemp(prefix="symgrad-fuzz-kernels-"))
+# each program's checks compile it afresh and expect a recording first (as the test suite does)
+os.environ.setdefault("SYMGRAD_STORED_RECORDINGS", "0")
 
 import compiler  # noqa: E402,F401  (before anything imports triton)
 from tests.fuzz.check import KnownBug, Mismatch, check_program  # noqa: E402
