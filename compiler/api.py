@@ -35,7 +35,7 @@ log = logging.getLogger("compiler")
 
 
 def compile(fn=None, *, backend: str = "auto", fullgraph: bool = False, memory: str = "balanced",
-            dynamic: bool | None = None):
+            dynamic: bool | None = None, skip_python: bool = False):
     """Compile ``fn``: its torch ops become fused Triton kernels, forward and backward.
 
     Usable as ``@compiler.compile`` or ``@compiler.compile(backend=..., fullgraph=...)``.
@@ -58,6 +58,12 @@ def compile(fn=None, *, backend: str = "auto", fullgraph: bool = False, memory: 
     run, no recording. ``compiler.mark_dynamic(t, dim)`` marks one dimension up front. Sizes 0
     and 1 always specialize.
 
+    ``skip_python=True`` (a promise, off by default): every call with the same arguments'
+    description makes the same torch calls with the same constants, and ``fn``'s Python has no
+    other effect. Replays then make the recorded calls directly instead of running ``fn`` and
+    checking each of its torch calls (``runtime.skip_python``: what stays guarded, and where
+    the promise cannot hold and the checked replay runs instead, with the reason logged once).
+
     >>> import torch, compiler
     >>> @compiler.compile
     ... def f(x, y):
@@ -67,12 +73,13 @@ def compile(fn=None, *, backend: str = "auto", fullgraph: bool = False, memory: 
     """
     check_policy(memory)
     if fn is None:
-        return lambda f: compile(f, backend=backend, fullgraph=fullgraph, memory=memory, dynamic=dynamic)
+        return lambda f: compile(f, backend=backend, fullgraph=fullgraph, memory=memory, dynamic=dynamic,
+                                 skip_python=skip_python)
     if isinstance(fn, CompiledFunction):
         fn = fn.fn
     build = _build if memory == "balanced" else functools.partial(_build, memory=memory)
     return CompiledFunction(fn, build, backend=backend, fullgraph=fullgraph, dynamic=dynamic,
-                            templates=_Templates(memory), stored=_StoredRecordings(memory))
+                            templates=_Templates(memory), stored=_StoredRecordings(memory), skip_python=skip_python)
 
 
 class _Templates:

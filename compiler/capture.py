@@ -24,7 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from compiler.capture_calls import (FACTORIES, FUNCTIONS, UNKEPT, UNREFERENCED, VALUE_READS, ModulesRun, OptimizerSteps,
+from compiler.capture_calls import (FACTORIES, FUNCTIONS, UNREFERENCED, VALUE_READS, ModulesRun, OptimizerSteps,
                                     expected_eager, gradient_inputs, inside_custom_function, inspects_node,
                                     made_by_distributed, python_references, user_frame, value_read_break)
 from compiler.checkpointing import MIXED_BLOCK, CheckpointedCalls, tag_block
@@ -37,7 +37,7 @@ from compiler.bindings import Unsupported, Writes, lookup
 from runtime.calls import flatten_call, unflatten_call
 from runtime.fallback import InternalCompilerError, internal_error
 from runtime.torch_functions import function_name, is_metadata, is_state_read
-from runtime.trace import RegionPlan, TensorMeta, Trace, TraceCall, ValueId, read_snapshot
+from runtime.trace import UNKEPT, RegionPlan, TensorMeta, Trace, TraceCall, ValueId, read_snapshot
 
 _SUPPORTED_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool,
                      torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
@@ -660,6 +660,22 @@ def _binding(func):
     return lookup(func)
 
 
+def _result_structure(mode, result):
+    """(spec, leaves) of the function's result, each tensor as its value id; None where a tensor
+    in it was not made by a call the recording saw (skip_python then cannot rebuild it)."""
+    leaves, spec = tree_flatten(result)
+    out = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            entry = mode.ids.get(id(leaf))
+            if entry is None or entry[0]() is not leaf:
+                return None
+            out.append(entry[1])
+        else:
+            out.append(leaf)
+    return spec, out
+
+
 def capture(fn, args, kwargs):
     """Run ``fn`` eagerly, recording it. Returns (the function's result, Trace). Raises
     ``RecordingFailed`` (carrying the result) where a compiler bug broke the recording."""
@@ -695,6 +711,9 @@ def capture(fn, args, kwargs):
             trace.module_modes = modules.modes
             trace.optimizer_steps = steps.spans(trace)
             trace.recorded_optimizer_steps = optimizer_steps.found
+            trace.step_calls = {found[0]: (found[1], found[2]) for found in optimizer_steps.found
+                                if type(found) is tuple}
+            trace.result = _result_structure(mode, result)
         except Exception as e:
             mode.broken = internal_error(f"{mode.fn_name} (analysing its recording)", e)
     if mode.broken is not None:

@@ -45,7 +45,6 @@ def value_read_break(func, value) -> str:
 
 
 FUNCTIONS = (types.FunctionType, types.MethodType, functools.partial)
-UNKEPT = "<a function, not kept by the recording>"
 
 
 def user_frame() -> str:

@@ -1,13 +1,16 @@
 """Train a small MLP regression with a compiled training step.
 
-    python examples/train_mlp.py [--steps 60] [--backend auto] [--threads N]
+    python examples/train_mlp.py [--steps 60] [--backend auto] [--threads N] [--skip-python]
 
 The whole step — forward, MSE loss, loss.backward(), optimizer.step(), zero_grad() — is
 one compiled function. Its forward and backward run as fused kernels: on a GPU as compiled
 Triton kernels, on CPU tensors as PyTorch CPU ops (``--backend interpret`` runs the generated
 Triton kernels in Triton's interpreter instead: slow). The first call runs eagerly while the
 compiler records it; every later call replays the compiled kernels. The recording is stored
-(``$SYMGRAD_CACHE_DIR``): run the example again and its first step replays too. Each step prints the
+(``$SYMGRAD_CACHE_DIR``): run the example again and its first step replays too. With
+``--skip-python`` the replays make the recorded torch calls without running ``train_step``'s
+Python again (``compile(..., skip_python=True)``: the step has no other effect, so the promise
+holds). Each step prints the
 compiled loss next to eager PyTorch's, from an identical copy, and the end prints both times.
 """
 
@@ -37,6 +40,8 @@ def main():
     parser.add_argument("--backend", default="auto", choices=["auto", "triton", "torch", "interpret", "eager"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: PyTorch's default)")
+    parser.add_argument("--skip-python", action="store_true",
+                        help="replays make the recorded calls without re-running train_step's Python")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -59,7 +64,7 @@ def main():
         opt.zero_grad()
         return loss
 
-    compiled_step = compiler.compile(train_step, backend=args.backend)
+    compiled_step = compiler.compile(train_step, backend=args.backend, skip_python=args.skip_python)
 
     # wall-clock and CPU time (all threads of this process: steadier on a shared machine) per step
     compiled_times, eager_times, compiled_cpu, eager_cpu = [], [], [], []

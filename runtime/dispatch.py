@@ -20,7 +20,7 @@ import threading
 
 import torch
 
-from runtime import backends, guard_log
+from runtime import backends, guard_log, skip_python
 from runtime.calls import flatten_call
 from runtime.dynamic_shapes import DynamicShapes
 from runtime.fallback import CompileError, internal_error, say_once
@@ -48,7 +48,8 @@ _UNCHECKED = object()   # _record's `seen` when the caller asks for a recording 
 
 
 class CompiledFunction:
-    def __init__(self, fn, builder, backend="auto", fullgraph=False, dynamic=None, templates=None, stored=None):
+    def __init__(self, fn, builder, backend="auto", fullgraph=False, dynamic=None, templates=None, stored=None,
+                 skip_python=False):
         functools.update_wrapper(self, fn, updated=())  # not __dict__: fn may be a Module
         if backend not in backends.BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(backends.BACKENDS)}")
@@ -56,6 +57,7 @@ class CompiledFunction:
         self.builder = builder
         self.backend = backend
         self.fullgraph = fullgraph
+        self.skip_python = skip_python  # runtime.skip_python: replays make the recorded calls directly
         self.cache: dict = {}
         self.lock = threading.RLock()
         self.recaptures = 0
@@ -136,6 +138,8 @@ class CompiledFunction:
         self.last_backend = backend
         self.stats["replays"] += 1
         mode = Replay(entry.trace, tensors, externals, alternatives=[e.trace for e in variants if e is not entry])
+        if self.skip_python and self._python_skippable(entry, variants):
+            return mode.run_calls()
         result = mode.run(self.fn, args, kwargs)
         mode.finish()
         result = mode.real_result(result)
@@ -165,6 +169,22 @@ class CompiledFunction:
                      "the rest of the call ran eagerly; a path taken twice in a row is recorded too",
                      logging.INFO)
         return result
+
+    def _python_skippable(self, entry, variants) -> bool:
+        """Whether this replay may make the recorded calls without the function's Python
+        (``runtime.skip_python``); where not, why is said once and the replay checks each call."""
+        reason = skip_python.refusal(entry.trace)
+        if reason is None and entry.instantiated:
+            reason = "its recording was instantiated for new sizes (compiler.dynamic)"
+        if reason is None and any(e is not entry and e.trace is not None and e.trace.modes_match() for e in variants):
+            reason = "Python took more than one path with these arguments (several recordings)"
+        if reason is None:
+            reason = skip_python.hooks_in_the_way(entry.trace)
+        if reason is None:
+            return True
+        say_once(self.__name__, f"skip_python: this call runs its Python (each torch call checked): {reason}",
+                 logging.INFO)
+        return False
 
     def _load_stored(self, key, spec, leaves, backend, why) -> None:
         """Add the recordings stored on disk for this call (``compiler.recordings``) to the cache.

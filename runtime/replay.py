@@ -115,6 +115,7 @@ class Replay(TorchFunctionMode):
         self.unverified: str | None = None
         self.eager_regions: set = set()  # regions run call by call since (they write in place)
         self.suspended_until: int | None = None  # inside an optimizer step run unwatched
+        self.unwatched = False  # skip_python: the recorded calls made without the function's Python
 
     # -- optimizer steps run unwatched ------------------------------------------------------
     def run(self, fn, args, kwargs):
@@ -129,6 +130,43 @@ class Replay(TorchFunctionMode):
         finally:
             _active.replay = None
 
+    def run_calls(self):
+        """``skip_python``: the recorded calls made again in order without the function's Python
+        (``runtime.skip_python``); returns its result. Each region runs whole at its first call;
+        an eager call runs on this call's tensors; an optimizer step is its optimizer's own
+        ``step()`` (fused kernels where the recording's step was compiled, through the pre-hook)."""
+        from runtime.skip_python import plan, result_of
+
+        trace, env = self.trace, self.env
+        self.unwatched = True
+        _active.replay = self
+        try:
+            for kind, item in plan(trace):
+                if kind == "call":
+                    rec = item
+                    real = [(env[x] if x in env else self._materialize(x)) if isinstance(x, ValueId) else x
+                            for x in rec.leaves]
+                    a, k = unflatten_call(real, rec.spec)
+                    result = rec.func(*a, **k)
+                    if rec.outputs:
+                        if rec.out_spec == "setitem":
+                            tensors = [real[0]]
+                        elif isinstance(result, torch.Tensor):
+                            tensors = [result]
+                        else:
+                            tensors = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
+                        for vid, t in zip(rec.outputs, tensors):
+                            env[vid] = t
+                elif kind == "region":
+                    self._run_region(item)
+                else:  # an optimizer step: its own Python (the pre-hook finds a fused step at self.pos)
+                    self.pos = item
+                    trace.step_calls[item][0]().step()
+            self.pos = len(trace.calls)
+        finally:
+            _active.replay = None
+        return result_of(trace, env)
+
     def step_begins(self, optimizer=None, args=(), kwargs=None):
         """An optimizer.step() begins where the recording has one: its calls are all eager,
         so they run with this mode off the stack (no per-call checks), and the replay goes on
@@ -139,6 +177,9 @@ class Replay(TorchFunctionMode):
         end = self.trace.optimizer_steps.get(self.pos)
         if end is None or self.diverged or self.suspended_until is not None:
             return
+        if self.unwatched:  # (skip_python: no mode to take off the stack)
+            fused = self.trace.fused_steps.get(self.pos)
+            return fused.run(optimizer, args, kwargs or {}) if fused is not None else None
         if torch._C._len_torch_function_stack() == 0:
             return
         top = torch._C._pop_torch_function_stack()
@@ -471,6 +512,8 @@ class Replay(TorchFunctionMode):
         for vid, t in written.items():
             self.env[vid] = t
             self.shown[vid] = t
+        if self.unwatched:
+            return  # (skip_python: no Python to hand stand-ins to)
         # Stand-ins are made once per region and reused: capture proved no one keeps them.
         stand_ins = region.stand_ins
         if stand_ins is None:

@@ -15,6 +15,11 @@ from dataclasses import dataclass, field
 import torch
 
 
+# what a recorded call holds in place of a Python function it was given (a hook): the recording
+# does not keep the function alive, and a replay re-runs the Python that makes a new one
+UNKEPT = "<a function, not kept by the recording>"
+
+
 class ValueId(int):
     """A recorded tensor value, distinct from an integer constant in a call's arguments."""
 
@@ -150,6 +155,12 @@ class Trace:
     # library calls compiled as a whole (clip_grad_norm_), by the index of their first recorded
     # call: runtime.clip_grad.FusedClipGradNorm (its ``end``: the index after its calls)
     fused_calls: dict = field(default_factory=dict)
+    # what the function returned: (pytree spec, leaves: ValueId per tensor, the value itself
+    # otherwise), or None where a tensor it returned was not made by a recorded call
+    result: tuple | None = None
+    # optimizer.step() calls by the index where each began: (weak reference to the optimizer,
+    # whether step() was given arguments): what skip_python calls in their place
+    step_calls: dict = field(default_factory=dict)
 
     def modes_match(self) -> bool:
         """Whether every module the recording ran is still in the same train/eval mode."""

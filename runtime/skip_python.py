@@ -1,0 +1,127 @@
+"""``compile(fn, skip_python=True)``: replaying the recorded torch calls without running ``fn``.
+
+The default replay runs the user's Python again and checks every torch call it makes against the
+recording (``runtime.replay``): whatever Python does, results are eager's. That check costs
+microseconds per torch call, and the Python itself (module ``__call__``s, ``zero_grad``'s loop)
+costs what it costs in eager. With ``skip_python=True`` the user promises that every call with
+the same guard key makes the same torch calls with the same constants and that ``fn``'s Python
+has no other effect (no prints, counters or Python state changed); later calls then make the
+recorded calls directly, as torch.compile's graphs do: each region's fused kernels, each eager
+call (``loss.backward()``, ``p.grad = None``) on the tensors it was recorded with, and each
+``optimizer.step()`` as the optimizer's own Python (its learning rate, state and hooks are read
+as eager reads them; a step the compiler fused runs its kernels).
+
+What stays guarded on every call, as on the default replay: the guard key (arguments' shapes,
+dtypes, devices, requires_grad, other arguments' values, grad mode, autocast), tensors reached
+inside (identity and metadata), modules' train/eval mode; and here also that no module the
+recording ran has forward or backward hooks (their Python would not run).
+
+Where the promise cannot hold, the function replays the default way, and the reason is logged
+once (``refusal``): the recording read a value into Python (``loss.item()``, ``if mask.any():``:
+the next calls may depend on it), passed a Python function to a torch call (a hook), called
+``optimizer.step()`` with arguments (a closure), returned a tensor no recorded call made, bound
+a value at its first use, or has other recordings for the same key (Python chose between paths).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.trace import UNKEPT, Trace, ValueId
+
+_PROFILER_RANGES = ("_record_function_enter", "_record_function_enter_new", "_record_function_exit")
+
+
+def is_profiler_range(func) -> bool:
+    """A ``record_function`` range's enter or exit (zero_grad's, the optimizer's): a range around
+    calls, with a handle made per call; skip_python leaves them out."""
+    name = getattr(func, "__name__", "") or ""
+    return name in _PROFILER_RANGES or name.startswith("_record_function_exit") or (
+        "profiler" in (getattr(func, "__module__", "") or "") and "record_function" in name)
+
+
+def refusal(trace: Trace) -> str | None:
+    """Why this recording cannot be replayed without its Python, or None (remembered per trace)."""
+    memo = trace.__dict__.get("_skip_python_refusal", False)
+    if memo is not False:
+        return memo
+    reason = _refusal(trace)
+    trace.__dict__["_skip_python_refusal"] = reason
+    return reason
+
+
+def _refusal(trace: Trace) -> str | None:
+    if trace.result is None:
+        return "it returns a tensor that no recorded torch call made"
+    if trace.transient:
+        return "a tensor it uses appears without a torch call (bound at its first use on replay)"
+    for start, (_, given_arguments) in trace.step_calls.items():
+        if given_arguments and start in trace.optimizer_steps:
+            return "it calls optimizer.step() with arguments (a closure runs Python)"
+    steps = set()  # (an optimizer step runs as its own Python: what it reads inside is its business)
+    for start, end in trace.optimizer_steps.items():
+        if start not in trace.step_calls:
+            return "an optimizer step began where no optimizer.step() call was recorded"
+        steps.update(range(start, end))
+    if trace.graph_breaks or any(c.guarded for i, c in enumerate(trace.calls) if i not in steps):
+        return "it reads a value into Python (the torch calls after it may depend on the value)"
+    for i, call in enumerate(trace.calls):
+        if i in steps or is_profiler_range(call.func):
+            continue
+        for leaf in call.constant_slots:
+            value = leaf[1]
+            if (type(value) is str and value == UNKEPT) or (callable(value) and not isinstance(value, type)):
+                return f"it passes a Python function to {getattr(call.func, '__name__', call.func)} (a hook)"
+    return None
+
+
+def plan(trace: Trace) -> list:
+    """What a skip_python replay does, in order (made once per recording): ``("region", i)`` at
+    a compiled region's first call (its other calls are answered by it), ``("step", start)``
+    for an optimizer step (its recorded calls are the optimizer's own Python's), ``("call",
+    TraceCall)`` for every other call; profiler ranges left out."""
+    memo = trace.__dict__.get("_skip_python_plan")
+    if memo is not None:
+        return memo
+    out, seen, i, calls = [], set(), 0, trace.calls
+    while i < len(calls):
+        end = trace.optimizer_steps.get(i)
+        if end is not None:
+            out.append(("step", i))
+            i = end
+            continue
+        rec = calls[i]
+        i += 1
+        if rec.kind == "compute":
+            if rec.region not in seen:
+                seen.add(rec.region)
+                out.append(("region", rec.region))
+            if trace.regions[rec.region].compiled is not None:
+                continue
+        elif is_profiler_range(rec.func):
+            continue
+        out.append(("call", rec))
+    trace.__dict__["_skip_python_plan"] = out
+    return out
+
+
+def hooks_in_the_way(trace: Trace) -> str | None:
+    """Module hooks whose Python skip_python would not run, now (checked per call: cheap)."""
+    modules = torch.nn.modules.module
+    if (modules._global_forward_hooks or modules._global_forward_pre_hooks or modules._global_backward_hooks
+            or modules._global_backward_pre_hooks):
+        return "global module hooks are registered"
+    for ref, _ in trace.module_modes:
+        m = ref()
+        if m is not None and (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+                              or m._backward_pre_hooks):
+            return f"a {type(m).__name__} it runs has hooks"
+    return None
+
+
+def result_of(trace: Trace, env: dict):
+    """The function's result, rebuilt from the replay's values."""
+    spec, leaves = trace.result
+    from torch.utils._pytree import tree_unflatten
+
+    return tree_unflatten([env[v] if isinstance(v, ValueId) else v for v in leaves], spec)

@@ -1,0 +1,111 @@
+"""compile(fn, skip_python=True): replays make the recorded torch calls without running fn's
+Python (runtime.skip_python), with eager's values; where the promise cannot hold, the checked
+replay runs instead and says why."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import compiler
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g)
+
+
+def _make_step(counter):
+    def train_step(model, opt, x, y):
+        counter.append(1)  # Python the replays skip (the promise: nothing the results depend on)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    return train_step
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda p: torch.optim.Adam(p, lr=1e-2),
+    lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
+], ids=["adam", "sgd_nesterov"])
+def test_replays_skip_the_python_and_match_eager_over_steps(make_opt):
+    x, y = _data()
+    model, eager_model = _model(), _model()
+    opt, eager_opt = make_opt(model.parameters()), make_opt(eager_model.parameters())
+    runs = []
+    step = compiler.compile(_make_step(runs), skip_python=True)
+    eager_step = _make_step([])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.9 ** i)
+    eager_scheduler = torch.optim.lr_scheduler.LambdaLR(eager_opt, lambda i: 0.9 ** i)
+    for _ in range(12):
+        loss, expected = step(model, opt, x, y), eager_step(eager_model, eager_opt, x, y)
+        torch.testing.assert_close(loss, expected)
+        assert loss.grad_fn is not None and model[0].weight.grad is None  # zero_grad(set_to_none) made
+        scheduler.step()  # (a new lr every step: optimizer.step() runs as its own Python, reading it)
+        eager_scheduler.step()
+    assert len(runs) <= 2, "the function's Python ran on replays"  # the recording (+ the first step's state)
+    assert step.stats["replays"] >= 10 and step.stats["divergences"] == 0
+    assert step.stats.get("optimizer_launches", 0) >= 10  # the fused optimizer kernels, through the pre-hook
+    for p, q in zip(model.parameters(), eager_model.parameters()):
+        torch.testing.assert_close(p, q)
+        for key, value in eager_opt.state[q].items():
+            torch.testing.assert_close(opt.state[p][key], value)
+
+
+def test_a_value_read_into_python_keeps_the_checked_replay_and_says_why(caplog):
+    runs = []
+
+    def f(x):
+        runs.append(1)
+        y = x.sin()
+        if y.sum().item() > 0:  # Python decides with a value: the calls after it depend on it
+            return y * 2
+        return y - 1
+
+    compiled = compiler.compile(f, skip_python=True)
+    x = torch.randn(64)
+    with caplog.at_level(logging.INFO, logger="compiler"):
+        for sign in (1, 1, -1, -1):
+            torch.testing.assert_close(compiled(x.abs() * sign), f(x.abs() * sign))
+    assert len(runs) == 8  # (4 compiled calls ran their Python, 4 eager)
+    assert any("skip_python" in r.getMessage() and "reads a value" in r.getMessage() for r in caplog.records)
+
+
+def test_a_module_hook_added_after_the_recording_runs_the_python():
+    model = _model()
+    x = torch.randn(8, 4)
+    step = compiler.compile(lambda m, x: m(x).square().mean(), skip_python=True)
+    step(model, x)
+    step(model, x)
+    assert step.stats["replays"] == 1
+    seen = []
+    handle = model[0].register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    try:
+        torch.testing.assert_close(step(model, x), model(x).square().mean())
+    finally:
+        handle.remove()
+    assert len(seen) == 2  # the compiled call ran the module's Python (its hook), then eager's call
+
+
+def test_a_hook_registered_inside_keeps_the_checked_replay():
+    grads = []
+
+    def f(x):
+        y = x.exp()
+        y.register_hook(lambda g: grads.append(g.clone()))
+        return y.sum()
+
+    compiled = compiler.compile(f, skip_python=True)
+    for _ in range(3):
+        x = torch.randn(5, requires_grad=True)
+        compiled(x).backward()
+        torch.testing.assert_close(grads[-1], torch.ones(5))
+    assert len(grads) == 3  # each call's hook ran: the function's Python was not skipped
