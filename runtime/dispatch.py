@@ -101,18 +101,22 @@ class CompiledFunction:
         if self.disabled:
             return self._eager(self.disabled, args, kwargs)
         key = _guard_key(spec, leaves, self.dynamic)
-        if key not in self.cache and self._note_changing_scalars(spec, leaves):
-            key = _guard_key(spec, leaves, self.dynamic)
-        if self.stored is not None and (key not in self.cache or key in self.stored_pending):
-            self._load_stored(key, spec, leaves, backend, why)  # an earlier process's recording: replayed, not recorded
-        if key not in self.cache and tensors and self.shapes.enabled:
-            self._instantiate(key, spec, leaves)  # sizes a template covers: an entry without recording
-        variants = self.cache.get(key, [])
-        if key in self.needs_variant:  # the last call took a path no recording has: record it
-            self.needs_variant.discard(key)
-            if guard_log.on():
-                guard_log.log_miss(self.__name__, "the last two calls left their recording: recording the path taken")
-            return self._record(key, backend, why, args, kwargs, recapture=True)
+        variants = self.cache.get(key)
+        # (the common case, a key seen before with nothing pending on it, hashes the key once)
+        if variants is None or self.stored_pending or self.needs_variant:
+            if variants is None and self._note_changing_scalars(spec, leaves):
+                key = _guard_key(spec, leaves, self.dynamic)
+            if self.stored is not None and (key not in self.cache or key in self.stored_pending):
+                self._load_stored(key, spec, leaves, backend, why)  # an earlier process's recording: replayed
+            if key not in self.cache and tensors and self.shapes.enabled:
+                self._instantiate(key, spec, leaves)  # sizes a template covers: an entry without recording
+            variants = self.cache.get(key, [])
+            if key in self.needs_variant:  # the last call took a path no recording has: record it
+                self.needs_variant.discard(key)
+                if guard_log.on():
+                    guard_log.log_miss(self.__name__,
+                                       "the last two calls left their recording: recording the path taken")
+                return self._record(key, backend, why, args, kwargs, recapture=True)
         entry = None
         for candidate in list(variants):
             if candidate.trace is None:  # its recording failed on a bug (logged then): eager
@@ -139,6 +143,7 @@ class CompiledFunction:
         self.stats["replays"] += 1
         mode = Replay(entry.trace, tensors, externals, alternatives=[e.trace for e in variants if e is not entry])
         if self.skip_python and self._python_skippable(entry, variants):
+            self.last_entry = entry
             return mode.run_calls()
         result = mode.run(self.fn, args, kwargs)
         mode.finish()

@@ -143,11 +143,15 @@ class Replay(TorchFunctionMode):
         try:
             for kind, item in plan(trace):
                 if kind == "call":
-                    rec = item
-                    real = [(env[x] if x in env else self._materialize(x)) if isinstance(x, ValueId) else x
-                            for x in rec.leaves]
-                    a, k = unflatten_call(real, rec.spec)
-                    result = rec.func(*a, **k)
+                    rec, slots, positional = item
+                    real = list(rec.leaves)
+                    for i, vid in slots:
+                        real[i] = env[vid] if vid in env else self._materialize(vid)
+                    if positional:  # (the common case: positional arguments, each a leaf)
+                        result = rec.func(*real)
+                    else:
+                        a, k = unflatten_call(real, rec.spec)
+                        result = rec.func(*a, **k)
                     if rec.outputs:
                         if rec.out_spec == "setitem":
                             tensors = [real[0]]
@@ -159,6 +163,9 @@ class Replay(TorchFunctionMode):
                             env[vid] = t
                 elif kind == "region":
                     self._run_region(item)
+                elif kind == "grads_none":
+                    for vid in item:
+                        env[vid].grad = None
                 else:  # an optimizer step: its own Python (the pre-hook finds a fused step at self.pos)
                     self.pos = item
                     trace.step_calls[item][0]().step()
@@ -493,25 +500,11 @@ class Replay(TorchFunctionMode):
         except KeyError:
             raise Diverged("a value the compiled region reads was not made this time") from None
         self.done_regions.add(index)
-        with torch.set_grad_enabled(region.grad_enabled):
-            outs = region.compiled(inputs)
-            written = dict(zip(region.output_ids, outs))
-            for vid in region.mutated:
-                # NOTE: in-place ops were compiled functionally; write the final value back
-                # into the real tensor, as eager's in-place op would have left it: same object,
-                # version counter bumped, autograd history through the compiled region.
-                target = self.env[vid]
-                target.copy_(written[vid])
-                for _ in range(region.writes.get(vid, 1) - 1):  # as many bumps as eager's in-place ops
-                    torch.autograd.graph.increment_version(target)
-                written[vid] = target
-            for vid, (base, steps) in region.views.items():
-                # NOTE: the kernels computed the view's value into fresh memory; eager's view
-                # still shares its base's, so later in-place writes through it change the base
-                written[vid] = apply_views(written[base], steps)
-        for vid, t in written.items():
-            self.env[vid] = t
-            self.shown[vid] = t
+        if torch.is_grad_enabled() == region.grad_enabled:  # (the usual case: no context to enter)
+            self._region_results(region, inputs)
+        else:
+            with torch.set_grad_enabled(region.grad_enabled):
+                self._region_results(region, inputs)
         if self.unwatched:
             return  # (skip_python: no Python to hand stand-ins to)
         # Stand-ins are made once per region and reused: capture proved no one keeps them.
@@ -521,6 +514,28 @@ class Replay(TorchFunctionMode):
         for vid, s in stand_ins.items():
             self.shown[vid] = s
             self.stand_ins[id(s)] = vid
+
+    def _region_results(self, region, inputs):
+        """Run a compiled region on ``inputs``; its results (in-place writes written back into
+        the real tensors, views remade from their real bases) join the replay's values."""
+        outs = region.compiled(inputs)
+        written = dict(zip(region.output_ids, outs))
+        for vid in region.mutated:
+            # NOTE: in-place ops were compiled functionally; write the final value back
+            # into the real tensor, as eager's in-place op would have left it: same object,
+            # version counter bumped, autograd history through the compiled region.
+            target = self.env[vid]
+            target.copy_(written[vid])
+            for _ in range(region.writes.get(vid, 1) - 1):  # as many bumps as eager's in-place ops
+                torch.autograd.graph.increment_version(target)
+            written[vid] = target
+        for vid, (base, steps) in region.views.items():
+            # NOTE: the kernels computed the view's value into fresh memory; eager's view
+            # still shares its base's, so later in-place writes through it change the base
+            written[vid] = apply_views(written[base], steps)
+        self.env.update(written)
+        if not self.unwatched:
+            self.shown.update(written)
 
     # -- after a divergence: everything eagerly, stand-ins recomputed -------------------------
     def _eager(self, func, args, kwargs):

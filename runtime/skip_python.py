@@ -26,7 +26,9 @@ a value at its first use, or has other recordings for the same key (Python chose
 from __future__ import annotations
 
 import torch
+from torch.utils._pytree import tree_unflatten
 
+from runtime.torch_functions import is_state_read
 from runtime.trace import UNKEPT, Trace, ValueId
 
 _PROFILER_RANGES = ("_record_function_enter", "_record_function_enter_new", "_record_function_exit")
@@ -79,10 +81,17 @@ def plan(trace: Trace) -> list:
     """What a skip_python replay does, in order (made once per recording): ``("region", i)`` at
     a compiled region's first call (its other calls are answered by it), ``("step", start)``
     for an optimizer step (its recorded calls are the optimizer's own Python's), ``("call",
-    TraceCall)`` for every other call; profiler ranges left out."""
+    (TraceCall, its value slots, whether its arguments are all positional leaves))`` for every
+    other call, ``("grads_none", value ids)`` for a run of ``p.grad = None``; profiler ranges and
+    reads of a tensor's state whose result nothing uses left out."""
     memo = trace.__dict__.get("_skip_python_plan")
     if memo is not None:
         return memo
+    # values something reads: a later call, a region, the result (a state read nobody uses,
+    # zero_grad's ``if p.grad is not None``, is left out: reading changes nothing)
+    used = {v for c in trace.calls for v in c.leaves if isinstance(v, ValueId)}
+    used.update(v for r in trace.regions for v in r.input_ids)
+    used.update(v for v in trace.result[1] if isinstance(v, ValueId))
     out, seen, i, calls = [], set(), 0, trace.calls
     while i < len(calls):
         end = trace.optimizer_steps.get(i)
@@ -98,11 +107,26 @@ def plan(trace: Trace) -> list:
                 out.append(("region", rec.region))
             if trace.regions[rec.region].compiled is not None:
                 continue
-        elif is_profiler_range(rec.func):
+        elif is_profiler_range(rec.func) or (is_state_read(rec.func) and not used.intersection(rec.outputs)):
             continue
-        out.append(("call", rec))
+        elif _sets_grad_to_none(rec):  # zero_grad: p.grad = None, the parameters' run gathered in one step
+            if out and out[-1][0] == "grads_none":
+                out[-1][1].append(rec.leaves[0])
+            else:
+                out.append(("grads_none", [rec.leaves[0]]))
+            continue
+        spec = rec.spec
+        positional = type(spec) is tuple and spec[0] != "tree" and not spec[1]
+        out.append(("call", (rec, rec.value_slots, positional)))
     trace.__dict__["_skip_python_plan"] = out
     return out
+
+
+def _sets_grad_to_none(rec) -> bool:
+    func = rec.func
+    return (getattr(func, "__name__", None) == "__set__" and getattr(getattr(func, "__self__", None), "__name__", None)
+            == "grad" and len(rec.leaves) == 2 and isinstance(rec.leaves[0], ValueId) and rec.leaves[1] is None
+            and not rec.outputs)
 
 
 def hooks_in_the_way(trace: Trace) -> str | None:
@@ -122,6 +146,6 @@ def hooks_in_the_way(trace: Trace) -> str | None:
 def result_of(trace: Trace, env: dict):
     """The function's result, rebuilt from the replay's values."""
     spec, leaves = trace.result
-    from torch.utils._pytree import tree_unflatten
-
+    if spec.is_leaf():  # (the usual case: a loss)
+        return env[leaves[0]] if isinstance(leaves[0], ValueId) else leaves[0]
     return tree_unflatten([env[v] if isinstance(v, ValueId) else v for v in leaves], spec)

@@ -54,6 +54,7 @@ def test_replays_skip_the_python_and_match_eager_over_steps(make_opt):
     assert len(runs) <= 2, "the function's Python ran on replays"  # the recording (+ the first step's state)
     assert step.stats["replays"] >= 10 and step.stats["divergences"] == 0
     assert step.stats.get("optimizer_launches", 0) >= 10  # the fused optimizer kernels, through the pre-hook
+    assert step.last_entry is not None and step.last_entry.report.kernels  # (explain's view of the last call)
     for p, q in zip(model.parameters(), eager_model.parameters()):
         torch.testing.assert_close(p, q)
         for key, value in eager_opt.state[q].items():
