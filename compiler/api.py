@@ -149,7 +149,8 @@ def explain(fn, *args, **kwargs) -> Report:
     return entry.report
 
 
-def _build(fn, args, kwargs, *, fullgraph=False, stats=None, memory="balanced", shape_generic=False):
+def _build(fn, args, kwargs, *, fullgraph=False, stats=None, memory="balanced", shape_generic=False,
+           other_path=False):
     name = _name(fn)
     try:
         result, trace = capture(fn, args, kwargs)
@@ -159,6 +160,7 @@ def _build(fn, args, kwargs, *, fullgraph=False, stats=None, memory="balanced", 
         report = Report(graph=None, backward_graph=None, kernels=[], fallbacks=[], eager_calls=[],
                         internal_errors=[str(failed)])
         return failed.result, Entry(None, report)
+    trace.other_path = other_path
     # (bytes now: compiling changes the trace; written once it compiled, for other processes)
     stored = None if shape_generic else recordings.prepare(fn, args, kwargs, trace)
     entry = _compile_trace(name, trace, fullgraph=fullgraph, stats=stats, memory=memory, shape_generic=shape_generic)

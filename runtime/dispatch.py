@@ -116,7 +116,7 @@ class CompiledFunction:
                 if guard_log.on():
                     guard_log.log_miss(self.__name__,
                                        "the last two calls left their recording: recording the path taken")
-                return self._record(key, backend, why, args, kwargs, recapture=True)
+                return self._record(key, backend, why, args, kwargs, recapture=True, other_path=True)
         entry = None
         for candidate in list(variants):
             if candidate.trace is None:  # its recording failed on a bug (logged then): eager
@@ -181,8 +181,9 @@ class CompiledFunction:
         reason = skip_python.refusal(entry.trace)
         if reason is None and entry.instantiated:
             reason = "its recording was instantiated for new sizes (compiler.dynamic)"
-        if reason is None and any(e is not entry and e.trace is not None and e.trace.modes_match() for e in variants):
-            reason = "Python took more than one path with these arguments (several recordings)"
+        if reason is None and any(e.trace is not None and e.trace.other_path and e.trace.modes_match()
+                                  for e in variants):
+            reason = "Python took another path with these arguments (a recording of it was made)"
         if reason is None:
             reason = skip_python.hooks_in_the_way(entry.trace)
         if reason is None:
@@ -262,7 +263,7 @@ class CompiledFunction:
                          "specialize on it", logging.INFO)
         return changed
 
-    def _record(self, key, backend, why, args, kwargs, recapture=False, seen=_UNCHECKED):
+    def _record(self, key, backend, why, args, kwargs, recapture=False, seen=_UNCHECKED, other_path=False):
         """Record a call. ``seen``: the key's recordings when the caller found none to replay;
         if another thread recorded the key since, this call replays that instead."""
         with self.lock:
@@ -270,11 +271,11 @@ class CompiledFunction:
             # (recordings are made one at a time): replay it, or record another mode's
             recorded_meanwhile = seen is not _UNCHECKED and self.cache.get(key) is not seen
             if not recorded_meanwhile:
-                return self._record_now(key, backend, why, args, kwargs, recapture)
+                return self._record_now(key, backend, why, args, kwargs, recapture, other_path)
         self.stats["calls"] -= 1  # counted again by the call below
         return self(*args, **kwargs)
 
-    def _record_now(self, key, backend, why, args, kwargs, recapture):
+    def _record_now(self, key, backend, why, args, kwargs, recapture, other_path=False):
         with self.lock:
             if recapture:
                 self.recaptures += 1
@@ -287,6 +288,8 @@ class CompiledFunction:
             # (a recording under a dynamic key: its kernels shape-generic, as its instantiations' are)
             dynamic = self.shapes.enabled and self.shapes.is_dynamic(key, args, kwargs)
             generic = {"shape_generic": True} if dynamic else {}
+            if other_path:  # (Python left the key's recording twice in a row: skip_python must not guess)
+                generic["other_path"] = True
             result, entry = self.builder(self.fn, args, kwargs, fullgraph=self.fullgraph, stats=self.stats, **generic)
             entry.report.backend = backend
             entry.report.backend_reason = why

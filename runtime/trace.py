@@ -161,6 +161,9 @@ class Trace:
     # optimizer.step() calls by the index where each began: (weak reference to the optimizer,
     # whether step() was given arguments): what skip_python calls in their place
     step_calls: dict = field(default_factory=dict)
+    # recorded because Python left the key's other recordings (a path they do not have): with
+    # such a recording beside it, skip_python cannot know which path Python would take
+    other_path: bool = False
 
     def modes_match(self) -> bool:
         """Whether every module the recording ran is still in the same train/eval mode."""

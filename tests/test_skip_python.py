@@ -110,3 +110,29 @@ def test_a_hook_registered_inside_keeps_the_checked_replay():
         compiled(x).backward()
         torch.testing.assert_close(grads[-1], torch.ones(5))
     assert len(grads) == 3  # each call's hook ran: the function's Python was not skipped
+
+
+BRANCH = [True]
+
+
+def two_paths(x):
+    y = x.cos()
+    return (y * 3 if BRANCH[0] else y - 3).sum()
+
+
+def test_a_key_whose_python_took_another_path_keeps_the_checked_replay(caplog):
+    compiled = compiler.compile(two_paths)  # checked replays: they see Python change paths
+    x = torch.randn(8)
+    for branch in (True, True, False, False, False):
+        BRANCH[0] = branch
+        torch.testing.assert_close(compiled(x), two_paths(x))
+    assert any(e.trace.other_path for variants in compiled.cache.values() for e in variants)
+    compiled.skip_python = True  # (as compile(..., skip_python=True) would have it from now on)
+    try:
+        with caplog.at_level(logging.INFO, logger="compiler"):
+            for branch in (True, False, True):
+                BRANCH[0] = branch
+                torch.testing.assert_close(compiled(x), two_paths(x))  # each path right: Python ran
+    finally:
+        BRANCH[0] = True
+    assert any("another path" in r.getMessage() for r in caplog.records)
