@@ -74,7 +74,9 @@ def clear_cache() -> None:
 
 
 @functools.lru_cache(maxsize=1)
-def _versions() -> str:
+def build_versions() -> str:
+    """The versions every cache key holds: Python, torch, triton, sympy, and a hash of this
+    package's own source (an edit or an upgrade never loads a stale entry)."""
     import sympy
     import torch
     import triton
@@ -110,7 +112,7 @@ def region_key(graph: fx.Graph, mutated, options: dict) -> str | None:
     text (an object printed by address): such a region is compiled every time."""
     index = {}
     options = sorted((k, sorted(v) if isinstance(v, (set, frozenset)) else v) for k, v in options.items())
-    parts = [_versions(), _settings(), repr(sorted(mutated)), repr(options)]
+    parts = [build_versions(), _settings(), repr(sorted(mutated)), repr(options)]
     for i, node in enumerate(graph.nodes):
         index[node] = i
         target = node.target
@@ -147,7 +149,8 @@ def _launch(args, fields, state):
     return launch
 
 
-class _Pickler(pickle.Pickler):
+class RegionPickler(pickle.Pickler):
+    """Pickles compiled regions: kernel launches without what they loaded at run time."""
     dispatch_table = copyreg.dispatch_table.copy()
     dispatch_table[KernelLaunch] = _reduce_launch
 
@@ -160,7 +163,7 @@ def store(key: str, region, backward_graph, kernels) -> None:
             setattr(region, name, None)
         region.stats = {}
         buffer = io.BytesIO()
-        _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(
+        RegionPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(
             {"region": region, "lazy": [n for n in _LAZY if saved[n] is not None],
              "backward_graph": backward_graph, "kernels": kernels})
     except Exception as e:  # noqa: BLE001 — something in it does not pickle: compiled each time, said once

@@ -84,7 +84,7 @@ def recordings_dir() -> str:
 def portable_key(fn, spec, leaves) -> str:
     """The key of a call across processes (a hex digest). Raises NotStorable where the function or
     an argument has no description that means the same in another process."""
-    parts = [persist._versions(), _function_identity(fn), repr(spec), repr(torch.is_grad_enabled()),
+    parts = [persist.build_versions(), _function_identity(fn), repr(spec), repr(torch.is_grad_enabled()),
              repr(tuple((torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None)
                         for d in ("cpu", "cuda")))]
     parts.extend(_describe_argument(x) for x in leaves)
@@ -311,7 +311,7 @@ def _treespec_loads(text):
     return pytree.treespec_loads(text)
 
 
-class _Writer(persist._Pickler):
+class _Writer(persist.RegionPickler):
     def __init__(self, buffer, index: _Index):
         super().__init__(buffer, protocol=pickle.HIGHEST_PROTOCOL)
         self.index = index

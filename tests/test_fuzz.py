@@ -90,6 +90,30 @@ def test_seeded_programs_match_eager(chunk):
     assert not failures, "\n\n".join(failures)
 
 
+def test_seeded_programs_match_eager_without_their_python(monkeypatch):
+    """The same programs compiled with ``skip_python=True`` (they keep its promise: pure torch
+    code): the replayed call makes the recorded calls directly, and must show what eager shows.
+    The long run: ``SYMGRAD_FUZZ_SKIP_PYTHON=1 python -m tests.fuzz --count 10000``."""
+    from runtime.replay import Replay
+    from tests.fuzz import check
+
+    monkeypatch.setattr(check, "SKIP_PYTHON", True)
+    skipped = []
+    run_calls = Replay.run_calls
+    monkeypatch.setattr(Replay, "run_calls", lambda self: skipped.append(1) or run_calls(self))
+    failures = []
+    for seed in range(0, min(SEEDED, 400), 4):
+        program = draw_program(RandomChooser(seed))
+        try:
+            check_program(program)
+        except KnownBug:
+            pass
+        except AssertionError as e:
+            failures.append(f"seed {seed}:\n{program}\n{e}")
+    assert not failures, "\n\n".join(failures)
+    assert len(skipped) >= 60, "few programs replayed without their Python"
+
+
 # -- regression tests: programs the fuzzer found (shrunk), fixed -------------------------------
 def _program(inputs, lines, outputs):
     return Program([Input(shape, dtype, layout, grad, seed) for shape, dtype, layout, grad, seed in inputs],

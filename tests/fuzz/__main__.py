@@ -3,7 +3,9 @@
 Program k is drawn from ``random.Random(seed + k)``, so ``--seed S --count 1`` reproduces
 one case. Unlike the pytest run it does not stop at the first failure: it checks every
 program, prints each failure with its source, and (with ``--results``) writes a summary.
-Run it from the repository root (kernels go to ``$SYMGRAD_CACHE_DIR``).
+Run it from the repository root (kernels go to ``$SYMGRAD_CACHE_DIR``). With
+``SYMGRAD_FUZZ_SKIP_PYTHON=1`` each program is compiled with ``skip_python=True``: its replayed
+call makes the recorded calls without the program's Python (last run: RESULTS-skip-python.md).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ os.environ.setdefault("SYMGRAD_CACHE_DIR", tempfile.mkdtemp(prefix="symgrad-fuzz
 os.environ.setdefault("SYMGRAD_STORED_RECORDINGS", "0")
 
 import compiler  # noqa: E402,F401  (before anything imports triton)
-from tests.fuzz.check import KnownBug, Mismatch, check_program  # noqa: E402
+from tests.fuzz.check import SKIP_PYTHON, KnownBug, Mismatch, check_program  # noqa: E402
 from tests.fuzz.program import RandomChooser, draw_program  # noqa: E402
 
 
@@ -70,7 +72,9 @@ def _write_results(args, done, errors_checked, failures, fallbacks, known, elaps
     lines = [
         "# Fuzz run results", "",
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        f"- command: `python -m tests.fuzz --count {args.count} --seed {args.seed}`",
+        f"- command: `{'SYMGRAD_FUZZ_SKIP_PYTHON=1 ' if SKIP_PYTHON else ''}python -m tests.fuzz --count {args.count} "
+        f"--seed {args.seed}`" + (" (the replayed call makes the recorded calls without the program's Python: "
+                                  "compile(..., skip_python=True))" if SKIP_PYTHON else ""),
         f"- programs checked: {done} of {args.count} ({errors_checked} of them raise in eager; "
         "the compiled call must raise the same)",
         f"- time: {elapsed:.0f} s ({elapsed / max(done, 1):.2f} s a program, Triton interpreter)",
