@@ -14,7 +14,8 @@ again by walking it in the new process:
   them), the function itself when it is a module or the ``self`` of a bound method, its closure
   cells and the globals its code names;
 * steps: a module's submodules, parameters and buffers by name; an optimizer's parameters by
-  group and position and their state (``exp_avg``...) by key; items of lists, tuples and dicts.
+  group and position and their state (``exp_avg``...) by key; items of lists, tuples and dicts;
+  the attributes of a bound method's object (a trainer's ``self.model``, ``self.opt``).
 
 So a parameter the recording read as ``model.0.weight`` is the new process's ``model.0.weight``
 (guarded at replay by identity, as always). A recording that holds something no path reaches (a
@@ -251,10 +252,15 @@ class _Index:
                     for key, value in obj.state.get(p, {}).items():
                         if isinstance(value, torch.Tensor) and isinstance(key, str):
                             self._add(value, path + (("state", gi, pi, key),))
-        elif depth == 0 and type(obj) in (list, tuple):
+        elif depth == 0 and path == (("self",),) and hasattr(obj, "__dict__"):
+            # the object of a bound method (a trainer's ``self.step``): its attributes, one level
+            for name, value in vars(obj).items():
+                if isinstance(name, str) and (isinstance(value, _HELD) or type(value) in (list, tuple, dict)):
+                    self._walk(value, path + (("attr", name),), depth + 1)
+        elif depth <= 1 and type(obj) in (list, tuple):
             for k, v in enumerate(obj):
                 self._walk(v, path + (("item", k),), depth + 1)
-        elif depth == 0 and type(obj) is dict:
+        elif depth <= 1 and type(obj) is dict:
             for k, v in obj.items():
                 if type(k) in (str, int):
                     self._walk(v, path + (("item", k),), depth + 1)
@@ -285,6 +291,8 @@ def resolve(path, fn, leaves):
                 obj = obj.state[obj.param_groups[step[1]]["params"][step[2]]][step[3]]
             elif kind == "item":
                 obj = obj[step[1]]
+            elif kind == "attr":
+                obj = vars(obj)[step[1]]
             else:
                 raise KeyError(kind)
         except (AttributeError, IndexError, KeyError, TypeError):
@@ -296,7 +304,7 @@ def _describe_path(path) -> str:
     root = path[0]
     text = {"arg": lambda: f"argument {root[1]}", "self": lambda: "self"}.get(root[0], lambda: root[-1])()
     for step in path[1:]:
-        text += f".{step[1]}" if step[0] in ("module", "param", "buffer") else f"{list(step[1:])}"
+        text += f".{step[1]}" if step[0] in ("module", "param", "buffer", "attr") else f"{list(step[1:])}"
     return text
 
 

@@ -362,3 +362,30 @@ def test_a_fresh_process_replays_its_first_call(tmp_path, backend):
     for result in (cold, warm):
         assert result["close"] and result["params_close"], result
     assert warm["losses"] == pytest.approx(cold["losses"], rel=1e-6)
+
+
+class _Trainer:
+    def __init__(self):
+        self.model = _mlp()
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+    def step(self, x, y):
+        loss = F.mse_loss(self.model(x), y)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        return loss
+
+
+def test_a_bound_methods_object_is_a_root_its_attributes_found_again():
+    x, y = _data()
+    trainer = _Trainer()
+    compiler.compile(trainer.step)(x, y)
+
+    trainer, eager = _Trainer(), _Trainer()
+    again = compiler.compile(trainer.step)
+    for _ in range(3):
+        torch.testing.assert_close(again(x, y), eager.step(x, y))
+    assert again.stats["captures"] == 0 and again.stats["loaded"] == 1, again.stats
+    for p, q in zip(trainer.model.parameters(), eager.model.parameters()):
+        torch.testing.assert_close(p, q)
