@@ -149,10 +149,47 @@ def _launch(args, fields, state):
     return launch
 
 
+class _NodeRef:
+    """A node of a pickled graph, by its position (``_reduce_graph``)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def __reduce__(self):
+        return _NodeRef, (self.index,)
+
+
+def _reduce_graph(graph: fx.Graph):
+    """A graph as a flat list of its nodes. (Pickled as it is, an fx graph recurses once per node
+    through its linked list: a model's backward graph exceeds Python's recursion limit.)"""
+    index = {}
+    nodes = []
+    for i, node in enumerate(graph.nodes):
+        index[node] = i
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: _NodeRef(index[n]))
+        nodes.append((node.op, node.name, node.target, args, kwargs, node.type, dict(node.meta)))
+    return _rebuild_graph, (nodes,)
+
+
+def _rebuild_graph(nodes) -> fx.Graph:
+    graph, made = fx.Graph(), []
+    for op, name, target, args, kwargs, type_expr, meta in nodes:
+        args, kwargs = fx.node.map_aggregate(
+            (args, kwargs), lambda a: made[a.index] if isinstance(a, _NodeRef) else a)
+        node = graph.create_node(op, target, args, kwargs, name=name, type_expr=type_expr)
+        node.meta = meta
+        made.append(node)
+    return graph
+
+
 class RegionPickler(pickle.Pickler):
-    """Pickles compiled regions: kernel launches without what they loaded at run time."""
+    """Pickles compiled regions: kernel launches without what they loaded at run time, graphs as
+    flat lists of nodes."""
     dispatch_table = copyreg.dispatch_table.copy()
     dispatch_table[KernelLaunch] = _reduce_launch
+    dispatch_table[fx.Graph] = _reduce_graph
 
 
 def store(key: str, region, backward_graph, kernels) -> None:

@@ -146,3 +146,24 @@ def test_a_fresh_process_loads_what_another_compiled(tmp_path):
         results.append(json.loads(done.stdout.strip().splitlines()[-1]))
     assert [r["builds"] for r in results] == [1, 0]
     assert all(r["error"] < 1e-5 and r["loss_error"] < 1e-5 for r in results)
+
+
+def test_a_graph_longer_than_the_recursion_limit_is_stored_and_read_back():
+    """A model's backward graph has thousands of nodes; pickled as fx links them, each node is a
+    level of recursion (a 2-layer GPT-2's regions were not stored: RecursionError)."""
+    import io
+    import pickle
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    node = x
+    for _ in range(sys.getrecursionlimit() * 2):
+        node = graph.call_function(torch.add, (node, 1), {"alpha": 2})
+    graph.output((node, [x, {"last": node}]))
+    buffer = io.BytesIO()
+    persist.RegionPickler(buffer).dump(graph)
+    again = pickle.loads(buffer.getvalue())
+    assert [(n.op, n.name, n.target, str(n.args), str(n.kwargs)) for n in again.nodes] == \
+        [(n.op, n.name, n.target, str(n.args), str(n.kwargs)) for n in graph.nodes]
+    out = next(n for n in again.nodes if n.op == "output")
+    assert out.args[0][1][1]["last"] is out.args[0][0]  # (the same node, not a copy)
