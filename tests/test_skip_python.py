@@ -2,6 +2,7 @@
 Python (runtime.skip_python), with eager's values; where the promise cannot hold, the checked
 replay runs instead and says why."""
 
+import copy
 import logging
 
 import pytest
@@ -136,3 +137,33 @@ def test_a_key_whose_python_took_another_path_keeps_the_checked_replay(caplog):
     finally:
         BRANCH[0] = True
     assert any("another path" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_real_model_code_trains_like_eager_without_its_python(name):
+    pytest.importorskip("transformers")
+    from tests.test_models_hf import build
+
+    model, batch = build(name)
+    model.train()
+    eager_model = copy.deepcopy(model)
+    runs = []
+
+    def make_step(m, record_runs):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6)
+
+        def step(**batch):
+            record_runs.append(1)
+            loss = m(**batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+        return step
+
+    compiled, eager = compiler.compile(make_step(model, runs), skip_python=True), make_step(eager_model, [])
+    for _ in range(3):
+        torch.testing.assert_close(compiled(**batch), eager(**batch), atol=1e-4, rtol=1e-4)
+    assert len(runs) == 1, "the model's Python ran on replays"
+    for (key, a), (_, b) in zip(model.state_dict().items(), eager_model.state_dict().items()):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m, key=key: f"{name}: {key}: {m}")
