@@ -696,12 +696,14 @@ def capture(fn, args, kwargs):
                register_optimizer_step_post_hook(steps.end),
                register_optimizer_step_pre_hook(optimizer_steps.begin),
                optimizer_steps.watch_clipping()]  # clip_grad_norm_ calls, compiled as the steps are
+    seed = torch.initial_seed()
     try:
         with mode:
             result = fn(*args, **kwargs)
     finally:
         for handle in handles:
             handle.remove()
+    reseeded = torch.initial_seed() != seed  # (torch.manual_seed is no torch call the mode sees)
     del leaves
     if isinstance(mode.broken, InternalCompilerError):
         raise mode.broken  # (strict) the user's code caught it: a bug fails the call all the same
@@ -714,6 +716,7 @@ def capture(fn, args, kwargs):
             trace.step_calls = {found[0]: (found[1], found[2]) for found in optimizer_steps.found
                                 if type(found) is tuple}
             trace.result = _result_structure(mode, result)
+            trace.reseeded = reseeded
         except Exception as e:
             mode.broken = internal_error(f"{mode.fn_name} (analysing its recording)", e)
     if mode.broken is not None:

@@ -20,7 +20,8 @@ Where the promise cannot hold, the function replays the default way, and the rea
 once (``refusal``): the recording read a value into Python (``loss.item()``, ``if mask.any():``:
 the next calls may depend on it), passed a Python function to a torch call (a hook), called
 ``optimizer.step()`` with arguments (a closure), returned a tensor no recorded call made, bound
-a value at its first use, or has other recordings for the same key (Python chose between paths).
+a value at its first use, seeded the random generator (``torch.manual_seed`` is no torch call),
+or has a recording beside it made because Python took another path with the same key.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def refusal(trace: Trace) -> str | None:
 def _refusal(trace: Trace) -> str | None:
     if trace.result is None:
         return "it returns a tensor that no recorded torch call made"
+    if trace.reseeded:
+        return "it calls torch.manual_seed (not a torch call the recording sees)"
     if trace.transient:
         return "a tensor it uses appears without a torch call (bound at its first use on replay)"
     for start, (_, given_arguments) in trace.step_calls.items():

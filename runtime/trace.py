@@ -164,6 +164,7 @@ class Trace:
     # recorded because Python left the key's other recordings (a path they do not have): with
     # such a recording beside it, skip_python cannot know which path Python would take
     other_path: bool = False
+    reseeded: bool = False  # the call seeded the random generator (torch.manual_seed): no torch call records it
 
     def modes_match(self) -> bool:
         """Whether every module the recording ran is still in the same train/eval mode."""

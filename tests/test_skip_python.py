@@ -167,3 +167,82 @@ def test_real_model_code_trains_like_eager_without_its_python(name):
     assert len(runs) == 1, "the model's Python ran on replays"
     for (key, a), (_, b) in zip(model.state_dict().items(), eager_model.state_dict().items()):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m, key=key: f"{name}: {key}: {m}")
+
+
+def _same_as_eager(fn, make_inputs, calls=3):
+    """Call ``fn`` compiled with skip_python and eagerly on equal inputs; compare results, inputs
+    (in-place writes) and gradients. Returns the compiled function."""
+    compiled = compiler.compile(fn, skip_python=True)
+    for _ in range(calls):
+        ours, theirs = make_inputs(), make_inputs()
+        got, want = compiled(*ours), fn(*theirs)
+        torch.testing.assert_close(got, want)
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a, b)
+        loss_ours = sum(t.float().sum() for t in torch.utils._pytree.tree_leaves(got) if t.requires_grad)
+        loss_theirs = sum(t.float().sum() for t in torch.utils._pytree.tree_leaves(want) if t.requires_grad)
+        if isinstance(loss_ours, torch.Tensor):
+            loss_ours.backward()
+            loss_theirs.backward()
+            for a, b in zip(ours, theirs):
+                if a.requires_grad:
+                    torch.testing.assert_close(a.grad, b.grad)
+    assert compiled.stats["replays"] == calls - 1 and compiled.stats["divergences"] == 0
+    return compiled
+
+
+def _inputs(*shapes, grad=()):
+    def make():
+        g = torch.Generator().manual_seed(7)
+        return [torch.randn(*s, generator=g).requires_grad_(i in grad) for i, s in enumerate(shapes)]
+    return make
+
+
+def test_in_place_writes_into_arguments_no_grad_blocks_and_structured_results():
+    def f(x, w, buf):
+        y = (x @ w).relu()
+        with torch.no_grad():
+            buf.mul_(0.9).add_(y.mean(0), alpha=0.1)  # a running statistic, as batch norm keeps
+        z = y.sigmoid()
+        return {"out": z * 2, "view": z.t(), "pair": (y.sum(), buf)}
+
+    _same_as_eager(f, _inputs((8, 4), (4, 6), (6,), grad=(0, 1)))
+
+
+def test_random_ops_and_factories_inside():
+    def f(x):
+        mask = torch.rand(x.shape) > 0.5
+        noise = torch.randn_like(x)
+        return torch.where(mask, x * 2, x + noise) + torch.arange(x.shape[-1])
+
+    compiled = compiler.compile(f, skip_python=True)
+    for _ in range(3):
+        x = torch.randn(5, 7)
+        state = torch.random.get_rng_state()
+        got = compiled(x)
+        torch.random.set_rng_state(state)  # (eager draws the same numbers from the same state)
+        torch.testing.assert_close(got, f(x))
+    assert compiled.stats["replays"] == 2
+
+
+def test_manual_seed_inside_keeps_the_checked_replay(caplog):
+    def f(x):
+        torch.manual_seed(3)  # no torch call: a recording without Python would not reseed
+        return x + torch.randn_like(x)
+
+    x = torch.randn(6)
+    torch.manual_seed(12345)  # (another seed than f's: the recording sees the seed change)
+    compiled = compiler.compile(f, skip_python=True)
+    with caplog.at_level(logging.INFO, logger="compiler"):
+        for _ in range(3):
+            torch.testing.assert_close(compiled(x), f(x))
+    assert any("manual_seed" in r.getMessage() for r in caplog.records)
+
+
+def test_autocast_inside():
+    def f(x, w):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = x @ w
+        return y.float().tanh()
+
+    _same_as_eager(f, _inputs((8, 8), (8, 8), grad=(0, 1)))
