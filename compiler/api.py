@@ -152,6 +152,7 @@ def explain(fn, *args, **kwargs) -> Report:
 def _build(fn, args, kwargs, *, fullgraph=False, stats=None, memory="balanced", shape_generic=False,
            other_path=False):
     name = _name(fn)
+    stored_key = None if shape_generic else recordings.call_key(fn, args, kwargs)  # (before the call changes it)
     try:
         result, trace = capture(fn, args, kwargs)
     except RecordingFailed as failed:  # a bug (logged): this key runs eagerly from now on
@@ -162,7 +163,7 @@ def _build(fn, args, kwargs, *, fullgraph=False, stats=None, memory="balanced", 
         return failed.result, Entry(None, report)
     trace.other_path = other_path
     # (bytes now: compiling changes the trace; written once it compiled, for other processes)
-    stored = None if shape_generic else recordings.prepare(fn, args, kwargs, trace)
+    stored = recordings.prepare(fn, args, kwargs, trace, stored_key)
     entry = _compile_trace(name, trace, fullgraph=fullgraph, stats=stats, memory=memory, shape_generic=shape_generic)
     if stored is not None:
         recordings.write(stored)

@@ -421,16 +421,32 @@ class Stored:
     data: bytes
 
 
-def prepare(fn, args, kwargs, trace) -> Prepared | None:
-    """The recording ``trace`` of ``fn(*args, **kwargs)`` as bytes, or None where it cannot be
-    stored (said once at INFO, with why)."""
+def call_key(fn, args, kwargs) -> str | NotStorable | None:
+    """The key of ``fn(*args, **kwargs)``, taken before the call runs (as ``find`` takes it: the
+    call may change what the key describes, ``x.requires_grad_()``); the reason where it has none;
+    None where stored recordings are off."""
     if not enabled():
         return None
     from runtime.calls import flatten_call
 
     leaves, spec = flatten_call(args, kwargs)
     try:
-        key = portable_key(fn, spec, leaves)
+        return portable_key(fn, spec, leaves)
+    except NotStorable as e:
+        return e
+
+
+def prepare(fn, args, kwargs, trace, key) -> Prepared | None:
+    """The recording ``trace`` of ``fn(*args, **kwargs)`` as bytes, to be stored under ``key``
+    (``call_key``'s, before the call), or None where it cannot be stored (said at INFO, with why)."""
+    if key is None:
+        return None
+    from runtime.calls import flatten_call
+
+    leaves, _ = flatten_call(args, kwargs)
+    try:
+        if isinstance(key, NotStorable):
+            raise key
         buffer = io.BytesIO()
         writer = _Writer(buffer, _Index(fn, leaves))
         writer.dump(trace)

@@ -389,3 +389,16 @@ def test_a_bound_methods_object_is_a_root_its_attributes_found_again():
     assert again.stats["captures"] == 0 and again.stats["loaded"] == 1, again.stats
     for p, q in zip(trainer.model.parameters(), eager.model.parameters()):
         torch.testing.assert_close(p, q)
+
+
+def test_the_key_is_the_calls_before_it_runs():
+    def f(x):
+        x.requires_grad_()  # (the call changes what the key describes: stored under the key before)
+        return (x * 2).sum()
+
+    compiler.compile(f)(torch.randn(4))
+    again = compiler.compile(f)
+    x = torch.randn(4)
+    again(x).backward()
+    assert again.stats["captures"] == 0 and again.stats["loaded"] == 1
+    torch.testing.assert_close(x.grad, torch.full((4,), 2.0))
