@@ -31,10 +31,33 @@ _loaded: dict = {}
 
 def cache_dir() -> str:
     """The kernel cache directory: ``$SYMGRAD_CACHE_DIR`` or a per-user one under the temp dir."""
-    path = os.environ.get("SYMGRAD_CACHE_DIR") or os.path.join(
-        tempfile.gettempdir(), f"symgrad-{os.getuid()}", "kernels")
-    os.makedirs(path, exist_ok=True)
-    return path
+    chosen = os.environ.get("SYMGRAD_CACHE_DIR")
+    if chosen:
+        os.makedirs(chosen, exist_ok=True)
+        return chosen
+    return _default_cache_dir()
+
+
+_private: list = []  # a folder of this process's own, where the shared default is not safe
+
+
+def _default_cache_dir() -> str:
+    owner = os.path.join(tempfile.gettempdir(), f"symgrad-{os.getuid()}")
+    path = os.path.join(owner, "kernels")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    # NOTE: the cache holds code that is loaded (kernel sources) and pickles that are read: a
+    # folder under the shared temp dir that another user made (or may write) would let them
+    # run code here. Such a folder is not used.
+    info = os.stat(owner)
+    if info.st_uid == os.getuid() and not info.st_mode & 0o022:
+        return path
+    with _lock:
+        if not _private:
+            _private.append(tempfile.mkdtemp(prefix="symgrad-cache-"))
+            log.warning("compiler: %s belongs to another user or others may write it; caching in %s for this "
+                        "process only (set SYMGRAD_CACHE_DIR to a folder of your own to keep the cache)", owner,
+                        _private[0])
+    return _private[0]
 
 
 def load_kernel(name: str, source: str):

@@ -167,3 +167,19 @@ def test_a_graph_longer_than_the_recursion_limit_is_stored_and_read_back():
         [(n.op, n.name, n.target, str(n.args), str(n.kwargs)) for n in graph.nodes]
     out = next(n for n in again.nodes if n.op == "output")
     assert out.args[0][1][1]["last"] is out.args[0][0]  # (the same node, not a copy)
+
+
+def test_a_default_cache_folder_others_may_write_is_not_used(tmp_path, monkeypatch, caplog):
+    from runtime import kernels
+
+    monkeypatch.delenv("SYMGRAD_CACHE_DIR", raising=False)
+    monkeypatch.setattr(kernels.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(kernels, "_private", [])
+    shared = tmp_path / f"symgrad-{os.getuid()}"
+    assert kernels.cache_dir() == str(shared / "kernels")  # made here, ours: used
+    shared.chmod(0o777)  # (as if another user had made it first, open to all)
+    with caplog.at_level(logging.WARNING, logger="compiler"):
+        private = kernels.cache_dir()
+    assert not private.startswith(str(shared)) and os.path.isdir(private)
+    assert kernels.cache_dir() == private
+    assert any("another user or others may write it" in r.getMessage() for r in caplog.records)
