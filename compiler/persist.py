@@ -248,17 +248,21 @@ def load(key: str, rebuild):
         entry = pickle.loads(payload)
         region = entry["region"]
     except Exception as e:  # noqa: BLE001 — truncated, garbled, or from an incompatible build
-        log.warning("compiled-region cache entry %s is damaged (%s: %s); deleting it and compiling again",
-                    path, type(e).__name__, e)
-        try:
-            os.remove(path)
-        except FileNotFoundError:
-            pass
+        discard_damaged(path, "compiled-region cache entry", "compiling again", e)
         return None
     lazy = _LazyParts(region, rebuild)
     for name in entry["lazy"]:
         setattr(region, name, functools.partial(lazy.call, name))
     return region, entry["backward_graph"], entry["kernels"]
+
+
+def discard_damaged(path: str, what: str, instead: str, error: BaseException) -> None:
+    """Delete a cache file that does not load, saying so (the caller then does ``instead``)."""
+    log.warning("%s %s is damaged (%s: %s); deleting it and %s", what, path, type(error).__name__, error, instead)
+    try:
+        os.remove(path)
+    except FileNotFoundError:  # (another process deleted it first)
+        pass
 
 
 def _path(key: str) -> str:

@@ -503,12 +503,7 @@ def find(fn, spec, leaves) -> list:
             entry = pickle.loads(payload)
             found.append(Stored(path, entry["required"], entry["trace"]))
         except Exception as e:  # noqa: BLE001 — truncated, garbled, or from an incompatible build
-            log.warning("stored recording %s is damaged (%s: %s); deleting it (the call records instead)",
-                        path, type(e).__name__, e)
-            try:
-                os.remove(path)
-            except FileNotFoundError:
-                pass
+            persist.discard_damaged(path, "stored recording", "recording the call instead", e)
     return found
 
 
@@ -527,9 +522,5 @@ def load(stored: Stored, fn, leaves):
     except Unresolved:
         raise
     except Exception as e:  # noqa: BLE001 — written by this build (same key) yet unreadable: treat as damaged
-        log.warning("stored recording %s does not load (%s: %s); deleting it", stored.path, type(e).__name__, e)
-        try:
-            os.remove(stored.path)
-        except FileNotFoundError:
-            pass
+        persist.discard_damaged(stored.path, "stored recording", "recording the call instead", e)
         raise Unresolved("it does not load") from e

@@ -153,14 +153,7 @@ class Replay(TorchFunctionMode):
                         a, k = unflatten_call(real, rec.spec)
                         result = rec.func(*a, **k)
                     if rec.outputs:
-                        if rec.out_spec == "setitem":
-                            tensors = [real[0]]
-                        elif isinstance(result, torch.Tensor):
-                            tensors = [result]
-                        else:
-                            tensors = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
-                        for vid, t in zip(rec.outputs, tensors):
-                            env[vid] = t
+                        env.update(zip(rec.outputs, _output_tensors(rec, result, real)))
                 elif kind == "region":
                     self._run_region(item)
                 elif kind == "grads_none":
@@ -454,12 +447,7 @@ class Replay(TorchFunctionMode):
             if rec.guarded and not same_read(result, rec.guard):
                 self._guard_failed(result)
             return result
-        if rec.out_spec == "setitem":
-            tensors = [real[0]]
-        elif isinstance(result, torch.Tensor):
-            tensors = [result]
-        else:
-            tensors = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
+        tensors = _output_tensors(rec, result, real)
         shown = self.shown
         for vid, t in zip(rec.outputs, tensors):
             env[vid] = t
@@ -563,6 +551,15 @@ class Replay(TorchFunctionMode):
         for out_vid, t in zip(rec.outputs, tensors):
             self.env.setdefault(out_vid, t)
         return self.env[vid]
+
+
+def _output_tensors(rec, result, leaves) -> list:
+    """The tensors a recorded call made, in its outputs' order (``x[i] = v`` makes its target)."""
+    if rec.out_spec == "setitem":
+        return [leaves[0]]
+    if isinstance(result, torch.Tensor):
+        return [result]
+    return [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
 
 
 def _same_prefix(a: Trace, b: Trace, k: int) -> bool:
