@@ -309,7 +309,10 @@ _SCRIPT = textwrap.dedent('''
     partition = compiler.build.partition
     compiler.build.partition = lambda *a, **k: builds.append(1) or partition(*a, **k)
 
+    python_runs = []
+
     def train_step(model, opt, x, y):
+        python_runs.append(1)
         loss = F.mse_loss(model(x), y)
         loss.backward()
         opt.step()
@@ -325,7 +328,7 @@ _SCRIPT = textwrap.dedent('''
     x, y = torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g)
     model, opt = make()
     eager_model, eager_opt = make()
-    step = compiler.compile(train_step, backend=sys.argv[1])
+    step = compiler.compile(train_step, backend=sys.argv[1], skip_python=sys.argv[2] == "skip")
     losses, eager, ran = [], [], []
     for i in range(3):
         losses.append(step(model, opt, x, y).item())
@@ -335,22 +338,23 @@ _SCRIPT = textwrap.dedent('''
             first = dict(step.stats)
     same = all(torch.equal(p, q) for p, q in zip(model.parameters(), eager_model.parameters()))
     print(json.dumps({"losses": losses, "eager": eager, "ran": ran, "first": first, "builds": len(builds),
+                      "python_runs": len(python_runs) - 3,  # (the eager twin's 3 calls)
                       "close": all(abs(a - b) <= 1e-5 * max(1.0, abs(b)) for a, b in zip(losses, eager)),
                       "params_close": same or all(torch.allclose(p, q, atol=1e-6)
                                                   for p, q in zip(model.parameters(), eager_model.parameters()))}))
 ''')
 
 
-@pytest.mark.parametrize("backend", ["interpret", "torch"])
-def test_a_fresh_process_replays_its_first_call(tmp_path, backend):
+@pytest.mark.parametrize("backend, mode", [("interpret", "checked"), ("torch", "checked"), ("torch", "skip")])
+def test_a_fresh_process_replays_its_first_call(tmp_path, backend, mode):
     script = tmp_path / "step.py"
     script.write_text(_SCRIPT)
     env = {**os.environ, "SYMGRAD_CACHE_DIR": str(tmp_path / "cache"), "SYMGRAD_STORED_RECORDINGS": "1",
            "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
 
     def run():
-        done = subprocess.run([sys.executable, str(script), backend], env=env, capture_output=True, text=True,
-                              timeout=600)
+        done = subprocess.run([sys.executable, str(script), backend, mode], env=env, capture_output=True,
+                              text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -362,6 +366,8 @@ def test_a_fresh_process_replays_its_first_call(tmp_path, backend):
     for result in (cold, warm):
         assert result["close"] and result["params_close"], result
     assert warm["losses"] == pytest.approx(cold["losses"], rel=1e-6)
+    # the step's Python: each checked replay runs it; with skip_python the warm process never does
+    assert warm["python_runs"] == (0 if mode == "skip" else 3)
 
 
 class _Trainer:
