@@ -20,6 +20,7 @@ from compiler import dumps, logs, persist, recordings
 from compiler.report import KernelInfo, Report, fused_user_ops
 from compiler.ir import has_meta, meta_of
 from compiler.saved_set import check_policy
+from runtime import skip_python
 from runtime.backends import torch_on_cpu
 from runtime.dispatch import CompiledFunction, Entry
 from runtime.fallback import CompileError, internal_error
@@ -247,7 +248,8 @@ def _compile_trace(name, trace, *, fullgraph, stats, memory, shape_generic=False
         graph=_merged_graph(regions),
         backward_graph=next((r["backward_graph"] for r in regions if r.get("backward_graph") is not None), None),
         kernels=kernels, fallbacks=fallbacks, eager_calls=eager_calls, regions=regions,
-        internal_errors=internal_errors, graph_breaks=list(trace.graph_breaks))
+        internal_errors=internal_errors, graph_breaks=list(trace.graph_breaks),
+        skip_python_refusal=skip_python.refusal(trace))
     dumps.dump(name, report)  # (when SYMGRAD_DUMP_DIR is set)
     return Entry(trace, report)
 

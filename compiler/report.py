@@ -65,6 +65,9 @@ class Report:
     graph_breaks: list = field(default_factory=list)
     backend: str = ""
     backend_reason: str = ""
+    # why ``compile(..., skip_python=True)`` would still run this recording's Python (None: it
+    # would not; runtime.skip_python.refusal)
+    skip_python_refusal: str | None = None
 
     @property
     def forward_kernels(self):
@@ -116,6 +119,9 @@ class Report:
         if self.graph_breaks:
             out.append("graph breaks:")
             out.extend(f"  - {reason}" for reason in self.graph_breaks)
+        out.append("skip_python: " + ("its replays may make the recorded calls without the Python"
+                                       if self.skip_python_refusal is None
+                                       else f"its replays run the Python ({self.skip_python_refusal})"))
         if self.internal_errors:  # not fallbacks: bugs, run eagerly so the program goes on
             out.append("internal errors (compiler bugs: please report them):")
             out.extend(f"  - {message}" for message in self.internal_errors)

@@ -79,6 +79,9 @@ def test_a_value_read_into_python_keeps_the_checked_replay_and_says_why(caplog):
             torch.testing.assert_close(compiled(x.abs() * sign), f(x.abs() * sign))
     assert len(runs) == 8  # (4 compiled calls ran their Python, 4 eager)
     assert any("skip_python" in r.getMessage() and "reads a value" in r.getMessage() for r in caplog.records)
+    report = compiler.explain(f, x)  # (explain says it too)
+    assert "reads a value" in report.skip_python_refusal and "skip_python: its replays run the Python" in str(report)
+    assert compiler.explain(lambda x: x.sin().sum(), x).skip_python_refusal is None
 
 
 def test_a_module_hook_added_after_the_recording_runs_the_python():
