@@ -103,7 +103,8 @@ class CompiledFunction:
         key = _guard_key(spec, leaves, self.dynamic)
         variants = self.cache.get(key)
         # (the common case, a key seen before with nothing pending on it, hashes the key once)
-        if variants is None or self.stored_pending or self.needs_variant:
+        if variants is None or (self.stored_pending and key in self.stored_pending) \
+                or (self.needs_variant and key in self.needs_variant):
             if variants is None and self._note_changing_scalars(spec, leaves):
                 key = _guard_key(spec, leaves, self.dynamic)
             if self.stored is not None and (key not in self.cache or key in self.stored_pending):
