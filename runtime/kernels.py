@@ -44,17 +44,19 @@ _private: list = []  # a folder of this process's own, where the shared default 
 def _default_cache_dir() -> str:
     owner = os.path.join(tempfile.gettempdir(), f"symgrad-{os.getuid()}")
     path = os.path.join(owner, "kernels")
+    os.makedirs(owner, mode=0o700, exist_ok=True)
     os.makedirs(path, mode=0o700, exist_ok=True)
     # NOTE: the cache holds code that is loaded (kernel sources) and pickles that are read: a
-    # folder under the shared temp dir that another user made (or may write) would let them
-    # run code here. Such a folder is not used.
+    # folder under the shared temp dir that another user made (or anyone may write) would let
+    # them run code here. Such a folder is not used. (Group-writable is left alone: with a umask
+    # of 002 a user's own folders are, and the group is usually the user's own.)
     info = os.stat(owner)
-    if info.st_uid == os.getuid() and not info.st_mode & 0o022:
+    if info.st_uid == os.getuid() and not info.st_mode & 0o002:
         return path
     with _lock:
         if not _private:
             _private.append(tempfile.mkdtemp(prefix="symgrad-cache-"))
-            log.warning("compiler: %s belongs to another user or others may write it; caching in %s for this "
+            log.warning("compiler: %s belongs to another user or anyone may write it; caching in %s for this "
                         "process only (set SYMGRAD_CACHE_DIR to a folder of your own to keep the cache)", owner,
                         _private[0])
     return _private[0]

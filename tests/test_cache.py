@@ -182,4 +182,4 @@ def test_a_default_cache_folder_others_may_write_is_not_used(tmp_path, monkeypat
         private = kernels.cache_dir()
     assert not private.startswith(str(shared)) and os.path.isdir(private)
     assert kernels.cache_dir() == private
-    assert any("another user or others may write it" in r.getMessage() for r in caplog.records)
+    assert any("another user or anyone may write it" in r.getMessage() for r in caplog.records)
