@@ -13,7 +13,7 @@ import weakref
 
 import torch
 
-from runtime.torch_functions import function_name, is_state_read
+from runtime.torch_functions import function_name, is_profiler_range, is_state_read
 
 # Eager calls that are part of a training step, not gaps in the compiled graph.
 AUTOGRAD_CALLS = {torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad,
@@ -143,10 +143,7 @@ def expected_eager(func, reads_region_value: bool) -> bool:
         return True  # setting a tensor's attribute (.grad, hooks) is state, not math
     if name == "__get__":
         return is_state_read(func)
-    module = getattr(func, "__module__", "") or ""
-    if "profiler" in module or "record_function" in name:
-        return True
-    return False
+    return is_profiler_range(func)
 
 
 class OptimizerSteps:

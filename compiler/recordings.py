@@ -470,14 +470,17 @@ def write(prepared: Prepared) -> None:
     except OSError as e:  # a full or read-only disk: the next process records, as without a cache
         log.warning("could not store a recording in %s (%s); later processes record it again", prepared.path, e)
         return
-    folder = os.path.dirname(prepared.path)
     try:
-        files = sorted((os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".pkl")),
-                       key=os.path.getmtime, reverse=True)
-        for old in files[MAX_STORED:]:
+        for old in _newest_first(os.path.dirname(prepared.path))[MAX_STORED:]:
             os.remove(old)
     except OSError:  # another process pruned the folder at the same time
         pass
+
+
+def _newest_first(folder: str) -> list:
+    """The recordings stored in ``folder`` (one key's), newest first. Raises OSError."""
+    return sorted((os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".pkl")),
+                  key=os.path.getmtime, reverse=True)
 
 
 def find(fn, spec, leaves) -> list:
@@ -490,9 +493,8 @@ def find(fn, spec, leaves) -> list:
         return []
     folder = os.path.join(recordings_dir(), key[:2], key)
     try:
-        files = sorted((os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".pkl")),
-                       key=os.path.getmtime, reverse=True)
-    except (FileNotFoundError, OSError):
+        files = _newest_first(folder)
+    except OSError:  # (none stored under this key)
         return []
     found = []
     for path in files[:MAX_STORED]:

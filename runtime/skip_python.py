@@ -29,19 +29,8 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_unflatten
 
-from runtime.torch_functions import is_state_read
+from runtime.torch_functions import is_grad_set, is_profiler_range, is_state_read
 from runtime.trace import UNKEPT, Trace, ValueId
-
-_PROFILER_RANGES = ("_record_function_enter", "_record_function_enter_new", "_record_function_exit")
-
-
-def is_profiler_range(func) -> bool:
-    """A ``record_function`` range's enter or exit (zero_grad's, the optimizer's): a range around
-    calls, with a handle made per call; skip_python leaves them out."""
-    name = getattr(func, "__name__", "") or ""
-    return name in _PROFILER_RANGES or name.startswith("_record_function_exit") or (
-        "profiler" in (getattr(func, "__module__", "") or "") and "record_function" in name)
-
 
 def refusal(trace: Trace) -> str | None:
     """Why this recording cannot be replayed without its Python, or None (remembered per trace)."""
@@ -126,10 +115,8 @@ def plan(trace: Trace) -> list:
 
 
 def _sets_grad_to_none(rec) -> bool:
-    func = rec.func
-    return (getattr(func, "__name__", None) == "__set__" and getattr(getattr(func, "__self__", None), "__name__", None)
-            == "grad" and len(rec.leaves) == 2 and isinstance(rec.leaves[0], ValueId) and rec.leaves[1] is None
-            and not rec.outputs)
+    return (is_grad_set(rec.func) and len(rec.leaves) == 2 and isinstance(rec.leaves[0], ValueId)
+            and rec.leaves[1] is None and not rec.outputs)
 
 
 def hooks_in_the_way(trace: Trace) -> str | None:

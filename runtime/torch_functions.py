@@ -51,6 +51,19 @@ def is_state_read(func) -> bool:
         getattr(getattr(func, "__self__", None), "__name__", None) in STATE_ATTRS
 
 
+def is_grad_set(func) -> bool:
+    """Setting a tensor's gradient (``p.grad = ...``, as ``zero_grad`` does)."""
+    return getattr(func, "__name__", None) == "__set__" and \
+        getattr(getattr(func, "__self__", None), "__name__", None) == "grad"
+
+
+def is_profiler_range(func) -> bool:
+    """A ``record_function`` range's enter or exit (an optimizer's step and zero_grad make them):
+    bookkeeping around calls, with a handle made per call."""
+    name = getattr(func, "__name__", "") or ""
+    return "profiler" in (getattr(func, "__module__", "") or "") or "record_function" in name
+
+
 # comparison -> its reflection (what Python calls on the right operand: `a <= b` is b.ge(a),
 # `a == b` is b.__eq__(a))
 REFLECTED_COMPARISONS = {
