@@ -210,6 +210,8 @@ def _compile_trace(name, trace, *, fullgraph, stats, memory, shape_generic=False
             compiled = _compile_region(plan.graph, mutated, options, index)
             plan.compiled, info["backward_graph"], info["kernels"] = compiled
             plan.compiled.stats = stats if stats is not None else {}
+            if torch_on_cpu():  # (the CPU path: its generated code made now, not in the first replay)
+                plan.compiled.prepare_cpu()
             logs.backward(name, index, info["backward_graph"])
             logs.kernels(name, info["kernels"])
             name_for_profiler(plan.compiled, name, index, captured, info["kernels"])

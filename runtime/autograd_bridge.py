@@ -39,6 +39,12 @@ class CompiledRegion:
     eager_names: dict = field(default_factory=dict)  # saved position -> the producer eager's version error names
     backward_for: object = None  # output positions given a gradient -> (Program, saved positions) | None
 
+    def prepare_cpu(self) -> None:
+        """The CPU path's generated code, made at build time (``Program.prepare_cpu``)."""
+        for program in (self.forward, self.backward):
+            if program is not None:
+                program.prepare_cpu()
+
     def __call__(self, inputs):
         if self.backward is None or not torch.is_grad_enabled():
             outs = self.forward.run(inputs, self.stats)[: self.num_outputs]
@@ -48,9 +54,9 @@ class CompiledRegion:
             # and what it saves goes through the hooks around the checkpoint, not into holders
             # whose unpack would rerun the block eagerly (``runtime.checkpoints``).
             with outside_checkpoints():
-                outs = list(_RegionFunction.apply(self, self._originals(inputs), *inputs))
+                outs = list(_apply(self, self._originals(inputs), inputs))
         else:
-            outs = list(_RegionFunction.apply(self, self._originals(inputs), *inputs))
+            outs = list(_apply(self, self._originals(inputs), inputs))
         for position, index, views in self.input_views:  # views of inputs: made outside, by torch
             outs.insert(position, apply_views(inputs[index], views))
         return outs
@@ -144,6 +150,21 @@ class _RegionFunction(torch.autograd.Function):
         return (None, None, *results)
 
 
+def _apply(region: CompiledRegion, originals: dict, inputs):
+    """``_RegionFunction.apply(region, originals, *inputs)``. Without a functorch transform active
+    (the usual case) this is what ``Function.apply`` does then, without its Python: no
+    ``setup_context`` to bind for, each dead functorch wrapper unwrapped, then autograd's own
+    apply (a few microseconds a region call, on the CPU path a fair part of a small step)."""
+    if _functorch_active():
+        return _RegionFunction.apply(region, originals, *inputs)
+    return _c_apply(region, originals, *[_unwrap_if_dead(t) if isinstance(t, torch.Tensor) else t for t in inputs])
+
+
+_functorch_active = torch._C._are_functorch_transforms_active
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+_c_apply = super(torch.autograd.Function, _RegionFunction).apply  # autograd's apply, bound to _RegionFunction
+
+
 def _partial_backward(region: CompiledRegion, given: set):
     """The backward without the outputs outside the loss's graph (``given``: positions in
     grad_output_for of those inside): (Program, saved positions it reads, double-backward
@@ -208,12 +229,14 @@ def _keep_for_double_backward(region: CompiledRegion, inputs, originals) -> dict
     never reads it, so, as in eager, a later in-place change to it is no error then. Inputs
     neither backward reads are not kept: they are freed when the caller drops them.
     """
-    reads = region.double_backward_reads or (True,) * len(inputs)
-    saved_inputs = {i for kind, i in region.saved if kind == "input"}
+    positions = region.__dict__.get("_kept_positions")
+    if positions is None:  # (fixed per region: worked out at its first call)
+        reads = region.double_backward_reads or (True,) * len(inputs)
+        saved_inputs = {i for kind, i in region.saved if kind == "input"}
+        positions = region._kept_positions = [i for i in range(len(inputs)) if reads[i] and i not in saved_inputs]
     kept = {}
-    for i, t in enumerate(inputs):
-        if not reads[i] or i in saved_inputs:
-            continue
+    for i in positions:
+        t = inputs[i]
         if isinstance(t, torch.Tensor) and i in region.mutated_inputs:
             # NOTE: the region's own in-place writes land in this input after the forward; the
             # double backward recomputes from the value the forward read: a copy made before

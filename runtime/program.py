@@ -61,6 +61,17 @@ def apply_views(value, views):
     return value
 
 
+def state_without(obj, *names) -> dict:
+    """``obj``'s attributes for pickling, less ``names`` (code generated at run time). Copied in one
+    step (``dict.copy``, atomic under the GIL), not iterated: another thread running the same
+    program may add its generated code meanwhile (a region cache being written while the region
+    runs), and iterating a dict that grows raises."""
+    state = obj.__dict__.copy()
+    for name in names:
+        state.pop(name, None)
+    return state
+
+
 # Element offsets at or past this need 64-bit index math (Triton multiplies int32 in int32).
 INT32_LIMIT = 2**31
 
@@ -141,7 +152,7 @@ class KernelLaunch:
         return args, key, wide
 
     def __getstate__(self):  # generated code is made again after unpickling
-        return {k: v for k, v in self.__dict__.items() if k != "_straight"} | {"_straight": None}
+        return state_without(self, "_straight") | {"_straight": None}
 
     def _wide_for(self, args, key) -> bool:
         if len(self._wide) >= 64:  # layouts seen (rarely more than two): keep the memo small
@@ -174,6 +185,10 @@ class KernelLaunch:
             # the tensors' device (and its current stream), not whichever device is current
             with guard, interpreter_lock:
                 launcher.launch(args, key, device)
+
+    def direct_cpu_call(self):
+        """The CPU path's function of this kernel, ``fn(env)`` (what ``run`` calls there), or None."""
+        return self.torch_kernel.function() if self.torch_kernel is not None else None
 
     def launcher(self, wide: bool = False):
         """The bound launcher of the kernel to launch (``kernel(wide)``), made at its first use.
@@ -249,8 +264,15 @@ class ExternCall:
             call = self._call = self._generate()
         call(env)
 
+    def direct_cpu_call(self):
+        """``call(env)``, what ``run`` calls."""
+        call = self.__dict__.get("_call")
+        if call is None:
+            call = self._call = self._generate()
+        return call
+
     def __getstate__(self):  # the generated call is made again after unpickling
-        return {k: v for k, v in self.__dict__.items() if k != "_call"}
+        return state_without(self, "_call")
 
     def _generate(self):
         """``call(env)``: this call written out once, as Inductor's generated wrappers call their
@@ -297,6 +319,9 @@ class IndexCheck:
                              "(raised by the compiled region, as eager would)")
 
 
+_KERNEL_RUN, _EXTERN_RUN = KernelLaunch.run, ExternCall.run  # (replaced by benchmarks that stub launches)
+
+
 @dataclass
 class Program:
     num_inputs: int
@@ -341,22 +366,43 @@ class Program:
         return [o.resolve(env) if o is not None else None for o in self.outputs]
 
     def _run_steps(self, env, device):
+        if device.type == "cpu" and KernelLaunch.run is _KERNEL_RUN and ExternCall.run is _EXTERN_RUN \
+                and torch_on_cpu():
+            run = self.__dict__.get("_cpu_straight")
+            if run is None or run.frees is not self.frees or run.steps is not self.steps:
+                run = self._cpu_straight = self._generate(cpu=True)
+            run(env, device)
+            return
         run = self.__dict__.get("_straight")
         if run is None or run.frees is not self.frees or run.steps is not self.steps:
             run = self._straight = self._generate()
         run(env, device)
 
     def __getstate__(self):  # the generated steps are made again after unpickling
-        return {k: v for k, v in self.__dict__.items() if k != "_straight"}
+        return state_without(self, "_straight", "_cpu_straight")
 
-    def _generate(self):
+    def prepare_cpu(self) -> None:
+        """Generate now what the CPU path's first run would (each kernel's PyTorch function, the
+        straight-line steps): a build's work, done while building, not in the first replayed call."""
+        self._cpu_straight = self._generate(cpu=True)
+
+    def _generate(self, cpu: bool = False):
         """The steps written out once: ``s3.run(env, device)`` then ``env[7] = None`` for each slot
         dead after it (no loop, no zip per step). ``sN.run`` is looked up per call, so a step
-        class's ``run`` replaced later (a benchmark stubbing launches) is still what runs."""
+        class's ``run`` replaced later (a benchmark stubbing launches) is still what runs.
+        ``cpu``: for the CPU path (kernels as PyTorch ops, ``torch_on_cpu``), each kernel's and
+        matmul's own generated function is called directly, ``k3(env)``: two Python frames fewer
+        a step, which on CPU is a fair part of what a small kernel costs (``_run_steps`` uses it
+        while the step classes' ``run`` are not replaced)."""
         names = {f"s{i}": step for i, step in enumerate(self.steps)}
         lines = ["def run(env, device):"]
-        for i, (_, dead) in enumerate(zip(self.steps, self.frees)):  # (as the loop it replaces ran)
-            lines.append(f"    s{i}.run(env, device)")
+        for i, (step, dead) in enumerate(zip(self.steps, self.frees)):  # (as the loop it replaces ran)
+            direct = step.direct_cpu_call() if cpu and isinstance(step, (KernelLaunch, ExternCall)) else None
+            if direct is not None:
+                names[f"k{i}"] = direct
+                lines.append(f"    k{i}(env)")
+            else:
+                lines.append(f"    s{i}.run(env, device)")
             if dead:
                 lines.append("    " + " = ".join(f"env[{slot}]" for slot in dead) + " = None")
         lines.append("    return None")

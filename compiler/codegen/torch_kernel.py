@@ -64,8 +64,16 @@ class TorchKernel:
             fn = self._fn = self._load()
         fn(env)
 
+    def function(self):
+        """``kernel(env)`` itself (``run`` without its frame: a program on the CPU path calls it)."""
+        if self._fn is None:
+            self._fn = self._load()
+        return self._fn
+
     def __getstate__(self):  # the compiled function is made again after unpickling
-        return {k: v for k, v in self.__dict__.items() if k != "_fn"} | {"_fn": None}
+        state = self.__dict__.copy()  # (one step: another thread may be loading _fn; see program.state_without)
+        state["_fn"] = None
+        return state
 
     def _load(self):
         names = {"torch": torch, "_fix": _fix, "_store": _store, "_sqrt": _sqrt, **self.objects}
@@ -150,7 +158,14 @@ class _Writer:
                 self.value(node)
         for node, slot in zip(self.store_order, store_slots):
             var = self.value(node)
-            self.lines.append(f"env[{slot}] = _store({var}, {self._obj(meta_of(node).dtype)}, {var in self.aliases})")
+            dtype = meta_of(node).dtype
+            known = self.types.get(var)
+            if known is not None and known[0] == dtype:  # (_store's work, without its call: a few a kernel)
+                store = (f"{var}.clone(memory_format=torch.contiguous_format)" if var in self.aliases
+                         else f"{var}.contiguous()")
+            else:
+                store = f"_store({var}, {self._obj(dtype)}, {var in self.aliases})"
+            self.lines.append(f"env[{slot}] = {store}")
         source = "def kernel(env):\n" + "".join(f"    {line}\n" for line in self.lines)
         return TorchKernel(name, source, self.objects, self.functions)
 
@@ -198,7 +213,12 @@ class _Writer:
                 self.aliases.add(var)
             self.types[var] = (dtype, tuple(meta.shape))
         elif kind == "reduction" and node.target.name in ("sum", "mean", "amax"):
-            self.lines.append(f"{var} = {self._reduction(node, args[0])}.to({self._obj(dtype)})")
+            known = self.types.get(args[0])
+            if known is not None and known[0] == dtype and dtype.is_floating_point:
+                # (a floating reduction keeps its input's dtype: no conversion to call)
+                self.lines.append(f"{var} = {self._reduction(node, args[0])}")
+            else:  # (an integer or bool sum is int64 in torch)
+                self.lines.append(f"{var} = {self._reduction(node, args[0])}.to({self._obj(dtype)})")
             self.types[var] = (dtype, tuple(meta.shape))
         elif kind == "view":
             op = self._obj(node.target)
