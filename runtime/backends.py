@@ -78,11 +78,18 @@ def torch_on_cpu() -> bool:
 
 def choose(backend: str, device_type: str | None) -> tuple[str, str]:
     """The backend that runs tensors on ``device_type``, and why. Raises if impossible. The
-    choice (torch or interpret) is what CPU kernels run with from now on, in this thread."""
+    choice (torch or interpret) is what CPU kernels run with from now on, in this thread
+    (``use``). A compiled function chooses at its first call on each device type and keeps it,
+    so ``SYMGRAD_CPU_BACKEND`` is read then."""
     backend, why = _choose(backend, device_type)
-    if backend in ("torch", "interpret"):
-        _current.backend = backend
+    use(backend)
     return backend, why
+
+
+def use(backend: str) -> None:
+    """CPU kernels run with ``backend`` from now on, in this thread, where it is one for CPU."""
+    if backend == "torch" or backend == "interpret":
+        _current.backend = backend
 
 
 def _choose(backend: str, device_type: str | None) -> tuple[str, str]:

@@ -74,6 +74,9 @@ class CompiledFunction:
         self.shapes = DynamicShapes(dynamic, templates)
         self.last_backend: str | None = None
         self.last_entry: Entry | None = None
+        # device type -> (backend, why), decided at the first call on it: the environment
+        # (SYMGRAD_CPU_BACKEND) is read then, not on every call (microseconds a call)
+        self.choices: dict = {}
 
     def __get__(self, obj, objtype=None):  # decorating a method
         if obj is None:
@@ -92,12 +95,18 @@ class CompiledFunction:
         leaves, spec = flatten_call(args, kwargs)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         device = tensors[0].device.type if tensors else None
-        try:
-            backend, why = backends.choose(self.backend, device)
-        except backends.BackendUnavailable as e:
-            if self.backend != "auto" or self.fullgraph:
-                raise
-            return self._eager(str(e), args, kwargs)
+        choice = self.choices.get(device)
+        if choice is None:
+            try:
+                choice = backends.choose(self.backend, device)
+            except backends.BackendUnavailable as e:
+                if self.backend != "auto" or self.fullgraph:
+                    raise
+                return self._eager(str(e), args, kwargs)
+            self.choices[device] = choice
+        else:
+            backends.use(choice[0])  # (the thread's CPU kernels run as this call's, as choose sets)
+        backend, why = choice
         if self.disabled:
             return self._eager(self.disabled, args, kwargs)
         key = _guard_key(spec, leaves, self.dynamic)

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from runtime.calls import flatten_call, holds_tensor, unflatten_call
 from runtime.program import apply_views
 from runtime.torch_functions import REFLECTED_COMPARISONS, function_name, is_metadata, is_state_read
-from runtime.trace import Trace, ValueId, same_read
+from runtime.trace import GRAD_GET, GRAD_SET, Trace, ValueId, same_read
 
 
 class Diverged(Exception):
@@ -116,6 +116,13 @@ class Replay(TorchFunctionMode):
         self.eager_regions: set = set()  # regions run call by call since (they write in place)
         self.suspended_until: int | None = None  # inside an optimizer step run unwatched
         self.unwatched = False  # skip_python: the recorded calls made without the function's Python
+        # NOTE: an optimizer's zero_grad() sets each p.grad to None: ~2 calls a parameter, each
+        # checked at a few microseconds, about what eager's whole zero_grad costs. Where the
+        # recording's zero_grad made only those (``Trace.zero_grad_spans``), they run unchecked
+        # up to its end, as an optimizer step runs unwatched: a later call given a gradient read
+        # there finds an unknown tensor and leaves the recording, as after a step.
+        self.zero_grad_spans = trace.zero_grad_spans()
+        self.zero_grad_until: int | None = None  # inside such a zero_grad: where it ends
 
     # -- optimizer steps run unwatched ------------------------------------------------------
     def run(self, fn, args, kwargs):
@@ -221,6 +228,11 @@ class Replay(TorchFunctionMode):
 
     # -- the mode ----------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.zero_grad_until is not None:
+            if func == GRAD_GET or func == GRAD_SET:
+                return func(*args, **(kwargs or {}))  # inside a zero_grad(): p.grad reads and writes, run as they are
+            # (its end: the range's exit, checked as recorded; anything else fails that check)
+            self.pos, self.zero_grad_until = self.zero_grad_until, None
         if not self.diverged:
             # the common case first: the next recorded call, with its tensors and constants
             calls, pos = self.trace.calls, self.pos
@@ -237,6 +249,8 @@ class Replay(TorchFunctionMode):
                     else:
                         result = _SLOW
                     if result is not _SLOW:
+                        if pos in self.zero_grad_spans:
+                            self.zero_grad_until = self.zero_grad_spans[pos]
                         return result
         kwargs = kwargs or {}
         if is_metadata(func):
@@ -263,6 +277,8 @@ class Replay(TorchFunctionMode):
         """The function's result with any stand-in replaced by its real value. (A path the
         recording did not take can return a value the recording kept inside the kernels; the
         replay has then diverged, and the value is computed from the recording.)"""
+        if isinstance(result, torch.Tensor):  # (the usual result: one tensor, no pytree walk)
+            return self._real(result) if id(result) in self.stand_ins else result
         leaves, spec = tree_flatten(result)
         if not any(isinstance(t, torch.Tensor) and id(t) in self.stand_ins for t in leaves):
             return result
@@ -295,6 +311,7 @@ class Replay(TorchFunctionMode):
             self.env.setdefault(vid, t)
             self.shown.setdefault(vid, t)
         self.trace = alt
+        self.zero_grad_spans = alt.zero_grad_spans()
         return True
 
     def _guard_failed(self, value):
@@ -331,8 +348,9 @@ class Replay(TorchFunctionMode):
     def _replay_flat(self, rec, func, args):
         """The recorded call ``rec`` made again with positional arguments only, each a leaf: the
         checks of ``_replay`` on ``args`` as they are (no flattening, no allocation), for the
-        calls that need nothing more. Anything else (a tensor bound for the first time, a
-        region's first call, a value to materialize) answers _SLOW: ``_replay`` does it all."""
+        calls that need nothing more (a region's first call runs the region, as ``_replay`` would).
+        Anything else (a tensor bound for the first time, a region that draws random seeds or runs
+        eagerly, a value to materialize) answers _SLOW: ``_replay`` does it all."""
         shown = self.shown
         for i, expected in rec.value_slots:
             if args[i] is not shown.get(expected):
@@ -343,8 +361,15 @@ class Replay(TorchFunctionMode):
                 if isinstance(leaf, torch.Tensor) or not _same_constant(leaf, expected):
                     return _SLOW
             region = self.trace.regions[rec.region]
-            if rec.region not in self.done_regions or region.compiled is None or rec.region in self.eager_regions:
-                return _SLOW
+            if rec.region not in self.done_regions:  # a region's first call (the checks above are _replay's)
+                if region.seeds:
+                    return _SLOW  # (its seeds are drawn once: where the region cannot run, _replay says why)
+                try:
+                    self._run_region(rec.region)
+                except Diverged:
+                    return _SLOW  # (_replay meets the same and handles it: nothing was changed)
+            if region.compiled is None or rec.region in self.eager_regions:
+                return _SLOW  # (its calls run eagerly, one by one: _replay makes them)
             self.pos += 1
             if rec.out_spec is None:  # the common case: one tensor
                 return shown[rec.outputs[0]]

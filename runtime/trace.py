@@ -166,6 +166,16 @@ class Trace:
     other_path: bool = False
     reseeded: bool = False  # the call seeded the random generator (torch.manual_seed): no torch call records it
 
+    def zero_grad_spans(self) -> dict:
+        """Where an optimizer's ``zero_grad()`` began -> where it ended (its profiler range's
+        enter and exit), for those whose recorded calls between are only ``p.grad`` reads and
+        ``p.grad = None`` and whose reads no later call uses: a replay runs them unchecked
+        (``runtime.replay``). Worked out once per recording."""
+        spans = self.__dict__.get("_zero_grad_spans")
+        if spans is None:
+            spans = self.__dict__["_zero_grad_spans"] = _zero_grad_spans(self.calls)
+        return spans
+
     def modes_match(self) -> bool:
         """Whether every module the recording ran is still in the same train/eval mode."""
         for ref, training in self.module_modes:
@@ -183,3 +193,26 @@ class Trace:
             values[vid] = t
         return values
 
+
+
+GRAD_GET = torch._C.TensorBase.grad.__get__  # (a method-wrapper: made anew per access, compared with ==)
+GRAD_SET = torch._C.TensorBase.grad.__set__
+ZERO_GRAD_RANGE = "Optimizer.zero_grad#"  # the profiler range torch.optim's zero_grad opens
+
+
+def _zero_grad_spans(calls) -> dict:
+    spans, later_reads = {}, set()
+    for i in range(len(calls) - 1, -1, -1):  # (backwards: what the calls after a span read is known)
+        rec = calls[i]
+        leaves = rec.leaves
+        if leaves and type(leaves[0]) is str and leaves[0].startswith(ZERO_GRAD_RANGE):
+            j = i + 1
+            made = set()
+            while j < len(calls) and (calls[j].func == GRAD_GET or calls[j].func == GRAD_SET):
+                made.update(calls[j].outputs)
+                j += 1
+            if j < len(calls) and j > i + 1 and "exit" in getattr(calls[j].func, "__name__", "") \
+                    and not made & later_reads:
+                spans[i] = j
+        later_reads.update(leaf for leaf in leaves if isinstance(leaf, ValueId))
+    return spans

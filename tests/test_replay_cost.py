@@ -1,0 +1,182 @@
+"""What the replay leaves unchecked to cost less, and that it stays right: an optimizer's
+zero_grad() (its p.grad reads and writes run as they are), the backend chosen once per device
+type, the CPU path's kernels calling PyTorch directly."""
+
+import copy
+
+import torch
+import torch.nn.functional as F
+
+import compiler
+from runtime import backends
+from runtime import replay as replay_module
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def _checked_calls(monkeypatch) -> list:
+    """The names of the calls the replay mode checks (fast path or full), as they come."""
+    from runtime.torch_functions import function_name
+
+    seen = []
+    for name in ("_replay_flat", "_replay"):
+        original = getattr(replay_module.Replay, name)
+
+        def checking(self, rec_or_func, *rest, _original=original, _name=name):
+            func = rest[0] if _name == "_replay_flat" else rec_or_func
+            seen.append(function_name(func))
+            return _original(self, rec_or_func, *rest)
+        monkeypatch.setattr(replay_module.Replay, name, checking)
+    return seen
+
+
+def test_zero_grad_runs_unchecked_and_leaves_eagers_gradients(monkeypatch):
+    model, reference = _model(), None
+    reference = copy.deepcopy(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+
+    def step(model, opt, x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    compiled = compiler.compile(step, backend="interpret")
+    for _ in range(3):
+        torch.testing.assert_close(compiled(model, opt, x, y), step(reference, ref_opt, x, y))
+    trace = compiled.last_entry.trace
+    spans = trace.zero_grad_spans()
+    assert len(spans) == 1
+    start, end = next(iter(spans.items()))
+    assert end - start - 1 == 2 * len(list(model.parameters()))  # a read and a write per parameter
+
+    checked = _checked_calls(monkeypatch)
+    replays = compiled.stats["replays"]
+    torch.testing.assert_close(compiled(model, opt, x, y), step(reference, ref_opt, x, y))
+    assert compiled.stats["replays"] == replays + 1 and compiled.last_backend == "interpret"
+    # the range around zero_grad is checked, its p.grad reads and writes are not
+    assert checked.count("_record_function_enter_new") == 2 and "Tensor.backward" in checked
+    assert not [name for name in checked if name.startswith("Tensor.grad")], checked
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert p.grad is None and q.grad is None
+        torch.testing.assert_close(p, q)
+
+
+def test_zero_grad_keeping_the_gradients_is_checked_call_by_call():
+    """zero_grad(set_to_none=False) zeroes each gradient in place: not a span run unchecked."""
+    model = _model()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+
+    def step(model, opt, x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        return loss
+
+    compiled = compiler.compile(step, backend="interpret")
+    for _ in range(4):
+        torch.testing.assert_close(compiled(model, opt, x, y), step(reference, ref_opt, x, y))
+    assert compiled.last_entry.trace.zero_grad_spans() == {}
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+        assert not p.grad.any()
+
+
+class _LoggingSGD(torch.optim.SGD):
+    """An optimizer whose zero_grad() makes another torch call when asked: its recorded span
+    was only p.grad reads and writes."""
+    extra = False
+
+    def zero_grad(self, set_to_none=True):
+        with torch.autograd.profiler.record_function(self._zero_grad_profile_name):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad = None
+            if self.extra:
+                self.norm_seen = torch.ones(()) * 2
+
+
+def test_a_zero_grad_that_does_more_than_recorded_leaves_the_recording_safely():
+    model = _model()
+    reference = copy.deepcopy(model)
+    opt, ref_opt = _LoggingSGD(model.parameters(), lr=0.1), _LoggingSGD(reference.parameters(), lr=0.1)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+
+    def step(model, opt, x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss * 1
+
+    compiled = compiler.compile(step, backend="interpret")
+    for _ in range(3):
+        torch.testing.assert_close(compiled(model, opt, x, y), step(reference, ref_opt, x, y))
+    assert len(compiled.last_entry.trace.zero_grad_spans()) == 1
+    divergences = compiled.stats["divergences"]
+    opt.extra = ref_opt.extra = True
+    torch.testing.assert_close(compiled(model, opt, x, y), step(reference, ref_opt, x, y))
+    assert compiled.stats["divergences"] == divergences + 1  # the extra call is no p.grad read or write
+    assert opt.norm_seen.item() == 2.0
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q)
+        assert p.grad is None
+
+
+def test_the_cpu_backend_is_chosen_at_a_compiled_functions_first_call(monkeypatch):
+    """SYMGRAD_CPU_BACKEND is read when a compiled function first runs on CPU tensors (not on
+    every call: an environment lookup costs microseconds); a new compiled function reads it anew."""
+    monkeypatch.delenv(backends.CPU_BACKEND_ENV, raising=False)
+    f = compiler.compile(lambda x: torch.sin(x) * 2)
+    x = torch.randn(8)
+    f(x)
+    f(x)
+    assert f.last_backend == "torch"
+    monkeypatch.setenv(backends.CPU_BACKEND_ENV, "interpret")
+    torch.testing.assert_close(f(x), torch.sin(x) * 2)
+    assert f.last_backend == "torch"
+    g = compiler.compile(lambda x: torch.sin(x) * 2)
+    g(x)
+    g(x)
+    assert g.last_backend == "interpret"
+    assert backends.torch_on_cpu() is False  # the thread's CPU kernels run as its last call's
+
+
+def test_cpu_path_kernels_store_without_a_helper_call_where_the_dtype_is_known():
+    """A float32 kernel's stores are ``.contiguous()`` calls (no ``_store`` helper, no dtype
+    conversion); a bfloat16 one, computed in float32, still rounds at its store."""
+    from compiler.codegen import torch_kernel
+
+    sources = []
+    original = torch_kernel.TorchKernel._load
+
+    def keep(self):
+        sources.append(self.source)
+        return original(self)
+
+    def run(dtype):
+        sources.clear()
+        f = compiler.compile(lambda x: (torch.tanh(x) * 3).sum(-1), backend="torch")
+        x = torch.randn(4, 8, dtype=dtype)
+        f(x)
+        torch.testing.assert_close(f(x), (torch.tanh(x) * 3).sum(-1), rtol=2e-2, atol=2e-2)
+        return "\n".join(sources)
+
+    torch_kernel.TorchKernel._load = keep
+    try:
+        float32, bfloat16 = run(torch.float32), run(torch.bfloat16)
+    finally:
+        torch_kernel.TorchKernel._load = original
+    assert ".contiguous()" in float32 and "_store(" not in float32 and ".to(" not in float32
+    assert "_store(" in bfloat16
