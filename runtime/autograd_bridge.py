@@ -223,8 +223,9 @@ def _keep_for_double_backward(region: CompiledRegion, inputs, originals) -> dict
     """For create_graph=True the backward is recomputed from the region's inputs: position ->
     the input, for those the double backward reads and the first-order backward has not saved.
 
-    NOTE (memory): each is packed as autograd packs ``save_for_backward``'s tensors (a
-    ``SavedTensor``: saved-tensor hooks see it, ``save_on_cpu()`` moves it), but unpacked only
+    NOTE (memory): each is packed as autograd packs ``save_for_backward``'s tensors where
+    saved-tensor hooks are set (a ``SavedTensor``: the hooks see it, ``save_on_cpu()`` moves
+    it; without hooks that is the tensor and its version, ``_Kept``), but unpacked only
     on the create_graph path, with PyTorch's own version check there: a first-order backward
     never reads it, so, as in eager, a later in-place change to it is no error then. Inputs
     neither backward reads are not kept: they are freed when the caller drops them.
@@ -235,6 +236,7 @@ def _keep_for_double_backward(region: CompiledRegion, inputs, originals) -> dict
         saved_inputs = {i for kind, i in region.saved if kind == "input"}
         positions = region._kept_positions = [i for i in range(len(inputs)) if reads[i] and i not in saved_inputs]
     kept = {}
+    hooks = _saved_tensors_hooks(False) is not None
     for i in positions:
         t = inputs[i]
         if isinstance(t, torch.Tensor) and i in region.mutated_inputs:
@@ -249,8 +251,33 @@ def _keep_for_double_backward(region: CompiledRegion, inputs, originals) -> dict
             # double backward reads no value of a tensor that needs no gradient but through its own
             # saved values; ours recomputes from it: a copy of the value the forward read
             t = t.detach().clone()
-        kept[i] = _make_saved_tensor(t, is_output=False) if isinstance(t, torch.Tensor) else _Constant(t)
+        if not isinstance(t, torch.Tensor):
+            kept[i] = _Constant(t)
+        elif hooks:
+            kept[i] = _make_saved_tensor(t, is_output=False)
+        else:
+            kept[i] = _Kept(t)
     return kept
+
+
+_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+
+
+class _Kept:
+    """An input kept for the double backward while no saved-tensor hooks are set (the usual case):
+    the tensor and its version, unpacked with the check ``SavedVariable.unpack`` makes and its
+    message. A plain pair costs a fraction of a ``SavedTensor``, made per input per region call;
+    with hooks set (``save_on_cpu()``, a checkpoint) the input is packed as autograd packs."""
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+        self.version = tensor._version
+
+    def unpack(self):
+        if self.tensor._version != self.version:
+            raise RuntimeError(_version_error(self.tensor, self.version))
+        return self.tensor
 
 
 class _Constant:

@@ -122,3 +122,25 @@ def test_double_backward_with_an_integer_input():
     for out, grad in results[1:]:
         torch.testing.assert_close(out, results[0][0])
         torch.testing.assert_close(grad, results[0][1])
+
+
+@pytest.mark.parametrize("leaf", [True, False], ids=["leaf", "non_leaf"])
+def test_an_input_kept_without_hooks_unpacks_as_a_saved_tensor_would(leaf):
+    """Without saved-tensor hooks a region keeps its double backward's inputs as (tensor, version)
+    (runtime.autograd_bridge._Kept): unpacked, the same tensor, and after an in-place change
+    PyTorch's own SavedTensor error, word for word."""
+    from torch._C._autograd import _make_saved_tensor
+
+    from runtime.autograd_bridge import _Kept
+
+    base = torch.randn(3, 4, requires_grad=True)
+    t = base if leaf else base * 2
+    kept, packed = _Kept(t), _make_saved_tensor(t, is_output=False)
+    assert kept.unpack() is t
+    with torch.no_grad():
+        t.add_(1)
+    with pytest.raises(RuntimeError) as ours:
+        kept.unpack()
+    with pytest.raises(RuntimeError) as theirs:
+        packed.unpack()
+    assert str(ours.value) == str(theirs.value)
