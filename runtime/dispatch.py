@@ -337,7 +337,12 @@ class CompiledFunction:
         return self.last_entry
 
 
+_NO_AUTOCAST = (None, None)
+
+
 def _autocast_state():
+    if not torch._C._is_any_autocast_enabled():  # (the usual case: one call)
+        return _NO_AUTOCAST
     return tuple((torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None) for d in ("cpu", "cuda"))
 
 

@@ -282,6 +282,11 @@ class ExternCall:
         for i, arg in enumerate(self.args):
             text = f"env[{arg.slot}]"
             for j, step in enumerate(arg.views):
+                inline = getattr(step.op, "method_call", None)
+                method = inline(text, dict(step.params)) if inline is not None else None
+                if method is not None:  # (a tensor method in line: ``env[3].permute((1, 0))``)
+                    text = method
+                    continue
                 names[f"v{i}_{j}"] = step.apply
                 text = f"v{i}_{j}({text})"
             arguments.append(text)
@@ -354,29 +359,30 @@ class Program:
             inputs.clear()
         guard = on_device(device)
         if guard is _NO_GUARD:
-            self._run_steps(env, device)
+            outputs = self._run_steps(env, device)
         else:  # once for the program: each launch then runs on the current device without a switch
             with guard:
-                self._run_steps(env, device)
+                outputs = self._run_steps(env, device)
         if stats is not None:
             count = self.__dict__.get("_launch_count")
             if count is None:  # (counted once: the steps are fixed once the program runs)
                 count = self._launch_count = len(self.kernels)
             stats["kernel_launches"] = stats.get("kernel_launches", 0) + count
-        return [o.resolve(env) if o is not None else None for o in self.outputs]
+        return outputs
 
-    def _run_steps(self, env, device):
+    def _run_steps(self, env, device) -> list:
+        """Run the steps (generated straight-line code) and return the outputs."""
         if device.type == "cpu" and KernelLaunch.run is _KERNEL_RUN and ExternCall.run is _EXTERN_RUN \
                 and torch_on_cpu():
             run = self.__dict__.get("_cpu_straight")
-            if run is None or run.frees is not self.frees or run.steps is not self.steps:
+            if run is None or run.frees is not self.frees or run.steps is not self.steps \
+                    or run.outputs is not self.outputs:
                 run = self._cpu_straight = self._generate(cpu=True)
-            run(env, device)
-            return
+            return run(env, device)
         run = self.__dict__.get("_straight")
-        if run is None or run.frees is not self.frees or run.steps is not self.steps:
+        if run is None or run.frees is not self.frees or run.steps is not self.steps or run.outputs is not self.outputs:
             run = self._straight = self._generate()
-        run(env, device)
+        return run(env, device)
 
     def __getstate__(self):  # the generated steps are made again after unpickling
         return state_without(self, "_straight", "_cpu_straight")
@@ -388,7 +394,7 @@ class Program:
 
     def _generate(self, cpu: bool = False):
         """The steps written out once: ``s3.run(env, device)`` then ``env[7] = None`` for each slot
-        dead after it (no loop, no zip per step). ``sN.run`` is looked up per call, so a step
+        dead after it (no loop, no zip per step), then the outputs' list. ``sN.run`` is looked up per call, so a step
         class's ``run`` replaced later (a benchmark stubbing launches) is still what runs.
         ``cpu``: for the CPU path (kernels as PyTorch ops, ``torch_on_cpu``), each kernel's and
         matmul's own generated function is called directly, ``k3(env)``: two Python frames fewer
@@ -405,10 +411,25 @@ class Program:
                 lines.append(f"    s{i}.run(env, device)")
             if dead:
                 lines.append("    " + " = ".join(f"env[{slot}]" for slot in dead) + " = None")
-        lines.append("    return None")
+        outputs = []  # each output read from its slot, its views applied (as ValueRef.resolve)
+        for k, ref in enumerate(self.outputs):
+            if ref is None:
+                outputs.append("None")
+                continue
+            text = f"env[{ref.slot}]"
+            for j, step in enumerate(ref.views):
+                inline = getattr(step.op, "method_call", None)
+                method = inline(text, dict(step.params)) if inline is not None else None
+                if method is None:
+                    names[f"out{k}_{j}"] = step.apply
+                    method = f"out{k}_{j}({text})"
+                text = method
+            outputs.append(text)
+        lines.append(f"    return [{', '.join(outputs)}]")
         exec(compile("\n".join(lines) + "\n", "<symgrad program steps>", "exec"), names)
         run = names["run"]
-        run.frees, run.steps = self.frees, self.steps  # what it was written for (frees are set after)
+        # what it was written for (frees are set after construction)
+        run.frees, run.steps, run.outputs = self.frees, self.steps, self.outputs
         return run
 
     def _run_profiled(self, inputs, stats, consume) -> list:

@@ -110,7 +110,8 @@ class TensorMeta:
         return TensorMeta(tuple(t.shape), t.dtype, t.device, t.requires_grad)
 
     def matches(self, t: torch.Tensor) -> bool:
-        return (tuple(t.shape) == self.shape and t.dtype == self.dtype and t.device == self.device
+        # (torch.Size compares equal to the tuple: no tuple made per check)
+        return (t.shape == self.shape and t.dtype == self.dtype and t.device == self.device
                 and t.requires_grad == self.requires_grad)
 
 

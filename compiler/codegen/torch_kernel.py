@@ -221,9 +221,14 @@ class _Writer:
                 self.lines.append(f"{var} = {self._reduction(node, args[0])}.to({self._obj(dtype)})")
             self.types[var] = (dtype, tuple(meta.shape))
         elif kind == "view":
-            op = self._obj(node.target)
-            params = ", ".join(f"{k}={v!r}" for k, v in node.kwargs.items())
-            self.lines.append(f"{var} = {op}.apply({args[0]}{', ' if params else ''}{params})")
+            inline = getattr(node.target, "method_call", None)
+            method = inline(args[0], dict(node.kwargs)) if inline is not None else None
+            if method is not None:  # (the tensor method itself: ``v3 = l8.reshape((1, 1))``)
+                self.lines.append(f"{var} = {method}")
+            else:
+                op = self._obj(node.target)
+                params = ", ".join(f"{k}={v!r}" for k, v in node.kwargs.items())
+                self.lines.append(f"{var} = {op}.apply({args[0]}{', ' if params else ''}{params})")
             if args[0] in self.aliases:
                 self.aliases.add(var)
             if args[0] in self.types:

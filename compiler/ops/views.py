@@ -51,6 +51,19 @@ class View(OpDef):
         """The view of a real tensor, made by PyTorch (no copy where PyTorch makes none)."""
         raise NotImplementedError(f"{self.name}: apply")
 
+    # ``apply`` as one tensor method call, ``{name}(**params)``, for generated code to write in
+    # line (``method_call``): no Python frame of ours per view on the CPU path. None: call apply.
+    method: str | None = None
+
+    def method_call(self, text: str, params: dict) -> str | None:
+        """``apply`` on the tensor that source ``text`` evaluates to, as source (or None)."""
+        if self.method is None or len(params) != 1:
+            return None
+        (value,) = params.values()
+        if not (isinstance(value, int) or (isinstance(value, (tuple, list)) and all(type(v) is int for v in value))):
+            return None  # (only literal ints are written into source)
+        return f"{text}.{self.method}({tuple(value) if not isinstance(value, int) else value!r})"
+
     def scatter_back(self, b, node: fx.Node, value: fx.Node) -> fx.Node:
         """The new value of ``node``'s source once the view ``node`` holds ``value``."""
         raise NotImplementedError(f"{self.name} cannot write a new value back to its source")
@@ -82,6 +95,8 @@ class View(OpDef):
 # ----------------------------------------------------------------------------- shape views
 class Reshape(View):
     """``x.reshape(shape)``: the same elements in row-major order, another shape."""
+
+    method = "reshape"
 
     writes_back = True
 
@@ -144,6 +159,8 @@ def _reshape_index(in_shape, out_shape, out_index: list[str], size=literal_size)
 class Permute(View):
     """``x.permute(dims)``: output dim i is input dim ``dims[i]``."""
 
+    method = "permute"
+
     writes_back = True
 
     def out_shape(self, in_shape, params):
@@ -178,6 +195,8 @@ def _inverse(dims) -> tuple:
 
 class Expand(View):
     """``x.expand(shape)`` of an ``x`` with as many dims: size-1 dims repeated (stride 0)."""
+
+    method = "expand"
 
     def out_shape(self, in_shape, params):
         return tuple(params["shape"])
