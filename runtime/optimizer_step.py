@@ -103,16 +103,18 @@ class GroupStep:
         for p, expected in zip(params, self.param_ids):
             if id(p) != expected:
                 return None
-        updated = {i for i, _, _ in self.updated}
-        for i, p in enumerate(params):
-            if i not in updated and p.grad is not None:
-                return None  # a parameter that had no gradient when recorded has one now
+        if len(self.updated) != len(params):  # (usually every parameter had a gradient)
+            updated = {i for i, _, _ in self.updated}
+            for i, p in enumerate(params):
+                if i not in updated and p.grad is not None:
+                    return None  # a parameter that had no gradient when recorded has one now
         per_param, steps, device = [], [], None
         state = optimizer.state
+        strided = torch.strided
         for i, numel, dtype in self.updated:
             p = params[i]
             g = p.grad
-            if g is None or g.layout != torch.strided or p.dtype != dtype or g.dtype != dtype or p.numel() != numel \
+            if g is None or g.layout != strided or p.dtype != dtype or g.dtype != dtype or p.numel() != numel \
                     or g.numel() != numel or not p.is_contiguous() or not g.is_contiguous():
                 return None
             if device is None:

@@ -79,12 +79,17 @@ def plan(trace: Trace) -> list:
     memo = trace.__dict__.get("_skip_python_plan")
     if memo is not None:
         return memo
-    # values something reads: a later call, a region, the result (a state read nobody uses,
-    # zero_grad's ``if p.grad is not None``, is left out: reading changes nothing)
-    used = {v for c in trace.calls for v in c.leaves if isinstance(v, ValueId)}
-    used.update(v for r in trace.regions for v in r.input_ids)
-    used.update(v for v in trace.result[1] if isinstance(v, ValueId))
-    out, seen, i, calls = [], set(), 0, trace.calls
+    # a state read whose value nothing after it reads (a later call, a region, the result) is
+    # left out: zero_grad's ``if p.grad is not None`` reads the gradient the step already read
+    calls = trace.calls
+    unused_read = [False] * len(calls)  # per call: a state read whose value nothing after it reads
+    later = {v for v in trace.result[1] if isinstance(v, ValueId)}
+    for k in range(len(calls) - 1, -1, -1):
+        unused_read[k] = is_state_read(calls[k].func) and not later.intersection(calls[k].outputs)
+        later.update(v for v in calls[k].leaves if isinstance(v, ValueId))
+        if calls[k].kind == "compute":  # (a region reads its inputs at its first call: counted at each)
+            later.update(trace.regions[calls[k].region].input_ids)
+    out, seen, i = [], set(), 0
     while i < len(calls):
         end = trace.optimizer_steps.get(i)
         if end is not None:
@@ -99,7 +104,7 @@ def plan(trace: Trace) -> list:
                 out.append(("region", rec.region))
             if trace.regions[rec.region].compiled is not None:
                 continue
-        elif is_profiler_range(rec.func) or (is_state_read(rec.func) and not used.intersection(rec.outputs)):
+        elif is_profiler_range(rec.func) or unused_read[i - 1]:
             continue
         elif _sets_grad_to_none(rec):  # zero_grad: p.grad = None, the parameters' run gathered in one step
             if out and out[-1][0] == "grads_none":

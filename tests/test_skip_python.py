@@ -249,3 +249,35 @@ def test_autocast_inside():
         return y.float().tanh()
 
     _same_as_eager(f, _inputs((8, 8), (8, 8), grad=(0, 1)))
+
+
+def test_zero_grads_reads_of_gradients_the_step_already_read_are_left_out():
+    """zero_grad's ``if p.grad is not None`` reads a gradient the optimizer step read before it:
+    the plan makes no such read (each cost a call), only the ``p.grad = None`` run; a gradient
+    the function reads itself (into its result) is still read."""
+    from runtime.skip_python import plan
+    from runtime.torch_functions import function_name
+
+    x, y = _data()
+
+    def keeps_a_grad(model, opt, x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        g = model[0].bias.grad * 1
+        opt.step()
+        opt.zero_grad()
+        return loss, g
+
+    for fn, grad_reads in ((_make_step([]), 0), (keeps_a_grad, 1)):
+        model, eager_model = _model(), _model()
+        opt, eager_opt = (torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, eager_model))
+        step = compiler.compile(fn, skip_python=True)
+        for _ in range(4):
+            torch.testing.assert_close(step(model, opt, x, y), fn(eager_model, eager_opt, x, y))
+        items = plan(step.last_entry.trace)
+        reads = [item for kind, item in items if kind == "call" and function_name(item[0].func) == "Tensor.grad"]
+        assert len(reads) == grad_reads, items
+        assert [len(item) for kind, item in items if kind == "grads_none"] == [4]
+        for p, q in zip(model.parameters(), eager_model.parameters()):
+            torch.testing.assert_close(p, q)
+            assert p.grad is None
