@@ -180,3 +180,22 @@ def test_cpu_path_kernels_store_without_a_helper_call_where_the_dtype_is_known()
         torch_kernel.TorchKernel._load = original
     assert ".contiguous()" in float32 and "_store(" not in float32 and ".to(" not in float32
     assert "_store(" in bfloat16
+
+
+def test_matmul_operand_views_are_written_in_line_where_one_tensor_method_makes_them():
+    """An extern's operand views (ExternCall) and a program's output views: a permute, reshape or
+    expand is the tensor method in the generated code; a slice still calls the view op."""
+    from compiler.ops.views import VIEWS
+    from runtime.program import ExternCall, Program, ValueRef, ViewStep
+
+    permute = ViewStep(VIEWS["permute"], (("dims", (1, 0)),))
+    narrow = ViewStep(VIEWS["slice"], (("dim", 1), ("start", 1), ("step", 1), ("length", 2)))
+    call = ExternCall("mm", torch.mm, [ValueRef(0, (permute,)), ValueRef(1, (narrow,))], 2)
+    program = Program(num_inputs=2, num_slots=3, steps=[call], outputs=[ValueRef(2, (permute,)), None],
+                      frees=[[]])
+    a, b = torch.randn(3, 2), torch.randn(3, 4)
+    out, none = program.run([a, b])
+    torch.testing.assert_close(out, (a.t() @ b[:, 1:3]).t())
+    assert none is None
+    names = call.direct_cpu_call().__code__.co_names
+    assert "permute" in names and "fn" in names and any(n.startswith("v1_") for n in names)
