@@ -140,12 +140,18 @@ def explain(fn, *args, **kwargs) -> Report:
     ``.backward_graph``, ``.kernels`` (each with ``.name`` and ``.source``) and
     ``.fallbacks``; ``print(report)`` shows them all.
 
+    ``explain(compiled_fn)`` with no arguments reports the recording its last call ran, without
+    running anything (a training step explained after the loop takes no extra step); before
+    any call it records ``fn()``.
+
     >>> import torch, compiler
     >>> report = compiler.explain(lambda x: (x.sin() * 2).sum(), torch.randn(4, requires_grad=True))
     >>> len(report.kernels), report.fallbacks
     (2, [])
     """
     compiled = fn if isinstance(fn, CompiledFunction) else compile(fn)
+    if not args and not kwargs and compiled is fn and fn.last_entry is not None:
+        return fn.last_entry.report
     entry = compiled.build(args, kwargs)
     return entry.report
 

@@ -71,7 +71,7 @@ def main():
         print(f"step {i:3d}  loss {loss.item():.6f}  eager {eager_loss.item():.6f}  ran: {step.last_backend}")
         if not math.isclose(loss.item(), eager_loss.item(), rel_tol=1e-3, abs_tol=1e-6):
             raise SystemExit(f"compiled and eager losses differ at step {i}")
-    report = compiler.explain(step, model, opt, x, y)
+    report = compiler.explain(step)  # the last call's recording: no extra step
     print(f"\nkernels per step: {len(report.forward_kernels)} forward, {len(report.backward_kernels)} backward; "
           f"fallbacks: {report.fallbacks or 'none'}")
     err = (model.h.detach() - h_true).abs().mean()

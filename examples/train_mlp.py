@@ -83,7 +83,7 @@ def main():
         if not math.isclose(loss_value, eager_value, rel_tol=1e-3, abs_tol=1e-5):
             raise SystemExit(f"compiled and eager losses differ at step {step}")
 
-    report = compiler.explain(compiled_step, model, opt, x, y)
+    report = compiler.explain(compiled_step)  # the last call's recording: no extra step
     print(f"\nbackend: {report.backend} ({report.backend_reason})")
     print(f"kernels per step: {len(report.forward_kernels)} forward, {len(report.backward_kernels)} backward "
           f"(+ {sum(1 for n in report.graph.nodes if getattr(n.target, 'kind', '') == 'extern')} matmuls)")

@@ -199,3 +199,32 @@ def test_matmul_operand_views_are_written_in_line_where_one_tensor_method_makes_
     assert none is None
     names = call.direct_cpu_call().__code__.co_names
     assert "permute" in names and "fn" in names and any(n.startswith("v1_") for n in names)
+
+
+def test_explain_without_arguments_reports_the_last_call_and_runs_nothing():
+    """explain(compiled) after a training loop: the recording the last call ran, with no extra
+    step taken (parameters unchanged) and no recording made; before any call, it records fn()."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+
+    def step(model, opt, x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    compiled = compiler.compile(step, backend="interpret")
+    for _ in range(3):
+        compiled(model, opt, x, y)
+    before = [p.detach().clone() for p in model.parameters()]
+    stats = dict(compiled.stats)
+    report = compiler.explain(compiled)
+    assert report is compiled.last_entry.report and report.kernels and report.fallbacks == []
+    assert compiled.stats == stats
+    for p, q in zip(model.parameters(), before):
+        assert torch.equal(p, q)
+
+    no_arguments = compiler.compile(lambda: torch.ones(3).sin().sum(), backend="interpret")
+    assert compiler.explain(no_arguments).kernels  # (nothing ran yet: it records fn())
