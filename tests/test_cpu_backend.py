@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import compiler
+from tests.training import train_step
 import compiler.build
 import runtime.program as program
 from runtime import backends
@@ -157,12 +158,7 @@ def test_mlp_training_step_with_optimizer(optimizer):
             else torch.optim.Adam(params, lr=1e-2)
     opt, ref_opt = make(model.parameters()), make(reference.parameters())
 
-    def step(model, opt, x, y):
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
+    step = train_step
     compiled = compiler.compile(step, backend="torch")
     x, y = torch.randn(32, 4), torch.randn(32, 1)
     for _ in range(5):

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 import compiler
 from runtime import backends
 from runtime import replay as replay_module
+from tests.training import train_step
 
 
 def _model():
@@ -40,12 +41,7 @@ def test_zero_grad_runs_unchecked_and_leaves_eagers_gradients(monkeypatch):
     ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
     x, y = torch.randn(16, 4), torch.randn(16, 1)
 
-    def step(model, opt, x, y):
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
+    step = train_step
 
     compiled = compiler.compile(step, backend="interpret")
     for _ in range(3):
@@ -208,12 +204,7 @@ def test_explain_without_arguments_reports_the_last_call_and_runs_nothing():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(16, 4), torch.randn(16, 1)
 
-    def step(model, opt, x, y):
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
+    step = train_step
 
     compiled = compiler.compile(step, backend="interpret")
     for _ in range(3):

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import compiler
-from tests.training import sgd_step
+from tests.training import sgd_step, train_step
 
 
 def make_model(dtype):
@@ -30,13 +30,6 @@ def test_compiled_training_step_tracks_eager(dtype, optimizer):
             return torch.optim.SGD(params, lr=0.05, momentum=0.9)
         return torch.optim.AdamW(params, lr=1e-2)
     opt, ref_opt = make_opt(model.parameters()), make_opt(reference.parameters())
-
-    def train_step(model, opt, x, y):
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
 
     compiled = compiler.compile(train_step, backend="interpret")
     x = torch.randn(64, 8, dtype=dtype)
