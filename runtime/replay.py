@@ -102,11 +102,9 @@ class Replay(TorchFunctionMode):
         self.trace = trace
         self.alternatives = list(alternatives)  # other recordings of the same guard key
         self.pos = 0
-        self.env = dict(externals)          # value id -> real tensor
-        self.shown = dict(externals)        # value id -> the object Python holds
-        for vid, t in zip(trace.arg_ids, arg_leaves):
-            self.env[vid] = t
-            self.shown[vid] = t
+        env = self.env = dict(externals)    # value id -> real tensor
+        env.update(zip(trace.arg_ids, arg_leaves))
+        self.shown = env.copy()             # value id -> the object Python holds
         self.stand_ins: dict = {}           # id(stand-in) -> value id
         self.done_regions: set = set()
         self.diverged: str | None = None

@@ -124,9 +124,12 @@ def _sets_grad_to_none(rec) -> bool:
             and rec.leaves[1] is None and not rec.outputs)
 
 
+_modules = torch.nn.modules.module  # (its global hook dicts: read per call)
+
+
 def hooks_in_the_way(trace: Trace) -> str | None:
     """Module hooks whose Python skip_python would not run, now (checked per call: cheap)."""
-    modules = torch.nn.modules.module
+    modules = _modules
     if (modules._global_forward_hooks or modules._global_forward_pre_hooks or modules._global_backward_hooks
             or modules._global_backward_pre_hooks):
         return "global module hooks are registered"
