@@ -61,6 +61,20 @@ def apply_views(value, views):
     return value
 
 
+def views_source(text: str, views, names: dict, prefix: str) -> str:
+    """Generated code applying ``views`` (ViewSteps) to the tensor source ``text`` evaluates to:
+    a view op that is one tensor method in line (``env[3].permute((1, 0))``, the op's
+    ``method_call``), any other through its apply, bound in ``names`` as ``{prefix}_{j}``."""
+    for j, step in enumerate(views):
+        inline = getattr(step.op, "method_call", None)
+        method = inline(text, dict(step.params)) if inline is not None else None
+        if method is None:
+            names[f"{prefix}_{j}"] = step.apply
+            method = f"{prefix}_{j}({text})"
+        text = method
+    return text
+
+
 def state_without(obj, *names) -> dict:
     """``obj``'s attributes for pickling, less ``names`` (code generated at run time). Copied in one
     step (``dict.copy``, atomic under the GIL), not iterated: another thread running the same
@@ -280,16 +294,7 @@ class ExternCall:
         names = {"fn": self.fn, "kwargs": self.kwargs}
         arguments = []
         for i, arg in enumerate(self.args):
-            text = f"env[{arg.slot}]"
-            for j, step in enumerate(arg.views):
-                inline = getattr(step.op, "method_call", None)
-                method = inline(text, dict(step.params)) if inline is not None else None
-                if method is not None:  # (a tensor method in line: ``env[3].permute((1, 0))``)
-                    text = method
-                    continue
-                names[f"v{i}_{j}"] = step.apply
-                text = f"v{i}_{j}({text})"
-            arguments.append(text)
+            arguments.append(views_source(f"env[{arg.slot}]", arg.views, names, f"v{i}"))
         if self.kwargs:
             arguments.append("**kwargs")
         source = f"def call(env):\n    env[{self.out}] = fn({', '.join(arguments)})\n"
@@ -394,8 +399,9 @@ class Program:
 
     def _generate(self, cpu: bool = False):
         """The steps written out once: ``s3.run(env, device)`` then ``env[7] = None`` for each slot
-        dead after it (no loop, no zip per step), then the outputs' list. ``sN.run`` is looked up per call, so a step
-        class's ``run`` replaced later (a benchmark stubbing launches) is still what runs.
+        dead after it (no loop, no zip per step), then the list of outputs. ``sN.run`` is looked
+        up per call, so a step class's ``run`` replaced later (a benchmark stubbing launches) is
+        still what runs.
         ``cpu``: for the CPU path (kernels as PyTorch ops, ``torch_on_cpu``), each kernel's and
         matmul's own generated function is called directly, ``k3(env)``: two Python frames fewer
         a step, which on CPU is a fair part of what a small kernel costs (``_run_steps`` uses it
@@ -416,15 +422,7 @@ class Program:
             if ref is None:
                 outputs.append("None")
                 continue
-            text = f"env[{ref.slot}]"
-            for j, step in enumerate(ref.views):
-                inline = getattr(step.op, "method_call", None)
-                method = inline(text, dict(step.params)) if inline is not None else None
-                if method is None:
-                    names[f"out{k}_{j}"] = step.apply
-                    method = f"out{k}_{j}({text})"
-                text = method
-            outputs.append(text)
+            outputs.append(views_source(f"env[{ref.slot}]", ref.views, names, f"out{k}"))
         lines.append(f"    return [{', '.join(outputs)}]")
         exec(compile("\n".join(lines) + "\n", "<symgrad program steps>", "exec"), names)
         run = names["run"]

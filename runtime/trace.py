@@ -211,7 +211,8 @@ def _zero_grad_spans(calls) -> dict:
         if leaves and type(leaves[0]) is str and leaves[0].startswith(ZERO_GRAD_RANGE):
             j = i + 1
             made = set()
-            while j < len(calls) and (calls[j].func == GRAD_GET or calls[j].func == GRAD_SET):
+            while j < len(calls) and (calls[j].func == GRAD_GET or (
+                    calls[j].func == GRAD_SET and len(calls[j].leaves) == 2 and calls[j].leaves[1] is None)):
                 made.update(calls[j].outputs)
                 j += 1
             if j < len(calls) and j > i + 1 and "exit" in getattr(calls[j].func, "__name__", "") \
