@@ -188,8 +188,12 @@ class FusedOptimizerStep:
         then runs with (its own update skipped), or None where it must run eagerly."""
         if optimizer is not self.optimizer() or len(args) > 1 or kwargs:
             return None  # another optimizer, or a closure to call: eager
-        if torch_on_cpu() and _on_cpu(optimizer):  # the CPU path: the optimizer's own step (its foreach kernels)
-            return None
+        if torch_on_cpu():
+            on_cpu = self.__dict__.get("_on_cpu")
+            if on_cpu is None:  # (the parameters' device: fixed while the replay's guards hold)
+                on_cpu = self._on_cpu = _on_cpu(optimizer)
+            if on_cpu:  # the CPU path: the optimizer's own step (its foreach kernels)
+                return None
         param_groups = optimizer.param_groups
         if len(param_groups) != len(self.groups):
             return None
