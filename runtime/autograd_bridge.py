@@ -81,7 +81,10 @@ class _RegionFunction(torch.autograd.Function):
         ctx.save_for_backward(*saved)
         ctx.saved_versions = [t._version if isinstance(t, torch.Tensor) else None for t in saved]
         # the user's tensors of the saved outputs, weakly: eager's message names their grad_fn then
-        ctx.saved_outputs = {k: weakref.ref(outs[i]) for k, (kind, i) in enumerate(region.saved) if kind == "output"}
+        positions = region.__dict__.get("_saved_outputs")
+        if positions is None:  # (fixed per region: (saved position, output position) pairs)
+            positions = region._saved_outputs = [(k, i) for k, (kind, i) in enumerate(region.saved) if kind == "output"]
+        ctx.saved_outputs = {k: weakref.ref(outs[i]) for k, i in positions}
         # outputs eager's op saved (exp, polar: its result), version-checked where eager would run
         # that op's backward, with eager's message. NOTE: detach() shares the version counter;
         # the output itself would make a reference cycle through its grad_fn (this ctx).
@@ -94,24 +97,24 @@ class _RegionFunction(torch.autograd.Function):
         if region.build_double_backward is not None:
             ctx.double_backward_inputs = _keep_for_double_backward(region, inputs, originals)
         user = outs[: region.num_outputs]
-        ctx.shapes = [(o.shape, o.dtype, o.device) for o in user]
-        non_diff = [o for o, d in zip(user, region.differentiable) if not d]
-        if non_diff:
-            ctx.mark_non_differentiable(*non_diff)
+        if len(region.grad_output_for) > 1:
+            # (zeros stand for a missing gradient in backward: only where several outputs take one,
+            # as autograd calls backward at all only when some output's gradient is defined)
+            ctx.shapes = [(o.shape, o.dtype, o.device) for o in user]
+        if not all(region.differentiable):
+            ctx.mark_non_differentiable(*[o for o, d in zip(user, region.differentiable) if not d])
         return tuple(user)
 
     @staticmethod
     def backward(ctx, *grad_outputs):
         region: CompiledRegion = ctx.region
-        grads, given = [], set()
-        for k, i in enumerate(region.grad_output_for):
-            g = grad_outputs[i]
-            if g is None:
-                shape, dtype, device = ctx.shapes[i]
-                g = torch.zeros(shape, dtype=dtype, device=device)
-            else:
-                given.add(k)
-            grads.append(g)
+        grads = [grad_outputs[i] for i in region.grad_output_for]
+        given = {k for k, g in enumerate(grads) if g is not None}
+        if given and len(given) < len(grads):  # (then several outputs take gradients: ctx.shapes is kept)
+            for k, i in enumerate(region.grad_output_for):
+                if grads[k] is None:
+                    shape, dtype, device = ctx.shapes[i]
+                    grads[k] = torch.zeros(shape, dtype=dtype, device=device)
         # (before unpacking our saved tensors: eager's message names its op, not _RegionFunction)
         for t, version, name, output_nr, sources in ctx.eager_saved:
             if sources & given and t._version != version:

@@ -219,3 +219,31 @@ def test_explain_without_arguments_reports_the_last_call_and_runs_nothing():
 
     no_arguments = compiler.compile(lambda: torch.ones(3).sin().sum(), backend="interpret")
     assert compiler.explain(no_arguments).kernels  # (nothing ran yet: it records fn())
+
+
+class _Stop(torch.autograd.Function):
+    """Passes its input forward and no gradient back (None)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
+
+
+def test_a_region_given_no_gradient_for_any_output_gives_none():
+    """A region keeps its outputs' shapes for zeros only where several outputs take gradients;
+    one whose only output gets None back (a Function upstream returned None) gives None, as eager."""
+    one = compiler.compile(lambda x: x.sin() * 2, backend="interpret")
+    two = compiler.compile(lambda x: (x.sin() * 2, x.cos() * 3), backend="interpret")
+    for _ in range(3):
+        x, w = torch.randn(4, requires_grad=True), torch.randn(4, requires_grad=True)
+        (_Stop.apply(one(x)) + w).sum().backward()
+        assert x.grad is None and torch.equal(w.grad, torch.ones(4))
+        x = torch.randn(4, requires_grad=True)
+        a, b = two(x)
+        (_Stop.apply(a) + b).sum().backward()  # (a's gradient None, b's defined)
+        torch.testing.assert_close(x.grad, -3 * x.detach().sin())
+    assert one.stats["replays"] >= 2 and two.stats["replays"] >= 2
