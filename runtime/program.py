@@ -330,6 +330,15 @@ class IndexCheck:
 
 
 _KERNEL_RUN, _EXTERN_RUN = KernelLaunch.run, ExternCall.run  # (replaced by benchmarks that stub launches)
+_CPU = torch.device("cpu")
+
+
+def _device_of(inputs) -> torch.device:
+    """The first tensor input's device (CPU where there is none): where the program's kernels run."""
+    for t in inputs:
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return _CPU
 
 
 @dataclass
@@ -359,7 +368,7 @@ class Program:
         if _profiler_enabled():  # (one C call: the unprofiled run pays nothing else)
             return self._run_profiled(inputs, stats, consume)
         env = list(inputs) + [None] * (self.num_slots - self.num_inputs)
-        device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+        device = _device_of(inputs)
         if consume:
             inputs.clear()
         guard = on_device(device)
