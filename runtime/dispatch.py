@@ -297,10 +297,10 @@ class CompiledFunction:
             self.stats["captures"] += 1
             # (a recording under a dynamic key: its kernels shape-generic, as its instantiations' are)
             dynamic = self.shapes.enabled and self.shapes.is_dynamic(key, args, kwargs)
-            generic = {"shape_generic": True} if dynamic else {}
+            options = {"shape_generic": True} if dynamic else {}
             if other_path:  # (Python left the key's recording twice in a row: skip_python must not guess)
-                generic["other_path"] = True
-            result, entry = self.builder(self.fn, args, kwargs, fullgraph=self.fullgraph, stats=self.stats, **generic)
+                options["other_path"] = True
+            result, entry = self.builder(self.fn, args, kwargs, fullgraph=self.fullgraph, stats=self.stats, **options)
             entry.report.backend = backend
             entry.report.backend_reason = why
             # NOTE: several recordings per guard key: one per train/eval mode of the modules

@@ -273,13 +273,10 @@ class ExternCall:
     kwargs: dict = field(default_factory=dict)  # constant parameters (dim, shape, ...)
 
     def run(self, env, device):
-        call = self.__dict__.get("_call")
-        if call is None:
-            call = self._call = self._generate()
-        call(env)
+        (self.__dict__.get("_call") or self.direct_cpu_call())(env)
 
     def direct_cpu_call(self):
-        """``call(env)``, what ``run`` calls."""
+        """``call(env)``, what ``run`` calls (generated at its first use)."""
         call = self.__dict__.get("_call")
         if call is None:
             call = self._call = self._generate()

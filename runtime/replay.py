@@ -24,8 +24,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from runtime.calls import flatten_call, holds_tensor, unflatten_call
 from runtime.program import apply_views
-from runtime.torch_functions import REFLECTED_COMPARISONS, function_name, is_metadata, is_state_read
-from runtime.trace import GRAD_GET, GRAD_SET, Trace, ValueId, same_read
+from runtime.torch_functions import GRAD_GET, GRAD_SET, REFLECTED_COMPARISONS, function_name, is_metadata, is_state_read
+from runtime.trace import Trace, ValueId, same_read
 
 
 class Diverged(Exception):

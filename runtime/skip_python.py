@@ -29,8 +29,9 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_unflatten
 
-from runtime.torch_functions import is_grad_set, is_profiler_range, is_state_read
-from runtime.trace import UNKEPT, Trace, ValueId
+from runtime.torch_functions import is_profiler_range
+from runtime.trace import UNKEPT, Trace, ValueId, sets_grad_to_none
+
 
 def refusal(trace: Trace) -> str | None:
     """Why this recording cannot be replayed without its Python, or None (remembered per trace)."""
@@ -79,16 +80,8 @@ def plan(trace: Trace) -> list:
     memo = trace.__dict__.get("_skip_python_plan")
     if memo is not None:
         return memo
-    # a state read whose value nothing after it reads (a later call, a region, the result) is
-    # left out: zero_grad's ``if p.grad is not None`` reads the gradient the step already read
     calls = trace.calls
-    unused_read = [False] * len(calls)  # per call: a state read whose value nothing after it reads
-    later = {v for v in trace.result[1] if isinstance(v, ValueId)}
-    for k in range(len(calls) - 1, -1, -1):
-        unused_read[k] = is_state_read(calls[k].func) and not later.intersection(calls[k].outputs)
-        later.update(v for v in calls[k].leaves if isinstance(v, ValueId))
-        if calls[k].kind == "compute":  # (a region reads its inputs at its first call: counted at each)
-            later.update(trace.regions[calls[k].region].input_ids)
+    unused_read = trace.unused_reads()  # (zero_grad's reads of gradients the step already read: left out)
     out, seen, i = [], set(), 0
     while i < len(calls):
         end = trace.optimizer_steps.get(i)
@@ -106,7 +99,7 @@ def plan(trace: Trace) -> list:
                 continue
         elif is_profiler_range(rec.func) or unused_read[i - 1]:
             continue
-        elif _sets_grad_to_none(rec):  # zero_grad: p.grad = None, the parameters' run gathered in one step
+        elif sets_grad_to_none(rec):  # zero_grad: p.grad = None, the parameters' run gathered in one step
             if out and out[-1][0] == "grads_none":
                 out[-1][1].append(rec.leaves[0])
             else:
@@ -117,11 +110,6 @@ def plan(trace: Trace) -> list:
         out.append(("call", (rec, rec.value_slots, positional)))
     trace.__dict__["_skip_python_plan"] = out
     return out
-
-
-def _sets_grad_to_none(rec) -> bool:
-    return (is_grad_set(rec.func) and len(rec.leaves) == 2 and isinstance(rec.leaves[0], ValueId)
-            and rec.leaves[1] is None and not rec.outputs)
 
 
 _modules = torch.nn.modules.module  # (its global hook dicts: read per call)

@@ -51,10 +51,13 @@ def is_state_read(func) -> bool:
         getattr(getattr(func, "__self__", None), "__name__", None) in STATE_ATTRS
 
 
+GRAD_GET = torch._C.TensorBase.grad.__get__  # (a method-wrapper: made anew per access, compared with ==)
+GRAD_SET = torch._C.TensorBase.grad.__set__
+
+
 def is_grad_set(func) -> bool:
     """Setting a tensor's gradient (``p.grad = ...``, as ``zero_grad`` does)."""
-    return getattr(func, "__name__", None) == "__set__" and \
-        getattr(getattr(func, "__self__", None), "__name__", None) == "grad"
+    return func == GRAD_SET
 
 
 def is_profiler_range(func) -> bool:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.torch_functions import GRAD_GET, is_grad_set, is_profiler_range, is_state_read
 
 # what a recorded call holds in place of a Python function it was given (a hook): the recording
 # does not keep the function alive, and a replay re-runs the Python that makes a new one
@@ -174,8 +175,17 @@ class Trace:
         (``runtime.replay``). Worked out once per recording."""
         spans = self.__dict__.get("_zero_grad_spans")
         if spans is None:
-            spans = self.__dict__["_zero_grad_spans"] = _zero_grad_spans(self.calls)
+            spans = self.__dict__["_zero_grad_spans"] = _zero_grad_spans(self)
         return spans
+
+    def unused_reads(self) -> list:
+        """Per recorded call: whether it reads a tensor's state (``p.grad``) whose value nothing
+        after it reads (a later call, a region, the result): zero_grad's ``if p.grad is not
+        None`` reads a gradient the optimizer step read before it. Worked out once per recording."""
+        unused = self.__dict__.get("_unused_reads")
+        if unused is None:
+            unused = self.__dict__["_unused_reads"] = _unused_reads(self)
+        return unused
 
     def modes_match(self) -> bool:
         """Whether every module the recording ran is still in the same train/eval mode."""
@@ -189,34 +199,42 @@ class Trace:
         values = {}
         for vid, (ref, meta) in self.externals.items():
             t = ref()
-            # (TensorMeta.matches, written out: this runs for every parameter on every call)
-            if t is None or t.shape != meta.shape or t.dtype != meta.dtype or t.device != meta.device \
-                    or t.requires_grad != meta.requires_grad:
+            if t is None or not meta.matches(t):
                 return None
             values[vid] = t
         return values
 
 
-
-GRAD_GET = torch._C.TensorBase.grad.__get__  # (a method-wrapper: made anew per access, compared with ==)
-GRAD_SET = torch._C.TensorBase.grad.__set__
 ZERO_GRAD_RANGE = "Optimizer.zero_grad#"  # the profiler range torch.optim's zero_grad opens
 
 
-def _zero_grad_spans(calls) -> dict:
-    spans, later_reads = {}, set()
-    for i in range(len(calls) - 1, -1, -1):  # (backwards: what the calls after a span read is known)
-        rec = calls[i]
+def sets_grad_to_none(call) -> bool:
+    """A recorded ``p.grad = None`` (zero_grad's write): the parameter, then None."""
+    return (is_grad_set(call.func) and len(call.leaves) == 2 and isinstance(call.leaves[0], ValueId)
+            and call.leaves[1] is None and not call.outputs)
+
+
+def _unused_reads(trace: Trace) -> list:
+    calls = trace.calls
+    unused = [False] * len(calls)
+    later = {v for v in trace.result[1] if isinstance(v, ValueId)} if trace.result is not None else set()
+    for k in range(len(calls) - 1, -1, -1):  # (backwards: what the calls after each one read is known)
+        unused[k] = is_state_read(calls[k].func) and not later.intersection(calls[k].outputs)
+        later.update(v for v in calls[k].leaves if isinstance(v, ValueId))
+        if calls[k].kind == "compute":  # (a region reads its inputs at its first call: counted at each)
+            later.update(trace.regions[calls[k].region].input_ids)
+    return unused
+
+
+def _zero_grad_spans(trace: Trace) -> dict:
+    calls, unused, spans = trace.calls, trace.unused_reads(), {}
+    for i, rec in enumerate(calls):
         leaves = rec.leaves
         if leaves and type(leaves[0]) is str and leaves[0].startswith(ZERO_GRAD_RANGE):
             j = i + 1
-            made = set()
-            while j < len(calls) and (calls[j].func == GRAD_GET or (
-                    calls[j].func == GRAD_SET and len(calls[j].leaves) == 2 and calls[j].leaves[1] is None)):
-                made.update(calls[j].outputs)
+            while j < len(calls) and ((calls[j].func == GRAD_GET and unused[j]) or sets_grad_to_none(calls[j])):
                 j += 1
-            if j < len(calls) and j > i + 1 and "exit" in getattr(calls[j].func, "__name__", "") \
-                    and not made & later_reads:
+            if i + 1 < j < len(calls) and is_profiler_range(calls[j].func) \
+                    and "exit" in getattr(calls[j].func, "__name__", ""):
                 spans[i] = j
-        later_reads.update(leaf for leaf in leaves if isinstance(leaf, ValueId))
     return spans

@@ -16,11 +16,11 @@ import textwrap
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import compiler
 from compiler import recordings
 from runtime.calls import flatten_call
+from tests.training import train_step
 
 
 @pytest.fixture(autouse=True)
@@ -38,14 +38,6 @@ def _stored_files(folder):
 def _mlp():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
-
-
-def train_step(model, opt, x, y):
-    loss = F.mse_loss(model(x), y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
 
 
 def _data():
