@@ -15,9 +15,11 @@ records the function again next time.
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import torch
+from torch.autograd.profiler import record_function
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -96,6 +98,33 @@ def active_replay():
     return getattr(_active, "replay", None)
 
 
+_RECORD_ENTER = record_function.__enter__.__code__
+
+
+class _UnwatchedRange(record_function):
+    """A ``record_function`` (an optimizer's zero_grad range) whose calls run with the replay's
+    mode off the stack (``Replay._zero_grad_begins``): storing its handle, the last thing its
+    ``__enter__`` does, takes the mode off; reading it back, the first thing its ``__exit__``
+    does, puts the mode back (the exit itself is then checked as recorded) and makes the object
+    a ``record_function`` again. (``with`` looked ``__exit__`` up when it began: the handle is
+    the hook both ends have.) Only the class changes, for the range's lifetime."""
+
+    @property
+    def record(self):
+        replay = self.__dict__.pop("_symgrad_replay", None)
+        if replay is not None:
+            self.__class__ = record_function
+            replay.step_ends()
+        return self.__dict__["record"]
+
+    @record.setter
+    def record(self, handle):
+        self.__dict__["record"] = handle
+        replay = self.__dict__.get("_symgrad_replay")
+        if replay is not None:
+            replay._zero_grad_entered()
+
+
 class Replay(TorchFunctionMode):
     def __init__(self, trace: Trace, arg_leaves: list, externals: dict, alternatives=()):
         super().__init__()
@@ -116,11 +145,14 @@ class Replay(TorchFunctionMode):
         self.unwatched = False  # skip_python: the recorded calls made without the function's Python
         # NOTE: an optimizer's zero_grad() sets each p.grad to None: ~2 calls a parameter, each
         # checked at a few microseconds, about what eager's whole zero_grad costs. Where the
-        # recording's zero_grad made only those (``Trace.zero_grad_spans``), they run unchecked
-        # up to its end, as an optimizer step runs unwatched: a later call given a gradient read
-        # there finds an unknown tensor and leaves the recording, as after a step.
+        # recording's zero_grad made only those (``Trace.zero_grad_spans``), it runs unwatched,
+        # as an optimizer step does: this mode off the stack from its profiler range's enter
+        # to its exit (``_zero_grad_begins``); a later call given a gradient read there finds an
+        # unknown tensor and leaves the recording, as after a step. Where the mode cannot come
+        # off (another mode above it), the p.grad reads and writes pass unchecked up to the
+        # range's exit, which is checked (``zero_grad_until``).
         self.zero_grad_spans = trace.zero_grad_spans()
-        self.zero_grad_until: int | None = None  # inside such a zero_grad: where it ends
+        self.zero_grad_until: int | None = None  # inside such a zero_grad, watched: where it ends
 
     # -- optimizer steps run unwatched ------------------------------------------------------
     def run(self, fn, args, kwargs):
@@ -204,6 +236,38 @@ class Replay(TorchFunctionMode):
         self.pos = self.suspended_until
         self.suspended_until = None
 
+    def _zero_grad_begins(self, end: int) -> None:
+        """A recorded zero_grad()'s profiler range is being entered (``end``: its exit's position).
+        Its p.grad calls pass unchecked up to the exit (``zero_grad_until``). Where the range is
+        a ``record_function`` entered as usual, more: once the enter has stored its handle, out
+        of this mode (which cannot take itself off the stack while it answers a call), the mode
+        comes off until the range's ``__exit__`` begins, as during an optimizer step
+        (``_UnwatchedRange``; ``step_ends`` puts it back, and the exit is checked as recorded)."""
+        self.zero_grad_until = end
+        frame = sys._getframe(2)
+        for _ in range(3):  # (record_function.__enter__ -> the op packet's __call__ -> this mode)
+            if frame is None:
+                return
+            if frame.f_code is _RECORD_ENTER:
+                entering = frame.f_locals.get("self")
+                if type(entering) is record_function and entering.run_callbacks_on_exit:
+                    entering.__class__ = _UnwatchedRange
+                    entering._symgrad_replay = self
+                return
+            frame = frame.f_back
+
+    def _zero_grad_entered(self) -> None:
+        """Called by ``_UnwatchedRange`` once the range's enter returned: the mode comes off the
+        stack (if it is on top) until the range's exit."""
+        if self.zero_grad_until is None or self.suspended_until is not None \
+                or torch._C._len_torch_function_stack() == 0:
+            return
+        top = torch._C._pop_torch_function_stack()
+        if top is not self:  # another mode above ours: keep watching
+            torch._C._push_on_torch_function_stack(top)
+            return
+        self.suspended_until, self.zero_grad_until = self.zero_grad_until, None
+
     # -- library calls run as fused kernels (runtime.clip_grad) --------------------------
     def run_fused_call(self, *args):
         """A library call the compiler fused (``trace.fused_calls``: clip_grad_norm_) made where
@@ -248,7 +312,7 @@ class Replay(TorchFunctionMode):
                         result = _SLOW
                     if result is not _SLOW:
                         if pos in self.zero_grad_spans:
-                            self.zero_grad_until = self.zero_grad_spans[pos]
+                            self._zero_grad_begins(self.zero_grad_spans[pos])
                         return result
         kwargs = kwargs or {}
         if is_metadata(func):

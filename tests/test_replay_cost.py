@@ -89,8 +89,8 @@ def test_zero_grad_keeping_the_gradients_is_checked_call_by_call():
 
 
 class _LoggingSGD(torch.optim.SGD):
-    """An optimizer whose zero_grad() makes another torch call when asked: its recorded span
-    was only p.grad reads and writes."""
+    """An optimizer whose zero_grad() makes another torch call when asked: its recorded range
+    held only p.grad reads and writes."""
     extra = False
 
     def zero_grad(self, set_to_none=True):
@@ -103,7 +103,10 @@ class _LoggingSGD(torch.optim.SGD):
                 self.norm_seen = torch.ones(()) * 2
 
 
-def test_a_zero_grad_that_does_more_than_recorded_leaves_the_recording_safely():
+def test_a_zero_grad_runs_unwatched_as_an_optimizer_step_does():
+    """Inside a recorded zero_grad's range the replay's mode is off the stack (as inside an
+    optimizer step): a call the recording did not make there runs as it is, on real tensors,
+    and the replay goes on after the range."""
     model = _model()
     reference = copy.deepcopy(model)
     opt, ref_opt = _LoggingSGD(model.parameters(), lr=0.1), _LoggingSGD(reference.parameters(), lr=0.1)
@@ -120,14 +123,50 @@ def test_a_zero_grad_that_does_more_than_recorded_leaves_the_recording_safely():
     for _ in range(3):
         torch.testing.assert_close(compiled(model, opt, x, y), step(reference, ref_opt, x, y))
     assert len(compiled.last_entry.trace.zero_grad_spans()) == 1
-    divergences = compiled.stats["divergences"]
+    divergences, replays = compiled.stats["divergences"], compiled.stats["replays"]
     opt.extra = ref_opt.extra = True
     torch.testing.assert_close(compiled(model, opt, x, y), step(reference, ref_opt, x, y))
-    assert compiled.stats["divergences"] == divergences + 1  # the extra call is no p.grad read or write
+    assert compiled.stats["divergences"] == divergences and compiled.stats["replays"] == replays + 1
     assert opt.norm_seen.item() == 2.0
+    assert torch._C._len_torch_function_stack() == 0  # the mode left the stack with the call
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q)
         assert p.grad is None
+
+
+def test_the_calls_after_an_unwatched_zero_grad_are_checked_again():
+    """zero_grad() first, then the forward: the mode is back on the stack at the range's exit,
+    so the forward's calls are the recording's (compiled kernels) and a call that departs from
+    them leaves the recording with eager's result."""
+    model = _model()
+    reference = copy.deepcopy(model)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    scale = [1.0]
+
+    def step(model, opt, x, y):
+        opt.zero_grad()
+        out = model(x)
+        if scale[0] != 1.0:
+            out = out * scale[0]
+        loss = F.mse_loss(out, y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    compiled = compiler.compile(step, backend="interpret")
+    for _ in range(3):
+        torch.testing.assert_close(compiled(model, opt, x, y), step(reference, ref_opt, x, y))
+    assert len(compiled.last_entry.trace.zero_grad_spans()) == 1
+    launches = compiled.stats["kernel_launches"]
+    torch.testing.assert_close(compiled(model, opt, x, y), step(reference, ref_opt, x, y))
+    assert compiled.stats["kernel_launches"] > launches  # the forward replayed as kernels
+    divergences = compiled.stats["divergences"]
+    scale[0] = 0.5
+    torch.testing.assert_close(compiled(model, opt, x, y), step(reference, ref_opt, x, y))
+    assert compiled.stats["divergences"] == divergences + 1  # the extra multiply was seen
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q)
 
 
 def test_the_cpu_backend_is_chosen_at_a_compiled_functions_first_call(monkeypatch):
