@@ -14,11 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import sympy
+import torch
 import torch.fx as fx
 
 from compiler.ir import GraphBuilder, compute_dtype, meta_of, numel
 from compiler.ops import catalog as C
 from compiler.ops import symbols as Y
+from compiler.ops.pointwise import emit_pointwise
 from compiler.tiling import MIN_PROGRAMS, fits_one_block, holds_row, is_outer, reduction_programs, rereads_row_from_l2
 
 
@@ -33,6 +35,10 @@ class KernelPlan:
     # column partial sums computed beside the rows (``_column_partial``): root -> (value of ``shape``,
     # chunks); each of the kernel's programs loops over one chunk of rows and writes its partial sums
     columns: dict = field(default_factory=dict)
+    # pointwise roots over the reductions' own space (a row's value: layer norm's rstd, a loss's
+    # mean as sum / count), computed from the rows' reductions once they are known and stored at
+    # the row (``takes_epilogue``)
+    epilogue: list = field(default_factory=list)
 
     def accepts(self, shape, reduce_dims) -> bool:
         if shape != self.shape:
@@ -72,6 +78,53 @@ class KernelPlan:
         if self.reduce_dims or tuple(self.shape) != shape or self.columns:
             return False
         return all(kind_of(r) in ("pointwise", "scatter") and tuple(meta_of(r).shape) == shape for r in self.roots)
+
+    def takes_epilogue(self, node: fx.Node, reductions, buffers) -> bool:
+        """Whether ``node``, a pointwise value with one element per row of this kernel's reductions,
+        computed from them (and from values of other kernels), can be computed here once the rows
+        are reduced and stored at its row: a kernel fewer than a kernel of its own over the
+        reductions' space (Inductor computes such values in the reduction's kernel too: layer
+        norm's rstd, a loss's sum / count, batch norm's running statistics). Its shape is the
+        reductions' space (keepdim: size 1 at the reduced dims; or without them), and every value
+        it reads that depends on this kernel's reductions is in that space too: pointwise values,
+        reshapes between the two forms, the reductions themselves."""
+        dims = self.reduce_dims
+        kept = tuple(1 if d in dims else n for d, n in enumerate(self.shape))
+        squeezed = tuple(n for d, n in enumerate(self.shape) if d not in dims)
+        space = (kept, squeezed)
+        shape = tuple(meta_of(node).shape)
+        if not dims or self.columns or shape == tuple(self.shape) or shape not in space:
+            return False
+        reductions = set(reductions)
+        if not reductions or meta_of(node).dtype.is_complex:
+            return False
+        found, stack, seen = False, [node], set()
+        while stack:
+            n = stack.pop()
+            if not isinstance(n, fx.Node) or n in seen:
+                continue
+            seen.add(n)
+            m = meta_of(n)
+            if n in reductions or (n is not node and n in self.epilogue):
+                if tuple(m.shape) not in space or m.dtype.is_complex:
+                    return False
+                found = True
+                continue  # (an epilogue value computed before this one: its reads were checked)
+            if n is not node and n in buffers and n not in self.roots:
+                continue  # another kernel's value: loaded at the row
+            if n is not node and n in self.roots:
+                return False  # a value of the rows' elements
+            depends = _depends_on(n, reductions, ())
+            if not depends:
+                continue  # (read as any kernel reads other kernels' values)
+            if tuple(m.shape) not in space or m.dtype.is_complex:
+                return False
+            if kind_of(n) == "view" and not (n.target.name == "reshape" and tuple(meta_of(n.args[0]).shape) in space):
+                return False
+            if kind_of(n) not in ("pointwise", "view"):
+                return False
+            stack.extend(n.args)
+        return found
 
     def second_pass_with(self, node: fx.Node, reductions, buffers) -> bool:
         """Whether ``node``, a pointwise value reading this looped kernel's reductions at its own
@@ -244,9 +297,70 @@ def _split_count(size: int, other: int, programs):
     return next((k for k in divisors if programs(k) >= MIN_PROGRAMS), divisors[-1])
 
 
+def copy_operands_in_kernels(graph: fx.Graph) -> None:
+    """A matmul's (any extern's) operand or a graph output that PyTorch can only make from its
+    buffer with a copy (attention's q, k and v: slices of the qkv projection's output, split into
+    heads and transposed, then flattened to a batch of matrices; its output, transposed back and
+    flattened) is copied by a kernel: a pointwise copy of the view chain's value at the point from
+    which the rest of the chain is views of that copy, a root fused with the other values of its
+    shape (q, k and v in one kernel), instead of a host ``reshape`` copying each alone (eager's
+    and our host views made ``aten::clone``s: 10 in the transformer step, where Inductor's
+    kernels write those layouts)."""
+    b = GraphBuilder(graph)
+    output = next(n for n in graph.nodes if n.op == "output")
+    for node in list(graph.nodes):
+        if kind_of(node) == "extern":
+            operands = list(node.args)
+        elif node is output:
+            operands = list(output.args[0])
+        else:
+            continue
+        for arg in operands:
+            if not isinstance(arg, fx.Node) or kind_of(arg) != "view":
+                continue
+            chain = []  # the views from the buffer to the operand, the buffer's side first
+            value = arg
+            while kind_of(value) == "view":
+                chain.append(value)
+                value = value.args[0]
+            chain.reverse()
+            if not all(type(d) is int for n in [value] + chain for d in meta_of(n).shape) \
+                    or _views_without_copy(value, chain):
+                continue
+            # where to copy: the point of the chain from which the views left are views of the copy,
+            # the smallest such value (a slice is copied, not what it is sliced from), the first of equals
+            points = [i for i in range(1, len(chain) + 1) if _views_without_copy(chain[i - 1], chain[i:])]
+            i = min(points, key=lambda k: (numel(meta_of(chain[k - 1]).shape), k))
+            source = chain[i - 1]
+            with graph.inserting_after(source):
+                copy = emit_pointwise(b, "identity", [source], dtype=meta_of(source).dtype,
+                                      requires_grad=meta_of(source).requires_grad)
+            if i < len(chain):
+                chain[i].args = (copy,) + tuple(chain[i].args[1:])
+            elif node is output:  # the output itself
+                output.args = (tuple(copy if a is arg else a for a in output.args[0]),) + tuple(output.args[1:])
+            else:
+                node.args = tuple(copy if a is arg else a for a in node.args)
+
+
+def _views_without_copy(source: fx.Node, views: list) -> bool:
+    """Whether ``views`` (view nodes, applied in order) make a view of a contiguous tensor of
+    ``source``'s shape without a copy (PyTorch's own view functions on a meta tensor)."""
+    m = meta_of(source)
+    base = torch.empty(tuple(m.shape), dtype=m.dtype, device="meta")
+    value = base
+    try:
+        for view in views:
+            value = view.target.apply(value, **view.kwargs)
+    except (NotImplementedError, RuntimeError):  # (a view that cannot run on a meta tensor: say "copies")
+        return not views
+    return value is base or (value._is_view() and value._base is base)
+
+
 def fuse(graph: fx.Graph, shape_generic: bool = False) -> Schedule:
     """Kernels of ``graph``. ``shape_generic``: reductions are not split (a split's chunk count and
     its chunks' shapes follow the sizes: each size would make new kernels; ``render_kernel``)."""
+    copy_operands_in_kernels(graph)
     if not shape_generic:
         split_starved_reductions(graph)
     nodes = [n for n in graph.nodes if n.op == "call_function"]
@@ -291,11 +405,14 @@ def fuse(graph: fx.Graph, shape_generic: bool = False) -> Schedule:
         # writes something it reads, same iteration space, not reading its reductions.
         barrier = max((step_of[b] for b in _reads(node, buffers) if b in step_of), default=0)
         target = None
-        partner, reads_row, second = None, False, False
+        partner, reads_row, second, epilogue = None, False, False, False
         column = _column_partial(node)
         for i in range(barrier, len(steps)):
             kind_i, plan = steps[i]
             reductions = reduction_roots_of.get(id(plan), ())
+            if kind == "pointwise" and kind_i == "kernel" and plan.takes_epilogue(node, reductions, buffers):
+                target, epilogue = i, True
+                break
             if column is not None and kind_i == "kernel":
                 if plan.takes_column(node, *column, buffers):
                     target, reads_row = i, True
@@ -329,6 +446,10 @@ def fuse(graph: fx.Graph, shape_generic: bool = False) -> Schedule:
             steps.append(("kernel", KernelPlan(space[0], space[1], [])))
         plan = steps[target][1]
         plan.roots.append(node)
+        if epilogue:  # (the kernel's iteration space stays the rows')
+            plan.epilogue.append(node)
+            step_of[node] = target
+            continue
         if partner is not None:
             plan.online[node] = partner
         if second:

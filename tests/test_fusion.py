@@ -1,5 +1,7 @@
 """Kernel counts: fused chains are one kernel forward and one backward."""
 
+import copy
+
 import torch
 import torch.nn.functional as F
 
@@ -119,3 +121,87 @@ def test_overlapping_window_gradients_are_materialized_not_inlined_per_read():
     report = compiler.explain(lambda x: F.max_pool2d(F.max_pool2d(x.relu(), 3, 2, 1), 3, 1, 1), x)
     assert report.fallbacks == []
     assert max(len(k.source.splitlines()) for k in report.kernels) < 150
+
+
+def test_a_rows_values_from_its_reductions_are_computed_in_its_kernel():
+    """Layer norm's statistics kept for the backward (rstd, a value per row) are computed and
+    stored by the kernel that reduces the rows, and the normalized rows that read them join it:
+    one forward kernel, where a kernel over the rows' statistics alone split it in three."""
+    x = torch.randn(2, 32, 64, requires_grad=True)
+    w, b = torch.randn(64, requires_grad=True), torch.randn(64, requires_grad=True)
+    m = torch.randn(64, 16, requires_grad=True)
+
+    def f(x, w, b, m):
+        return F.layer_norm(x * 2, (64,), w, b) @ m
+    report = compiler.explain(f, x, w, b, m)
+    assert report.fallbacks == []
+    assert len(report.forward_kernels) == 1, [k.name for k in report.forward_kernels]
+    source = report.forward_kernels[0].source
+    assert "tl.sqrt_rn" in source and source.count("tl.sum(") == 2   # the statistics and rstd, one kernel
+    check_parity(f, [x, w, b, m])
+
+
+def test_a_losss_mean_is_divided_in_the_kernel_that_sums_it():
+    logits = torch.randn(32, 40, requires_grad=True)
+    targets = torch.randint(0, 40, (32,))
+    targets[3] = -100   # ignored: the count of targets is a reduction too
+    report = compiler.explain(lambda z, t: F.cross_entropy(z, t), logits, targets)
+    assert len(report.forward_kernels) == 2, [k.name for k in report.forward_kernels]  # rows' logsumexp; the mean
+    check_parity(lambda z, t: F.cross_entropy(z, t), [logits, targets])
+
+
+def test_batch_norms_running_statistics_are_updated_by_its_statistics_kernel():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU())
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 3, 8, 8)
+
+    def f(model, x):
+        return (model(x) ** 2).mean()
+    report = compiler.explain(f, model, x)
+    # num_batches_tracked += 1; the statistics with both running updates; the normalized rows and loss
+    assert len(report.forward_kernels) == 3, [k.name for k in report.forward_kernels]
+    stats = next(k for k in report.forward_kernels if "mean" in k.name and "tl.sqrt_rn" not in k.source)
+    assert stats.source.count("tl.store(") == 4   # mean, variance, running mean, running variance
+    model, reference = copy.deepcopy(reference), reference
+    compiled = compiler.compile(f, backend="interpret")
+    for _ in range(3):
+        torch.testing.assert_close(compiled(model, x), f(reference, x))
+        for ours, theirs in zip(model.buffers(), reference.buffers()):
+            torch.testing.assert_close(ours, theirs)
+    assert compiled.stats["replays"] == 2 and compiled.stats["divergences"] == 0
+
+
+def test_a_row_value_after_a_looped_reduction():
+    """A reduction no other value of the row reads runs as a loop over the row; the value per
+    row computed from the sum (here returned: stored) comes after the loop, in the same kernel."""
+    x = torch.randn(8, 4096, requires_grad=True)
+
+    def f(x):
+        return (x * x).sum(-1) * 0.5 + 1.0
+    report = compiler.explain(f, x)
+    assert len(report.forward_kernels) == 1 and "for roffset" in report.forward_kernels[0].source
+    check_parity(f, [x], tol=dict(rtol=1e-4, atol=1e-3))
+
+
+def test_attention_operands_are_copied_by_one_kernel_not_by_host_reshapes():
+    """q, k and v, slices of one projection split into heads, reach their matmuls through views
+    PyTorch can only make with a copy: a kernel writes the three in the heads' layout (no
+    ``aten::clone`` on the host), and the values are eager's."""
+    torch.manual_seed(0)
+    b, t, heads, d = 2, 8, 2, 16
+    qkv = torch.nn.Linear(d, 3 * d)
+    x = torch.randn(b, t, d, requires_grad=True)
+
+    def attention(x):
+        q, k, v = qkv(x).split(d, dim=-1)
+        q, k, v = (z.view(b, t, heads, -1).transpose(1, 2) for z in (q, k, v))
+        y = torch.softmax(q @ k.transpose(-2, -1), dim=-1) @ v
+        return y.transpose(1, 2).reshape(b, t, d)
+    report = compiler.explain(attention, x)
+    copies = [k for k in report.forward_kernels if k.name.startswith("fused_addmm_identity")]
+    assert len(copies) == 1 and copies[0].source.count("tl.store(") == 3, [k.name for k in report.forward_kernels]
+    compiled = check_parity(attention, [x])
+    with torch.profiler.profile() as prof:
+        compiled(x).sum().backward()
+    assert not [e.name for e in prof.events() if e.name in ("aten::clone", "aten::contiguous")]

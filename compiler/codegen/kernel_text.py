@@ -42,3 +42,15 @@ def contiguous_offset(index: tuple, shape: tuple, single: str, size=literal_size
 def arange(block: str, wide: bool) -> str:
     """The lanes of a block, in int64 when the kernel's index math is 64-bit."""
     return f"tl.arange(0, {block}).to(tl.int64)" if wide else f"tl.arange(0, {block})"
+
+
+def unwrapped(index: str) -> str:
+    """``index`` without parentheses around all of it: "(((i0) * 8 + (i1)))" -> "(i0) * 8 + (i1)"."""
+    while index.startswith("(") and index.endswith(")"):
+        depth = 0
+        for k, ch in enumerate(index):
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth == 0 and k < len(index) - 1:
+                return index     # the first parenthesis closes before the end: "(a) * (b)"
+        index = index[1:-1]
+    return index

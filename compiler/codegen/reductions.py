@@ -8,7 +8,7 @@ looped over in steps of RBLOCK with per-lane accumulators, and the online softma
 
 from __future__ import annotations
 
-from compiler.codegen.kernel_text import TL_DTYPE, arange, broadcast_index, contiguous_offset, masked
+from compiler.codegen.kernel_text import TL_DTYPE, arange, broadcast_index, contiguous_offset, masked, unwrapped
 from compiler.codegen.triton_printer import NotPrintable, literal
 from compiler.fusion import kind_of
 from compiler.ir import compute_dtype, meta_of, numel
@@ -30,7 +30,7 @@ class ReductionWriter:
         kept = [d for d in range(len(self.plan.shape)) if d not in self.plan.reduce_dims]
         keepdim = node.kwargs["keepdim"]
         wanted = [index[d] for d in kept] if keepdim else list(index)
-        if wanted != [self.base_index[d] for d in kept]:
+        if [unwrapped(i) for i in wanted] != [unwrapped(self.base_index[d]) for d in kept]:
             raise NotPrintable("a reduction read at another row than the one it reduced")
         if node not in self.reductions:
             self.reductions[node] = self.reduce_row(node)
@@ -82,12 +82,48 @@ class ReductionWriter:
                 var, have = self.reduced(root, self._reduced_index(root))
                 self.store(out, self.cast(var, have, dtype), self.row_addresses(dtype), "xmask")
                 continue
+            if root in self.plan.epilogue:
+                self.store_epilogue(root, out)
+                continue
             self.store_root(root, out)
         body = [masked(line, "xmask & rmask").replace("SHAPE", "[XBLOCK, RBLOCK]") for line in self.lines]
         rindex = [f"rindex = {arange('RBLOCK', wide)}[None, :]", f"rmask = rindex < {rnumel}"]
         if columns:
             return self.loop_over_chunk(header, rindex, body_prefix + body, columns, wide), stores
         return header + rindex + body_prefix + body, stores
+
+    # -- values of a row, from its reductions (fusion.KernelPlan.takes_epilogue) ----------
+    def store_epilogue(self, root, out: str, into: list | None = None) -> None:
+        """Compute ``root`` (one value per row, from the rows' reductions) and store it at the row.
+        Its lines are a row's values ([XBLOCK, 1], masked by rows only); the reductions it reads
+        are computed first, among the row's lines (or, looped, kept after the loop: ``write_loop``)."""
+        dims = self.plan.reduce_dims
+        if len(meta_of(root).shape) == len(self.plan.shape):  # keepdim: size 1 at the reduced dims
+            index = tuple("0" if d in dims else self.base_index[d] for d in range(len(self.plan.shape)))
+        else:
+            index = tuple(self.base_index[d] for d in range(len(self.plan.shape)) if d not in dims)
+        reductions = [n for n in self.plan.roots if kind_of(n) == "reduction"]
+        for n in _reductions_read(root, set(reductions)):
+            self.reduced(n, self._reduced_index(n))  # among the row's lines, before the row's values
+        mark = len(self.lines)
+        var, have = self.value(root, index)
+        dtype = meta_of(root).dtype
+        var = self.cast(var, have, dtype)
+        self.lines[mark:] = [masked(line, "xmask").replace("SHAPE", "[XBLOCK, 1]") for line in self.lines[mark:]]
+        self.store(out, var, self.row_addresses(dtype), "xmask")
+        if into is not None:
+            into.extend(self.lines[mark:])
+            del self.lines[mark:]
+
+    def write_epilogue(self, stores) -> list:
+        """After a looped reduction: the epilogue roots, from the reduced values kept after the loop
+        (its body's own variables are not visible there); their stores are appended to ``stores``."""
+        self.values = {}
+        src = []
+        for root in self.plan.epilogue:
+            stores.append(root)
+            self.store_epilogue(root, f"out{len(stores) - 1}", into=src)
+        return src
 
     # -- column sums beside the rows (fusion.split_column_sum) ----------------------------
     def accumulate_column(self, root, acc: str) -> str:
@@ -268,6 +304,21 @@ class ReductionWriter:
         del self.lines[mark:]
         return (f"tl.sum(tl.where({acc_sum} == 0, 0.0, {acc_sum} * tl.exp({_finite_or_zero(acc_max)} - {value})), "
                 f"1)[:, None]")
+
+
+def _reductions_read(root, reductions: set) -> list:
+    """The members of ``reductions`` that ``root`` reads through pointwise values and views."""
+    found, stack, seen = [], [root], set()
+    while stack:
+        n = stack.pop()
+        if n in seen or not hasattr(n, "args"):
+            continue
+        seen.add(n)
+        if n in reductions:
+            found.append(n)
+        elif n is root or kind_of(n) in ("pointwise", "view"):
+            stack.extend(n.args)
+    return found
 
 
 def _nan_or_max(value: str, acc: str) -> str:

@@ -37,7 +37,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from compiler.codegen.kernel_text import TL_DTYPE, broadcast_index, masked
+from compiler.codegen.kernel_text import TL_DTYPE, broadcast_index, masked, unwrapped
 from compiler.codegen.realify import IM, RE, realify
 from compiler.codegen.reductions import ReductionWriter
 from compiler.codegen.triton_printer import NotPrintable, TritonPrinter
@@ -203,7 +203,7 @@ class KernelWriter(ReductionWriter):
     def value(self, node: fx.Node, index: tuple):
         """(Triton variable(s), dtype) of ``node`` at ``index``: loaded, or computed inline."""
         index = tuple(_fold(i) for i in index)
-        key = (node, tuple(_unwrapped(i) for i in index))   # "((i0))" is the element "i0" is
+        key = (node, tuple(unwrapped(i) for i in index))   # "((i0))" is the element "i0" is
         if key in self.values:
             return self.values[key]
         kind = kind_of(node)
@@ -458,8 +458,8 @@ class KernelWriter(ReductionWriter):
         stores = []
         accumulators = []   # (root, [accumulator per part], part dtype)
         for root in plan.roots:
-            if root in plan.online or root in plan.second_pass:  # accumulated with its amax; the second loop
-                continue
+            if root in plan.online or root in plan.second_pass or root in plan.epilogue:
+                continue  # accumulated with its amax; the second loop; after the loop
             if kind_of(root) == "reduction":
                 self.accumulate(root, accumulators)
             else:
@@ -469,6 +469,8 @@ class KernelWriter(ReductionWriter):
                 .replace("SHAPE", "[XBLOCK, RBLOCK]" if reduction else "[XBLOCK]") for line in self.lines]
         if reduction:
             src = header + self.write_loop(body_prefix, body, rnumel, accumulators, stores, wide)
+            if plan.epilogue:
+                src += self.write_epilogue(stores)
             if plan.second_pass:
                 src += self.write_second_loop(body_prefix, rnumel, stores, wide)
         else:
@@ -616,18 +618,6 @@ def _live_values(lines, accumulators: int, persistent: bool) -> int:
     loads = sum(1 for line in lines if "tl.load(" in line and ("mask=MASK" in line or "mask=RMASK" in line))
     reductions = sum(line.count("tl.sum(") + line.count("tl.max(") for line in lines) if persistent else 0
     return loads + accumulators + 2 * reductions
-
-
-def _unwrapped(index: str) -> str:
-    """``index`` without parentheses around all of it: "(((i0) * 8 + (i1)))" -> "(i0) * 8 + (i1)"."""
-    while index.startswith("(") and index.endswith(")"):
-        depth = 0
-        for k, ch in enumerate(index):
-            depth += {"(": 1, ")": -1}.get(ch, 0)
-            if depth == 0 and k < len(index) - 1:
-                return index     # the first parenthesis closes before the end: "(a) * (b)"
-        index = index[1:-1]
-    return index
 
 
 def _fold(index: str) -> str:
