@@ -218,7 +218,10 @@ class _Workload:
         with Triton launches skipped: its time, and on CPU its other kernels."""
         case, device = self.case, self.device
         with _noted(row, "explain"):
-            explained = compiler.explain(case.fn, *case.fn_args(case.make_args(torch.float32)))
+            # (compiled for the backend the step runs: on CPU the interpreter, whose kernels are a GPU's;
+            # a plain explain would build for the CPU path, which saves pointwise values as eager does)
+            explained = compiler.explain(compiler.compile(case.fn, backend=OURS_BACKEND),
+                                         *case.fn_args(case.make_args(torch.float32)))
             row.fused_kernels = len(explained.kernels)
             row.bytes_moved = sum(k.bytes_moved for k in explained.kernels)
             row.regions = len(explained.regions)
