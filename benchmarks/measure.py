@@ -346,7 +346,12 @@ def kernels_stubbed():
     zeros: dict = {}
 
     def allocate_only(self, env, device):
-        for slot, shape, dtype in self.stores:
+        donors = dict(self.reuse)
+        for k, (slot, shape, dtype) in enumerate(self.stores):
+            out = program._reused(env[donors[k]], shape, dtype) if k in donors else None
+            if out is not None:  # where the launch writes into a buffer's memory (as ``arguments`` does)
+                env[slot] = out
+                continue
             if dtype.is_floating_point or dtype.is_complex:
                 env[slot] = torch.empty(shape, dtype=dtype, device=device)
                 continue

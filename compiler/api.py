@@ -209,9 +209,13 @@ def _compile_trace(name, trace, *, fullgraph, stats, memory, shape_generic=False
             later = _written_after(trace, plan)
             written_later = {i for i, v in enumerate(plan.input_ids) if v in later}
             outputs_written_later = _outputs_written(plan, later)
+            # the output that is each changed input's new value (a kernel may store it in the input)
+            # (tensors the function reads from outside: the same objects on every replay, by its guards)
+            mutated_outputs = tuple(sorted((plan.input_ids.index(v), plan.output_ids.index(v)) for v in plan.mutated
+                                           if v in plan.output_ids and v in trace.externals))
             options = {k: v for k, v in (("written_later", written_later), ("memory", _policy(memory, plan.graph)),
                                          ("outputs_written_later", outputs_written_later),
-                                         ("shape_generic", shape_generic))
+                                         ("shape_generic", shape_generic), ("mutated_outputs", mutated_outputs))
                        if v and v != "balanced"}  # (defaults left out: tests stand in for build_region)
             compiled = _compile_region(plan.graph, mutated, options, index)
             plan.compiled, info["backward_graph"], info["kernels"] = compiled

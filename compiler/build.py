@@ -16,7 +16,7 @@ from compiler.autodiff import partition, propagate_requires_grad
 from compiler.capture_regions import EAGER_NAMES, EAGER_SAVED, SAVED_BY_CONSUMERS
 from compiler.codegen.torch_kernel import render_torch_kernel
 from compiler.codegen.triton_kernel import render_kernel
-from compiler.fusion import Schedule, fuse, kind_of
+from compiler.fusion import Schedule, inlined_reads, fuse, kind_of
 from compiler.reference import first_nan
 from runtime.autograd_bridge import CompiledRegion
 from runtime.program import ExternCall, IndexCheck, KernelLaunch, Program, ValueRef, ViewStep
@@ -24,7 +24,7 @@ from compiler.ir import meta_of, update_meta
 
 
 def build_region(graph: fx.Graph, mutated_inputs=frozenset(), written_later=frozenset(), memory="balanced",
-                 outputs_written_later=frozenset(), shape_generic=False):
+                 outputs_written_later=frozenset(), shape_generic=False, mutated_outputs=()):
     """Compile one captured region. Returns (CompiledRegion, details for ``explain``).
     ``mutated_inputs``: positions of inputs the region changes in place; ``written_later``:
     of inputs the function changes in place after the region; ``memory``: the saved-set
@@ -50,7 +50,17 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset(), written_later=froz
     parts = partition(graph, mutated_inputs, written_later=written_later, memory=memory,
                       outputs_written_later=outputs_written_later)
     forward_schedule = fuse(parts.forward, shape_generic)
-    forward_program, forward_kernels = lower(parts.forward, forward_schedule, shape_generic=shape_generic)
+    forward_outputs = next(n for n in parts.forward.nodes if n.op == "output").args[0]
+    # NOTE: not where something reads the input's old value after the forward program: the double
+    # backward (it recomputes from it), an output made from the input by torch after the program
+    # (``input_views``: ``x.flip(1)`` returned, then ``x.add_(1)``; the flip copies then)
+    double_reads = _placeholders_read(parts.joint) if parts.joint is not None else ()
+    viewed = {index for _, index, _ in input_views}
+    donated = {i: forward_outputs[kept_position[k]] for i, k in mutated_outputs
+               if k in kept_position and isinstance(forward_outputs[kept_position[k]], fx.Node)
+               and not (i < len(double_reads) and double_reads[i]) and i not in viewed}
+    forward_program, forward_kernels = lower(parts.forward, forward_schedule, shape_generic=shape_generic,
+                                             donated_inputs=donated)
     backward_program, backward_kernels = None, []
     if parts.backward is not None:
         _transpose_matmul_gradients(parts.backward)
@@ -66,6 +76,8 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset(), written_later=froz
     region = CompiledRegion(forward_program, backward_program, parts.num_user_outputs, parts.saved,
                             parts.grad_output_for, differentiable, input_views=input_views,
                             mutated_inputs=tuple(sorted(mutated_inputs)), written_later=tuple(sorted(written_later)))
+    donors = {slot for step in forward_program.steps for _, slot in getattr(step, "reuse", ())}
+    region.donated_inputs = tuple(sorted(slot for slot in donors if slot < forward_program.num_inputs))
     if parts.backward is not None:
         region.grad_sources = parts.grad_sources
         region.backward_for = _partial_backward_builder(pristine, mutated_inputs, parts, written_later, memory,
@@ -278,10 +290,13 @@ def _view_step(node) -> ViewStep:
     return ViewStep(node.target, tuple(node.kwargs.items()))
 
 
-def lower(graph: fx.Graph, schedule: Schedule, check_indices: bool = True, transient_inputs=(), shape_generic=False):
+def lower(graph: fx.Graph, schedule: Schedule, check_indices: bool = True, transient_inputs=(), shape_generic=False,
+          donated_inputs=None):
     """Assign slots to buffers and turn the schedule's steps into runtime steps.
     ``transient_inputs``: positions of inputs the program holds the only reference to (saved
-    intermediates handed over by the backward), whose memory is freed at their last use."""
+    intermediates handed over by the backward), whose memory is freed at their last use;
+    ``donated_inputs``: input position -> the node that is its new value (an input changed in place:
+    the kernel storing that value may store it into the input's memory, ``_input_donors``)."""
     slots: dict = {}
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for p in placeholders:
@@ -320,7 +335,8 @@ def lower(graph: fx.Graph, schedule: Schedule, check_indices: bool = True, trans
             src.bytes_moved, src.num_warps, wide_name=src.wide_name, wide_source=src.wide_source, sizes=src.sizes,
             torch_kernel=render_torch_kernel(src.name, src.loads, [slots[n] for n in src.loads], src.stores,
                                              [slots[n] for n in src.stores], schedule.buffers)))
-        donors[id(steps[-1])] = _donors(item, src, slots, len(placeholders))
+        donors[id(steps[-1])] = _donors(item, src, slots, len(placeholders)) + \
+            _input_donors(item, src, slots, placeholders, donated_inputs or {})
         sources.append(src)
         check(src.stores)
     outputs = [ref(o) if isinstance(o, fx.Node) else None
@@ -363,6 +379,59 @@ def _donors(plan, src, slots, num_inputs: int) -> list:
                     and _loaded_before_store(src, k, j):
                 pairs.append((j, slots[buffer]))
     return pairs
+
+
+def _input_donors(plan, src, slots, placeholders, donated: dict) -> list:
+    """(store index, input slot) pairs: the new value of an input the region changes in place,
+    stored into that input's memory, where the write-back into it would copy it there after the
+    region (``runtime.replay``: a copy skipped when the memory is the input's already). The
+    donation is made only where the input's old value dies at this kernel (``_donations``) and
+    the kernel reads it, if at all, only to compute the new value, at the new value's own
+    elements, through pointwise values of its shape: each element is read before the same
+    program stores it (batch norm's running statistics in the statistics kernel's epilogue,
+    ``num_batches_tracked + 1``). An input that needs a gradient is not donated (its write-back
+    copy is its autograd history)."""
+    pairs = []
+    for position, new in donated.items():
+        if new not in src.stores:
+            continue
+        old = placeholders[position]
+        m_old, m_new = meta_of(old), meta_of(new)
+        if m_old.requires_grad or m_new.dtype != m_old.dtype or m_new.dtype.is_complex \
+                or tuple(m_new.shape) != tuple(m_old.shape):
+            continue
+        if any(root is not new and _reads_value(root, old) for root in plan.roots) \
+                or not _reads_at_own_index(new, old, src):
+            continue
+        pairs.append((src.stores.index(new), slots[old]))
+    return pairs
+
+
+def _reads_at_own_index(new, old, src) -> bool:
+    """Whether ``new`` reads ``old`` (a loaded buffer) only through pointwise values of its own
+    shape, each element at its own index, or not at all."""
+    if kind_of(new) != "pointwise":
+        return not _reads_value(new, old)
+    shape, stack, seen = tuple(meta_of(new).shape), [new], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n is old:
+            continue
+        if n is not new and n in src.loads:
+            continue  # another buffer: its own reads are another kernel's
+        if kind_of(n) == "pointwise" and tuple(meta_of(n).shape) == shape:
+            stack.extend(n.all_input_nodes)
+        elif n is not new and _reads_value(n, old):
+            return False
+    return True
+
+
+def _reads_value(node, buffer) -> bool:
+    """Whether ``node`` (or a value it computes inline: pointwise ops, views, gathers...) reads ``buffer``."""
+    return node is buffer or any(n is buffer for n in inlined_reads(node))
 
 
 # externs whose result is a new tensor of its own (never a view of an argument)

@@ -494,7 +494,7 @@ def _read_only_where_computed(nodes, outputs, steps, step_of, buffers) -> set:
         for root in plan.roots:
             kept |= {b for b in _reads(root, buffers) if step_of.get(b) != i}
         for value, _chunks in plan.columns.values():
-            kept |= {b for b in _inlined_reads(value) if b in buffers and step_of.get(b) != i}
+            kept |= {b for b in inlined_reads(value) if b in buffers and step_of.get(b) != i}
     return candidates - kept
 
 
@@ -524,14 +524,14 @@ def _online_softmax_partner(node: fx.Node, reductions, buffers, plan):
             continue
         if compute_dtype(meta_of(m).dtype) != compute_dtype(meta_of(node).dtype) or meta_of(m).dtype.is_complex:
             continue
-        others = [n for n in list(_inlined_reads(c)) + [c] if n is not m]
+        others = [n for n in list(inlined_reads(c)) + [c] if n is not m]
         if _depends_on(c, [m], ()) and _row_aligned(c, [m], plan) and \
                 all(n not in buffers and kind_of(n) in ("pointwise", "view") for n in others):
             return m
     return None
 
 
-def _inlined_reads(node: fx.Node):
+def inlined_reads(node: fx.Node):
     """Every value ``node`` reads, looking through the values its kernel computes inline
     (pointwise ops, scatters, views); buffers are yielded and their own inputs not followed,
     except pointwise buffers, which a kernel that stores them also computes."""
@@ -548,7 +548,7 @@ def _inlined_reads(node: fx.Node):
 
 def _reads(node: fx.Node, buffers) -> set:
     """The buffers a root reads."""
-    return {n for n in _inlined_reads(node) if n in buffers}
+    return {n for n in inlined_reads(node) if n in buffers}
 
 
 def _row_aligned(node: fx.Node, reductions, plan) -> bool:
@@ -594,4 +594,4 @@ def _row_aligned(node: fx.Node, reductions, plan) -> bool:
 def _depends_on(node: fx.Node, targets, buffers) -> bool:
     """Whether ``node`` reads any of ``targets`` (reductions of a kernel it would join)."""
     targets = set(targets)
-    return bool(targets) and any(n in targets for n in _inlined_reads(node))
+    return bool(targets) and any(n in targets for n in inlined_reads(node))

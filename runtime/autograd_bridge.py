@@ -38,6 +38,9 @@ class CompiledRegion:
     eager_saved: tuple = ()     # (output position, eager grad_fn name, output_nr, grad positions reaching it)
     eager_names: dict = field(default_factory=dict)  # saved position -> the producer eager's version error names
     backward_for: object = None  # output positions given a gradient -> (Program, saved positions) | None
+    # positions of inputs changed in place whose new value a kernel stores into their own memory
+    # (``compiler.build._input_donors``): the replay checks that no other input shares it
+    donated_inputs: tuple = ()
 
     def prepare_cpu(self) -> None:
         """The CPU path's generated code, made at build time (``Program.prepare_cpu``)."""

@@ -43,7 +43,7 @@ class Launcher:
         self.num_warps = num_warps
         self.binds = 0          # how many specializations were bound (the first call binds one)
 
-    def straight_line(self, loads, stores, key, inputs, fresh=frozenset(), sizes=()):
+    def straight_line(self, loads, stores, key, inputs, fresh=frozenset(), sizes=(), reuse=()):
         """A generated launch for the layout ``key`` (see ``generate_launch``); ``False``: never
         (only compiled Triton's driver launcher is called directly)."""
         return False
@@ -132,13 +132,13 @@ class DirectLauncher(Launcher):
             self._current = (key, bound)
             return bound
 
-    def straight_line(self, loads, stores, key, inputs, fresh=frozenset(), sizes=()):
+    def straight_line(self, loads, stores, key, inputs, fresh=frozenset(), sizes=(), reuse=()):
         """The generated launch of the specialization bound for ``key`` (just launched with
         ``inputs``), or None where this layout gets none (see ``generate_launch``)."""
         current_key, bound = self._current
         if current_key != key:
             return None
-        return generate_launch(loads, stores, inputs, bound, self.grid, self._stream, fresh, sizes)
+        return generate_launch(loads, stores, inputs, bound, self.grid, self._stream, fresh, sizes, reuse)
 
     def launch(self, args, key, device):
         # the cheap per-call check: the layout key the bound kernel was specialized for
@@ -148,7 +148,8 @@ class DirectLauncher(Launcher):
         bound.launch(self.grid, self._stream(device.index), args)
 
 
-def generate_launch(loads, stores, inputs, bound: BoundKernel, grid: int, stream, fresh=frozenset(), sizes=()):
+def generate_launch(loads, stores, inputs, bound: BoundKernel, grid: int, stream, fresh=frozenset(), sizes=(),
+                    reuse=()):
     """One straight-line Python function for a launch at one layout, as Inductor generates its
     wrappers' launch code: ``launch(env, device) -> bool`` reads the input slots, checks each
     input's layout against this one's and that every input address is 16-byte aligned, then
@@ -158,7 +159,9 @@ def generate_launch(loads, stores, inputs, bound: BoundKernel, grid: int, stream
     ``loads`` are slots, ``stores`` (slot, shape, dtype), ``inputs`` the input tensors of the
     launch just bound (their layout is the one generated); ``fresh``: the slots that are outputs
     of earlier launches of the same program (contiguous, freshly allocated: nothing to check);
-    ``sizes``: a shape-generic kernel's size arguments (after the outputs), written as literals.
+    ``sizes``: a shape-generic kernel's size arguments (after the outputs), written as literals;
+    ``reuse``: (store index, slot) pairs, an output written into the memory of a buffer that dies
+    here where it fits (``runtime.program._reused``), as the general path allocates it.
 
     The layout check per input is the cheapest that decides it (on this CPU a tensor method call
     costs ~0.4 µs): ``is_contiguous()`` where the bound layout was contiguous (the program fixes
@@ -193,8 +196,18 @@ def generate_launch(loads, stores, inputs, bound: BoundKernel, grid: int, stream
     arguments = []
     for i, t in enumerate(inputs):
         arguments += [f"t{i}", *map(repr, t.stride())]
+    donors = dict(reuse)
+    if donors:
+        from runtime.program import _reused
+        names["reused"] = _reused
     for j, (slot, shape, dtype) in enumerate(stores):
         names[f"dtype{j}"] = dtype
+        if j in donors:
+            lines += [f"    o{j} = reused(env[{donors[j]}], {tuple(shape)!r}, dtype{j})",
+                      f"    if o{j} is None:", f"        o{j} = empty({tuple(shape)!r}, dtype=dtype{j}, device=device)",
+                      f"    env[{slot}] = o{j}"]
+            arguments.append(f"view_as_real(o{j})" if dtype.is_complex else f"o{j}")
+            continue
         lines.append(f"    o{j} = env[{slot}] = empty({tuple(shape)!r}, dtype=dtype{j}, device=device)")
         arguments.append(f"view_as_real(o{j})" if dtype.is_complex else f"o{j}")
     arguments += map(repr, sizes)

@@ -194,7 +194,7 @@ class KernelLaunch:
                 if straight is None:
                     self._straight = launcher.straight_line(self.loads, self.stores, key,
                                                             [env[slot] for slot in self.loads], self.fresh_loads,
-                                                            self.sizes)
+                                                            self.sizes, self.reuse)
                 return
             # the tensors' device (and its current stream), not whichever device is current
             with guard, interpreter_lock:

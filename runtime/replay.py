@@ -574,6 +574,8 @@ class Replay(TorchFunctionMode):
             inputs = [self.env[v] if v in self.env else self._materialize(v) for v in region.input_ids]
         except KeyError:
             raise Diverged("a value the compiled region reads was not made this time") from None
+        if region.compiled.donated_inputs and _shares_memory(inputs, region.compiled.donated_inputs):
+            raise Diverged("a tensor the compiled region changes in place shares memory with another of its inputs")
         self.done_regions.add(index)
         if torch.is_grad_enabled() == region.grad_enabled:  # (the usual case: no context to enter)
             self._region_results(region, inputs)
@@ -598,10 +600,15 @@ class Replay(TorchFunctionMode):
         for vid in region.mutated:
             # NOTE: in-place ops were compiled functionally; write the final value back
             # into the real tensor, as eager's in-place op would have left it: same object,
-            # version counter bumped, autograd history through the compiled region.
-            target = self.env[vid]
-            target.copy_(written[vid])
-            for _ in range(region.writes.get(vid, 1) - 1):  # as many bumps as eager's in-place ops
+            # version counter bumped, autograd history through the compiled region. A kernel
+            # may have stored the value into the tensor's memory already (``build._input_donors``:
+            # an input that needs no gradient): then there is nothing to copy.
+            target, new = self.env[vid], written[vid]
+            bumps = region.writes.get(vid, 1)  # as many bumps as eager's in-place ops
+            if not _stored_in_place(new, target):
+                target.copy_(new)
+                bumps -= 1
+            for _ in range(bumps):
                 torch.autograd.graph.increment_version(target)
             written[vid] = target
         for vid, (base, steps) in region.views.items():
@@ -647,6 +654,25 @@ def _output_tensors(rec, result, leaves) -> list:
     if isinstance(result, torch.Tensor):
         return [result]
     return [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
+
+
+def _stored_in_place(new, target) -> bool:
+    """Whether a region's output ``new`` is ``target``'s new value already in ``target``'s own
+    memory (a kernel stored it there: ``build._input_donors``), with no autograd history for the
+    write-back copy to give (neither needs a gradient). An empty tensor's address says nothing."""
+    return not new.requires_grad and not target.requires_grad and new.numel() > 0 \
+        and new.data_ptr() == target.data_ptr() and new.shape == target.shape and new.stride() == target.stride()
+
+
+def _shares_memory(inputs, donated) -> bool:
+    """Whether an input whose new value a kernel stores into its own memory (``donated``: positions)
+    shares that memory with another input: the kernels would read the new value where the
+    recording read the old (a buffer passed as an argument too, a view of it)."""
+    storages = {inputs[i].untyped_storage().data_ptr() for i in donated}
+    if len(storages) < len(donated):
+        return True
+    return any(isinstance(t, torch.Tensor) and i not in donated and t.untyped_storage().data_ptr() in storages
+               for i, t in enumerate(inputs))
 
 
 def _same_prefix(a: Trace, b: Trace, k: int) -> bool:

@@ -173,3 +173,81 @@ def test_activation_in_place_given_positionally_changes_the_input(call):
         f(x)
         torch.testing.assert_close(x, torch.nn.functional.leaky_relu(base, 0.2))
     assert_ran_as(f, call)
+
+
+def _buffer_cases():
+    """Functions that change a tensor that needs no gradient in place (a module's buffer, from
+    values taken out of the graph as batch norm's statistics are), some reading its old value
+    elsewhere too."""
+    return {
+        # the new value from a reduction, the old read only there: stored into the buffer itself
+        "running_average": lambda x, buf: (buf.mul_(0.9).add_(x.detach().mean(0), alpha=0.1), (x * 2).sum())[1],
+        # the old value read by a later kernel of another shape: the write must wait for it
+        "read_elsewhere_later": lambda x, buf: (lambda y: (buf.add_(1), (y * x).sum())[1])(x + buf),
+        # the old value read at other elements (reversed): not stored in place
+        "reversed": lambda x, buf: (buf.copy_(buf.flip(0) * 0.5 + x.detach().sum(0)), x.sum())[1],
+        "counter": lambda x, buf: (buf.add_(1), (x * x).sum())[1],
+    }
+
+
+@pytest.mark.parametrize("name", list(_buffer_cases()))
+def test_a_buffer_changed_in_place_is_left_as_eager_leaves_it(name):
+    fn = _buffer_cases()[name]
+    torch.manual_seed(0)
+    x = torch.randn(6, 8, requires_grad=True)
+    ours_buf = torch.randn(8)   # read from outside (as a module's buffer is)
+    eager_buf = ours_buf.clone()
+    compiled = compiler.compile(lambda x: fn(x, ours_buf), backend="interpret")
+    for _ in range(3):
+        address, version = ours_buf.data_ptr(), ours_buf._version
+        eager_version = eager_buf._version
+        out = compiled(x)
+        expected = fn(x, eager_buf)
+        torch.testing.assert_close(out, expected)
+        torch.testing.assert_close(ours_buf, eager_buf)
+        assert ours_buf.data_ptr() == address and ours_buf._version - version == eager_buf._version - eager_version
+    assert compiled.stats["replays"] == 2 and compiled.stats["divergences"] == 0
+    # stored into the buffer by its kernel only where the old value is read nowhere else
+    stored_in_place = any(getattr(s, "reuse", ()) for s in compiled.last_entry.trace.regions[0].compiled.forward.steps)
+    assert stored_in_place == (name in ("running_average", "counter"))
+
+
+def test_a_buffer_passed_in_as_an_argument_too_is_not_written_early():
+    """A buffer the region updates in place (its kernel stores into it) handed to the same call
+    as an argument viewing it too: the kernels would read the new value where the recording read
+    the old. The replay sees the shared memory and runs that call eagerly: eager's values."""
+    buf = torch.randn(8)
+    fn = _buffer_cases()["running_average"]
+
+    def f(x, view):
+        return fn(x, buf) + (view * 3).sum()
+    x = torch.randn(6, 8, requires_grad=True)
+    compiled = compiler.compile(f, backend="interpret")
+    other = torch.randn(8)
+    compiled(x, other)
+    compiled(x, other)
+    assert compiled.last_entry.trace.regions[0].compiled.donated_inputs
+    eager_buf = buf.clone()
+    expected = (fn(x, eager_buf) + (eager_buf * 3).sum()).detach()   # (the view is read after the update)
+    divergences = compiled.stats["divergences"]
+    torch.testing.assert_close(compiled(x, buf[:]), expected)
+    torch.testing.assert_close(buf, eager_buf)
+    assert compiled.stats["divergences"] == divergences + 1
+
+
+def test_batch_norms_running_statistics_are_stored_in_place_by_its_kernels():
+    """Batch norm's running statistics and num_batches_tracked are stored into the buffers by
+    the kernels that compute them: no write-back copy after the region (three a layer before)."""
+    from benchmarks import measure
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU())
+    x = torch.randn(4, 3, 8, 8)
+    compiled = compiler.compile(lambda m, x: (m(x) ** 2).mean(), backend="interpret")
+    compiled(model, x)
+    donated = [s for s in compiled.last_entry.trace.regions[0].compiled.forward.steps if getattr(s, "reuse", ())]
+    assert len(donated) == 2   # the counter's kernel; the statistics' (both running statistics)
+    with measure.kernels_stubbed(), torch.profiler.profile() as prof:
+        compiled(model, x)
+    assert compiled.stats["replays"] == 1
+    assert [e.name for e in prof.events() if e.name == "aten::copy_"] == []

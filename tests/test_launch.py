@@ -258,6 +258,24 @@ def test_loads_of_an_earlier_launch_s_output_are_not_checked():
     assert not launch([x.contiguous(), env[1], None], torch.device("cpu")) and len(ran) == 1
 
 
+def test_the_generated_launch_writes_into_a_donated_buffer_as_the_general_path_does():
+    """An output the program lets a kernel write into a dying buffer's memory (``reuse``: an
+    elementwise kernel's dead input, a buffer's new value stored into it) is placed there by the
+    generated launch too; a donor that does not fit (another dtype) gets a fresh allocation."""
+    from runtime.launcher import BoundKernel, generate_launch
+
+    f32 = torch.float32
+    bound = BoundKernel(_FakeKernel(1), (32, 1), runner=lambda *arguments: ran.append(arguments))
+    ran = []
+    x = torch.randn(6, 4)
+    launch = generate_launch([0], [(1, (6, 4), f32)], [x], bound, 1, lambda index: 0, reuse=((0, 0),))
+    env = [x, None]
+    assert launch(env, torch.device("cpu")) and env[1].data_ptr() == x.data_ptr() and env[1] is not x
+    ints = torch.zeros(6, 4, dtype=torch.int32)
+    env = [ints, None]
+    assert launch(env, torch.device("cpu")) and env[1].data_ptr() != ints.data_ptr() and env[1].dtype == f32
+
+
 def test_a_stubbed_step_checks_indices_a_skipped_kernel_computed():
     """Cross entropy's target (ignore_index masked) is computed by a kernel, then index-checked:
     with launches stubbed that kernel's integer output must still hold valid indices (zeros), or
