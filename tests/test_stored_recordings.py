@@ -94,6 +94,33 @@ def test_parameters_modules_and_optimizer_state_are_found_by_path_in_new_objects
             torch.testing.assert_close(opt.state[p][key], eager_opt.state[q][key])
 
 
+def test_a_loaded_recordings_optimizer_step_is_fused_once_its_state_exists():
+    """A stored recording is compiled in the new process before its optimizer has state (the
+    recorded step made it): that is no reason to run every step eagerly. The first step runs
+    eagerly and makes the state; the next ones run as the fused kernels, with eager's values."""
+    x, y = _data()
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    compiled = compiler.compile(train_step, backend="interpret")
+    compiled(model, opt, x, y)
+    assert _stored_files(_store_dir())
+
+    model, eager_model = _mlp(), _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    eager_opt = torch.optim.Adam(eager_model.parameters(), lr=1e-2)
+    again = compiler.compile(train_step, backend="interpret")
+    launches = []
+    for _ in range(3):
+        torch.testing.assert_close(again(model, opt, x, y), train_step(eager_model, eager_opt, x, y))
+        launches.append(again.stats.get("optimizer_launches", 0))
+    assert again.stats["captures"] == 0 and again.stats["loaded"] >= 1, again.stats
+    assert compiler.explain(again).fallbacks == []
+    assert launches[0] == 0 and launches[2] > launches[1] > 0, launches   # eager first, then fused
+    for p, q in zip(model.parameters(), eager_model.parameters()):
+        torch.testing.assert_close(p, q)
+        torch.testing.assert_close(opt.state[p]["exp_avg_sq"], eager_opt.state[q]["exp_avg_sq"])
+
+
 def _closure_step(model):
     def step(x):
         return model(x).square().mean()

@@ -187,12 +187,15 @@ def _fuse_group(optimizer, rule, index, group, grads) -> GroupStep:
             device = p.device
         if p.device != device:
             raise NotFused(f"parameter group {index} has parameters on several devices")
+        # NOTE: no state yet is no refusal: a stored recording is compiled in a new process before
+        # its optimizer's first step has made the state (the step it recorded made it). Each replay's
+        # step checks the state it binds (``GroupStep.bind``): that first step runs eagerly.
         state = optimizer.state.get(p, {})
-        for name in state_keys:
+        for name in state_keys if state else ():
             t = state.get(name)
             if not isinstance(t, torch.Tensor) or t.dtype != p.dtype or t.shape != p.shape or not t.is_contiguous():
                 raise NotFused(f"{where}: its state {name!r} is not a contiguous tensor like the parameter")
-        if rule.has_step(key) and not isinstance(state.get("step"), torch.Tensor):
+        if state and rule.has_step(key) and not isinstance(state.get("step"), torch.Tensor):
             raise NotFused(f"{where}: its state 'step' is not a tensor")
         updated.append((i, p.numel(), p.dtype))
     launches = []
