@@ -357,10 +357,49 @@ def _views_without_copy(source: fx.Node, views: list) -> bool:
     return value is base or (value._is_view() and value._base is base)
 
 
+def column_sums_over_their_source(graph: fx.Graph) -> None:
+    """``x.reshape(B * T, N).sum(0)`` becomes ``x.sum((0, 1))`` reshaped: a linear layer's bias
+    gradient is the column sum of its output's gradient flattened to the matmul's rows, while the
+    kernel that computes that gradient (a GELU's backward, a residual's sum) runs over the
+    activation's own (B, T, N). Over the source's shape the sum joins that kernel (it reads the
+    gradient where it is computed), as Inductor fuses a reduction with its pointwise producer;
+    over the flattened one it was a kernel of its own. Only a sum or mean over the first dim of
+    a reshape that merges leading dims and keeps the others, of a value no row reduction reads."""
+    b = GraphBuilder(graph)
+    for node in list(graph.nodes):
+        if kind_of(node) != "reduction" or node.target.name not in ("sum", "mean") \
+                or tuple(node.kwargs["dims"]) != (0,) or set(node.kwargs) - {"dims", "keepdim", "count"}:
+            continue
+        view = node.args[0]
+        if kind_of(view) != "view" or view.target.name != "reshape":
+            continue
+        source = view.args[0]
+        flat, shape = tuple(meta_of(view).shape), tuple(meta_of(source).shape)
+        merged = len(shape) - len(flat) + 1   # the source's leading dims that make the first
+        if merged < 2 or shape[merged:] != flat[1:] or numel(shape[:merged]) != flat[0]:
+            continue
+        if any(kind_of(n) == "reduction" and tuple(meta_of(n.args[0]).shape) == shape for n in graph.nodes):
+            # NOTE: rows of that shape are reduced by a kernel (a layer norm's backward), which would
+            # take this sum beside its rows (``split_column_sum``) with its own two: a third column
+            # accumulator spilled on sm_90 (4 bytes at 80 registers, rows of 128 at 8 warps:
+            # tests/test_hopper_compile.py). Left as it was: a kernel of its own.
+            continue
+        with graph.inserting_before(node):
+            total = C.emit_reduction(b, node.target.name, source, tuple(range(merged)),
+                                     keepdim=node.kwargs["keepdim"], dtype=meta_of(node).dtype)
+            if "count" in node.kwargs:
+                total.kwargs = {**total.kwargs, "count": node.kwargs["count"]}
+            if tuple(meta_of(total).shape) != tuple(meta_of(node).shape):
+                total = C.emit_view(b, "reshape", total, shape=meta_of(node).shape)
+        node.replace_all_uses_with(total)
+        graph.erase_node(node)
+
+
 def fuse(graph: fx.Graph, shape_generic: bool = False) -> Schedule:
     """Kernels of ``graph``. ``shape_generic``: reductions are not split (a split's chunk count and
     its chunks' shapes follow the sizes: each size would make new kernels; ``render_kernel``)."""
     copy_operands_in_kernels(graph)
+    column_sums_over_their_source(graph)
     if not shape_generic:
         split_starved_reductions(graph)
     nodes = [n for n in graph.nodes if n.op == "call_function"]

@@ -205,3 +205,27 @@ def test_attention_operands_are_copied_by_one_kernel_not_by_host_reshapes():
     with torch.profiler.profile() as prof:
         compiled(x).sum().backward()
     assert not [e.name for e in prof.events() if e.name in ("aten::clone", "aten::contiguous")]
+
+
+def test_a_linear_layers_bias_gradient_is_summed_where_its_gradient_is_computed():
+    """A bias gradient is the column sum of the output's gradient flattened to the matmul's rows;
+    summed over the activation's own (B, T, N) it joins the kernel that computes that gradient
+    (the GELU's backward, the loss's): two backward kernels where there were four."""
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+    x = torch.randn(2, 8, 16, requires_grad=True)
+
+    def f(x):
+        return (second(F.gelu(first(x))) ** 2).sum()
+    report = compiler.explain(compiler.compile(f, backend="interpret"), x)
+    assert len(report.backward_kernels) == 2, [k.name for k in report.backward_kernels]
+    assert all("tl.sum(" in k.source for k in report.backward_kernels)
+    compiled = check_parity(f, [x], tol=dict(rtol=1e-4, atol=1e-4))
+    for p in (*first.parameters(), *second.parameters()):
+        p.grad = None
+    compiled(x).backward()                       # a replay: the bias gradients from the fused kernels
+    ours = [p.grad for p in (first.bias, second.bias)]
+    first.bias.grad = second.bias.grad = None
+    f(x).backward()
+    for got, p in zip(ours, (first.bias, second.bias)):
+        torch.testing.assert_close(got, p.grad, rtol=1e-4, atol=1e-4)
