@@ -217,11 +217,7 @@ class Replay(TorchFunctionMode):
         if self.unwatched:  # (skip_python: no mode to take off the stack)
             fused = self.trace.fused_steps.get(self.pos)
             return fused.run(optimizer, args, kwargs or {}) if fused is not None else None
-        if torch._C._len_torch_function_stack() == 0:
-            return
-        top = torch._C._pop_torch_function_stack()
-        if top is not self:  # another mode above ours: keep watching
-            torch._C._push_on_torch_function_stack(top)
+        if not self._leave_stack():
             return
         self.suspended_until = end
         fused = self.trace.fused_steps.get(self.pos)
@@ -259,14 +255,20 @@ class Replay(TorchFunctionMode):
     def _zero_grad_entered(self) -> None:
         """Called by ``_UnwatchedRange`` once the range's enter returned: the mode comes off the
         stack (if it is on top) until the range's exit."""
-        if self.zero_grad_until is None or self.suspended_until is not None \
-                or torch._C._len_torch_function_stack() == 0:
-            return
-        top = torch._C._pop_torch_function_stack()
-        if top is not self:  # another mode above ours: keep watching
-            torch._C._push_on_torch_function_stack(top)
+        if self.zero_grad_until is None or self.suspended_until is not None or not self._leave_stack():
             return
         self.suspended_until, self.zero_grad_until = self.zero_grad_until, None
+
+    def _leave_stack(self) -> bool:
+        """Take this mode off the torch-function stack if it is on top (``step_ends`` puts it back);
+        False where it is not (another mode above ours: keep watching)."""
+        if torch._C._len_torch_function_stack() == 0:
+            return False
+        top = torch._C._pop_torch_function_stack()
+        if top is not self:
+            torch._C._push_on_torch_function_stack(top)
+            return False
+        return True
 
     # -- library calls run as fused kernels (runtime.clip_grad) --------------------------
     def run_fused_call(self, *args):
