@@ -348,7 +348,7 @@ def kernels_stubbed():
     def allocate_only(self, env, device):
         donors = dict(self.reuse)
         for k, (slot, shape, dtype) in enumerate(self.stores):
-            out = program._reused(env[donors[k]], shape, dtype) if k in donors else None
+            out = program.reused_memory(env[donors[k]], shape, dtype) if k in donors else None
             if out is not None:  # where the launch writes into a buffer's memory (as ``arguments`` does)
                 env[slot] = out
                 continue

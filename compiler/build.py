@@ -362,7 +362,7 @@ def _donors(plan, src, slots, num_inputs: int) -> list:
     the kernel has no reduction, reads every buffer at the output's own index (pointwise ops of
     one shape and reshapes only: no broadcast, permute or slice anywhere), computes the output from it
     (so each load comes before the store that depends on it), and loads it nowhere after the
-    store. The runtime checks that the tensor is contiguous (``runtime.program._reused``).
+    store. The runtime checks that the tensor is contiguous (``runtime.program.reused_memory``).
     """
     if plan.reduce_dims or plan.columns or plan.online or plan.second_pass or plan.reads_rows or \
             not _elementwise_aligned(plan, src):
@@ -375,7 +375,7 @@ def _donors(plan, src, slots, num_inputs: int) -> list:
         for k, buffer in enumerate(src.loads):
             b = meta_of(buffer)
             if slots[buffer] >= num_inputs and _fresh(buffer) and b.dtype == m.dtype \
-                    and math.prod(b.shape) == math.prod(m.shape) and _depends(out, buffer) \
+                    and math.prod(b.shape) == math.prod(m.shape) and _reads_value(out, buffer) \
                     and _loaded_before_store(src, k, j):
                 pairs.append((j, slots[buffer]))
     return pairs
@@ -478,20 +478,6 @@ def _computed(src) -> set:
             computed.add(node)
             stack.extend(node.all_input_nodes)
     return computed
-
-
-def _depends(out, buffer) -> bool:
-    """Whether the kernel's value ``out`` is computed from ``buffer`` (above the buffers it loads)."""
-    stack, seen = [out], set()
-    while stack:
-        n = stack.pop()
-        if n is buffer:
-            return True
-        if n in seen or (n is not out and kind_of(n) not in ("pointwise", "view")):
-            continue
-        seen.add(n)
-        stack.extend(n.all_input_nodes)
-    return False
 
 
 def _loaded_before_store(src, load: int, store: int) -> bool:

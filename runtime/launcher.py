@@ -161,7 +161,7 @@ def generate_launch(loads, stores, inputs, bound: BoundKernel, grid: int, stream
     of earlier launches of the same program (contiguous, freshly allocated: nothing to check);
     ``sizes``: a shape-generic kernel's size arguments (after the outputs), written as literals;
     ``reuse``: (store index, slot) pairs, an output written into the memory of a buffer that dies
-    here where it fits (``runtime.program._reused``), as the general path allocates it.
+    here where it fits (``runtime.program.reused_memory``), as the general path allocates it.
 
     The layout check per input is the cheapest that decides it (on this CPU a tensor method call
     costs ~0.4 µs): ``is_contiguous()`` where the bound layout was contiguous (the program fixes
@@ -198,17 +198,15 @@ def generate_launch(loads, stores, inputs, bound: BoundKernel, grid: int, stream
         arguments += [f"t{i}", *map(repr, t.stride())]
     donors = dict(reuse)
     if donors:
-        from runtime.program import _reused
-        names["reused"] = _reused
+        from runtime.program import reused_memory
+        names["reused"] = reused_memory
     for j, (slot, shape, dtype) in enumerate(stores):
         names[f"dtype{j}"] = dtype
-        if j in donors:
-            lines += [f"    o{j} = reused(env[{donors[j]}], {tuple(shape)!r}, dtype{j})",
-                      f"    if o{j} is None:", f"        o{j} = empty({tuple(shape)!r}, dtype=dtype{j}, device=device)",
-                      f"    env[{slot}] = o{j}"]
-            arguments.append(f"view_as_real(o{j})" if dtype.is_complex else f"o{j}")
-            continue
-        lines.append(f"    o{j} = env[{slot}] = empty({tuple(shape)!r}, dtype=dtype{j}, device=device)")
+        output = f"empty({tuple(shape)!r}, dtype=dtype{j}, device=device)"
+        if j in donors:  # the donor's memory where it fits, else a fresh output
+            lines.append(f"    o{j} = reused(env[{donors[j]}], {tuple(shape)!r}, dtype{j})")
+            output = f"{output} if o{j} is None else o{j}"
+        lines.append(f"    o{j} = env[{slot}] = {output}")
         arguments.append(f"view_as_real(o{j})" if dtype.is_complex else f"o{j}")
     arguments += map(repr, sizes)
     arguments += map(repr, bound.constants)

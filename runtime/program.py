@@ -151,7 +151,7 @@ class KernelLaunch:
         key = tuple(key)
         donors = dict(self.reuse)
         for k, (slot, shape, dtype) in enumerate(self.stores):
-            out = _reused(env[donors[k]], shape, dtype) if k in donors else None
+            out = reused_memory(env[donors[k]], shape, dtype) if k in donors else None
             if out is None:
                 out = torch.empty(shape, dtype=dtype, device=device)
             env[slot] = out
@@ -225,7 +225,7 @@ class KernelLaunch:
         return self._fn
 
 
-def _reused(t, shape, dtype):
+def reused_memory(t, shape, dtype):
     """``t``'s memory as a fresh output of ``shape``, when it is exactly that (contiguous, from its
     storage's start: as aligned as a new allocation); else None. Neither ``t`` nor a view of it: a
     region's output that is a view of (or is) a tensor its autograd Function got or made is one

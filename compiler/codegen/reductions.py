@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from compiler.codegen.kernel_text import TL_DTYPE, arange, broadcast_index, contiguous_offset, masked, unwrapped
 from compiler.codegen.triton_printer import NotPrintable, literal
-from compiler.fusion import kind_of
+from compiler.fusion import inlined_reads, kind_of
 from compiler.ir import compute_dtype, meta_of, numel
 
 
@@ -102,9 +102,10 @@ class ReductionWriter:
             index = tuple("0" if d in dims else self.base_index[d] for d in range(len(self.plan.shape)))
         else:
             index = tuple(self.base_index[d] for d in range(len(self.plan.shape)) if d not in dims)
-        reductions = [n for n in self.plan.roots if kind_of(n) == "reduction"]
-        for n in _reductions_read(root, set(reductions)):
-            self.reduced(n, self._reduced_index(n))  # among the row's lines, before the row's values
+        reductions = {n for n in self.plan.roots if kind_of(n) == "reduction"}
+        for n in inlined_reads(root):
+            if n in reductions:
+                self.reduced(n, self._reduced_index(n))  # among the row's lines, before the row's values
         mark = len(self.lines)
         var, have = self.value(root, index)
         dtype = meta_of(root).dtype
@@ -304,21 +305,6 @@ class ReductionWriter:
         del self.lines[mark:]
         return (f"tl.sum(tl.where({acc_sum} == 0, 0.0, {acc_sum} * tl.exp({_finite_or_zero(acc_max)} - {value})), "
                 f"1)[:, None]")
-
-
-def _reductions_read(root, reductions: set) -> list:
-    """The members of ``reductions`` that ``root`` reads through pointwise values and views."""
-    found, stack, seen = [], [root], set()
-    while stack:
-        n = stack.pop()
-        if n in seen or not hasattr(n, "args"):
-            continue
-        seen.add(n)
-        if n in reductions:
-            found.append(n)
-        elif n is root or kind_of(n) in ("pointwise", "view"):
-            stack.extend(n.args)
-    return found
 
 
 def _nan_or_max(value: str, acc: str) -> str:
