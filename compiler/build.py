@@ -311,7 +311,17 @@ def lower(graph: fx.Graph, schedule: Schedule, check_indices: bool = True, trans
 
     steps, sources = [], []
     donors = {}  # id(KernelLaunch) -> its (store index, load slot) candidates (``_donors``)
-    checks = _index_checks(graph) if check_indices else {}  # buffer -> range checks of its indices
+    rendered = {id(item): render_kernel(item, schedule.buffers, shape_generic, check_indices)
+                for kind, item in schedule.steps if kind == "kernel"}
+    # Gathers a launched kernel computes check their indices there (``render_kernel``); the rest
+    # (a gather no kernel with elements computes: an empty result) on the host, as the buffer
+    # holding the indices is written.
+    index_checks = _index_checks(graph) if check_indices else {}
+    in_kernels = {g for src in rendered.values() if src.grid for g in src.checked_gathers}
+    checks: dict = {}  # buffer -> range checks of its indices
+    for gather, (base, entry) in index_checks.items():
+        if gather not in in_kernels and entry not in checks.setdefault(base, []):
+            checks[base].append(entry)
 
     def check(produced):
         for node in produced:
@@ -325,7 +335,14 @@ def lower(graph: fx.Graph, schedule: Schedule, check_indices: bool = True, trans
                                      dict(item.kwargs)))
             check([item])
             continue
-        src = render_kernel(item, schedule.buffers, shape_generic)
+        src = rendered[id(item)]
+        # what a failed check in this kernel is explained with: the host check of each index it
+        # gathers with (a buffer it loads), run only then, for eager's message with the bad index
+        explain = []
+        for gather in src.checked_gathers:
+            base, entry = index_checks.get(gather, (None, None))
+            if base in slots and entry not in explain:
+                explain.append(entry)
         for node in src.stores:
             slots[node] = len(slots)
         steps.append(KernelLaunch(
@@ -334,7 +351,9 @@ def lower(graph: fx.Graph, schedule: Schedule, check_indices: bool = True, trans
             src.grid, _constant(src.source, "XBLOCK_DEFAULT"), _constant(src.source, "RBLOCK_DEFAULT"),
             src.bytes_moved, src.num_warps, wide_name=src.wide_name, wide_source=src.wide_source, sizes=src.sizes,
             torch_kernel=render_torch_kernel(src.name, src.loads, [slots[n] for n in src.loads], src.stores,
-                                             [slots[n] for n in src.stores], schedule.buffers)))
+                                             [slots[n] for n in src.stores], schedule.buffers),
+            index_checks=tuple(IndexCheck([ref(index)], size, wrap, what) for index, size, wrap, what in explain)
+            if src.checked_gathers else None))
         donors[id(steps[-1])] = _donors(item, src, slots, len(placeholders)) + \
             _input_donors(item, src, slots, placeholders, donated_inputs or {})
         sources.append(src)
@@ -495,9 +514,9 @@ def _loaded_before_store(src, load: int, store: int) -> bool:
 
 
 def _index_checks(graph: fx.Graph) -> dict:
-    """For each buffer holding indices that a gather reads: (index value, dim size, wrap,
-    op name), checked as soon as the buffer is written. (Kernels clamp indices, so a bad one
-    never reads outside memory; the check gives eager's error.)"""
+    """For each gather whose indices eager checks: (the buffer holding its indices, or the value
+    they are computed from inline; (index value, dim size, wrap, op name)). (Kernels clamp
+    indices, so a bad one never reads outside memory; the check gives eager's error.)"""
     checks: dict = {}
     for node in graph.nodes:
         if getattr(node.target, "kind", None) != "gather":
@@ -508,10 +527,8 @@ def _index_checks(graph: fx.Graph) -> dict:
         base = index
         while getattr(base.target, "kind", None) == "view":
             base = base.args[0]
-        entry = (index, meta_of(source).shape[node.kwargs["dim"]], node.kwargs.get("wrap", False),
-                 meta_of(node).torch_op or "indexing")
-        if entry not in checks.setdefault(base, []):
-            checks[base].append(entry)
+        checks[node] = (base, (index, meta_of(source).shape[node.kwargs["dim"]], node.kwargs.get("wrap", False),
+                               meta_of(node).torch_op or "indexing"))
     return checks
 
 

@@ -34,13 +34,17 @@ MAX_SPECIALIZATIONS = 8   # layouts bound per launch before the oldest is forgot
 
 
 class Launcher:
-    """One kernel at one grid, tiles and warps. ``launch(args, key, device)`` runs it."""
+    """One kernel at one grid, tiles and warps. ``launch(args, key, device)`` runs it. ``debug``:
+    the kernel's ``tl.device_assert``s are compiled in (Triton drops them otherwise), without
+    Triton's integer-overflow checks, as Inductor compiles kernels that check indirect indices
+    (``torch/_inductor/runtime/triton_heuristics.py``: ``"debug"``, ``"sanitize_overflow": False``)."""
 
-    def __init__(self, fn, grid: int, xblock: int, rblock: int, num_warps: int):
+    def __init__(self, fn, grid: int, xblock: int, rblock: int, num_warps: int, debug: bool = False):
         self.fn = fn
         self.grid = grid
         self.constexprs = {"XBLOCK": xblock, "RBLOCK": rblock}
         self.num_warps = num_warps
+        self.debug = debug
         self.binds = 0          # how many specializations were bound (the first call binds one)
 
     def straight_line(self, loads, stores, key, inputs, fresh=frozenset(), sizes=(), reuse=()):
@@ -52,14 +56,37 @@ class Launcher:
 class IndexedLauncher(Launcher):
     """The interpreter's (or any ``fn[grid]`` kernel's) launch: the grid proxy made once."""
 
-    def __init__(self, fn, grid, xblock, rblock, num_warps):
-        super().__init__(fn, grid, xblock, rblock, num_warps)
+    def __init__(self, fn, grid, xblock, rblock, num_warps, debug=False):
+        super().__init__(fn, grid, xblock, rblock, num_warps, debug)
         self._call = fn[(grid,)]
         self._kwargs = dict(self.constexprs, num_warps=num_warps)
         self.binds = 1
+        self._options = _interpreter_debug_options() if debug else None
 
     def launch(self, args, key, device):
-        self._call(*args, **self._kwargs)
+        if self._options is None:
+            self._call(*args, **self._kwargs)
+            return
+        # NOTE: the interpreter reads ``debug`` from its one builder's options (a frozen dataclass,
+        # not a launch argument): set for this launch only. The caller holds the interpreter's lock.
+        from triton.runtime.interpreter import interpreter_builder
+
+        saved, interpreter_builder.options = interpreter_builder.options, self._options
+        try:
+            self._call(*args, **self._kwargs)
+        finally:
+            interpreter_builder.options = saved
+
+
+def _interpreter_debug_options():
+    """The interpreter's options with asserts on and overflow checks off (None outside the interpreter)."""
+    import dataclasses
+
+    try:
+        from triton.runtime.interpreter import interpreter_builder
+    except ImportError:
+        return None
+    return dataclasses.replace(interpreter_builder.options, debug=True, sanitize_overflow=False)
 
 
 class BoundKernel:
@@ -101,8 +128,8 @@ class DirectLauncher(Launcher):
     the device's current raw CUDA stream, ``runner(kernel)`` the kernel's driver launcher;
     tests without a GPU replace them."""
 
-    def __init__(self, fn, grid, xblock, rblock, num_warps, compile=None, stream=None, runner=None):
-        super().__init__(fn, grid, xblock, rblock, num_warps)
+    def __init__(self, fn, grid, xblock, rblock, num_warps, compile=None, stream=None, runner=None, debug=False):
+        super().__init__(fn, grid, xblock, rblock, num_warps, debug)
         self._compile = compile or self._jit_compile
         self._stream = stream   # resolved at the first bind: a driver exists only on a GPU machine
         self._runner = runner
@@ -113,7 +140,9 @@ class DirectLauncher(Launcher):
         self._lock = threading.Lock()  # binding is rare; replays in several threads may meet there
 
     def _jit_compile(self, args):
-        return self.fn.run(*args, grid=(self.grid,), warmup=True, num_warps=self.num_warps, **self.constexprs)
+        options = {"debug": True, "sanitize_overflow": False} if self.debug else {}
+        return self.fn.run(*args, grid=(self.grid,), warmup=True, num_warps=self.num_warps, **options,
+                           **self.constexprs)
 
     def bind(self, args, key) -> BoundKernel:
         """The specialization for ``key``: remembered, or compiled by Triton's JIT for ``args``."""
@@ -229,9 +258,9 @@ def _current_stream_of_driver():
     return lambda index: stream(device() if index is None else index)
 
 
-def make_launcher(fn, grid: int, xblock: int, rblock: int, num_warps: int) -> Launcher:
+def make_launcher(fn, grid: int, xblock: int, rblock: int, num_warps: int, debug: bool = False) -> Launcher:
     """The launcher for ``fn``: direct for a compiled ``JITFunction``, ``fn[grid]`` otherwise."""
     from triton.runtime.jit import JITFunction
 
     kind = DirectLauncher if isinstance(fn, JITFunction) else IndexedLauncher
-    return kind(fn, grid, xblock, rblock, num_warps)
+    return kind(fn, grid, xblock, rblock, num_warps, debug=debug)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import threading
 from dataclasses import dataclass, field
 
@@ -89,6 +90,10 @@ def state_without(obj, *names) -> dict:
 # Element offsets at or past this need 64-bit index math (Triton multiplies int32 in int32).
 INT32_LIMIT = 2**31
 
+# The words of the message of a kernel's index check (``tl.device_assert``, written by
+# ``compiler.codegen.triton_kernel``), by which a launch knows the error it raised for what it is.
+INDEX_ASSERT = "index out of bounds for a dimension"
+
 
 @dataclass
 class KernelLaunch:
@@ -117,6 +122,10 @@ class KernelLaunch:
     # The CPU path's function of this kernel (``compiler.codegen.torch_kernel.TorchKernel``): run in
     # place of the Triton kernel when ``runtime.backends`` says CPU kernels run as PyTorch ops.
     torch_kernel: object = None
+    # The kernel asserts its gathered indices in range (None: it gathers unchecked, or not at all):
+    # compiled with Triton's ``debug`` option, and on CPU a failed assert is explained by these
+    # host checks of the index buffers it loads (``IndexCheck``), for eager's error and message.
+    index_checks: tuple | None = None
     _fn: object = None
     _wide_fn: object = None
 
@@ -179,30 +188,52 @@ class KernelLaunch:
     def run(self, env, device):
         """Launch on ``env``'s input slots, allocating the output slots. The caller makes
         ``device`` current (``Program.run`` does): the generated launch does not switch."""
-        if device.type == "cpu" and self.torch_kernel is not None and torch_on_cpu():
-            self.torch_kernel.run(env)  # the CPU path: PyTorch's kernels (backend="torch")
-            return
-        straight = self._straight
-        if straight and straight(env, device):
-            return  # the usual layout: generated code checked it and launched
-        args, key, wide = self.arguments(env, device)
-        if self.grid:  # an empty iteration space: outputs stay empty
-            launcher = self.launcher(wide)
-            guard = on_device(device)
-            if guard is _NO_GUARD and interpreter_lock is _NO_GUARD:
-                launcher.launch(args, key, device)   # compiled Triton on the current device: no context
-                if straight is None:
-                    self._straight = launcher.straight_line(self.loads, self.stores, key,
-                                                            [env[slot] for slot in self.loads], self.fresh_loads,
-                                                            self.sizes, self.reuse)
+        try:
+            if device.type == "cpu" and self.torch_kernel is not None and torch_on_cpu():
+                self.torch_kernel.run(env)  # the CPU path: PyTorch's kernels (backend="torch")
                 return
-            # the tensors' device (and its current stream), not whichever device is current
-            with guard, interpreter_lock:
-                launcher.launch(args, key, device)
+            straight = self._straight
+            if straight and straight(env, device):
+                return  # the usual layout: generated code checked it and launched
+            args, key, wide = self.arguments(env, device)
+            if self.grid:  # an empty iteration space: outputs stay empty
+                launcher = self.launcher(wide)
+                guard = on_device(device)
+                if guard is _NO_GUARD and interpreter_lock is _NO_GUARD:
+                    launcher.launch(args, key, device)   # compiled Triton on the current device: no context
+                    if straight is None:
+                        self._straight = launcher.straight_line(self.loads, self.stores, key,
+                                                                [env[slot] for slot in self.loads], self.fresh_loads,
+                                                                self.sizes, self.reuse)
+                    return
+                # the tensors' device (and its current stream), not whichever device is current
+                with guard, interpreter_lock:
+                    launcher.launch(args, key, device)
+        except Exception as error:
+            if self.index_checks is not None:
+                self._raise_index_error(env, device, error)
+            raise
+
+    def _raise_index_error(self, env, device, error) -> None:
+        """Eager's IndexError for the launch that failed with ``error``, where that is an index out of
+        range: the host checks find the first bad index (as eager's message gives it); an assert
+        of an index these cannot see (computed in the kernel) is raised with the assert's words.
+        Any other error is left to propagate as it is. (On a GPU the assert is asynchronous, a
+        device-side assert as eager's own indexing kernels raise: nothing reaches here.)"""
+        for check in self.index_checks:
+            check.run(env, device)
+        text = str(error)
+        found = re.search(rf"[\w.]+: {INDEX_ASSERT}[\w ]*", text)
+        if found is not None:
+            raise IndexError(f"{found.group(0)} (raised by the compiled region, as eager would)") from error
+        if self.torch_kernel is not None and re.search(r"index .*out of (range|bounds)", text):
+            raise IndexError(f"{text} (raised by the compiled region, as eager would)") from error
 
     def direct_cpu_call(self):
         """The CPU path's function of this kernel, ``fn(env)`` (what ``run`` calls there), or None."""
-        return self.torch_kernel.function() if self.torch_kernel is not None else None
+        if self.torch_kernel is None or self.index_checks is not None:
+            return None  # (a kernel that checks indices runs through ``run``, which explains a failure)
+        return self.torch_kernel.function()
 
     def launcher(self, wide: bool = False):
         """The bound launcher of the kernel to launch (``kernel(wide)``), made at its first use.
@@ -210,7 +241,8 @@ class KernelLaunch:
         fn = self.kernel(wide)
         launcher = self._launchers.get(wide)
         if launcher is None or launcher.fn is not fn:
-            launcher = self._launchers[wide] = make_launcher(fn, self.grid, self.xblock, self.rblock, self.num_warps)
+            launcher = self._launchers[wide] = make_launcher(fn, self.grid, self.xblock, self.rblock, self.num_warps,
+                                                             debug=self.index_checks is not None)
             self._straight = None  # generated for the old launcher's kernel
         return launcher
 

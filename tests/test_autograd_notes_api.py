@@ -229,12 +229,12 @@ def gradient_layouts_set_to_none():
     model = nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(3, 4)
-    for it in range(2):
+    for _ in range(2):
         for param in model.parameters():
             param.grad = None
         loss = model(x).pow(2).sum()
         loss.backward()
-    for it in range(2):
+    for _ in range(2):
         optimizer.zero_grad(set_to_none=True)
         loss = model(x).pow(2).sum()
         loss.backward()

@@ -384,6 +384,81 @@ def test_index_out_of_range_raises_as_in_eager():
         compiled(x, torch.tensor([0, 7]))
 
 
+def _programs(compiled):
+    entry = compiled.last_entry
+    return [(phase, program) for region in entry.trace.regions if region.compiled is not None
+            for phase, program in (("forward", region.compiled.forward), ("backward", region.compiled.backward))
+            if program is not None]
+
+
+@pytest.mark.parametrize("backend", ["interpret", "torch"])
+def test_indices_are_checked_in_the_kernel_that_gathers(backend):
+    """A forward gather asserts its indices in its own kernel (``tl.device_assert``, as Inductor's
+    kernels check indirect indices), not by a reduction over them on the host first; a failed
+    assert is still eager's IndexError with the bad index, on either CPU path."""
+    from runtime.program import IndexCheck
+
+    compiled = compiler.compile(lambda w, i: (w[i] * 2).sum(), backend=backend)
+    w, i = torch.randn(5, 3, requires_grad=True), torch.tensor([[0, 4], [-5, 2]])
+    for _ in range(2):
+        compiled(w, i).backward()
+    programs = _programs(compiled)
+    assert [phase for phase, _ in programs] == ["forward", "backward"]
+    for phase, program in programs:
+        assert not any(isinstance(step, IndexCheck) for step in program.steps)
+        asserting = [k for k in program.kernels if "tl.device_assert(" in k.source]
+        assert [k.index_checks is not None for k in program.kernels] == [k in asserting for k in program.kernels]
+        assert len(asserting) == (1 if phase == "forward" else 0)  # the backward's indices were checked
+    for bad in (5, -6):
+        with pytest.raises(IndexError, match=f"index {bad} is out of bounds for a dimension of size 5"):
+            compiled(w, torch.tensor([[0, bad], [1, 2]]))
+    assert compiled.stats["eager_calls"] == 0
+
+
+def test_an_index_computed_in_the_kernel_is_checked_there_too():
+    """Cross entropy's target with ``ignore_index`` masked is computed inline where it is gathered
+    with: no buffer holds it to check on the host, the kernel's assert still raises."""
+    compiled = compiler.compile(lambda x, t: F.cross_entropy(x, t), backend="interpret")
+    x = torch.randn(4, 5)
+    assert torch.allclose(compiled(x, torch.tensor([0, 1, -100, 4])), F.cross_entropy(x, torch.tensor([0, 1, -100, 4])))
+    with pytest.raises(IndexError, match="cross_entropy: index out of bounds for a dimension of size 5"):
+        compiled(x, torch.tensor([0, 1, 5, 4]))
+    with pytest.raises(IndexError):
+        F.cross_entropy(x, torch.tensor([0, 1, 5, 4]))
+
+
+def test_an_empty_gather_eager_checks_is_checked_on_the_host():
+    """``index_select`` of a tensor with no columns gathers nothing, so no kernel runs to check, but
+    eager still checks the indices: that check stays on the host."""
+    from runtime.program import IndexCheck
+
+    compiled = compiler.compile(lambda x, i: x.index_select(0, i) + 1, backend="interpret")
+    x = torch.randn(4, 0)
+    assert compiled(x, torch.tensor([1, 3])).shape == (2, 0)
+    assert compiled(x, torch.tensor([1, 3])).shape == (2, 0)
+    assert any(isinstance(step, IndexCheck) for _, program in _programs(compiled) for step in program.steps)
+    with pytest.raises(IndexError, match="index 7 is out of bounds"):
+        compiled(x, torch.tensor([1, 7]))
+
+
+def test_a_kernel_that_checks_indices_is_compiled_with_its_asserts():
+    """Triton drops ``tl.device_assert`` unless compiled with ``debug``: the launcher of a kernel that
+    checks indices asks for it (without Triton's integer-overflow checks), others do not."""
+    from runtime.launcher import DirectLauncher
+
+    class Recording:
+        def __init__(self):
+            self.options = []
+
+        def run(self, *args, **kwargs):
+            self.options.append({k: kwargs[k] for k in ("debug", "sanitize_overflow") if k in kwargs})
+
+    fn = Recording()
+    DirectLauncher(fn, 4, 128, 1, 4, debug=True)._jit_compile(())
+    DirectLauncher(fn, 4, 128, 1, 4)._jit_compile(())
+    assert fn.options == [{"debug": True, "sanitize_overflow": False}, {}]
+
+
 def test_indexing_not_compiled_yet_says_why():
     x = torch.randn(6, 8)
     reasons = compiler.explain(lambda x: x[x[:, 0] > 0].sum() + x[ROWS, COLUMNS[:4]].sum(), x).fallbacks

@@ -45,6 +45,7 @@ from compiler.ops import symbols as Y
 from compiler.fusion import KernelPlan, kind_of
 from compiler.ir import compute_dtype, contiguous_strides, meta_of, numel
 from compiler.tiling import choose_tiling, fits_one_block, next_pow2
+from runtime.program import INDEX_ASSERT
 
 SIGNATURE_DTYPE = {
     torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
@@ -70,6 +71,9 @@ class KernelSource:
     # shape-generic kernels (``render_kernel(..., shape_generic=True)``): the values of the size and
     # constant arguments (``ks0, ks1, ..., kf0, ...``) for this build, passed after the outputs
     sizes: tuple = ()
+    # gather nodes whose indices the kernel checks (``render_kernel(..., check_indices=True)``): a
+    # ``tl.device_assert`` on each index, so the kernel is compiled with Triton's ``debug`` option
+    checked_gathers: tuple = ()
 
 
 # Element offsets at or past this need 64-bit index math.
@@ -82,9 +86,11 @@ def _storage_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class KernelWriter(ReductionWriter):
-    def __init__(self, plan: KernelPlan, buffers: set, shape_generic: bool = False):
+    def __init__(self, plan: KernelPlan, buffers: set, shape_generic: bool = False, check_indices: bool = False):
         self.plan = plan
         self.generic = shape_generic
+        self.check_indices = check_indices
+        self.checked_gathers: dict = {}  # gather node -> None (ordered): its indices are asserted in range
         self.size_args: dict = {}    # shape-generic: key -> (argument name, value), in argument order
         self.float_args: dict = {}   # shape-generic: key -> (argument name, value) of fp32 constants
         self.buffers = buffers
@@ -278,10 +284,20 @@ class KernelWriter(ReductionWriter):
             # one index for the whole block (a scalar load): give it the block's shape, since
             # the gathered load is masked and a masked load needs a block of pointers
             i = self.tmp(f"tl.full(SHAPE, 0, tl.int64) + {i}")
+        if self.check_indices:
+            # eager's error for an index out of range, from the kernel itself, as Inductor's kernels
+            # check indirect indices (``assert_indirect_indexing``): no reduction over the indices
+            # on the host first. Masked-off lanes load index 0, in range wherever an element is.
+            low = f"-{size_text}" if node.kwargs.get("wrap") else "0"
+            what = (meta_of(node).torch_op or "indexing").replace('"', "'")
+            of_size = f" of size {size_text}" if size_text.isdigit() else ""  # (shape-generic: an argument)
+            in_range = f"({i} >= {low}) & ({i} < {size_text})"
+            self.lines.append(f'tl.device_assert({in_range}, "{what}: {INDEX_ASSERT}{of_size}")')
+            self.checked_gathers[node] = None
         if node.kwargs.get("wrap"):
             i = self.tmp(f"tl.where({i} < 0, {i} + {size_text}, {i})")
-        # NOTE: clamped, so a bad index never reads outside memory; the program checks the
-        # indices on the host and raises eager's error (``runtime.program.IndexCheck``).
+        # NOTE: clamped too, so a bad index never reads outside memory where the assert is compiled
+        # out, or on GPU before the asynchronous assert stops the kernel.
         i = self.tmp(f"tl.minimum(tl.maximum({i}, 0), {_minus_one(size_text)})")
         source_at[dim] = i
         self.gathering.append(numel(meta_of(node).shape))
@@ -527,7 +543,7 @@ class KernelWriter(ReductionWriter):
         sizes = tuple(value for _, value in self.size_args.values()) + \
             tuple(value for _, value in self.float_args.values())
         return KernelSource(name, source, loads, stores, grid, signature, moved, tiling.num_warps,
-                            wide_name, wide_source, sizes)
+                            wide_name, wide_source, sizes, tuple(self.checked_gathers))
 
     def module(self, src, stores, tiling, stride_type, size_type="i32"):
         """(name, source, signature) of the module defining the kernel that runs ``src``."""
@@ -670,7 +686,8 @@ def _describe(plan: KernelPlan) -> str:
     return "fused_" + "_".join(reversed(ops[:4])).replace("pointwise", "pw")
 
 
-def render_kernel(plan: KernelPlan, buffers: set, shape_generic: bool = False) -> KernelSource:
+def render_kernel(plan: KernelPlan, buffers: set, shape_generic: bool = False,
+                  check_indices: bool = False) -> KernelSource:
     """The Triton source of one fused kernel (``plan``; ``buffers``: the nodes held in memory).
 
     ``shape_generic``: every size the kernel's text would hold (numels, row lengths, the dims of its
@@ -678,5 +695,9 @@ def render_kernel(plan: KernelPlan, buffers: set, shape_generic: bool = False) -
     an argument instead (``KernelSource.sizes`` holds their values for this build), and blocks and
     warps come from the sizes' buckets (``tiling.size_bucket``): builds of one region that differ
     only in sizes within a bucket give the same source, compiled once. Static kernels keep their
-    sizes as literals (index math by constants is cheaper: divisions become shifts)."""
-    return KernelWriter(plan, buffers, shape_generic).write()
+    sizes as literals (index math by constants is cheaper: divisions become shifts).
+
+    ``check_indices``: every gathered index is asserted in range in the kernel (``tl.device_assert``,
+    compiled in with Triton's ``debug`` option: ``runtime.launcher``); a forward's gathers, whose
+    indices come from the user (a backward's were checked by its forward)."""
+    return KernelWriter(plan, buffers, shape_generic, check_indices).write()
