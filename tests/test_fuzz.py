@@ -339,6 +339,12 @@ FIXED = {
     "empty-written-in-place-keeps-its-history": _program(
         [((1, 0), f64, "contiguous", False, 46), ((1, 0), f64, "strided", True, 47)],
         ["v0 = x0.sub_(x1, alpha=2)"], ["v0"]),
+    # a reduction over an empty gather has lanes and no element: the kernel's index check read the
+    # masked-off lanes' index 0 as out of a dimension of size 0 (seed 5342 of the 10,000-run)
+    "an-empty-gather-reduced-checks-no-index": _program(
+        [((3, 1), f32, "contiguous", True, 48)],
+        ["v0 = x0.narrow(0, 3, 0)", "v1 = v0.index_select(0, torch.tensor([], dtype=torch.long))",
+         "v2 = torch.log_softmax(v1, dim=0)"], ["v2"]),
 }
 
 

@@ -287,11 +287,12 @@ class KernelWriter(ReductionWriter):
         if self.check_indices:
             # eager's error for an index out of range, from the kernel itself, as Inductor's kernels
             # check indirect indices (``assert_indirect_indexing``): no reduction over the indices
-            # on the host first. Masked-off lanes load index 0, in range wherever an element is.
+            # on the host first. Masked-off lanes are no element (a reduction over an empty gather
+            # has lanes, and no index to check).
             low = f"-{size_text}" if node.kwargs.get("wrap") else "0"
             what = (meta_of(node).torch_op or "indexing").replace('"', "'")
             of_size = f" of size {size_text}" if size_text.isdigit() else ""  # (shape-generic: an argument)
-            in_range = f"({i} >= {low}) & ({i} < {size_text})"
+            in_range = f"({i} >= {low}) & ({i} < {size_text}) | ~(MASK)"
             self.lines.append(f'tl.device_assert({in_range}, "{what}: {INDEX_ASSERT}{of_size}")')
             self.checked_gathers[node] = None
         if node.kwargs.get("wrap"):
