@@ -480,6 +480,11 @@ def fuse(graph: fx.Graph, shape_generic: bool = False) -> Schedule:
             if not persistent and plan.second_pass_with(node, reductions, buffers):
                 target, second = i, True
                 break
+        if target is None and not shape_generic and node not in outputs:
+            found = _copies_kernel(node, steps, barrier)
+            if found is not None:   # made by that kernel, in its shape (then read through a reshape)
+                node = _stored_in_shape(graph, node, steps[found][1].shape, buffers)
+                target = found
         if target is None:
             target = len(steps)
             steps.append(("kernel", KernelPlan(space[0], space[1], [])))
@@ -505,6 +510,43 @@ def fuse(graph: fx.Graph, shape_generic: bool = False) -> Schedule:
             reduction_roots_of.setdefault(id(plan), []).append(node)
     buffers -= _read_only_where_computed(nodes, outputs, steps, step_of, buffers)
     return Schedule(steps, buffers)
+
+
+def _copies_kernel(node: fx.Node, steps, barrier: int):
+    """The kernel at or after ``barrier`` that can also make ``node``, a copy into another layout (an
+    ``identity``: a bmm's operand made contiguous) with no kernel of its own shape to join: one
+    that only copies too, as many elements, another shape. Each copy's elements are stored in
+    order, so one kernel over one shape stores both (Inductor's combo kernels launch unrelated
+    pointwise kernels as one): a launch fewer, where each copy is small enough to be launch-bound
+    (the transformer's backward: k transposed and the attention output, beside q, k, v)."""
+    if kind_of(node) != "pointwise" or node.target.name != "identity" or meta_of(node).dtype.is_complex:
+        return None
+    shape = tuple(meta_of(node).shape)
+    for i in range(barrier, len(steps)):
+        kind_i, plan = steps[i]
+        if kind_i != "kernel" or plan.reduce_dims or tuple(plan.shape) == shape:
+            continue
+        if numel(plan.shape) == numel(shape) and all(kind_of(r) == "pointwise" and r.target.name == "identity"
+                                                     for r in plan.roots):
+            return i
+    return None
+
+
+def _stored_in_shape(graph: fx.Graph, node: fx.Node, shape, buffers) -> fx.Node:
+    """``node``'s value stored as a copy of ``shape`` (its elements in order), its readers reading
+    that through a reshape back: the copy is the root, ``node`` is computed inline in it."""
+    b = GraphBuilder(graph)
+    m = meta_of(node)
+    with graph.inserting_after(node):
+        flat = C.emit_view(b, "reshape", node, shape=tuple(shape))
+    with graph.inserting_after(flat):
+        root = emit_pointwise(b, "identity", [flat], dtype=m.dtype, requires_grad=m.requires_grad)
+    with graph.inserting_after(root):
+        back = C.emit_view(b, "reshape", root, shape=tuple(m.shape))
+    node.replace_all_uses_with(back, delete_user_cb=lambda user: user is not flat)
+    buffers.discard(node)
+    buffers.add(root)
+    return root
 
 
 def _read_only_where_computed(nodes, outputs, steps, step_of, buffers) -> set:
