@@ -378,11 +378,13 @@ def column_sums_over_their_source(graph: fx.Graph) -> None:
         merged = len(shape) - len(flat) + 1   # the source's leading dims that make the first
         if merged < 2 or shape[merged:] != flat[1:] or numel(shape[:merged]) != flat[0]:
             continue
-        if any(kind_of(n) == "reduction" and tuple(meta_of(n.args[0]).shape) == shape for n in graph.nodes):
+        if _row_kernel_chunks(graph, source, tuple(range(merged))) is not None:
             # NOTE: rows of that shape are reduced by a kernel (a layer norm's backward), which would
             # take this sum beside its rows (``split_column_sum``) with its own two: a third column
             # accumulator spilled on sm_90 (4 bytes at 80 registers, rows of 128 at 8 warps:
-            # tests/test_hopper_compile.py). Left as it was: a kernel of its own.
+            # tests/test_hopper_compile.py). Left as it was: a kernel of its own. (Rows too few to
+            # split among that kernel's programs: the sum joins the column sums over the same
+            # rows instead, the norms' weight gradients: a kernel fewer.)
             continue
         with graph.inserting_before(node):
             total = C.emit_reduction(b, node.target.name, source, tuple(range(merged)),

@@ -164,3 +164,28 @@ def test_3d_column_sum_without_row_sums_runs_as_the_2d_one():
 def test_3d_column_sum_without_row_sums_matches_eager(monkeypatch):
     x = torch.randn(BATCH, _rows(monkeypatch) // BATCH, COLS, requires_grad=True)
     check_parity(lambda x: (x * 2).sum((0, 1)), [x], tol=TOL)
+
+
+def test_a_bias_gradient_joins_the_norms_column_sums_over_the_same_rows():
+    """A residual block's output projection: its bias gradient is the column sum of the residual's
+    gradient, which the final norm's backward computes. With rows too few to split among that
+    row kernel's programs, the sum over (B, T) joins the kernel summing the norms' weight and bias
+    gradients over the same rows (3 backward kernels, was 4: one of its own), eager's values."""
+    torch.manual_seed(0)
+    ln, fc, ln_f = torch.nn.LayerNorm(32), torch.nn.Linear(32, 32), torch.nn.LayerNorm(32)
+    x = torch.randn(2, 8, 32, requires_grad=True)
+
+    def block(x):
+        return (ln_f(x + fc(ln(x))) ** 2).sum()
+    report = compiler.explain(compiler.compile(block, backend="interpret"), x)
+    assert len(report.backward_kernels) == 3, [k.name for k in report.backward_kernels]
+    params = [*ln.parameters(), *fc.parameters(), *ln_f.parameters()]
+    compiled = compiler.compile(block, backend="interpret")
+    compiled(x)                                   # the recording
+    compiled(x).backward()                        # a replay: the bias gradient from the column sums
+    ours = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    block(x).backward()
+    for got, p in zip(ours, params):
+        torch.testing.assert_close(got, p.grad, rtol=1e-4, atol=1e-4)
