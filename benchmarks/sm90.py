@@ -188,8 +188,9 @@ def recorded_launches(on_launch=None, compute_extern_calls: bool = True, on_comb
     def extern_shapes_only(step, env, device):
         args = [a.resolve(env) for a in step.args]
         meta = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta") for a in args]
-        out = step.fn(*meta, **step.kwargs)
-        env[step.out] = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=device)
+        outs = step.fn(*meta, **step.kwargs)
+        for slot, out in zip((step.out, *step.also), outs if isinstance(outs, tuple) else (outs,)):
+            env[slot] = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=device)
 
     # NOTE: the fused optimizer step's combo kernels (runtime.optimizer_step) are skipped, not
     # recorded: their float arguments (lr, betas) are not described yet, and running them in the

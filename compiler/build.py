@@ -328,8 +328,19 @@ def lower(graph: fx.Graph, schedule: Schedule, check_indices: bool = True, trans
             for index, size, wrap, what in checks.pop(node, ()):
                 steps.append(IndexCheck([ref(index)], size, wrap, what))
     check(placeholders)
+    joint = _joint_externs(schedule)
     for kind, item in schedule.steps:
         if kind == "extern":
+            if item in slots:
+                continue  # made by the call of another extern (``_joint_externs``)
+            if item in joint:
+                fn, kwargs, made = joint[item]
+                for node in made:
+                    slots[node] = len(slots)
+                steps.append(ExternCall(item.target.name, fn, [ref(a) for a in item.args], slots[made[0]], kwargs,
+                                        also=tuple(slots[n] for n in made[1:])))
+                check(made)
+                continue
             slots[item] = len(slots)
             steps.append(ExternCall(item.target.name, item.target.torch_fn, [ref(a) for a in item.args], slots[item],
                                      dict(item.kwargs)))
@@ -513,6 +524,24 @@ def _loaded_before_store(src, load: int, store: int) -> bool:
     return True
 
 
+def _joint_externs(schedule) -> dict:
+    """Externs one PyTorch call computes together (an op's ``joint_call``: a convolution's input and
+    weight gradients, one ``convolution_backward`` as eager's autograd calls it, not two): the first
+    of each group in the schedule -> (fn, kwargs, the group's nodes in the order fn returns them)."""
+    groups: dict = {}
+    for kind, item in schedule.steps:
+        key = getattr(item.target, "joint_key", None) if kind == "extern" else None
+        key = key(item) if key is not None else None
+        if key is not None:
+            groups.setdefault((item.target, key), []).append(item)
+    joint = {}
+    for (op, _), nodes in groups.items():
+        call = op.joint_call(nodes) if len(nodes) > 1 else None
+        if call is not None:
+            joint[nodes[0]] = call
+    return joint
+
+
 def _index_checks(graph: fx.Graph) -> dict:
     """For each gather whose indices eager checks: (the buffer holding its indices, or the value
     they are computed from inline; (index value, dim size, wrap, op name)). (Kernels clamp
@@ -546,7 +575,7 @@ def _reads(step) -> list:
 def _writes(step) -> list:
     if isinstance(step, KernelLaunch):
         return [slot for slot, _, _ in step.stores]
-    return [step.out] if isinstance(step, ExternCall) else []
+    return [step.out, *step.also] if isinstance(step, ExternCall) else []
 
 
 def _memory_order(steps, nbytes, kept) -> list:

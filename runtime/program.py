@@ -303,6 +303,9 @@ class ExternCall:
     args: list             # ValueRefs
     out: int
     kwargs: dict = field(default_factory=dict)  # constant parameters (dim, shape, ...)
+    # more output slots: ``fn`` returns a tuple, (out, *also) in order (one PyTorch call that makes
+    # several of the program's values: a convolution's input and weight gradients)
+    also: tuple = ()
 
     def run(self, env, device):
         (self.__dict__.get("_call") or self.direct_cpu_call())(env)
@@ -326,7 +329,8 @@ class ExternCall:
             arguments.append(views_source(f"env[{arg.slot}]", arg.views, names, f"v{i}"))
         if self.kwargs:
             arguments.append("**kwargs")
-        source = f"def call(env):\n    env[{self.out}] = fn({', '.join(arguments)})\n"
+        targets = ", ".join(f"env[{slot}]" for slot in (self.out, *self.also))
+        source = f"def call(env):\n    {targets} = fn({', '.join(arguments)})\n"
         exec(compile(source, f"<symgrad call of {self.name}>", "exec"), names)
         return names["call"]
 

@@ -127,6 +127,7 @@ def test_a_rows_values_from_its_reductions_are_computed_in_its_kernel():
     """Layer norm's statistics kept for the backward (rstd, a value per row) are computed and
     stored by the kernel that reduces the rows, and the normalized rows that read them join it:
     one forward kernel, where a kernel over the rows' statistics alone split it in three."""
+    torch.manual_seed(0)
     x = torch.randn(2, 32, 64, requires_grad=True)
     w, b = torch.randn(64, requires_grad=True), torch.randn(64, requires_grad=True)
     m = torch.randn(64, 16, requires_grad=True)
@@ -138,7 +139,9 @@ def test_a_rows_values_from_its_reductions_are_computed_in_its_kernel():
     assert len(report.forward_kernels) == 1, [k.name for k in report.forward_kernels]
     source = report.forward_kernels[0].source
     assert "tl.sqrt_rn" in source and source.count("tl.sum(") == 2   # the statistics and rstd, one kernel
-    check_parity(f, [x, w, b, m])
+    # (the weight's and bias's gradients are sums over 64 rows, in another order than eager's: each is
+    # as close to float64's as eager's is, ~1.5e-5, and they differ from eager's by up to twice that)
+    check_parity(f, [x, w, b, m], tol=dict(rtol=1e-4, atol=1e-4))
 
 
 def test_a_losss_mean_is_divided_in_the_kernel_that_sums_it():

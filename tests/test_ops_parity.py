@@ -517,6 +517,32 @@ def test_convolution_and_batch_norm(name, dtype):
     assert compiled.last_entry.report.fallbacks == []
 
 
+def test_a_convolutions_two_gradients_are_one_call():
+    """The input's and weight's gradients of a convolution come from one ``convolution_backward``
+    (as eager's autograd calls it), not one call each: the backward program's extern writes both."""
+    from runtime.program import ExternCall
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 9, 8, requires_grad=True)
+    w = torch.randn(4, 3, 3, 3, requires_grad=True)
+    compiled = check_parity(lambda x, w: F.conv2d(x.sin(), w, padding=1).tanh(), [x, w])
+    backward = compiled.last_entry.trace.regions[0].compiled.backward
+    calls = [s for s in backward.steps if isinstance(s, ExternCall) and s.name == "conv_backward"]
+    assert len(calls) == 1 and len(calls[0].also) == 1
+    with torch.profiler.profile() as prof:
+        compiled(x, w).sum().backward()
+    assert sum(e.name == "aten::convolution_backward" for e in prof.events()) == 1
+    w.grad = None
+    compiled(x.detach(), w).sum().backward()   # only the weight's gradient: one call, one output
+    backward = compiled.last_entry.trace.regions[0].compiled.backward
+    calls = [s for s in backward.steps if isinstance(s, ExternCall) and s.name == "conv_backward"]
+    assert len(calls) == 1 and calls[0].also == ()
+    w_grad = w.grad
+    w.grad = None
+    F.conv2d(x.detach().sin(), w, padding=1).tanh().sum().backward()
+    torch.testing.assert_close(w_grad, w.grad)
+
+
 @pytest.mark.parametrize("stride", [1, 2])
 def test_double_backward_through_a_convolution_matches_eager(stride):
     torch.manual_seed(0)

@@ -127,6 +127,20 @@ class ConvolutionBackward(Extern):
                                                   [0] * len(stride), groups, mask)
         return out[0] if which == "input" else out[1]
 
+    def joint_key(self, node):
+        """Gradients of one convolution (same operands and parameters) are made by one call."""
+        return tuple(node.args), tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
+                                              for k, v in node.kwargs.items() if k != "which"))
+
+    def joint_call(self, nodes):
+        """(fn, kwargs, nodes in fn's output order): both gradients from one ``convolution_backward``
+        (eager's autograd makes them in one call too; on a GPU it is cuDNN's two kernels either way)."""
+        which = {n.kwargs["which"]: n for n in nodes}
+        if len(nodes) != 2 or set(which) != {"input", "weight"}:
+            return None
+        kwargs = {k: v for k, v in nodes[0].kwargs.items() if k != "which"}
+        return _both_conv_grads, kwargs, [which["input"], which["weight"]]
+
     def vjp(self, b, node, grad_out):
         """Double backward. Each gradient is bilinear: the input's in (grad, weight), the
         weight's in (grad, input); so its VJP is a convolution or the other gradient with the
@@ -145,6 +159,13 @@ class ConvolutionBackward(Extern):
                            requires_grad=any(meta_of(o).requires_grad for o in operands))
             gw, gx = (found, None) if which == "input" else (None, found)
         return [gg, gx, gw]
+
+
+def _both_conv_grads(grad, x, weight, *, stride, padding, dilation, groups):
+    """A convolution's input and weight gradients, one call (``ConvolutionBackward.joint_call``)."""
+    gx, gw, _ = torch.ops.aten.convolution_backward(grad, x, weight, None, stride, padding, dilation, False,
+                                                    [0] * len(stride), groups, [True, True, False])
+    return gx, gw
 
 
 EXTERNS = {"mm": MatMul("mm", torch.mm), "bmm": MatMul("bmm", torch.bmm),
