@@ -88,3 +88,16 @@ def test_fresh_processes_see_their_own_environment_and_report_failures(tmp_path)
     failed = fresh_process.call("benchmarks.compile_time:probe", {**request, "workload": "nope"}, {}, log,
                                 timeout=300, fork=True)
     assert failed["error"].startswith("KeyError")
+
+
+def test_torch_compiles_triton_path_is_counted_without_a_gpu():
+    """``benchmarks.inductor_triton``: Inductor's Triton scheduling on CPU tensors, kernels counted
+    and not run (a process of its own). Layer norm forward and backward: one persistent reduction
+    forward, the input's and the weights' gradients in two backward kernels, no other operator;
+    cross entropy's loss seed (``ones_like``) is an operator of the step."""
+    from benchmarks import inductor_triton
+
+    norm, loss = inductor_triton.counts(["layernorm", "cross_entropy"], "tiny")
+    assert "error" not in norm and "error" not in loss, (norm, loss)
+    assert norm["kernels"] == norm["triton"] == 3 and norm["operators"] == {}
+    assert loss["operators"] == {"aten::ones_like": 1} and loss["kernels"] == loss["triton"] + 1 >= 2
