@@ -219,11 +219,13 @@ def test_cpu_path_kernels_store_without_a_helper_call_where_the_dtype_is_known()
 
 def test_matmul_operand_views_are_written_in_line_where_one_tensor_method_makes_them():
     """An extern's operand views (ExternCall) and a program's output views: a permute, reshape or
-    expand is the tensor method in the generated code; a slice still calls the view op."""
+    expand is the tensor method in the generated code (a transpose of the last two dims ``.mT``,
+    cheaper than ``permute``); a slice still calls the view op."""
     from compiler.ops.views import VIEWS
     from runtime.program import ExternCall, Program, ValueRef, ViewStep
 
     permute = ViewStep(VIEWS["permute"], (("dims", (1, 0)),))
+    rotate = ViewStep(VIEWS["permute"], (("dims", (1, 2, 0)),))
     narrow = ViewStep(VIEWS["slice"], (("dim", 1), ("start", 1), ("step", 1), ("length", 2)))
     call = ExternCall("mm", torch.mm, [ValueRef(0, (permute,)), ValueRef(1, (narrow,))], 2)
     program = Program(num_inputs=2, num_slots=3, steps=[call], outputs=[ValueRef(2, (permute,)), None],
@@ -233,7 +235,14 @@ def test_matmul_operand_views_are_written_in_line_where_one_tensor_method_makes_
     torch.testing.assert_close(out, (a.t() @ b[:, 1:3]).t())
     assert none is None
     names = call.direct_cpu_call().__code__.co_names
-    assert "permute" in names and "fn" in names and any(n.startswith("v1_") for n in names)
+    assert "mT" in names and "fn" in names and any(n.startswith("v1_") for n in names)
+    assert "permute" not in names
+    rotated = ExternCall("clone", torch.clone, [ValueRef(0, (rotate,))], 1)
+    x = torch.randn(2, 3, 4)
+    env = [x, None]
+    rotated.run(env, torch.device("cpu"))
+    torch.testing.assert_close(env[1], x.permute(1, 2, 0))
+    assert "permute" in rotated.direct_cpu_call().__code__.co_names  # not a transpose: permute itself
 
 
 def test_explain_without_arguments_reports_the_last_call_and_runs_nothing():
