@@ -365,8 +365,11 @@ def lower(graph: fx.Graph, schedule: Schedule, check_indices: bool = True, trans
                                              [slots[n] for n in src.stores], schedule.buffers),
             index_checks=tuple(IndexCheck([ref(index)], size, wrap, what) for index, size, wrap, what in explain)
             if src.checked_gathers else None))
+        # NOTE: a kernel that checks indices stores no input's new value in place: its programs before
+        # the one meeting a bad index would have written the user's tensor, which eager's error leaves
+        # as it was (the write-back after the region never runs then)
         donors[id(steps[-1])] = _donors(item, src, slots, len(placeholders)) + \
-            _input_donors(item, src, slots, placeholders, donated_inputs or {})
+            (_input_donors(item, src, slots, placeholders, donated_inputs or {}) if not src.checked_gathers else [])
         sources.append(src)
         check(src.stores)
     outputs = [ref(o) if isinstance(o, fx.Node) else None

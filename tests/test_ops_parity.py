@@ -441,6 +441,28 @@ def test_an_empty_gather_eager_checks_is_checked_on_the_host():
         compiled(x, torch.tensor([1, 7]))
 
 
+def test_a_bad_index_leaves_a_buffer_updated_in_place_as_it_was():
+    """A buffer from outside written in place from a gather (``buf.add_(table[idx])``): the kernel
+    that checks the indices does not store into the buffer's memory, or its programs before the
+    bad index would have written part of it; eager's error leaves the buffer as it was."""
+    buf, table = torch.zeros(8192, 4), torch.randn(10, 4)
+
+    def update(idx):
+        buf.add_(table[idx])
+        return idx + 1
+    compiled = compiler.compile(update, backend="interpret")
+    idx = torch.randint(0, 10, (8192,))
+    compiled(idx)
+    compiled(idx)
+    before, bad = buf.clone(), idx.clone()
+    bad[-1] = 99
+    with pytest.raises(IndexError, match="index 99 is out of bounds for a dimension of size 10"):
+        compiled(bad)
+    assert torch.equal(buf, before)
+    compiled(idx)
+    torch.testing.assert_close(buf, before + table[idx])
+
+
 def test_a_kernel_that_checks_indices_is_compiled_with_its_asserts():
     """Triton drops ``tl.device_assert`` unless compiled with ``debug``: the launcher of a kernel that
     checks indices asks for it (without Triton's integer-overflow checks), others do not."""
