@@ -28,6 +28,7 @@ import subprocess
 import sys
 
 H100_SMS = 132
+_ZERO_FILL = "uncounted zero fill"   # the profiler range around our zero fills (not the step's operators)
 
 
 def _patch_inductor():
@@ -52,7 +53,7 @@ def _patch_inductor():
 
     def run(self, *args, **kwargs):
         launches.append(self.fn.__name__)
-        with torch.profiler.record_function("uncounted zero fill"):
+        with torch.profiler.record_function(_ZERO_FILL):
             for name, value in zip(self.fn.arg_names, args):
                 if name.startswith("out_ptr") and isinstance(value, torch.Tensor):
                     value.zero_()
@@ -79,18 +80,10 @@ def count(name: str, size: str) -> dict:
         case.step(step, args)
     operators = collections.Counter(
         e.name for e in prof.events()
-        if measure._is_cpu_kernel(e.name) and not measure._inside_kernel(e) and not _in_zero_fill(e))
+        if measure._is_cpu_kernel(e.name) and not measure._inside_kernel(e)
+        and not measure.inside(e, lambda parent: parent.name == _ZERO_FILL))
     return dict(workload=name, kernels=len(launches) + sum(operators.values()), triton=len(launches),
                 operators=dict(operators))
-
-
-def _in_zero_fill(event) -> bool:
-    parent = event.cpu_parent
-    while parent is not None:
-        if parent.name == "uncounted zero fill":
-            return True
-        parent = parent.cpu_parent
-    return False
 
 
 def counts(names, size: str = "small", timeout: int = 900) -> list:

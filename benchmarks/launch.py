@@ -182,7 +182,7 @@ def _worker(jobs_path: str) -> None:
     torch.empty = _CachingEmpty(torch.empty)
     triton.runtime.driver.set_active(_HostOnlyDriver())
     from runtime import launcher as direct
-    from runtime.program import KernelLaunch
+    from runtime.program import KernelLaunch, asserts_indices
 
     cpu = torch.device("cpu")
     with open(jobs_path) as f:
@@ -193,7 +193,7 @@ def _worker(jobs_path: str) -> None:
         launch = KernelLaunch(job["name"], job["source"], job["loads"], stores, job["grid"], job["xblock"],
                               job["rblock"], 0, job["num_warps"], fresh_loads=frozenset(job["fresh"]),
                               # (a kernel that checks indices is compiled with its asserts, as it runs)
-                              index_checks=() if "tl.device_assert(" in job["source"] else None)
+                              index_checks=() if asserts_indices(job["source"]) else None)
         env = [None] * (1 + max([*job["loads"], *(s for s, _, _ in stores)]))
         for slot, layout in job["inputs"].items():
             env[int(slot)] = _tensor(*layout)

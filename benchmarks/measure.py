@@ -144,7 +144,8 @@ def _inf_signs(t):
 _NOT_KERNELS = {
     "aten::as_strided", "aten::resolve_conj", "aten::resolve_neg", "aten::t", "aten::transpose",
     "aten::view", "aten::_unsafe_view", "aten::reshape", "aten::_reshape_alias", "aten::expand",
-    "aten::permute", "aten::unsqueeze", "aten::squeeze", "aten::detach", "aten::detach_", "aten::alias",
+    "aten::permute", "aten::mT", "aten::mH", "aten::adjoint",
+    "aten::unsqueeze", "aten::squeeze", "aten::detach", "aten::detach_", "aten::alias",
     "aten::slice", "aten::select", "aten::split", "aten::split_with_sizes", "aten::unbind", "aten::narrow",
     "aten::chunk", "aten::broadcast_tensors", "aten::expand_as", "aten::view_as", "aten::flatten",
     "aten::view_as_real", "aten::view_as_complex", "aten::_conj", "aten::conj", "aten::real", "aten::imag",
@@ -184,9 +185,14 @@ def count_kernels(step, device, python_calls=False) -> int:
 
 
 def _inside_kernel(event) -> bool:
+    return inside(event, lambda parent: _is_cpu_kernel(parent.name))
+
+
+def inside(event, is_enclosing) -> bool:
+    """Whether a profiler event runs inside one for which ``is_enclosing(parent)`` holds."""
     parent = event.cpu_parent
     while parent is not None:
-        if _is_cpu_kernel(parent.name):
+        if is_enclosing(parent):
             return True
         parent = parent.cpu_parent
     return False

@@ -370,7 +370,9 @@ def _compile_one(job: dict, workdir: str) -> dict:
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
     kwargs = dict(job["constexprs"], num_warps=job["num_warps"])
-    if "tl.device_assert(" in job["source"]:  # index checks: compiled in, as the launch compiles them
+    from runtime.program import asserts_indices
+
+    if asserts_indices(job["source"]):  # index checks: compiled in, as the launch compiles them
         kwargs.update(debug=True, sanitize_overflow=False)   # (runtime.launcher.Launcher's ``debug``)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound, specialization, options = binder(*args, **kwargs)

@@ -420,8 +420,10 @@ def fuse(graph: fx.Graph, shape_generic: bool = False) -> Schedule:
         if kind_of(node) == "extern":
             for arg in node.args:
                 needs_memory(arg)
-        elif kind_of(node) == "gather":
-            needs_memory(node.args[1])  # indices are range-checked on the host (eager's error)
+        elif kind_of(node) == "gather" and numel(meta_of(node).shape) == 0:
+            # (the kernels that gather check their indices; a gather with no elements has no kernel
+            # to, and eager still checks index_select's: on the host, as its indices' buffer is written)
+            needs_memory(node.args[1])
         if meta_of(node).materialize:  # read at many places by its consumers (see the op's vjp)
             needs_memory(node)
     for out in outputs:

@@ -95,6 +95,11 @@ INT32_LIMIT = 2**31
 INDEX_ASSERT = "index out of bounds for a dimension"
 
 
+def asserts_indices(source: str) -> bool:
+    """Whether a kernel's source checks indices (then it is compiled with Triton's ``debug``)."""
+    return "tl.device_assert(" in source
+
+
 @dataclass
 class KernelLaunch:
     name: str

@@ -101,3 +101,11 @@ def test_torch_compiles_triton_path_is_counted_without_a_gpu():
     assert "error" not in norm and "error" not in loss, (norm, loss)
     assert norm["kernels"] == norm["triton"] == 3 and norm["operators"] == {}
     assert loss["operators"] == {"aten::ones_like": 1} and loss["kernels"] == loss["triton"] + 1 >= 2
+
+
+def test_views_are_not_counted_as_kernels():
+    """A transpose written ``.mT`` (as our generated calls write a matmul operand's) is a view: the
+    step below launches one kernel, the matmul, however its operand's transpose is spelled."""
+    x = torch.randn(8, 8)
+    for step in (lambda: x.mT @ x, lambda: x.t() @ x, lambda: x.permute(1, 0) @ x):
+        assert measure.count_kernels(step, torch.device("cpu")) == 1
