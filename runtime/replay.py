@@ -88,8 +88,8 @@ def _optimizer_step_ends(optimizer, args, kwargs):
         replay.step_ends()
 
 
-register_optimizer_step_pre_hook(_optimizer_step_begins)
-register_optimizer_step_post_hook(_optimizer_step_ends)
+_OUR_STEP_HOOKS = (register_optimizer_step_pre_hook(_optimizer_step_begins).id,
+                   register_optimizer_step_post_hook(_optimizer_step_ends).id)
 
 
 def active_replay():
@@ -198,7 +198,10 @@ class Replay(TorchFunctionMode):
                         env[vid].grad = None
                 else:  # an optimizer step: its own Python (the pre-hook finds a fused step at self.pos)
                     self.pos = item
-                    trace.step_calls[item][0]().step()
+                    optimizer = trace.step_calls[item][0]()
+                    fused = trace.fused_steps.get(item)
+                    if fused is None or not fused.run_directly(optimizer, _OUR_STEP_HOOKS):
+                        optimizer.step()
             self.pos = len(trace.calls)
         finally:
             _active.replay = None

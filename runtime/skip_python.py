@@ -9,7 +9,8 @@ has no other effect (no prints, counters or Python state changed); later calls t
 recorded calls directly, as torch.compile's graphs do: each region's fused kernels, each eager
 call (``loss.backward()``, ``p.grad = None``) on the tensors it was recorded with, and each
 ``optimizer.step()`` as the optimizer's own Python (its learning rate, state and hooks are read
-as eager reads them; a step the compiler fused runs its kernels).
+as eager reads them; a step the compiler fused runs its kernels, called directly where the step's
+Python would do nothing else: no step hooks, no profiler, ``step`` not replaced).
 
 What stays guarded on every call, as on the default replay: the guard key (arguments' shapes,
 dtypes, devices, requires_grad, other arguments' values, grad mode, autocast), tensors reached

@@ -8,6 +8,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import compiler
 
@@ -281,3 +282,47 @@ def test_zero_grads_reads_of_gradients_the_step_already_read_are_left_out():
         for p, q in zip(model.parameters(), eager_model.parameters()):
             torch.testing.assert_close(p, q)
             assert p.grad is None
+
+
+def test_a_fused_step_made_without_its_wrapper_keeps_what_the_wrapper_does():
+    """skip_python makes a fused optimizer step without ``optimizer.step()``'s Python where that
+    Python would do nothing else (runtime.optimizer_step.FusedOptimizerStep.run_directly): an LR
+    scheduler's wrapper still sees the step (``_opt_called``), hooks registered later still run,
+    and under the profiler the step's range is there; the values stay eager's throughout."""
+    x, y = _data()
+    model, eager_model = _model(), _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    eager_opt = torch.optim.SGD(eager_model.parameters(), lr=0.05, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    eager_scheduler = torch.optim.lr_scheduler.StepLR(eager_opt, step_size=2)
+    step, eager_step = compiler.compile(_make_step([]), skip_python=True), _make_step([])
+
+    def both():
+        torch.testing.assert_close(step(model, opt, x, y), eager_step(eager_model, eager_opt, x, y))
+        scheduler.step()
+        eager_scheduler.step()
+
+    for _ in range(3):
+        both()
+    launches = step.stats.get("optimizer_launches", 0)
+    opt._opt_called = False
+    both()
+    assert opt._opt_called, "the LR scheduler's step wrapper did not see the step"
+    assert step.stats.get("optimizer_launches", 0) > launches  # (the fused kernels made it)
+
+    seen = []
+    handles = [opt.register_step_pre_hook(lambda o, a, k: seen.append("pre")),
+               opt.register_step_post_hook(lambda o, a, k: seen.append("post")),
+               register_optimizer_step_pre_hook(lambda o, a, k: seen.append("global") if o is opt else None)]
+    both()
+    assert seen == ["global", "pre", "post"]
+    for h in handles:
+        h.remove()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        both()
+    assert sum(e.name == "Optimizer.step#SGD.step" for e in prof.events()) == 2  # (ours and eager's)
+    both()
+    assert step.stats["divergences"] == 0
+    for p, q in zip(model.parameters(), eager_model.parameters()):
+        torch.testing.assert_close(p, q)
+        torch.testing.assert_close(opt.state[p]["momentum_buffer"], eager_opt.state[q]["momentum_buffer"])
