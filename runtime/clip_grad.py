@@ -93,6 +93,7 @@ class FusedClipGradNorm:
                 "set `error_if_nonfinite=False`")
         for launch in self.scale_launches:
             launch.launch([grads[m] for m in launch.members] + [scratch[count:]], {}, device)
+        torch._C._increment_version(grads)  # as eager's grad.mul_ (the kernels write unseen)
         self._count(launches + len(self.scale_launches))
         return total
 

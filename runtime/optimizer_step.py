@@ -27,6 +27,7 @@ from runtime.kernels import load_kernel
 from runtime.program import interpreter_lock, on_device
 
 _profiler_enabled = torch.autograd._profiler_enabled
+_increment_version = torch._C._increment_version
 
 # A float32 step counter counts exactly up to here; past it the count is read back each step.
 _EXACT_STEPS = 2 ** 24
@@ -91,6 +92,7 @@ class GroupStep:
     state_keys: tuple            # their keys in ``optimizer.state[p]``
     has_step: bool               # a per-parameter ``state["step"]`` tensor counts steps
     launches: list               # ComboLaunch per dtype and chunk
+    version_bumps: tuple = ()    # per tensor a parameter's launch takes: eager's in-place ops on it
     _known_steps: tuple | None = field(default=None, repr=False)  # (step tensors, versions, count)
 
     def bind(self, optimizer, group):
@@ -167,6 +169,11 @@ class GroupStep:
             scalars = self.rule.scalars(group, count, dtype)
             tensors = [t for m in launch.members for t in per_param[m]]
             launch.launch(tensors, scalars, device)
+        # what eager's in-place ops do to the version counters (the kernels write unseen); its
+        # fused=True kernels bump none (checked on CPU with torch 2.13): neither do we then
+        if not group.get("fused"):
+            _increment_version([t for tensors in per_param for t, n in zip(tensors, self.version_bumps)
+                                for _ in range(n)])
         if stats is not None:
             stats["kernel_launches"] = stats.get("kernel_launches", 0) + len(self.launches)
             stats["optimizer_launches"] = stats.get("optimizer_launches", 0) + len(self.launches)

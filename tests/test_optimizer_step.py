@@ -53,6 +53,26 @@ def _assert_same_state(eager_opt, ours_opt, tol):
                 assert value == other, name
 
 
+def _versions(opt) -> dict:
+    """(parameter's position, "param" or a state key) -> its version counter."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    out = {}
+    for k, p in enumerate(params):
+        out[k, "param"] = p._version
+        out.update({(k, name): t._version for name, t in opt.state.get(p, {}).items() if isinstance(t, torch.Tensor)})
+    return out
+
+
+def _assert_same_versions(eager_opt, ours_opt, i, start):
+    """The fused kernels write where PyTorch cannot see: the step bumps the version counters as
+    eager's in-place ops do, so a graph that saved a parameter fails its check after the step
+    (``fused=True``'s kernels bump none, in eager and ours). Counted from ``start`` (the
+    parameters' versions before the first step)."""
+    eager, ours = ({key: v - begin.get(key, 0) for key, v in _versions(opt).items()}
+                   for opt, begin in zip((eager_opt, ours_opt), start))
+    assert ours == eager, f"step {i}: version counters {ours} vs eager's {eager}"
+
+
 def _run_both(make_optimizer, dtype, steps=STEPS, layers=2, scheduler=None, between=None):
     """The same training step, eager and compiled, from the same start; compares parameters and
     optimizer state after every step. Returns the compiled function and the optimizers; the
@@ -65,6 +85,7 @@ def _run_both(make_optimizer, dtype, steps=STEPS, layers=2, scheduler=None, betw
     x, y = _batch(dtype)
     tol = TOLERANCE[dtype]
     step.launches_per_step = []
+    start = [_versions(opt) for opt in (eager_opt, ours_opt)]  # (the parameters' only)
     for i in range(steps):
         if between:
             between(i, eager_model, eager_opt)
@@ -77,6 +98,7 @@ def _run_both(make_optimizer, dtype, steps=STEPS, layers=2, scheduler=None, betw
         for p, q in zip(eager_model.parameters(), ours_model.parameters()):
             torch.testing.assert_close(q, p, **tol, msg=lambda m: f"step {i}: {m}")
         _assert_same_state(eager_opt, ours_opt, tol)
+        _assert_same_versions(eager_opt, ours_opt, i, start)
         for s in schedulers:
             s.step()
     return step, eager_opt, ours_opt
@@ -355,3 +377,25 @@ def test_complex_parameters_are_updated_as_their_real_views(name):
         torch.testing.assert_close(ours_w, eager_w, **TOLERANCE[torch.float64])
     _assert_same_state(eager_opt, ours_opt, TOLERANCE[torch.float64])
     assert step.stats["optimizer_launches"] >= 4 and not step.last_entry.report.fallbacks
+
+
+def test_a_graph_that_saved_a_parameter_fails_its_version_check_after_the_step():
+    """A graph made before the fused step and backpropagated after it read the parameter the
+    step wrote: eager raises; so must we (the kernels write unseen; the step bumps versions)."""
+    x, y = _batch(torch.float32)
+
+    def step_then_late_backward(model, opt, x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward(retain_graph=True)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    model = _model(torch.float32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    step = compiler.compile(step_then_late_backward)
+    for _ in range(4):
+        loss = step(model, opt, x, y)
+    assert step.stats["optimizer_launches"] >= 2
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

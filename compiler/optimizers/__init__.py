@@ -209,5 +209,7 @@ def _fuse_group(optimizer, rule, index, group, grads) -> GroupStep:
             # reads: parameter, gradient, state; writes: parameter, state
             moved = sum(numels) * real.itemsize * (3 + 2 * len(state_keys))
             launches.append(ComboLaunch(name, source, part, scalar_names, grid, BLOCK, NUM_WARPS, moved))
+    writes = rule.in_place_writes(key)  # (per parameter the kernels take: parameter, gradient, state)
+    bumps = (writes["p"], 0, *[writes[name] for name in rule.state_names(key)])
     return GroupStep(rule, key, tuple(id(p) for p in group["params"]), updated, rule.state_names(key), state_keys,
-                     rule.has_step(key), launches)
+                     rule.has_step(key), launches, bumps)

@@ -59,6 +59,12 @@ class Rule:
         """Whether each parameter's state counts its steps in ``state["step"]``."""
         return False
 
+    def in_place_writes(self, key) -> dict:
+        """Stored name (``stores``) -> how many in-place ops eager's step makes on it: the
+        version counter's bumps, made again after the kernels (which PyTorch cannot see), so a
+        graph that saved a parameter before the step fails its version check as in eager."""
+        raise NotImplementedError
+
     def scalars(self, group, step, dtype) -> dict:
         """name -> value of the kernel's scalar arguments for this step."""
         raise NotImplementedError
@@ -99,6 +105,10 @@ class SGDRule(Rule):
     def state_keys(self, key):
         return ("momentum_buffer",) if key[2] else ()
 
+    def in_place_writes(self, key):
+        # eager (single-tensor and foreach alike): buf.mul_(momentum).add_(grad); param.add_(grad)
+        return {"p": 1, "buf": 2}
+
     def scalars(self, group, step, dtype):
         # eager: grad.add(param, alpha=wd); buf.mul_(momentum).add_(grad, alpha=1 - dampening);
         # grad.add(buf, alpha=momentum); param.add_(grad, alpha=-lr)
@@ -138,6 +148,12 @@ class AdamRule(Rule):
 
     def has_step(self, key):
         return True
+
+    def in_place_writes(self, key):
+        # eager (single-tensor and foreach alike): param.mul_ (AdamW's decay), exp_avg.lerp_,
+        # exp_avg_sq.mul_().addcmul_(), max_exp_avg_sq's copy_/maximum_, param.addcdiv_
+        _, decay, decoupled, _ = key
+        return {"p": 1 + int(decay and decoupled), "exp_avg": 1, "exp_avg_sq": 2, "max_exp_avg_sq": 1}
 
     def scalars(self, group, step, dtype):
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
