@@ -320,6 +320,16 @@ def test_a_fused_step_made_without_its_wrapper_keeps_what_the_wrapper_does():
         h.remove()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         both()
+    wrapped_step, calls = opt.step, []  # a step the user replaced (here the scheduler's, wrapped again)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return wrapped_step(*args, **kwargs)
+
+    opt.step = counted
+    both()
+    assert calls == [1], "the user's replacement of optimizer.step did not run"
+    del opt.step
     assert sum(e.name == "Optimizer.step#SGD.step" for e in prof.events()) == 2  # (ours and eager's)
     both()
     assert step.stats["divergences"] == 0
