@@ -344,6 +344,13 @@ def kernels_stubbed():
     allocations — plus matmuls and eager ops: on CPU, where our kernels only run in the
     interpreter, this is how per-call overhead and the non-Triton work of a step are measured.
     Results are garbage: use throwaway arguments. Relies on ``runtime.program.KernelLaunch``.
+
+    Denormal floats are flushed to zero meanwhile (``torch.set_flush_denormal``): the outputs
+    are uninitialized memory, and the matmuls and convolutions that read them ran up to 1.5x
+    slower on the denormals in it (the CNN step's ``convolution_backward``: 143 µs a call in our
+    stubbed step, 96-97 µs on real values, in eager's step and ours alike with the flag), which
+    real kernels' values would not have made. Eager, timed in the same context, has no denormals
+    to flush. Set back to PyTorch's default (off) at the end.
     """
     from runtime import optimizer_step, program
 
@@ -374,8 +381,10 @@ def kernels_stubbed():
     # optimizer steps' combo kernels update in place: nothing to allocate
     original_combo = optimizer_step.ComboLaunch.launch
     optimizer_step.ComboLaunch.launch = lambda self, tensors, scalars, device: None
+    torch.set_flush_denormal(True)
     try:
         yield
     finally:
+        torch.set_flush_denormal(False)
         program.KernelLaunch.run = original
         optimizer_step.ComboLaunch.launch = original_combo

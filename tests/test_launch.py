@@ -290,3 +290,15 @@ def test_a_stubbed_step_checks_indices_a_skipped_kernel_computed():
     with measure.kernels_stubbed():
         for _ in range(2):
             case.step(run, args)
+
+
+def test_stubbed_steps_flush_denormals_and_put_the_flag_back():
+    """A stubbed launch's outputs are uninitialized memory; the matmuls reading them must not time
+    denormal arithmetic that real kernels' values would not make (measure.kernels_stubbed)."""
+    from benchmarks import measure
+
+    tiny = torch.tensor([1e-40], dtype=torch.float32)  # a float32 denormal
+    assert (tiny * 1.0).item() != 0.0
+    with measure.kernels_stubbed():
+        assert (tiny * 1.0).item() == 0.0
+    assert (tiny * 1.0).item() != 0.0
