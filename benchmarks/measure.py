@@ -254,22 +254,46 @@ def step_memory(step, device) -> Memory | None:
         step()
         sync(device)
     events = list(prof.profiler.kineto_results.events())
-    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
     launches = [(e.start_ns(), e.start_ns() + e.duration_ns()) for e in events if e.name() == _LAUNCH]
-    records = sorted((e.start_ns(), e.nbytes()) for e in events
-                     if e.name() == "[memory]" and e.device_type() == kind
-                     and not any(lo <= e.start_ns() <= hi for lo, hi in launches))
     backward = min((e.start_ns() for e in events if e.name().startswith(_BACKWARD)), default=None)
     total = peak = 0
     saved = None
-    for t, nbytes in records:
+    mine = set()  # blocks this step allocated (outside launches): only their frees count
+    for t, ptr, nbytes in _allocations(prof, device.type):
         if saved is None and backward is not None and t >= backward:
             saved = total
+        if nbytes > 0:
+            if any(lo <= t <= hi for lo, hi in launches):
+                continue
+            mine.add(ptr)
+        elif ptr in mine:
+            # NOTE: a free of a block allocated before the step (an earlier step's gradients,
+            # outputs the harness let go) is left out: it is not this step's memory, and the
+            # CPU allocator reports such frees only for blocks allocated while an earlier
+            # profiler ran, which made the totals depend on what ran before (a negative
+            # saved-for-backward figure).
+            mine.discard(ptr)
+        else:
+            continue
         total += nbytes
         peak = max(peak, total)
     if cuda:
         peak = torch.cuda.max_memory_allocated(device) - before
     return Memory(peak, saved or 0, total)
+
+
+def _allocations(prof, device_type: str) -> list:
+    """(time ns, address, bytes: negative for a free) of the profiled allocations on
+    ``device_type``, in time order (the profiler's event tree: its records carry the address)."""
+    allocation = torch._C._profiler._EventType.Allocation
+    out, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        if e.tag == allocation and e.extra_fields.device.type == device_type:
+            out.append((e.start_time_ns, e.extra_fields.ptr, e.extra_fields.alloc_size))
+    out.sort(key=lambda r: r[0])
+    return out
 
 
 @contextlib.contextmanager

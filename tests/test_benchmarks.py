@@ -109,3 +109,24 @@ def test_views_are_not_counted_as_kernels():
     x = torch.randn(8, 8)
     for step in (lambda: x.mT @ x, lambda: x.t() @ x, lambda: x.permute(1, 0) @ x):
         assert measure.count_kernels(step, torch.device("cpu")) == 1
+
+
+def test_step_memory_counts_the_steps_own_blocks_whatever_ran_before():
+    """A step's saved-for-backward and peak bytes are its own allocations': a block an earlier
+    profiled step allocated and this one frees (the previous step's saved tensors) is not
+    subtracted (it was, and the table showed a negative saved-for-backward figure)."""
+    cpu = torch.device("cpu")
+    kept = {}
+
+    def step():
+        kept.pop("last", None)  # frees what the previous (profiled) step kept
+        x = torch.randn(64, 1024, requires_grad=True)  # 256 KiB
+        y = x.exp()  # exp saves its result: 256 KiB more when backward starts
+        kept["last"] = (x, y)
+        y.sum().backward()
+
+    first, second = measure.step_memory(step, cpu), measure.step_memory(step, cpu)
+    for m in (first, second):
+        assert m.saved >= 2 * 256 * 1024, m
+        assert m.peak >= m.saved
+    assert second.saved == first.saved
