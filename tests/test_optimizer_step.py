@@ -59,6 +59,8 @@ def _versions(opt) -> dict:
     out = {}
     for k, p in enumerate(params):
         out[k, "param"] = p._version
+        if p.grad is not None:
+            out[k, "grad"] = p.grad._version
         out.update({(k, name): t._version for name, t in opt.state.get(p, {}).items() if isinstance(t, torch.Tensor)})
     return out
 
@@ -97,6 +99,8 @@ def _run_both(make_optimizer, dtype, steps=STEPS, layers=2, scheduler=None, betw
         torch.testing.assert_close(got, expected, **tol)
         for p, q in zip(eager_model.parameters(), ours_model.parameters()):
             torch.testing.assert_close(q, p, **tol, msg=lambda m: f"step {i}: {m}")
+            # (after the step: foreach's nesterov step writes the gradients, the others do not)
+            torch.testing.assert_close(q.grad, p.grad, **tol, msg=lambda m: f"step {i}, gradient: {m}")
         _assert_same_state(eager_opt, ours_opt, tol)
         _assert_same_versions(eager_opt, ours_opt, i, start)
         for s in schedulers:
@@ -107,6 +111,7 @@ def _run_both(make_optimizer, dtype, steps=STEPS, layers=2, scheduler=None, betw
 OPTIMIZERS = {
     "sgd": lambda p, **kw: torch.optim.SGD(p, lr=0.05, **kw),
     "sgd_momentum": lambda p, **kw: torch.optim.SGD(p, lr=0.05, momentum=0.9, **kw),
+    "sgd_nesterov": lambda p, **kw: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, **kw),
     "sgd_nesterov_decay": lambda p, **kw: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True,
                                                           weight_decay=0.01, **kw),
     "sgd_dampening_maximize": lambda p, **kw: torch.optim.SGD(p, lr=0.01, momentum=0.5, dampening=0.3,
@@ -133,8 +138,9 @@ def test_fused_step_tracks_eager_for_20_steps(name, dtype):
 
 
 @pytest.mark.parametrize("flags", [dict(foreach=True), dict(foreach=False), dict(fused=True)])
-@pytest.mark.parametrize("name", ["sgd_momentum", "adamw"])
+@pytest.mark.parametrize("name", ["sgd_momentum", "sgd_nesterov", "adamw"])
 def test_foreach_and_fused_flags_give_eagers_numbers(name, flags):
+    """(With foreach, eager's nesterov step is made in the gradients themselves: compared too.)"""
     step, _, _ = _run_both(lambda p: OPTIMIZERS[name](p, **flags), torch.float32, steps=8)
     assert step.stats["optimizer_launches"] >= 4
 
@@ -288,7 +294,8 @@ def test_a_closure_runs_the_step_eagerly():
 
 def test_optimizer_kernels_compile_for_hopper_without_spills():
     """The combo kernels of the richest settings (Adam with weight decay and amsgrad in fp32,
-    SGD with nesterov momentum in fp64), 32 parameters each, compile for sm_90 with their real
+    SGD with nesterov momentum in fp64, and foreach's, which stores the gradient, in fp32), 32
+    parameters each, compile for sm_90 with their real
     specialization (aligned pointers) and do not spill; whole blocks load in vectors (all loads
     when every size is a multiple of the vector width, as Linear layers' are). So do
     clip_grad_norm_'s three kernels for the 2-norm over 32 gradients (tests/test_clip_grad.py
@@ -303,7 +310,10 @@ def test_optimizer_kernels_compile_for_hopper_without_spills():
     for make, dtype, sizes in [
             (lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.1, amsgrad=True), torch.float32, linear_sizes),
             (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.1), torch.float64,
-             odd_sizes)]:
+             odd_sizes),
+            # (foreach's nesterov step also stores the gradient)
+            (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, foreach=True), torch.float32,
+             linear_sizes)]:
         params = [torch.nn.Parameter(torch.randn(n, dtype=dtype)) for n in sizes]
         opt = make(params)
         for p in params:
@@ -331,7 +341,8 @@ def test_optimizer_kernels_compile_for_hopper_without_spills():
         assert result["spill_bytes"] == 0, (launch.name, result)
     for launch, result in zip(launches[:-1], results):  # (the finalize kernel reads one partial per block)
         assert result["vector_loads"] > 0, (launch.name, result)
-    assert results[0]["vector_share"] == 1.0 and results[2]["vector_share"] == 1.0, results
+    assert "tl.store(g_ptr" in launches[2].source
+    assert results[0]["vector_share"] == 1.0 and results[3]["vector_share"] == 1.0, results
 
 
 def test_an_optimizer_made_inside_the_function_runs_eagerly_and_records_once():

@@ -206,10 +206,10 @@ def _fuse_group(optimizer, rule, index, group, grads) -> GroupStep:
             part = members[chunk:chunk + MAX_PARAMETERS]
             numels = [updated[m][1] * (2 if dtype.is_complex else 1) for m in part]
             name, source, scalar_names, grid = combo_source(rule, key, real, numels)
-            # reads: parameter, gradient, state; writes: parameter, state
-            moved = sum(numels) * real.itemsize * (3 + 2 * len(state_keys))
+            # reads: parameter, gradient, state; writes: parameter, state (and the gradient: nesterov's foreach)
+            moved = sum(numels) * real.itemsize * (2 + len(state_keys) + len(rule.stores(key)))
             launches.append(ComboLaunch(name, source, part, scalar_names, grid, BLOCK, NUM_WARPS, moved))
     writes = rule.in_place_writes(key)  # (per parameter the kernels take: parameter, gradient, state)
-    bumps = (writes["p"], 0, *[writes[name] for name in rule.state_names(key)])
+    bumps = (writes["p"], writes.get("g", 0), *[writes[name] for name in rule.state_names(key)])
     return GroupStep(rule, key, tuple(id(p) for p in group["params"]), updated, rule.state_names(key), state_keys,
                      rule.has_step(key), launches, bumps)

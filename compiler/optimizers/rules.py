@@ -84,6 +84,19 @@ def _setting(group, name):
     return group[name]
 
 
+def _foreach_step(group) -> bool:
+    """Whether eager runs this group's step with its foreach implementation: ``foreach=True``,
+    or unset with neither ``fused`` nor ``differentiable``, where torch's own default picks it
+    for these parameters (CUDA's)."""
+    if group.get("fused") or group.get("differentiable"):
+        return False
+    if group.get("foreach") is not None:
+        return bool(group["foreach"])
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+
+    return _default_to_fused_or_foreach(group["params"], differentiable=False, use_fused=False)[1]
+
+
 def rounded(value: float, dtype: torch.dtype) -> float:
     """``value`` as an op of ``dtype`` reads a Python scalar: rounded to fp32 for fp32 tensors
     (eager's CPU and CUDA kernels compute float ops in float), kept for fp64."""
@@ -97,7 +110,14 @@ class SGDRule(Rule):
     scalar_names = ("weight_decay", "momentum", "one_minus_dampening", "neg_lr")
 
     def key(self, group):
-        return (bool(group["maximize"]), group["weight_decay"] != 0, group["momentum"] != 0, bool(group["nesterov"]))
+        maximize, decay = bool(group["maximize"]), group["weight_decay"] != 0
+        momentum, nesterov = group["momentum"] != 0, bool(group["nesterov"])
+        # NOTE: eager's foreach SGD (the default for CUDA parameters) makes nesterov's step in the
+        # user's gradients, ``torch._foreach_add_(grads, bufs, alpha=momentum)``, where no earlier op
+        # made them a copy (maximize's negation, weight decay's add): p.grad after step() holds
+        # g + momentum * buf. The single-tensor and fused steps leave p.grad as it was.
+        grad_written = nesterov and momentum and not maximize and not decay and _foreach_step(group)
+        return (maximize, decay, momentum, nesterov, grad_written)
 
     def state_names(self, key):
         return ("buf",) if key[2] else ()
@@ -105,9 +125,13 @@ class SGDRule(Rule):
     def state_keys(self, key):
         return ("momentum_buffer",) if key[2] else ()
 
+    def stores(self, key):
+        return super().stores(key) + (("g",) if key[4] else ())
+
     def in_place_writes(self, key):
         # eager (single-tensor and foreach alike): buf.mul_(momentum).add_(grad); param.add_(grad)
-        return {"p": 1, "buf": 2}
+        # (and foreach's nesterov grads' add_, see ``key``)
+        return {"p": 1, "buf": 2, "g": int(key[4])}
 
     def scalars(self, group, step, dtype):
         # eager: grad.add(param, alpha=wd); buf.mul_(momentum).add_(grad, alpha=1 - dampening);
@@ -118,7 +142,7 @@ class SGDRule(Rule):
                 "neg_lr": rounded(-group["lr"], dtype)}
 
     def body(self, key):
-        maximize, decay, momentum, nesterov = key
+        maximize, decay, momentum, nesterov, _ = key
         lines = []
         if maximize:
             lines.append("g = -g")
