@@ -276,6 +276,34 @@ def test_the_generated_launch_writes_into_a_donated_buffer_as_the_general_path_d
     assert launch(env, torch.device("cpu")) and env[1].data_ptr() != ints.data_ptr() and env[1].dtype == f32
 
 
+def test_the_generated_launch_passes_complex_tensors_at_their_real_views_addresses():
+    """The general path passes a complex tensor as its real view (strides in real elements, without
+    the view's last); the generated launch passes the tensor itself (the driver reads only its
+    address) with the view's strides as literals: the same pointers and numbers, no view made per
+    launch. A conjugate input, which the general path materializes first, is handed back to it."""
+    from runtime.launcher import BoundKernel, generate_launch
+    from runtime.program import KernelLaunch
+
+    c64 = torch.complex64
+    step = KernelLaunch("c", "", [0, 1], [(2, (6, 4), c64)], 1, 32, 1, 0)
+    z = torch.randn(6, 4, dtype=c64)
+    w = torch.randn(4, 6, dtype=c64).t()  # column-major: its strides are checked as literals
+    env = [z, w, None]
+    general, _, _ = step.arguments(env, torch.device("cpu"))
+    ran = []
+    bound = BoundKernel(_FakeKernel(1), (32, 1), runner=lambda *arguments: ran.append(arguments))
+    launch = generate_launch(step.loads, step.stores, [z, w], bound, 1, lambda index: 0)
+    assert "view_as_real" not in launch.source and "t1.stride() != (1, 6)" in launch.source
+    env = [z, w, None]
+    assert launch(env, torch.device("cpu"))
+    passed = ran[0][9:-2]  # (after grid, stream, function, metadata, hooks; before the constexprs)
+    assert env[2].dtype == c64 and env[2].shape == (6, 4)
+    assert [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in passed] == \
+        [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in general[:-1]] + [env[2].data_ptr()]
+    assert list(passed[1:3]) == [8, 2] and list(passed[4:6]) == [2, 12]  # the real view's strides
+    assert not launch([z.conj(), w, None], torch.device("cpu")) and len(ran) == 1
+
+
 def test_a_stubbed_step_checks_indices_a_skipped_kernel_computed():
     """Cross entropy's target (ignore_index masked) is computed by a kernel, then index-checked:
     with launches stubbed that kernel's integer output must still hold valid indices (zeros), or
