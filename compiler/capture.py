@@ -585,8 +585,9 @@ class Capture(InPlaceTracking, TorchFunctionMode):
             mark_eager_saved(b.graph, r, outputs, list(r.inputs))
             b.graph.eliminate_dead_code()
             mutated = [v for v in r.inputs if v in seen]
-            # (eager bumps a version counter per in-place op; views share their base's)
-            writes = {} if r.view_mutation else {v: r.writes[v] for v in mutated if r.writes.get(v, 1) > 1}
+            # (eager bumps a version counter per in-place op, none for a write inside an operator;
+            # views share their base's)
+            writes = {} if r.view_mutation else {v: r.writes[v] for v in mutated if r.writes.get(v, 1) != 1}
             if r.stale.intersection(outputs) and r.eager_reason is None:
                 r.eager_reason = ("a view that an in-place op changed through other memory it shares is used "
                                   "after the region (the functional capture cannot follow); the region runs eagerly")

@@ -261,12 +261,14 @@ def _reads(node, target, made: set) -> bool:
 
 def apply_writes(region: Region, writes) -> None:
     """Inputs a binding changes in place without returning them (batch norm's running
-    statistics): their new values become the region's, written back into the real tensors."""
+    statistics): their new values become the region's, written back into the real tensors.
+    Eager's operator writes them inside its kernel, where autograd's version counter does not
+    see it (``native_batch_norm``'s running statistics keep their version): no bump is counted."""
     for target, value in writes:
         vid = next(v for v, n in region.nodes.items() if n is target)
         region.nodes[vid] = value
         region.produced.append(vid)
-        region.writes[vid] = region.writes.get(vid, 0) + 1
+        region.writes[vid] = region.writes.get(vid, 0)
 
 
 def map_to_nodes(region: Region, recorded, metas) -> list:

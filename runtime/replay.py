@@ -611,8 +611,12 @@ class Replay(TorchFunctionMode):
             target, new = self.env[vid], written[vid]
             bumps = region.writes.get(vid, 1)  # as many bumps as eager's in-place ops
             if not _stored_in_place(new, target):
-                target.copy_(new)
-                bumps -= 1
+                if bumps:
+                    target.copy_(new)
+                    bumps -= 1
+                else:  # (written inside eager's operator: its version stays, as there)
+                    with torch.autograd._unsafe_preserve_version_counter(target):
+                        target.copy_(new)
             for _ in range(bumps):
                 torch.autograd.graph.increment_version(target)
             written[vid] = target

@@ -251,3 +251,30 @@ def test_batch_norms_running_statistics_are_stored_in_place_by_its_kernels():
         compiled(model, x)
     assert compiled.stats["replays"] == 1
     assert [e.name for e in prof.events() if e.name == "aten::copy_"] == []
+
+
+@pytest.mark.parametrize("backend", ["interpret", "torch"])
+def test_batch_norms_running_statistics_keep_their_version_as_eagers_operator_does(backend):
+    """Eager's batch norm writes its running statistics inside the operator: their version counters
+    do not move (num_batches_tracked's `+= 1` is an in-place op: one bump). Ours move as eager's,
+    on both CPU paths (kernels storing in place, or a write-back copy), with eager's values."""
+    def versions(bn):
+        return bn.running_mean._version, bn.running_var._version, bn.num_batches_tracked._version
+
+    x = torch.randn(4, 3, 8, 8)
+    runs = []
+    for fn in (None, compiler.compile(lambda m, x: m(x).square().mean(), backend=backend)):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8))
+        step = fn or (lambda m, x: m(x).square().mean())
+        start, moved = versions(model[1]), []
+        for _ in range(3):
+            step(model, x).backward()
+            moved.append(tuple(b - a for a, b in zip(start, versions(model[1]))))
+        runs.append((moved, model[1].running_mean.clone(), model[1].running_var.clone()))
+        if fn is not None:
+            assert fn.stats["replays"] == 2
+    (eager, eager_mean, eager_var), (ours, mean, var) = runs
+    assert ours == eager == [(0, 0, 1), (0, 0, 2), (0, 0, 3)]
+    torch.testing.assert_close(mean, eager_mean)
+    torch.testing.assert_close(var, eager_var)
