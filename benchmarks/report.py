@@ -149,7 +149,8 @@ def _overhead_section(results):
         line = f"- {r.backend}: step {_num(r.step_ms)} ms" + (" †" if r.timing == INTERPRETER else "")
         if r.stubbed_ms is not None:
             line += (f"; with our Triton launches skipped (host overhead, matmuls and eager ops only): "
-                     f"{_num(r.stubbed_ms)} ms")
+                     f"{_num(r.stubbed_ms)} ms (the default, checking replay, wall time; `compile(..., "
+                     "skip_python=True)` and thread CPU time: `python -m benchmarks.host_step`)")
         if r.launch_us is not None:
             line += (f"; {_num(r.launch_us)} µs of host work per launch up to the driver call "
                      "(`launch_us`, outputs' allocation aside: `python -m benchmarks.launch`)")
