@@ -86,15 +86,22 @@ def _setting(group, name):
 
 def _foreach_step(group) -> bool:
     """Whether eager runs this group's step with its foreach implementation: ``foreach=True``,
-    or unset with neither ``fused`` nor ``differentiable``, where torch's own default picks it
-    for these parameters (CUDA's)."""
+    or unset with neither ``fused`` nor ``differentiable``, where torch's default picks it by the
+    parameters' device (CUDA's). (Torch's ``_default_to_fused_or_foreach`` asks that of every
+    parameter; a fused group's are plain tensors on one device, so the first one answers: this
+    runs in every replayed step's key check.)"""
     if group.get("fused") or group.get("differentiable"):
         return False
     if group.get("foreach") is not None:
         return bool(group["foreach"])
-    from torch.optim.optimizer import _default_to_fused_or_foreach
+    params = group["params"]
+    return bool(params) and params[0].device.type in _foreach_devices()
 
-    return _default_to_fused_or_foreach(group["params"], differentiable=False, use_fused=False)[1]
+
+def _foreach_devices():
+    from torch.optim.optimizer import _get_foreach_kernels_supported_devices
+
+    return _get_foreach_kernels_supported_devices()
 
 
 def rounded(value: float, dtype: torch.dtype) -> float:
