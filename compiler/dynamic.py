@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import itertools
 import math
 from fractions import Fraction
@@ -31,6 +32,7 @@ import torch
 import torch.fx as fx
 
 from compiler.ir import NodeMeta, broadcast_shapes, meta_of, set_meta
+from runtime.calls import unflatten_call
 from runtime.program import ViewStep
 from runtime.torch_functions import function_name
 from runtime.trace import TensorMeta, Trace, ValueId
@@ -58,6 +60,72 @@ class ShapeRuleBroken(NotInstantiable):
 NOT_SIZES = frozenset({"dim", "dims", "dim0", "dim1", "stride", "padding", "dilation", "groups", "output_padding",
                        "kernel_size", "ceil_mode", "padding_idx", "wrap", "which", "zero_padding"})
 MAX_REPAIRS = 8   # constants re-read as multiples of a size, one failing node at a time (``instantiate``)
+
+# a binding's parameters whose ints are dim indices too (``dim_leaves``): never sizes
+DIM_PARAMETERS = NOT_SIZES | {"start_dim", "end_dim", "dimension", "source", "destination", "axis"}
+# bindings that read dims from ``*args``: x.flip(0, 1) (every int), x.max(1, True) (the first)
+_POSITIONAL_DIMS = {torch.flip: None, torch.Tensor.flip: None,
+                    torch.max: 1, torch.Tensor.max: 1, torch.min: 1, torch.Tensor.min: 1}
+
+
+class _Leaf:
+    """Stands for leaf ``i`` of a recorded call while it is bound to its binding's signature."""
+
+    def __init__(self, i: int):
+        self.i = i
+
+
+def _leaves_in(value) -> list:
+    if isinstance(value, _Leaf):
+        return [value.i]
+    if isinstance(value, (tuple, list)):
+        return [i for v in value for i in _leaves_in(v)]
+    if isinstance(value, dict):
+        return [i for v in value.values() for i in _leaves_in(v)]
+    return []
+
+
+_DIM_LEAVES: dict = {}
+
+
+def dim_leaves(call) -> frozenset:
+    """Positions in ``call.leaves`` of the dim indices the call passes (a permute's (0, 2, 1, 3),
+    a softmax's dim), read from the parameter names of the call's binding.
+
+    NOTE: a dim index is never a size, though it may equal one seen at one value: a permute's 3
+    read as a batch of 3 became 2 at a batch of 2, and every replay at that batch diverged
+    ("Tensor.permute called with a different constant (3 != 2)"), running eagerly. The graph's
+    kwargs have ``NOT_SIZES``; this is the same rule for the constants replay checks."""
+    try:
+        return _DIM_LEAVES[(call.func, call.spec, len(call.leaves))]
+    except KeyError:
+        found = _DIM_LEAVES[(call.func, call.spec, len(call.leaves))] = _find_dim_leaves(call)
+        return found
+    except TypeError:  # (an unhashable spec)
+        return _find_dim_leaves(call)
+
+
+def _find_dim_leaves(call) -> frozenset:
+    from compiler.bindings import lookup
+
+    func = call.func
+    binding = lookup(getattr(func, "__self__", None)) if getattr(func, "__name__", None) == "__get__" else lookup(func)
+    if binding is None:
+        return frozenset()
+    try:
+        args, kwargs = unflatten_call([_Leaf(i) for i in range(len(call.leaves))], call.spec)
+        bound = inspect.signature(binding).bind(None, *args, **kwargs)
+    except (TypeError, ValueError):  # (arguments the binding does not take: the call ran eagerly)
+        return frozenset()
+    found = []
+    for name, value in bound.arguments.items():
+        kind = bound.signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL and func in _POSITIONAL_DIMS:
+            first = _POSITIONAL_DIMS[func]
+            found += _leaves_in(value if first is None else value[:first])
+        elif name in DIM_PARAMETERS:
+            found += _leaves_in(value)
+    return frozenset(found)
 
 
 def size_symbol(i: int) -> sympy.Symbol:
@@ -140,8 +208,19 @@ def remake(trace: Trace, graphs: list, f, unit=_no_unit) -> tuple:
     is called before the ints of each call, tensor metadata and graph node."""
     calls = []
     for call in trace.calls:
-        unit(("call", function_name(call.func), call.kind, len(call.leaves)))
-        leaves = [x if isinstance(x, ValueId) else _map_ints(x, f) for x in call.leaves]
+        name = function_name(call.func)
+        unit(("call", name, call.kind, len(call.leaves)))
+        dims = dim_leaves(call)
+        leaves = []
+        for i, x in enumerate(call.leaves):
+            if isinstance(x, ValueId):
+                leaves.append(x)
+            elif i in dims:   # (a dim index: never re-read as a size, as ``_remake_graph``'s NOT_SIZES)
+                unit(("fixed",))
+                leaves.append(_map_ints(x, f))
+                unit(("call", name, "after", i))
+            else:
+                leaves.append(_map_ints(x, f))
         calls.append(dataclasses.replace(call, leaves=leaves))
     externals = {vid: (ref, _map_meta(meta, f, unit)) for vid, (ref, meta) in trace.externals.items()}
     transient = {vid: _map_meta(meta, f, unit) for vid, meta in trace.transient.items()}

@@ -128,15 +128,37 @@ def test_an_op_constant_equal_to_a_size_stays_a_constant():
     assert compiled.stats["instantiations"] == 2, compiled.stats
 
 
-def test_dim_indices_are_not_sizes():
-    # a permute's dims (0, 2, 1, 3) hold a 3 equal to the batch seen once: read as the batch, they
-    # became (0, 2, 1, 2) at a batch of 2 and the call recorded again
-    def f(x):
-        return x.permute(0, 2, 1, 3).reshape(x.shape[0], x.shape[2], -1).softmax(-1).sum(1)
+_DIM_CALLS = {
+    "permute": lambda x: x.permute(0, 2, 1, 3).reshape(x.shape[0], x.shape[2], -1).softmax(-1).sum(1),
+    "transpose": lambda x: x.transpose(1, 3).reshape(x.shape[0], -1).softmax(-1) * 2,
+    "softmax": lambda x: x.softmax(3).sum(2) + 1,
+    "sum_and_mean": lambda x: x.sum(3) * x.mean(dim=3),
+    "flatten": lambda x: x.flatten(2, 3).exp().sum(2),
+    "select": lambda x: x.select(3, 1) * 2 + 1,
+    "flip": lambda x: x.flip(3) * 2 + x.flip(2, 3),
+    "max": lambda x: x.max(3)[0] * 2,
+    "cat": lambda x: torch.cat([x, x * 2], 3).exp(),
+    "narrow": lambda x: x.narrow(3, 1, 2).exp(),
+}
+
+
+@pytest.mark.parametrize("name", list(_DIM_CALLS))
+def test_dim_indices_are_not_sizes(name):
+    # NOTE: the dims (a permute's (0, 2, 1, 3), a softmax's 3) hold a 3 equal to the batch seen at
+    # the recording: read as the batch, the template's call had a 2 at a batch of 2, the replay's
+    # check of the constants Python passes failed, and every later call ran eagerly ("Tensor.permute
+    # called with a different constant (3 != 2)"). Values agreed: only the kernels' launches and
+    # the divergences count tell.
+    f = _DIM_CALLS[name]
     compiled = compiler.compile(f, backend="interpret", dynamic=True)
     for batch in (3, 2, 5):
         x = torch.randn(batch, 5, 6, 4)
+        launches = compiled.stats["kernel_launches"]
         _close(compiled(x), f(x))
+        if batch != 3:  # (3: the recording, eager)
+            assert compiled.stats["kernel_launches"] > launches, (batch, compiled.stats)
+            assert compiled.last_backend == "interpret", compiled.last_backend
+    assert compiled.stats["divergences"] == 0, compiled.stats
     assert (compiled.stats["captures"], compiled.stats["instantiations"]) == (1, 2), compiled.stats
 
 
