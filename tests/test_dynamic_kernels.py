@@ -6,6 +6,8 @@ Each test compiles a function with every region built shape-generic (``compiler.
 ``build_region`` stood in for by one that passes ``shape_generic=True``); the guard key is still
 per shape (``dynamic=False``: no instantiation), so each size records and builds its own region and
 the kernels of the builds are compared by position (forward, then backward, in schedule order).
+Each size is called twice: the first call records (eagerly), the second replays the generic kernels,
+and that is the call compared with eager.
 """
 
 import functools
@@ -35,18 +37,28 @@ def generic_builds(monkeypatch):
     return builds
 
 
+def _twins(args):
+    return [a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args]
+
+
 def _check_sizes(builds, fn, make_args, sizes, atol=1e-5):
-    """Run ``compile(fn)`` and eager ``fn`` on ``make_args(size)`` for each size: outputs and the
-    gradients of every input that requires grad agree. Returns the kernels built per size."""
+    """Run ``compile(fn)`` on ``make_args(size)`` twice for each size (the first call records, eagerly;
+    the second replays the shape-generic kernels) and eager ``fn``: the replay's outputs and the
+    gradients of every input that requires grad agree with eager's, and kernels ran. Returns the
+    kernels built per size."""
     compiled = compiler.compile(fn, dynamic=False)  # (each size records: builds compared by position)
     per_size = []
     for size in sizes:
         torch.manual_seed(size)
         args = make_args(size)
-        twins = [a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
-                 for a in args]
         start = len(builds)
+        compiled(*_twins(args))          # the recording: eager's own ops, no kernel of the builds runs
+        assert len(builds) > start, f"size {size}: nothing was built (a cached region?)"
+        launches = compiled.stats["kernel_launches"]
+        twins = _twins(args)
         out, expected = compiled(*args), fn(*twins)
+        # NOTE: without the second call no generic kernel ever ran, and the values compared were eager's
+        assert compiled.stats["kernel_launches"] > launches, f"size {size}: the replay launched no kernel"
         torch.testing.assert_close(out, expected, atol=atol, rtol=1e-5)
         if out.requires_grad:
             grad = torch.randn_like(out)
@@ -55,8 +67,9 @@ def _check_sizes(builds, fn, make_args, sizes, atol=1e-5):
             for a, b in zip(args, twins):
                 if isinstance(a, torch.Tensor) and a.requires_grad:
                     torch.testing.assert_close(a.grad, b.grad, atol=atol, rtol=1e-5)
-        assert len(builds) > start, f"size {size}: nothing was built (a cached region?)"
         per_size.append([k for build in builds[start:] for k in build])
+    assert compiled.stats["divergences"] == 0 and compiled.last_backend == "interpret", \
+        (compiled.stats, compiled.last_backend)
     return per_size
 
 
@@ -226,11 +239,15 @@ def test_transformer_step_one_source_per_kernel_within_a_bucket(generic_builds):
     for t, b in ((9, 3), (20, 3), (32, 4)):   # batches 3 and 4: one bucket (tiling.size_bucket)
         idx, targets = torch.randint(0, 11, (b, t)), torch.randint(0, 11, (b, t))
         start = len(generic_builds)
-        torch.testing.assert_close(compiled(model, idx, targets), step(eager, idx, targets), atol=1e-5, rtol=1e-5)
-        for p, q in zip(model.parameters(), eager.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4)
-            p.grad, q.grad = None, None
+        for replay in (False, True):  # the first call of a shape records (eagerly); the second runs the kernels
+            launches = compiled.stats["kernel_launches"]
+            torch.testing.assert_close(compiled(model, idx, targets), step(eager, idx, targets), atol=1e-5, rtol=1e-5)
+            for p, q in zip(model.parameters(), eager.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4)
+                p.grad, q.grad = None, None
+        assert compiled.stats["kernel_launches"] > launches, f"({t}, {b}): the replay launched no kernel"
         per_build.append(sorted(k.source for build in generic_builds[start:] for k in build))
+    assert compiled.stats["divergences"] == 0 and compiled.last_backend == "interpret", compiled.stats
     assert per_build[0] and per_build[0] == per_build[1] == per_build[2]
 
 
