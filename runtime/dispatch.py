@@ -14,9 +14,11 @@ run concurrently (modes are thread-local).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
+import weakref
 
 import torch
 
@@ -30,6 +32,51 @@ MAX_RECAPTURES = 8
 MAX_VARIANTS = 4  # recordings kept per guard key (modules in train or eval mode)
 DYNAMIC_AFTER = 3  # different values of a number argument before calls stop specializing on it
 STORED_TRIES = 8  # calls a stored recording waits for its paths to lead somewhere (optimizer state)
+
+
+# -- watching what runs eagerly -------------------------------------------------------------------
+# NOTE: a fallback is logged once per function and reason, and a divergence only counted in the
+# function's own stats: a test (tests/conftest.py) or a tool that must see every one, whichever
+# function made it, watches. Events are noted where they happen, never on a replay that follows
+# its recording: with no watcher, one empty-list check on those rare paths.
+_WATCHERS: list = []
+COMPILED: "weakref.WeakSet" = weakref.WeakSet()   # every live CompiledFunction (launch counting)
+
+
+class Watch:
+    """What ``watch_eager_runs`` saw: ``events``, each (function name, what, reason), and ``stats``,
+    the ``.stats`` of each function compiled while watching (kept: the function may be gone)."""
+
+    def __init__(self):
+        self.events: list = []
+        self.stats: list = []
+
+
+@contextlib.contextmanager
+def watch_eager_runs():
+    """Collect, while inside, every part of a compiled call that ran eagerly instead of compiled: in
+    ``.events``, (function name, what, reason), ``what`` being "fallback" (a recording's op or argument
+    the compiler does not take), "divergence" (a replay left its recording; the rest of the call ran
+    eagerly) or "eager call" (the whole call, e.g. after too many recordings).
+
+    >>> import torch, compiler
+    >>> f = compiler.compile(lambda x: torch.nonzero(x).sum())   # (nonzero: a data-dependent shape)
+    >>> with watch_eager_runs() as watch:
+    ...     _ = f(torch.ones(3))
+    >>> [what for _, what, _ in watch.events]
+    ['fallback']
+    """
+    watch = Watch()
+    _WATCHERS.append(watch)
+    try:
+        yield watch
+    finally:
+        _WATCHERS.remove(watch)
+
+
+def _note(name: str, what: str, reason: str) -> None:
+    for watch in _WATCHERS:
+        watch.events.append((name, what, reason))
 
 
 class Entry:
@@ -77,6 +124,9 @@ class CompiledFunction:
         # device type -> (backend, why), decided at the first call on it: the environment
         # (SYMGRAD_CPU_BACKEND) is read then, not on every call (microseconds a call)
         self.choices: dict = {}
+        COMPILED.add(self)
+        for watch in _WATCHERS:
+            watch.stats.append(self.stats)
 
     def __get__(self, obj, objtype=None):  # decorating a method
         if obj is None:
@@ -130,6 +180,8 @@ class CompiledFunction:
         entry = None
         for candidate in list(variants):
             if candidate.trace is None:  # its recording failed on a bug (logged then): eager
+                if _WATCHERS:
+                    _note(self.__name__, "eager call", "its recording failed on an internal error")
                 self.stats["eager_calls"] += 1
                 self.last_backend = "eager (after an internal error)"
                 return self.fn(*args, **kwargs)
@@ -178,6 +230,8 @@ class CompiledFunction:
         if mode.diverged:
             self.last_backend = f"{backend}, then eager (the call left its recording)"
             self.stats["divergences"] += 1
+            if _WATCHERS:
+                _note(self.__name__, "divergence", str(mode.diverged))
             # INFO, not WARNING: expected once in a training step (an optimizer's first step
             # creates its state), and the results are right either way.
             say_once(self.__name__, f"this call did not follow its recording ({mode.diverged}); "
@@ -232,6 +286,10 @@ class CompiledFunction:
             if not loaded:
                 return
             self.stats["loaded"] += len(loaded)
+            if _WATCHERS:
+                for entry in loaded:
+                    for reason in entry.report.fallbacks:
+                        _note(self.__name__, "fallback", reason)
             self.cache[key] = (self.cache.get(key, []) + loaded)[:MAX_VARIANTS]
             if guard_log.on():
                 guard_log.recompiles.info("%s: loaded %d recording(s) an earlier process stored (no recording run)",
@@ -317,12 +375,16 @@ class CompiledFunction:
             self.last_backend = "eager (recording)" if entry.trace is not None else "eager (after an internal error)"
             for reason in entry.report.fallbacks:
                 say_once(self.__name__, reason, runs_eagerly="that part")
+                if _WATCHERS:
+                    _note(self.__name__, "fallback", reason)
             return result
 
     def _eager(self, reason, args, kwargs):
         if self.fullgraph:
             raise CompileError(f"{self.__name__}: {reason}")
         say_once(self.__name__, reason, runs_eagerly="the whole call")
+        if _WATCHERS:
+            _note(self.__name__, "eager call", reason)
         self.stats["eager_calls"] += 1
         self.last_backend = "eager"
         return self.fn(*args, **kwargs)

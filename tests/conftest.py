@@ -5,7 +5,21 @@ backend="auto" on CPU tensors running the real Triton kernels in Triton's interp
 (SYMGRAD_CPU_BACKEND=interpret; tests/test_cpu_backend.py runs the CPU path explicitly), and
 no recordings stored across calls of compile() (SYMGRAD_STORED_RECORDINGS=0): a test's first call
 of a function must record, not replay what an earlier test of the same code stored
-(tests/test_stored_recordings.py turns them on)."""
+(tests/test_stored_recordings.py turns them on).
+
+Under strict mode, a test that claims compiled parity must also run compiled: any part of a
+compiled call that runs eagerly during the test (a deliberate fallback, a replay that diverged
+from its recording, a whole call run eagerly: ``runtime.dispatch.watch_eager_runs``) fails it, as
+an internal error does. A test about such a path says so: ``@pytest.mark.allows_eager("why")``.
+
+``SYMGRAD_COUNT_LAUNCHES=path`` (off by default) appends one JSON line per test to ``path``: the
+calls, replays and kernel launches of the compiled functions it called, and the eager runs seen,
+so tests that compile but launch no kernel can be listed::
+
+    SYMGRAD_COUNT_LAUNCHES=/tmp/launches.jsonl python -m pytest -q -n 2
+    python -c "import json; [print(r['test']) for r in map(json.loads, open('/tmp/launches.jsonl'))
+               if r['calls'] and not r['kernel_launches']]"
+"""
 
 import os
 import tempfile
@@ -16,9 +30,50 @@ os.environ.setdefault("SYMGRAD_STRICT", "1")
 os.environ.setdefault("SYMGRAD_CPU_BACKEND", "interpret")
 os.environ.setdefault("SYMGRAD_STORED_RECORDINGS", "0")
 
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+
 import compiler  # noqa: E402,F401  (import order: before anything imports triton)
+from runtime import dispatch  # noqa: E402
+from runtime.fallback import strict  # noqa: E402
+
+COUNT_LAUNCHES = os.environ.get("SYMGRAD_COUNT_LAUNCHES")
 
 
 def pytest_collection_modifyitems(config, items):
     # The Hopper compile test compiles every kernel the other tests generated: run it last.
     items.sort(key=lambda item: "test_hopper" in item.nodeid)
+
+
+def _counts(stats) -> dict:
+    return {id(s): (s, s["calls"], s["replays"], s["kernel_launches"]) for s in stats}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    allowed = item.get_closest_marker("allows_eager") is not None
+    before = _counts(f.stats for f in list(dispatch.COMPILED)) if COUNT_LAUNCHES else None
+    with dispatch.watch_eager_runs() as watch:
+        result = yield
+    if before is not None:
+        _write_counts(item, before, watch, allowed)
+    if watch.events and not allowed and strict() and os.environ.get("SYMGRAD_CHECK_EAGER_RUNS") == "1":
+        seen = list(dict.fromkeys(f"{name}: {what}: {reason}" for name, what, reason in watch.events))
+        pytest.fail(f"{len(watch.events)} part(s) of compiled calls ran eagerly in a test that does not allow "
+                    "it (mark it @pytest.mark.allows_eager(\"why\") if that is what it tests):\n  "
+                    + "\n  ".join(seen[:10]), pytrace=False)
+    return result
+
+
+def _write_counts(item, before, watch, allowed) -> None:
+    # functions alive before the test (module-level ones) and those compiled during it
+    after = _counts([f.stats for f in list(dispatch.COMPILED)] + watch.stats)
+    calls = replays = launches = 0
+    for key, (_, c, r, k) in after.items():
+        _, c0, r0, k0 = before.get(key, (None, 0, 0, 0))
+        calls, replays, launches = calls + c - c0, replays + r - r0, launches + k - k0
+    line = {"test": item.nodeid, "calls": calls, "replays": replays, "kernel_launches": launches,
+            "eager_runs": len(watch.events), "allows_eager": allowed}
+    with open(COUNT_LAUNCHES, "a") as out:   # (one short line per write: workers append whole lines)
+        out.write(json.dumps(line) + "\n")
