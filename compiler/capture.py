@@ -31,6 +31,7 @@ from compiler.checkpointing import MIXED_BLOCK, CheckpointedCalls, tag_block
 from compiler.capture_regions import (InPlaceTracking, Region, ViewMutation, apply_writes, keep_overwritten_history,
                                       mark_eager_saved, map_to_nodes, saved_inputs, saves_result)
 from compiler.ir import meta_of, update_meta
+from compiler.pack_hooks import recording_in_this_thread
 from compiler.optimizers import StepRecorder
 from compiler.ops import catalog as C
 from compiler.bindings import Unsupported, Writes, lookup
@@ -79,6 +80,8 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         self.in_library_call = None  # () -> whether an optimizer step or clip_grad_norm_ runs now
         self.gradients: set = set()  # id() of the .grad tensors the function read (bookkeeping reads them)
         self.checkpoints = CheckpointedCalls()  # calls inside torch.utils.checkpoint blocks
+        self.escaping = 0            # > 0 while a saved tensor's pack hook runs (compiler.pack_hooks)
+        self.escaped: set = set()    # value ids made then: autograd holds them, no recorded call reads them
 
     # -- value ids -----------------------------------------------------------------------
     def _new_id(self, t: torch.Tensor) -> ValueId:
@@ -216,6 +219,8 @@ class Capture(InPlaceTracking, TorchFunctionMode):
             else:
                 outputs.append(self._new_id(t))
                 makes_views = makes_views and t._base is not None
+        if self.escaping:
+            self.escaped.update(outputs)
         index = len(self.calls)
         self.checkpoints.end(index, region is not None, bool(out_tensors))
         if region is not None:
@@ -560,6 +565,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
                 used_outside.update(v for v in call.leaves if isinstance(v, ValueId))
         for r in self.regions:
             used_outside.update(r.inputs)
+        used_outside.update(self.escaped)  # (what pack hooks made: compiler.pack_hooks)
         # NOTE: a factory's value no recorded call reads went where the mode does not see: a module
         # built inside the function wraps torch.empty's tensor as nn.Parameter(...) and initializes it
         # in place; it must be a real tensor on replay, not a stand-in
@@ -699,7 +705,7 @@ def capture(fn, args, kwargs):
                optimizer_steps.watch_clipping()]  # clip_grad_norm_ calls, compiled as the steps are
     seed = torch.initial_seed()
     try:
-        with mode:
+        with recording_in_this_thread(mode), mode:
             result = fn(*args, **kwargs)
     finally:
         for handle in handles:
