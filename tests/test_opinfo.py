@@ -1,7 +1,7 @@
 """PyTorch's OpInfo samples for every op the README claims, compiled vs eager (values,
-dtypes, gradients; float32 and float64, bfloat16 and complex64 where claimed), through the
-generated kernels in Triton's interpreter: no sample may mismatch or hit an internal
-compiler error, and at most 5% may fall back.
+dtypes, gradients; float32, float64 and bfloat16 where the OpInfo takes them, complex64 where
+the README claims it), through the generated kernels in Triton's interpreter: no sample may
+mismatch or hit an internal compiler error, and at most 5% may fall back.
 
 The default run checks a fixed subset (the first and the middle sample of each op and
 dtype, ``tests/opinfo/sweep.py``); ``SYMGRAD_OPINFO=full`` checks every sample, and
@@ -38,6 +38,16 @@ def test_opinfo_samples_match_eager(name):
             if outcome.kind in ("mismatch", "internal"):
                 failures.append(f"{dtype} sample {index}: {outcome.kind}: {outcome.detail}")
     assert not failures, "\n".join(failures)
+
+
+def test_opinfo_dtypes_are_what_each_op_takes():
+    """OPS lists bfloat16 for every op whose OpInfo takes it on CPU, complex64 only where the
+    OpInfo takes it, and no dtype an OpInfo lacks."""
+    from torch import complex64
+    for name, dtypes in sweep.OPS.items():
+        takes = sweep.dtypes_of(_infos()[name])
+        assert set(dtypes) <= takes, f"{name}: {set(dtypes) - takes} is not among its OpInfo's dtypes"
+        assert takes - {complex64} <= set(dtypes), f"{name} leaves out {takes - {complex64} - set(dtypes)}"
 
 
 def test_opinfo_fallbacks_stay_under_five_percent():

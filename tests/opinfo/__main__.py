@@ -17,6 +17,9 @@ import time
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("SYMGRAD_STRICT", "1")
+# as tests/conftest.py: every sample's function has the same code, so a stored recording of one
+# sample would be loaded by the next one's first call (which then leaves it and runs eagerly)
+os.environ.setdefault("SYMGRAD_STORED_RECORDINGS", "0")
 os.environ.setdefault("SYMGRAD_CACHE_DIR", tempfile.mkdtemp(prefix="symgrad-opinfo-kernels-"))
 
 import compiler  # noqa: E402,F401  (before anything imports triton)
