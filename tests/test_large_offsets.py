@@ -224,8 +224,11 @@ def test_cuda_launches_run_under_the_tensors_device(monkeypatch):
 def test_compiled_call_on_the_second_gpu():
     x = torch.randn(4, 1000, device="cuda:1")
     f = compiler.compile(lambda t: torch.softmax(t, -1) * 2)
-    f(x)
+    f(x)  # (records, eagerly)
     torch.testing.assert_close(f(x), torch.softmax(x, -1) * 2)
+    # NOTE: values alone would pass had the backend fallen back to eager on the second device
+    assert f.last_backend == "triton", f.last_backend
+    assert f.stats["kernel_launches"] > 0 and f.stats["divergences"] == 0 and f.stats["eager_calls"] == 0, f.stats
 
 
 # -- the address arithmetic Triton's real compiler emits for Hopper -----------------------------

@@ -111,11 +111,16 @@ def test_autocast_training_step_compiles_whole_and_tracks_eager():
             return loss.detach()
         return step
     eager_step, compiled_step = make_step(reference), compiler.compile(make_step(model), backend="interpret")
+    initial = [p.detach().clone() for p in model.parameters()]
     for _ in range(5):
         torch.testing.assert_close(compiled_step(x, target), eager_step(x, target), rtol=1e-2, atol=1e-2)
     assert compiled_step.last_backend == "interpret" and compiled_step.last_entry.report.fallbacks == []
-    for p, q in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(p, q, rtol=0.05, atol=0.05)  # bfloat16 rounding, fused vs op by op
+    assert compiled_step.stats["kernel_launches"] > 0 and compiled_step.stats["divergences"] == 0, compiled_step.stats
+    for p, q, p0 in zip(model.parameters(), reference.parameters(), initial):
+        # NOTE: the parameters were updated, and as eager updated them (float32 master weights: the
+        # bfloat16 rounding, fused vs op by op, leaves a difference far below the update's size)
+        assert (p - p0).abs().max() > 1e-3
+        torch.testing.assert_close(p - p0, q - p0, rtol=0, atol=5e-4)  # (seen: 1.5e-4 at most; updates 1.7e-3+)
 
     f = compiler.compile(lambda x: model(x).sum(), backend="interpret")
     for autocast in (False, True, False, True):
@@ -146,7 +151,7 @@ def test_optimizer_step_runs_unwatched_and_its_state_stays_right():
             moment = opt.state[model.weight]["exp_avg"]
             return loss.detach() + (moment * 0).sum() + moment.abs().sum()
         return step, opt
-    (eager_step, _), (step, opt) = make_step(reference), make_step(model)
+    (eager_step, eager_opt), (step, opt) = make_step(reference), make_step(model)
     compiled = compiler.compile(step, backend="interpret")
     for _ in range(6):  # the first step creates Adam's state: its path is recorded again
         torch.testing.assert_close(compiled(x, y), eager_step(x, y))
@@ -160,9 +165,45 @@ def test_optimizer_step_runs_unwatched_and_its_state_stays_right():
     handle.remove()
     assert torch._C._len_torch_function_stack() == 0
     model.zero_grad()
-    torch.testing.assert_close(F.mse_loss(model(x), y), F.mse_loss(model(x), y))  # eager still works
-    compiled(x, y)
-    assert compiled.last_backend == "interpret"
+    # from the state the failed call left (see the xfail test below for what it should be), the
+    # compiled steps are still eager's steps, with kernels
+    reference.load_state_dict(model.state_dict())
+    eager_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # (a copy: load_state_dict keeps the tensors)
+    launches = compiled.stats["kernel_launches"]
+    for _ in range(2):
+        torch.testing.assert_close(compiled(x, y), eager_step(x, y))
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q)
+    assert compiled.last_backend == "interpret" and compiled.stats["kernel_launches"] > launches
+
+
+@pytest.mark.xfail(strict=True, reason="bug, not fixed here (runtime/replay.py, runtime/optimizer_step.py): the fused "
+                   "optimizer step runs from a global step pre-hook, before the optimizer's own pre-hooks, so a hook "
+                   "registered after the recording sees the update made (a hook that raises leaves the parameters "
+                   "updated; one that changes the gradients is ignored)")
+def test_a_step_pre_hook_registered_after_the_recording_runs_before_the_update():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+
+    def make_step(model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step(x, y):
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        return step, opt
+    (eager_step, eager_opt), (step, opt) = make_step(reference), make_step(model)
+    compiled = compiler.compile(step, backend="interpret")
+    for _ in range(3):
+        compiled(x, y), eager_step(x, y)
+    for o, m in ((opt, model), (eager_opt, reference)):  # gradients zeroed before each update: none moves
+        o.register_step_pre_hook(lambda o, args, kwargs, m=m: [p.grad.zero_() for p in m.parameters()] and None)
+    compiled(x, y), eager_step(x, y)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q)
 
 
 def test_cnn_training_step_with_batch_norm_tracks_eager():
