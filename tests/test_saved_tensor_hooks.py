@@ -107,6 +107,7 @@ def _check_calls(fn, compiled, calls, first_call_records: bool):
 @pytest.mark.parametrize("form", list(FORMS))
 def test_saved_tensor_hooks_give_eagers_gradients(form, hooks):
     fn = FORMS[form](*HOOKS[hooks])
+    _STORE.clear()
     with stored_recordings():
         compiled = compiler.compile(fn, backend="interpret")
         _check_calls(fn, compiled, [0, 1, 2], first_call_records=True)
