@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from compiler.ops import catalog as C
 from compiler.bindings.handles import Tensor, on_handles
-from compiler.bindings.reductions import _l2_norm
+from compiler.bindings.reductions import _p_norm
 from compiler.bindings.registry import Unsupported, Writes, _no_out, binds
 from compiler.ir import numel
 
@@ -142,10 +142,9 @@ def _batch_norm(b, input, running_mean, running_var, weight=None, bias=None, tra
 @binds(F.normalize)
 @on_handles
 def _normalize_p(b, input, p=2.0, dim=1, eps=1e-12, out=None):
+    """eager: input / input.norm(p, dim, keepdim=True).clamp_min(eps), for any p."""
     _no_out({"out": out})
-    if p not in (2, 2.0):
-        raise Unsupported(f"normalize(p={p!r}) is not supported yet (only p=2)")
-    return input / _l2_norm(input, dim, True).clamp_min(float(eps))
+    return input / _p_norm(input, p, dim, True).clamp_min(float(eps))
 
 
 @binds(F.cosine_similarity)

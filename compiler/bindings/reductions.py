@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from compiler.bindings.handles import Tensor, arange_along, full, on_handles, pointwise, where
 from compiler.bindings.registry import Unsupported, _no_out, _t, binds
-from compiler.ir import numel
+from compiler.ir import compute_dtype, numel
 
 
 # ----------------------------------------------------------------------------- reductions
@@ -172,8 +172,8 @@ binds(torch.any, _t("any"))(_all_any("any"))
 
 
 # ----------------------------------------------------------------------------- softmax, logsumexp
-def _shifted(x: Tensor, dim: int):
-    """(x - max, max) along ``dim``: the max held constant (no gradient path), and finite-safe
+def _shifted(x: Tensor, dim):
+    """(x - max, max) along ``dim`` (an int or a tuple of dims): the max held constant (no gradient path), and finite-safe
     (0 where it is ±inf), as eager's logsumexp."""
     m = x.amax(dim, keepdim=True).detach()
     m = where(m.abs() == float("inf"), 0.0, m, dtype=m.dtype)
@@ -218,17 +218,16 @@ def _log_softmax(b, x, dim=None, _stacklevel=3, dtype=None):
 @binds(torch.logsumexp, _t("logsumexp"))
 @on_handles
 def _logsumexp(b, x, dim, keepdim=False, *, out=None):
+    """log(sum(exp(x - max))) + max over one dim or several (the max over all of them)."""
     _no_out({"out": out})
     dims = _dims(x, dim)
-    if len(dims) != 1:
-        raise Unsupported("logsumexp over several dims is not supported yet")
-    shifted, m = _shifted(x, dims[0])
+    shifted, m = _shifted(x, dims)
     total = shifted.exp().statistic("sum", dims)
     out = (total.log() + m).to(x.dtype)
     if keepdim:
         return out
-    reduced = dims[0] % max(x.ndim, 1)  # a 0-dim x: dim 0
-    return out.reshape(tuple(s for d, s in enumerate(x.shape) if d != reduced))
+    reduced = {d % max(x.ndim, 1) for d in dims}  # a 0-dim x: dim 0
+    return out.reshape(tuple(s for d, s in enumerate(x.shape) if d not in reduced))
 
 
 # ----------------------------------------------------------------------------- statistics, norms
@@ -289,29 +288,41 @@ def _l2_norm(x: Tensor, dim, keepdim) -> Tensor:
     """sqrt(sum(x²)) over ``dim``, its gradient 0 where the norm is 0 (``norm_sqrt``), as eager's."""
     if not x.dtype.is_floating_point:
         raise Unsupported("norm of a non-floating tensor is not supported yet")
-    return pointwise("norm_sqrt", (x * x).sum(_dims(x, dim), keepdim))
+    return _in_float32(x, lambda x: pointwise("norm_sqrt", (x * x).sum(_dims(x, dim), keepdim)))
+
+
+def _in_float32(x: Tensor, norm) -> Tensor:
+    """``norm(x)`` computed in float32 for half types and rounded once, as eager's norm kernels
+    (their opmath type): rounding the sum of powers before its root rounds twice, and the
+    gradient through bf16 intermediates cancelled to errors of 0.05 (normalize, p = 0.5)."""
+    wide = compute_dtype(x.dtype)
+    return norm(x.to(wide)).to(x.dtype) if wide != x.dtype else norm(x)
 
 
 def _p_norm(x: Tensor, p, dim, keepdim) -> Tensor:
     """The vector p-norm over ``dim`` (torch.linalg.vector_norm's definition): 2 as ``_l2_norm``;
     ±inf the max/min of |x| (the gradient shared among the extreme elements, as eager's); 1 the
-    sum of |x|; another p (sum |x|^p)^(1/p). p = 0 (a count) is not compiled."""
+    sum of |x|; 0 the count of nonzero elements (no gradient); another p (sum |x|^p)^(1/p)."""
     if p in (2, 2.0, "fro"):
         return _l2_norm(x, dim, keepdim)
-    if not x.dtype.is_floating_point or isinstance(p, str) or p == 0:
+    if not x.dtype.is_floating_point or isinstance(p, str):
         raise Unsupported(f"norm(p={p!r}) of a {x.dtype} tensor is not supported yet")
     dims = _dims(x, dim)
+    if p == 0:
+        # NOTE: eager's value is sum(x != 0) (NaN counts); its result requires grad, but its
+        # backward gives x no gradient (None: linalg_vector_norm_backward's undefined tensor)
+        count = where(x != 0, 1.0, 0.0, dtype=x.dtype, requires_grad=x.requires_grad)
+        return count.sum(dims, keepdim)
     empty = x.ndim > 0 and numel([x.shape[d] for d in dims]) == 0
     if empty and (p < 0 or abs(p) == float("inf")):
         raise Unsupported(f"norm(p={p!r}) over an empty dim (eager raises)")
-    magnitude = x.abs()
     if p == float("inf"):
-        return magnitude.amax(dims, keepdim)
+        return x.abs().amax(dims, keepdim)
     if p == -float("inf"):
-        return -((-magnitude).amax(dims, keepdim))
+        return -((-x.abs()).amax(dims, keepdim))
     if p == 1:
-        return magnitude.sum(dims, keepdim)
-    return (magnitude ** float(p)).sum(dims, keepdim) ** (1.0 / float(p))
+        return _in_float32(x, lambda x: x.abs().sum(dims, keepdim))
+    return _in_float32(x, lambda x: (x.abs() ** float(p)).sum(dims, keepdim) ** (1.0 / float(p)))
 
 
 @binds(torch.norm, _t("norm"))
