@@ -66,12 +66,29 @@ def _check_legacy(name, size_average, reduce):
         raise Unsupported(f"{name} with the legacy size_average/reduce arguments")
 
 
+def _unbatched(loss, x: Tensor, target: Tensor, *args):
+    """``loss`` of an unbatched (C,) input as eager computes it: a batch of one ((1, C), the
+    target viewed as (1,) or (1, C)), its 'none' result viewed back as 0-d."""
+    reduction = args[-1]
+    out = loss(x.unsqueeze(0), target.unsqueeze(0), *args)
+    return out.reshape(()) if reduction == "none" else out
+
+
 @binds(F.nll_loss)
 @on_handles
 def _nll_loss(b, x, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean"):
     _check_legacy("nll_loss", size_average, reduce)
-    if x.ndim < 2 or target.dtype.is_floating_point:
-        raise Unsupported("nll_loss needs (N, C, ...) log-probabilities and class-index targets")
+    if not isinstance(target, Tensor) or target.dtype.is_floating_point or target.dtype.is_complex:
+        raise Unsupported("nll_loss needs class-index targets (eager raises)")
+    if x.ndim == 1 and target.ndim == 0:
+        return _unbatched(_nll, x, target, weight, ignore_index, reduction)
+    if x.ndim < 2 or target.ndim != x.ndim - 1:
+        raise Unsupported("nll_loss needs (N, C, ...) or (C,) log-probabilities and matching targets (eager raises)")
+    return _nll(x, target, weight, ignore_index, reduction)
+
+
+def _nll(x: Tensor, target: Tensor, weight, ignore_index, reduction) -> Tensor:
+    """-x[n, target[n], ...] (times its class weight), 0 where ignored, reduced."""
     weight = _class_weight(weight, x)
     picked, valid, index = _picked(x, target, ignore_index)
     share = _counted(weight, index, valid, x.dtype)
@@ -87,10 +104,19 @@ def _nll_loss(b, x, target, weight=None, size_average=None, ignore_index=-100, r
 def _cross_entropy(b, x, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                    reduction="mean", label_smoothing=0.0):
     _check_legacy("cross_entropy", size_average, reduce)
-    if x.ndim < 2:
-        raise Unsupported("cross_entropy of an unbatched input")
     if not 0.0 <= label_smoothing <= 1.0:
         raise Unsupported(f"label_smoothing must be between 0.0 and 1.0, got {label_smoothing} (eager raises)")
+    if not isinstance(target, Tensor):
+        raise Unsupported("cross_entropy needs a tensor target (eager raises)")
+    if x.ndim == 1 and target.ndim == (1 if target.dtype.is_floating_point else 0):
+        return _unbatched(_cross_entropy_batched, x, target, weight, ignore_index, label_smoothing, reduction)
+    if x.ndim < 2:
+        raise Unsupported("cross_entropy of a 0-d input, or of a (C,) input with a batched target (eager raises)")
+    return _cross_entropy_batched(x, target, weight, ignore_index, label_smoothing, reduction)
+
+
+def _cross_entropy_batched(x: Tensor, target: Tensor, weight, ignore_index, label_smoothing, reduction) -> Tensor:
+    """cross_entropy of (N, C, ...) logits: class indices (N, ...) or probabilities (N, C, ...)."""
     weight = _class_weight(weight, x)
     if target.dtype.is_floating_point:
         return _with_probabilities(x, target, weight, ignore_index, reduction, label_smoothing)
