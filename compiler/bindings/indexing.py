@@ -36,22 +36,32 @@ def _torch_embedding(b, weight, indices, padding_idx=-1, scale_grad_by_freq=Fals
                       scale_grad_by_freq=scale_grad_by_freq, sparse=sparse)
 
 
-def _check_index(index, what):
+def _check_index(index, what) -> Tensor:
+    """The index as int64 or int32. An empty index of another integer dtype (uint8) is cast:
+    eager's gather checks the dtype only where there is an element to read."""
     if not isinstance(index, Tensor):
         raise Unsupported(f"{what} needs a tensor index")
     if index.dtype not in (torch.int64, torch.int32):
+        if index.numel() == 0 and not (index.dtype.is_floating_point or index.dtype.is_complex) and what == "gather":
+            return index.to(torch.int64)
         raise Unsupported(f"{what} indices must be int64 or int32, not {index.dtype}")
+    return index
 
 
 @binds(torch.gather, _t("gather"))
 @on_handles
 def _gather(b, x, dim, index, *, sparse_grad=False, out=None):
     _no_out({"out": out})
-    _check_index(index, "gather")
-    if x.ndim == 0 and index.ndim == 0:  # a 0-d gather: as the 1-element one
-        return gather(x.reshape(1), index.reshape(1), "gather", 0).reshape(())
+    index = _check_index(index, "gather")
+    if x.ndim == 0 and index.ndim <= 1:
+        # a 0-d input reads as a 1-element one (eager: any 0-d or 1-d index of in-range zeros)
+        if dim not in (0, -1):
+            raise Unsupported(f"gather: dim {dim} of a 0-d tensor (eager raises)")
+        return gather(x.reshape(1), index.reshape(index.numel()), "gather", 0).reshape(index.shape)
     dim %= max(x.ndim, 1)
     if index.ndim != x.ndim or any(i > s for d, (i, s) in enumerate(zip(index.shape, x.shape)) if d != dim):
+        if index.numel() == 0:  # eager checks no shapes where there is nothing to read: an empty result
+            return gather(x.reshape(x.numel()), index.reshape(0), "gather", 0).reshape(index.shape)
         raise Unsupported("gather: index must have the input's rank and fit it outside dim (eager raises)")
     return gather(x, index, "gather", dim)
 
@@ -59,12 +69,15 @@ def _gather(b, x, dim, index, *, sparse_grad=False, out=None):
 @binds(torch.index_select, _t("index_select"))
 @on_handles
 def _index_select(b, x, dim, index, *, out=None):
-    if not x.shape:
-        raise Unsupported("index_select on a 0-d tensor")
     _no_out({"out": out})
-    _check_index(index, "index_select")
+    index = _check_index(index, "index_select")
     if index.ndim > 1:
         raise Unsupported("index_select needs a 1-D index (eager raises)")
+    if x.ndim == 0:
+        # eager: a 0-d result, the element itself, for an index of one element (that must be 0)
+        if dim not in (0, -1) or index.numel() != 1:
+            raise Unsupported("index_select of a 0-d tensor needs dim 0 and one index (eager raises)")
+        return gather(x.reshape(1), index.reshape(1), "index_select", 0).reshape(())
     dim %= max(x.ndim, 1)
     return gather(x, index.reshape(1) if index.ndim == 0 else index, "index_select", dim)
 

@@ -159,7 +159,10 @@ def _repeat_interleave(b, x, repeats=None, dim=None, *, output_size=None):
 @binds(_t("unfold"))
 def _unfold(b, x, dimension, size, step):
     if not meta_of(x).shape:
-        raise Unsupported("unfold of a 0-d tensor")
+        # eager: a 0-d tensor unfolds as one window of itself, shape (1,) (size must be 1)
+        if dimension not in (0, -1) or size != 1 or step <= 0:
+            raise Unsupported("unfold of a 0-d tensor: only dim 0, size 1 and a positive step are compiled")
+        return C.emit_view(b, "reshape", x, shape=(1,))
     if size <= 0 or step <= 0:
         raise Unsupported("unfold needs a positive size and step (eager raises)")
     dim = dimension % max(len(meta_of(x).shape), 1)
