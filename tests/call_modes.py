@@ -40,4 +40,4 @@ def assert_ran_as(fn, call: str) -> None:
         assert fn.last_backend == "eager (recording)", fn.last_backend
     else:
         assert fn.last_backend == "interpret", fn.last_backend
-        assert fn.stats["kernel_launches"] > 0
+        assert fn.stats["kernel_launches"] > 0 and fn.stats["divergences"] == 0, fn.stats

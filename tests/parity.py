@@ -29,6 +29,22 @@ def _backward(out, args, grad_seed):
     return [a.grad for a in leaves]
 
 
+def assert_ran_compiled(compiled, launches_before=0, backend="interpret", divergences=0):
+    """``compiled``'s calls since its ``kernel_launches`` were ``launches_before`` ran its kernels,
+    on ``backend``, and no replay left its recording (``divergences``: how many did, where a test
+    expects some, e.g. the call after an optimizer's first step, which created its state): a
+    parity test whose every call recorded or ran eagerly compares eager with eager.
+
+    >>> f = compiler.compile(lambda x: x.exp() * 2, backend="interpret")
+    >>> _ = f(torch.ones(3)), f(torch.ones(3))
+    >>> assert_ran_compiled(f)
+    """
+    stats = compiled.stats
+    assert stats["kernel_launches"] > launches_before, f"no generated kernel ran: {stats}"
+    assert stats["divergences"] == divergences, f"replays left their recording: {stats}"
+    assert compiled.last_backend == backend, compiled.last_backend
+
+
 def check_parity(fn, args, *, dtype=None, tol=None, grad_seed=None, expect_kernels=True):
     """Compile ``fn`` (interpret backend), call it twice, compare the second (compiled) call
     with eager: output values and input gradients. Returns the compiled function."""

@@ -14,6 +14,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import compiler
+from tests.parity import assert_ran_compiled
 
 
 def _linear_gelu():
@@ -52,6 +53,8 @@ def _check_against_eager(step, make_inputs, params, calls=3, **compile_kwargs):
         for x, e in zip(inputs, eager_inputs):
             if x.requires_grad:
                 torch.testing.assert_close(x.grad, e.grad)
+    backend = compile_kwargs.get("backend", "auto")
+    assert_ran_compiled(f, backend="interpret" if backend == "auto" else backend)
     return f
 
 

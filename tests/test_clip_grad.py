@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import compiler
+from tests.parity import assert_ran_compiled
 
 STEPS = 6
 MAX_NORM = {2.0: 5.0, math.inf: 1.0, 1.0: 50.0, 3.0: 5.0}  # between the steps' norms (see _batches)
@@ -69,6 +70,7 @@ def _run_both(step, dtype, batches, norm_type=2.0):
             # (the scaling kernels write unseen: the gradients' versions move as eager's mul_)
             assert q.grad._version == p.grad._version, f"step {i}: gradient versions"
         clipped.append(expected_norm.item() > MAX_NORM[norm_type])
+    assert_ran_compiled(compiled)
     return compiled, clipped
 
 

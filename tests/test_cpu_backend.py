@@ -50,6 +50,7 @@ def check(fn, args, tol=None, calls=3):
                     torch.testing.assert_close(a.grad, b.grad, **tol)
     assert compiled.last_backend == "torch"
     assert compiled.stats["replays"] >= calls - 1 and compiled.stats["kernel_launches"] > 0
+    assert compiled.stats["divergences"] == 0, compiled.stats  # (a replay that left its recording ran eagerly)
     return compiled
 
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import compiler
+from tests.parity import assert_ran_compiled
 
 STEPS = 20
 TOLERANCE = {torch.float64: dict(rtol=1e-12, atol=1e-14), torch.float32: dict(rtol=2e-6, atol=2e-7)}
@@ -105,6 +106,7 @@ def _run_both(make_optimizer, dtype, steps=STEPS, layers=2, scheduler=None, betw
         _assert_same_versions(eager_opt, ours_opt, i, start)
         for s in schedulers:
             s.step()
+    assert_ran_compiled(step)
     return step, eager_opt, ours_opt
 
 
