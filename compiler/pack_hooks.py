@@ -56,8 +56,9 @@ def _watched(pack_hook):
     return pack
 
 
-def _register_hooks(saved, pack_hook, unpack_hook):
-    return _register_hooks_of_torch(saved, _watched(pack_hook), unpack_hook)
+def _register_hooks(saved, pack_hook, unpack_hook, /):
+    # (torch's checks and errors as they are: a hook that is no function is refused there)
+    return _register_hooks_of_torch(saved, _watched(pack_hook) if callable(pack_hook) else pack_hook, unpack_hook)
 
 
 _SavedTensor = torch._C._autograd.SavedTensor
