@@ -40,6 +40,52 @@ def test_opinfo_samples_match_eager(name):
     assert not failures, "\n".join(failures)
 
 
+def _forms():
+    """(OpInfo name, input, args, kwargs) for forms of the compiled decompositions that op_db's
+    samples leave out (the sweep covers the rest): nonzero counts of NaN and inf, ceil_mode's
+    extra windows without padding counted, adaptive windows of two lengths on two dims, 'same'
+    padding in one dim, unbatched cross entropy."""
+    import torch
+
+    torch.manual_seed(0)
+
+    def t(*shape, dtype=torch.float64, grad=True):
+        return torch.randn(*shape, dtype=dtype).requires_grad_(grad)
+
+    special = torch.tensor([[0.0, float("nan"), 1.5], [float("inf"), -0.0, -2.0]], dtype=torch.float64)
+    special.requires_grad_()
+    return [
+        ("linalg.vector_norm", special, (0,), {"dim": 1}),
+        ("norm", t(3, 4), (0,), {"dim": (0, 1), "keepdim": True}),
+        ("nn.functional.normalize", t(2, 3, 4), (), {"p": 3.0, "dim": -1}),
+        ("logsumexp", t(3, 4, 5), ((0, 2),), {"keepdim": True}),
+        ("nn.functional.avg_pool1d", t(2, 3, 10), (4,), {"stride": 3, "padding": 2, "ceil_mode": True,
+                                                         "count_include_pad": False}),
+        ("nn.functional.avg_pool2d", t(1, 2, 7, 7), (3,), {"stride": 2, "padding": 1, "ceil_mode": True,
+                                                           "count_include_pad": False}),
+        ("nn.functional.avg_pool2d", t(1, 2, 8, 7), ((3, 2),), {"stride": (2, 3), "ceil_mode": True}),
+        ("nn.functional.adaptive_avg_pool2d", t(2, 3, 7, 5), ((3, 4),), {}),
+        ("nn.functional.adaptive_avg_pool2d", t(3, 6, 5), ((3, 3),), {}),
+        ("nn.functional.adaptive_avg_pool1d", t(1, 9), (4,), {}),
+        ("nn.functional.conv1d", t(2, 3, 9), (t(4, 3, 4),), {"padding": "same"}),
+        ("nn.functional.conv2d", t(1, 2, 6, 7), (t(3, 2, 2, 3), t(3)), {"padding": "same", "dilation": (1, 2)}),
+        ("nn.functional.cross_entropy", t(5), (torch.tensor(3),), {"label_smoothing": 0.1}),
+        ("nn.functional.cross_entropy", t(5), (torch.rand(5, dtype=torch.float64),), {"reduction": "none"}),
+        ("nn.functional.nll_loss", t(4), (torch.tensor(2),), {"weight": torch.rand(4, dtype=torch.float64)}),
+        ("gather", t(()), (0, torch.tensor([0, 0])), {}),
+        ("index_select", t(()), (0, torch.tensor(0)), {}),
+    ]
+
+
+@pytest.mark.parametrize("form", range(len(_forms())))
+def test_decompositions_match_eager_on_forms_the_samples_miss(form):
+    from torch.testing._internal.opinfo.core import SampleInput
+
+    name, x, args, kwargs = _forms()[form]
+    outcome = sweep.check_sample(name, _infos()[name], SampleInput(x, args=args, kwargs=kwargs), x.dtype)
+    assert outcome.kind == "pass", f"{name}: {outcome}"
+
+
 def test_opinfo_dtypes_are_what_each_op_takes():
     """OPS lists bfloat16 for every op whose OpInfo takes it on CPU, complex64 only where the
     OpInfo takes it, and no dtype an OpInfo lacks."""

@@ -15,7 +15,6 @@ from compiler.bindings.handles import (
     arange_along,
     bmm,
     conv,
-    full,
     gather,
     mm,
     on_handles,
@@ -27,7 +26,7 @@ from compiler.bindings.random import _dropout
 from compiler.bindings.reductions import _shifted
 from compiler.bindings.registry import Unsupported, _no_out, _t, binds
 from compiler.bindings.views import _interleave, _pad
-from compiler.ir import numel
+from compiler.ir import compute_dtype, numel
 
 
 # ----------------------------------------------------------------------------- matmul
@@ -85,9 +84,16 @@ def _conv_binding(dims):
         if padding == "valid":
             padding = 0
         if padding == "same":
+            if any(s != 1 for s in stride):
+                raise Unsupported("padding='same' with a stride other than 1 (eager raises)")
             totals = [d * (k - 1) for d, k in zip(dilation, kernel)]
-            if any(t % 2 for t in totals) or any(s != 1 for s in stride):
-                raise Unsupported("padding='same' that pads unevenly is not supported yet")
+            if any(t % 2 for t in totals):
+                # eager (Convolution.cpp, _convolution_mode): the odd element of a dim's padding goes
+                # on the right, as a zero pad of the input, and the convolution pads evenly
+                pad = []
+                for t in reversed(totals):
+                    pad += [0, t % 2]
+                input = Tensor(b, _pad(b, input.node, pad, value=0.0))
             padding = tuple(t // 2 for t in totals)
         padding = per_dim(padding)
         spatial = tuple((size + 2 * p - d * (k - 1) - 1) // s + 1 for size, p, d, k, s in
@@ -226,19 +232,34 @@ def _pool_args(dims, kernel_size, stride, padding, dilation, ceil_mode, spatial=
 def _avg_pool(dims):
     def bind(b, x, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True,
              divisor_override=None):
-        kernel, stride, padding, _, extra = _pool_args(dims, kernel_size, stride, padding, 1, ceil_mode,
-                                                       x.shape[-dims:])
-        if any(extra):
-            raise Unsupported("avg_pool with ceil_mode adding windows is not supported yet")
+        spatial = x.shape[-dims:]
+        kernel, stride, padding, _, extra = _pool_args(dims, kernel_size, stride, padding, 1, ceil_mode, spatial)
         window_dims = tuple(range(-dims, 0))
-        total = _pool_windows(x, dims, kernel, stride, padding, 0.0).sum(window_dims)
+        total = _pool_windows(x, dims, kernel, stride, padding, 0.0, extra=extra).sum(window_dims)
         if divisor_override is not None:
             return total / float(divisor_override)
-        if count_include_pad or not any(padding):
+        if not any(extra) and (count_include_pad or not any(padding)):
             return total / float(numel(kernel))
-        ones = full(b, x.shape, 1, x.dtype)
-        return total / _pool_windows(ones, dims, kernel, stride, padding, 0.0).sum(window_dims)
+        return (total / _window_counts(b, total.shape, spatial, kernel, stride, padding, count_include_pad)).to(x.dtype)
     return on_handles(bind)
+
+
+def _window_counts(b, shape, spatial, kernel, stride, padding, count_include_pad) -> Tensor:
+    """Each average-pooling window's divisor, as eager's avg_pool kernels count it (float32,
+    whole numbers): per pooled dim, the window from start = o * stride - padding to start +
+    kernel, cut at the padded input's end (ceil_mode's last windows reach past it), and with
+    ``count_include_pad=False`` cut to the input itself; the product over the dims."""
+    dims = len(kernel)
+    count = None
+    for j, (size, k, s, p) in enumerate(zip(spatial, kernel, stride, padding)):
+        start = arange_along(b, shape, len(shape) - dims + j).to(torch.float32) * float(s) - float(p)
+        end = pointwise("minimum", start + float(k), float(size + p))
+        if not count_include_pad:
+            start = pointwise("maximum", start, 0.0)
+            end = pointwise("minimum", end, float(size))
+        length = end - start
+        count = length if count is None else count * length
+    return count
 
 
 def _adaptive_avg_pool(dims):
@@ -246,11 +267,48 @@ def _adaptive_avg_pool(dims):
         out = tuple(output_size) if isinstance(output_size, (tuple, list)) else (output_size,) * dims
         sizes = x.shape[-dims:]
         out = tuple(s if o is None else o for s, o in zip(sizes, out))
-        if any(o == 0 or s % o for s, o in zip(sizes, out)):
-            raise Unsupported("adaptive_avg_pool with windows that do not tile the input is not supported yet")
-        kernel = tuple(s // o for s, o in zip(sizes, out))
-        return _pool_windows(x, dims, kernel, kernel, (0,) * dims, 0.0).mean(tuple(range(-dims, 0)))
+        if any(o == 0 for o in out):
+            raise Unsupported("adaptive_avg_pool to an empty size is not supported yet")
+        if all(s % o == 0 for s, o in zip(sizes, out)):  # windows that tile: one unfold per dim
+            kernel = tuple(s // o for s, o in zip(sizes, out))
+            return _pool_windows(x, dims, kernel, kernel, (0,) * dims, 0.0).mean(tuple(range(-dims, 0)))
+        dtype = x.dtype
+        x = x.to(compute_dtype(dtype))  # half types: summed and divided in float32, rounded once
+        for j, (s, o) in enumerate(zip(sizes, out)):
+            if s % o:
+                x = _adaptive_mean(x, x.ndim - dims + j, s, o)
+        # the dims whose windows tile: their mean over windows of s // o
+        kernel = tuple(s // o if s % o == 0 else 1 for s, o in zip(sizes, out))
+        if any(k != 1 for k in kernel):
+            x = _pool_windows(x, dims, kernel, kernel, (0,) * dims, 0.0).mean(tuple(range(-dims, 0)))
+        return x.to(dtype)
     return on_handles(bind)
+
+
+def _adaptive_mean(x: Tensor, dim: int, size: int, out: int) -> Tensor:
+    """The mean along ``dim`` over adaptive pooling's windows, eager's: output o averages input
+    elements floor(o * size / out) to ceil((o + 1) * size / out) (windows of two lengths that
+    may overlap). A gather of each window's elements, padded to the longest window by
+    repeating its last element, masked to 0 there, summed and divided by the window's length.
+    NOTE: a mean over a rectangle taken one dim after another (as here) equals eager's single
+    mean over it, up to rounding."""
+    longest = max(-(-(o + 1) * size // out) - o * size // out for o in range(out))
+
+    def bounds(shape):  # (start, end) of output o's window, o along dim 0 of ``shape`` (float64, exact)
+        o = arange_along(x.b, shape, 0).to(torch.float64)
+        start = pointwise("floor", o * float(size) / float(out))
+        return start, -pointwise("floor", -(o + 1.0) * float(size) / float(out))
+
+    grid = (out, longest)
+    start, end = bounds(grid)
+    at = start + arange_along(x.b, grid, 1).to(torch.float64)
+    index = pointwise("minimum", at, end - 1.0).to(torch.int64).reshape(out * longest)
+    rest = tuple(x.shape[dim + 1:])
+    picked = gather(x, index, "index_select", dim).reshape(tuple(x.shape[:dim]) + grid + rest)
+    inside = (at < end).reshape(grid + (1,) * len(rest))
+    total = where(inside, picked, 0.0, dtype=x.dtype).sum(dim + 1)
+    start, end = bounds((out,) + (1,) * len(rest))
+    return total / (end - start).to(x.dtype)
 
 
 def _max_pool(dims):

@@ -119,8 +119,12 @@ def _batch_norm(b, input, running_mean, running_var, weight=None, bias=None, tra
     statistics normalize, and the running statistics are updated in place, as eager does:
     (1 - momentum) * running + momentum * batch (the variance unbiased)."""
     shape = input.shape
-    if len(shape) < 2 or not input.dtype.is_floating_point:
-        raise Unsupported("batch_norm of this input is not supported yet")
+    if not input.dtype.is_floating_point:
+        raise Unsupported("batch_norm of a non-floating input is not supported yet")
+    if len(shape) < 2:
+        if input.numel() == 0:  # eager: nothing to normalize, a copy (CloneBackward0), nothing updated
+            return input._wrap(C.emit_pointwise(b, "identity", [input.node], dtype=input.dtype))
+        raise Unsupported("batch_norm of an input without a channel dim (eager raises)")
     dims = (0,) + tuple(range(2, len(shape)))
     per_channel = (shape[1],) + (1,) * (len(shape) - 2)
     writes = []

@@ -173,8 +173,8 @@ binds(torch.any, _t("any"))(_all_any("any"))
 
 # ----------------------------------------------------------------------------- softmax, logsumexp
 def _shifted(x: Tensor, dim):
-    """(x - max, max) along ``dim`` (an int or a tuple of dims): the max held constant (no gradient path), and finite-safe
-    (0 where it is ±inf), as eager's logsumexp."""
+    """(x - max, max) along ``dim`` (an int or a tuple of dims): the max held constant (no
+    gradient path), and finite-safe (0 where it is ±inf), as eager's logsumexp."""
     m = x.amax(dim, keepdim=True).detach()
     m = where(m.abs() == float("inf"), 0.0, m, dtype=m.dtype)
     return x - m, m
