@@ -149,7 +149,11 @@ def _interleave(b, x, dims_and_repeats):
 @binds(torch.repeat_interleave, _t("repeat_interleave"))
 def _repeat_interleave(b, x, repeats=None, dim=None, *, output_size=None):
     if not isinstance(repeats, int):
-        raise Unsupported("repeat_interleave with tensor repeats is not supported yet")
+        # NOTE: the result's size is the sum of the repeats' values, which eager reads on the host
+        # (and, given output_size, checks against it, raising where they differ): a recording
+        # cannot hold it, and a replay could not check it without reading them back
+        raise Unsupported("repeat_interleave with tensor repeats: its output size is the sum of their values "
+                          "(data-dependent, read and checked on the host)")
     if dim is None:
         x = C.emit_view(b, "reshape", x, shape=(numel(meta_of(x).shape),))
         dim = 0
