@@ -2,7 +2,13 @@
 
 Runs every sample of every op in ``tests/opinfo/sweep.py``'s ``OPS`` (``--default``: the CI
 subset), prints each failure, and writes a markdown table of per-op pass / fallback /
-mismatch / internal-error counts with the fallback reasons. Run it from the repository root.
+mismatch / internal-error counts (per op and dtype, and per dtype) with the fallback reasons.
+Run it from the repository root. On a shared machine, run parts of the op list side by side
+and merge their tables::
+
+    python -m tests.opinfo --ops add,sub,... --part /tmp/a.json
+    python -m tests.opinfo --ops amax,... --part /tmp/b.json
+    python -m tests.opinfo --merge /tmp/a.json /tmp/b.json --results tests/opinfo/RESULTS.md
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
+import json
 import os
 import sys
 import tempfile
@@ -33,7 +40,12 @@ def main(argv=None):
     parser.add_argument("--results", help="write a markdown summary here")
     parser.add_argument("--default", action="store_true", help="only the CI subset of samples")
     parser.add_argument("--ops", help="comma-separated OpInfo names (default: all of OPS)")
+    parser.add_argument("--part", help="also write this run's rows here (JSON), for --merge")
+    parser.add_argument("--merge", nargs="+", metavar="PART", help="run nothing: merge the --part files of "
+                        "runs over parts of the op list (in OPS order) and write --results")
     args = parser.parse_args(argv)
+    if args.merge:
+        return _merge(args.merge, args.results)
     started = time.time()
     infos = sweep.opinfos()
     names = args.ops.split(",") if args.ops else list(sweep.OPS)
@@ -57,27 +69,68 @@ def main(argv=None):
     share = total["fallback"] / max(compared, 1)
     elapsed = time.time() - started
     print(f"{len(names)} ops, {compared} samples: {dict(total)}; fallbacks {share:.1%}; {elapsed:.0f} s")
+    if args.part:
+        with open(args.part, "w") as f:
+            json.dump({"rows": [(n, d, dict(c)) for n, d, c in rows],
+                       "reasons": {n: dict(c) for n, c in reasons.items()},
+                       "failures": failures, "elapsed": elapsed, "default": args.default}, f)
     if args.results:
         _write(args.results, rows, total, compared, share, reasons, failures, elapsed, len(names), args.default)
     return 1 if failures else 0
 
 
-def _write(path, rows, total, compared, share, reasons, failures, elapsed, n_ops, default):
+def _merge(paths, results):
+    """One table from the --part files of runs over parts of the op list, rows in OPS order."""
+    parts = []
+    for path in paths:
+        with open(path) as f:
+            parts.append(json.load(f))
+    order = {name: i for i, name in enumerate(sweep.OPS)}
+    rows = sorted(((n, d, collections.Counter(c)) for p in parts for n, d, c in p["rows"]), key=lambda r: order[r[0]])
+    reasons = collections.defaultdict(collections.Counter)
+    for name in sorted({n for p in parts for n in p["reasons"]}, key=order.get):
+        for p in parts:
+            reasons[name].update(p["reasons"].get(name, {}))
+    total = collections.Counter()
+    for _, _, c in rows:
+        total.update(c)
+    compared = sum(total[k] for k in KINDS if k != "skip")
+    share = total["fallback"] / max(compared, 1)
+    elapsed = max(p["elapsed"] for p in parts)  # the parts ran side by side
+    names = {n for n, _, _ in rows}
+    print(f"{len(names)} ops, {compared} samples: {dict(total)}; fallbacks {share:.1%}")
+    if results:
+        _write(results, rows, total, compared, share, reasons, [f for p in parts for f in p["failures"]], elapsed,
+               len(names), any(p["default"] for p in parts), parts=len(parts))
+    return 0
+
+
+def _write(path, rows, total, compared, share, reasons, failures, elapsed, n_ops, default, parts=1):
+    how = f"`python -m tests.opinfo{' --default' if default else ''} --results {path}`"
+    if parts > 1:
+        how = (f"{parts} processes side by side, each `python -m tests.opinfo{' --default' if default else ''} "
+               f"--ops ... --part ...` over a part of the op list, merged by `--merge ... --results {path}`")
     lines = [
         "# OpInfo sweep results",
         "",
-        f"{datetime.date.today()}, `python -m tests.opinfo{' --default' if default else ''} --results {path}` "
-        f"({'the CI subset' if default else 'every sample'}; {elapsed / 60:.0f} min on a 2-core CPU, Triton's "
-        "interpreter).",
+        f"{datetime.date.today()}, {how} ({'the CI subset' if default else 'every sample'}; "
+        f"{elapsed / 60:.0f} min wall on a 2-core CPU, Triton's interpreter).",
         "",
         f"**{n_ops} ops, {compared} samples compared: {total['pass']} pass, {total['fallback']} fallback "
         f"({share:.1%}), {total['mismatch']} mismatch, {total['internal']} internal error, {total['known']} known "
         "mismatch (listed below, reported)** "
         f"({total['skip']} skipped: eager raises, or the sample draws random numbers).",
-        "",
-        "| op | dtype | pass | fallback | mismatch | internal | known | skip |",
-        "|---|---|---|---|---|---|---|---|",
     ]
+    by_dtype = collections.defaultdict(collections.Counter)
+    for _, dtype, c in rows:
+        by_dtype[dtype].update(c)
+    lines += ["", "By dtype:", "", "| dtype | ops | pass | fallback | mismatch | internal | known | skip |",
+              "|---|---|---|---|---|---|---|---|"]
+    for dtype, c in by_dtype.items():
+        n = sum(1 for _, d, _ in rows if d == dtype)
+        lines.append(f"| {dtype} | {n} | " + " | ".join(str(c[k]) for k in KINDS) + " |")
+    lines += ["", "| op | dtype | pass | fallback | mismatch | internal | known | skip |",
+              "|---|---|---|---|---|---|---|---|"]
     for name, dtype, c in rows:
         lines.append(f"| {name} | {dtype} | " + " | ".join(str(c[k]) for k in KINDS) + " |")
     lines += ["", "## Fallback reasons", ""]
