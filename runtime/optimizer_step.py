@@ -215,6 +215,23 @@ class FusedOptimizerStep:
             plan.apply(group, b, self.stats)
         return (_STEP_TAKEN,), {}
 
+    def run_after_pre_hooks(self, optimizer, args, kwargs, own_hook: int):
+        """``run`` from the replay's global step pre-hook (``own_hook``: its id), as the last of
+        the step's pre-hooks. Returns what that pre-hook hands back.
+
+        NOTE: eager's ``step()`` runs every pre-hook, the global ones then the optimizer's own,
+        before its update: a hook may change the gradients (unscale, clip, zero) or raise, and
+        the update must see that. Where any hook follows ours, the update is left to a pre-hook
+        of the optimizer's own, moved to the end of its hooks for this step (``_LastPreHook``),
+        which the global pre-hooks have all run before."""
+        hooks = optimizer._optimizer_step_pre_hooks
+        if not hooks and next(reversed(_optim._global_optimizer_pre_hooks)) == own_hook:
+            return self.run(optimizer, args, kwargs)  # (the usual case: no other pre-hook)
+        last = _LastPreHook.of(optimizer)
+        hooks.move_to_end(last.id)
+        last.pending = (self, args)
+        return None
+
     def run_directly(self, optimizer, own_hooks) -> bool:
         """``skip_python``: this step made without ``optimizer.step()``'s Python where that
         Python would do nothing else: no profiler running (its range), no step hooks but the
@@ -235,6 +252,37 @@ class FusedOptimizerStep:
         if patched is not None:
             optimizer._opt_called = True
         return True
+
+
+class _LastPreHook:
+    """A step pre-hook of one optimizer's own that makes a fused update handed to it
+    (``pending``: the update and the step's arguments) after the optimizer's other pre-hooks
+    (``run_after_pre_hooks``). Registered once per optimizer; it does nothing at steps with no
+    fused update pending. NOTE: an update is made only in the ``step()`` call that handed it: its
+    arguments are the same tuple there unless a hook replaced them (then the step runs eagerly),
+    and a step whose earlier pre-hook raised leaves nothing that a later, eager step would make."""
+
+    def __init__(self, optimizer):
+        self.pending = None
+        self.id = optimizer.register_step_pre_hook(self).id
+
+    @classmethod
+    def of(cls, optimizer) -> "_LastPreHook":
+        last = optimizer.__dict__.get("_symgrad_last_pre_hook")
+        if last is None or last.id not in optimizer._optimizer_step_pre_hooks:  # (or the user removed it)
+            last = optimizer._symgrad_last_pre_hook = cls(optimizer)
+        return last
+
+    def __call__(self, optimizer, args, kwargs):
+        pending, self.pending = self.pending, None
+        if pending is None or pending[1] is not args:
+            return None
+        return pending[0].run(optimizer, args, kwargs)
+
+    def __deepcopy__(self, memo):  # (a copied optimizer's copy: nothing pending)
+        copy = _LastPreHook.__new__(_LastPreHook)
+        copy.pending, copy.id = None, self.id
+        return copy
 
 
 def _on_cpu(optimizer) -> bool:

@@ -219,13 +219,14 @@ class Replay(TorchFunctionMode):
             return
         if self.unwatched:  # (skip_python: no mode to take off the stack)
             fused = self.trace.fused_steps.get(self.pos)
-            return fused.run(optimizer, args, kwargs or {}) if fused is not None else None
+            return fused.run_after_pre_hooks(optimizer, args, kwargs or {}, _OUR_STEP_HOOKS[0]) \
+                if fused is not None else None
         if not self._leave_stack():
             return
         self.suspended_until = end
         fused = self.trace.fused_steps.get(self.pos)
         if fused is not None:
-            return fused.run(optimizer, args, kwargs or {})
+            return fused.run_after_pre_hooks(optimizer, args, kwargs or {}, _OUR_STEP_HOOKS[0])
         return None
 
     def step_ends(self):

@@ -177,10 +177,6 @@ def test_optimizer_step_runs_unwatched_and_its_state_stays_right():
     assert compiled.last_backend == "interpret" and compiled.stats["kernel_launches"] > launches
 
 
-@pytest.mark.xfail(strict=True, reason="bug, not fixed here (runtime/replay.py, runtime/optimizer_step.py): the fused "
-                   "optimizer step runs from a global step pre-hook, before the optimizer's own pre-hooks, so a hook "
-                   "registered after the recording sees the update made (a hook that raises leaves the parameters "
-                   "updated; one that changes the gradients is ignored)")
 def test_a_step_pre_hook_registered_after_the_recording_runs_before_the_update():
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
