@@ -61,8 +61,18 @@ NOT_SIZES = frozenset({"dim", "dims", "dim0", "dim1", "stride", "padding", "dila
                        "kernel_size", "ceil_mode", "padding_idx", "wrap", "which", "zero_padding"})
 MAX_REPAIRS = 8   # constants re-read as multiples of a size, one failing node at a time (``instantiate``)
 
-# a binding's parameters whose ints are dim indices too (``dim_leaves``): never sizes
+# a binding's parameters whose ints are never sizes (``dim_leaves``): dim indices, and the
+# constants of an op's math, which the graph keeps in its nodes' expressions (``_remake_graph``)
 DIM_PARAMETERS = NOT_SIZES | {"start_dim", "end_dim", "dimension", "source", "destination", "axis"}
+MATH_PARAMETERS = frozenset({"p", "ord", "_stacklevel", "ignore_index", "value", "alpha", "beta", "eps", "momentum",
+                             "diagonal", "norm_type", "divisor_override", "fill_value", "src"})
+# bindings whose every number argument is a constant of the math (pointwise ops), but sizes
+_MATH_MODULES = ("compiler.bindings.elementwise", "compiler.bindings.losses")
+# bindings that keep numbers as graph kwargs, fitted as sizes there too (index_add's alpha, huber's delta)
+_KWARG_MODULES = ("compiler.bindings.routing",)
+# bindings whose ``*size`` also takes a constant: x.new_full(size, fill_value)
+_POSITIONAL_MATH = {torch.Tensor.new_full: 1}
+_SIZE_PARAMETERS = frozenset({"size"})   # (x.new_zeros(*size), in the elementwise bindings)
 # bindings that read dims from ``*args``: x.flip(0, 1) (every int), x.max(1, True) (the first)
 _POSITIONAL_DIMS = {torch.flip: None, torch.Tensor.flip: None,
                     torch.max: 1, torch.Tensor.max: 1, torch.min: 1, torch.Tensor.min: 1}
@@ -89,13 +99,18 @@ _DIM_LEAVES: dict = {}
 
 
 def dim_leaves(call) -> frozenset:
-    """Positions in ``call.leaves`` of the dim indices the call passes (a permute's (0, 2, 1, 3),
-    a softmax's dim), read from the parameter names of the call's binding.
+    """Positions in ``call.leaves`` of the ints the call passes that are not sizes, read from its
+    binding: dim indices (a permute's (0, 2, 1, 3), a softmax's dim) and the constants of its math
+    (``x * 3``, ``x.norm(p=3)``).
 
-    NOTE: a dim index is never a size, though it may equal one seen at one value: a permute's 3
-    read as a batch of 3 became 2 at a batch of 2, and every replay at that batch diverged
-    ("Tensor.permute called with a different constant (3 != 2)"), running eagerly. The graph's
-    kwargs have ``NOT_SIZES``; this is the same rule for the constants replay checks."""
+    NOTE: such an int is never read as a size seen at one value (one recording), as in the graph:
+    - a dim index read as a batch of 3 became 2 at a batch of 2, and every replay at that batch
+      diverged ("Tensor.permute called with a different constant (3 != 2)"), running eagerly;
+    - a constant of the math stays a constant in the graph's expressions (``_remake_graph``'s
+      "expr"), so a size that Python passes to the math (``x.sum(-1) / x.shape[-1]``) read as a size
+      in the recorded call passed the replay's check while the kernel still divided by the old
+      size: wrong values. A constant in both, the check sees the new size and the call runs
+      eagerly. Seen changing between two recordings, both are fitted as sizes alike."""
     try:
         return _DIM_LEAVES[(call.func, call.spec, len(call.leaves))]
     except KeyError:
@@ -117,13 +132,23 @@ def _find_dim_leaves(call) -> frozenset:
         bound = inspect.signature(binding).bind(None, *args, **kwargs)
     except (TypeError, ValueError):  # (arguments the binding does not take: the call ran eagerly)
         return frozenset()
+    module = getattr(binding, "__module__", None)
+    math = module in _MATH_MODULES
+    math_names = MATH_PARAMETERS if module not in _KWARG_MODULES else frozenset({"src"})
+
+    def constant(name):
+        return name in DIM_PARAMETERS or name in math_names or (math and name not in _SIZE_PARAMETERS)
     found = []
     for name, value in bound.arguments.items():
         kind = bound.signature.parameters[name].kind
         if kind is inspect.Parameter.VAR_POSITIONAL and func in _POSITIONAL_DIMS:
             first = _POSITIONAL_DIMS[func]
             found += _leaves_in(value if first is None else value[:first])
-        elif name in DIM_PARAMETERS:
+        elif kind is inspect.Parameter.VAR_POSITIONAL and func in _POSITIONAL_MATH:
+            found += _leaves_in(value[_POSITIONAL_MATH[func]:])
+        elif kind is inspect.Parameter.VAR_KEYWORD:   # (x.min(dim=1): read from **kwargs)
+            found += [i for key, v in value.items() if constant(key) for i in _leaves_in(v)]
+        elif constant(name):
             found += _leaves_in(value)
     return frozenset(found)
 
@@ -165,6 +190,35 @@ def _map_expr(e, f):
     return e.func(*args)
 
 
+def _whole_of(e, inverse: bool):
+    """N where the sympy Float ``e`` is 1/N (``inverse``: a mean's 1/count, written by a binding as
+    ``total / float(numel)``) or N (a number Python passed, made a float: softplus's ``float(beta)``),
+    for a whole N >= 2; else None."""
+    value = float(e)
+    if inverse:
+        if not 0 < value <= 0.5:
+            return None
+        value = 1 / value
+    n = round(value)
+    return n if n >= 2 and abs(value - n) <= 1e-9 * n else None
+
+
+def _map_floats(e, f, inverse: bool):
+    """``e`` with each Float atom that is 1/N or N (``_whole_of``) made 1/f(N) or f(N)."""
+    if e.is_Float:
+        n = _whole_of(e, inverse)
+        if n is None:
+            return e
+        v = f(n)
+        return e if v == n else sympy.Float(1 / v if inverse else v, e._prec)
+    if not e.args or e.is_Number:
+        return e
+    args = [_map_floats(a, f, inverse) for a in e.args]
+    if all(a is b for a, b in zip(args, e.args)):
+        return e
+    return e.func(*args)
+
+
 def _map_meta(meta: TensorMeta, f, unit) -> TensorMeta:
     unit(("meta", len(meta.shape)))
     return dataclasses.replace(meta, shape=_map_ints(tuple(meta.shape), f))
@@ -192,6 +246,15 @@ def _remake_graph(graph: fx.Graph, f, unit) -> fx.Graph:
             if m.expr is not None:
                 unit(("expr",))   # (the constants of an op's math: never re-read as sizes, ``Template._repairs``)
             expr = None if m.expr is None else _map_expr(m.expr, f)
+            if expr is not None:
+                # NOTE: a mean written as ``total / float(numel)`` (the losses' reduction) holds its
+                # count as a Float 1/N, and ``float(beta)`` (softplus) a Float N, which the ints above
+                # miss: at other sizes the kernel still divided by the recording's count (l1_loss,
+                # huber, BCE, KL: wrong values), or multiplied by the recording's number
+                unit(("count",))
+                expr = _map_floats(expr, f, inverse=True)
+                unit(("whole",))
+                expr = _map_floats(expr, f, inverse=False)
             set_meta(copy, dataclasses.replace(m, shape=shape, expr=expr))
         env[node] = copy
     return new
@@ -365,14 +428,16 @@ class Template:
         base = units(trace, graphs)
         values = [x for _, ints in base for x in ints]
         # (positions of op constants and dim indices: ``_remake_graph``'s "expr" and "fixed" units)
-        self.in_math = [label in (("expr",), ("fixed",)) for label, ints in base for _ in ints]
+        self.in_math = [label in (("expr",), ("fixed",), ("count",), ("whole",)) for label, ints in base for _ in ints]
         if len(values) > MAX_POSITIONS:
             raise NotInstantiable(f"the recording has {len(values)} ints (more than {MAX_POSITIONS})")
         # the newest other recording at other sizes: a second point for the ints it shares
-        other_sizes, other_values = None, [None] * len(values)
+        other_sizes, other_values, same_structure = None, [None] * len(values), True
         for o_trace, o_graphs, o_sizes in reversed(list(others)):
             if len(o_sizes) == len(self.sizes) and tuple(o_sizes) != self.sizes:
-                other_sizes, other_values = tuple(o_sizes), align(base, units(o_trace, o_graphs))
+                other_units = units(o_trace, o_graphs)
+                other_sizes, other_values = tuple(o_sizes), align(base, other_units)
+                same_structure = [label for label, _ in base] == [label for label, _ in other_units]
                 break
         self.points = 1 + (other_sizes is not None)
         one = [self.sizes]
@@ -381,11 +446,20 @@ class Template:
         cache: dict = {}
         self.fits = []
         alike = spaces[2][1]
-        for v, w, math_constant in zip(values, other_values, self.in_math):
+        counts = [label == ("count",) for label, ints in base for _ in ints]
+        numels = _numels(graphs) if any(counts) else set()
+        for v, w, math_constant, count in zip(values, other_values, self.in_math, counts):
             column = (v,) if w is None else (v, w)
-            if math_constant and len(set(column)) == 1:
+            if count and w is None and v in numels:
+                # (a mean's 1/N with N a tensor's element count, seen at one size: whether N follows
+                # the sizes is a guess either way, and a wrong one gives wrong values: record)
+                raise NotInstantiable(f"an expression divides by {v}, a tensor's element count, seen at one size")
+            if math_constant and (len(set(column)) == 1 or not same_structure):
                 # NOTE: an op's constant (a comparison's code: eq is 4) is never a size, though it
-                # may equal one seen at one value (a batch of 4: eq became ge at a batch of 3)
+                # may equal one seen at one value (a batch of 4: eq became ge at a batch of 3).
+                # One that changed with the sizes follows them only where both recordings made the
+                # same graphs: a binding may branch on it (a norm's p of 2 is a square root, of 3 a
+                # power), and the other branch is not in this template.
                 self.fits.append(Fit(v, ()))
                 continue
             fit = cache.get(column)
@@ -495,6 +569,18 @@ class Template:
                 e.template_node, e.where = list(template_graph.nodes)[e.position], (index, e.position)
                 raise
         return trace, graphs
+
+
+def _numels(graphs) -> set:
+    """The element counts of the graphs' values, and of their leading and trailing dims."""
+    found = set()
+    for graph in graphs:
+        for node in graph.nodes if graph is not None else ():
+            if "symgrad" in node.meta and meta_of(node).shape is not None:
+                shape = tuple(meta_of(node).shape)
+                found.update(math.prod(shape[:k]) for k in range(1, len(shape) + 1))
+                found.update(math.prod(shape[k:]) for k in range(len(shape)))
+    return found
 
 
 def _rule_breaks(graph: fx.Graph) -> set:
