@@ -61,14 +61,14 @@ NOT_SIZES = frozenset({"dim", "dims", "dim0", "dim1", "stride", "padding", "dila
                        "kernel_size", "ceil_mode", "padding_idx", "wrap", "which", "zero_padding"})
 MAX_REPAIRS = 8   # constants re-read as multiples of a size, one failing node at a time (``instantiate``)
 
-# a binding's parameters whose ints are never sizes (``dim_leaves``): dim indices, and the
+# a binding's parameters whose ints are never sizes (``constant_leaves``): dim indices, and the
 # constants of an op's math, which the graph keeps in its nodes' expressions (``_remake_graph``)
 DIM_PARAMETERS = NOT_SIZES | {"start_dim", "end_dim", "dimension", "source", "destination", "axis"}
 MATH_PARAMETERS = frozenset({"p", "ord", "_stacklevel", "ignore_index", "value", "alpha", "beta", "eps", "momentum",
                              "diagonal", "norm_type", "divisor_override", "fill_value", "src"})
 # bindings whose every number argument is a constant of the math (pointwise ops), but sizes
 _MATH_MODULES = ("compiler.bindings.elementwise", "compiler.bindings.losses")
-# bindings that keep numbers as graph kwargs, fitted as sizes there too (index_add's alpha, huber's delta)
+# bindings that keep those numbers as graph kwargs, fitted as sizes there too (index_add's alpha)
 _KWARG_MODULES = ("compiler.bindings.routing",)
 # bindings whose ``*size`` also takes a constant: x.new_full(size, fill_value)
 _POSITIONAL_MATH = {torch.Tensor.new_full: 1}
@@ -95,10 +95,10 @@ def _leaves_in(value) -> list:
     return []
 
 
-_DIM_LEAVES: dict = {}
+_CONSTANT_LEAVES: dict = {}
 
 
-def dim_leaves(call) -> frozenset:
+def constant_leaves(call) -> frozenset:
     """Positions in ``call.leaves`` of the ints the call passes that are not sizes, read from its
     binding: dim indices (a permute's (0, 2, 1, 3), a softmax's dim) and the constants of its math
     (``x * 3``, ``x.norm(p=3)``).
@@ -112,15 +112,15 @@ def dim_leaves(call) -> frozenset:
       size: wrong values. A constant in both, the check sees the new size and the call runs
       eagerly. Seen changing between two recordings, both are fitted as sizes alike."""
     try:
-        return _DIM_LEAVES[(call.func, call.spec, len(call.leaves))]
+        return _CONSTANT_LEAVES[(call.func, call.spec, len(call.leaves))]
     except KeyError:
-        found = _DIM_LEAVES[(call.func, call.spec, len(call.leaves))] = _find_dim_leaves(call)
+        found = _CONSTANT_LEAVES[(call.func, call.spec, len(call.leaves))] = _find_constant_leaves(call)
         return found
     except TypeError:  # (an unhashable spec)
-        return _find_dim_leaves(call)
+        return _find_constant_leaves(call)
 
 
-def _find_dim_leaves(call) -> frozenset:
+def _find_constant_leaves(call) -> frozenset:
     from compiler.bindings import lookup
 
     func = call.func
@@ -273,12 +273,12 @@ def remake(trace: Trace, graphs: list, f, unit=_no_unit) -> tuple:
     for call in trace.calls:
         name = function_name(call.func)
         unit(("call", name, call.kind, len(call.leaves)))
-        dims = dim_leaves(call)
+        constants = constant_leaves(call)
         leaves = []
         for i, x in enumerate(call.leaves):
             if isinstance(x, ValueId):
                 leaves.append(x)
-            elif i in dims:   # (a dim index: never re-read as a size, as ``_remake_graph``'s NOT_SIZES)
+            elif i in constants:   # (a dim index, a constant of the math: as in ``_remake_graph``)
                 unit(("fixed",))
                 leaves.append(_map_ints(x, f))
                 unit(("call", name, "after", i))
