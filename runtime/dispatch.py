@@ -37,8 +37,8 @@ STORED_TRIES = 8  # calls a stored recording waits for its paths to lead somewhe
 # -- watching what runs eagerly -------------------------------------------------------------------
 # NOTE: a fallback is logged once per function and reason, and a divergence only counted in the
 # function's own stats: a test (tests/conftest.py) or a tool that must see every one, whichever
-# function made it, watches. Events are noted where they happen, never on a replay that follows
-# its recording: with no watcher, one empty-list check on those rare paths.
+# function made it, watches. With no watcher, noting costs one empty-list check, on the rare paths
+# and once per replay.
 _WATCHERS: list = []
 COMPILED: "weakref.WeakSet" = weakref.WeakSet()   # every live CompiledFunction (launch counting)
 
@@ -203,6 +203,9 @@ class CompiledFunction:
             return self._record(key, backend, why, args, kwargs, seen=self.cache.get(key))
         self.last_backend = backend
         self.stats["replays"] += 1
+        if _WATCHERS and entry.report.fallbacks:  # (its recording's fallbacks run eagerly on each replay too)
+            for reason in entry.report.fallbacks:
+                _note(self.__name__, "fallback", reason)
         mode = Replay(entry.trace, tensors, externals, alternatives=[e.trace for e in variants if e is not entry])
         if self.skip_python and self._python_skippable(entry, variants):
             self.last_entry = entry
