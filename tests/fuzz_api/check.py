@@ -1,0 +1,425 @@
+"""One API program, eager vs compiled (backend="interpret"), over several calls.
+
+Three worlds run the program from the same seeds, each with its own module and optimizer
+(made afresh from the program's seed) and the same inputs per call:
+
+* eager: the function itself, ``CALLS`` times;
+* compiled: ``compiler.compile(fn, backend="interpret")``, ``CALLS`` times (the first call
+  records and stores its recording, the later ones replay through the kernels);
+* stored: a second ``compiler.compile`` of a fresh function of the same source, ``STORED_CALLS``
+  times: it starts as a fresh process does and loads the recording the compiled world stored
+  (where the recording could be stored: one holding a hook function is not), replaying at once.
+
+After each call everything eager shows is compared: the returned values (shape, dtype,
+requires_grad, values, NaN where eager has NaN), each hook call in order (which hook, and the
+shapes, dtypes and values of its arguments), the inputs' ``.grad``, the parameters, their
+``.grad`` and the optimizer's state, and the exception where eager raises one (same type and
+message; the world stops there). A program whose outputs are differentiable and that makes no
+backward itself gets one after each call (``external_backward``), so its hooks fire outside the
+compiled function. Which tensors a compiled region saves is its own business (it may save fewer
+and recompute), so the hooks of ``saved_tensors_hooks`` blocks are counted, not compared; their
+effect on values and gradients is.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+import compiler
+from tests.fuzz_api.program import Box, Log
+
+CALLS = 3          # the compiled world: one recording, then replays
+STORED_CALLS = 2   # the second compile, from the stored recording
+
+TOLERANCE = {torch.float64: (1e-7, 1e-9), torch.float32: (1e-4, 1e-5), torch.float16: (1e-2, 1e-3),
+             torch.bfloat16: (2e-2, 1e-2)}
+
+# Fallbacks the compiler is allowed (substrings of reasons), each with why it is no bug.
+ALLOWED_FALLBACKS = {
+    "in-place": "an in-place op on a value an op saved: that region runs eagerly so eager's version error fires",
+}
+
+
+class Mismatch(AssertionError):
+    """Compiled differs from eager; the message says where."""
+
+
+class KnownBug(Exception):
+    """A difference already reported, with an xfail(strict=True) regression test in
+    tests/test_fuzz_api.py (KNOWN); the runs count these instead of stopping at them."""
+
+
+def _hook_without_gradient(program, message):
+    # a tensor hook (or post-accumulate-grad hook) on a value the backward does not reach is
+    # called with None on replay, where eager does not call it (tests/test_fuzz_api.py)
+    return "hooks called with no gradient (None) where eager calls none" in message
+
+
+def registered_after_use(program) -> set:
+    """Names of the values on which the program registers a tensor hook or calls retain_grad()
+    after a statement already read them."""
+    found = set()
+    for i, line in enumerate(program.lines):
+        match = re.match(r"\s*(?:h\d+ = )?(?!x\d)(\w+)\.(register_hook|retain_grad)\(", line)
+        if match is None:
+            continue
+        name = match.group(1)
+        uses = [ln for ln in program.lines[:i] if re.search(rf"=.*\b{name}\b", ln)
+                and not re.match(rf"\s*{name} = ", ln)]
+        if uses:
+            found.add(name)
+    return found
+
+
+def _hook_on_a_consumed_value(program, message):
+    # a tensor hook (or retain_grad) registered on a value after an op of the same region read
+    # it sees on replay only the gradient of the uses after it: None where there are none, where
+    # eager passes the value's whole gradient (tests/test_fuzz_api.py)
+    if not registered_after_use(program):
+        return False
+    return ("hook called with None where eager passes a gradient" in message or "'s arguments" in message
+            or re.search(r"output \d+: got None, eager", message) is not None)
+
+
+def _second_backward_raises(program, message):
+    # backward twice through ops that save nothing (a sum): eager's second backward runs, ours
+    # raises "Trying to backward through the graph a second time" (the region's Function)
+    return "raised 'RuntimeError: Trying to backward through the graph a second time" in message \
+        and message.rstrip().endswith("eager None")
+
+
+_COMPUTING_PACK_HOOK = re.compile(r"_raw_saved_\w+\.register_hooks\(lambda t: (log\('\w+', t\) or )?"
+                                  r"(t \* 1|t\.clone\(\)|\(t\.to\(|t\.double\(\))")
+
+
+def _pack_hook_result_in_kernels(program, message):
+    # issue 32: a pack hook on a Node's raw saved tensor that computes a new tensor (t * 1,
+    # t.clone(), a cast) gives NaN gradients on replay, or the unpack hook gets a tensor "kept
+    # inside the fused kernels" (the pack hook's ops were captured into the region)
+    return bool(_COMPUTING_PACK_HOOK.search(program.source)) and (
+        "nan" in message.lower() or "keeps inside its fused kernels" in message or "grads" in message.split(":")[1])
+
+
+def _inplace_under_saved_tensor_hooks(program, message):
+    # an in-place op on a value saved under saved-tensor hooks: eager keeps the pack hook's result
+    # and checks no version; the replay raises eager's no-hooks version error
+    return "has been modified by an inplace operation" in message and message.rstrip().endswith("eager None") \
+        and any(s in program.source for s in ("saved_tensors_hooks", "save_on_cpu", "register_hooks"))
+
+
+def _hooks_off_the_inputs_path(program, message):
+    # backward(inputs=...) / autograd.grad(..., inputs): eager runs only the part of the graph
+    # between the loss and the inputs; the replay calls hooks of values outside it
+    return "inputs=" in program.source and ("hooks called that eager does not call" in message or re.search(
+        r"output \d+: got \(False, torch\.\w+\[[\d, ]*\]\), eager None", message) is not None)
+
+
+def _inference_tensor_saved_under_hooks(program, message):
+    # an inference-mode tensor read by a region that saves it under saved-tensor hooks: the replay
+    # raises "Inference tensors do not track version counter" (eager saves it without a version)
+    return "Inference tensors do not track version counter" in message and "eager None" in message
+
+
+# (name, test on (program, message of the Mismatch)): bugs found and not fixed yet
+KNOWN_BUGS: list = [("pack-hook-result-in-kernels", _pack_hook_result_in_kernels),
+                    ("hook-called-without-gradient", _hook_without_gradient),
+                    ("hook-registered-after-use-misses-gradient", _hook_on_a_consumed_value),
+                    ("second-backward-raises-where-nothing-saved", _second_backward_raises),
+                    ("inplace-under-saved-tensor-hooks", _inplace_under_saved_tensor_hooks),
+                    ("hooks-off-the-inputs-path", _hooks_off_the_inputs_path),
+                    ("inference-tensor-saved-under-hooks", _inference_tensor_saved_under_hooks)]
+
+
+def describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def _seed_like(x, k):
+    g = torch.Generator().manual_seed(1000 + k)
+    return torch.randn(x.shape, generator=g, dtype=torch.float64).to(x.dtype)
+
+
+def _state_of(opt):
+    if opt is None:
+        return []
+    out = []
+    for group in opt.param_groups:
+        for p in group["params"]:
+            state = opt.state.get(p, {})
+            out.append({k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                        for k, v in sorted(state.items())})
+    return out
+
+
+def _leaves(value):
+    """The tensors in a returned value, flattened (tuples of gradients included)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _leaves(v)]
+    return [value]
+
+
+def run_world(program, fn, calls: int, log: Log, on_call=None) -> list:
+    """What each call shows (a list of dicts, one per call, stopping after an error)."""
+    world = program.model.make() if program.model is not None else ()
+    results = []
+    for call in range(calls):
+        log.entries.clear()
+        log.store.clear()
+        log.uncompared = 0
+        args = program.arguments(world, call)
+        inputs = args[len(world):]
+        result = {"error": None}
+        try:
+            outputs = fn(*args)
+        except Exception as e:  # noqa: BLE001 — eager's error is what the compiled call must raise
+            result["error"] = describe(e)
+            result["log"] = list(log.entries)
+            results.append(result)
+            if on_call is not None:
+                on_call(call)
+            break
+        if on_call is not None:
+            on_call(call)
+        flat = _leaves(outputs)
+        result["outputs"] = [(t.requires_grad, t.detach().clone()) if isinstance(t, torch.Tensor) else t
+                             for t in flat]
+        if program.external_backward:
+            terms = [(t * _seed_like(t, k)).sum() for k, t in enumerate(flat)
+                     if isinstance(t, torch.Tensor) and t.requires_grad]
+            if terms:
+                try:
+                    sum(terms).backward()
+                except Exception as e:  # noqa: BLE001
+                    result["backward_error"] = describe(e)
+        result["log"] = list(log.entries)
+        result["input grads"] = [None if x.grad is None else x.grad.clone() for x in inputs]
+        if world:
+            m, opt = world
+            result["parameters"] = [p.detach().clone() for p in m.parameters()]
+            result["parameter grads"] = [None if p.grad is None else p.grad.clone() for p in m.parameters()]
+            result["optimizer state"] = _state_of(opt)
+        results.append(result)
+        if "backward_error" in result:
+            break
+    return results
+
+
+# -- comparing ------------------------------------------------------------------------------------
+
+
+def _close(what, got, want, loose=False):
+    if isinstance(want, Box) or isinstance(got, Box):
+        raise AssertionError("snapshots hold no Box")
+    if isinstance(want, tuple) or isinstance(got, tuple):
+        if not (isinstance(want, tuple) and isinstance(got, tuple)) or len(got) != len(want):
+            raise Mismatch(f"{what}: got {_brief(got)}, eager {_brief(want)}")
+        for i, (g, w) in enumerate(zip(got, want)):
+            _close(f"{what}[{i}]", g, w, loose)
+        return
+    if isinstance(want, dict) or isinstance(got, dict):
+        if not (isinstance(want, dict) and isinstance(got, dict)) or sorted(got) != sorted(want):
+            raise Mismatch(f"{what}: got {_brief(got)}, eager {_brief(want)}")
+        for k in want:
+            _close(f"{what}[{k!r}]", got[k], want[k], loose)
+        return
+    if not isinstance(want, torch.Tensor) or not isinstance(got, torch.Tensor):
+        if isinstance(got, torch.Tensor) or isinstance(want, torch.Tensor) or got != want:
+            raise Mismatch(f"{what}: got {_brief(got)}, eager {_brief(want)}")
+        return
+    if got.shape != want.shape or got.dtype != want.dtype:
+        raise Mismatch(f"{what}: got {got.dtype}{list(got.shape)}, eager {want.dtype}{list(want.shape)}")
+    if not want.dtype.is_floating_point:
+        if not torch.equal(got, want):
+            raise Mismatch(f"{what}: got {got.tolist()}, eager {want.tolist()}")
+        return
+    # (loose: the program computes in float32, so a float64 value it makes carries float32 rounding)
+    rtol, atol = TOLERANCE[torch.float32 if loose else want.dtype]
+    g, w = got.detach().double(), want.detach().double()
+    bound = atol + rtol * w.abs()
+    if (loose or want.dtype != torch.float64) and w.numel():
+        bound = bound + rtol * w.abs().nan_to_num(0.0, 0.0, 0.0).amax()
+    same_nan = torch.isnan(g) == torch.isnan(w)
+    both_inf = torch.isinf(w) & (g == w)
+    ok = same_nan & (torch.isnan(w) | both_inf | ((g - w).abs() <= bound))
+    if not bool(ok.all()):
+        bad = (~ok).nonzero()[0].tolist()
+        raise Mismatch(f"{what}: at {bad} got {g[tuple(bad)].item()}, eager {w[tuple(bad)].item()}\n"
+                       f"  got   {g.flatten()[:8].tolist()}\n  eager {w.flatten()[:8].tolist()}")
+
+
+def _brief(x):
+    if isinstance(x, torch.Tensor):
+        return f"{x.dtype}{list(x.shape)}"
+    if isinstance(x, tuple):
+        return "(" + ", ".join(_brief(v) for v in x) + ")"
+    if isinstance(x, dict):
+        return "{" + ", ".join(f"{k!r}: {_brief(v)}" for k, v in x.items()) + "}"
+    return repr(x)
+
+
+def leaf_order(entries):
+    """The log with each run of consecutive hook calls on leaves (names ``...@<leaf>``: tensor
+    hooks of inputs and parameters, post-accumulate-grad hooks) ordered by leaf, each leaf's
+    own calls in their order. README, Known limits: among leaves that become ready at the same
+    moment of a backward, hooks of different leaves may fire in another order than eager's."""
+    out, run = [], []
+    for entry in list(entries) + [None]:
+        if entry is not None and "@" in entry[0]:
+            run.append(entry)
+            continue
+        out += sorted(run, key=lambda e: e[0].split("@")[1])
+        run = []
+        if entry is not None:
+            out.append(entry)
+    return out
+
+
+def _none(value) -> bool:
+    """No gradient: None, or a tuple of them (a Node hook's grad_outputs)."""
+    return value is None or (isinstance(value, tuple) and all(_none(v) for v in value))
+
+
+def _calls_without_gradient(got, want) -> list:
+    """The hooks of ``got`` called with None (no gradient) that eager never calls (and the unpack
+    hooks of the Nodes that ran for them: the engine unpacks a Node's saved tensors to run it)."""
+    called = {e[0] for e in want}
+    extra = {name for name, args in got if name not in called and _none(args)}
+    if extra:
+        extra |= {name for name, _ in got if name not in called and name.startswith("unpack")}
+    return sorted(extra)
+
+
+def _none_where_eager_has_gradient(got, want) -> list:
+    """The hooks of ``got`` called with None that eager calls with a gradient."""
+    with_gradient = {name for name, args in want if not _none(args)}
+    return sorted({name for name, args in got if name in with_gradient and _none(args)})
+
+
+def _subsequence(short, long) -> bool:
+    it = iter(long)
+    return all(any(x == y for y in it) for x in short)
+
+
+def _compare_log(what, got, want, loose, info=None):
+    names_got, names_want = [e[0] for e in got], [e[0] for e in want]
+    if names_got != names_want:
+        got, want = leaf_order(got), leaf_order(want)
+        if [e[0] for e in got] != [e[0] for e in want]:
+            extra = _calls_without_gradient(got, want)
+            rest = [e[0] for e in got if e[0] not in extra]
+            # (the rest as eager's, or its start: a hook that got None may raise, ending the backward)
+            if extra and rest == [e[0] for e in want][:len(rest)]:
+                raise Mismatch(f"{what}: hooks called with no gradient (None) where eager calls none: {extra}; "
+                               f"hooks called {names_got}, eager {names_want}")
+            if _subsequence(names_want, names_got):
+                raise Mismatch(f"{what}: hooks called that eager does not call: hooks called {names_got}, "
+                               f"eager {names_want}")
+            raise Mismatch(f"{what}: hooks called {names_got}, eager {names_want}")
+        if info is not None:
+            info["leaf hook order differs"] = True
+    for (name, args_got), (_, args_want) in zip(got, want):
+        if _none(args_got) and not _none(args_want):
+            raise Mismatch(f"{what}: hook called with None where eager passes a gradient: {name} got "
+                           f"{_brief(args_got)}, eager {_brief(args_want)}")
+        _close(f"{what}: {name}'s arguments", args_got, args_want, loose)
+
+
+def _hooks_given_none(g, w) -> str:
+    """Where a compiled call raised and eager's did not: the hooks it called with None (a hook
+    that computes with its gradient raises then), said first."""
+    got, want = g.get("log", []), w.get("log", [])
+    extra = _calls_without_gradient(got, want)
+    if extra:
+        return f"hooks called with no gradient (None) where eager calls none: {extra}; "
+    lost = _none_where_eager_has_gradient(got, want)
+    if lost:
+        return f"hook called with None where eager passes a gradient: {lost}; "
+    return ""
+
+
+def compare_worlds(world: str, got: list, want: list, loose: bool = False, info=None):
+    for call, (g, w) in enumerate(zip(got, want)):
+        where = f"{world} call {call}"
+        if g["error"] != w["error"]:
+            raise Mismatch(f"{where}: {_hooks_given_none(g, w)}raised {g['error']!r}, eager {w['error']!r}")
+        if w["error"] is None and g.get("backward_error") != w.get("backward_error"):
+            raise Mismatch(f"{where}: {_hooks_given_none(g, w)}backward raised {g.get('backward_error')!r}, "
+                           f"eager {w.get('backward_error')!r}")
+        _compare_log(f"{where}: log", g.get("log", []), w.get("log", []), loose, info)
+        if w["error"] is not None:
+            return
+        if len(g["outputs"]) != len(w["outputs"]):
+            raise Mismatch(f"{where}: {len(g['outputs'])} outputs, eager {len(w['outputs'])}")
+        for i, (go, wo) in enumerate(zip(g["outputs"], w["outputs"])):
+            if isinstance(wo, tuple) and isinstance(go, tuple):
+                if go[0] != wo[0]:
+                    raise Mismatch(f"{where}: output {i}: requires_grad {go[0]}, eager {wo[0]}")
+                go, wo = go[1], wo[1]
+            _close(f"{where}: output {i}", go, wo, loose)
+        for key in ("input grads", "parameters", "parameter grads", "optimizer state"):
+            if key in w:
+                for i, (gv, wv) in enumerate(zip(g[key], w[key])):
+                    _close(f"{where}: {key} {i}", gv, wv, loose)
+    if len(got) != len(want):
+        raise Mismatch(f"{world}: {len(got)} calls ran, eager {len(want)}")
+
+
+# -- one program ----------------------------------------------------------------------------------
+
+
+def check_program(program) -> dict:
+    """Run ``program`` eagerly and compiled; raise ``Mismatch`` on any difference (``KnownBug``
+    for one listed in KNOWN_BUGS). Returns what the compiled calls did (for the run's counts)."""
+    try:
+        return _check(program)
+    except Mismatch as e:
+        known = next((name for name, matches in KNOWN_BUGS if matches(program, str(e))), None)
+        if known is not None:
+            raise KnownBug(f"{known}: {e}") from e
+        raise
+
+
+def _check(program) -> dict:
+    log = Log()
+    want = run_world(program, program.function(log), CALLS, log)
+    info = {"fallbacks": [], "replayed with kernels": False, "loaded": False, "stored replayed with kernels": False,
+            "eager error": want[-1]["error"] is not None, "calls": [], "leaf hook order differs": False}
+
+    log = Log()
+    compiled = compiler.compile(program.function(log), backend="interpret")
+    calls = info["calls"]
+
+    def on_call(call, compiled=compiled, calls=calls):
+        calls.append(dict(compiled.stats))
+
+    got = run_world(program, compiled, CALLS, log, on_call)
+    loose = any(spec.dtype != torch.float64 for spec in program.inputs)
+    compare_worlds("compiled", got, want, loose, info)
+    before = {"kernel_launches": 0, "divergences": 0, "replays": 0}
+    for stats in calls:
+        delta = {k: stats[k] - before[k] for k in before}
+        if delta["replays"] and delta["kernel_launches"] and not delta["divergences"] and len(calls) > 1 \
+                and stats is not calls[0]:
+            info["replayed with kernels"] = True
+        before = {k: stats[k] for k in before}
+    info["divergences"] = calls[-1]["divergences"] if calls else 0
+    entry = compiled.last_entry
+    if entry is not None:
+        info["fallbacks"] = list(entry.report.fallbacks)
+        for reason in info["fallbacks"]:
+            if "failed to compile" in reason or "internal error" in reason:
+                raise Mismatch(f"fell back to eager: {reason}")
+
+    log = Log()
+    stored = compiler.compile(program.function(log), backend="interpret")
+    stored_calls = []
+    got = run_world(program, stored, STORED_CALLS, log, lambda call: stored_calls.append(dict(stored.stats)))
+    compare_worlds("stored", got, want[:STORED_CALLS], loose, info)
+    if stored_calls and stored_calls[0]["loaded"]:
+        info["loaded"] = True
+        info["stored replayed with kernels"] = stored_calls[0]["kernel_launches"] > 0
+    return info
