@@ -405,7 +405,14 @@ def _scaled_dot_product_attention(b, query, key, value, attn_mask=None, dropout_
         raise Unsupported("scaled_dot_product_attention with both attn_mask and is_causal (eager raises)")
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    scores = matmul(query, key.transpose(-2, -1)) * scale
+    # NOTE: half types: the scores and their softmax in float32, as every eager backend keeps
+    # them (CPU's kernels compute in float32; CUDA's flash and memory-efficient kernels
+    # accumulate q kᵀ in float32): scores rounded to bf16 (|s| ~ 10: errors of 0.03) made
+    # outputs 6x further from the exact result than eager's. The weights go back to the input's
+    # dtype for the matmul with v, as flash attention's do.
+    dtype = query.dtype
+    wide = compute_dtype(dtype)
+    scores = matmul(query.to(wide), key.to(wide).transpose(-2, -1)) * scale
     if is_causal:
         rows, cols = arange_along(b, scores.shape, scores.ndim - 2), arange_along(b, scores.shape, scores.ndim - 1)
         attn_mask = cols <= rows
@@ -421,7 +428,7 @@ def _scaled_dot_product_attention(b, query, key, value, attn_mask=None, dropout_
     weights = e / where(total == 0.0, 1.0, total)
     if dropout_p > 0:
         weights = Tensor(b, _dropout(b, weights, dropout_p, True))
-    return matmul(weights, value)
+    return matmul(weights.to(value.dtype), value)
 
 
 binds(torch.tril, _t("tril"))(_triangle(True))
