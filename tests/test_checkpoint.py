@@ -112,6 +112,8 @@ def _saved_bytes(fn, inputs, params) -> int:
     return total
 
 
+@pytest.mark.allows_eager("KNOWN BUG, reported (issue 32): the measuring pack hook's untyped_storage() calls during a "
+                          "replay leave the recording, so the checkpointed call runs partly eagerly")
 def test_checkpoint_saves_less():
     torch.manual_seed(0)
     layers = [torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
@@ -229,6 +231,7 @@ class _Square(torch.autograd.Function):
         return 2 * x * g
 
 
+@pytest.mark.allows_eager("a checkpoint block with an eager call runs eagerly whole: what it tests")
 def test_block_with_an_eager_call_runs_eagerly_whole():
     # a custom autograd.Function inside the block saves into the checkpoint's holders, and
     # eager's recomputation reruns the whole block: the block's compiled ops run eagerly too

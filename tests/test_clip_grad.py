@@ -123,12 +123,14 @@ def test_non_finite_norm_raises_eagers_error_with_gradients_unchanged():
 
 
 @pytest.mark.parametrize("norm_type,why", [(3.0, "norm_type=3.0 (fused for 1, 2 and inf)")])
+@pytest.mark.allows_eager("a fallback with its reason: what it tests")
 def test_a_call_not_covered_runs_eagerly_with_the_reason(norm_type, why):
     compiled, _ = _run_both(_step(norm_type), torch.float32, _batches(torch.float32, steps=3), norm_type)
     assert compiled.stats.get("clip_launches", 0) == 0
     assert compiled.last_entry.report.fallbacks == [f"clip_grad_norm_ runs eagerly: {why}"]
 
 
+@pytest.mark.allows_eager("a fallback with its reason: what it tests")
 def test_half_precision_gradients_run_eagerly_with_the_reason():
     model = _model(torch.bfloat16)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

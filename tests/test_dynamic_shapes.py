@@ -186,6 +186,8 @@ def _int_cases(k):
 
 @pytest.mark.parametrize("passed", ["literal", "size"])
 @pytest.mark.parametrize("name", list(_int_cases(len)))
+@pytest.mark.allows_eager("a size passed to the math, or a literal equal to a size, leaves an instantiated recording "
+                          "(the replay's check): right values, what it tests")
 def test_ints_passed_to_the_math_give_eagers_values_at_every_size(name, passed):
     # NOTE: a constant of the math (x * 3, a norm's p) stays a constant in the graph's expressions;
     # read as a size in the recorded call while the graph kept it (or the other way round), a

@@ -244,6 +244,7 @@ class MySGD(torch.optim.SGD):
     (lambda p: MySGD(p, lr=0.05, momentum=0.9), "MySGD is not an optimizer the compiler fuses"),
     (lambda p: torch.optim.Adam(p, lr=torch.tensor(1e-2)), "lr is a Tensor"),
 ])
+@pytest.mark.allows_eager("an optimizer step that runs eagerly, with its reason: what it tests")
 def test_an_optimizer_not_fused_runs_eagerly_with_its_reason(make, why, caplog):
     with caplog.at_level(logging.WARNING, logger="compiler"):
         step, _, _ = _run_both(make, torch.float64, steps=6)
@@ -252,6 +253,7 @@ def test_an_optimizer_not_fused_runs_eagerly_with_its_reason(make, why, caplog):
     assert any("optimizer.step()" in r and why in r for r in fallbacks), fallbacks
 
 
+@pytest.mark.allows_eager("an optimizer step that runs eagerly, with its reason: what it tests")
 def test_half_precision_parameters_run_eagerly_with_the_reason():
     model = _model(torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -277,6 +279,7 @@ def test_a_step_that_is_not_the_compiled_one_runs_eagerly():
     assert step.stats["optimizer_launches"] >= 8
 
 
+@pytest.mark.allows_eager("an optimizer step that runs eagerly, with its reason: what it tests")
 def test_a_closure_runs_the_step_eagerly():
     model = _model(torch.float64)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -347,6 +350,7 @@ def test_optimizer_kernels_compile_for_hopper_without_spills():
     assert results[0]["vector_share"] == 1.0 and results[3]["vector_share"] == 1.0, results
 
 
+@pytest.mark.allows_eager("an optimizer step that runs eagerly, with its reason: what it tests")
 def test_an_optimizer_made_inside_the_function_runs_eagerly_and_records_once():
     """A new optimizer each call cannot have a compiled step; noting its step must not keep it
     (and its parameters) alive past the call, or each call would record again."""

@@ -131,6 +131,8 @@ def test_autocast_training_step_compiles_whole_and_tracks_eager():
     assert f.stats["captures"] == 2  # autocast on and off: one recording each
 
 
+@pytest.mark.allows_eager("Adam's first step creates its state: the next calls leave the recording until that path is "
+                          "recorded")
 def test_optimizer_step_runs_unwatched_and_its_state_stays_right():
     """optimizer.step() is all eager calls: the replay lets it run without checking each call.
     Values it makes (Adam's moments) read by the function afterwards still give eager's results,
