@@ -97,22 +97,34 @@ def _program(inputs, lines, outputs, model=None, external_backward=False):
                    external_backward)
 
 
+# -- found and fixed: each must match eager now ----------------------------------------------------
+FIXED = {
+    # issue 32 (fixed in 6731947): a pack hook on a Node's raw saved tensor that computes a new
+    # tensor gave NaN gradients on replay, or its unpack hook got a tensor kept inside the kernels
+    "pack-hook-times-one-nan": _program([((5,), f64, True, 3)], [
+        "y = x0.pow(2)",
+        "y.grad_fn._raw_saved_self.register_hooks(lambda t: t * 1, lambda t: t)",
+        "y.sum().backward()"], ["y"]),
+    "pack-hook-clone-unpack-reads-it": _program([((3,), f64, True, 4)], [
+        "y = torch.sin(x0)",
+        "y.grad_fn._raw_saved_self.register_hooks(lambda t: t.clone(), lambda t: log('unpack', t) or t)",
+        "torch.exp(y).sum().backward()"], ["y"]),
+    # fuzz seed 3173: the same on maximum's saved input: no NaN, a wrong gradient (off by 1)
+    "pack-hook-on-maximum-wrong-gradient": _program([((3,), f64, True, 375788603)], [
+        "v0 = torch.sin(x0)",
+        "v1 = torch.maximum(x0, v0)",
+        "v1.grad_fn._raw_saved_self.register_hooks(lambda t: t * 1, lambda t: t)",
+        "v1.sum().backward()"], ["v1"]),
+}
+
+
+@pytest.mark.parametrize("name", list(FIXED))
+def test_fixed_regressions(name):
+    check_program(FIXED[name])
+
+
 # -- found and not fixed yet: each is reported; strict, so a fix turns it into a failure --------
 KNOWN = {
-    # issue 32 (being fixed): a pack hook on a Node's raw saved tensor that computes a new tensor
-    # gives NaN gradients on replay, or its unpack hook gets a tensor kept inside the kernels
-    "pack-hook-times-one-nan": (
-        "pack-hook-result-in-kernels",
-        _program([((5,), f64, True, 3)], [
-            "y = x0.pow(2)",
-            "y.grad_fn._raw_saved_self.register_hooks(lambda t: t * 1, lambda t: t)",
-            "y.sum().backward()"], ["y"])),
-    "pack-hook-clone-unpack-reads-it": (
-        "pack-hook-result-in-kernels",
-        _program([((3,), f64, True, 4)], [
-            "y = torch.sin(x0)",
-            "y.grad_fn._raw_saved_self.register_hooks(lambda t: t.clone(), lambda t: log('unpack', t) or t)",
-            "torch.exp(y).sum().backward()"], ["y"])),
     # fuzz seed 155 (and 29, 84, 435): a hook on a value the backward does not reach is called
     # with None on replay; eager does not call it. The region's one autograd.Function connects
     # every region input to every output, so the engine runs the unreached leaf's AccumulateGrad
@@ -148,6 +160,19 @@ KNOWN = {
             "loss = (x0 * x0).sum()",
             "loss.backward()",
             "h.remove()"], ["loss"], model=ModelSpec("linear", 2, 2, f64, 11))),
+    # fuzz seed 2525: the pack hook's result is there since 6731947, but the Node of a value the
+    # loss does not reach (v0, read by v4 only) still runs on replay: its unpack hook is called
+    "unpack-hook-of-a-node-the-loss-does-not-reach": (
+        "hook-called-without-gradient",
+        _program([((4,), f64, True, 203402533)], [
+        "v0 = torch.sin(x0)",
+        "v1 = x0.pow(2)",
+        "v2 = torch.sin(x0)",
+        "v3 = torch.softmax(v1, dim=-1)",
+        "v4 = v2 + v0",
+        "v0.grad_fn._raw_saved_self.register_hooks(lambda t: log('pack', t) or t.clone(), "
+        "lambda t: log('unpack', t) or t)",
+        "v5 = v2 * v3"], ["v5"], external_backward=True)),
     # fuzz seeds 156, 59, 295, 363: a tensor hook or retain_grad() registered on a value after an op
     # read it sees on replay only the gradient of the uses after the registration: None where
     # there are none (eager: the value's whole gradient). The region is split where Python touches
@@ -195,15 +220,6 @@ KNOWN = {
             "    y = torch.tanh(x0)",
             "y.mul_(2)",
             "(y * y).sum().backward()"], ["y"])),
-    # fuzz seed 3173: the same on maximum's saved input: no NaN, a wrong gradient (off by 1 where
-    # the inputs tie or not: the pack hook's value is read in place of the input)
-    "pack-hook-on-maximum-wrong-gradient": (
-        "pack-hook-result-in-kernels",
-        _program([((3,), f64, True, 375788603)], [
-            "v0 = torch.sin(x0)",
-            "v1 = torch.maximum(x0, v0)",
-            "v1.grad_fn._raw_saved_self.register_hooks(lambda t: t * 1, lambda t: t)",
-            "v1.sum().backward()"], ["v1"])),
     # fuzz seed 2084: backward(inputs=[b]) where the loss does not depend on b: eager runs nothing
     # (only the graph between the loss and the inputs runs); the replay calls the hook of a value on
     # the loss's path, with its gradient
@@ -226,29 +242,35 @@ KNOWN = {
             "v4.retain_grad()",
             "loss = v4.sum()",
             "grads = torch.autograd.grad(loss, inputs=[v2], allow_unused=True)"], ["v4.grad"])),
-    # fuzz seed 2581: an inference-mode tensor read by a region that saves it under saved-tensor
-    # hooks: the replay raises "Inference tensors do not track version counter"; eager runs
-    "inference-tensor-saved-under-hooks": (
-        "inference-tensor-saved-under-hooks",
-        _program([((4,), f64, False, 19), ((4,), f64, True, 20)], [
+    # fuzz seeds 2581, 4866: an inference-mode tensor read by a region whose backward needs it
+    # (eager's ops save none of it: a subtraction, then a product of the difference): the replay
+    # raises "Inference tensors do not track version counter" (or "... cannot be saved for
+    # backward"); the region saves it, or checks its version, to recompute the difference
+    "inference-tensor-read-by-a-region": (
+        "inference-tensor-saved-by-a-region",
+        _program([((4, 3), f64, True, 19), ((4, 3), f64, False, 20)], [
             "with torch.inference_mode():",
-            "    v0 = x0 * x0",
-            "with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):",
-            "    v4 = torch.sin(v0) * x1",
-            "v4.sum().backward()"], ["v4"])),
-    # fuzz seed 2525: the pack-hook family again, where eager never unpacks (the saved value's
-    # Node is off the loss's path): the replay's backward raises "keeps inside its fused kernels"
-    "pack-hook-clone-off-the-loss-path": (
-        "pack-hook-result-in-kernels",
-        _program([((4,), f64, True, 203402533)], [
-            "v0 = torch.sin(x0)",
-            "v1 = x0.pow(2)",
-            "v2 = torch.sin(x0)",
-            "v3 = torch.softmax(v1, dim=-1)",
-            "v4 = v2 + v0",
-            "v0.grad_fn._raw_saved_self.register_hooks(lambda t: log('pack', t) or t.clone(), "
-            "lambda t: log('unpack', t) or t)",
-            "v5 = v2 * v3"], ["v5"], external_backward=True)),
+            "    v4 = x1 * 2",
+            "v2 = torch.tanh(x0)",
+            "v5 = v4 - v2",
+            "loss = (v5 * v5).sum()",
+            "loss.backward()"], ["loss"])),
+    # fuzz seed 4104: a linear layer's output on a 3-d input (a view of the region's matmul) made
+    # under saved_tensors_hooks, written in place afterwards: the replay raises autograd's
+    # "Output 0 of _RegionFunction is a view and is being modified inplace"; eager runs
+    "region-view-written-in-place": (
+        "region-view-written-in-place",
+        _program([((4, 2, 2), f32, True, 154936304)], [
+            "with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):",
+            "    v0 = m(x0)",
+            "with torch.autograd.graph.save_on_cpu():",
+            "    v1 = v0.sum(-1)",
+            "v2 = torch.sigmoid(v1)",
+            "v0.mul_(2)",
+            "v4 = torch.relu(v2)",
+            "loss = (v4 * v4).sum()",
+            "grads = torch.autograd.grad(loss, inputs=[v2, v4], allow_unused=True)"], ["grads"],
+            model=ModelSpec("linear", 2, 3, f32, 1890158244))),
 }
 
 
