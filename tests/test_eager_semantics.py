@@ -267,6 +267,7 @@ def test_custom_function_inside_a_compiled_function(call):
 
 # -- non-deterministic ops (rule 6 of the notes) ------------------------------------------
 
+@pytest.mark.allows_eager("torch.bernoulli runs eagerly (random ops other than dropout: a listed fallback)")
 def test_non_deterministic_op_gradient_as_in_eager(call):
     # bernoulli is not a mathematical function of p: eager gives it no gradient
     p = torch.full((8,), 0.5, requires_grad=True)
@@ -402,6 +403,8 @@ def _write_view_of_data(x):  # the pattern of torch.autograd.gradcheck's perturb
 
 
 @pytest.mark.parametrize("fn", [_write_view_of_argument, _write_view_of_intermediate, _write_view_of_data])
+@pytest.mark.allows_eager("an in-place write through a view whose base is outside its region runs eagerly (a "
+                          "deliberate fallback)")
 def test_view_written_in_place_in_a_region_still_views_its_base_afterwards(fn, call):
     f = compiled(fn, call)
     for _ in range(3):  # the recording, then replays
@@ -413,6 +416,8 @@ def test_view_written_in_place_in_a_region_still_views_its_base_afterwards(fn, c
         torch.testing.assert_close(x.detach(), expected_x.detach())
 
 
+@pytest.mark.allows_eager("an in-place write through a view whose base is outside its region runs eagerly (a "
+                          "deliberate fallback)")
 def test_view_of_a_region_value_written_in_place_after_the_region(call):
     # y and its view e both leave the region: e must be a view of y that PyTorch lets one write
     # in place (not one of several views a custom Function returned), and gradients see the write
@@ -442,6 +447,8 @@ def _check_view_written_after_the_region(fn, call):
         torch.testing.assert_close(grads, torch.autograd.grad(expected[0].sum() + expected[1].sum(), expected_x))
 
 
+@pytest.mark.allows_eager("an in-place write through a view whose base is outside its region runs eagerly (a "
+                          "deliberate fallback)")
 def test_view_of_a_value_of_a_split_region_written_in_place_after_the_region(call):
     # as above, in a region rebuilt around an op whose Node the user reads (run eagerly, the
     # region split around it): the rebuilt region must still make e from the real y
@@ -458,6 +465,7 @@ def test_view_of_a_value_of_a_split_region_written_in_place_after_the_region(cal
     _check_view_written_after_the_region(fn, call)
 
 
+@pytest.mark.allows_eager("gradcheck's own calls (Tensor.stride, torch.promote_types) run eagerly")
 def test_gradcheck_inside_a_compiled_function(call):
     # gradcheck perturbs its input through views of x.data and restores it: every write must
     # reach the input, or the numerical gradient (and the input afterwards) is wrong (the

@@ -10,6 +10,7 @@ import compiler
 from runtime.backends import BackendUnavailable
 
 
+@pytest.mark.allows_eager("a fallback with its reason: what it tests")
 def test_unsupported_op_runs_eagerly_with_reason(caplog):
     # (a name of its own: a fallback is said once per function name and reason in the process,
     # and tests/test_logs.py compiles an ``f`` with cumprod too)
@@ -33,6 +34,7 @@ def test_unsupported_op_runs_eagerly_with_reason(caplog):
     torch.testing.assert_close(g1, g2)
 
 
+@pytest.mark.allows_eager("Python takes another branch: the replay leaves its recording, what it tests")
 def test_item_and_tensor_control_flow_are_reported():
     def f(x):
         if x.sum() > 0:  # control flow on a tensor value

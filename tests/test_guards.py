@@ -2,6 +2,7 @@
 
 import copy
 
+import pytest
 import torch
 
 import compiler
@@ -48,6 +49,7 @@ def test_in_place_update_of_a_parameter_is_seen():
     assert compiled.stats["captures"] == 1
 
 
+@pytest.mark.allows_eager("a replay that leaves its recording (a per-call guard): what it tests")
 def test_python_control_flow_divergence_stays_correct():
     state = {"n": 0}
 
@@ -108,6 +110,7 @@ def test_switching_train_and_eval_keeps_one_recording_each():
     assert not f.disabled
 
 
+@pytest.mark.allows_eager("a replay that leaves its recording (a per-call guard): what it tests")
 def test_a_changing_number_argument_stops_being_specialized():
     """A learning rate passed per call: after a few different values the guard stops keying
     on it (the replay still checks every constant a kernel uses)."""
@@ -141,6 +144,8 @@ def test_a_changing_number_argument_stops_being_specialized():
         torch.testing.assert_close(scale(x, k), (x * k).sin())  # a constant in a kernel: still right
 
 
+@pytest.mark.allows_eager("the calls with an optimizer step leave the recording without one for its eager tail: what "
+                          "it tests")
 def test_an_optimizer_step_every_few_calls_costs_no_recording():
     """Gradient accumulation decided by Python state the guards cannot see: the call with the
     optimizer step leaves the recording only for its eager tail, and nothing is recorded again."""
@@ -171,6 +176,7 @@ def test_an_optimizer_step_every_few_calls_costs_no_recording():
     assert compiled.stats["divergences"] == 4 and not compiled.disabled
 
 
+@pytest.mark.allows_eager("a replay that leaves its recording (a per-call guard): what it tests")
 def test_paths_taken_in_turn_are_each_recorded_and_switched_between():
     """Python state picks one of two paths after the backward, for a while each: each path is
     recorded once (after it is taken twice in a row), and a replay that starts on one
@@ -197,6 +203,7 @@ def test_paths_taken_in_turn_are_each_recorded_and_switched_between():
     assert f.stats["captures"] == 2 and f.stats["divergences"] == divergences
 
 
+@pytest.mark.allows_eager("a replay that leaves its recording (a per-call guard): what it tests")
 def test_a_path_that_returns_an_intermediate_gets_its_real_value():
     """The recording kept h inside the kernels; a later call returns h itself (Python state
     the guards cannot see): the caller gets h's real value, never a placeholder."""

@@ -62,6 +62,7 @@ def test_each_stage_is_logged_with_what_it_made(collected):
     assert collected.messages("guards") == []     # not asked for
 
 
+@pytest.mark.allows_eager("a fallback's log line: what it tests")
 def test_fallbacks_are_logged_with_their_reason(collected):
     compiler.set_logs("fallbacks")
 
@@ -104,6 +105,7 @@ def test_a_failed_guard_says_which_and_why_it_records_again(collected):
     assert step.stats["captures"] == len(collected.messages("recompiles")) == 6
 
 
+@pytest.mark.allows_eager("a per-call guard failure's log line: what it tests")
 def test_a_per_call_guard_failure_is_logged(collected):
     compiler.set_logs("guards")
     flag = {"double": True}

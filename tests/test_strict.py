@@ -103,6 +103,7 @@ def test_strict_raises_even_where_the_users_code_catches_everything(monkeypatch)
         compiler.compile(careless, backend="interpret")(torch.randn(3))
 
 
+@pytest.mark.allows_eager("a deliberate fallback, not an internal error: what it tests")
 def test_deliberate_fallbacks_are_not_internal_errors(monkeypatch):
     monkeypatch.setenv("SYMGRAD_STRICT", "1")
 
@@ -150,6 +151,7 @@ def test_reductions_of_a_zero_dim_tensor_compile(name):
     assert compiled.last_entry.report.internal_errors == []
 
 
+@pytest.mark.allows_eager("a deliberate fallback, not an internal error: what it tests")
 def test_an_argument_a_binding_does_not_take_is_a_deliberate_fallback():
     """x.double(memory_format=...) used to raise TypeError inside the compiler."""
     f = lambda x: x.double(memory_format=torch.contiguous_format).sin()
@@ -163,6 +165,7 @@ def test_an_argument_a_binding_does_not_take_is_a_deliberate_fallback():
 
 
 @pytest.mark.parametrize("name", ["index_select", "unfold"])
+@pytest.mark.allows_eager("a deliberate fallback, not an internal error: what it tests")
 def test_zero_dim_gathers_and_windows_are_deliberate_fallbacks(name):
     """index_select / unfold of a 0-d tensor used to fail inside their bindings."""
     f = {"index_select": lambda x: torch.index_select(x, 0, torch.tensor([0])) * 2,
