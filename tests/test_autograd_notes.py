@@ -337,5 +337,7 @@ KNOWN_LIMITS = {
 
 
 @pytest.mark.parametrize("fn", list(cases(EXAMPLES, KNOWN_LIMITS)), ids=lambda f: getattr(f, "__name__", None))
+@pytest.mark.allows_eager("the notes' examples make calls the compiler runs eagerly (module init, "
+                          "Tensor.is_inference): the test compares what they print")
 def test_example_prints_what_eager_prints(fn):
     check_example(fn)

@@ -107,6 +107,8 @@ def test_positions_follow_a_changing_sequence_length():
         torch.testing.assert_close(grad, expected_grad)
 
 
+@pytest.mark.allows_eager("a module built inside the function: its init runs eagerly, and its new parameters leave "
+                          "the recording")
 def test_a_module_built_inside_the_function_gets_real_parameters():
     # nn.Linear's constructor wraps torch.empty's tensor as nn.Parameter (a use the mode does not
     # see) and initializes it in place: the factory's value must be a real tensor on replay

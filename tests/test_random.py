@@ -69,6 +69,7 @@ def test_dropout_module_train_eval_and_in_place():
     torch.testing.assert_close(out[kept], (F.gelu(model[0](x) * 2) / 0.8)[kept])
 
 
+@pytest.mark.allows_eager("a fallback with its reason: what it tests")
 def test_channel_dropout_in_training_runs_eagerly_with_a_reason():
     x = torch.randn(2, 4, 3, 3)
     report = compiler.explain(lambda x: F.dropout2d(x.sin(), 0.5, training=True).cos(), x)

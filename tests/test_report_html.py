@@ -43,6 +43,7 @@ def _step():
     return compiler.compile(step, backend="interpret")
 
 
+@pytest.mark.allows_eager("the report lists a fallback: what it tests")
 def test_report_of_a_compiled_function_shows_regions_kernels_fallbacks_and_sources(tmp_path):
     step = _step()
     step(torch.randn(4, 8, requires_grad=True))

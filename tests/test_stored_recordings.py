@@ -218,6 +218,7 @@ def branchy(x):
     return y.exp().sum()
 
 
+@pytest.mark.allows_eager("a replay that leaves its recording: what it tests")
 def test_a_stored_recording_that_python_leaves_runs_the_rest_eagerly_with_eagers_values():
     global FLAG
     x = torch.randn(16, requires_grad=True)
