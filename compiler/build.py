@@ -76,6 +76,11 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset(), written_later=froz
     region = CompiledRegion(forward_program, backward_program, parts.num_user_outputs, parts.saved,
                             parts.grad_output_for, differentiable, input_views=input_views,
                             mutated_inputs=tuple(sorted(mutated_inputs)), written_later=tuple(sorted(written_later)))
+    # NOTE: an input no output depends on (read only by values nobody used, DCE'd) is handed to
+    # the region's autograd Function detached: connected, the engine would run its Node with no
+    # gradient where eager's graph never reaches it (its hooks called with None: fuzz seed 155)
+    region.unread_inputs = tuple(i for i, read in enumerate(_placeholders_read(pristine))
+                                 if not read and i not in mutated_inputs)
     donors = {slot for step in forward_program.steps for _, slot in getattr(step, "reuse", ())}
     region.donated_inputs = tuple(sorted(slot for slot in donors if slot < forward_program.num_inputs))
     if parts.backward is not None:

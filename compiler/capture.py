@@ -26,7 +26,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from compiler.capture_calls import (FACTORIES, FUNCTIONS, UNREFERENCED, VALUE_READS, ModulesRun, OptimizerSteps,
                                     expected_eager, gradient_inputs, inside_custom_function, inspects_node,
-                                    made_by_distributed, python_references, user_frame, value_read_break)
+                                    made_by_distributed, python_references, user_frame, value_read_break,
+                                    watched_gradient)
 from compiler.checkpointing import MIXED_BLOCK, CheckpointedCalls, tag_block
 from compiler.capture_regions import (InPlaceTracking, Region, ViewMutation, apply_writes, keep_overwritten_history,
                                       mark_eager_saved, map_to_nodes, saved_inputs, saves_result)
@@ -80,6 +81,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         self.in_library_call = None  # () -> whether an optimizer step or clip_grad_norm_ runs now
         self.gradients: set = set()  # id() of the .grad tensors the function read (bookkeeping reads them)
         self.checkpoints = CheckpointedCalls()  # calls inside torch.utils.checkpoint blocks
+        self.gradient_watched: set = set()  # calls whose result gets a hook or retain_grad()
         self.escaping = 0            # > 0 while a saved tensor's pack hook runs (compiler.pack_hooks)
         self.escaped: set = set()    # value ids made then: autograd holds them, no recorded call reads them
 
@@ -173,6 +175,9 @@ class Capture(InPlaceTracking, TorchFunctionMode):
             producer = self.produced_by.get(entry[1]) if entry is not None and entry[0]() is t else None
             if producer is not None and self.calls[producer].kind == "compute":
                 self.split_after.add(producer)
+        watched = watched_gradient(func, args)
+        if watched is not None:
+            self._isolate_gradient_of(watched)
         reason = None
         region = None
         nodes = None
@@ -303,6 +308,39 @@ class Capture(InPlaceTracking, TorchFunctionMode):
             self.calls.append(call)
             if reason:
                 self.breaks.append(reason)
+
+    def _isolate_gradient_of(self, t: torch.Tensor) -> None:
+        """``t`` gets a hook or retain_grad(): the call that made it runs as a region of its own.
+
+        NOTE: eager's hook sees ``t``'s whole gradient, from every op that read it, also those
+        recorded before the hook was registered; inside one region they would pass their part to
+        ``t``'s producer in the region's backward, and the hook on ``t``'s output would see only
+        the rest (None where there is none). A region that ends at ``t`` hands all of it to
+        ``t``'s output. Begun there too, no other output shares ``t``'s Node: where the loss does
+        not reach ``t``, its hook is not called, as eager's is not (fuzz seeds 155, 156;
+        ``_split_before_watched``)."""
+        entry = self.ids.get(id(t))
+        producer = self.produced_by.get(entry[1]) if entry is not None and entry[0]() is t else None
+        if producer is not None and self.calls[producer].kind == "compute":
+            self.split_after.add(producer)
+            self.gradient_watched.add(producer)
+
+    def _split_before_watched(self, returned: set) -> None:
+        """End a region before the producer of a value whose gradient is watched where what the
+        region made before it is read later (or returned): those values would share the watched
+        value's Node, whose hook then runs where the loss reaches only them (with None). Where
+        they only feed the watched value (the usual case), the region stays whole."""
+        for producer in self.gradient_watched:
+            region = self.calls[producer].region
+            before = []
+            for c in reversed(range(producer)):
+                if self.calls[c].region != region or c in self.split_after or c in self.isolate:
+                    break
+                before.extend(self.calls[c].outputs)
+            made = set(before)
+            if made & returned or any(v in made for call in self.calls[producer + 1:] for v in call.leaves
+                                      if isinstance(v, ValueId)):
+                self.split_after.add(producer - 1)
 
     def _name_written_saved_result(self, vid, written: torch.Tensor) -> None:
         """A value an eager op saved as its result (hypot's) and a later op saved as its input
@@ -553,9 +591,10 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         if eager_blocks:
             self.isolate |= eager_blocks
             self.breaks.append(MIXED_BLOCK)
-        self._split_isolated()
         returned = {self.ids[id(t)][1] for t in tree_flatten(result)[0]
                     if isinstance(t, torch.Tensor) and id(t) in self.ids and self.ids[id(t)][0]() is t}
+        self._split_before_watched(returned)
+        self._split_isolated()
         # Values read outside the region that computes them: by eager calls, and by other
         # regions (a region's inputs). A region's own inputs that it mutates are among them:
         # their final value is written back into the real tensor.

@@ -108,6 +108,16 @@ def gradient_inputs(func, args, kwargs) -> list:
 
 INPUTS_POSITION = {torch.autograd.grad: 1, torch.autograd.backward: 5, torch.Tensor.backward: 4}
 
+# calls that watch a tensor's whole gradient: a hook on it, its .grad kept
+GRADIENT_WATCHERS = {torch.Tensor.register_hook, torch.Tensor.retain_grad}
+
+
+def watched_gradient(func, args):
+    """The tensor whose gradient ``func`` watches (``y.register_hook(h)``, ``y.retain_grad()``), or None."""
+    if func in GRADIENT_WATCHERS and args and isinstance(args[0], torch.Tensor):
+        return args[0]
+    return None
+
 
 def inspects_node(func, leaves) -> bool:
     """Whether ``func`` shows the user the autograd Node of its first argument: reading

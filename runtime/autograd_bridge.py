@@ -41,6 +41,7 @@ class CompiledRegion:
     # positions of inputs changed in place whose new value a kernel stores into their own memory
     # (``compiler.build._input_donors``): the replay checks that no other input shares it
     donated_inputs: tuple = ()
+    unread_inputs: tuple = ()   # positions of inputs no output depends on: no autograd edge to them
 
     def prepare_cpu(self) -> None:
         """The CPU path's generated code, made at build time (``Program.prepare_cpu``)."""
@@ -51,6 +52,8 @@ class CompiledRegion:
     def __call__(self, inputs):
         if self.backward is None or not torch.is_grad_enabled():
             outs = self.forward.run(inputs, self.stats)[: self.num_outputs]
+        elif self.unread_inputs:
+            outs = list(_apply(self, self._originals(inputs), self._without_unread_edges(inputs)))
         elif in_checkpoint():
             # NOTE (memory): inside torch.utils.checkpoint the region does the checkpoint's work:
             # its saved set leaves out the block's values (recomputed by its backward kernels),
@@ -63,6 +66,15 @@ class CompiledRegion:
         for position, index, views in self.input_views:  # views of inputs: made outside, by torch
             outs.insert(position, apply_views(inputs[index], views))
         return outs
+
+    def _without_unread_edges(self, inputs) -> list:
+        """``inputs`` with those no output depends on detached: eager's graph does not reach them
+        from these outputs, so neither does the region's Node (``compiler.build``: unread_inputs)."""
+        inputs = list(inputs)
+        for i in self.unread_inputs:
+            if isinstance(inputs[i], torch.Tensor) and inputs[i].requires_grad:
+                inputs[i] = inputs[i].detach()
+        return inputs
 
     def _originals(self, inputs) -> dict:
         """Inputs requiring grad that this region writes into and its double backward reads:

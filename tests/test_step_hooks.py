@@ -23,7 +23,8 @@ def _twins(optimizer):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     reference = copy.deepcopy(model)
-    return (model, OPTIMIZERS[optimizer](model.parameters())), (reference, OPTIMIZERS[optimizer](reference.parameters()))
+    make = OPTIMIZERS[optimizer]
+    return (model, make(model.parameters())), (reference, make(reference.parameters()))
 
 
 def _step(model, opt):
