@@ -221,6 +221,7 @@ def test_scatter_add_out_of_range_raises_as_eager():
         x.scatter_add(0, torch.tensor([0, 3]), s)
 
 
+@pytest.mark.allows_eager("a fallback with its reason: what it tests")
 def test_setitem_boolean_mask_with_a_value_that_requires_grad_runs_eagerly():
     def f(x, v):
         y = x * 1

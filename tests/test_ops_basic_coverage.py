@@ -197,6 +197,7 @@ def test_max_with_dim_in_a_training_step_fuses_with_its_neighbours():
 
 
 # ----------------------------------------------------------------------------- if mask.all():
+@pytest.mark.allows_eager("a bool read steers another branch: the replay leaves its recording, what it tests")
 def test_a_mask_check_reads_only_the_bool():
     """``if mask.all():`` ends the region at the bool: ``all`` is computed in the region before,
     only ``__bool__`` runs eagerly (a graph break, not an eager op), and what follows is compiled again."""

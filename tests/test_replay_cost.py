@@ -4,6 +4,7 @@ type, the CPU path's kernels calling PyTorch directly."""
 
 import copy
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -103,6 +104,7 @@ class _LoggingSGD(torch.optim.SGD):
                 self.norm_seen = torch.ones(()) * 2
 
 
+@pytest.mark.allows_eager("its SGD subclass's step runs eagerly (only the optimizers themselves are fused)")
 def test_a_zero_grad_runs_unwatched_as_an_optimizer_step_does():
     """Inside a recorded zero_grad's range the replay's mode is off the stack (as inside an
     optimizer step): a call the recording did not make there runs as it is, on real tensors,
@@ -134,6 +136,7 @@ def test_a_zero_grad_runs_unwatched_as_an_optimizer_step_does():
         assert p.grad is None
 
 
+@pytest.mark.allows_eager("a call that departs from the recording after zero_grad leaves it: what it tests")
 def test_the_calls_after_an_unwatched_zero_grad_are_checked_again():
     """zero_grad() first, then the forward: the mode is back on the stack at the range's exit,
     so the forward's calls are the recording's (compiled kernels) and a call that departs from
