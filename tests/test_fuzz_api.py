@@ -7,7 +7,7 @@ through the kernels) and from a second compile that loads the stored recording; 
 gradients, parameters, optimizer state, every hook call (order and arguments) and errors must
 match eager's (tests/fuzz_api/check.py).
 
-    python -m pytest -q tests/test_fuzz_api.py         # CI: SEEDED programs (~40 s on one core)
+    python -m pytest -q tests/test_fuzz_api.py         # CI: 120 seeded programs (~30 s on one core)
     SYMGRAD_FUZZ_API_SEEDED=1000 python -m pytest -q tests/test_fuzz_api.py
     python -m tests.fuzz_api --count 10000 --seed 0 --results tests/fuzz_api/RESULTS.md
                                      # the long run, which records every failure instead of stopping
@@ -45,7 +45,7 @@ def _own_caches(tmp_path_factory):
             os.environ[key] = value
 
 
-SEEDED = int(os.environ.get("SYMGRAD_FUZZ_API_SEEDED", "160"))
+SEEDED = int(os.environ.get("SYMGRAD_FUZZ_API_SEEDED", "120"))
 f32, f64 = torch.float32, torch.float64
 
 
@@ -115,6 +115,84 @@ FIXED = {
         "v1 = torch.maximum(x0, v0)",
         "v1.grad_fn._raw_saved_self.register_hooks(lambda t: t * 1, lambda t: t)",
         "v1.sum().backward()"], ["v1"]),
+    # -- fixed in c7dd947 (a value given a hook or retain_grad() ends its region; inputs no output
+    # depends on get no autograd edge), found at a4bae65:
+    # fuzz seed 155 (and 29, 84, 435): a hook on a value the backward does not reach is called
+    # with None on replay; eager does not call it. The region's one autograd.Function connects
+    # every region input to every output, so the engine runs the unreached leaf's AccumulateGrad
+    # (tensor pre-hooks and post-accumulate hooks get None / an unset .grad) and the replay calls
+    # intermediate values' hooks between backward segments whether or not a gradient came.
+    "hook-on-a-leaf-the-loss-does-not-reach": _program([((3,), f64, True, 5), ((3,), f64, True, 6)], [
+        "x0.register_hook(lambda g: log('hook@x0', g))",
+        "a = torch.sin(x0)",
+        "loss = (torch.cos(x1) * x1).sum()",
+        "loss.backward()"], ["loss"]),
+    "hook-on-an-intermediate-the-loss-does-not-reach": _program([((3,), f64, True, 7)], [
+        "a = torch.sin(x0)",
+        "b = torch.exp(x0)",
+        "a.register_hook(lambda g: log('hook', g))",
+        "loss = (b * b).sum()",
+        "loss.backward()"], ["loss"]),
+    "post-accumulate-hook-of-an-unreached-leaf": _program([((3,), f64, True, 8), ((3,), f64, True, 9)], [
+        "x0.register_post_accumulate_grad_hook(lambda p: log('accumulated@x0', p.grad))",
+        "a = torch.sin(x0)",
+        "loss = (x1 * x1).sum()",
+        "loss.backward()"], ["loss"]),
+    "parameter-hook-of-an-unused-layer-output": _program([((2,), f64, True, 10)], [
+        "h = m.get_parameter('weight').register_hook(lambda g: log('param@weight', g))",
+        "v = m(x0)",
+        "loss = (x0 * x0).sum()",
+        "loss.backward()",
+        "h.remove()"], ["loss"], model=ModelSpec("linear", 2, 2, f64, 11)),
+    # fuzz seed 2525: the pack hook's result is there since 6731947, but the Node of a value the
+    # loss does not reach (v0, read by v4 only) still runs on replay: its unpack hook is called
+    "unpack-hook-of-a-node-the-loss-does-not-reach": _program([((4,), f64, True, 203402533)], [
+        "v0 = torch.sin(x0)",
+        "v1 = x0.pow(2)",
+        "v2 = torch.sin(x0)",
+        "v3 = torch.softmax(v1, dim=-1)",
+        "v4 = v2 + v0",
+        "v0.grad_fn._raw_saved_self.register_hooks(lambda t: log('pack', t) or t.clone(), "
+        "lambda t: log('unpack', t) or t)",
+        "v5 = v2 * v3"], ["v5"], external_backward=True),
+    # fuzz seeds 156, 59, 295, 363: a tensor hook or retain_grad() registered on a value after an op
+    # read it sees on replay only the gradient of the uses after the registration: None where
+    # there are none (eager: the value's whole gradient). The region is split where Python touches
+    # the value, but the ops recorded before the touch already consumed it inside the region.
+    "hook-registered-after-the-only-use": _program([((3,), f64, True, 12)], [
+        "y = x0 * x0",
+        "z = torch.sin(y)",
+        "y.register_hook(lambda g: log('hook', g))"], ["z"], external_backward=True),
+    "hook-registered-between-two-uses": _program([((4, 3), f32, True, 13)], [
+        "v0 = torch.relu(x0)",
+        "v1 = x0 + v0",
+        "v0.register_hook(lambda g: log('hook', g))",
+        "v3 = v1 + v0",
+        "loss = (v3 * v3).sum()",
+        "loss.backward()"], ["v3"]),
+    "retain-grad-after-the-only-use": _program([((3, 1), f64, True, 14)], [
+        "v0 = x0 + x0",
+        "v1 = x0 * v0",
+        "v0.retain_grad()",
+        "v1.sum().backward()"], ["v0.grad"]),
+    # fuzz seed 2084: backward(inputs=[b]) where the loss does not depend on b: eager runs nothing
+    # (only the graph between the loss and the inputs runs); the replay calls the hook of a value on
+    # the loss's path, with its gradient
+    "backward-inputs-calls-a-hook-off-its-path": _program([((4,), f64, True, 17), ((4,), f64, True, 18)], [
+        "a = torch.exp(x0)",
+        "b = torch.sin(x1)",
+        "a.register_hook(lambda g: log('hook', g))",
+        "loss = (a * a).sum()",
+        "loss.backward(inputs=[b])"], ["loss"]),
+    # fuzz seed 3423: autograd.grad(loss, inputs=[b]) where the loss does not depend on b: eager
+    # leaves a retained value's .grad None; the replay sets it
+    "autograd-grad-inputs-sets-a-retained-grad-off-its-path": _program([((2, 2), f64, True, 22)], [
+        "v2 = x0 * 2",
+        "v3 = v2 * 3",
+        "v4 = x0 * 4",
+        "v4.retain_grad()",
+        "loss = v4.sum()",
+        "grads = torch.autograd.grad(loss, inputs=[v2], allow_unused=True)"], ["v4.grad"]),
 }
 
 
@@ -125,80 +203,6 @@ def test_fixed_regressions(name):
 
 # -- found and not fixed yet: each is reported; strict, so a fix turns it into a failure --------
 KNOWN = {
-    # fuzz seed 155 (and 29, 84, 435): a hook on a value the backward does not reach is called
-    # with None on replay; eager does not call it. The region's one autograd.Function connects
-    # every region input to every output, so the engine runs the unreached leaf's AccumulateGrad
-    # (tensor pre-hooks and post-accumulate hooks get None / an unset .grad) and the replay calls
-    # intermediate values' hooks between backward segments whether or not a gradient came.
-    "hook-on-a-leaf-the-loss-does-not-reach": (
-        "hook-called-without-gradient",
-        _program([((3,), f64, True, 5), ((3,), f64, True, 6)], [
-            "x0.register_hook(lambda g: log('hook@x0', g))",
-            "a = torch.sin(x0)",
-            "loss = (torch.cos(x1) * x1).sum()",
-            "loss.backward()"], ["loss"])),
-    "hook-on-an-intermediate-the-loss-does-not-reach": (
-        "hook-called-without-gradient",
-        _program([((3,), f64, True, 7)], [
-            "a = torch.sin(x0)",
-            "b = torch.exp(x0)",
-            "a.register_hook(lambda g: log('hook', g))",
-            "loss = (b * b).sum()",
-            "loss.backward()"], ["loss"])),
-    "post-accumulate-hook-of-an-unreached-leaf": (
-        "hook-called-without-gradient",
-        _program([((3,), f64, True, 8), ((3,), f64, True, 9)], [
-            "x0.register_post_accumulate_grad_hook(lambda p: log('accumulated@x0', p.grad))",
-            "a = torch.sin(x0)",
-            "loss = (x1 * x1).sum()",
-            "loss.backward()"], ["loss"])),
-    "parameter-hook-of-an-unused-layer-output": (
-        "hook-called-without-gradient",
-        _program([((2,), f64, True, 10)], [
-            "h = m.get_parameter('weight').register_hook(lambda g: log('param@weight', g))",
-            "v = m(x0)",
-            "loss = (x0 * x0).sum()",
-            "loss.backward()",
-            "h.remove()"], ["loss"], model=ModelSpec("linear", 2, 2, f64, 11))),
-    # fuzz seed 2525: the pack hook's result is there since 6731947, but the Node of a value the
-    # loss does not reach (v0, read by v4 only) still runs on replay: its unpack hook is called
-    "unpack-hook-of-a-node-the-loss-does-not-reach": (
-        "hook-called-without-gradient",
-        _program([((4,), f64, True, 203402533)], [
-        "v0 = torch.sin(x0)",
-        "v1 = x0.pow(2)",
-        "v2 = torch.sin(x0)",
-        "v3 = torch.softmax(v1, dim=-1)",
-        "v4 = v2 + v0",
-        "v0.grad_fn._raw_saved_self.register_hooks(lambda t: log('pack', t) or t.clone(), "
-        "lambda t: log('unpack', t) or t)",
-        "v5 = v2 * v3"], ["v5"], external_backward=True)),
-    # fuzz seeds 156, 59, 295, 363: a tensor hook or retain_grad() registered on a value after an op
-    # read it sees on replay only the gradient of the uses after the registration: None where
-    # there are none (eager: the value's whole gradient). The region is split where Python touches
-    # the value, but the ops recorded before the touch already consumed it inside the region.
-    "hook-registered-after-the-only-use": (
-        "hook-registered-after-use-misses-gradient",
-        _program([((3,), f64, True, 12)], [
-            "y = x0 * x0",
-            "z = torch.sin(y)",
-            "y.register_hook(lambda g: log('hook', g))"], ["z"], external_backward=True)),
-    "hook-registered-between-two-uses": (
-        "hook-registered-after-use-misses-gradient",
-        _program([((4, 3), f32, True, 13)], [
-            "v0 = torch.relu(x0)",
-            "v1 = x0 + v0",
-            "v0.register_hook(lambda g: log('hook', g))",
-            "v3 = v1 + v0",
-            "loss = (v3 * v3).sum()",
-            "loss.backward()"], ["v3"])),
-    "retain-grad-after-the-only-use": (
-        "hook-registered-after-use-misses-gradient",
-        _program([((3, 1), f64, True, 14)], [
-            "v0 = x0 + x0",
-            "v1 = x0 * v0",
-            "v0.retain_grad()",
-            "v1.sum().backward()"], ["v0.grad"])),
     # fuzz seed 426: backward twice without retain_graph through ops that save no tensor (a sum):
     # eager's second backward runs (nothing was freed); the replay raises "Trying to backward
     # through the graph a second time" (the region's Function is freed after its first backward)
@@ -220,28 +224,6 @@ KNOWN = {
             "    y = torch.tanh(x0)",
             "y.mul_(2)",
             "(y * y).sum().backward()"], ["y"])),
-    # fuzz seed 2084: backward(inputs=[b]) where the loss does not depend on b: eager runs nothing
-    # (only the graph between the loss and the inputs runs); the replay calls the hook of a value on
-    # the loss's path, with its gradient
-    "backward-inputs-calls-a-hook-off-its-path": (
-        "hooks-off-the-inputs-path",
-        _program([((4,), f64, True, 17), ((4,), f64, True, 18)], [
-            "a = torch.exp(x0)",
-            "b = torch.sin(x1)",
-            "a.register_hook(lambda g: log('hook', g))",
-            "loss = (a * a).sum()",
-            "loss.backward(inputs=[b])"], ["loss"])),
-    # fuzz seed 3423: autograd.grad(loss, inputs=[b]) where the loss does not depend on b: eager
-    # leaves a retained value's .grad None; the replay sets it
-    "autograd-grad-inputs-sets-a-retained-grad-off-its-path": (
-        "hooks-off-the-inputs-path",
-        _program([((2, 2), f64, True, 22)], [
-            "v2 = x0 * 2",
-            "v3 = v2 * 3",
-            "v4 = x0 * 4",
-            "v4.retain_grad()",
-            "loss = v4.sum()",
-            "grads = torch.autograd.grad(loss, inputs=[v2], allow_unused=True)"], ["v4.grad"])),
     # fuzz seeds 2581, 4866: an inference-mode tensor read by a region whose backward needs it
     # (eager's ops save none of it: a subtraction, then a product of the difference): the replay
     # raises "Inference tensors do not track version counter" (or "... cannot be saved for
@@ -271,6 +253,7 @@ KNOWN = {
             "loss = (v4 * v4).sum()",
             "grads = torch.autograd.grad(loss, inputs=[v2, v4], allow_unused=True)"], ["grads"],
             model=ModelSpec("linear", 2, 3, f32, 1890158244))),
+
 }
 
 
