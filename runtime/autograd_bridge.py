@@ -93,8 +93,13 @@ class _RegionFunction(torch.autograd.Function):
     def forward(ctx, region: CompiledRegion, originals: dict, *inputs):
         outs = region.forward.run(list(inputs), region.stats)
         saved = [inputs[i] if kind == "input" else outs[i] for kind, i in region.saved]
+        try:
+            versions = [t._version if isinstance(t, torch.Tensor) else None for t in saved]
+        except RuntimeError:  # an inference tensor (``_savable``)
+            saved = [_savable(t) for t in saved]
+            versions = [t._version if isinstance(t, torch.Tensor) else None for t in saved]
         ctx.save_for_backward(*saved)
-        ctx.saved_versions = [t._version if isinstance(t, torch.Tensor) else None for t in saved]
+        ctx.saved_versions = versions
         # the user's tensors of the saved outputs, weakly: eager's message names their grad_fn then
         positions = region.__dict__.get("_saved_outputs")
         if positions is None:  # (fixed per region: (saved position, output position) pairs)
@@ -105,6 +110,13 @@ class _RegionFunction(torch.autograd.Function):
         # the output itself would make a reference cycle through its grad_fn (this ctx).
         ctx.eager_saved = [(outs[position].detach(), outs[position]._version, name, output_nr, sources)
                            for position, name, output_nr, sources in region.eager_saved]
+        if region.eager_saved:
+            # (under saved-tensor hooks eager's op would check no version: the values this region
+            # saves itself are read as eager reads them; those it recomputes raise, ``_hooked_and_written``)
+            ctx.hooked = _saved_tensors_hooks(False) is not None
+            if ctx.hooked:
+                ctx.eager_saved = [kept for kept, (position, *_) in zip(ctx.eager_saved, region.eager_saved)
+                                   if ("output", position) not in region.saved]
         ctx.region = region
         # NOTE: an output outside the loss's graph gets None, not zeros: an input reached only
         # through such outputs then gets None too, as eager leaves it (``backward``).
@@ -133,15 +145,23 @@ class _RegionFunction(torch.autograd.Function):
         # (before unpacking our saved tensors: eager's message names its op, not _RegionFunction)
         for t, version, name, output_nr, sources in ctx.eager_saved:
             if sources & given and t._version != version:
+                if ctx.hooked:
+                    raise RuntimeError(_hooked_and_written(t, name))
                 raise RuntimeError(_version_error(t, version, f"output {output_nr} of {name}"))
-        try:
-            saved = list(ctx.saved_tensors)  # version-checked by PyTorch
-        except RuntimeError as e:
-            saved = _saved_for_partial_backward(ctx, region, given, _named_as_eager(ctx, e))
-        # NOTE (memory): without retain_graph, autograd drops its references to the saved tensors
-        # now rather than after this returns (as AOTAutograd's backward does): the backward
-        # program, handed ours (``consume``), frees each after its last use.
-        ctx.maybe_clear_saved_tensors()
+        if region.saved:
+            try:
+                saved = list(ctx.saved_tensors)  # version-checked by PyTorch
+            except RuntimeError as e:
+                saved = _saved_for_partial_backward(ctx, region, given, _named_as_eager(ctx, e))
+            # NOTE (memory): without retain_graph, autograd drops its references to the saved tensors
+            # now rather than after this returns (as AOTAutograd's backward does): the backward
+            # program, handed ours (``consume``), frees each after its last use.
+            ctx.maybe_clear_saved_tensors()
+        else:
+            # NOTE: a backward that reads no value (sums, views, additions) frees nothing, and a
+            # second backward through it without retain_graph runs, as eager's does: reading
+            # ``ctx.saved_tensors`` after a backward would raise (fuzz seed 426)
+            saved = []
         if not given:  # no output of this region is in the loss's graph
             return (None,) * len(ctx.needs_input_grad)
         partial = _partial_backward(region, given) if len(given) < len(grads) else None
@@ -272,13 +292,25 @@ def _keep_for_double_backward(region: CompiledRegion, inputs, originals) -> dict
         if not isinstance(t, torch.Tensor):
             kept[i] = _Constant(t)
         elif hooks:
-            kept[i] = _make_saved_tensor(t, is_output=False)
+            kept[i] = _make_saved_tensor(_savable(t), is_output=False)
         else:
             kept[i] = _Kept(t)
     return kept
 
 
 _saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+
+
+def _savable(t):
+    """``t`` as the region keeps it for backward. NOTE: an inference tensor (made under
+    ``torch.inference_mode()``) can be neither saved nor version-checked; eager's ops never save
+    one where the region may (to recompute a difference it read: fuzz seeds 2581, 4866). Its
+    value cannot change outside inference mode, so a copy, made outside it, reads the same.
+    (Called where reading a version failed: no cost to other tensors.)"""
+    if isinstance(t, torch.Tensor) and t.is_inference():
+        with torch.inference_mode(False):
+            return t.clone()
+    return t
 
 
 class _Kept:
@@ -289,8 +321,12 @@ class _Kept:
     __slots__ = ("tensor", "version")
 
     def __init__(self, tensor):
+        try:
+            self.version = tensor._version
+        except RuntimeError:  # an inference tensor (``_savable``)
+            tensor = _savable(tensor)
+            self.version = tensor._version
         self.tensor = tensor
-        self.version = tensor._version
 
     def unpack(self):
         if self.tensor._version != self.version:
@@ -342,6 +378,18 @@ def _version_error(t: torch.Tensor, version: int, producer: str | None = None) -
             f"[{_type_name(t)} {list(t.shape)}]{producer} is at version {t._version}; expected version {version} "
             "instead. Hint: enable anomaly detection to find the operation that failed to compute its gradient, "
             "with torch.autograd.set_detect_anomaly(True, check_nan=False).")
+
+
+def _hooked_and_written(t: torch.Tensor, name: str) -> str:
+    """Where eager's op saved its result under saved-tensor hooks and the function wrote it in place
+    before backward: eager's backward reads the written value (hooks skip the version check), the
+    compiled backward recomputes the value from the region's inputs. Raised rather than a gradient
+    other than eager's (fuzz seed 687)."""
+    return (f"symgrad: the result of an op that {name} saves under saved-tensor hooks ({_type_name(t)} "
+            f"{list(t.shape)}) was changed in place before backward. Eager's backward would read the changed "
+            "value (with hooks PyTorch checks no version); the compiled backward reads the value the op "
+            "computed, so it stops here rather than return another gradient. Write into a copy "
+            "(y = y * 2 instead of y.mul_(2)), or run this function with backend='eager'.")
 
 
 def _type_name(t: torch.Tensor) -> str:
