@@ -124,6 +124,11 @@ class _RegionFunction(torch.autograd.Function):
         if region.build_double_backward is not None:
             ctx.double_backward_inputs = _keep_for_double_backward(region, inputs, originals)
         user = outs[: region.num_outputs]
+        internal_views = region.__dict__.get("_internal_views")
+        if internal_views is None:  # (fixed per region: worked out at its first call)
+            internal_views = region._internal_views = _views_of_internal_buffers(user, inputs, outs)
+        for i in internal_views:
+            user[i] = user[i].detach()
         if len(region.grad_output_for) > 1:
             # (zeros stand for a missing gradient in backward: only where several outputs take one,
             # as autograd calls backward at all only when some output's gradient is defined)
@@ -186,6 +191,18 @@ class _RegionFunction(torch.autograd.Function):
         if region.grad_sources:  # an input reached only through outputs outside the loss's graph: None
             results = [r if sources & given else None for r, sources in zip(results, region.grad_sources)]
         return (None, None, *results)
+
+
+def _views_of_internal_buffers(user: list, inputs, outs) -> tuple:
+    """Positions of user outputs that are views of a buffer the region does not return (a linear
+    layer's 3-d output: a view of its 2-d matmul's). NOTE: autograd refuses in-place ops on a
+    custom Function's view outputs ("Output 0 of _RegionFunction is a view and is being modified
+    inplace", fuzz seed 4104), where eager's view of its own op's result allows them (through
+    CopySlices). Nothing else sees the buffer, so the output is handed over as a tensor of its own
+    on the same memory (``detach()`` makes no view), whose in-place ops autograd records as usual."""
+    others = {id(t) for t in (*inputs, *outs) if isinstance(t, torch.Tensor)}
+    return tuple(i for i, o in enumerate(user)
+                 if isinstance(o, torch.Tensor) and o._base is not None and id(o._base) not in others)
 
 
 def _apply(region: CompiledRegion, originals: dict, inputs):
