@@ -1,7 +1,7 @@
 """PyTorch's OpInfo samples for every op the README claims, compiled vs eager (values,
 dtypes, gradients; float32, float64 and bfloat16 where the OpInfo takes them, complex64 where
 the README claims it), through the generated kernels in Triton's interpreter: no sample may
-mismatch or hit an internal compiler error, and at most 5% may fall back.
+mismatch or hit an internal compiler error, and at most 1% may fall back.
 
 The default run checks a fixed subset (the first and the middle sample of each op and
 dtype, ``tests/opinfo/sweep.py``); ``SYMGRAD_OPINFO=full`` checks every sample, and
@@ -96,9 +96,10 @@ def test_opinfo_dtypes_are_what_each_op_takes():
         assert takes - {complex64} <= set(dtypes), f"{name} leaves out {takes - {complex64} - set(dtypes)}"
 
 
-def test_opinfo_fallbacks_stay_under_five_percent():
-    """Runs after the per-op tests (file order) and counts what they checked."""
+def test_opinfo_fallbacks_stay_under_one_percent():
+    """Runs after the per-op tests (file order) and counts what they checked (the full run's
+    fallbacks, each with its reason: tests/opinfo/RESULTS.md)."""
     compared = sum(n for kind, n in TALLY.items() if kind != "skip")
     if compared == 0:
         pytest.skip("no OpInfo samples ran in this session")
-    assert TALLY["fallback"] <= 0.05 * compared, f"{TALLY['fallback']} of {compared} samples fell back"
+    assert TALLY["fallback"] <= 0.01 * compared, f"{TALLY['fallback']} of {compared} samples fell back"

@@ -132,8 +132,8 @@ CAPPED_ABOVE = 400  # (only max pooling: up to 1,440 samples per dtype)
 
 
 def select_samples(samples: list, full: bool, first: bool = True) -> list:
-    """The default (CI) run: the first and the middle sample (``first``; the middle one only
-    for the second and later dtypes of an op).
+    """The default (CI) run: the first sample in an op's first dtype (``first``), the middle one in
+    each of its other dtypes (so each op sees both, and every dtype one, in three or four runs).
     The full run: every sample, except that an op with more than ``CAPPED_ABOVE`` (only max pooling:
     every combination of kernel, stride, padding, dilation, ceil_mode and return_indices, ~3 s
     each in the interpreter) keeps an even spread of ``FULL_CAP``."""
@@ -142,8 +142,10 @@ def select_samples(samples: list, full: bool, first: bool = True) -> list:
             return list(enumerate(samples))
         step = len(samples) / FULL_CAP
         return [(int(k * step), samples[int(k * step)]) for k in range(FULL_CAP)]
-    picks = sorted({0, len(samples) // 2} if first else {len(samples) // 2}) if samples else []
-    return [(i, samples[i]) for i in picks]
+    if not samples:
+        return []
+    pick = 0 if first else len(samples) // 2
+    return [(pick, samples[pick])]
 
 
 @dataclasses.dataclass
