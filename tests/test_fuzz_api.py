@@ -202,7 +202,63 @@ def test_fixed_regressions(name):
 
 
 # -- found and not fixed yet: each is reported; strict, so a fix turns it into a failure --------
+MLP = "mlp"
 KNOWN = {
+    # found at 665996e, after c7dd947's fix of the hooks off the loss's path (FIXED below): left
+    # where a grad-mode block or a saved-tensor-hooks block sits next to the hooked value.
+    # fuzz seed 474: a hook on a layer's output read only by dead values, and a no_grad block
+    "hook-off-the-loss-path-next-to-no-grad": (
+        "hook-called-without-gradient",
+        _program([((2,), f64, True, 1555736812)], [
+            "v1 = m(x0)",
+            "v1.register_hook(lambda g: log('hook', g) or g * 0.5)",
+            "v2 = torch.log(v1.abs() + 1)",
+            "v3 = torch.sigmoid(x0)",
+            "with torch.no_grad():",
+            "    v4 = torch.softmax(v2, dim=-1)"], ["v3"],
+            model=ModelSpec(MLP, 2, 1, f64, 130545034), external_backward=True)),
+    # fuzz seed 401: a hook on tanh(x) read only by a product made under no_grad/enable_grad
+    "hook-off-the-loss-path-next-to-enable-grad": (
+        "hook-called-without-gradient",
+        _program([((3, 4), f64, True, 1372027478)], [
+            "v0 = torch.tanh(x0)",
+            "v1 = m(x0)",
+            "v2 = x0 + v0",
+            "with torch.no_grad():",
+            "    with torch.enable_grad():",
+            "        v3 = v2 * x0",
+            "v0.register_hook(lambda g: log('hook', g) or g * 2)",
+            "v4 = v1.pow(2)",
+            "loss = (v4 * v4).sum()",
+            "loss.backward()"], ["v4"], model=ModelSpec(MLP, 4, 2, f64, 805110119))),
+    # fuzz seed 5115: a post-accumulate hook on a leaf read only under saved_tensors_hooks
+    "post-accumulate-hook-of-a-leaf-read-under-saved-hooks": (
+        "hook-called-without-gradient",
+        _program([((1,), f64, True, 1902822865), ((), f64, True, 2050771451)], [
+            "with torch.autograd.graph.saved_tensors_hooks(lambda t: stash(t), lambda k: store[k]):",
+            "    v0 = x1 / (x1.abs() + 1)",
+            "v1 = torch.tanh(x0)",
+            "x1.register_post_accumulate_grad_hook(lambda p: log('accumulated@x1', p.grad))",
+            "v3 = m(v1)",
+            "loss = (v3 * v3).sum()",
+            "loss.backward()"], ["v3"], model=ModelSpec("linear", 1, 2, f64, 1805856211))),
+    # fuzz seed 5528: autograd.grad(loss, inputs=[v0]) where the loss does not depend on v0 (made
+    # under saved_tensors_hooks): eager runs nothing; the replay calls the hook of the loss's input
+    "autograd-grad-inputs-off-its-path-under-saved-hooks": (
+        "hooks-off-the-inputs-path",
+        _program([((2, 3, 1), f64, True, 549302140), ((1, 1, 1), f64, True, 800364098),
+                  ((2, 3, 1), f64, False, 1268983504)], [
+            "with torch.autograd.graph.saved_tensors_hooks(lambda t: t * 1, lambda t: t):",
+            "    v0 = x0 * x2",
+            "v1 = torch.relu(x0)",
+            "v2 = x2 / (v1.abs() + 1)",
+            "v3 = m(v0)",
+            "v4 = x1 + v2",
+            "v3.grad_fn.register_prehook(lambda grad_out: log('prehook', grad_out))",
+            "v4.register_hook(lambda g: log('hook', g) or g * 2)",
+            "loss = v4.sum()",
+            "grads = torch.autograd.grad(loss, inputs=[v0], allow_unused=True)"], ["grads"],
+            model=ModelSpec(MLP, 1, 1, f64, 1038536098))),
     # fuzz seed 426: backward twice without retain_graph through ops that save no tensor (a sum):
     # eager's second backward runs (nothing was freed); the replay raises "Trying to backward
     # through the graph a second time" (the region's Function is freed after its first backward)

@@ -1,4 +1,4 @@
-"""Shrink a failing program: drop statements (and inputs, the module) while it still fails alike.
+"""Shrink a failing program: drop statements and outputs while it still fails alike.
 
 ``python -m tests.fuzz_api --minimize SEED`` prints the smallest program found. "Alike": the
 mismatch's first line, with numbers and hook numbers taken out, is the same (so a shrink that
