@@ -121,6 +121,13 @@ def _merge(parts):
     return total
 
 
+def _by_kind(failures):
+    kinds = {}
+    for _, kind, _, _ in failures:
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return kinds
+
+
 def _percent(n, total):
     return f"{n} ({100 * n / max(total, 1):.1f}%)"
 
@@ -150,8 +157,15 @@ def _write_results(path, counts):
         "is not stored)",
         f"- hooks of different leaves called in another order than eager's (README, Known limits: leaves ready "
         f"at the same moment), each leaf's own in eager's order: {_percent(counts['leaf hook order differs'], n)}",
-        f"- new failures: {len(counts['failures'])}",
-        f"- known bugs met (strict-xfail regression tests in tests/test_fuzz_api.py): {counts['known'] or 'none'}", ""]
+        f"- new failures: {len(counts['failures'])}" + (
+            f" ({', '.join(f'{k}x {kind}' for kind, k in sorted(_by_kind(counts['failures']).items()))})"
+            if counts["failures"] else ""),
+        f"- known bugs met (strict-xfail regression tests in tests/test_fuzz_api.py): {counts['known'] or 'none'}"]
+    if counts.get("reclassified"):
+        seeds = ", ".join(f"seed {seed} ({name})" for seed, name in counts["reclassified"])
+        lines.append("- of them found as failures by the run and re-checked after their KNOWN entry was added (same "
+                     f"compiler, the checker's newer KNOWN_BUGS): {seeds}")
+    lines.append("")
     if counts["features"]:
         lines += ["API features drawn (programs using each):", ""]
         lines += [f"- {feature}: {k}" for feature, k in sorted(counts["features"].items())] + [""]
