@@ -86,6 +86,31 @@ def test_decompositions_match_eager_on_forms_the_samples_miss(form):
     assert outcome.kind == "pass", f"{name}: {outcome}"
 
 
+def test_bf16_results_pass_only_as_accurate_as_eager():
+    """The sweep's bfloat16 rule (``sweep._as_accurate_as_eager``): a result rounded once from
+    float32 passes where it differs from eager's op-by-op rounding; one element 5% off does not."""
+    import torch
+    from torch.testing._internal.opinfo.core import SampleInput
+
+    x = torch.linspace(1, 3, 16, dtype=torch.bfloat16).requires_grad_()
+    sample = SampleInput(x)
+
+    def fn(t):
+        return t.exp() * t
+
+    eager = sweep._grads(fn, [x], sample)
+    wide = x.detach().float().requires_grad_()
+    out = fn(wide)
+    (grad,) = torch.autograd.grad(sweep._seeded_loss([out]), [wide])
+    assert sweep._as_accurate_as_eager(fn, [x], sample, (out.detach().bfloat16(), (grad.bfloat16(),)), eager)
+    off = eager[0].detach().clone()
+    off[3] *= 1.05
+    assert not sweep._as_accurate_as_eager(fn, [x], sample, (off, eager[1]), eager)
+    off_grad = eager[1][0].clone()
+    off_grad[5] *= 1.05
+    assert not sweep._as_accurate_as_eager(fn, [x], sample, (eager[0], (off_grad,)), eager)
+
+
 def test_opinfo_dtypes_are_what_each_op_takes():
     """OPS lists bfloat16 for every op whose OpInfo takes it on CPU, complex64 only where the
     OpInfo takes it, and no dtype an OpInfo lacks."""
