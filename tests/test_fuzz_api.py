@@ -205,7 +205,25 @@ def test_fixed_regressions(name):
 MLP = "mlp"
 KNOWN = {
     # found at 665996e, after c7dd947's fix of the hooks off the loss's path (FIXED below): left
-    # where a grad-mode block or a saved-tensor-hooks block sits next to the hooked value.
+    # where one region makes values on and off the loss's path (its one Function still connects
+    # their inputs), often next to a grad-mode block or a saved-tensor-hooks block.
+    # fuzz seed 920: one region makes both a layer's output (off the loss's path) and a value on
+    # it from a shared input: the region's one Function connects the layer's bias to the output
+    # the loss reaches, so the engine runs the bias's AccumulateGrad with None (its hook is called)
+    "parameter-hook-of-a-layer-off-the-path-in-a-shared-region": (
+        "hook-called-without-gradient",
+        _program([((2, 3), f32, True, 1050379782), ((), f32, False, 1659804517)], [
+            "h1 = m.get_parameter('bias').register_hook(lambda g: log('param@bias', g))",
+            "v0 = x1 * x0",
+            "v1 = m(v0)",
+            "v3 = x0 + v0",
+            "v4 = v1.pow(2)",
+            "v4.grad_fn.register_prehook(lambda grad_out: log('prehook', grad_out))",
+            "v5 = v3.t()",
+            "v5.grad_fn.register_hook(lambda grad_in, grad_out: log('node', grad_in, grad_out))",
+            "loss = (v5 * v5).sum()",
+            "loss.backward()",
+            "h1.remove()"], ["v5"], model=ModelSpec("linear", 3, 2, f32, 1842438178))),
     # fuzz seed 474: a hook on a layer's output read only by dead values, and a no_grad block
     "hook-off-the-loss-path-next-to-no-grad": (
         "hook-called-without-gradient",

@@ -81,7 +81,7 @@ def _region_view_written_in_place(program, message):
 
 def _hook_without_gradient(program, message):
     # a hook on a value or leaf the loss does not reach is called with None on replay, where eager
-    # does not call it (c7dd947 fixed most; left: next to grad-mode and saved-tensor-hooks blocks)
+    # does not call it (c7dd947 fixed most; left: a region making values on and off the loss's path)
     return "hooks called with no gradient (None) where eager calls none" in message
 
 
