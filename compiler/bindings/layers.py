@@ -410,8 +410,7 @@ def _scaled_dot_product_attention(b, query, key, value, attn_mask=None, dropout_
     # accumulate q kᵀ in float32): scores rounded to bf16 (|s| ~ 10: errors of 0.03) made
     # outputs 6x further from the exact result than eager's. The weights go back to the input's
     # dtype for the matmul with v, as flash attention's do.
-    dtype = query.dtype
-    wide = compute_dtype(dtype)
+    wide = compute_dtype(query.dtype)
     scores = matmul(query.to(wide), key.to(wide).transpose(-2, -1)) * scale
     if is_causal:
         rows, cols = arange_along(b, scores.shape, scores.ndim - 2), arange_along(b, scores.shape, scores.ndim - 1)
