@@ -644,17 +644,32 @@ class Replay(TorchFunctionMode):
             return leaf
         return self._materialize(vid)
 
-    def _materialize(self, vid):
+    def _materialize(self, vid, before=None):
+        """The real value ``vid`` (as made by the last call before call ``before`` that makes it),
+        recomputed eagerly from the recording where the replay has none."""
         if vid in self.env:
             return self.env[vid]
-        rec = self.trace.calls[self.trace.produced_by[vid]]
-        real = [self._materialize(x) if isinstance(x, ValueId) else x for x in rec.leaves]
+        index = self._maker(vid, before)
+        rec = self.trace.calls[index]
+        real = [self._materialize(x, index) if isinstance(x, ValueId) else x for x in rec.leaves]
         a, k = unflatten_call(real, rec.spec)
         result = rec.func(*a, **k)
         tensors = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
         for out_vid, t in zip(rec.outputs, tensors):
             self.env.setdefault(out_vid, t)
         return self.env[vid]
+
+
+    def _maker(self, vid, before) -> int:
+        """The call that made ``vid`` last before call ``before`` (None: of all). NOTE: an in-place
+        call reads and makes the same value id (``x.clone().fill_(v)``): what it read was made by an
+        earlier call, not by itself (a divergence there recursed for ever)."""
+        if before is None:
+            return self.trace.produced_by[vid]
+        for index in range(before - 1, -1, -1):
+            if vid in self.trace.calls[index].outputs:
+                return index
+        return self.trace.produced_by[vid]
 
 
 def _output_tensors(rec, result, leaves) -> list:
