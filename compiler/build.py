@@ -81,6 +81,8 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset(), written_later=froz
     # gradient where eager's graph never reaches it (its hooks called with None: fuzz seed 155)
     region.unread_inputs = tuple(i for i, read in enumerate(_placeholders_read(pristine))
                                  if not read and i not in mutated_inputs)
+    if parts.backward is not None and not mutated_inputs:
+        region.output_groups = _output_groups(parts.forward, parts.num_user_outputs, differentiable)
     donors = {slot for step in forward_program.steps for _, slot in getattr(step, "reuse", ())}
     region.donated_inputs = tuple(sorted(slot for slot in donors if slot < forward_program.num_inputs))
     if parts.backward is not None:
@@ -209,6 +211,34 @@ def _partial_backward_builder(forward: fx.Graph, mutated_inputs, parts, written_
         double = _double_backward_builder(sub.joint, memory, shape_generic) if sub.joint is not None else None
         return program, [position[name] for name in sub.saved_names], double
     return _memoized(build)
+
+
+def _output_groups(forward: fx.Graph, num_user_outputs: int, differentiable: list) -> tuple:
+    """The region's differentiable outputs grouped by the inputs requiring grad they depend on:
+    ((output positions, input positions), ...), or () where all depend on the same inputs.
+
+    NOTE: eager's graph connects a leaf only to the values made from it. One autograd Node per
+    region connects every input to every output: where the loss reaches only outputs that do not
+    depend on a leaf, the engine still runs the leaf's AccumulateGrad, with no gradient (its hooks
+    called with None: API fuzz seeds 401, 474, 920, 5115, 5528). Each group gets a Node of its own
+    (``CompiledRegion._apply_by_group``)."""
+    placeholders = {n: i for i, n in enumerate(n for n in forward.nodes if n.op == "placeholder")}
+    outputs = next(n for n in forward.nodes if n.op == "output").args[0][:num_user_outputs]
+    groups: dict = {}
+    for position, out in enumerate(outputs):
+        if not differentiable[position] or not isinstance(out, fx.Node):
+            continue
+        seen, stack = {out}, [out]
+        while stack:
+            for arg in stack.pop().all_input_nodes:
+                if arg not in seen:
+                    seen.add(arg)
+                    stack.append(arg)
+        inputs = frozenset(placeholders[n] for n in seen if n in placeholders and meta_of(n).requires_grad)
+        groups.setdefault(inputs, []).append(position)
+    if len(groups) < 2:
+        return ()
+    return tuple((tuple(positions), inputs) for inputs, positions in groups.items())
 
 
 def _placeholders_read(graph: fx.Graph) -> tuple:

@@ -42,6 +42,8 @@ class CompiledRegion:
     # (``compiler.build._input_donors``): the replay checks that no other input shares it
     donated_inputs: tuple = ()
     unread_inputs: tuple = ()   # positions of inputs no output depends on: no autograd edge to them
+    # ((output positions, input positions they depend on), ...): a Node per group (``_apply_by_group``)
+    output_groups: tuple = ()
 
     def prepare_cpu(self) -> None:
         """The CPU path's generated code, made at build time (``Program.prepare_cpu``)."""
@@ -52,6 +54,8 @@ class CompiledRegion:
     def __call__(self, inputs):
         if self.backward is None or not torch.is_grad_enabled():
             outs = self.forward.run(inputs, self.stats)[: self.num_outputs]
+        elif self.output_groups and self.__dict__.get("_groupable", True):
+            outs = self._apply_by_group(inputs)
         elif self.unread_inputs:
             outs = list(_apply(self, self._originals(inputs), self._without_unread_edges(inputs)))
         elif in_checkpoint():
@@ -65,6 +69,29 @@ class CompiledRegion:
             outs = list(_apply(self, self._originals(inputs), inputs))
         for position, index, views in self.input_views:  # views of inputs: made outside, by torch
             outs.insert(position, apply_views(inputs[index], views))
+        return outs
+
+    def _apply_by_group(self, inputs) -> list:
+        """The region as one autograd Node per group of outputs (``output_groups``), each connected
+        only to the inputs its outputs depend on, as eager's graph is. The forward program runs once
+        (``_GroupedCall``); each Node saves what the backward reads and computes the gradients of
+        its own outputs (the partial backward of those outputs). Where an output is a view of
+        another output or of an input, its view would not survive (later Nodes hand out aliases):
+        the region is one Node then, as before (worked out at its first call)."""
+        call = _GroupedCall(self._originals(inputs))
+        outs = None
+        for positions, connected in self.output_groups:
+            own = [t if i in connected or not isinstance(t, torch.Tensor) else t.detach()
+                   for i, t in enumerate(inputs)]
+            results = _apply(self, call, own)
+            if outs is None:
+                outs = list(results)
+                if "_groupable" not in self.__dict__:
+                    self._groupable = not any(isinstance(o, torch.Tensor) and o._base is not None
+                                              for o in call.outs[: self.num_outputs])
+            else:
+                for p in positions:
+                    outs[p] = results[p]
         return outs
 
     def _without_unread_edges(self, inputs) -> list:
@@ -88,10 +115,22 @@ class CompiledRegion:
                 if isinstance(inputs[i], torch.Tensor) and inputs[i].requires_grad and reads[i]}
 
 
+class _GroupedCall(dict):
+    """``_RegionFunction``'s ``originals`` for a region applied as a Node per output group: the
+    forward program's results, made by the first Node's forward and handed to the others as
+    aliases (``detach()``: same memory and version counter, their own autograd identity)."""
+    outs = None
+
+
 class _RegionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, region: CompiledRegion, originals: dict, *inputs):
-        outs = region.forward.run(list(inputs), region.stats)
+        if type(originals) is _GroupedCall and originals.outs is not None:
+            outs = [t.detach() if isinstance(t, torch.Tensor) else t for t in originals.outs]
+        else:
+            outs = region.forward.run(list(inputs), region.stats)
+            if type(originals) is _GroupedCall:
+                originals.outs = outs
         saved = [inputs[i] if kind == "input" else outs[i] for kind, i in region.saved]
         try:
             versions = [t._version if isinstance(t, torch.Tensor) else None for t in saved]

@@ -81,9 +81,6 @@ def test_hooks_the_loss_does_not_reach_are_not_called():
     _run(f, _leaves((3,), (3,)))
 
 
-@pytest.mark.xfail(strict=True, reason="known limit (README): a region is one autograd Node, so a leaf it reads "
-                   "is connected to all its outputs; where the loss reaches only outputs that do not depend on "
-                   "the leaf, the engine still runs the leaf's AccumulateGrad, with no gradient: its hooks get None")
 def test_hooks_of_a_leaf_read_only_by_outputs_the_loss_does_not_reach():
     def f(x0, x1):
         x0.register_hook(_note("leaf"))
@@ -93,6 +90,26 @@ def test_hooks_of_a_leaf_read_only_by_outputs_the_loss_does_not_reach():
         loss.backward()
         return (x1.grad.clone(),)
     _run(f, _leaves((3,), (3,)))
+
+
+def test_a_region_making_values_on_and_off_the_losss_path_connects_each_to_its_own_inputs():
+    """API fuzz seed 920: the layer's output (off the loss's path) and a value on it come from one
+    region; the layer's bias hook is not called (one Node per output group)."""
+    torch.manual_seed(0)
+    m = torch.nn.Linear(3, 2).double()
+    m.bias.register_hook(_note("bias"))
+
+    def f(x0, x1):
+        v0 = x1 * x0
+        v1 = m(v0)
+        v3 = x0 + v0
+        v5 = v3.t()
+        loss = (v5 * v5).sum()
+        loss.backward()
+        return x0.grad.clone(), v1.detach(), m.bias.grad
+    compiled = _run(f, lambda: [torch.randn(2, 3, dtype=torch.float64, requires_grad=True),
+                                torch.randn((), dtype=torch.float64)])
+    assert compiled.stats["kernel_launches"] > 0
 
 
 def test_backward_with_inputs_off_the_path_calls_no_hook():
