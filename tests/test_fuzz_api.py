@@ -324,6 +324,37 @@ KNOWN = {
             "    y = torch.tanh(x0)",
             "y.mul_(2)",
             "(y * y).sum().backward()"], ["y"])),
+    # found by the run at ed515d1:
+    # fuzz seed 7551: the same with save_on_cpu (on CPU tensors its pack hook returns the tensor
+    # itself): no error, the replay's backward reads the softmax the op made, eager's the doubled
+    # one (the linear's Node hook sees 0 where eager's sees -16)
+    "value-saved-under-save-on-cpu-written-in-place": (
+        "inplace-under-saved-tensor-hooks",
+        _program([((4, 2), f32, True, 2019835172)], [
+            "v0 = m(x0)",
+            "v0.grad_fn.register_hook(lambda grad_in, grad_out: log('node', grad_in, grad_out))",
+            "with torch.autograd.graph.save_on_cpu():",
+            "    v1 = torch.softmax(v0, dim=-1)",
+            "with torch.autograd.graph.save_on_cpu():",
+            "    v2 = torch.relu(v0)",
+            "v2.grad_fn.register_hook(lambda grad_in, grad_out: log('node2', grad_in, grad_out))",
+            "v1.mul_(2)",
+            "loss = v1.sum()",
+            "loss.backward()"], ["v1"], model=ModelSpec("linear", 2, 1, f32, 1192237844))),
+    # fuzz seed 7312: backward twice without retain_graph; eager's ops on the loss's path (a
+    # subtraction, a mean) save nothing, so its second backward runs. They ran in one region with a
+    # layer whose output has a hook: the region saved the layer's tensors, and its second backward
+    # raises "Trying to backward through the graph a second time"
+    "second-backward-through-a-region-that-saved-for-another-output": (
+        "second-backward-raises-where-eager-saved-nothing",
+        _program([((1,), f64, True, 1244264659), ((1,), f64, True, 1082224315)], [
+            "v0 = x0 - x0",
+            "v1 = m(x1)",
+            "v4 = v0.mean()",
+            "v1.register_hook(lambda g: log('hook', g))",
+            "loss = v4.sum()",
+            "loss.backward()",
+            "loss.backward()"], ["v4"], model=ModelSpec(MLP, 1, 3, f64, 1543153161))),
 }
 
 
