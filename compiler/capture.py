@@ -82,6 +82,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         self.gradients: set = set()  # id() of the .grad tensors the function read (bookkeeping reads them)
         self.checkpoints = CheckpointedCalls()  # calls inside torch.utils.checkpoint blocks
         self.gradient_watched: set = set()  # calls whose result gets a hook or retain_grad()
+        self.saved_under_hooks: dict = {}  # value id -> calls that may have saved it under saved-tensor hooks
         self.escaping = 0            # > 0 while a saved tensor's pack hook runs (compiler.pack_hooks)
         self.escaped: set = set()    # value ids made then: autograd holds them, no recorded call reads them
 
@@ -227,6 +228,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         if self.escaping:
             self.escaped.update(outputs)
         index = len(self.calls)
+        self._keep_eager_what_hooks_save_and_writes_change(index, recorded, outputs, out_tensors)
         self.checkpoints.end(index, region is not None, bool(out_tensors))
         if region is not None:
             self.call_meta[index] = ({v: TensorMeta.of(x) for v, x in zip(recorded, leaves) if isinstance(v, ValueId)},
@@ -308,6 +310,24 @@ class Capture(InPlaceTracking, TorchFunctionMode):
             self.calls.append(call)
             if reason:
                 self.breaks.append(reason)
+
+    def _keep_eager_what_hooks_save_and_writes_change(self, index, recorded, outputs, out_tensors) -> None:
+        """Run eagerly each op that saved a value under saved-tensor hooks which a later call
+        writes in place.
+
+        NOTE: with hooks PyTorch checks no version: eager's backward reads the value as written
+        (a softmax's result doubled in place: its gradient is no longer zero), where the compiled
+        backward would read the value the op made (fuzz seeds 687, 7551: a gradient other than
+        eager's). Run eagerly, the op saves through the hooks as eager's does. Which values an op
+        saves is taken wide: its tensor inputs, and its result where its Node keeps it."""
+        read = {v for v in recorded if isinstance(v, ValueId)}
+        for v in outputs:
+            if v in read and v in self.saved_under_hooks:  # (written in place)
+                self.isolate.update(c for c in self.saved_under_hooks.pop(v) if self.calls[c].kind == "compute")
+        if out_tensors and out_tensors[0].requires_grad and _saved_tensors_hooks(False) is not None:
+            saved = read | {v for v, t in zip(outputs, out_tensors) if saves_result(t)}
+            for v in saved:
+                self.saved_under_hooks.setdefault(v, set()).add(index)
 
     def _isolate_gradient_of(self, t: torch.Tensor) -> None:
         """``t`` gets a hook or retain_grad(): the call that made it runs as a region of its own.
@@ -648,6 +668,9 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         externals = {vid: e for vid, e in self.externals.items() if vid not in transient}
         return Trace(self.calls, plans, self.arg_ids, externals, dict(self.produced_by),
                      list(dict.fromkeys(self.breaks)), list(dict.fromkeys(self.graph_breaks)), transient=transient)
+
+
+_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 
 
 def _autocast_dtype(device: torch.device):
