@@ -83,6 +83,7 @@ class CompiledRegion:
         for positions, connected in self.output_groups:
             own = [t if i in connected or not isinstance(t, torch.Tensor) else t.detach()
                    for i, t in enumerate(inputs)]
+            call.saves = self._group_reads_saved(positions)
             results = _apply(self, call, own)
             if outs is None:
                 outs = list(results)
@@ -93,6 +94,19 @@ class CompiledRegion:
                 for p in positions:
                     outs[p] = results[p]
         return outs
+
+    def _group_reads_saved(self, positions) -> bool:
+        """Whether the backward of an output group (any of its outputs given a gradient) reads a
+        saved value. NOTE: one that reads none saves none, and a second backward through it runs
+        as eager's does where eager's ops saved nothing (fuzz seed 7312: sums on the loss's path,
+        a layer's output beside them). Worked out once per group (its partial backwards are built
+        then, as its first backward would); groups of more than two outputs save."""
+        known = self.__dict__.setdefault("_reads_saved", {})
+        if positions not in known:
+            subsets = [(p,) for p in positions] + ([positions] if len(positions) == 2 else [])
+            known[positions] = (len(positions) > 2 or self.backward_for is None
+                                or any(p is None or p[1] for p in (self.backward_for(frozenset(s)) for s in subsets)))
+        return known[positions]
 
     def _without_unread_edges(self, inputs) -> list:
         """``inputs`` with those no output depends on detached: eager's graph does not reach them
@@ -118,8 +132,10 @@ class CompiledRegion:
 class _GroupedCall(dict):
     """``_RegionFunction``'s ``originals`` for a region applied as a Node per output group: the
     forward program's results, made by the first Node's forward and handed to the others as
-    aliases (``detach()``: same memory and version counter, their own autograd identity)."""
+    aliases (``detach()``: same memory and version counter, their own autograd identity); and
+    whether the Node being made saves the region's saved values (``_group_reads_saved``)."""
     outs = None
+    saves = True
 
 
 class _RegionFunction(torch.autograd.Function):
@@ -131,7 +147,8 @@ class _RegionFunction(torch.autograd.Function):
             outs = region.forward.run(list(inputs), region.stats)
             if type(originals) is _GroupedCall:
                 originals.outs = outs
-        saved = [inputs[i] if kind == "input" else outs[i] for kind, i in region.saved]
+        saved = [inputs[i] if kind == "input" else outs[i] for kind, i in region.saved] \
+            if type(originals) is not _GroupedCall or originals.saves else []
         try:
             versions = [t._version if isinstance(t, torch.Tensor) else None for t in saved]
         except RuntimeError:  # an inference tensor (``_savable``)
@@ -161,7 +178,7 @@ class _RegionFunction(torch.autograd.Function):
         # through such outputs then gets None too, as eager leaves it (``backward``).
         ctx.set_materialize_grads(False)
         if region.build_double_backward is not None:
-            ctx.double_backward_inputs = _keep_for_double_backward(region, inputs, originals)
+            ctx.double_backward_inputs = _keep_for_double_backward(region, inputs, originals, saved_inputs=bool(saved))
         user = outs[: region.num_outputs]
         internal_views = region.__dict__.get("_internal_views")
         if internal_views is None:  # (fixed per region: worked out at its first call)
@@ -192,7 +209,7 @@ class _RegionFunction(torch.autograd.Function):
                 if ctx.hooked:
                     raise RuntimeError(_hooked_and_written(t, name))
                 raise RuntimeError(_version_error(t, version, f"output {output_nr} of {name}"))
-        if region.saved:
+        if ctx.saved_versions:
             try:
                 saved = list(ctx.saved_tensors)  # version-checked by PyTorch
             except RuntimeError as e:
@@ -313,9 +330,10 @@ def _has_nan(tensors) -> bool:
                and bool(torch.isnan(t).any()) for t in tensors)
 
 
-def _keep_for_double_backward(region: CompiledRegion, inputs, originals) -> dict:
+def _keep_for_double_backward(region: CompiledRegion, inputs, originals, saved_inputs=True) -> dict:
     """For create_graph=True the backward is recomputed from the region's inputs: position ->
-    the input, for those the double backward reads and the first-order backward has not saved.
+    the input, for those the double backward reads and the first-order backward has not saved
+    (``saved_inputs`` False: this Node saved none, ``_group_reads_saved``: all it reads).
 
     NOTE (memory): each is packed as autograd packs ``save_for_backward``'s tensors where
     saved-tensor hooks are set (a ``SavedTensor``: the hooks see it, ``save_on_cpu()`` moves
@@ -324,11 +342,13 @@ def _keep_for_double_backward(region: CompiledRegion, inputs, originals) -> dict
     never reads it, so, as in eager, a later in-place change to it is no error then. Inputs
     neither backward reads are not kept: they are freed when the caller drops them.
     """
-    positions = region.__dict__.get("_kept_positions")
+    key = "_kept_positions" if saved_inputs else "_every_read_position"
+    positions = region.__dict__.get(key)
     if positions is None:  # (fixed per region: worked out at its first call)
         reads = region.double_backward_reads or (True,) * len(inputs)
-        saved_inputs = {i for kind, i in region.saved if kind == "input"}
-        positions = region._kept_positions = [i for i in range(len(inputs)) if reads[i] and i not in saved_inputs]
+        saved = {i for kind, i in region.saved if kind == "input"} if saved_inputs else set()
+        positions = [i for i in range(len(inputs)) if reads[i] and i not in saved]
+        setattr(region, key, positions)
     kept = {}
     hooks = _saved_tensors_hooks(False) is not None
     for i in positions:

@@ -178,3 +178,33 @@ def test_a_value_saved_under_hooks_and_written_in_place_reads_as_eagers(hooks):
         return x.grad.clone(), y.detach()
     compiled = _run(f, _leaves((4,)))
     assert compiled.stats["kernel_launches"] > 0
+
+
+def test_a_second_backward_through_one_output_group_of_a_region_that_saves_for_another():
+    """API fuzz seed 7312: the loss's path (a difference, a mean) saves nothing in eager, so its
+    second backward runs; the region also makes a layer's output, whose Node saves."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(1, 3), torch.nn.Tanh(), torch.nn.Linear(3, 3)).double()
+
+    def f(x0, x1):
+        v0 = x0 - x0 + 1
+        v1 = m(x1)
+        v1.register_hook(_note("v1"))
+        loss = v0.mean()
+        loss.backward()
+        loss.backward()
+        return x0.grad.clone(), v1.detach()
+    _run(f, _leaves((1,), (1,)))
+
+
+def test_double_backward_through_output_groups():
+    def f(x0, x1, w):
+        a = (x0 * x0).sin().sum()  # depends on x0
+        b = (x1 * w).exp()         # on x1 and w: a Node of its own
+        g0, = torch.autograd.grad(a, x0, create_graph=True)
+        (g0.pow(2).sum() + b.sum()).backward()
+        return x0.grad.clone(), x1.grad.clone(), w.grad.clone(), b.detach()
+    compiled = _run(f, _leaves((3,), (3,), (3,)))
+    assert compiled.stats["kernel_launches"] > 0
+    groups = [r.compiled.output_groups for r in compiled.last_entry.trace.regions if r.compiled is not None]
+    assert any(groups), groups
