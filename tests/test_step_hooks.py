@@ -8,10 +8,10 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import compiler
+from tests.training import train_step
 
 OPTIMIZERS = {
     "sgd-momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
@@ -28,13 +28,7 @@ def _twins(optimizer):
 
 
 def _step(model, opt):
-    def step(x, y):
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-    return step
+    return lambda x, y: train_step(model, opt, x, y).detach()
 
 
 def _data(k):
