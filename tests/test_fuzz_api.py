@@ -229,6 +229,112 @@ FIXED = {
         "loss = (v4 * v4).sum()",
         "grads = torch.autograd.grad(loss, inputs=[v2, v4], allow_unused=True)"], ["grads"],
         model=ModelSpec("linear", 2, 3, f32, 1890158244)),
+    # -- fixed in dbd05c0 (a region whose outputs depend on different inputs is one autograd Node per
+    # group of outputs), found at 665996e after c7dd947's fix: where one region made values on and
+    # off the loss's path, its one Function still connected their inputs to the loss.
+    # fuzz seed 920: one region makes both a layer's output (off the loss's path) and a value on
+    # it from a shared input: the region's one Function connects the layer's bias to the output
+    # the loss reaches, so the engine runs the bias's AccumulateGrad with None (its hook is called)
+    "parameter-hook-of-a-layer-off-the-path-in-a-shared-region": _program(
+        [((2, 3), f32, True, 1050379782), ((), f32, False, 1659804517)], [
+        "h1 = m.get_parameter('bias').register_hook(lambda g: log('param@bias', g))",
+        "v0 = x1 * x0",
+        "v1 = m(v0)",
+        "v3 = x0 + v0",
+        "v4 = v1.pow(2)",
+        "v4.grad_fn.register_prehook(lambda grad_out: log('prehook', grad_out))",
+        "v5 = v3.t()",
+        "v5.grad_fn.register_hook(lambda grad_in, grad_out: log('node', grad_in, grad_out))",
+        "loss = (v5 * v5).sum()",
+        "loss.backward()",
+        "h1.remove()"], ["v5"], model=ModelSpec("linear", 3, 2, f32, 1842438178)),
+    # fuzz seed 474: a hook on a layer's output read only by dead values, and a no_grad block
+    "hook-off-the-loss-path-next-to-no-grad": _program([((2,), f64, True, 1555736812)], [
+        "v1 = m(x0)",
+        "v1.register_hook(lambda g: log('hook', g) or g * 0.5)",
+        "v2 = torch.log(v1.abs() + 1)",
+        "v3 = torch.sigmoid(x0)",
+        "with torch.no_grad():",
+        "    v4 = torch.softmax(v2, dim=-1)"], ["v3"],
+        model=ModelSpec("mlp", 2, 1, f64, 130545034), external_backward=True),
+    # fuzz seed 401: a hook on tanh(x) read only by a product made under no_grad/enable_grad
+    "hook-off-the-loss-path-next-to-enable-grad": _program([((3, 4), f64, True, 1372027478)], [
+        "v0 = torch.tanh(x0)",
+        "v1 = m(x0)",
+        "v2 = x0 + v0",
+        "with torch.no_grad():",
+        "    with torch.enable_grad():",
+        "        v3 = v2 * x0",
+        "v0.register_hook(lambda g: log('hook', g) or g * 2)",
+        "v4 = v1.pow(2)",
+        "loss = (v4 * v4).sum()",
+        "loss.backward()"], ["v4"], model=ModelSpec("mlp", 4, 2, f64, 805110119)),
+    # fuzz seed 5115: a post-accumulate hook on a leaf read only under saved_tensors_hooks
+    "post-accumulate-hook-of-a-leaf-read-under-saved-hooks": _program(
+        [((1,), f64, True, 1902822865), ((), f64, True, 2050771451)], [
+        "with torch.autograd.graph.saved_tensors_hooks(lambda t: stash(t), lambda k: store[k]):",
+        "    v0 = x1 / (x1.abs() + 1)",
+        "v1 = torch.tanh(x0)",
+        "x1.register_post_accumulate_grad_hook(lambda p: log('accumulated@x1', p.grad))",
+        "v3 = m(v1)",
+        "loss = (v3 * v3).sum()",
+        "loss.backward()"], ["v3"], model=ModelSpec("linear", 1, 2, f64, 1805856211)),
+    # fuzz seed 5528: autograd.grad(loss, inputs=[v0]) where the loss does not depend on v0 (made
+    # under saved_tensors_hooks): eager runs nothing; the replay calls the hook of the loss's input
+    "autograd-grad-inputs-off-its-path-under-saved-hooks": _program(
+        [((2, 3, 1), f64, True, 549302140), ((1, 1, 1), f64, True, 800364098),
+         ((2, 3, 1), f64, False, 1268983504)], [
+        "with torch.autograd.graph.saved_tensors_hooks(lambda t: t * 1, lambda t: t):",
+        "    v0 = x0 * x2",
+        "v1 = torch.relu(x0)",
+        "v2 = x2 / (v1.abs() + 1)",
+        "v3 = m(v0)",
+        "v4 = x1 + v2",
+        "v3.grad_fn.register_prehook(lambda grad_out: log('prehook', grad_out))",
+        "v4.register_hook(lambda g: log('hook', g) or g * 2)",
+        "loss = v4.sum()",
+        "grads = torch.autograd.grad(loss, inputs=[v0], allow_unused=True)"], ["grads"],
+        model=ModelSpec("mlp", 1, 1, f64, 1038536098)),
+    # -- fixed in 004cf02 (an op that saved a value under saved-tensor hooks runs eagerly where a
+    # later call writes that value in place) and 001d715 (an output group whose backward reads no
+    # saved value saves none):
+    # fuzz seed 687: an in-place op on a value saved under saved_tensors_hooks: eager's saved tensor
+    # is the pack hook's result, with no version check (backward reads the modified value); the
+    # replay raised "modified by an inplace operation", and since 564da07 raises an error that says
+    # so (README, Known limits): still not eager's result
+    "in-place-on-a-value-saved-under-hooks": _program([((3,), f64, True, 16)], [
+        "with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):",
+        "    y = torch.tanh(x0)",
+        "y.mul_(2)",
+        "(y * y).sum().backward()"], ["y"]),
+    # found by the run at ed515d1:
+    # fuzz seed 7551: the same with save_on_cpu (on CPU tensors its pack hook returns the tensor
+    # itself): no error, the replay's backward reads the softmax the op made, eager's the doubled
+    # one (the linear's Node hook sees 0 where eager's sees -16)
+    "value-saved-under-save-on-cpu-written-in-place": _program([((4, 2), f32, True, 2019835172)], [
+        "v0 = m(x0)",
+        "v0.grad_fn.register_hook(lambda grad_in, grad_out: log('node', grad_in, grad_out))",
+        "with torch.autograd.graph.save_on_cpu():",
+        "    v1 = torch.softmax(v0, dim=-1)",
+        "with torch.autograd.graph.save_on_cpu():",
+        "    v2 = torch.relu(v0)",
+        "v2.grad_fn.register_hook(lambda grad_in, grad_out: log('node2', grad_in, grad_out))",
+        "v1.mul_(2)",
+        "loss = v1.sum()",
+        "loss.backward()"], ["v1"], model=ModelSpec("linear", 2, 1, f32, 1192237844)),
+    # fuzz seed 7312: backward twice without retain_graph; eager's ops on the loss's path (a
+    # subtraction, a mean) save nothing, so its second backward runs. They ran in one region with a
+    # layer whose output has a hook: the region saved the layer's tensors, and its second backward
+    # raises "Trying to backward through the graph a second time"
+    "second-backward-through-a-region-that-saved-for-another-output": _program(
+        [((1,), f64, True, 1244264659), ((1,), f64, True, 1082224315)], [
+        "v0 = x0 - x0",
+        "v1 = m(x1)",
+        "v4 = v0.mean()",
+        "v1.register_hook(lambda g: log('hook', g))",
+        "loss = v4.sum()",
+        "loss.backward()",
+        "loss.backward()"], ["v4"], model=ModelSpec("mlp", 1, 3, f64, 1543153161)),
 }
 
 
@@ -238,124 +344,7 @@ def test_fixed_regressions(name):
 
 
 # -- found and not fixed yet: each is reported; strict, so a fix turns it into a failure --------
-MLP = "mlp"
-KNOWN = {
-    # found at 665996e, after c7dd947's fix of the hooks off the loss's path (FIXED below): left
-    # where one region makes values on and off the loss's path (its one Function still connects
-    # their inputs), often next to a grad-mode block or a saved-tensor-hooks block.
-    # fuzz seed 920: one region makes both a layer's output (off the loss's path) and a value on
-    # it from a shared input: the region's one Function connects the layer's bias to the output
-    # the loss reaches, so the engine runs the bias's AccumulateGrad with None (its hook is called)
-    "parameter-hook-of-a-layer-off-the-path-in-a-shared-region": (
-        "hook-called-without-gradient",
-        _program([((2, 3), f32, True, 1050379782), ((), f32, False, 1659804517)], [
-            "h1 = m.get_parameter('bias').register_hook(lambda g: log('param@bias', g))",
-            "v0 = x1 * x0",
-            "v1 = m(v0)",
-            "v3 = x0 + v0",
-            "v4 = v1.pow(2)",
-            "v4.grad_fn.register_prehook(lambda grad_out: log('prehook', grad_out))",
-            "v5 = v3.t()",
-            "v5.grad_fn.register_hook(lambda grad_in, grad_out: log('node', grad_in, grad_out))",
-            "loss = (v5 * v5).sum()",
-            "loss.backward()",
-            "h1.remove()"], ["v5"], model=ModelSpec("linear", 3, 2, f32, 1842438178))),
-    # fuzz seed 474: a hook on a layer's output read only by dead values, and a no_grad block
-    "hook-off-the-loss-path-next-to-no-grad": (
-        "hook-called-without-gradient",
-        _program([((2,), f64, True, 1555736812)], [
-            "v1 = m(x0)",
-            "v1.register_hook(lambda g: log('hook', g) or g * 0.5)",
-            "v2 = torch.log(v1.abs() + 1)",
-            "v3 = torch.sigmoid(x0)",
-            "with torch.no_grad():",
-            "    v4 = torch.softmax(v2, dim=-1)"], ["v3"],
-            model=ModelSpec(MLP, 2, 1, f64, 130545034), external_backward=True)),
-    # fuzz seed 401: a hook on tanh(x) read only by a product made under no_grad/enable_grad
-    "hook-off-the-loss-path-next-to-enable-grad": (
-        "hook-called-without-gradient",
-        _program([((3, 4), f64, True, 1372027478)], [
-            "v0 = torch.tanh(x0)",
-            "v1 = m(x0)",
-            "v2 = x0 + v0",
-            "with torch.no_grad():",
-            "    with torch.enable_grad():",
-            "        v3 = v2 * x0",
-            "v0.register_hook(lambda g: log('hook', g) or g * 2)",
-            "v4 = v1.pow(2)",
-            "loss = (v4 * v4).sum()",
-            "loss.backward()"], ["v4"], model=ModelSpec(MLP, 4, 2, f64, 805110119))),
-    # fuzz seed 5115: a post-accumulate hook on a leaf read only under saved_tensors_hooks
-    "post-accumulate-hook-of-a-leaf-read-under-saved-hooks": (
-        "hook-called-without-gradient",
-        _program([((1,), f64, True, 1902822865), ((), f64, True, 2050771451)], [
-            "with torch.autograd.graph.saved_tensors_hooks(lambda t: stash(t), lambda k: store[k]):",
-            "    v0 = x1 / (x1.abs() + 1)",
-            "v1 = torch.tanh(x0)",
-            "x1.register_post_accumulate_grad_hook(lambda p: log('accumulated@x1', p.grad))",
-            "v3 = m(v1)",
-            "loss = (v3 * v3).sum()",
-            "loss.backward()"], ["v3"], model=ModelSpec("linear", 1, 2, f64, 1805856211))),
-    # fuzz seed 5528: autograd.grad(loss, inputs=[v0]) where the loss does not depend on v0 (made
-    # under saved_tensors_hooks): eager runs nothing; the replay calls the hook of the loss's input
-    "autograd-grad-inputs-off-its-path-under-saved-hooks": (
-        "hooks-off-the-inputs-path",
-        _program([((2, 3, 1), f64, True, 549302140), ((1, 1, 1), f64, True, 800364098),
-                  ((2, 3, 1), f64, False, 1268983504)], [
-            "with torch.autograd.graph.saved_tensors_hooks(lambda t: t * 1, lambda t: t):",
-            "    v0 = x0 * x2",
-            "v1 = torch.relu(x0)",
-            "v2 = x2 / (v1.abs() + 1)",
-            "v3 = m(v0)",
-            "v4 = x1 + v2",
-            "v3.grad_fn.register_prehook(lambda grad_out: log('prehook', grad_out))",
-            "v4.register_hook(lambda g: log('hook', g) or g * 2)",
-            "loss = v4.sum()",
-            "grads = torch.autograd.grad(loss, inputs=[v0], allow_unused=True)"], ["grads"],
-            model=ModelSpec(MLP, 1, 1, f64, 1038536098))),
-    # fuzz seed 687: an in-place op on a value saved under saved_tensors_hooks: eager's saved tensor
-    # is the pack hook's result, with no version check (backward reads the modified value); the
-    # replay raised "modified by an inplace operation", and since 564da07 raises an error that says
-    # so (README, Known limits): still not eager's result
-    "in-place-on-a-value-saved-under-hooks": (
-        "inplace-under-saved-tensor-hooks",
-        _program([((3,), f64, True, 16)], [
-            "with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):",
-            "    y = torch.tanh(x0)",
-            "y.mul_(2)",
-            "(y * y).sum().backward()"], ["y"])),
-    # found by the run at ed515d1:
-    # fuzz seed 7551: the same with save_on_cpu (on CPU tensors its pack hook returns the tensor
-    # itself): no error, the replay's backward reads the softmax the op made, eager's the doubled
-    # one (the linear's Node hook sees 0 where eager's sees -16)
-    "value-saved-under-save-on-cpu-written-in-place": (
-        "inplace-under-saved-tensor-hooks",
-        _program([((4, 2), f32, True, 2019835172)], [
-            "v0 = m(x0)",
-            "v0.grad_fn.register_hook(lambda grad_in, grad_out: log('node', grad_in, grad_out))",
-            "with torch.autograd.graph.save_on_cpu():",
-            "    v1 = torch.softmax(v0, dim=-1)",
-            "with torch.autograd.graph.save_on_cpu():",
-            "    v2 = torch.relu(v0)",
-            "v2.grad_fn.register_hook(lambda grad_in, grad_out: log('node2', grad_in, grad_out))",
-            "v1.mul_(2)",
-            "loss = v1.sum()",
-            "loss.backward()"], ["v1"], model=ModelSpec("linear", 2, 1, f32, 1192237844))),
-    # fuzz seed 7312: backward twice without retain_graph; eager's ops on the loss's path (a
-    # subtraction, a mean) save nothing, so its second backward runs. They ran in one region with a
-    # layer whose output has a hook: the region saved the layer's tensors, and its second backward
-    # raises "Trying to backward through the graph a second time"
-    "second-backward-through-a-region-that-saved-for-another-output": (
-        "second-backward-raises-where-eager-saved-nothing",
-        _program([((1,), f64, True, 1244264659), ((1,), f64, True, 1082224315)], [
-            "v0 = x0 - x0",
-            "v1 = m(x1)",
-            "v4 = v0.mean()",
-            "v1.register_hook(lambda g: log('hook', g))",
-            "loss = v4.sum()",
-            "loss.backward()",
-            "loss.backward()"], ["v4"], model=ModelSpec(MLP, 1, 3, f64, 1543153161))),
-}
+KNOWN: dict = {}  # (none open: every bug the API fuzz found is fixed, its program in FIXED)
 
 
 @pytest.mark.parametrize("name", list(KNOWN))

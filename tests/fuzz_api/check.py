@@ -51,46 +51,6 @@ class KnownBug(Exception):
     tests/test_fuzz_api.py (KNOWN); the runs count these instead of stopping at them."""
 
 
-def _written_after_made_in_block(program, head) -> bool:
-    """Whether the program writes in place (``v.mul_(2)``) a value made inside a ``with`` block
-    whose header contains ``head``."""
-    made, inside, indent = set(), False, 0
-    for line in program.lines:
-        depth = len(line) - len(line.lstrip())
-        if inside and depth <= indent:
-            inside = False
-        if line.lstrip().startswith("with ") and head in line:
-            inside, indent = True, depth
-            continue
-        target = re.match(r"\s*(v\d+) = ", line)
-        if inside and target:
-            made.add(target.group(1))
-        written = re.match(r"\s*(v\d+)\.mul_\(", line)
-        if written and written.group(1) in made:
-            return True
-    return False
-
-
-def _inplace_under_saved_tensor_hooks(program, message):
-    # an in-place op on a value saved under saved-tensor hooks: eager keeps the pack hook's result
-    # and checks no version; the replay raised eager's no-hooks version error, and since 564da07 an
-    # error that says it would read the value the op made (README, Known limits), or (save_on_cpu,
-    # seed 7551 at ed515d1) reads the value the op made without saying so
-    in_block = any(_written_after_made_in_block(program, head) for head in ("saved_tensors_hooks", "save_on_cpu"))
-    raised = ("has been modified by an inplace operation" in message or "saves under saved-tensor hooks" in message) \
-        and message.rstrip().endswith("eager None") \
-        and any(s in program.source for s in ("saved_tensors_hooks", "save_on_cpu", "register_hooks"))
-    return raised or (in_block and " got " in message and ", eager " in message)
-
-
-def _second_backward_raises(program, message):
-    # backward twice without retain_graph where eager's ops on the loss's path save nothing: the
-    # replay raises "Trying to backward through the graph a second time" when the region they ran
-    # in saved tensors for its other outputs (564da07 fixed regions that save nothing)
-    return "raised 'RuntimeError: Trying to backward through the graph a second time" in message \
-        and message.rstrip().endswith("eager None")
-
-
 def _hook_after_inference_mode_write(program, message):
     # NOTE: not a symgrad bug. A value that requires grad, written in place under inference_mode
     # and then given a hook: eager PyTorch's own register_hook crashes there (a segmentation fault
@@ -101,29 +61,13 @@ def _hook_after_inference_mode_write(program, message):
         and "hooks called that eager does not call" in message
 
 
-def _hook_without_gradient(program, message):
-    # a hook on a value or leaf the loss does not reach is called with None on replay, where eager
-    # does not call it (c7dd947 fixed most; left: a region making values on and off the loss's path)
-    return "hooks called with no gradient (None) where eager calls none" in message
-
-
-def _hooks_off_the_inputs_path(program, message):
-    # autograd.grad(..., inputs) / backward(inputs=): eager runs only the graph between the loss
-    # and the inputs; the replay calls a hook outside it (c7dd947 fixed most; left: next to a
-    # saved-tensor-hooks block)
-    return "inputs=" in program.source and "hooks called that eager does not call" in message
-
-
-# (name, test on (program, message of the Mismatch)): bugs found and not fixed yet
-# (fixed since the fuzzer found them, their repros in tests/test_fuzz_api.py's FIXED: hooks
-# registered after a use missing gradient, pack hooks' results kept inside the kernels, a second
-# backward where nothing was saved, inference tensors a region keeps, a region's view written in
-# place, and most hooks off the loss's path or backward(inputs=)'s)
-KNOWN_BUGS: list = [("hook-called-without-gradient", _hook_without_gradient),
-                    ("hooks-off-the-inputs-path", _hooks_off_the_inputs_path),
-                    ("inplace-under-saved-tensor-hooks", _inplace_under_saved_tensor_hooks),
-                    ("second-backward-raises-where-eager-saved-nothing", _second_backward_raises),
-                    ("eager-undefined-hook-after-inference-mode-write", _hook_after_inference_mode_write)]
+# (name, test on (program, message of the Mismatch)): differences found and not fixed yet. Every
+# symgrad bug the API fuzz found is fixed, its program in tests/test_fuzz_api.py's FIXED (hooks of
+# values and leaves off the loss's path, hooks registered after a use, hooks off backward(inputs=)'s
+# path, pack hooks' results kept inside the kernels, a second backward where eager saved nothing,
+# inference tensors a region keeps, a region's view written in place, values saved under hooks and
+# written in place). Left: eager PyTorch's own undefined behaviour, which no comparison can hold to.
+KNOWN_BUGS: list = [("eager-undefined-hook-after-inference-mode-write", _hook_after_inference_mode_write)]
 
 
 def describe(e: BaseException) -> str:
@@ -205,20 +149,20 @@ def run_world(program, fn, calls: int, log: Log, on_call=None) -> list:
 # -- comparing ------------------------------------------------------------------------------------
 
 
-def _close(what, got, want, loose=False):
+def _close(what, got, want, loose=False, slack=0.0):
     if isinstance(want, Box) or isinstance(got, Box):
         raise AssertionError("snapshots hold no Box")
     if isinstance(want, tuple) or isinstance(got, tuple):
         if not (isinstance(want, tuple) and isinstance(got, tuple)) or len(got) != len(want):
             raise Mismatch(f"{what}: got {_brief(got)}, eager {_brief(want)}")
         for i, (g, w) in enumerate(zip(got, want)):
-            _close(f"{what}[{i}]", g, w, loose)
+            _close(f"{what}[{i}]", g, w, loose, slack)
         return
     if isinstance(want, dict) or isinstance(got, dict):
         if not (isinstance(want, dict) and isinstance(got, dict)) or sorted(got) != sorted(want):
             raise Mismatch(f"{what}: got {_brief(got)}, eager {_brief(want)}")
         for k in want:
-            _close(f"{what}[{k!r}]", got[k], want[k], loose)
+            _close(f"{what}[{k!r}]", got[k], want[k], loose, slack)
         return
     if not isinstance(want, torch.Tensor) or not isinstance(got, torch.Tensor):
         if isinstance(got, torch.Tensor) or isinstance(want, torch.Tensor) or got != want:
@@ -233,7 +177,7 @@ def _close(what, got, want, loose=False):
     # (loose: the program computes in float32, so a float64 value it makes carries float32 rounding)
     rtol, atol = TOLERANCE[torch.float32 if loose else want.dtype]
     g, w = got.detach().double(), want.detach().double()
-    bound = atol + rtol * w.abs()
+    bound = atol + slack + rtol * w.abs()
     if (loose or want.dtype != torch.float64) and w.numel():
         bound = bound + rtol * w.abs().nan_to_num(0.0, 0.0, 0.0).amax()
     same_nan = torch.isnan(g) == torch.isnan(w)
@@ -334,7 +278,7 @@ def _hooks_given_none(g, w) -> str:
     return ""
 
 
-def compare_worlds(world: str, got: list, want: list, loose: bool = False, info=None):
+def compare_worlds(world: str, got: list, want: list, loose: bool = False, info=None, step_slack: float = 0.0):
     for call, (g, w) in enumerate(zip(got, want)):
         where = f"{world} call {call}"
         if g["error"] != w["error"]:
@@ -353,10 +297,10 @@ def compare_worlds(world: str, got: list, want: list, loose: bool = False, info=
                     raise Mismatch(f"{where}: output {i}: requires_grad {go[0]}, eager {wo[0]}")
                 go, wo = go[1], wo[1]
             _close(f"{where}: output {i}", go, wo, loose)
-        for key in ("input grads", "parameters", "parameter grads", "optimizer state"):
+        for key in ("input grads", "parameter grads", "parameters", "optimizer state"):
             if key in w:
                 for i, (gv, wv) in enumerate(zip(g[key], w[key])):
-                    _close(f"{where}: {key} {i}", gv, wv, loose)
+                    _close(f"{where}: {key} {i}", gv, wv, loose, step_slack if key == "parameters" else 0.0)
     if len(got) != len(want):
         raise Mismatch(f"{world}: {len(got)} calls ran, eager {len(want)}")
 
@@ -391,7 +335,14 @@ def _check(program) -> dict:
 
     got = run_world(program, compiled, CALLS, log, on_call)
     loose = any(spec.dtype != torch.float64 for spec in program.inputs)
-    compare_worlds("compiled", got, want, loose, info)
+    # NOTE: Adam's step is about lr in size whatever the gradient's (m / (sqrt(v) + eps)): where a
+    # gradient is float32 rounding noise (a constant loss: a softmax's sum) the noise moves the
+    # parameter by up to lr * noise / eps a step. The parameters may differ by 1% of lr a call
+    # (a wrong step differs by about lr); their gradients, compared first, keep the tolerance.
+    model = program.model
+    step_slack = 0.01 * model.options.get("lr", 0.0) * CALLS if loose and model is not None \
+        and model.optimizer in ("Adam", "AdamW") else 0.0
+    compare_worlds("compiled", got, want, loose, info, step_slack)
     before = {"kernel_launches": 0, "divergences": 0, "replays": 0}
     for stats in calls:
         delta = {k: stats[k] - before[k] for k in before}
@@ -411,7 +362,7 @@ def _check(program) -> dict:
     stored = compiler.compile(program.function(log), backend="interpret")
     stored_calls = []
     got = run_world(program, stored, STORED_CALLS, log, lambda call: stored_calls.append(dict(stored.stats)))
-    compare_worlds("stored", got, want[:STORED_CALLS], loose, info)
+    compare_worlds("stored", got, want[:STORED_CALLS], loose, info, step_slack)
     if stored_calls and stored_calls[0]["loaded"]:
         info["loaded"] = True
         info["stored replayed with kernels"] = stored_calls[0]["kernel_launches"] > 0

@@ -391,6 +391,11 @@ def draw_program(ch, max_ops=6) -> Program:
             line = head + "\n" + "\n".join("    " + ln for ln in line.split("\n"))
         elif block == "grad mode":
             mode = ch.pick(GRAD_MODES, weights=GRAD_MODE_WEIGHTS)
+            if mode == "torch.inference_mode()" and ".mul_(" in line:
+                # NOTE: eager PyTorch's register_hook segfaults on a tensor that requires grad and
+                # was written in place under inference_mode (torch 2.13; fuzz seed 8170): no
+                # program may make eager undefined (no RNG drawn: other seeds' programs stay)
+                mode = "torch.no_grad()"
             inner = "\n".join("    " + ln for ln in line.split("\n"))
             if mode in ("torch.no_grad()", "torch.set_grad_enabled(False)") and ch.bool(0.3):
                 inner = "    with torch.enable_grad():\n" + "\n".join("    " + ln for ln in inner.split("\n"))
