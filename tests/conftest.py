@@ -10,7 +10,8 @@ of a function must record, not replay what an earlier test of the same code stor
 Under strict mode, a test that claims compiled parity must also run compiled: any part of a
 compiled call that runs eagerly during the test (a deliberate fallback, a replay that diverged
 from its recording, a whole call run eagerly: ``runtime.dispatch.watch_eager_runs``) fails it, as
-an internal error does. A test about such a path says so: ``@pytest.mark.allows_eager("why")``.
+an internal error does. A test about such a path says so: ``@pytest.mark.allows_eager("why")``
+(``SYMGRAD_CHECK_EAGER_RUNS=0`` turns the check off).
 
 ``SYMGRAD_COUNT_LAUNCHES=path`` (off by default) appends one JSON line per test to ``path``: the
 calls, replays and kernel launches of the compiled functions it called, and the eager runs seen,
@@ -72,7 +73,7 @@ def pytest_runtest_call(item):
         result = yield
     if before is not None:
         _write_counts(item, before, watch, allowed)
-    if watch.events and not allowed and strict() and os.environ.get("SYMGRAD_CHECK_EAGER_RUNS") == "1":
+    if watch.events and not allowed and strict() and os.environ.get("SYMGRAD_CHECK_EAGER_RUNS", "1") != "0":
         seen = list(dict.fromkeys(f"{name}: {what}: {reason}" for name, what, reason in watch.events))
         pytest.fail(f"{len(watch.events)} part(s) of compiled calls ran eagerly in a test that does not allow "
                     "it (mark it @pytest.mark.allows_eager(\"why\") if that is what it tests):\n  "

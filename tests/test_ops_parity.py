@@ -330,6 +330,7 @@ def test_embedding_module_and_its_double_backward():
     assert compiled.stats["replays"] > 0 and compiled.stats["eager_calls"] == 0
 
 
+@pytest.mark.allows_eager("a fallback with its reason: what it tests")
 def test_embedding_options_not_supported_fall_back_with_a_reason():
     idx = torch.tensor([1, 2])
     w = torch.randn(4, 3, requires_grad=True)
@@ -481,6 +482,7 @@ def test_a_kernel_that_checks_indices_is_compiled_with_its_asserts():
     assert fn.options == [{"debug": True, "sanitize_overflow": False}, {}]
 
 
+@pytest.mark.allows_eager("a fallback with its reason: what it tests")
 def test_indexing_not_compiled_yet_says_why():
     x = torch.randn(6, 8)
     reasons = compiler.explain(lambda x: x[x[:, 0] > 0].sum() + x[ROWS, COLUMNS[:4]].sum(), x).fallbacks
@@ -613,6 +615,7 @@ def test_pooling(name, dtype):
     assert compiled.last_entry.report.fallbacks == []
 
 
+@pytest.mark.allows_eager("a fallback with its reason: what it tests")
 def test_pooling_not_compiled_yet_says_why():
     x = torch.randn(2, 3, 7, 6)
     reasons = compiler.explain(lambda x: F.avg_pool2d(x, 3, ceil_mode=True).sum()
