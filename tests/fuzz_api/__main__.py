@@ -165,6 +165,10 @@ def _write_results(path, counts):
         seeds = ", ".join(f"seed {seed} ({name})" for seed, name in counts["reclassified"])
         lines.append("- of them found as failures by the run and re-checked after their KNOWN entry was added (same "
                      f"compiler, the checker's newer KNOWN_BUGS): {seeds}")
+    if counts.get("passes on re-check"):
+        seeds = "; ".join(f"seed {seed} ({first})" for seed, first in counts["passes on re-check"])
+        lines.append("- found as failures by the run and passing when re-checked (same compiler) with the checker's "
+                     f"final tolerances: {seeds}")
     lines.append("")
     if counts["features"]:
         lines += ["API features drawn (programs using each):", ""]
