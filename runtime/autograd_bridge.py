@@ -81,7 +81,8 @@ class CompiledRegion:
         call = _GroupedCall(self._originals(inputs))
         outs = None
         for positions, connected in self.output_groups:
-            own = [t if i in connected or not isinstance(t, torch.Tensor) else t.detach()
+            # (only edges to cut: a detached alias of an inference tensor no longer says it is one)
+            own = [t.detach() if i not in connected and isinstance(t, torch.Tensor) and t.requires_grad else t
                    for i, t in enumerate(inputs)]
             call.saves = self._group_reads_saved(positions)
             results = _apply(self, call, own)

@@ -210,3 +210,22 @@ def test_double_backward_through_output_groups():
     assert compiled.stats["kernel_launches"] > 0
     groups = [r.compiled.output_groups for r in compiled.last_entry.trace.regions if r.compiled is not None]
     assert any(groups), groups
+
+
+def test_an_inference_tensor_read_by_a_region_of_output_groups_under_hooks():
+    """API fuzz seed 2581: a region of two output groups read an inference tensor that needs no
+    gradient; handed to a group's Node as a detached alias, it no longer said it was one, and
+    saving it raised 'Inference tensors cannot be saved for backward'."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1)).double()
+
+    def f(x0, x2):
+        with torch.inference_mode():
+            v0 = x0 * x0
+        v2 = v0 * v0
+        v3 = x2.exp()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            v4 = m(v2)
+        loss = v4.sum() + v3.sum()
+        return torch.autograd.grad(loss, inputs=[x2], allow_unused=True)[0], v4.detach()
+    _run(f, lambda: [torch.randn(2, dtype=torch.float64), torch.randn(3, dtype=torch.float64, requires_grad=True)])
