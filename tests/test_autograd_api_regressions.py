@@ -71,7 +71,7 @@ def test_hooks_the_loss_does_not_reach_are_not_called():
     def f(x0, x1):
         x0.register_hook(_note("leaf"))
         x0.register_post_accumulate_grad_hook(lambda p: LOG.append(("accumulated", p.grad)))
-        a = torch.sin(x0)  # (dead: x0 reaches no output of the region)
+        torch.sin(x0)  # (dead: x0 reaches no output of the region)
         b = torch.exp(x1)
         a2 = torch.cos(x1)
         a2.register_hook(_note("intermediate"))
