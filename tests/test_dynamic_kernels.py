@@ -239,7 +239,7 @@ def test_transformer_step_one_source_per_kernel_within_a_bucket(generic_builds):
     for t, b in ((9, 3), (20, 3), (32, 4)):   # batches 3 and 4: one bucket (tiling.size_bucket)
         idx, targets = torch.randint(0, 11, (b, t)), torch.randint(0, 11, (b, t))
         start = len(generic_builds)
-        for replay in (False, True):  # the first call of a shape records (eagerly); the second runs the kernels
+        for _ in ("record", "replay"):  # the first call of a shape records (eagerly); the second runs the kernels
             launches = compiled.stats["kernel_launches"]
             torch.testing.assert_close(compiled(model, idx, targets), step(eager, idx, targets), atol=1e-5, rtol=1e-5)
             for p, q in zip(model.parameters(), eager.parameters()):
