@@ -370,6 +370,21 @@ KNOWN = {
             "v0.mul_(2)",
             "v0.grad_fn.register_hook(lambda grad_in, grad_out: log('node', grad_in, grad_out))"], ["v0"],
             model=ModelSpec("linear", 1, 3, f64, 1323472818), external_backward=True)),
+    # fuzz seed 10315 (a run of 800 programs at de786a6, after the 10,000): autograd.grad(loss,
+    # inputs=[v0, v2, v4]) where v4 is an input on the loss's path and v0, v2 are off it: eager's
+    # graph stops at v4, so v4's Node does not run; the replay runs it (its pre-hook is called)
+    "node-of-an-autograd-grad-input-runs": (
+        "node-of-an-autograd-grad-input-runs",
+        _program([((2, 2, 2), f64, True, 14205744)], [
+            "v0 = x0.mean()",
+            "v1 = torch.sin(x0)",
+            "v2 = m(x0)",
+            "with torch.autograd.graph.saved_tensors_hooks(lambda t: Box(t), lambda b: b.t):",
+            "    v4 = v1 * v1",
+            "v4.grad_fn.register_prehook(lambda grad_out: log('prehook', grad_out))",
+            "loss = (v4 * v4).sum()",
+            "grads = torch.autograd.grad(loss, inputs=[v0, v2, v4], allow_unused=True)"], ["grads"],
+            model=ModelSpec("linear", 2, 3, f64, 1426707))),
 }
 
 
