@@ -361,7 +361,7 @@ def draw_program(ch, max_ops=6) -> Program:
         d.removals.append(f"h{k}.remove()")
         program.features.append("post-accumulate hook")
     used_model = False
-    for step in range(steps):
+    for _ in range(steps):
         if d.error:
             break
         target = f"v{len(d.fresh)}"
