@@ -15,10 +15,11 @@ of a run is ``draw_program(random.Random(seed + k))``; ``str(program)`` is its r
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 
 import torch
+
+from tests.fuzz import program as fuzz_program
 
 # -- what the program's hooks reach: globals of the program's function -------------------------
 
@@ -74,21 +75,13 @@ def program_globals(log: Log) -> dict:
 # -- choosers -------------------------------------------------------------------------------------
 
 
-class RandomChooser:
-    """Draws from a seeded ``random.Random`` (``--seed S --count 1`` reproduces program S)."""
+class RandomChooser(fuzz_program.RandomChooser):
+    """The op fuzzer's seeded chooser (``--seed S --count 1`` reproduces program S), which also
+    says its seed."""
 
     def __init__(self, seed: int):
+        super().__init__(seed)
         self.seed = seed
-        self.rng = random.Random(seed)
-
-    def int(self, lo, hi):
-        return self.rng.randint(lo, hi)
-
-    def bool(self, p=0.5):
-        return self.rng.random() < p
-
-    def pick(self, seq, weights=None):
-        return self.rng.choices(list(seq), weights=weights)[0]
 
 
 # -- inputs, module, optimizer ----------------------------------------------------------------
