@@ -54,17 +54,17 @@ class CompiledRegion:
     def __call__(self, inputs):
         if self.backward is None or not torch.is_grad_enabled():
             outs = self.forward.run(inputs, self.stats)[: self.num_outputs]
-        elif self.output_groups and self.__dict__.get("_groupable", True):
-            outs = self._apply_by_group(inputs)
-        elif self.unread_inputs:
-            outs = list(_apply(self, self._originals(inputs), self._without_unread_edges(inputs)))
         elif in_checkpoint():
             # NOTE (memory): inside torch.utils.checkpoint the region does the checkpoint's work:
             # its saved set leaves out the block's values (recomputed by its backward kernels),
             # and what it saves goes through the hooks around the checkpoint, not into holders
             # whose unpack would rerun the block eagerly (``runtime.checkpoints``).
             with outside_checkpoints():
-                outs = list(_apply(self, self._originals(inputs), inputs))
+                outs = list(_apply(self, self._originals(inputs), self._without_unread_edges(inputs)))
+        elif self.output_groups and self.__dict__.get("_groupable", True):
+            outs = self._apply_by_group(inputs)
+        elif self.unread_inputs:
+            outs = list(_apply(self, self._originals(inputs), self._without_unread_edges(inputs)))
         else:
             outs = list(_apply(self, self._originals(inputs), inputs))
         for position, index, views in self.input_views:  # views of inputs: made outside, by torch
