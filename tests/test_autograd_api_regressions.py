@@ -229,3 +229,22 @@ def test_an_inference_tensor_read_by_a_region_of_output_groups_under_hooks():
         loss = v4.sum() + v3.sum()
         return torch.autograd.grad(loss, inputs=[x2], allow_unused=True)[0], v4.detach()
     _run(f, lambda: [torch.randn(2, dtype=torch.float64), torch.randn(3, dtype=torch.float64, requires_grad=True)])
+
+
+@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="bug, open (API fuzz seed 687 at 0cf291d; also at "
+                   "521ff2e): a region that reads an input through relu saves the input (our relu's backward "
+                   "reads it; eager's saves its result), and when a later call writes that input in place the "
+                   "replay's backward raises 'modified by an inplace operation', where eager's runs. Fix: save a "
+                   "copy of an input written later that eager's ops did not save (as overwritten inputs are)")
+def test_an_input_relu_read_then_written_in_place():
+    def f(x, v0):
+        v2 = torch.relu(v0)
+        v0.mul_(2)
+        v5 = v0 - v2
+        (v5 * v5).sum().backward()
+        return (x.grad.clone(),)
+
+    def make():
+        x = torch.randn(4, requires_grad=True)
+        return [x, x * 2]
+    _run(f, make)
