@@ -77,7 +77,8 @@ class CompiledRegion:
         (``_GroupedCall``); each Node saves what the backward reads and computes the gradients of
         its own outputs (the partial backward of those outputs). Where an output is a view of
         another output or of an input, its view would not survive (later Nodes hand out aliases):
-        the region is one Node then, as before (worked out at its first call)."""
+        the region is one Node then, as before (worked out at its first call, whose forward then
+        runs again: a region that writes its inputs is never grouped)."""
         call = _GroupedCall(self._originals(inputs))
         outs = None
         for positions, connected in self.output_groups:
@@ -89,8 +90,9 @@ class CompiledRegion:
             if outs is None:
                 outs = list(results)
                 if "_groupable" not in self.__dict__:
-                    self._groupable = not any(isinstance(o, torch.Tensor) and o._base is not None
-                                              for o in call.outs[: self.num_outputs])
+                    self._groupable = _groupable(call.outs[: self.num_outputs], inputs)
+                    if not self._groupable:  # (the forward writes nothing: run again as one Node)
+                        return list(_apply(self, self._originals(inputs), self._without_unread_edges(inputs)))
             else:
                 for p in positions:
                     outs[p] = results[p]
@@ -248,6 +250,14 @@ class _RegionFunction(torch.autograd.Function):
         if region.grad_sources:  # an input reached only through outputs outside the loss's graph: None
             results = [r if sources & given else None for r, sources in zip(results, region.grad_sources)]
         return (None, None, *results)
+
+
+def _groupable(user: list, inputs) -> bool:
+    """Whether a region's outputs can come from a Node per group (``_apply_by_group``): none is a
+    view of an input or of another output, which later Nodes' aliases would not keep. (A view of a
+    buffer the region does not return is handed over as a tensor of its own anyway.)"""
+    seen = {id(t) for t in (*inputs, *user) if isinstance(t, torch.Tensor)}
+    return not any(isinstance(o, torch.Tensor) and o._base is not None and id(o._base) in seen for o in user)
 
 
 def _views_of_internal_buffers(user: list, inputs, outs) -> tuple:

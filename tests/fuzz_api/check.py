@@ -75,12 +75,6 @@ def _node_of_an_in_place_result(program, message):
     return ".mul_(" in program.source and re.search(r"log: node\d*'s arguments\[0\]: got \(", message) is not None
 
 
-def _node_of_an_input_runs(program, message):
-    # autograd.grad(loss, inputs=[..., v]): eager's graph stops at the input v (its Node does not
-    # run); the replay runs v's Node (its pre-hook is called) when another input is off the path
-    return "inputs=" in program.source and "hooks called that eager does not call" in message
-
-
 # (name, test on (program, message of the Mismatch)): differences found and not fixed yet, each with
 # a strict-xfail program in tests/test_fuzz_api.py's KNOWN. The bugs found and fixed since have their
 # programs in FIXED (hooks of values and leaves off the loss's path, hooks registered after a use,
@@ -90,8 +84,7 @@ def _node_of_an_input_runs(program, message):
 # behaviour, which no comparison can hold to (the generator no longer draws it).
 KNOWN_BUGS: list = [("eager-undefined-hook-after-inference-mode-write", _hook_after_inference_mode_write),
                     ("stored-recording-view-written-in-place", _stored_view_written_in_place),
-                    ("node-of-an-in-place-result-differs", _node_of_an_in_place_result),
-                    ("node-of-an-autograd-grad-input-runs", _node_of_an_input_runs)]
+                    ("node-of-an-in-place-result-differs", _node_of_an_in_place_result)]
 
 
 def describe(e: BaseException) -> str:
