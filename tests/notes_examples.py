@@ -69,8 +69,16 @@ def check_example(fn):
     assert fresh.stats["divergences"] == 0, fresh.last_backend
 
 
-def cases(examples, known_limits):
-    """pytest parameters: each example, those in ``known_limits`` (name -> why) as strict xfails."""
+def cases(examples, known_limits, unstable=None):
+    """pytest parameters: each example, those in ``known_limits`` (name -> why) as strict xfails,
+    those in ``unstable`` (name -> the open bug that makes them pass or fail by the run) as xfails
+    that may pass."""
     for fn in examples:
         reason = known_limits.get(fn.__name__)
-        yield pytest.param(fn, marks=pytest.mark.xfail(reason=reason, strict=True)) if reason else fn
+        flaky = (unstable or {}).get(fn.__name__)
+        if reason:
+            yield pytest.param(fn, marks=pytest.mark.xfail(reason=reason, strict=True))
+        elif flaky:
+            yield pytest.param(fn, marks=pytest.mark.xfail(reason=flaky, strict=False))
+        else:
+            yield fn
