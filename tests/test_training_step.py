@@ -179,31 +179,6 @@ def test_optimizer_step_runs_unwatched_and_its_state_stays_right():
     assert compiled.last_backend == "interpret" and compiled.stats["kernel_launches"] > launches
 
 
-def test_a_step_pre_hook_registered_after_the_recording_runs_before_the_update():
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    reference = copy.deepcopy(model)
-    x, y = torch.randn(8, 4), torch.randn(8, 1)
-
-    def make_step(model):
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-        def step(x, y):
-            F.mse_loss(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-        return step, opt
-    (eager_step, eager_opt), (step, opt) = make_step(reference), make_step(model)
-    compiled = compiler.compile(step, backend="interpret")
-    for _ in range(3):
-        compiled(x, y), eager_step(x, y)
-    for o, m in ((opt, model), (eager_opt, reference)):  # gradients zeroed before each update: none moves
-        o.register_step_pre_hook(lambda o, args, kwargs, m=m: [p.grad.zero_() for p in m.parameters()] and None)
-    compiled(x, y), eager_step(x, y)
-    for p, q in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(p, q)
-
-
 def test_cnn_training_step_with_batch_norm_tracks_eager():
     """Conv, BatchNorm (batch statistics, running statistics updated in place), ReLU, Linear,
     SGD with momentum: compiled whole; parameters and every buffer equal eager's, in training
