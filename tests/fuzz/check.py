@@ -131,13 +131,19 @@ def _close(what, got, want, reference, loose=False):
         bound = bound + rtol * w.abs().nan_to_num(0.0, 0.0, 0.0).amax()
     if reference is not None and isinstance(reference, torch.Tensor) and reference.shape == want.shape:
         bound = bound + SLACK * (w - _as_f64(reference.detach().resolve_conj())).abs().nan_to_num(0.0)
+    check_within(what, g, w, bound)
+
+
+def check_within(what, g, w, bound, error=None):
+    """Raise ``error`` (``Mismatch``) naming the first element of float64 ``g`` farther than
+    ``bound`` from eager's ``w``: NaN where eager has NaN, an infinity where eager's equals it."""
     same_nan = torch.isnan(g) == torch.isnan(w)
     both_inf = torch.isinf(w) & (g == w)
     ok = same_nan & (torch.isnan(w) | both_inf | ((g - w).abs() <= bound))
     if not bool(ok.all()):
         bad = (~ok).nonzero()[0].tolist()
-        raise Mismatch(f"{what}: at {bad} got {g[tuple(bad)].item()}, eager {w[tuple(bad)].item()}\n"
-                       f"  got   {_head(g)}\n  eager {_head(w)}")
+        raise (error or Mismatch)(f"{what}: at {bad} got {g[tuple(bad)].item()}, eager {w[tuple(bad)].item()}\n"
+                                  f"  got   {_head(g)}\n  eager {_head(w)}")
 
 
 def _head(x):

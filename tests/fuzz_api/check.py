@@ -28,6 +28,7 @@ import re
 import torch
 
 import compiler
+from tests.fuzz.check import check_within
 from tests.fuzz_api.program import Box, Log
 
 CALLS = 3          # the compiled world: one recording, then replays
@@ -197,13 +198,7 @@ def _close(what, got, want, loose=False, slack=0.0):
     bound = atol + slack + rtol * w.abs()
     if (loose or want.dtype != torch.float64) and w.numel():
         bound = bound + rtol * w.abs().nan_to_num(0.0, 0.0, 0.0).amax()
-    same_nan = torch.isnan(g) == torch.isnan(w)
-    both_inf = torch.isinf(w) & (g == w)
-    ok = same_nan & (torch.isnan(w) | both_inf | ((g - w).abs() <= bound))
-    if not bool(ok.all()):
-        bad = (~ok).nonzero()[0].tolist()
-        raise Mismatch(f"{what}: at {bad} got {g[tuple(bad)].item()}, eager {w[tuple(bad)].item()}\n"
-                       f"  got   {g.flatten()[:8].tolist()}\n  eager {w.flatten()[:8].tolist()}")
+    check_within(what, g, w, bound, Mismatch)
 
 
 def _brief(x):
