@@ -112,7 +112,8 @@ def _accumulate(b, existing, new):
 
 
 def partition(graph: fx.Graph, mutated_inputs=frozenset(), only_outputs=None, written_later=frozenset(),
-              memory="balanced", saved_from=None, outputs_written_later=frozenset()) -> Partitioned | None:
+              memory="balanced", saved_from=None, outputs_written_later=frozenset(),
+              copied_inputs=frozenset()) -> Partitioned | None:
     """Differentiate a forward region graph and split it into forward and backward programs.
 
     ``mutated_inputs`` are positions of inputs the region overwrites in place: backward must
@@ -125,6 +126,9 @@ def partition(graph: fx.Graph, mutated_inputs=frozenset(), only_outputs=None, wr
     suffice. ``outputs_written_later``: positions of user outputs the recorded function changes in
     place after this region (through a view too): never saved as they are (their value at
     backward is not the forward's) but recomputed, or saved as a copy made by the forward.
+    ``copied_inputs``: of ``written_later``, those no eager op saved (relu saves its result): where
+    the backward still reads one, the forward saves a copy (eager's backward runs after the write);
+    the others are saved as they are, and the write is eager's error at backward too.
     """
     forward_nodes = list(graph.nodes)
     inputs = [n for n in forward_nodes if n.op == "placeholder"]
@@ -201,6 +205,8 @@ def partition(graph: fx.Graph, mutated_inputs=frozenset(), only_outputs=None, wr
             saved_placeholders.remove(env[p])
             saved_nodes.remove(p)
             backward.erase_node(env.pop(p))
+        elif p in env and inputs.index(p) in copied_inputs:
+            clones.append(p)
     backward.output(tuple(results))
     # fx keeps placeholders where they were created; put them first: saved, then grads.
     _reorder_placeholders(backward, saved_placeholders + [grad_inputs[g] for _, g in grad_placeholders])

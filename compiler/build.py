@@ -13,7 +13,7 @@ import threading
 import torch.fx as fx
 
 from compiler.autodiff import partition, propagate_requires_grad
-from compiler.capture_regions import EAGER_NAMES, EAGER_SAVED, SAVED_BY_CONSUMERS
+from compiler.capture_regions import EAGER_NAMES, EAGER_SAVED, SAVED_BY_CONSUMERS, SAVED_INPUTS
 from compiler.codegen.torch_kernel import render_torch_kernel
 from compiler.codegen.triton_kernel import render_kernel
 from compiler.fusion import Schedule, inlined_reads, fuse, kind_of
@@ -37,6 +37,9 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset(), written_later=froz
     # writes in place is eager's error at backward: saved as it is, ours raises it too (a copy
     # would not); only outputs eager never saved are copied or recomputed
     outputs_written_later = frozenset(outputs_written_later) - output.meta.get(SAVED_BY_CONSUMERS, set())
+    # likewise an input eager's op saved; one it did not (relu saves its result) but our backward
+    # reads is saved as a copy the forward makes (API fuzz seed 687)
+    copied_inputs = frozenset(written_later) - output.meta.get(SAVED_INPUTS, set())
     original_outputs = list(output.args[0])
     input_views = _split_input_views(graph)
     # (positions among the outputs the graph keeps: views of inputs left it; an IndexError in partition)
@@ -48,7 +51,7 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset(), written_later=froz
                    if kind == "input" or i in kept_position}
     pristine = _copy_graph(graph)  # partition appends the backward to ``graph``
     parts = partition(graph, mutated_inputs, written_later=written_later, memory=memory,
-                      outputs_written_later=outputs_written_later)
+                      outputs_written_later=outputs_written_later, copied_inputs=copied_inputs)
     forward_schedule = fuse(parts.forward, shape_generic)
     forward_outputs = next(n for n in parts.forward.nodes if n.op == "output").args[0]
     # NOTE: not where something reads the input's old value after the forward program: the double
@@ -88,7 +91,7 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset(), written_later=froz
     if parts.backward is not None:
         region.grad_sources = parts.grad_sources
         region.backward_for = _partial_backward_builder(pristine, mutated_inputs, parts, written_later, memory,
-                                                        outputs_written_later, shape_generic)
+                                                        outputs_written_later, shape_generic, copied_inputs)
         kept = list(output.args[0])
         region.eager_saved = tuple((kept.index(node), name, output_nr, parts.output_sources[kept.index(node)])
                                    for node, (name, output_nr) in eager_saved.items() if node in kept)
@@ -192,7 +195,7 @@ def _double_backward_builder(joint: fx.Graph, memory="balanced", shape_generic=F
 
 
 def _partial_backward_builder(forward: fx.Graph, mutated_inputs, parts, written_later, memory,
-                              outputs_written_later=frozenset(), shape_generic=False):
+                              outputs_written_later=frozenset(), shape_generic=False, copied_inputs=frozenset()):
     """The backward for a call where only some outputs are in the loss's graph, built per set of
     those outputs: the others contribute nothing, as in eager (a zero gradient through them is
     not nothing: 0 * inf is NaN, log(x) at 0). Returns (Program, positions in the full saved list
@@ -203,7 +206,7 @@ def _partial_backward_builder(forward: fx.Graph, mutated_inputs, parts, written_
     def build(given_outputs: frozenset):
         sub = partition(_copy_graph(forward), mutated_inputs, only_outputs=given_outputs,
                         written_later=written_later, memory=memory, saved_from=set(position),
-                        outputs_written_later=outputs_written_later)
+                        outputs_written_later=outputs_written_later, copied_inputs=copied_inputs)
         if sub is None or sub.backward is None or any(name not in position for name in sub.saved_names):
             return None
         program, _ = lower(sub.backward, fuse(sub.backward, shape_generic), check_indices=False,

@@ -281,7 +281,8 @@ class Capture(InPlaceTracking, TorchFunctionMode):
                 # eager's op saved one of its inputs (minimum both, log its input): a value written
                 # in place later is eager's error at backward (``build_region``'s outputs_written_later)
                 if self.checkpoints.block is None and out_tensors[0].requires_grad:
-                    inputs = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
+                    # (every tensor: mul saves a factor needing no gradient for the other's)
+                    inputs = [x for x in leaves if isinstance(x, torch.Tensor)]
                     for x in saved_inputs(out_tensors[0], inputs):
                         entry = self.ids.get(id(x))
                         if entry is not None and entry[0]() is x:

@@ -203,6 +203,7 @@ def saved_inputs(t: torch.Tensor, inputs: list) -> list:
 
 
 SAVED_BY_CONSUMERS = "saved_by_consumers"  # the output node's fx meta key: output positions an eager op saved
+SAVED_INPUTS = "saved_inputs"  # the output node's fx meta key: input positions an eager op of the region saved
 
 
 EAGER_SAVED = "eager_saved"  # the output node's fx meta key: {output position: (grad_fn name, output_nr)}
@@ -220,6 +221,9 @@ def mark_eager_saved(graph, region: Region, outputs: list, inputs: list) -> None
     consumed = {i for i, v in enumerate(outputs) if v in region.saved_by_consumers}
     if consumed:
         output.meta[SAVED_BY_CONSUMERS] = consumed
+    saved = {i for i, v in enumerate(inputs) if v in region.saved_by_consumers}
+    if saved:
+        output.meta[SAVED_INPUTS] = saved
     names = {(kind, i): region.written_names[v] for kind, values in (("input", inputs), ("output", outputs))
              for i, v in enumerate(values) if v in region.written_names}
     if names:
