@@ -36,7 +36,8 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset(), written_later=froz
     # NOTE: an output that one of eager's ops saved as its input (minimum, log) and a later call
     # writes in place is eager's error at backward: saved as it is, ours raises it too (a copy
     # would not); only outputs eager never saved are copied or recomputed
-    outputs_written_later = frozenset(outputs_written_later) - output.meta.get(SAVED_BY_CONSUMERS, set())
+    written_outputs = frozenset(outputs_written_later)
+    outputs_written_later = written_outputs - output.meta.get(SAVED_BY_CONSUMERS, set())
     # likewise an input eager's op saved; one it did not (relu saves its result) but our backward
     # reads is saved as a copy the forward makes (API fuzz seed 687)
     copied_inputs = frozenset(written_later) - output.meta.get(SAVED_INPUTS, set())
@@ -46,6 +47,11 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset(), written_later=froz
     position_of = {node: k for k, node in reversed(list(enumerate(output.args[0])))}  # (the first, as index)
     kept_position = {i: position_of[node] for i, node in enumerate(original_outputs) if node in position_of}
     outputs_written_later = frozenset(kept_position[i] for i in outputs_written_later if i in kept_position)
+    output_views, remap, base_position = _split_written_output_views(
+        graph, {kept_position[i] for i in written_outputs if i in kept_position})
+    kept_position = {i: remap[j] for i, j in kept_position.items() if j in remap}
+    outputs_written_later = frozenset(remap[j] for j in outputs_written_later if j in remap) | frozenset(
+        base_position[k] for j, k, _ in output_views if j in outputs_written_later)
     eager_names = {(kind, kept_position[i] if kind == "output" else i): name
                    for (kind, i), name in output.meta.get(EAGER_NAMES, {}).items()
                    if kind == "input" or i in kept_position}
@@ -78,6 +84,7 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset(), written_later=froz
                       for o in outputs]
     region = CompiledRegion(forward_program, backward_program, parts.num_user_outputs, parts.saved,
                             parts.grad_output_for, differentiable, input_views=input_views,
+                            output_views=output_views, hidden_bases=len(base_position),
                             mutated_inputs=tuple(sorted(mutated_inputs)), written_later=tuple(sorted(written_later)))
     # NOTE: an input no output depends on (read only by values nobody used, DCE'd) is handed to
     # the region's autograd Function detached: connected, the engine would run its Node with no
@@ -321,6 +328,37 @@ def _split_input_views(graph: fx.Graph):
     if views:
         output.args = (tuple(kept),)
     return views
+
+
+def _split_written_output_views(graph: fx.Graph, written: set):
+    """Take outputs that view a buffer the region does not return (a linear layer's 3-d output, a
+    view of its 2-d matmul's) and that the function writes in place later (``written``: output
+    positions) out of the graph, and return their bases instead, appended to the outputs.
+
+    NOTE: the runtime makes such a view from the base with PyTorch's own view op after the region
+    runs (``CompiledRegion.output_views``), so the later in-place op is recorded on a real view, as
+    in eager (CopySlices: its Node and hooks see the base's gradient, API fuzz seed 9544). Other
+    such views stay in the graph: handed over as tensors of their own, they cost no view Node.
+    Returns ([(position, base index, (ViewStep, ...))], {old position: new one}, [base positions])."""
+    output = next(n for n in graph.nodes if n.op == "output")
+    outs = list(output.args[0])
+    views, kept, bases = [], [], []
+    remap = {}
+    for position, out in enumerate(outs):
+        chain, node = [], out
+        while isinstance(node, fx.Node) and getattr(node.target, "kind", None) == "view":
+            chain.append(_view_step(node))
+            node = node.args[0]
+        if position in written and chain and node.op == "call_function" and node not in outs:
+            if node not in bases:
+                bases.append(node)
+            views.append((position, bases.index(node), tuple(reversed(chain))))
+        else:
+            remap[position] = len(kept)
+            kept.append(out)
+    if views:
+        output.args = (tuple(kept + bases),)
+    return views, remap, [len(kept) + k for k in range(len(bases))]
 
 
 def _view_step(node) -> ViewStep:

@@ -29,6 +29,10 @@ class CompiledRegion:
     differentiable: list        # per output: whether it can carry a gradient
     stats: dict = field(default_factory=dict)
     input_views: list = field(default_factory=list)  # (position, input, views): outputs that view inputs
+    # (position, base, views): outputs that view a base the forward returns last, made by torch
+    # (``compiler.build._split_written_output_views``); ``hidden_bases``: how many such bases
+    output_views: list = field(default_factory=list)
+    hidden_bases: int = 0
     build_double_backward: object = None  # requires_grad pattern -> CompiledRegion of the backward
     explain_nan: object = None  # backward inputs -> message naming the forward op that made NaN
     mutated_inputs: tuple = ()  # positions of inputs the region writes into (after its forward)
@@ -67,8 +71,19 @@ class CompiledRegion:
             outs = list(_apply(self, self._originals(inputs), self._without_unread_edges(inputs)))
         else:
             outs = list(_apply(self, self._originals(inputs), inputs))
+        if self.hidden_bases:
+            outs = self._view_bases(outs)
         for position, index, views in self.input_views:  # views of inputs: made outside, by torch
             outs.insert(position, apply_views(inputs[index], views))
+        return outs
+
+    def _view_bases(self, outs) -> list:
+        """The outputs with the views of the bases the forward returns last in their places, made
+        by torch on the bases (a view Node each), and the bases themselves left out."""
+        cut = len(outs) - self.hidden_bases
+        bases, outs = outs[cut:], list(outs[:cut])
+        for position, k, views in self.output_views:
+            outs.insert(position, apply_views(bases[k], views))
         return outs
 
     def _apply_by_group(self, inputs) -> list:
@@ -301,7 +316,12 @@ def _named_as_eager(ctx, error: RuntimeError) -> RuntimeError:
     PyTorch names a custom Function's saved output after the Function (_RegionFunction), eager
     after the tensor's grad_fn now (a custom Function's ``mark_dirty``: "output 0 of Inplace").
     A value eager's op saved as its input and the function wrote later names the writer's node
-    as the recording saw it (``eager_names``): our write-back is a copy (CopyBackwards)."""
+    as the recording saw it (``eager_names``): our write-back is a copy (CopyBackwards).
+    A saved view of an input (a 3-d activation as a linear layer's matmul reads it) was made under
+    the forward's no_grad: once its base is written in place PyTorch refuses to unpack it ("A view
+    was created in no_grad mode"), where eager's view fails its version check (API fuzz seed 9410)."""
+    if "A view was created in no_grad mode" in str(error):
+        return _saved_view_written(ctx, error)
     if "modified by an inplace operation" not in str(error):
         return error
     for k, name in ctx.region.eager_names.items():
@@ -314,6 +334,17 @@ def _named_as_eager(ctx, error: RuntimeError) -> RuntimeError:
         t = ref()
         if t is not None and t.grad_fn is not None and t._version != ctx.saved_versions[k]:
             return RuntimeError(_version_error(t, ctx.saved_versions[k]))
+    return error
+
+
+def _saved_view_written(ctx, error: RuntimeError) -> RuntimeError:
+    """Eager's version error for the saved view whose base was written in place (``_named_as_eager``):
+    eager's view, unpacked after that write, has a regenerated AsStridedBackward0 node."""
+    for k, packed in enumerate(ctx._raw_saved_tensors):
+        t = packed.data
+        if t is not None and t._base is not None and t._version != ctx.saved_versions[k]:
+            producer = "output 0 of AsStrided" if t._base.requires_grad else ""
+            return RuntimeError(_version_error(t, ctx.saved_versions[k], producer))
     return error
 
 

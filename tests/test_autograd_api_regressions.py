@@ -262,3 +262,38 @@ def test_an_input_eager_saved_then_written_in_place_is_eager_error():
             with pytest.raises(RuntimeError, match="modified by an inplace operation"):
                 out.sum().backward()
     assert compiled.stats["replays"] == 2 and compiled.stats["kernel_launches"] > 0, compiled.stats
+
+
+@pytest.mark.allows_eager("the write into the layer's output runs eagerly: its base is a buffer inside ATen's "
+                          "linear, which the recording never sees")
+@pytest.mark.parametrize("shape", [(3,), (2, 2, 3)], ids=["1-d", "3-d"])
+def test_a_layer_output_written_in_place_is_a_view_as_eager(shape):
+    # (API fuzz seed 9544) eager's linear output is a view of its matmul's buffer: mul_ on it makes
+    # CopySlices, and the regenerated Node's hooks get the buffer's gradient
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(3, 4).double()
+
+    def f(x):
+        v = layer(torch.sin(x))
+        v.retain_grad()  # (ends the region: the write is in the next one)
+        v.mul_(2)
+        v.grad_fn.register_hook(lambda grad_in, grad_out: LOG.append(("node", grad_in[0].detach().clone())))
+        return v
+
+    compiled = compiler.compile(f, backend="interpret")
+    for call in range(3):
+        x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+        results = []
+        for fn in (f, compiled):
+            LOG.clear()
+            out = fn(x)
+            (out * out).sum().backward()
+            results.append((type(out.grad_fn).__name__, out._base is not None, [g for _, g in LOG], x.grad.clone()))
+            x.grad = None
+        (want_fn, want_view, want_log, want_grad), (got_fn, got_view, got_log, got_grad) = results
+        assert (got_fn, got_view) == (want_fn, want_view)
+        assert [g.shape for g in got_log] == [g.shape for g in want_log]
+        for a, b in zip(got_log, want_log):
+            torch.testing.assert_close(a, b)
+        torch.testing.assert_close(got_grad, want_grad)
+    assert compiled.stats["replays"] == 2 and compiled.stats["kernel_launches"] > 0, compiled.stats

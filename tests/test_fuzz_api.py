@@ -374,6 +374,28 @@ FIXED = {
         "loss = (v4 * v4).sum()",
         "grads = torch.autograd.grad(loss, inputs=[v0, v2, v4], allow_unused=True)"], ["grads"],
         model=ModelSpec("linear", 2, 3, f64, 1426707)),
+    # fuzz seed 9410 (the run at ed515d1): a value a layer read through a view (its 3-d input), then
+    # written in place: the replay's backward raised "A view was created in no_grad mode ..." (the
+    # saved view was made under the forward's no_grad) where eager raises its version error; and the
+    # checker compared the gradients a backward that raised had accumulated (eager's node order)
+    "saved-view-of-an-input-written-in-place":
+        _program([((4, 4, 4), f64, True, 1865293711)], [
+            "v0 = x0 + x0",
+            "v1 = m(v0)",
+            "v2 = torch.relu(v1)",
+            "h1 = v0.register_hook(lambda g: log('hook1', g))",
+            "v0.mul_(2)"], ["v2"], model=ModelSpec("mlp", 4, 1, f64, 1040801637), external_backward=True),
+    # fuzz seed 9544 (the run at ed515d1): the grad_fn of a layer's output written in place was another
+    # Node than eager's: the region handed over its output (a view of the layer's matmul buffer, as
+    # eager's) as a tensor of its own, so mul_ made MulBackward0 where eager's makes CopySlices (its
+    # hook got grad_inputs (float64[3], None), eager's (float64[1, 3],))
+    "node-of-an-in-place-result-differs":
+        _program([((1,), f64, True, 133855925), ((1,), f64, True, 1818115395)], [
+            "v0 = m(x1)",
+            "v0.retain_grad()",
+            "v0.mul_(2)",
+            "v0.grad_fn.register_hook(lambda grad_in, grad_out: log('node', grad_in, grad_out))"], ["v0"],
+            model=ModelSpec("linear", 1, 3, f64, 1323472818), external_backward=True),
 }
 
 
@@ -383,33 +405,7 @@ def test_fixed_regressions(name):
 
 
 # -- found and not fixed yet: each is reported; strict, so a fix turns it into a failure --------
-KNOWN = {
-    # fuzz seed 9410 (the run at ed515d1; still at e455dce): replayed from a stored recording, a value
-    # that a layer read through a view (a 3-d input) and that is then written in place makes the
-    # backward raise "A view was created in no_grad mode and its base or another view of its base
-    # has been modified inplace with grad mode enabled"; eager and the in-process replays raise the
-    # version error ("one of the variables needed for gradient computation has been modified by an
-    # inplace operation")
-    "stored-recording-view-written-in-place": (
-        "stored-recording-view-written-in-place",
-        _program([((4, 4, 4), f64, True, 1865293711)], [
-            "v0 = x0 + x0",
-            "v1 = m(v0)",
-            "v2 = torch.relu(v1)",
-            "h1 = v0.register_hook(lambda g: log('hook1', g))",
-            "v0.mul_(2)"], ["v2"], model=ModelSpec("mlp", 4, 1, f64, 1040801637), external_backward=True)),
-    # fuzz seed 9544 (the run at ed515d1; still at e455dce): the grad_fn of a layer's output written
-    # in place is another Node than eager's on replay: its post hook gets grad_inputs
-    # (float64[3], None) where eager's gets (float64[1, 3],)
-    "node-of-an-in-place-result-differs": (
-        "node-of-an-in-place-result-differs",
-        _program([((1,), f64, True, 133855925), ((1,), f64, True, 1818115395)], [
-            "v0 = m(x1)",
-            "v0.retain_grad()",
-            "v0.mul_(2)",
-            "v0.grad_fn.register_hook(lambda grad_in, grad_out: log('node', grad_in, grad_out))"], ["v0"],
-            model=ModelSpec("linear", 1, 3, f64, 1323472818), external_backward=True)),
-}
+KNOWN: dict = {}  # (none open: seeds 9410 and 9544 are fixed, in FIXED)
 
 
 @pytest.mark.parametrize("name", list(KNOWN))

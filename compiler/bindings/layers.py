@@ -115,8 +115,9 @@ binds(F.conv3d, torch.conv3d)(_conv_binding(3))
 @on_handles
 def _linear(b, x, weight, bias=None):
     """x @ weight.T + bias. NOTE: with a 1-D bias, one addmm over the rows of x flattened to
-    2-D (as eager's linear does): the bias is added by the matmul, not by another pass."""
-    if isinstance(bias, Tensor) and bias.ndim == 1 and x.ndim >= 2 and weight.ndim == 2 and \
+    2-D (as eager's linear does; a 1-D x as one row: its output, a view as eager's is): the bias is
+    added by the matmul, not by another pass."""
+    if isinstance(bias, Tensor) and bias.ndim == 1 and x.ndim >= 1 and weight.ndim == 2 and \
             x.dtype == weight.dtype == bias.dtype and x.shape[-1] == weight.shape[1] and \
             bias.shape[0] == weight.shape[0]:
         rows = x.reshape(numel(x.shape[:-1]), x.shape[-1])
