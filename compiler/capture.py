@@ -67,6 +67,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         self.ids: dict = {}          # id(tensor) -> (weakref, value id)
         self.refs: dict = {}         # value id -> weakref (for escape analysis)
         self.factory_values: set = set()  # value ids made by factories compiled into a region
+        self.fresh_storages: set = set()  # storages (data pointers) factories allocated during the call
         self.meta: dict = {}         # value id -> TensorMeta when produced
         self.externals: dict = {}
         self.arg_ids: list = []
@@ -94,6 +95,10 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         self.refs[vid] = weakref.ref(t)
         self.meta[vid] = TensorMeta.of(t)
         return vid
+
+    def _on_fresh_storage(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` lives on storage a factory call allocated during the recorded call."""
+        return bool(self.fresh_storages) and _storage_address(t) in self.fresh_storages - {None}
 
     def id_of(self, t: torch.Tensor) -> ValueId:
         entry = self.ids.get(id(t))
@@ -225,6 +230,8 @@ class Capture(InPlaceTracking, TorchFunctionMode):
             else:
                 outputs.append(self._new_id(t))
                 makes_views = makes_views and t._base is not None
+                if func in FACTORIES:
+                    self.fresh_storages.add(_storage_address(t))
         if self.escaping:
             self.escaped.update(outputs)
         index = len(self.calls)
@@ -665,7 +672,12 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         # Externals already gone appeared during the call, from code the mode does not see (a
         # Parameter made inside the function, a tensor unpacked from a grad_fn): replay binds
         # them to what the function passes then. The others are guarded by identity.
-        transient = {vid: meta for vid, (ref, meta) in self.externals.items() if ref() is None}
+        # NOTE: so are those on storage a factory allocated during the call (``Parameter(torch.empty(...))``
+        # of a module built inside the function), alive or not: a module's hooks make reference cycles,
+        # which keep it alive until the garbage collector runs, so "gone" alone depended on its timing
+        # (the notes' multi-grad-hook example replayed or diverged by the run)
+        transient = {vid: meta for vid, (ref, meta) in self.externals.items()
+                     if ref() is None or self._on_fresh_storage(ref())}
         externals = {vid: e for vid, e in self.externals.items() if vid not in transient}
         return Trace(self.calls, plans, self.arg_ids, externals, dict(self.produced_by),
                      list(dict.fromkeys(self.breaks)), list(dict.fromkeys(self.graph_breaks)), transient=transient)
@@ -793,3 +805,13 @@ def capture(fn, args, kwargs):
         raise RecordingFailed(result, mode.broken)
     trace.internal_errors = list(mode.internal_errors)
     return result, trace
+
+
+def _storage_address(t: torch.Tensor):
+    """Where ``t``'s storage starts; None where it has no memory of its own (empty, meta, a
+    wrapper subclass)."""
+    try:
+        address = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    return address or None

@@ -336,17 +336,7 @@ KNOWN_LIMITS = {
 }
 
 
-# Examples whose replay passes or fails by the run, and why (an open bug, not a limit).
-UNSTABLE = {
-    "multi_grad_hook_and_module_full_backward_hook": (
-        "open bug (failing alone at 3cc8248 too, passing in the file's order): "
-        "register_multi_grad_hook reads the grad_fn of a layer's output made by a module built inside the "
-        "function; the replay sometimes takes it for 'Tensor.grad_fn called on a different tensor' and runs "
-        "the rest eagerly (values stay eager's); which way it goes depends on the tensors' ids"),
-}
-
-
-@pytest.mark.parametrize("fn", list(cases(EXAMPLES, KNOWN_LIMITS, UNSTABLE)),
+@pytest.mark.parametrize("fn", list(cases(EXAMPLES, KNOWN_LIMITS)),
                          ids=lambda f: getattr(f, "__name__", None))
 @pytest.mark.allows_eager("the notes' examples make calls the compiler runs eagerly (module init, "
                           "Tensor.is_inference): the test compares what they print")
