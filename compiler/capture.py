@@ -82,7 +82,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         self.in_library_call = None  # () -> whether an optimizer step or clip_grad_norm_ runs now
         self.gradients: set = set()  # id() of the .grad tensors the function read (bookkeeping reads them)
         self.checkpoints = CheckpointedCalls()  # calls inside torch.utils.checkpoint blocks
-        self.gradient_watched: set = set()  # calls whose result gets a hook or retain_grad()
+        self.gradient_watched: set = set()  # calls whose result gets a hook, retain_grad() or is a gradient input
         self.saved_under_hooks: dict = {}  # value id -> calls that may have saved it under saved-tensor hooks
         self.escaping = 0            # > 0 while a saved tensor's pack hook runs (compiler.pack_hooks)
         self.escaped: set = set()    # value ids made then: autograd holds them, no recorded call reads them
@@ -176,11 +176,15 @@ class Capture(InPlaceTracking, TorchFunctionMode):
                 self.isolate.add(producer)
         for t in gradient_inputs(func, args, kwargs):
             # NOTE: grad(z, y) / backward(inputs=[y]) needs y's Node in z's graph: the region
-            # that computes y ends with it, and what reads y next starts from y itself.
+            # that computes y ends with it, and what reads y next starts from y itself. It begins
+            # there too where what the region made before is read later: sharing y's Node, a
+            # value on z's graph would make the engine run the path to y where eager's graph does
+            # not reach it (API fuzz seed 2770: a pre-hook called that eager's backward skips)
             entry = self.ids.get(id(t))
             producer = self.produced_by.get(entry[1]) if entry is not None and entry[0]() is t else None
             if producer is not None and self.calls[producer].kind == "compute":
                 self.split_after.add(producer)
+                self.gradient_watched.add(producer)
         watched = watched_gradient(func, args)
         if watched is not None:
             self._isolate_gradient_of(watched)

@@ -396,6 +396,25 @@ FIXED = {
             "v0.mul_(2)",
             "v0.grad_fn.register_hook(lambda grad_in, grad_out: log('node', grad_in, grad_out))"], ["v0"],
             model=ModelSpec("linear", 1, 3, f64, 1323472818), external_backward=True),
+    # API fuzz seed 2770 (the run at 8c750db): backward(inputs=[v3]) where v3 = x0.clone() is off the
+    # loss's graph but shared its region's Node with v2 = x0.clone() on it: the engine ran the path to
+    # v3 and called a pre-hook eager's backward skips. A gradient input's producer now begins its region
+    # where what came before is read later, as a hooked value's does
+    "gradient-input-shares-a-node": _program([((2,), f64, True, 1270718256)], [
+        "h1 = m.get_parameter('weight').register_hook(lambda g: log('param1@weight', g))",
+        "v0 = m(x0)",
+        "v1 = x0 * v0",
+        "v1.register_hook(lambda g: log('hook3', g) or g * 2)",
+        "v1.register_hook(lambda g: log('hook4', g) or g * 0.5)",
+        "v2 = x0.clone()",
+        "v3 = x0.clone()",
+        "v4 = torch.exp(v2)",
+        "v4.grad_fn.register_prehook(lambda grad_out: log('prehook5', grad_out))",
+        "loss = v4.sum()",
+        "loss.backward(inputs=[v1, v3])",
+        "opt.step()",
+        "h1.remove()"], ["loss", "v4", "v1.grad", "v3.grad"],
+        model=ModelSpec("linear", 2, 1, f64, 681422024, "Adam", {"lr": 0.01, "weight_decay": 0.1})),
 }
 
 
