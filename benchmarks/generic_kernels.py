@@ -5,7 +5,7 @@ cost on sm_90 (registers, spills, compile time) next to the static ones.
     PYTHONPATH=$PWD python -m benchmarks.generic_kernels [--lengths 16-128] [--sm90]
 
 Every (length, batch) records and builds its own region here (the guard key is per shape; dynamic
-recordings are compiler.dynamic's): what is counted is the kernels those builds write. A kernel is
+recordings are compiler.reuse.dynamic's): what is counted is the kernels those builds write. A kernel is
 one position of a build's schedule (forward, then backward), named by its ops; its versions are
 the distinct sources at that position over all builds. No kernel runs: the first call of a shape
 records eagerly and builds.

@@ -1,5 +1,5 @@
 """Warm start: a fresh process, from its first call to its first replayed result, with the
-compiled-region cache (``compiler.persist``) empty (cold) and filled by an earlier process (warm).
+compiled-region cache (``compiler.reuse.persist``) empty (cold) and filled by an earlier process (warm).
 
     PYTHONPATH=$PWD python -m benchmarks.warm_start --size small mlp_step transformer_step
 
@@ -9,7 +9,7 @@ In each: eager's step (its time, and PyTorch's lazy start-up out of the way), th
 compiled function's first call and its second. In the cold process the first call records
 (capture, then SymPy autodiff, fusion and codegen for each region) and the second is the first
 replay. In the warm process the first call loads the recording the cold process stored
-(``compiler.recordings``) and its regions (``compiler.persist``) and replays at once: no eager
+(``compiler.reuse.recordings``) and its regions (``compiler.reuse.persist``) and replays at once: no eager
 run. ``recorded`` says whether the first call recorded; ``regions built`` counts the regions
 differentiated in that process; the first replayed result is the first call's where it did not
 record, else the second's. ``--no-recordings`` runs both processes with

@@ -19,9 +19,9 @@ _prepare_process()  # before anything imports triton: interpreter mode on CPU-on
 from compiler import scalar_math as math  # noqa: E402
 from compiler.api import compile, explain  # noqa: E402
 from compiler.elementwise import elementwise  # noqa: E402
-from compiler.logs import configure_from_environment as _configure_logs, set_logs  # noqa: E402
-from compiler.persist import clear_cache  # noqa: E402
-from compiler.report_html import report_html  # noqa: E402
+from compiler.report.logs import configure_from_environment as _configure_logs, set_logs  # noqa: E402
+from compiler.reuse.persist import clear_cache  # noqa: E402
+from compiler.report.html import report_html  # noqa: E402
 from runtime.dynamic_shapes import mark_dynamic  # noqa: E402
 from runtime.fallback import CompileError, InternalCompilerError  # noqa: E402
 

@@ -10,16 +10,19 @@ import logging
 import torch.fx as fx
 
 from compiler.build import build_region
-from compiler.capture import RecordingFailed, capture
-from compiler.capture_calls import VALUE_READS
-from compiler.dynamic import NotInstantiable, Template
+from compiler.capture.recorder import RecordingFailed, capture
+from compiler.capture.calls import VALUE_READS
+from compiler.reuse.dynamic import NotInstantiable, Template
 from compiler.optimizers import compile_optimizer_steps, fused_call_indices
 from compiler.codegen.triton_printer import NotPrintable
-from compiler.bindings import Unsupported
-from compiler import dumps, logs, persist, recordings
-from compiler.report import KernelInfo, Report, fused_user_ops
-from compiler.ir import has_meta, meta_of
-from compiler.saved_set import check_policy
+from compiler.capture.bindings import Unsupported
+from compiler.report import dumps
+from compiler.report import logs
+from compiler.reuse import persist
+from compiler.reuse import recordings
+from compiler.report.explain import KernelInfo, Report, fused_user_ops
+from compiler.ir.graph import has_meta, meta_of
+from compiler.autodiff.saved_set import check_policy
 from runtime import skip_python
 from runtime.backends import torch_on_cpu
 from runtime.dispatch import CompiledFunction, Entry
@@ -47,7 +50,7 @@ def compile(fn=None, *, backend: str = "auto", fullgraph: bool = False, memory: 
     would run eagerly raises ``CompileError`` instead.
 
     ``memory`` chooses what the forward saves for backward (the rest is recomputed inside the
-    backward's kernels; ``compiler.saved_set``): ``"balanced"`` (the default) recomputes
+    backward's kernels; ``compiler.autodiff.saved_set``): ``"balanced"`` (the default) recomputes
     pointwise values and views where that saves bytes and always saves reductions' statistics
     and matmul/convolution results; ``"min"`` saves the fewest bytes, recomputing reductions
     too.
@@ -84,7 +87,7 @@ def compile(fn=None, *, backend: str = "auto", fullgraph: bool = False, memory: 
 
 
 class _Templates:
-    """The dispatcher's way to the templates of ``compiler.dynamic``: make one from recordings,
+    """The dispatcher's way to the templates of ``compiler.reuse.dynamic``: make one from recordings,
     and instantiate it for a call's sizes (``runtime.dynamic_shapes``)."""
 
     def __init__(self, memory: str):
@@ -113,7 +116,7 @@ class _Templates:
 
 
 class _StoredRecordings:
-    """The dispatcher's way to recordings stored by earlier processes (``compiler.recordings``):
+    """The dispatcher's way to recordings stored by earlier processes (``compiler.reuse.recordings``):
     find those of a call's key, and make an Entry of one whose paths lead to this call's objects."""
 
     Unresolved = recordings.Unresolved
@@ -183,7 +186,7 @@ def _name(fn) -> str:
 
 def _compile_trace(name, trace, *, fullgraph, stats, memory, shape_generic=False) -> Entry:
     """Compile a recording's regions (and optimizer steps): the Entry to replay it with.
-    ``shape_generic``: the trace was instantiated from a template (``compiler.dynamic``)."""
+    ``shape_generic``: the trace was instantiated from a template (``compiler.reuse.dynamic``)."""
     fallbacks = list(trace.fallbacks)
     internal_errors = list(trace.internal_errors)
     if fullgraph and (fallbacks or internal_errors or trace.graph_breaks):
@@ -277,7 +280,7 @@ def _policy(memory: str, graph: fx.Graph) -> str:
 
 def _compile_region(graph: fx.Graph, mutated: set, options: dict, index: int):
     """(CompiledRegion, backward graph, KernelInfos) of a region graph: built (SymPy autodiff,
-    fusion, codegen), or loaded from the compiled-region cache (``compiler.persist``) when this
+    fusion, codegen), or loaded from the compiled-region cache (``compiler.reuse.persist``) when this
     graph was compiled before, here or in another process."""
     # (a test standing in for build_region gets its stand-in, never a stored region)
     key = persist.region_key(graph, mutated, options) if persist.enabled() and build_region is _BUILD_REGION else None

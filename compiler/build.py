@@ -12,15 +12,15 @@ import threading
 
 import torch.fx as fx
 
-from compiler.autodiff import partition, propagate_requires_grad
-from compiler.capture_regions import EAGER_NAMES, EAGER_SAVED, SAVED_BY_CONSUMERS, SAVED_INPUTS
+from compiler.autodiff.partition import partition, propagate_requires_grad
+from compiler.capture.regions import EAGER_NAMES, EAGER_SAVED, SAVED_BY_CONSUMERS, SAVED_INPUTS
 from compiler.codegen.torch_kernel import render_torch_kernel
 from compiler.codegen.triton_kernel import render_kernel
-from compiler.fusion import Schedule, inlined_reads, fuse, kind_of
-from compiler.reference import first_nan
+from compiler.fusion.fuse import Schedule, inlined_reads, fuse, kind_of
+from compiler.ir.reference import first_nan
 from runtime.autograd_bridge import CompiledRegion
 from runtime.program import ExternCall, IndexCheck, KernelLaunch, Program, ValueRef, ViewStep
-from compiler.ir import meta_of, update_meta
+from compiler.ir.graph import meta_of, update_meta
 
 
 def build_region(graph: fx.Graph, mutated_inputs=frozenset(), written_later=frozenset(), memory="balanced",
@@ -28,7 +28,7 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset(), written_later=froz
     """Compile one captured region. Returns (CompiledRegion, details for ``explain``).
     ``mutated_inputs``: positions of inputs the region changes in place; ``written_later``:
     of inputs the function changes in place after the region; ``memory``: the saved-set
-    policy (``compiler.saved_set``); ``outputs_written_later``: of outputs the function
+    policy (``compiler.autodiff.saved_set``); ``outputs_written_later``: of outputs the function
     changes in place after the region; ``shape_generic``: kernels take their sizes as arguments
     (``codegen.triton_kernel.render_kernel``), so builds that differ only in sizes share sources."""
     output = next(n for n in graph.nodes if n.op == "output")

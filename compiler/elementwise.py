@@ -22,12 +22,12 @@ import torch.fx as fx
 
 from compiler.codegen.realify import realify
 from compiler.codegen.triton_printer import NotPrintable
-from compiler.ir import _promote, meta_of, result_dtype
-from compiler.ops import catalog as C
-from compiler.ops import primitives
-from compiler.ops import symbols as Y
-from compiler.bindings import BINDINGS
-from compiler.ops.evaluate import evaluate
+from compiler.ir.graph import _promote, meta_of, result_dtype
+from compiler.ir.ops import catalog as C
+from compiler.ir.ops import primitives
+from compiler.ir.ops import symbols as Y
+from compiler.capture.bindings import BINDINGS
+from compiler.ir.ops.evaluate import evaluate
 
 # The SymPy functions a user's expression may use: the primitives that allow it (``user_op``).
 _ALLOWED_FUNCTIONS = {function for function, primitive in primitives.HEADS.items() if primitive.user_op}

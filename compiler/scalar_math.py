@@ -3,7 +3,7 @@
 Functions here take SymPy scalars (the symbols ``compiler.elementwise`` calls your function
 with) and return the catalog's expressions — the ones whose derivatives follow PyTorch's
 conventions and that the Triton printer knows. Arithmetic (``+ - * / **``) works as usual.
-Every op declared with ``math=True`` in ``compiler.ops.primitives`` is exported here under
+Every op declared with ``math=True`` in ``compiler.ir.ops.primitives`` is exported here under
 its catalog name (``exp``, ``log1p``, ``erfinv``, ``abs``...), plus ``softplus`` and ``where``.
 
     >>> import compiler
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import sympy
 
-from compiler.ops import primitives as _primitives
-from compiler.ops import scalar as _S
+from compiler.ir.ops import primitives as _primitives
+from compiler.ir.ops import scalar as _S
 
 pi = sympy.pi
 e = sympy.E

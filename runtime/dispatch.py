@@ -82,7 +82,7 @@ def _note(name: str, what: str, reason: str) -> None:
 class Entry:
     """One recorded program for one guard key (``trace`` None: a compiler bug broke the
     recording; calls with this key run eagerly). ``instantiated``: made from a template
-    (``compiler.dynamic``) for this key's sizes, not recorded."""
+    (``compiler.reuse.dynamic``) for this key's sizes, not recorded."""
 
     def __init__(self, trace, report, instantiated=False):
         self.trace = trace
@@ -116,7 +116,7 @@ class CompiledFunction:
         # (loaded: recordings an earlier process stored, replayed without a recording run here)
         self.stats = {"calls": 0, "captures": 0, "instantiations": 0, "loaded": 0, "replays": 0, "eager_calls": 0,
                       "divergences": 0, "kernel_launches": 0}
-        self.stored = stored              # compiler.recordings, through compiler.api (None: none)
+        self.stored = stored              # compiler.reuse.recordings, through compiler.api (None: none)
         self.stored_pending: dict = {}    # guard key -> [stored recordings not (yet) usable, tries left]
         self.shapes = DynamicShapes(dynamic, templates)
         self.last_backend: str | None = None
@@ -247,7 +247,7 @@ class CompiledFunction:
         (``runtime.skip_python``); where not, why is said once and the replay checks each call."""
         reason = skip_python.refusal(entry.trace)
         if reason is None and entry.instantiated:
-            reason = "its recording was instantiated for new sizes (compiler.dynamic)"
+            reason = "its recording was instantiated for new sizes (compiler.reuse.dynamic)"
         if reason is None and any(e.trace is not None and e.trace.other_path and e.trace.modes_match()
                                   for e in variants):
             reason = "Python took another path with these arguments (a recording of it was made)"
@@ -260,7 +260,7 @@ class CompiledFunction:
         return False
 
     def _load_stored(self, key, spec, leaves, backend, why) -> None:
-        """Add the recordings stored on disk for this call (``compiler.recordings``) to the cache.
+        """Add the recordings stored on disk for this call (``compiler.reuse.recordings``) to the cache.
         One whose paths do not lead to this call's objects yet (an optimizer's state, made by its
         first step) is tried again on the next STORED_TRIES calls with this key."""
         with self.lock:

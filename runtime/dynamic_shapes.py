@@ -8,7 +8,7 @@ Sizes 0 and 1 always stay specialized: they are written into the guard key as th
 
 The cache stays keyed by concrete sizes (``runtime.dispatch._guard_key``). A miss whose
 *dynamic key* (the key with each dynamic dim written as ``DYNAMIC``) has recordings is given an
-entry made from a template of them (``compiler.dynamic``) instead of a new recording. With
+entry made from a template of them (``compiler.reuse.dynamic``) instead of a new recording. With
 automatic dynamic, the template needs two recordings of the same calls at different sizes (so
 each int's expression is fitted to two points); with ``dynamic=True`` or ``mark_dynamic``, one.
 """

@@ -1,5 +1,5 @@
 """Saying which guard failed and why a function is recorded again (the ``guards`` and
-``recompiles`` logs, ``compiler.logs``), as torch.compile's recompile reasons do.
+``recompiles`` logs, ``compiler.report.logs``), as torch.compile's recompile reasons do.
 
 The dispatcher calls these only where a call does not replay (a cache miss, a recording left),
 and only after ``on()`` says a log wants them: a replay that matches pays nothing here.

@@ -15,7 +15,7 @@ runs the value tests at the real constant and sizes (the long run).
 
 import os
 
-from compiler import fusion
+from compiler.fusion import fuse as fusion
 
 FULL_SIZE = os.environ.get("SYMGRAD_FULL_SIZE_KERNEL_TESTS", "") not in ("", "0")
 SMALL_GRID = 8

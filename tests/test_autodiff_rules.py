@@ -7,8 +7,8 @@ import torch
 
 import compiler
 
-from compiler.ir import arg_symbol
-from compiler.ops.catalog import RESULT_SYMBOL, SCALAR_FUNCTIONS, partial_derivative
+from compiler.ir.graph import arg_symbol
+from compiler.ir.ops.catalog import RESULT_SYMBOL, SCALAR_FUNCTIONS, partial_derivative
 from tests.parity import check_parity
 
 SPECIAL = torch.tensor([-2.0, -0.0, 0.0, 0.5, 3.0], dtype=torch.float64)

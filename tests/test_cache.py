@@ -1,4 +1,4 @@
-"""The compiled-region cache (compiler.persist): a region graph compiled before — in this process
+"""The compiled-region cache (compiler.reuse.persist): a region graph compiled before — in this process
 or another — is loaded instead of differentiated and rendered again, with eager's results; a
 damaged entry is detected and rebuilt; anything that changes the build changes the key."""
 
@@ -13,7 +13,8 @@ import torch
 
 import compiler
 import compiler.build
-from compiler import persist, tiling
+from compiler.reuse import persist
+from compiler.fusion import tiling
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 import compiler
-from compiler import fusion, tiling
+from compiler.fusion import fuse as fusion
+from compiler.fusion import tiling
 from tests.parity import check_parity, clone_inputs, run_eager
 from tests.small_grids import fewer_programs
 

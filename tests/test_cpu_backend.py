@@ -221,7 +221,7 @@ def test_double_backward():
 
 
 def test_a_region_loaded_from_the_disk_cache_keeps_its_cpu_path(monkeypatch, tmp_path):
-    """A region loaded from the on-disk cache (``compiler.persist``) runs the CPU path too: its
+    """A region loaded from the on-disk cache (``compiler.reuse.persist``) runs the CPU path too: its
     kernels' PyTorch functions are stored with them."""
     monkeypatch.setenv("SYMGRAD_CACHE_DIR", str(tmp_path / "cache"))
     builds = []
@@ -314,9 +314,9 @@ def test_an_operand_the_kernel_does_not_load_is_zeros_in_its_cpu_function():
     function stands zeros for it (it had refused to be written, and the kernel ran in Triton's
     interpreter; 39 such kernels in the 10,000 fuzz programs)."""
     from compiler.codegen.torch_kernel import render_torch_kernel
-    from compiler.ir import GraphBuilder
-    from compiler.ops.pointwise import DERIVED
-    from compiler.ops.symbols import REAL_ARGS
+    from compiler.ir.graph import GraphBuilder
+    from compiler.ir.ops.pointwise import DERIVED
+    from compiler.ir.ops.symbols import REAL_ARGS
 
     b = GraphBuilder()
     a = b.placeholder("a", (3,), torch.float32)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import compiler
 import compiler.api as api
-from compiler import tiling
+from compiler.fusion import tiling
 from compiler.build import build_region
 from benchmarks.workloads import TinyTransformer
 

@@ -1,5 +1,5 @@
 """Shapes that change: dynamic dims, templates instantiated instead of recorded, the relations a
-guard keeps (compiler.dynamic, runtime.dynamic_shapes). Eager PyTorch is the oracle throughout."""
+guard keeps (compiler.reuse.dynamic, runtime.dynamic_shapes). Eager PyTorch is the oracle throughout."""
 
 import copy
 import math

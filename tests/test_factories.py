@@ -1,4 +1,4 @@
-"""Tensor factories inside a compiled function are region constants (compiler/bindings/factories.py):
+"""Tensor factories inside a compiled function are region constants (compiler/capture/bindings/factories.py):
 `torch.arange` an index expression, `zeros`/`ones`/`full`/`empty`/`tensor(number)` a fill, computed
 by the kernels that read them, with eager's values, dtypes and devices; the forms they do not take
 stay eager calls without a fallback, and a factory called with other constants than recorded

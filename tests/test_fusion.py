@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import compiler
-from compiler.ir import meta_of
+from compiler.ir.graph import meta_of
 from tests.parity import check_parity
 
 

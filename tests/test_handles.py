@@ -1,4 +1,4 @@
-"""Tensor-like handles (compiler/bindings/handles.py): each operation appends the catalog op the
+"""Tensor-like handles (compiler/capture/bindings/handles.py): each operation appends the catalog op the
 binding code would, in Python's evaluation order, with eager's dtype promotion; ``on_handles``
 keeps the registry's node-in, node-out convention. Values are checked against eager PyTorch
 through the reference interpreter."""
@@ -9,12 +9,12 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from compiler.bindings.handles import Tensor, handle, on_handles, pointwise, where
-from compiler.bindings.norms import _normalize
-from compiler.bindings.reductions import log_softmax
-from compiler.bindings.registry import Writes
-from compiler.ir import GraphBuilder, meta_of
-from compiler.reference import run_graph
+from compiler.capture.bindings.handles import Tensor, handle, on_handles, pointwise, where
+from compiler.capture.bindings.norms import _normalize
+from compiler.capture.bindings.reductions import log_softmax
+from compiler.capture.bindings.registry import Writes
+from compiler.ir.graph import GraphBuilder, meta_of
+from compiler.ir.reference import run_graph
 
 
 def _inputs(*specs):

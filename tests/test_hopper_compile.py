@@ -25,7 +25,7 @@ import torch
 
 from benchmarks.sm90 import compile_launches, generic_launch
 from benchmarks.step_trace import trace_workload
-from compiler import tiling
+from compiler.fusion import tiling
 from runtime.kernels import cache_dir
 
 # NOTE: spills are a performance defect, not a wrong result; a kernel that spills is named with

@@ -13,7 +13,7 @@ import torch
 
 import compiler
 from benchmarks.sm90 import compile_launches, recorded_launches
-from compiler.tiling import MIN_PROGRAMS
+from compiler.fusion.tiling import MIN_PROGRAMS
 
 
 def layer_norm_gelu_linear(rows: int, dim: int, dtype: torch.dtype):

@@ -24,9 +24,9 @@ import torch
 import compiler
 from tests.parity import assert_ran_compiled
 from compiler.build import lower
-from compiler.fusion import fuse
-from compiler.ir import GraphBuilder, meta_of, numel
-from compiler.ops import catalog as C
+from compiler.fusion.fuse import fuse
+from compiler.ir.graph import GraphBuilder, meta_of, numel
+from compiler.ir.ops import catalog as C
 from runtime import program as P
 
 FAR = 2**31 - 1  # a stride that fits int32, whose doubles do not

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import compiler
-from compiler import logs
+from compiler.report import logs
 
 
 class _Collect(logging.Handler):

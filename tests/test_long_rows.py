@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import compiler
-from compiler import tiling
+from compiler.fusion import tiling
 from tests.parity import check_parity
 from tests.small_grids import fewer_programs
 

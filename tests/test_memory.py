@@ -259,7 +259,7 @@ def test_elementwise_output_written_into_a_dying_buffer(transposed):
 
 
 def test_a_region_loaded_from_the_region_cache_keeps_its_buffer_reuse(tmp_path, monkeypatch):
-    # the compiled-region cache (compiler.persist) stored kernel launches without ``reuse``: a
+    # the compiled-region cache (compiler.reuse.persist) stored kernel launches without ``reuse``: a
     # step compiled in an earlier process allocated every output anew (transformer_step: 30 KB
     # above its fresh peak, over torch.compile's)
     monkeypatch.setenv("SYMGRAD_CACHE_DIR", str(tmp_path))

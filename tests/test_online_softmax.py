@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import compiler
-from compiler import fusion, tiling
-from compiler.ir import meta_of
+from compiler.fusion import fuse as fusion
+from compiler.fusion import tiling
+from compiler.ir.graph import meta_of
 from tests.parity import check_parity
 
 ROWS, COLS = 20, 700

@@ -93,11 +93,11 @@ def test_to_on_the_same_device(dtype):
 
 def test_a_real_device_move_is_a_clear_fallback():
     if not torch.cuda.is_available():
-        from compiler.bindings.elementwise import _same_device
-        from compiler.ir import GraphBuilder
+        from compiler.capture.bindings.elementwise import _same_device
+        from compiler.ir.graph import GraphBuilder
         b = GraphBuilder()
         x = b.placeholder("x", (2,), torch.float32, device=torch.device("cpu"))
-        from compiler.bindings.registry import Unsupported
+        from compiler.capture.bindings.registry import Unsupported
         with pytest.raises(Unsupported, match="between devices"):
             _same_device(x, "cuda")
         _same_device(x, "cpu")

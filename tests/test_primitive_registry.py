@@ -18,11 +18,11 @@ import pytest
 
 from compiler.codegen.realify import realify
 from compiler.codegen.triton_printer import NotPrintable, TritonPrinter
-from compiler.ops import catalog as C
-from compiler.ops import primitives
-from compiler.ops import symbols as Y
-from compiler.ops.evaluate import evaluate
-from compiler.ops.primitives.base import BOOL, Primitive
+from compiler.ir.ops import catalog as C
+from compiler.ir.ops import primitives
+from compiler.ir.ops import symbols as Y
+from compiler.ir.ops.evaluate import evaluate
+from compiler.ir.ops.primitives.base import BOOL, Primitive
 from tests.parity import check_parity
 
 OPS = sorted(primitives.OPS)
@@ -147,7 +147,7 @@ def test_primitive_declares_rendering_and_evaluation(primitive):
 
 
 def test_dtype_kinds_and_in_place_variants_come_from_the_registry():
-    from compiler.bindings import BINDINGS
+    from compiler.capture.bindings import BINDINGS
 
     assert C.FLOAT_RESULT_OPS == {n for n, e in primitives.OPS.items() if e.result == "float"}
     assert C.BOOL_RESULT_OPS == {n for n, e in primitives.OPS.items() if e.result == "bool"}

@@ -224,7 +224,7 @@ def test_matmul_operand_views_are_written_in_line_where_one_tensor_method_makes_
     """An extern's operand views (ExternCall) and a program's output views: a permute, reshape or
     expand is the tensor method in the generated code (a transpose of the last two dims ``.mT``,
     cheaper than ``permute``); a slice still calls the view op."""
-    from compiler.ops.views import VIEWS
+    from compiler.ir.ops.views import VIEWS
     from runtime.program import ExternCall, Program, ValueRef, ViewStep
 
     permute = ViewStep(VIEWS["permute"], (("dims", (1, 0)),))

@@ -5,7 +5,7 @@ tensors"), on the recording call, on replays, and on a fresh process's first cal
 Issue 32: a pack hook registered on one saved tensor (``_raw_saved_self.register_hooks``) that
 computes its packed value (``t * 1``) gave NaN gradients on every replay, and on the first call
 from a stored recording: the value it made was kept inside the fused kernels (no recorded call
-read it), and autograd unpacked a stand-in's NaN storage (``compiler.pack_hooks``).
+read it), and autograd unpacked a stand-in's NaN storage (``compiler.capture.pack_hooks``).
 """
 
 import pytest

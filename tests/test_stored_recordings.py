@@ -1,4 +1,4 @@
-"""Recordings stored on disk (compiler.recordings): a fresh process's first call of a function seen
+"""Recordings stored on disk (compiler.reuse.recordings): a fresh process's first call of a function seen
 before replays the compiled kernels at once (no eager recording run, no SymPy, no codegen), with
 eager's values; what the recording held by identity is found again by path, and whatever does
 not fit makes the call record, as without the store.
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import compiler
-from compiler import recordings
+from compiler.reuse import recordings
 from runtime.calls import flatten_call
 from tests.training import train_step
 

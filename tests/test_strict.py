@@ -11,7 +11,7 @@ import torch
 
 import compiler
 import compiler.api
-import compiler.capture
+import compiler.capture.recorder
 from runtime.fallback import InternalCompilerError
 
 F64 = torch.float64
@@ -46,8 +46,8 @@ def broken_finish(self, result):
 
 FAILURES = {  # where the compiler meets a bug: (module attribute to break, the stand-in)
     "build": (compiler.api, "build_region", broken_build),
-    "binding": (compiler.capture, "_apply_binding", broken_binding),
-    "escape_analysis": (compiler.capture.Capture, "finish", broken_finish),
+    "binding": (compiler.capture.recorder, "_apply_binding", broken_binding),
+    "escape_analysis": (compiler.capture.recorder.Capture, "finish", broken_finish),
 }
 
 
@@ -92,7 +92,7 @@ def test_strict_a_bug_raises_with_its_traceback(where, monkeypatch):
 
 def test_strict_raises_even_where_the_users_code_catches_everything(monkeypatch):
     monkeypatch.setenv("SYMGRAD_STRICT", "1")
-    monkeypatch.setattr(compiler.capture, "_apply_binding", broken_binding)
+    monkeypatch.setattr(compiler.capture.recorder, "_apply_binding", broken_binding)
 
     def careless(x):
         try:

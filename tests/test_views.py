@@ -1,4 +1,4 @@
-"""Views as one class each (``compiler.ops.views``), with ``flip`` as the example of adding one.
+"""Views as one class each (``compiler.ir.ops.views``), with ``flip`` as the example of adding one.
 
 * flip gives eager's values and gradients, fused into the kernels around it (an index map,
   ``size - 1 - i``), also where the runtime applies it to a buffer (a matmul's operand);
@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 import compiler
-from compiler.ir import GraphBuilder
-from compiler.ops import catalog as C
-from compiler.reference import run_graph
+from compiler.ir.graph import GraphBuilder
+from compiler.ir.ops import catalog as C
+from compiler.ir.reference import run_graph
 from tests.call_modes import CALLS, assert_ran_as, compiled as compile_for
 from tests.parity import check_parity
 

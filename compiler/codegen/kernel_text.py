@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from compiler.ir import contiguous_strides
+from compiler.ir.graph import contiguous_strides
 
 TL_DTYPE = {
     torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32",

@@ -15,14 +15,14 @@ import functools
 import sympy
 
 from compiler.codegen.triton_printer import NotPrintable
-from compiler.ops import primitives
-from compiler.ops import symbols as Y
-from compiler.ops.primitives.base import ZERO as _ZERO
-from compiler.ops.primitives.base import complex_exp as _exp
-from compiler.ops.primitives.base import complex_log as _log
-from compiler.ops.primitives.base import complex_mul as _mul
-from compiler.ops.primitives.base import complex_recip as _recip
-from compiler.ops.primitives.base import hypot as _hypot
+from compiler.ir.ops import primitives
+from compiler.ir.ops import symbols as Y
+from compiler.ir.ops.primitives.base import ZERO as _ZERO
+from compiler.ir.ops.primitives.base import complex_exp as _exp
+from compiler.ir.ops.primitives.base import complex_log as _log
+from compiler.ir.ops.primitives.base import complex_mul as _mul
+from compiler.ir.ops.primitives.base import complex_recip as _recip
+from compiler.ir.ops.primitives.base import hypot as _hypot
 
 RE = tuple(sympy.Symbol(f"x{i}", real=True) for i in range(64))
 IM = tuple(sympy.Symbol(f"w{i}", real=True) for i in range(64))

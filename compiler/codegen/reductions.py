@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from compiler.codegen.kernel_text import TL_DTYPE, arange, broadcast_index, contiguous_offset, masked, unwrapped
 from compiler.codegen.triton_printer import NotPrintable, literal
-from compiler.fusion import inlined_reads, kind_of
-from compiler.ir import compute_dtype, meta_of, numel
+from compiler.fusion.fuse import inlined_reads, kind_of
+from compiler.ir.graph import compute_dtype, meta_of, numel
 
 
 class ReductionWriter:

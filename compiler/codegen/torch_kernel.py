@@ -3,10 +3,10 @@
 The same kernel plan that ``triton_kernel`` renders as a Triton kernel is written here as
 straight-line PyTorch code, one line per graph node the kernel computes: a pointwise node's
 SymPy expression printed as torch calls (each primitive's own ``torch_eval``, as
-``compiler.ops.evaluate`` uses), a reduction as ``torch.sum``/``torch.mean``/``torch.amax``, a
+``compiler.ir.ops.evaluate`` uses), a reduction as ``torch.sum``/``torch.mean``/``torch.amax``, a
 view as PyTorch's view function (the op's own ``apply``), and anything else (gathers, iota,
 slice scatters, random numbers) by the op's reference evaluation (``op.evaluate``, as
-``compiler.reference`` runs it). On CPU tensors PyTorch's vectorized kernels run each line, so
+``compiler.ir.reference`` runs it). On CPU tensors PyTorch's vectorized kernels run each line, so
 a compiled program costs about what eager's ops cost, where Triton's interpreter costs
 hundreds of times more.
 
@@ -16,7 +16,7 @@ that would alias a loaded tensor, a view or an unchanged operand, is copied), as
 kernel's outputs are.
 
 ``TorchKernel`` holds the source and the objects it names (ops, SymPy function classes, dtypes:
-all picklable, so a region stored by ``compiler.persist`` keeps it); the function is compiled
+all picklable, so a region stored by ``compiler.reuse.persist`` keeps it); the function is compiled
 once per kernel, at its first run.
 """
 
@@ -31,9 +31,9 @@ import sympy
 import torch
 import torch.fx as fx
 
-from compiler.ir import compute_dtype, meta_of
-from compiler.ops import primitives
-from compiler.ops import symbols as Y
+from compiler.ir.graph import compute_dtype, meta_of
+from compiler.ir.ops import primitives
+from compiler.ir.ops import symbols as Y
 
 log = logging.getLogger("compiler")
 
@@ -233,7 +233,7 @@ class _Writer:
                 self.aliases.add(var)
             if args[0] in self.types:
                 self.types[var] = (self.types[args[0]][0], tuple(meta.shape))
-        else:  # the op's own evaluation on real tensors (compiler.reference)
+        else:  # the op's own evaluation on real tensors (compiler.ir.reference)
             op = self._obj(node.target)
             stub = self._obj(_Node(dict(node.kwargs), dict(node.meta)))
             self.lines.append(f"{var} = {op}.evaluate({stub}, [{', '.join(args)}])")
@@ -276,7 +276,7 @@ def _order(nodes):
 
 
 class _ExprPrinter:
-    """Prints expressions as the torch calls ``compiler.ops.evaluate`` would make, each distinct
+    """Prints expressions as the torch calls ``compiler.ir.ops.evaluate`` would make, each distinct
     subexpression once per kernel (a local variable: the nodes of one kernel share them, as the
     Triton kernel's common subexpressions are), numbers of a sum or product folded into one."""
 

@@ -13,7 +13,7 @@ name is a hash of its body, so identical kernels are compiled once. A shape-gene
 its sizes as arguments too (``KernelWriter.size``: ``ks0, ks1, ...``; fp32 constants of its math
 ``kf0, ...``), and its blocks come from size buckets, so builds that differ only in sizes within a
 bucket write one source. Block sizes and warps are
-chosen by ``compiler.tiling`` from the written body and recorded in the module
+chosen by ``compiler.fusion.tiling`` from the written body and recorded in the module
 (``XBLOCK_DEFAULT``, ``RBLOCK_DEFAULT``, ``NUM_WARPS``): the launch uses exactly these.
 Reductions are written by ``reductions.ReductionWriter``.
 
@@ -41,10 +41,10 @@ from compiler.codegen.kernel_text import TL_DTYPE, broadcast_index, masked, unwr
 from compiler.codegen.realify import IM, RE, realify
 from compiler.codegen.reductions import ReductionWriter
 from compiler.codegen.triton_printer import NotPrintable, TritonPrinter
-from compiler.ops import symbols as Y
-from compiler.fusion import KernelPlan, kind_of
-from compiler.ir import compute_dtype, contiguous_strides, meta_of, numel
-from compiler.tiling import choose_tiling, fits_one_block, next_pow2
+from compiler.ir.ops import symbols as Y
+from compiler.fusion.fuse import KernelPlan, kind_of
+from compiler.ir.graph import compute_dtype, contiguous_strides, meta_of, numel
+from compiler.fusion.tiling import choose_tiling, fits_one_block, next_pow2
 from runtime.program import INDEX_ASSERT
 
 SIGNATURE_DTYPE = {
@@ -620,7 +620,7 @@ def _cse_symbols():
 
 
 def _used_as_condition(expr, symbol) -> bool:
-    from compiler.ops import scalar as S
+    from compiler.ir.ops import scalar as S
     return any(w.args[0] == symbol for w in expr.atoms(S.Where))
 
 

@@ -3,7 +3,7 @@
 Every C-vs-Python difference is decided here rather than left to a generic printer:
 numbers print as float literals with 17 significant digits (so `2/3` never becomes integer
 division), integer powers print as products, and each primitive prints as its declaration in
-``compiler.ops.primitives`` says, with PyTorch's semantics (NaN-propagating maximum,
+``compiler.ir.ops.primitives`` says, with PyTorch's semantics (NaN-propagating maximum,
 relu(nan) = nan, sign(0) = 0).
 """
 
@@ -14,8 +14,8 @@ import struct
 import sympy
 import torch
 
-from compiler.ops import primitives
-from compiler.ops.primitives.base import NotPrintable
+from compiler.ir.ops import primitives
+from compiler.ir.ops.primitives.base import NotPrintable
 
 
 def literal(value) -> str:

@@ -24,7 +24,7 @@ import torch
 from compiler.optimizers import clip
 from compiler.optimizers.combo import BLOCK, MAX_PARAMETERS, NUM_WARPS, combo_source
 from compiler.optimizers.rules import rule_for
-from compiler.report import KernelInfo
+from compiler.report.explain import KernelInfo
 from runtime import clip_grad
 from runtime.optimizer_step import ComboLaunch, FusedOptimizerStep, GroupStep
 

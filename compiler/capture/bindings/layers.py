@@ -1,0 +1,435 @@
+"""Bindings of layers: matmul, linear, addmm, convolutions, pooling, interpolation and
+scaled dot-product attention.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from compiler.capture.bindings.handles import (
+    Tensor,
+    addmm,
+    arange_along,
+    bmm,
+    conv,
+    gather,
+    mm,
+    on_handles,
+    pointwise,
+    where,
+)
+from compiler.capture.bindings.indexing import _triangle
+from compiler.capture.bindings.random import _dropout
+from compiler.capture.bindings.reductions import _shifted
+from compiler.capture.bindings.registry import Unsupported, _no_out, _t, binds
+from compiler.capture.bindings.views import _interleave, _pad
+from compiler.ir.graph import compute_dtype, numel
+
+
+# ----------------------------------------------------------------------------- matmul
+def matmul(a: Tensor, w: Tensor) -> Tensor:
+    """``torch.matmul``: 1-D operands get a unit dim (removed after); 2-D weights one mm over all
+    rows of ``a``; otherwise one bmm over the broadcast batch dims."""
+    sa, sw = a.shape, w.shape
+    if a.dtype != w.dtype:
+        raise Unsupported("matmul of tensors with different dtypes (eager raises)")
+    if len(sa) == 0 or len(sw) == 0:
+        raise Unsupported("matmul of a 0-d tensor (eager raises)")
+    if len(sa) == 1 and len(sw) == 1:
+        return (a * w).sum(0)
+    if len(sw) == 1:  # [.., M, K] @ [K] -> [.., M]
+        out = matmul(a, w.reshape(sw[0], 1))
+        return out.reshape(out.shape[:-1])
+    if len(sa) == 1:  # [K] @ [.., K, N] -> [.., N]
+        out = matmul(a.reshape(1, sa[0]), w)
+        return out.reshape(out.shape[:-2] + out.shape[-1:])
+    if sa[-1] != sw[-2]:
+        raise Unsupported(f"matmul shapes {list(sa)} and {list(sw)} do not match (eager raises)")
+    if len(sw) == 2:  # the common case: activations @ weight — one mm over all rows
+        rows = a.reshape(numel(sa[:-1]), sa[-1])
+        return mm(rows, w).reshape(tuple(sa[:-1]) + (sw[-1],))
+    batch = tuple(torch.broadcast_shapes(sa[:-2], sw[:-2]))
+    nb = numel(batch)
+    a3 = a.expand(batch + tuple(sa[-2:])).reshape((nb,) + tuple(sa[-2:]))
+    w3 = w.expand(batch + tuple(sw[-2:])).reshape((nb,) + tuple(sw[-2:]))
+    return bmm(a3, w3).reshape(batch + (sa[-2], sw[-1]))
+
+
+@binds(torch.matmul, _t("matmul"), _t("__matmul__"), torch.mm, _t("mm"), torch.bmm, _t("bmm"))
+@on_handles
+def _matmul(b, a, w, *, out=None):
+    _no_out({"out": out})
+    return matmul(a, w)
+
+
+def _conv_binding(dims):
+    def bind(b, input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+        if not isinstance(input, Tensor) or not isinstance(weight, Tensor):
+            raise Unsupported("convolution needs tensor input and weight")
+        if input.ndim == dims + 1:  # unbatched: a batch of one, as eager
+            out = bind(b, input.unsqueeze(0), weight, bias, stride, padding, dilation, groups)
+            return out.reshape(out.shape[1:])
+        if input.ndim != dims + 2:
+            raise Unsupported(f"conv{dims}d of a {input.ndim}-d input (eager raises)")
+        if input.dtype != weight.dtype or input.dtype.is_complex:
+            raise Unsupported("convolution of mixed or complex dtypes is not supported yet")
+
+        def per_dim(v):
+            return tuple(v) if isinstance(v, (tuple, list)) else (v,) * dims
+        stride, dilation = per_dim(stride), per_dim(dilation)
+        kernel = weight.shape[2:]
+        if padding == "valid":
+            padding = 0
+        if padding == "same":
+            if any(s != 1 for s in stride):
+                raise Unsupported("padding='same' with a stride other than 1 (eager raises)")
+            totals = [d * (k - 1) for d, k in zip(dilation, kernel)]
+            if any(t % 2 for t in totals):
+                # eager (Convolution.cpp, _convolution_mode): the odd element of a dim's padding goes
+                # on the right, as a zero pad of the input, and the convolution pads evenly
+                pad = []
+                for t in reversed(totals):
+                    pad += [0, t % 2]
+                input = Tensor(b, _pad(b, input.node, pad, value=0.0))
+            padding = tuple(t // 2 for t in totals)
+        padding = per_dim(padding)
+        spatial = tuple((size + 2 * p - d * (k - 1) - 1) // s + 1 for size, p, d, k, s in
+                        zip(input.shape[2:], padding, dilation, kernel, stride))
+        shape = (input.shape[0], weight.shape[0]) + spatial
+        out = conv(input, weight, shape, list(stride), list(padding), list(dilation), int(groups))
+        if bias is not None:
+            out = out + bias.reshape((shape[1],) + (1,) * dims)
+        return out
+    return on_handles(bind)
+
+
+binds(F.conv1d, torch.conv1d)(_conv_binding(1))
+binds(F.conv2d, torch.conv2d)(_conv_binding(2))
+binds(F.conv3d, torch.conv3d)(_conv_binding(3))
+
+
+@binds(F.linear)
+@on_handles
+def _linear(b, x, weight, bias=None):
+    """x @ weight.T + bias. NOTE: with a 1-D bias, one addmm over the rows of x flattened to
+    2-D (as eager's linear does; a 1-D x as one row: its output, a view as eager's is): the bias is
+    added by the matmul, not by another pass."""
+    if isinstance(bias, Tensor) and bias.ndim == 1 and x.ndim >= 1 and weight.ndim == 2 and \
+            x.dtype == weight.dtype == bias.dtype and x.shape[-1] == weight.shape[1] and \
+            bias.shape[0] == weight.shape[0]:
+        rows = x.reshape(numel(x.shape[:-1]), x.shape[-1])
+        return addmm(bias, rows, weight.t()).reshape(tuple(x.shape[:-1]) + (weight.shape[0],))
+    out = matmul(x, weight.t())
+    if bias is not None:
+        out = out + bias
+    return out
+
+
+@binds(torch.addmm, _t("addmm"))
+@on_handles
+def _addmm(b, input, mat1, mat2, *, beta=1, alpha=1, out=None):
+    """beta * input + alpha * (mat1 @ mat2) (GPT-2's Conv1D layers call it with a bias)."""
+    _no_out({"out": out})
+    if not all(isinstance(t, Tensor) for t in (input, mat1, mat2)) or mat1.ndim != 2 or mat2.ndim != 2:
+        raise Unsupported("addmm needs a tensor input and 2-D matrices (eager raises)")
+    product_shape = (mat1.shape[0], mat2.shape[1])
+    if beta == 1 and alpha == 1 and input.dtype == mat1.dtype == mat2.dtype and \
+            tuple(torch.broadcast_shapes(input.shape, product_shape)) == product_shape:
+        return addmm(input, mat1, mat2)
+    product = matmul(mat1, mat2)
+    if alpha != 1:
+        product = product * alpha
+    if beta == 0:  # eager ignores input then (even NaN in it)
+        return product
+    return product + (input if beta == 1 else input * beta)
+
+
+@binds(F.interpolate)
+@on_handles
+def _interpolate(b, input, size=None, scale_factor=None, mode="nearest", align_corners=None,
+                 recompute_scale_factor=None, antialias=False):
+    """Nearest-neighbour upsampling by whole factors (each element copied into a block)."""
+    if mode not in ("nearest", "nearest-exact") or antialias:
+        raise Unsupported(f"interpolate(mode={mode!r}) is not supported yet (nearest only)")
+    spatial = input.shape[2:]
+    if size is not None:
+        sizes = tuple(size) if isinstance(size, (tuple, list)) else (size,) * len(spatial)
+        factors = [o / i for o, i in zip(sizes, spatial)]
+    else:
+        factors = list(scale_factor) if isinstance(scale_factor, (tuple, list)) else [scale_factor] * len(spatial)
+    if all(f == int(f) and f >= 1 for f in factors):
+        return _interleave(b, input.node, {2 + i: int(f) for i, f in enumerate(factors)})
+    # any other size: each output element reads the input element at eager's source index,
+    # floor(dst * scale) ("nearest") or floor((dst + 0.5) * scale) ("nearest-exact"), computed in
+    # float32 as eager's kernel computes it; a gather per dim (its gradient an index_add)
+    out = input
+    for i, n in enumerate(spatial):
+        if size is not None:
+            o = sizes[i]
+            scale = n / o
+        else:
+            o = math.floor(n * factors[i])
+            scale = n / o if recompute_scale_factor else 1.0 / factors[i]
+        if o == n and scale == 1.0:
+            continue
+        if o <= 0:
+            raise Unsupported("interpolate to an empty size (eager raises)")
+        scale = torch.tensor(scale, dtype=torch.float32).item()
+        dst = arange_along(b, (o,), 0).to(torch.float32)
+        source = pointwise("floor", (dst + 0.5 if mode == "nearest-exact" else dst) * scale)
+        index = pointwise("minimum", source, float(n - 1)).to(torch.int64)
+        out = gather(out, index, "index_select", 2 + i)
+    return out
+
+
+def _pool_windows(x: Tensor, dims, kernel, stride, padding, fill, dilation=None, extra=None) -> Tensor:
+    """x padded with ``fill`` and cut into windows: [..., out_1, ..., out_n, k_1, ..., k_n] (views;
+    overlapping windows read the same elements, and their gradients add up). ``dilation``: window
+    elements that many apart; ``extra``: more padding on the right (ceil_mode's last windows)."""
+    dilation = dilation or (1,) * dims
+    extra = extra or (0,) * dims
+    if any(padding) or any(extra):
+        pad = []
+        for p, e in zip(reversed(padding), reversed(extra)):
+            pad += [p, p + e]
+        x = Tensor(x.b, _pad(x.b, x.node, pad, value=fill))
+    lead = x.ndim - dims
+    for i, (k, s, d) in enumerate(zip(kernel, stride, dilation)):
+        x = x.unfold(lead + i, (k - 1) * d + 1, s)
+        if d != 1:
+            x = x.slice(x.ndim - 1, 0, d, k)
+    return x
+
+
+def _pool_args(dims, kernel_size, stride, padding, dilation, ceil_mode, spatial=None):
+    """(kernel, stride, padding, dilation, extra right padding) per dim. ceil_mode adds a last
+    window where one starts inside the input or its left padding, as eager (extra padding)."""
+    def per_dim(v):  # an int or a 1-element sequence applies to every dim, as in eager
+        v = tuple(v) if isinstance(v, (tuple, list)) else (v,)
+        return v * dims if len(v) == 1 else v
+    kernel = per_dim(kernel_size)
+    stride = kernel if stride is None or stride == [] or stride == () else per_dim(stride)
+    padding, dilation = per_dim(padding), per_dim(dilation)
+    if any(2 * p > k for p, k in zip(padding, kernel)):
+        raise Unsupported("pooling padding larger than half the window (eager raises)")
+    extra = [0] * dims
+    if ceil_mode and spatial is not None:
+        for i, (size, k, s, p, d) in enumerate(zip(spatial, kernel, stride, padding, dilation)):
+            span = size + 2 * p - d * (k - 1) - 1
+            if span < 0:
+                raise Unsupported("pooling window larger than the padded input (eager raises)")
+            out = -(-span // s) + 1
+            if (out - 1) * s >= size + p:
+                out -= 1
+            extra[i] = max(0, (out - 1) * s + d * (k - 1) + 1 - (size + 2 * p))
+    elif ceil_mode:
+        raise Unsupported("pooling with ceil_mode is not supported here")
+    return kernel, stride, padding, dilation, tuple(extra)
+
+
+def _avg_pool(dims):
+    def bind(b, x, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True,
+             divisor_override=None):
+        spatial = x.shape[-dims:]
+        kernel, stride, padding, _, extra = _pool_args(dims, kernel_size, stride, padding, 1, ceil_mode, spatial)
+        window_dims = tuple(range(-dims, 0))
+        total = _pool_windows(x, dims, kernel, stride, padding, 0.0, extra=extra).sum(window_dims)
+        if divisor_override is not None:
+            return total / float(divisor_override)
+        if not any(extra) and (count_include_pad or not any(padding)):
+            return total / float(numel(kernel))
+        return (total / _window_counts(b, total.shape, spatial, kernel, stride, padding, count_include_pad)).to(x.dtype)
+    return on_handles(bind)
+
+
+def _window_counts(b, shape, spatial, kernel, stride, padding, count_include_pad) -> Tensor:
+    """Each average-pooling window's divisor, as eager's avg_pool kernels count it (float32,
+    whole numbers): per pooled dim, the window from start = o * stride - padding to start +
+    kernel, cut at the padded input's end (ceil_mode's last windows reach past it), and with
+    ``count_include_pad=False`` cut to the input itself; the product over the dims."""
+    dims = len(kernel)
+    count = None
+    for j, (size, k, s, p) in enumerate(zip(spatial, kernel, stride, padding)):
+        start = arange_along(b, shape, len(shape) - dims + j).to(torch.float32) * float(s) - float(p)
+        end = pointwise("minimum", start + float(k), float(size + p))
+        if not count_include_pad:
+            start = pointwise("maximum", start, 0.0)
+            end = pointwise("minimum", end, float(size))
+        length = end - start
+        count = length if count is None else count * length
+    return count
+
+
+def _adaptive_avg_pool(dims):
+    def bind(b, x, output_size):
+        out = tuple(output_size) if isinstance(output_size, (tuple, list)) else (output_size,) * dims
+        sizes = x.shape[-dims:]
+        out = tuple(s if o is None else o for s, o in zip(sizes, out))
+        if any(o == 0 for o in out):
+            raise Unsupported("adaptive_avg_pool to an empty size is not supported yet")
+        if all(s % o == 0 for s, o in zip(sizes, out)):  # windows that tile: one unfold per dim
+            kernel = tuple(s // o for s, o in zip(sizes, out))
+            return _pool_windows(x, dims, kernel, kernel, (0,) * dims, 0.0).mean(tuple(range(-dims, 0)))
+        dtype = x.dtype
+        x = x.to(compute_dtype(dtype))  # half types: summed and divided in float32, rounded once
+        for j, (s, o) in enumerate(zip(sizes, out)):
+            if s % o:
+                x = _adaptive_mean(x, x.ndim - dims + j, s, o)
+        # the dims whose windows tile: their mean over windows of s // o
+        kernel = tuple(s // o if s % o == 0 else 1 for s, o in zip(sizes, out))
+        if any(k != 1 for k in kernel):
+            x = _pool_windows(x, dims, kernel, kernel, (0,) * dims, 0.0).mean(tuple(range(-dims, 0)))
+        return x.to(dtype)
+    return on_handles(bind)
+
+
+def _adaptive_mean(x: Tensor, dim: int, size: int, out: int) -> Tensor:
+    """The mean along ``dim`` over adaptive pooling's windows, eager's: output o averages input
+    elements floor(o * size / out) to ceil((o + 1) * size / out) (windows of two lengths that
+    may overlap). A gather of each window's elements, padded to the longest window by
+    repeating its last element, masked to 0 there, summed and divided by the window's length.
+    NOTE: a mean over a rectangle taken one dim after another (as here) equals eager's single
+    mean over it, up to rounding."""
+    longest = max(-(-(o + 1) * size // out) - o * size // out for o in range(out))
+
+    def bounds(shape):  # (start, end) of output o's window, o along dim 0 of ``shape`` (float64, exact)
+        o = arange_along(x.b, shape, 0).to(torch.float64)
+        start = pointwise("floor", o * float(size) / float(out))
+        return start, -pointwise("floor", -(o + 1.0) * float(size) / float(out))
+
+    grid = (out, longest)
+    start, end = bounds(grid)
+    at = start + arange_along(x.b, grid, 1).to(torch.float64)
+    index = pointwise("minimum", at, end - 1.0).to(torch.int64).reshape(out * longest)
+    rest = tuple(x.shape[dim + 1:])
+    picked = gather(x, index, "index_select", dim).reshape(tuple(x.shape[:dim]) + grid + rest)
+    inside = (at < end).reshape(grid + (1,) * len(rest))
+    total = where(inside, picked, 0.0, dtype=x.dtype).sum(dim + 1)
+    start, end = bounds((out,) + (1,) * len(rest))
+    return total / (end - start).to(x.dtype)
+
+
+def _max_pool(dims):
+    """Max over windows (padding counts as -inf). Eager's gradient goes to the first maximum of
+    each window (not shared among ties, unlike amax): the window's first maximal position is
+    found from detached values, and the result is the element there, so autodiff sends the
+    gradient to it alone; overlapping windows add up. NaN counts as the maximum, as in eager.
+    ``return_indices``: that element's flat index in its input plane, as eager's."""
+    def bind(b, x, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
+        if x.ndim < dims + 1 or any(s == 0 for s in x.shape):
+            raise Unsupported("max_pool of an empty or unbatched-without-channels input is not supported yet")
+        kernel, stride, padding, dilation, extra = _pool_args(dims, kernel_size, stride, padding, dilation,
+                                                              ceil_mode, x.shape[-dims:])
+        windows = _pool_windows(x, dims, kernel, stride, padding, float("-inf"), dilation, extra)
+        window_dims = tuple(range(windows.ndim - dims, windows.ndim))
+        values = windows.detach()
+        hit = (values == values.amax(window_dims, keepdim=True)) | (values != values)
+        position = None  # row-major position inside the window, as a float (small integers)
+        for d, k in zip(window_dims, kernel):
+            at = arange_along(b, windows.shape, d).to(torch.float32)
+            position = at if position is None else position * float(k) + at
+        negated = where(hit, -position, -float(numel(kernel)))
+        first = -negated.amax(window_dims, keepdim=True)
+        out = where(position == first, windows, 0.0, dtype=x.dtype).sum(window_dims)
+        if not return_indices:
+            return out
+        return out, _pool_indices(b, first.reshape(out.shape), x.shape[-dims:], kernel, stride, padding, dilation)
+    return on_handles(bind)
+
+
+def _pool_indices(b, first: Tensor, spatial, kernel, stride, padding, dilation) -> Tensor:
+    """The flat input index (over the pooled dims) of each window's element at row-major window
+    position ``first`` (float64 arithmetic on whole numbers: exact)."""
+    dims = len(kernel)
+    first = first.to(torch.float64)
+    index = None
+    inner = numel(kernel)
+    for j in range(dims):
+        inner //= kernel[j]
+        k_j = pointwise("floor", first / float(inner)) - pointwise("floor", first / float(inner * kernel[j])) * \
+            float(kernel[j])
+        out_j = arange_along(b, first.shape, first.ndim - dims + j).to(torch.float64)
+        coordinate = out_j * float(stride[j]) - float(padding[j]) + k_j * float(dilation[j])
+        index = coordinate if index is None else index * float(spatial[j]) + coordinate
+    return index.to(torch.int64)
+
+
+def _with_indices(bind):
+    def bind_with_indices(b, *args, **kwargs):
+        return bind(b, *args, **{**kwargs, "return_indices": True})
+    return bind_with_indices
+
+
+for _dims in (1, 2, 3):
+    # F.max_pool2d dispatches on return_indices to F._max_pool2d or F.max_pool2d_with_indices
+    binds(getattr(F, f"max_pool{_dims}d"), getattr(F, f"_max_pool{_dims}d"))(_max_pool(_dims))
+    binds(getattr(F, f"max_pool{_dims}d_with_indices"))(_with_indices(_max_pool(_dims)))
+binds(F.avg_pool1d, torch.avg_pool1d)(_avg_pool(1))
+binds(F.avg_pool2d, torch._C._nn.avg_pool2d)(_avg_pool(2))
+binds(F.avg_pool3d, torch._C._nn.avg_pool3d)(_avg_pool(3))
+binds(F.adaptive_avg_pool1d, torch.adaptive_avg_pool1d)(_adaptive_avg_pool(1))
+binds(F.adaptive_avg_pool2d)(_adaptive_avg_pool(2))
+binds(F.adaptive_avg_pool3d)(_adaptive_avg_pool(3))
+
+
+def _grouped_heads(query: Tensor, kv: Tensor) -> Tensor:
+    """Grouped-query attention's keys or values: each of the kv heads (dim -3) repeated for
+    the query heads of its group, as eager's ``repeat_interleave(groups, -3)`` (an expand
+    and a reshape here: views, so the repeat moves no data before the matmul)."""
+    if query.ndim < 3 or kv.ndim < 3:
+        raise Unsupported("scaled_dot_product_attention(enable_gqa=True) needs a head dim (eager raises)")
+    heads, kv_heads = query.shape[-3], kv.shape[-3]
+    if kv_heads == 0 or heads % kv_heads:
+        raise Unsupported(f"enable_gqa with {heads} query heads and {kv_heads} key/value heads (eager raises)")
+    groups = heads // kv_heads
+    if groups == 1:
+        return kv
+    lead, tail = tuple(kv.shape[:-3]), tuple(kv.shape[-2:])
+    grouped = kv.reshape(lead + (kv_heads, 1) + tail).expand(lead + (kv_heads, groups) + tail)
+    return grouped.reshape(lead + (heads,) + tail)
+
+
+@binds(F.scaled_dot_product_attention)
+@on_handles
+def _scaled_dot_product_attention(b, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                  enable_gqa=False):
+    """softmax(q kᵀ · scale + mask) v, as PyTorch's math backend computes it: a causal mask
+    from element positions (nothing stored), rows masked entirely give 0 (not NaN), dropout on
+    the attention weights from in-kernel random numbers. The matmuls are PyTorch's; the
+    scaling, masking, softmax and dropout fuse around them."""
+    if enable_gqa:
+        key, value = _grouped_heads(query, key), _grouped_heads(query, value)
+    if is_causal and attn_mask is not None:
+        raise Unsupported("scaled_dot_product_attention with both attn_mask and is_causal (eager raises)")
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    # NOTE: half types: the scores and their softmax in float32, as every eager backend keeps
+    # them (CPU's kernels compute in float32; CUDA's flash and memory-efficient kernels
+    # accumulate q kᵀ in float32): scores rounded to bf16 (|s| ~ 10: errors of 0.03) made
+    # outputs 6x further from the exact result than eager's. The weights go back to the input's
+    # dtype for the matmul with v, as flash attention's do.
+    wide = compute_dtype(query.dtype)
+    scores = matmul(query.to(wide), key.to(wide).transpose(-2, -1)) * scale
+    if is_causal:
+        rows, cols = arange_along(b, scores.shape, scores.ndim - 2), arange_along(b, scores.shape, scores.ndim - 1)
+        attn_mask = cols <= rows
+    if isinstance(attn_mask, Tensor):
+        scores = where(attn_mask, scores, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+    elif attn_mask is not None:
+        raise Unsupported("scaled_dot_product_attention with a non-tensor attn_mask")
+    shifted, _ = _shifted(scores, -1)
+    e = shifted.exp()
+    total = e.sum(-1, keepdim=True)
+    # a row masked entirely has e = 0 and total = 0: dividing by 1 there gives eager's 0, and a
+    # finite derivative (a where after the division would still send 0 * inf back: NaN)
+    weights = e / where(total == 0.0, 1.0, total)
+    if dropout_p > 0:
+        weights = Tensor(b, _dropout(b, weights, dropout_p, True))
+    return matmul(weights.to(value.dtype), value)
+
+
+binds(torch.tril, _t("tril"))(_triangle(True))
+binds(torch.triu, _t("triu"))(_triangle(False))

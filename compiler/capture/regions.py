@@ -1,0 +1,294 @@
+"""Capture's regions under construction and its in-place bookkeeping.
+
+A ``Region`` collects the graph of one run of compilable calls. In-place ops are captured
+functionally (the mutated value id maps to a new node); what that needs besides is here: a
+view changed in place writes its base (``_update_base``, through each view op's
+``scatter_back``), other views of the same memory go stale, and a write to a value autograd
+may have saved starts a new region (so eager's version-counter error still fires).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from compiler.ir.graph import GraphBuilder, meta_of
+from compiler.ir.ops import catalog as C
+from runtime.program import ViewStep
+from runtime.trace import ValueId
+
+
+@dataclass
+class Region:
+    """One region being recorded: its graph, the value ids it maps to nodes, its inputs and what
+    it changed in place."""
+
+    index: int
+    grad_enabled: bool
+    device: torch.device
+    builder: GraphBuilder = field(default_factory=GraphBuilder)
+    nodes: dict = field(default_factory=dict)       # value id -> graph node
+    inputs: list = field(default_factory=list)      # value ids that became placeholders
+    produced: list = field(default_factory=list)    # value ids made here, in order
+    calls: list = field(default_factory=list)
+    seeds: list = field(default_factory=list)       # input value ids that take a fresh RNG seed per call
+    read_for_grad: set = field(default_factory=set)  # value ids read by calls that autograd records
+    writes: dict = field(default_factory=dict)      # value id -> in-place ops that changed it here
+    view_mutation: bool = False                     # an in-place op changed a view
+    eager_reason: str | None = None                 # set when the region must run eagerly
+    stale: set = field(default_factory=set)         # views whose memory an in-place op changed since
+    eager_saved: dict = field(default_factory=dict)  # value id -> (eager grad_fn type, output_nr): saved result
+    saved_by_consumers: set = field(default_factory=set)  # value ids an eager op of the region saved as an input
+    # of those, written in place later: value id -> "output N of <its grad_fn then>", the producer
+    # eager's version error names (the writer's node: our write-back's is a copy, not eager's)
+    written_names: dict = field(default_factory=dict)
+    consumer_outputs: dict = field(default_factory=dict)  # saved_by_consumers id -> those ops' output ids
+    result_names: dict = field(default_factory=dict)  # eager_saved's names before a writer's replaced them
+    # value ids read under autograd by calls other than view ops (whose backward reads no value):
+    # what eager may have saved for backward
+    saved_for_grad: set = field(default_factory=set)
+    # a view written in place here -> (its base's value id, ViewSteps from base to view): the
+    # runtime remakes it from the real base after the region, so it stays a view (issue 11)
+    view_of: dict = field(default_factory=dict)
+
+
+class ViewMutation(Exception):
+    """A view changed in place in a way the functional capture cannot follow."""
+
+
+class InPlaceTracking:
+    """The in-place half of ``compiler.capture.recorder.Capture`` (a mixin): relies on its ``current``
+    region, ``regions``, ``ids`` (id(tensor) -> (weakref, value id)) and ``produced_by``."""
+
+    def _split_before_overwriting_a_saved_value(self, out_tensors) -> None:
+        """An in-place op on a value that an earlier op of this region read under autograd
+        (which may have saved it for backward) starts a new region. The write-back into the
+        real tensor then bumps its version after the earlier region saved it, so a backward
+        that needs the old value raises eager's "modified by an inplace operation" error
+        instead of silently using a copy."""
+        region = self.current
+        if region is None or not region.read_for_grad:
+            return
+        for t in out_tensors:
+            entry = self.ids.get(id(t))
+            if entry is None or entry[0]() is not t:
+                continue  # a new tensor: no in-place op
+            # NOTE: a view of a saved value changed in place (y = x.exp(); y[1:].mul_(2)) does not
+            # split: the view, made in this region, would become an output that is a view of
+            # another, which PyTorch refuses to change in place (fuzz KNOWN: not refused)
+            if entry[1] in region.read_for_grad:
+                self.current = None
+                return
+
+    def _refuse_write_into_view_of_saved(self, region, t) -> str | None:
+        """Why an in-place op on the view ``t`` must run eagerly, or None: ``t`` shares memory (so
+        a version counter) with a value an earlier op of this region read under autograd, which
+        eager may have saved for backward (y = x.exp(); y[1:].mul_(2)). Eager's backward then raises
+        "modified by an inplace operation"; the fused region would compute from the old value, and
+        a split cannot help (the view would be an output that views another output of the region,
+        which PyTorch refuses to change in place)."""
+        if not region.saved_for_grad or not t.requires_grad:
+            return None
+        root = t._base if t._base is not None else t
+        for ref, vid in list(self.ids.values()):
+            u = ref()
+            if u is not None and vid in region.saved_for_grad and (u._base if u._base is not None else u) is root:
+                return ("an in-place op on a view of a value that an earlier op of this region may have saved for "
+                        "backward (eager's version check would refuse that backward); the region runs eagerly")
+        return None
+
+    def _note_stale_views(self, region, t, vid) -> None:
+        """An in-place op wrote ``t``: other live views of its memory now show the write in
+        eager, but their nodes hold the old value (only ``t`` and its base are updated). They
+        are marked stale: a region that reads one later, or outputs one, runs eagerly."""
+        root = t._base if t._base is not None else t
+        region.stale.discard(vid)
+        for ref, other in list(self.ids.values()):
+            u = ref()
+            if u is None or u is t:
+                continue
+            if u is root:
+                region.stale.discard(other)  # updated with t (``_update_base``)
+            elif (u._base if u._base is not None else u) is root:
+                # (a view made by an earlier region, one that ended before this write: that
+                # region must not output it, and this one must not read it)
+                owner = next((r for r in self.regions if other in r.nodes), None)
+                if owner is not None:
+                    owner.stale.add(other)
+                    region.stale.add(other)
+
+    def _note_view(self, region, vid, node, t) -> None:
+        """A new view ``t`` of a value of this region, made by view nodes from its base's node:
+        ``region.view_of`` (if the base becomes an output too, the runtime makes this view from
+        the real base; returned by the region it would be a view PyTorch refuses to write in
+        place: "a function that returns multiple views")."""
+        entry = self.ids.get(id(t._base))
+        base_vid = entry[1] if entry is not None and entry[0]() is t._base else None
+        base_node = region.nodes.get(base_vid) if base_vid is not None else None
+        if base_node is None or base_node.op == "placeholder":
+            return  # (views of inputs: the build takes them out of the graph already)
+        chain = []
+        while node is not base_node and getattr(node.target, "kind", None) == "view":
+            chain.append(node)
+            node = node.args[0]
+        if node is base_node and chain:
+            region.view_of[vid] = (base_vid, _view_steps(chain))
+
+    def _update_base(self, region, vid, old_node, new_node, base, index):
+        """An in-place op changed a view: its base changes too (eager views share memory).
+
+        The base's new value is the view's new value mapped back through the view ops that
+        made the view, last first (``View.scatter_back``: reshape and permute are inverted, a
+        slice is written into its source); the runtime writes it back.
+        """
+        entry = self.ids.get(id(base))
+        base_vid = entry[1] if entry is not None and entry[0]() is base else None
+        base_node = region.nodes.get(base_vid) if base_vid is not None else None
+        chain, node = [], old_node
+        while node is not base_node and getattr(node.target, "kind", None) == "view":
+            chain.append(node)
+            node = node.args[0]
+        if base_node is None or node is not base_node or not all(n.target.writes_back for n in chain):
+            raise ViewMutation(
+                "an in-place op on a view whose base is outside this region, or made by a view op "
+                "other than reshape, permute or slicing; "
+                "the region runs eagerly")
+        region.view_of[vid] = (base_vid, _view_steps(chain))
+        value = new_node
+        for view in chain:  # undo the views, last first
+            value = view.target.scatter_back(region.builder, view, value)
+        region.nodes[base_vid] = value
+        region.produced.append(base_vid)
+        self.produced_by[base_vid] = index
+
+
+def _view_steps(chain) -> tuple:
+    """The runtime's steps that remake a view from its base: ``chain``'s view nodes, base first."""
+    return tuple(ViewStep(n.target, tuple(n.kwargs.items())) for n in reversed(chain))
+
+
+def saves_result(t: torch.Tensor) -> bool:
+    """Whether eager's autograd node that made ``t`` saved ``t`` itself for backward (exp, relu,
+    softmax, polar: ``grad_fn._saved_result``), asked of the node's type, so nothing is unpacked."""
+    return t.requires_grad and t.grad_fn is not None and hasattr(type(t.grad_fn), "_saved_result")
+
+
+@functools.lru_cache(maxsize=None)
+def _saved_attributes(node_type) -> tuple:
+    """The ``_saved_<arg>`` attributes of an eager autograd node type, but its own result's."""
+    return tuple(n for n in dir(node_type) if n.startswith("_saved_") and n != "_saved_result")
+
+
+def saved_inputs(t: torch.Tensor, inputs: list) -> list:
+    """Which of ``inputs`` (the call's tensors) eager's node that made ``t`` saved for backward
+    (``minimum`` saves both operands; ``where`` its condition only): its ``_saved_<arg>`` is the
+    input itself (a saved input unpacks to the very tensor). Asked only where no saved-tensor
+    hooks are active: unpacking would run the user's unpack hook."""
+    fn = t.grad_fn
+    if fn is None or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        return []
+    found = []
+    for name in _saved_attributes(type(fn)):
+        try:
+            value = getattr(fn, name)
+        except RuntimeError:  # (not saved for this call: an operand that needs no gradient)
+            continue
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        found.extend(x for x in inputs if any(x is v for v in values if isinstance(v, torch.Tensor)))
+    return found
+
+
+SAVED_BY_CONSUMERS = "saved_by_consumers"  # the output node's fx meta key: output positions an eager op saved
+SAVED_INPUTS = "saved_inputs"  # the output node's fx meta key: input positions an eager op of the region saved
+
+
+EAGER_SAVED = "eager_saved"  # the output node's fx meta key: {output position: (grad_fn name, output_nr)}
+EAGER_NAMES = "eager_names"  # the output node's fx meta key: {("input"|"output", position): producer in eager's error}
+
+
+def mark_eager_saved(graph, region: Region, outputs: list, inputs: list) -> None:
+    """Record on the region graph's output node which outputs eager's op saved for its backward
+    (``saves_result``): the compiled region checks their version counters at backward, as
+    eager's saved variables do, even where its own backward does not read them."""
+    output = next(n for n in graph.nodes if n.op == "output")
+    marked = {i: region.eager_saved[v] for i, v in enumerate(outputs) if v in region.eager_saved}
+    if marked:
+        output.meta[EAGER_SAVED] = marked
+    consumed = {i for i, v in enumerate(outputs) if v in region.saved_by_consumers}
+    if consumed:
+        output.meta[SAVED_BY_CONSUMERS] = consumed
+    saved = {i for i, v in enumerate(inputs) if v in region.saved_by_consumers}
+    if saved:
+        output.meta[SAVED_INPUTS] = saved
+    names = {(kind, i): region.written_names[v] for kind, values in (("input", inputs), ("output", outputs))
+             for i, v in enumerate(values) if v in region.written_names}
+    if names:
+        output.meta[EAGER_NAMES] = names
+
+
+def keep_overwritten_history(b: GraphBuilder, nodes: list, out_tensors, mapped, leaves, start: int) -> None:
+    """An in-place op whose new value no longer reads the old one (``x[:] = c``, ``x.fill_(c)``,
+    ``x.copy_(y)``, ``x.zero_()``): eager's result still has the in-place op as its grad_fn,
+    which passes a zero gradient back to the old value (not None, and the old value's history
+    stays in the graph). The binding's value has no path to the old node, so it is tied to it
+    by ``where(True, new, old)``: the same value, and a zero gradient for ``old``. Changes
+    ``nodes`` in place; ``start`` is where the binding's nodes begin in ``b.created``."""
+    made = set(b.created[start:])
+    for i, (node, t) in enumerate(zip(nodes, out_tensors)):
+        if not t.requires_grad:
+            continue
+        old = next((n for n, x in zip(mapped, leaves) if x is t and isinstance(n, fx.Node)), None)
+        if old is None or old is node or not meta_of(old).requires_grad or _reads(node, old, made):
+            continue
+        m = meta_of(node)
+        keep = C.emit_fill(b, m.shape, torch.bool, True)
+        nodes[i] = C.emit_pointwise(b, "where", [keep, node, old], dtype=m.dtype, requires_grad=True)
+
+
+def _reads(node, target, made: set) -> bool:
+    """Whether ``node`` (made by this binding, or ``target``'s own) reads ``target``."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n is target:
+            return True
+        if n in seen or n not in made:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return False
+
+
+def apply_writes(region: Region, writes) -> None:
+    """Inputs a binding changes in place without returning them (batch norm's running
+    statistics): their new values become the region's, written back into the real tensors.
+    Eager's operator writes them inside its kernel, where autograd's version counter does not
+    see it (``native_batch_norm``'s running statistics keep their version): no bump is counted."""
+    for target, value in writes:
+        vid = next(v for v, n in region.nodes.items() if n is target)
+        region.nodes[vid] = value
+        region.produced.append(vid)
+        region.writes[vid] = region.writes.get(vid, 0)
+
+
+def map_to_nodes(region: Region, recorded, metas) -> list:
+    """A call's recorded leaves with each value id replaced by the region's node for it;
+    a value the region has not seen yet becomes a placeholder (a region input)."""
+    mapped = []
+    for leaf in recorded:
+        if not isinstance(leaf, ValueId):
+            mapped.append(leaf)
+            continue
+        node = region.nodes.get(leaf)
+        if node is None:
+            m = metas[leaf]
+            node = region.builder.placeholder(f"v{leaf}", m.shape, m.dtype, m.requires_grad and region.grad_enabled,
+                                              device=m.device)
+            region.nodes[leaf] = node
+            region.inputs.append(leaf)
+        mapped.append(node)
+    return mapped

@@ -1,0 +1,682 @@
+"""Fusion: decide which values live in memory and group the rest into kernels.
+
+Every pointwise op and view is *inlined* into the kernels that consume it, with views
+turned into index arithmetic, so a chain of elementwise ops with broadcasts, views and a
+trailing reduction is one kernel. A value is materialized (a *buffer*) only where it must
+be: graph inputs, matmul results, reductions, values the graph returns, and matmul
+operands. Kernels are formed over an iteration space (a shape, plus the dims a reduction
+runs over): consecutive roots that share it share one kernel, so a backward that produces
+the gradients of several inputs of one shape is one kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import sympy
+import torch
+import torch.fx as fx
+
+from compiler.ir.graph import GraphBuilder, compute_dtype, meta_of, numel
+from compiler.ir.ops import catalog as C
+from compiler.ir.ops import symbols as Y
+from compiler.ir.ops.pointwise import emit_pointwise
+from compiler.fusion.tiling import MIN_PROGRAMS, fits_one_block, holds_row, is_outer, reduction_programs, rereads_row_from_l2
+
+
+@dataclass
+class KernelPlan:
+    shape: tuple                 # the iteration space
+    reduce_dims: tuple           # dims of ``shape`` reduced by the reduction roots
+    roots: list = field(default_factory=list)   # nodes this kernel computes: stored, but reductions only it reads
+    online: dict = field(default_factory=dict)  # sum root -> the amax root it is computed with (online softmax)
+    reads_rows: bool = False     # a root reads a reduction of this kernel: rows are held whole (persistent)
+    second_pass: list = field(default_factory=list)  # roots that read a looped row's reductions: a second loop
+    # column partial sums computed beside the rows (``_column_partial``): root -> (value of ``shape``,
+    # chunks); each of the kernel's programs loops over one chunk of rows and writes its partial sums
+    columns: dict = field(default_factory=dict)
+    # pointwise roots over the reductions' own space (a row's value: layer norm's rstd, a loss's
+    # mean as sum / count), computed from the rows' reductions once they are known and stored at
+    # the row (``takes_epilogue``)
+    epilogue: list = field(default_factory=list)
+
+    def accepts(self, shape, reduce_dims) -> bool:
+        if shape != self.shape:
+            return False
+        return not reduce_dims or not self.reduce_dims or reduce_dims == self.reduce_dims
+
+    def persistent_with(self, reduce_dims, node: fx.Node, buffers) -> bool:
+        """Whether a row of the reduction is held in one block with ``node`` among the roots, so
+        values computed after the reduction (softmax's division, layer norm's scaling) can use
+        it in the same kernel (``tiling.holds_row``: the row values held are the buffers the
+        roots read in whole rows)."""
+        dims = self.reduce_dims or reduce_dims
+        if not dims or fits_one_block(self.shape, dims):
+            return bool(dims)
+        rows = {b for root in self.roots + [node] for b in _reads(root, buffers)
+                if tuple(meta_of(b).shape) == tuple(self.shape)}
+        wide = any(meta_of(n).dtype.itemsize >= 8 for n in rows | set(self.roots) | {node})
+        return holds_row(self.shape, dims, row_values=len(rows), wide_values=wide)
+
+    def takes_column(self, node: fx.Node, value: fx.Node, chunks: int, buffers) -> bool:
+        """Whether this kernel, over rows of ``value``'s shape held whole, can also compute ``node``,
+        a chunk's column sums of ``value``, in each program (``split_column_sum``)."""
+        if tuple(self.shape) != tuple(meta_of(value).shape) or tuple(self.reduce_dims) != (len(self.shape) - 1,):
+            return False
+        if meta_of(node).dtype.is_complex:
+            return False
+        if self.online or self.second_pass or any(c != chunks for _, c in self.columns.values()):
+            return False
+        return self.persistent_with(self.reduce_dims, node, buffers)
+
+    def loops_over_chunks(self, value: fx.Node, chunks: int) -> bool:
+        """Whether this elementwise kernel over ``value``'s shape (..., N) can run as the kernel of the
+        column sums of chunks of ``value``'s rows: a loop over each chunk's rows for a tile of
+        columns, storing its elements at each (the complex gate's backward: the input's gradient and
+        the gain's and bias's column sums of values computed from it, in one pass)."""
+        shape = tuple(meta_of(value).shape)
+        if self.reduce_dims or tuple(self.shape) != shape or self.columns:
+            return False
+        return all(kind_of(r) in ("pointwise", "scatter") and tuple(meta_of(r).shape) == shape for r in self.roots)
+
+    def takes_epilogue(self, node: fx.Node, reductions, buffers) -> bool:
+        """Whether ``node``, a pointwise value with one element per row of this kernel's reductions,
+        computed from them (and from values of other kernels), can be computed here once the rows
+        are reduced and stored at its row: a kernel fewer than a kernel of its own over the
+        reductions' space (Inductor computes such values in the reduction's kernel too: layer
+        norm's rstd, a loss's sum / count, batch norm's running statistics). Its shape is the
+        reductions' space (keepdim: size 1 at the reduced dims; or without them), and every value
+        it reads that depends on this kernel's reductions is in that space too: pointwise values,
+        reshapes between the two forms, the reductions themselves."""
+        dims = self.reduce_dims
+        kept = tuple(1 if d in dims else n for d, n in enumerate(self.shape))
+        squeezed = tuple(n for d, n in enumerate(self.shape) if d not in dims)
+        space = (kept, squeezed)
+        shape = tuple(meta_of(node).shape)
+        if not dims or self.columns or shape == tuple(self.shape) or shape not in space:
+            return False
+        reductions = set(reductions)
+        if not reductions or meta_of(node).dtype.is_complex:
+            return False
+        found, stack, seen = False, [node], set()
+        while stack:
+            n = stack.pop()
+            if not isinstance(n, fx.Node) or n in seen:
+                continue
+            seen.add(n)
+            m = meta_of(n)
+            if n in reductions or (n is not node and n in self.epilogue):
+                if tuple(m.shape) not in space or m.dtype.is_complex:
+                    return False
+                found = True
+                continue  # (an epilogue value computed before this one: its reads were checked)
+            if n is not node and n in buffers and n not in self.roots:
+                continue  # another kernel's value: loaded at the row
+            if n is not node and n in self.roots:
+                return False  # a value of the rows' elements
+            depends = _depends_on(n, reductions, ())
+            if not depends:
+                continue  # (read as any kernel reads other kernels' values)
+            if tuple(m.shape) not in space or m.dtype.is_complex:
+                return False
+            if kind_of(n) == "view" and not (n.target.name == "reshape" and tuple(meta_of(n.args[0]).shape) in space):
+                return False
+            if kind_of(n) not in ("pointwise", "view"):
+                return False
+            stack.extend(n.args)
+        return found
+
+    def second_pass_with(self, node: fx.Node, reductions, buffers) -> bool:
+        """Whether ``node``, a pointwise value reading this looped kernel's reductions at its own
+        row, can be computed in a second loop over the row after the reductions' loop (as eager's
+        softmax backward does: ``tiling.rereads_row_from_l2``), instead of a kernel of its own that
+        reads the row from memory again. Real reductions of an inner row only."""
+        if kind_of(node) == "reduction" or self.reads_rows or is_outer(self.shape, self.reduce_dims):
+            return False
+        if any(meta_of(n).dtype.is_complex for n in list(reductions) + [node]):
+            return False
+        if not _row_aligned(node, reductions, self):
+            return False
+        rows = {b for root in self.second_pass + [node] for b in _reads(root, buffers)
+                if tuple(meta_of(b).shape) == tuple(self.shape)}
+        return rereads_row_from_l2(self.shape, self.reduce_dims, [meta_of(b).dtype.itemsize for b in rows])
+
+
+@dataclass
+class Schedule:
+    """What runs, in order: ("kernel", KernelPlan) or ("extern", node) steps."""
+
+    steps: list
+    buffers: set                 # nodes whose value lives in memory
+
+    @property
+    def kernels(self):
+        return [plan for kind, plan in self.steps if kind == "kernel"]
+
+
+# computed per element inside the kernels that read them
+INLINE_KINDS = ("pointwise", "scatter", "iota", "rand", "gather")
+
+
+def kind_of(node: fx.Node) -> str:
+    if node.op == "placeholder":
+        return "input"
+    return getattr(node.target, "kind", "other")
+
+
+SPLIT_MIN_CHUNK = 256   # a split reduction's programs each reduce at least this many elements
+# An inner reduction (over the trailing, contiguous dims) of at most this many elements per result is
+# not split, however few programs it runs as: one looped program reads it faster than a second launch
+# costs. Inductor's threshold for sm_90 (torch/_inductor/choices.py ``reduction_split_factor``:
+# ``no_split_threshold``); e.g. a loss's mean over a (64, 128) batch is one kernel, not two.
+NO_SPLIT_NUMEL = 8192
+
+
+def split_starved_reductions(graph: fx.Graph) -> None:
+    """A reduction that would run as fewer programs than the GPU has SMs to fill (a full
+    reduction, a few long rows, the column sums of a tall tensor) becomes two: the first
+    splits one reduced dim into chunks and reduces each chunk in its own program, the
+    second reduces the partial results (deterministic, no atomics). The first stage fuses
+    with the ops that feed it, as any reduction does. A row that fits one block is left
+    whole, so the ops after it stay in its kernel (layer norm, softmax)."""
+    for node in list(graph.nodes):
+        if kind_of(node) != "reduction":
+            continue
+        x = node.args[0]
+        shape, dims = tuple(meta_of(x).shape), tuple(node.kwargs["dims"])
+        if not dims or fits_one_block(shape, dims):
+            continue
+        if reduction_programs(shape, dims) >= MIN_PROGRAMS:
+            continue
+        inner = dims == tuple(range(len(shape) - len(dims), len(shape)))
+        if inner and numel([shape[d] for d in dims]) <= NO_SPLIT_NUMEL:
+            continue
+        chunks = _row_kernel_chunks(graph, x, dims)
+        if chunks:   # as many chunks as the rows' kernel has programs: it computes the partial sums
+            split_column_sum(graph, node, chunks)
+            continue
+        if len(dims) > 1 and dims == tuple(range(dims[0], dims[-1] + 1)):  # adjacent: split them as one
+            shape = shape[:dims[0]] + (numel([shape[d] for d in dims]),) + shape[dims[-1] + 1:]
+            dims = (dims[0],)
+        d = max(dims, key=lambda k: shape[k])
+        first_dims = tuple(k + 1 if k >= d else k for k in dims)   # d + 1: the chunk dim
+
+        def split_shape(k, shape=shape, d=d):
+            return shape[:d] + (k, shape[d] // k) + shape[d + 1:]
+        split = _split_count(shape[d], numel([shape[k] for k in dims]) // shape[d],
+                             lambda k: reduction_programs(split_shape(k), first_dims))
+        if split is None:
+            continue
+        b = GraphBuilder(graph)
+        with graph.inserting_before(node):
+            x = C.emit_view(b, "reshape", x, shape=split_shape(split))   # row-major: merges, then splits
+            stage_one = "amax" if node.target.name == "amax" else "sum"
+            partial = C.emit_reduction(b, stage_one, x, first_dims, dtype=compute_dtype(meta_of(node).dtype))
+            at = sum(1 for k in range(d) if k not in dims)             # the split dim among kept dims
+            total = C.emit_reduction(b, node.target.name, partial, (at,), dtype=meta_of(node).dtype)
+            if node.target.name == "mean":
+                count = node.kwargs.get("count") or numel([meta_of(node.args[0]).shape[k] for k in node.kwargs["dims"]])
+                total.kwargs = {**total.kwargs, "count": count}
+            total = C.emit_view(b, "reshape", total, shape=meta_of(node).shape)
+        node.replace_all_uses_with(total)
+        graph.erase_node(node)
+
+
+COLUMN_CHUNK_MIN_ROWS = 16   # a column sum shares its rows' kernel when each program gets this many rows
+
+
+def _row_kernel_chunks(graph: fx.Graph, x: fx.Node, dims) -> int | None:
+    """How many chunks of rows to split ``x.sum(0)`` (of a (B, T, N) ``x``: ``x.sum((0, 1))``, its B*T
+    rows) into so that the kernel that reduces the rows of
+    ``x``'s shape (a norm's backward: its row sums and input gradient) computes the column sums too,
+    one chunk a program, instead of a kernel of its own reading the rows again (dgamma, dbeta); None
+    when no such kernel is expected: ``x`` (M, N) computed inline or an input, rows that
+    fit one block, a row reduction over that shape in the graph, and at least MIN_PROGRAMS chunks of
+    COLUMN_CHUNK_MIN_ROWS rows. The partial sums ([chunks, N] in fp32) are then summed by a small
+    second kernel, as Apex's and Triton's tutorial layer-norm backwards do (each program accumulates
+    its rows' dgamma into a buffer, reduced by a second kernel)."""
+    shape = tuple(meta_of(x).shape)
+    last = len(shape) - 1
+    if last < 1 or tuple(dims) != tuple(range(last)) or kind_of(x) not in INLINE_KINDS + ("input",) or \
+            meta_of(x).dtype.is_complex:
+        return None
+    if not fits_one_block(shape, (last,)):
+        return None
+    if not any(kind_of(n) == "reduction" and tuple(n.kwargs["dims"]) == (last,) and
+               tuple(meta_of(n.args[0]).shape) == shape for n in graph.nodes):
+        return None
+    rows = numel(shape[:-1])
+    return next((k for k in range(MIN_PROGRAMS, rows // COLUMN_CHUNK_MIN_ROWS + 1) if rows % k == 0), None)
+
+
+def split_column_sum(graph: fx.Graph, node: fx.Node, chunks: int) -> None:
+    """``node`` (a sum over all dims but the last of an (M, N) or (..., N) value) as the sum of ``chunks``
+    partial column sums."""
+    x = node.args[0]
+    shape = meta_of(x).shape
+    rows, cols = numel(shape[:-1]), shape[-1]
+    b = GraphBuilder(graph)
+    with graph.inserting_before(node):
+        chunked = C.emit_view(b, "reshape", x, shape=(chunks, rows // chunks, cols))
+        partial = C.emit_reduction(b, "sum", chunked, (1,), dtype=compute_dtype(meta_of(node).dtype))
+        total = C.emit_reduction(b, node.target.name, partial, (0,), dtype=meta_of(node).dtype)
+        if node.target.name == "mean":
+            total.kwargs = {**total.kwargs, "count": node.kwargs.get("count") or rows}
+        total = C.emit_view(b, "reshape", total, shape=meta_of(node).shape)
+    node.replace_all_uses_with(total)
+    graph.erase_node(node)
+
+
+def _column_partial(node: fx.Node):
+    """(value, chunks) when ``node`` is a chunk's column sums made by ``split_column_sum``: a sum over
+    dim 1 of an (M, N) value (or (..., N), M rows in all) reshaped to (chunks, M / chunks, N)."""
+    if kind_of(node) != "reduction" or node.target.name != "sum" or tuple(node.kwargs["dims"]) != (1,):
+        return None
+    view = node.args[0]
+    if node.kwargs["keepdim"] or kind_of(view) != "view" or view.target.name != "reshape":
+        return None
+    value = view.args[0]
+    shape, chunked = tuple(meta_of(value).shape), tuple(meta_of(view).shape)
+    if len(shape) < 2 or len(chunked) != 3:
+        return None
+    chunks, rows, cols = chunked
+    if (numel(shape[:-1]), shape[-1]) != (chunks * rows, cols):
+        return None
+    return value, chunks
+
+
+def _split_count(size: int, other: int, programs):
+    """How many chunks to cut a reduced dim of ``size`` into (``other`` reduced elements go
+    with each of its indices): the fewest that give ``programs(count)`` enough programs while
+    chunks keep ``SPLIT_MIN_CHUNK`` elements, else as many as that allows; a divisor of
+    ``size``. None when no split helps."""
+    most = min(size, (size * other) // SPLIT_MIN_CHUNK)
+    divisors = [k for k in range(2, most + 1) if size % k == 0]
+    if not divisors:
+        return None
+    return next((k for k in divisors if programs(k) >= MIN_PROGRAMS), divisors[-1])
+
+
+def copy_operands_in_kernels(graph: fx.Graph) -> None:
+    """A matmul's (any extern's) operand or a graph output that PyTorch can only make from its
+    buffer with a copy (attention's q, k and v: slices of the qkv projection's output, split into
+    heads and transposed, then flattened to a batch of matrices; its output, transposed back and
+    flattened) is copied by a kernel: a pointwise copy of the view chain's value at the point from
+    which the rest of the chain is views of that copy, a root fused with the other values of its
+    shape (q, k and v in one kernel), instead of a host ``reshape`` copying each alone (eager's
+    and our host views made ``aten::clone``s: 10 in the transformer step, where Inductor's
+    kernels write those layouts)."""
+    b = GraphBuilder(graph)
+    output = next(n for n in graph.nodes if n.op == "output")
+    for node in list(graph.nodes):
+        if kind_of(node) == "extern":
+            operands = list(node.args)
+        elif node is output:
+            operands = list(output.args[0])
+        else:
+            continue
+        for arg in operands:
+            if not isinstance(arg, fx.Node) or kind_of(arg) != "view":
+                continue
+            chain = []  # the views from the buffer to the operand, the buffer's side first
+            value = arg
+            while kind_of(value) == "view":
+                chain.append(value)
+                value = value.args[0]
+            chain.reverse()
+            if not all(type(d) is int for n in [value] + chain for d in meta_of(n).shape) \
+                    or _views_without_copy(value, chain):
+                continue
+            # where to copy: the point of the chain from which the views left are views of the copy,
+            # the smallest such value (a slice is copied, not what it is sliced from), the first of equals
+            points = [i for i in range(1, len(chain) + 1) if _views_without_copy(chain[i - 1], chain[i:])]
+            i = min(points, key=lambda k: (numel(meta_of(chain[k - 1]).shape), k))
+            source = chain[i - 1]
+            with graph.inserting_after(source):
+                copy = emit_pointwise(b, "identity", [source], dtype=meta_of(source).dtype,
+                                      requires_grad=meta_of(source).requires_grad)
+            if i < len(chain):
+                chain[i].args = (copy,) + tuple(chain[i].args[1:])
+            elif node is output:  # the output itself
+                output.args = (tuple(copy if a is arg else a for a in output.args[0]),) + tuple(output.args[1:])
+            else:
+                node.args = tuple(copy if a is arg else a for a in node.args)
+
+
+def _views_without_copy(source: fx.Node, views: list) -> bool:
+    """Whether ``views`` (view nodes, applied in order) make a view of a contiguous tensor of
+    ``source``'s shape without a copy (PyTorch's own view functions on a meta tensor)."""
+    m = meta_of(source)
+    base = torch.empty(tuple(m.shape), dtype=m.dtype, device="meta")
+    value = base
+    try:
+        for view in views:
+            value = view.target.apply(value, **view.kwargs)
+    except (NotImplementedError, RuntimeError):  # (a view that cannot run on a meta tensor: say "copies")
+        return not views
+    return value is base or (value._is_view() and value._base is base)
+
+
+def column_sums_over_their_source(graph: fx.Graph) -> None:
+    """``x.reshape(B * T, N).sum(0)`` becomes ``x.sum((0, 1))`` reshaped: a linear layer's bias
+    gradient is the column sum of its output's gradient flattened to the matmul's rows, while the
+    kernel that computes that gradient (a GELU's backward, a residual's sum) runs over the
+    activation's own (B, T, N). Over the source's shape the sum joins that kernel (it reads the
+    gradient where it is computed), as Inductor fuses a reduction with its pointwise producer;
+    over the flattened one it was a kernel of its own. Only a sum or mean over the first dim of
+    a reshape that merges leading dims and keeps the others, of a value no row reduction reads."""
+    b = GraphBuilder(graph)
+    for node in list(graph.nodes):
+        if kind_of(node) != "reduction" or node.target.name not in ("sum", "mean") \
+                or tuple(node.kwargs["dims"]) != (0,) or set(node.kwargs) - {"dims", "keepdim", "count"}:
+            continue
+        view = node.args[0]
+        if kind_of(view) != "view" or view.target.name != "reshape":
+            continue
+        source = view.args[0]
+        flat, shape = tuple(meta_of(view).shape), tuple(meta_of(source).shape)
+        merged = len(shape) - len(flat) + 1   # the source's leading dims that make the first
+        if merged < 2 or shape[merged:] != flat[1:] or numel(shape[:merged]) != flat[0]:
+            continue
+        if _row_kernel_chunks(graph, source, tuple(range(merged))) is not None:
+            # NOTE: rows of that shape are reduced by a kernel (a layer norm's backward), which would
+            # take this sum beside its rows (``split_column_sum``) with its own two: a third column
+            # accumulator spilled on sm_90 (4 bytes at 80 registers, rows of 128 at 8 warps:
+            # tests/test_hopper_compile.py). Left as it was: a kernel of its own. (Rows too few to
+            # split among that kernel's programs: the sum joins the column sums over the same
+            # rows instead, the norms' weight gradients: a kernel fewer.)
+            continue
+        with graph.inserting_before(node):
+            total = C.emit_reduction(b, node.target.name, source, tuple(range(merged)),
+                                     keepdim=node.kwargs["keepdim"], dtype=meta_of(node).dtype)
+            if "count" in node.kwargs:
+                total.kwargs = {**total.kwargs, "count": node.kwargs["count"]}
+            if tuple(meta_of(total).shape) != tuple(meta_of(node).shape):
+                total = C.emit_view(b, "reshape", total, shape=meta_of(node).shape)
+        node.replace_all_uses_with(total)
+        graph.erase_node(node)
+
+
+def fuse(graph: fx.Graph, shape_generic: bool = False) -> Schedule:
+    """Kernels of ``graph``. ``shape_generic``: reductions are not split (a split's chunk count and
+    its chunks' shapes follow the sizes: each size would make new kernels; ``render_kernel``)."""
+    copy_operands_in_kernels(graph)
+    column_sums_over_their_source(graph)
+    if not shape_generic:
+        split_starved_reductions(graph)
+    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    outputs = [o for o in next(n for n in graph.nodes if n.op == "output").args[0] if isinstance(o, fx.Node)]
+    buffers = {n for n in graph.nodes if kind_of(n) in ("input", "extern", "reduction")}
+
+    def needs_memory(value: fx.Node):
+        """``value`` must be readable as a tensor: a buffer, or views of one (applied to it on
+        the host by the runtime)."""
+        while kind_of(value) == "view":
+            value = value.args[0]
+        if value not in buffers:
+            buffers.add(value)  # a pointwise result: becomes a kernel root
+
+    for node in nodes:
+        if kind_of(node) == "extern":
+            for arg in node.args:
+                needs_memory(arg)
+        elif kind_of(node) == "gather" and numel(meta_of(node).shape) == 0:
+            # (the kernels that gather check their indices; a gather with no elements has no kernel
+            # to, and eager still checks index_select's: on the host, as its indices' buffer is written)
+            needs_memory(node.args[1])
+        if meta_of(node).materialize:  # read at many places by its consumers (see the op's vjp)
+            needs_memory(node)
+    for out in outputs:
+        needs_memory(out)
+
+    steps: list = []
+    step_of: dict = {}            # buffer node -> index of the step that writes it
+    reduction_roots_of: dict = {}
+    for node in nodes:
+        kind = kind_of(node)
+        if kind == "extern":
+            step_of[node] = len(steps)
+            steps.append(("extern", node))
+            continue
+        if node not in buffers or kind not in ("pointwise", "scatter", "iota", "rand", "gather", "reduction"):
+            continue
+        if kind == "reduction":
+            space = (meta_of(node.args[0]).shape, node.kwargs["dims"])
+        else:  # pointwise or scatter: one element per position of its shape
+            space = (meta_of(node).shape, ())
+        # The earliest kernel that can take this root: at or after the last step that
+        # writes something it reads, same iteration space, not reading its reductions.
+        barrier = max((step_of[b] for b in _reads(node, buffers) if b in step_of), default=0)
+        target = None
+        partner, reads_row, second, epilogue = None, False, False, False
+        column = _column_partial(node)
+        for i in range(barrier, len(steps)):
+            kind_i, plan = steps[i]
+            reductions = reduction_roots_of.get(id(plan), ())
+            if kind == "pointwise" and kind_i == "kernel" and plan.takes_epilogue(node, reductions, buffers):
+                target, epilogue = i, True
+                break
+            if column is not None and kind_i == "kernel":
+                if plan.takes_column(node, *column, buffers):
+                    target, reads_row = i, True
+                    break
+                if plan.loops_over_chunks(*column):   # its elements, met in the column sums' loop
+                    plan.shape, plan.reduce_dims = space
+                    target = i
+                    break
+            if kind_i != "kernel" or not plan.accepts(*space):
+                continue
+            depends = _depends_on(node, reductions, buffers)
+            persistent = (depends or plan.reads_rows) and plan.persistent_with(space[1], node, buffers)
+            if not depends:
+                if plan.reads_rows and not persistent:
+                    continue    # its loads would not fit beside the rows this kernel holds
+                target = i
+                break
+            if persistent and _row_aligned(node, reductions, plan):
+                target, reads_row = i, True
+                break
+            if not persistent:
+                partner = _online_softmax_partner(node, reductions, buffers, plan)
+            if partner is not None:
+                target = i
+                break
+            if not persistent and plan.second_pass_with(node, reductions, buffers):
+                target, second = i, True
+                break
+        if target is None and not shape_generic and node not in outputs:
+            found = _copies_kernel(node, steps, barrier)
+            if found is not None:   # made by that kernel, in its shape (then read through a reshape)
+                node = _stored_in_shape(graph, node, steps[found][1].shape, buffers)
+                target = found
+        if target is None:
+            target = len(steps)
+            steps.append(("kernel", KernelPlan(space[0], space[1], [])))
+        plan = steps[target][1]
+        plan.roots.append(node)
+        if epilogue:  # (the kernel's iteration space stays the rows')
+            plan.epilogue.append(node)
+            step_of[node] = target
+            continue
+        if partner is not None:
+            plan.online[node] = partner
+        if second:
+            plan.second_pass.append(node)
+        if column is not None and plan.shape != space[0]:   # joined a rows' kernel (``takes_column``)
+            plan.columns[node] = column
+            plan.reads_rows = True
+            step_of[node] = target
+            continue
+        plan.reads_rows = plan.reads_rows or reads_row
+        plan.reduce_dims = plan.reduce_dims or space[1]
+        step_of[node] = target
+        if kind == "reduction":
+            reduction_roots_of.setdefault(id(plan), []).append(node)
+    buffers -= _read_only_where_computed(nodes, outputs, steps, step_of, buffers)
+    return Schedule(steps, buffers)
+
+
+def _copies_kernel(node: fx.Node, steps, barrier: int):
+    """The kernel at or after ``barrier`` that can also make ``node``, a copy into another layout (an
+    ``identity``: a bmm's operand made contiguous) with no kernel of its own shape to join: one
+    that only copies too, as many elements, another shape. Each copy's elements are stored in
+    order, so one kernel over one shape stores both (Inductor's combo kernels launch unrelated
+    pointwise kernels as one): a launch fewer, where each copy is small enough to be launch-bound
+    (the transformer's backward: k transposed and the attention output, beside q, k, v)."""
+    if kind_of(node) != "pointwise" or node.target.name != "identity" or meta_of(node).dtype.is_complex:
+        return None
+    shape = tuple(meta_of(node).shape)
+    for i in range(barrier, len(steps)):
+        kind_i, plan = steps[i]
+        if kind_i != "kernel" or plan.reduce_dims or tuple(plan.shape) == shape:
+            continue
+        if numel(plan.shape) == numel(shape) and all(kind_of(r) == "pointwise" and r.target.name == "identity"
+                                                     for r in plan.roots):
+            return i
+    return None
+
+
+def _stored_in_shape(graph: fx.Graph, node: fx.Node, shape, buffers) -> fx.Node:
+    """``node``'s value stored as a copy of ``shape`` (its elements in order), its readers reading
+    that through a reshape back: the copy is the root, ``node`` is computed inline in it."""
+    b = GraphBuilder(graph)
+    m = meta_of(node)
+    with graph.inserting_after(node):
+        flat = C.emit_view(b, "reshape", node, shape=tuple(shape))
+    with graph.inserting_after(flat):
+        root = emit_pointwise(b, "identity", [flat], dtype=m.dtype, requires_grad=m.requires_grad)
+    with graph.inserting_after(root):
+        back = C.emit_view(b, "reshape", root, shape=tuple(m.shape))
+    node.replace_all_uses_with(back, delete_user_cb=lambda user: user is not flat)
+    buffers.discard(node)
+    buffers.add(root)
+    return root
+
+
+def _read_only_where_computed(nodes, outputs, steps, step_of, buffers) -> set:
+    """The reduction roots no other step reads and the program does not return: softmax's row max
+    and sum of exponentials, read only by the division of the same kernel. They are computed in
+    registers and never stored (eager moves no bytes for them either: 8 bytes a row of fp32 that our
+    softmax moved more than eager's). Taken out of ``buffers``, a kernel computes them as roots
+    (``reductions.ReductionWriter``) without a store, and the CPU path computes them inline."""
+    def memory_of(value):
+        while kind_of(value) == "view":
+            value = value.args[0]
+        return value
+
+    candidates = {n for n in nodes if kind_of(n) == "reduction" and n in step_of and steps[step_of[n]][0] == "kernel"}
+    kept = {memory_of(o) for o in outputs}
+    for node in nodes:
+        if kind_of(node) == "extern":
+            kept |= {memory_of(a) for a in node.args if isinstance(a, fx.Node)}
+        elif kind_of(node) == "gather":
+            kept.add(memory_of(node.args[1]))   # its range check reads the indices on the host
+        if meta_of(node).materialize:
+            kept.add(memory_of(node))
+    for i, (kind, plan) in enumerate(steps):
+        if kind != "kernel":
+            continue
+        for root in plan.roots:
+            kept |= {b for b in _reads(root, buffers) if step_of.get(b) != i}
+        for value, _chunks in plan.columns.values():
+            kept |= {b for b in inlined_reads(value) if b in buffers and step_of.get(b) != i}
+    return candidates - kept
+
+
+def _online_softmax_partner(node: fx.Node, reductions, buffers, plan):
+    """The amax among ``reductions`` (roots of ``plan``, a kernel that loops over rows) that ``node``
+    can be computed with in the same pass, or None.
+
+    ``node`` must be ``sum(exp(x - c))`` over the amax's dims, with ``x`` the amax's input and
+    ``c`` computed from the amax alone (softmax, log_softmax and logsumexp shift by it): the
+    kernel then keeps a running max and a sum rescaled to it as the row streams by (online
+    softmax: Milakov & Gimelshein 2018; Inductor and flash-attention do the same), instead
+    of reading the row once for the max and again for the sum."""
+    if kind_of(node) != "reduction" or node.target.name != "sum" or node.args[0] in buffers:
+        return None
+    e = node.args[0]
+    a0, a1 = Y.REAL_ARGS[0], Y.REAL_ARGS[1]
+    if kind_of(e) != "pointwise" or meta_of(e).expr != sympy.exp(a0):
+        return None
+    d = e.args[0]
+    if not isinstance(d, fx.Node) or d in buffers or kind_of(d) != "pointwise" or meta_of(d).expr != a0 - a1:
+        return None
+    x, c = d.args
+    if not isinstance(c, fx.Node) or meta_of(d).shape != meta_of(x).shape:
+        return None
+    for m in reductions:
+        if m.target.name != "amax" or m.args[0] is not x or m.kwargs["dims"] != node.kwargs["dims"]:
+            continue
+        if compute_dtype(meta_of(m).dtype) != compute_dtype(meta_of(node).dtype) or meta_of(m).dtype.is_complex:
+            continue
+        others = [n for n in list(inlined_reads(c)) + [c] if n is not m]
+        if _depends_on(c, [m], ()) and _row_aligned(c, [m], plan) and \
+                all(n not in buffers and kind_of(n) in ("pointwise", "view") for n in others):
+            return m
+    return None
+
+
+def inlined_reads(node: fx.Node):
+    """Every value ``node`` reads, looking through the values its kernel computes inline
+    (pointwise ops, scatters, views); buffers are yielded and their own inputs not followed,
+    except pointwise buffers, which a kernel that stores them also computes."""
+    stack, seen = list(node.args), set()
+    while stack:
+        n = stack.pop()
+        if not isinstance(n, fx.Node) or n in seen:
+            continue
+        seen.add(n)
+        yield n
+        if kind_of(n) in INLINE_KINDS or kind_of(n) == "view":
+            stack.extend(n.args)
+
+
+def _reads(node: fx.Node, buffers) -> set:
+    """The buffers a root reads."""
+    return {n for n in inlined_reads(node) if n in buffers}
+
+
+def _row_aligned(node: fx.Node, reductions, plan) -> bool:
+    """Whether ``node``, read at the kernel's index, reads each of ``reductions`` at its own
+    row: through pointwise ops and expands of values of the kernel's rank, or through a reshape
+    of a reduction that puts size-1 dims back exactly where it reduced.
+
+    NOTE: equal shapes are not enough: ``x / x.sum(1)`` for x of shape (4, 4, 3) broadcasts the
+    (4, 3) sums as (1, 4, 3), reading the reduction of another row (the writer refuses that)."""
+    reductions = set(reductions)
+    rank, dims = len(plan.shape), plan.reduce_dims
+    memo: dict = {}
+
+    def aligned(n) -> bool:
+        if not isinstance(n, fx.Node):
+            return True
+        if n in reductions:
+            return len(meta_of(n).shape) == rank  # keepdim=True: its own row at the kernel's index
+        if n not in memo:
+            memo[n] = not _depends_on(n, reductions, ()) or _aligned_through(n)
+        return memo[n]
+
+    def _aligned_through(n) -> bool:
+        kind = kind_of(n)
+        if len(meta_of(n).shape) != rank or kind == "reduction":
+            return False  # an implicit broadcast (lower rank) or another reduction's space
+        if kind in INLINE_KINDS:
+            return all(aligned(a) for a in n.args)
+        if kind != "view":
+            return False
+        source = n.args[0]
+        if n.target.name == "expand":
+            return aligned(source)
+        if n.target.name == "reshape" and source in reductions and not source.kwargs["keepdim"]:
+            shape = meta_of(n).shape
+            return all(shape[d] == 1 for d in dims) and \
+                [s for d, s in enumerate(shape) if d not in dims] == list(meta_of(source).shape)
+        return n.target.name == "reshape" and meta_of(n).shape == meta_of(source).shape and aligned(source)
+
+    return all(aligned(a) for a in node.args)
+
+
+def _depends_on(node: fx.Node, targets, buffers) -> bool:
+    """Whether ``node`` reads any of ``targets`` (reductions of a kernel it would join)."""
+    targets = set(targets)
+    return bool(targets) and any(n in targets for n in inlined_reads(node))
