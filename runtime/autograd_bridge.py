@@ -43,7 +43,7 @@ class CompiledRegion:
     eager_names: dict = field(default_factory=dict)  # saved position -> the producer eager's version error names
     backward_for: object = None  # output positions given a gradient -> (Program, saved positions) | None
     # positions of inputs changed in place whose new value a kernel stores into their own memory
-    # (``compiler.build._input_donors``): the replay checks that no other input shares it
+    # (``compiler.lower.program._input_donors``): the replay checks that no other input shares it
     donated_inputs: tuple = ()
     unread_inputs: tuple = ()   # positions of inputs no output depends on: no autograd edge to them
     # ((output positions, input positions they depend on), ...): a Node per group (``_apply_by_group``)

@@ -121,7 +121,7 @@ class KernelLaunch:
     sizes: tuple = ()
     # (store index, load slot): the output written into that input's memory, an input that dies
     # at this launch and that the kernel reads at the output's own index (the compiler's
-    # ``build._donations``); used when the tensor there is contiguous and fits, as Inductor's
+    # ``compiler.lower.program._donations``); used when the tensor there is contiguous and fits, as Inductor's
     # in-place buffers. Fewer bytes allocated at once.
     reuse: tuple = ()
     # The CPU path's function of this kernel (``compiler.codegen.torch_kernel.TorchKernel``): run in

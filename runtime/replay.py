@@ -607,7 +607,7 @@ class Replay(TorchFunctionMode):
             # NOTE: in-place ops were compiled functionally; write the final value back
             # into the real tensor, as eager's in-place op would have left it: same object,
             # version counter bumped, autograd history through the compiled region. A kernel
-            # may have stored the value into the tensor's memory already (``build._input_donors``:
+            # may have stored the value into the tensor's memory already (``compiler.lower.program._input_donors``:
             # an input that needs no gradient): then there is nothing to copy.
             target, new = self.env[vid], written[vid]
             bumps = region.writes.get(vid, 1)  # as many bumps as eager's in-place ops
@@ -683,7 +683,7 @@ def _output_tensors(rec, result, leaves) -> list:
 
 def _stored_in_place(new, target) -> bool:
     """Whether a region's output ``new`` is ``target``'s new value already in ``target``'s own
-    memory (a kernel stored it there: ``build._input_donors``), with no autograd history for the
+    memory (a kernel stored it there: ``compiler.lower.program._input_donors``), with no autograd history for the
     write-back copy to give (neither needs a gradient). An empty tensor's address says nothing."""
     return not new.requires_grad and not target.requires_grad and new.numel() > 0 \
         and new.data_ptr() == target.data_ptr() and new.shape == target.shape and new.stride() == target.stride()

@@ -214,8 +214,8 @@ def test_dropout_positions_take_sizes_as_arguments():
 
 
 def _copy(graph):
-    from compiler.build import _copy_graph
-    return _copy_graph(graph)
+    from compiler.ir.graph import copy_graph
+    return copy_graph(graph)
 
 
 def _Transformer(vocab=11, dim=16, heads=2, seq=40):

@@ -23,7 +23,7 @@ import torch
 
 import compiler
 from tests.parity import assert_ran_compiled
-from compiler.build import lower
+from compiler.lower.program import lower
 from compiler.fusion.fuse import fuse
 from compiler.ir.graph import GraphBuilder, meta_of, numel
 from compiler.ir.ops import catalog as C

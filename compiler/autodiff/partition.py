@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from compiler.ir.graph import GraphBuilder, arg_symbol, meta_of, update_meta
+from compiler.ir.graph import GraphBuilder, arg_symbol, meta_of, output_node, update_meta
 from compiler.ir.ops import catalog as C
 from compiler.ir.ops.pointwise import UNDEFINED
 from compiler.autodiff.saved_set import choose_saved
@@ -46,13 +46,13 @@ def differentiate(graph: fx.Graph, only_outputs=None):
     the outputs that get a gradient (default: every differentiable one)."""
     nodes = list(graph.nodes)
     inputs = [n for n in nodes if n.op == "placeholder"]
-    output_node = next(n for n in nodes if n.op == "output")
-    outputs = list(output_node.args[0])
+    output = output_node(graph)
+    outputs = list(output.args[0])
     b = GraphBuilder(graph)
     grads: dict = {}
     sources: dict = {}  # node -> positions of the grad_output placeholders its gradient comes from
     grad_placeholders = []
-    with graph.inserting_before(output_node):
+    with graph.inserting_before(output):
         for i, out in enumerate(outputs):
             if _differentiable(out) and (only_outputs is None or i in only_outputs):
                 g = b.placeholder(f"grad_out{i}", meta_of(out).shape, meta_of(out).dtype)
@@ -133,7 +133,7 @@ def partition(graph: fx.Graph, mutated_inputs=frozenset(), only_outputs=None, wr
     forward_nodes = list(graph.nodes)
     inputs = [n for n in forward_nodes if n.op == "placeholder"]
     overwritten = {inputs[i] for i in mutated_inputs}
-    user_outputs = list(next(n for n in forward_nodes if n.op == "output").args[0])
+    user_outputs = list(output_node(graph).args[0])
     written_outputs = {user_outputs[j] for j in outputs_written_later
                        if isinstance(user_outputs[j], fx.Node) and user_outputs[j].op == "call_function"}
     input_needs_grad = [meta_of(x).requires_grad for x in inputs]

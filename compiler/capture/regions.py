@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from compiler.ir.graph import GraphBuilder, meta_of
+from compiler.ir.graph import GraphBuilder, meta_of, output_node
 from compiler.ir.ops import catalog as C
 from runtime.program import ViewStep
 from runtime.trace import ValueId
@@ -214,7 +214,7 @@ def mark_eager_saved(graph, region: Region, outputs: list, inputs: list) -> None
     """Record on the region graph's output node which outputs eager's op saved for its backward
     (``saves_result``): the compiled region checks their version counters at backward, as
     eager's saved variables do, even where its own backward does not read them."""
-    output = next(n for n in graph.nodes if n.op == "output")
+    output = output_node(graph)
     marked = {i: region.eager_saved[v] for i, v in enumerate(outputs) if v in region.eager_saved}
     if marked:
         output.meta[EAGER_SAVED] = marked

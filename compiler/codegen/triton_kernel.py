@@ -74,6 +74,8 @@ class KernelSource:
     # gather nodes whose indices the kernel checks (``render_kernel(..., check_indices=True)``): a
     # ``tl.device_assert`` on each index, so the kernel is compiled with Triton's ``debug`` option
     checked_gathers: tuple = ()
+    xblock: int = 0        # the launch's block sizes (the module's XBLOCK_DEFAULT, RBLOCK_DEFAULT)
+    rblock: int = 0
 
 
 # Element offsets at or past this need 64-bit index math.
@@ -544,7 +546,7 @@ class KernelWriter(ReductionWriter):
         sizes = tuple(value for _, value in self.size_args.values()) + \
             tuple(value for _, value in self.float_args.values())
         return KernelSource(name, source, loads, stores, grid, signature, moved, tiling.num_warps,
-                            wide_name, wide_source, sizes, tuple(self.checked_gathers))
+                            wide_name, wide_source, sizes, tuple(self.checked_gathers), tiling.xblock, tiling.rblock)
 
     def module(self, src, stores, tiling, stride_type, size_type="i32"):
         """(name, source, signature) of the module defining the kernel that runs ``src``."""

@@ -17,7 +17,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from compiler.ir.graph import GraphBuilder, compute_dtype, meta_of, numel
+from compiler.ir.graph import GraphBuilder, compute_dtype, meta_of, numel, output_node
 from compiler.ir.ops import catalog as C
 from compiler.ir.ops import symbols as Y
 from compiler.ir.ops.pointwise import emit_pointwise
@@ -307,7 +307,7 @@ def copy_operands_in_kernels(graph: fx.Graph) -> None:
     and our host views made ``aten::clone``s: 10 in the transformer step, where Inductor's
     kernels write those layouts)."""
     b = GraphBuilder(graph)
-    output = next(n for n in graph.nodes if n.op == "output")
+    output = output_node(graph)
     for node in list(graph.nodes):
         if kind_of(node) == "extern":
             operands = list(node.args)
@@ -405,7 +405,7 @@ def fuse(graph: fx.Graph, shape_generic: bool = False) -> Schedule:
     if not shape_generic:
         split_starved_reductions(graph)
     nodes = [n for n in graph.nodes if n.op == "call_function"]
-    outputs = [o for o in next(n for n in graph.nodes if n.op == "output").args[0] if isinstance(o, fx.Node)]
+    outputs = [o for o in output_node(graph).args[0] if isinstance(o, fx.Node)]
     buffers = {n for n in graph.nodes if kind_of(n) in ("input", "extern", "reduction")}
 
     def needs_memory(value: fx.Node):

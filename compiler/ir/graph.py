@@ -147,6 +147,27 @@ def contiguous_strides(shape) -> tuple:
     return tuple(reversed(strides))
 
 
+def output_node(graph: fx.Graph) -> fx.Node:
+    """The graph's output node (fx keeps it last)."""
+    node = next(iter(reversed(graph.nodes)))
+    assert node.op == "output", f"a graph ends with its output node, not {node.op}"
+    return node
+
+
+def outputs_of(graph: fx.Graph) -> list:
+    """The values the graph returns, in order."""
+    return list(output_node(graph).args[0])
+
+
+def copy_graph(graph: fx.Graph) -> fx.Graph:
+    """A copy of ``graph``: new nodes, the same metadata records (frozen: shared safely)."""
+    new = fx.Graph()
+    env: dict = {}
+    for node in graph.nodes:
+        env[node] = new.node_copy(node, lambda n: env[n])
+    return new
+
+
 class GraphBuilder:
     """Appends catalog ops to an fx.Graph with their metadata filled in."""
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from compiler.ir.graph import output_node
+
 
 class _Stop(Exception):
     """``on_value`` asked to stop: the values seen so far are the answer."""
@@ -46,7 +48,7 @@ def run_graph(graph: fx.Graph, inputs, on_value=None):
         return list(interpreter.run(*inputs, enable_io_processing=False))
     except _Stop:
         env = interpreter.env
-        output = next(n for n in graph.nodes if n.op == "output")
+        output = output_node(graph)
         return [env.get(o) if isinstance(o, fx.Node) else o for o in output.args[0]]
 
 

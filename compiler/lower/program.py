@@ -1,0 +1,361 @@
+"""From one fused schedule to a runtime ``Program``: value slots, kernel launches, matmul
+calls, index checks, buffer reuse (donations) and the order that keeps memory low."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch.fx as fx
+
+from compiler.codegen.torch_kernel import render_torch_kernel
+from compiler.codegen.triton_kernel import render_kernel
+from compiler.fusion.fuse import Schedule, inlined_reads, kind_of
+from compiler.ir.graph import meta_of, output_node
+from runtime.program import ExternCall, IndexCheck, KernelLaunch, Program, ValueRef, ViewStep
+
+
+def view_step(node) -> ViewStep:
+    """The runtime's step for a view node: its op (which applies itself) and its parameters."""
+    return ViewStep(node.target, tuple(node.kwargs.items()))
+
+
+def lower(graph: fx.Graph, schedule: Schedule, check_indices: bool = True, transient_inputs=(), shape_generic=False,
+          donated_inputs=None):
+    """Assign slots to buffers and turn the schedule's steps into runtime steps.
+    ``transient_inputs``: positions of inputs the program holds the only reference to (saved
+    intermediates handed over by the backward), whose memory is freed at their last use;
+    ``donated_inputs``: input position -> the node that is its new value (an input changed in place:
+    the kernel storing that value may store it into the input's memory, ``_input_donors``)."""
+    slots: dict = {}
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for p in placeholders:
+        slots[p] = len(slots)
+
+    def ref(node) -> ValueRef:
+        views = []
+        while node not in slots:
+            views.append(view_step(node))
+            node = node.args[0]
+        return ValueRef(slots[node], tuple(reversed(views)))
+
+    steps, sources = [], []
+    donors = {}  # id(KernelLaunch) -> its (store index, load slot) candidates (``_donors``)
+    rendered = {id(item): render_kernel(item, schedule.buffers, shape_generic, check_indices)
+                for kind, item in schedule.steps if kind == "kernel"}
+    index_checks = _index_checks(graph) if check_indices else {}
+    checks = _host_index_checks(index_checks, rendered)
+
+    def check(produced):
+        for node in produced:
+            for index, size, wrap, what in checks.pop(node, ()):
+                steps.append(IndexCheck([ref(index)], size, wrap, what))
+    check(placeholders)
+    joint = _joint_externs(schedule)
+    for kind, item in schedule.steps:
+        if kind == "extern":
+            if item in slots:
+                continue  # made by the call of another extern (``_joint_externs``)
+            if item in joint:
+                fn, kwargs, made = joint[item]
+                for node in made:
+                    slots[node] = len(slots)
+                steps.append(ExternCall(item.target.name, fn, [ref(a) for a in item.args], slots[made[0]], kwargs,
+                                        also=tuple(slots[n] for n in made[1:])))
+                check(made)
+                continue
+            slots[item] = len(slots)
+            steps.append(ExternCall(item.target.name, item.target.torch_fn, [ref(a) for a in item.args], slots[item],
+                                     dict(item.kwargs)))
+            check([item])
+            continue
+        src = rendered[id(item)]
+        # what a failed check in this kernel is explained with: the host check of each index it
+        # gathers with (a buffer it loads), run only then, for eager's message with the bad index
+        explain = []
+        for gather in src.checked_gathers:
+            base, entry = index_checks.get(gather, (None, None))
+            if base in slots and entry not in explain:
+                explain.append(entry)
+        for node in src.stores:
+            slots[node] = len(slots)
+        steps.append(_launch(src, slots, schedule.buffers,
+                             tuple(IndexCheck([ref(index)], size, wrap, what) for index, size, wrap, what in explain)
+                             if src.checked_gathers else None))
+        # NOTE: a kernel that checks indices stores no input's new value in place: its programs before
+        # the one meeting a bad index would have written the user's tensor, which eager's error leaves
+        # as it was (the write-back after the region never runs then)
+        donors[id(steps[-1])] = _donors(item, src, slots, len(placeholders)) + \
+            (_input_donors(item, src, slots, placeholders, donated_inputs or {}) if not src.checked_gathers else [])
+        sources.append(src)
+        check(src.stores)
+    outputs = [ref(o) if isinstance(o, fx.Node) else None
+               for o in output_node(graph).args[0]]
+    nbytes = {slot: math.prod(meta_of(node).shape) * meta_of(node).dtype.itemsize for node, slot in slots.items()
+              if slot >= len(placeholders) or slot in transient_inputs}
+    kept = {o.slot for o in outputs if o is not None}
+    program = Program(len(placeholders), len(slots), _memory_order(steps, nbytes, kept), outputs)
+    program.frees = _liveness(program)
+    for step, dead in zip(program.steps, program.frees):
+        if isinstance(step, KernelLaunch):
+            step.reuse = _donations(donors[id(step)], set(dead) - kept)
+    return program, sources
+
+
+def _host_index_checks(index_checks: dict, rendered: dict) -> dict:
+    """Buffer -> the range checks of the indices it holds that run on the host, as the buffer is
+    written. Gathers a launched kernel computes check their indices there (``render_kernel``);
+    the rest (a gather no kernel with elements computes: an empty result) here."""
+    in_kernels = {g for src in rendered.values() if src.grid for g in src.checked_gathers}
+    checks: dict = {}
+    for gather, (base, entry) in index_checks.items():
+        if gather not in in_kernels and entry not in checks.setdefault(base, []):
+            checks[base].append(entry)
+    return checks
+
+
+def _launch(src, slots: dict, buffers, index_checks) -> KernelLaunch:
+    """The runtime's launch of a rendered kernel, with its CPU path's rendering."""
+    loads, stores = [slots[n] for n in src.loads], [slots[n] for n in src.stores]
+    return KernelLaunch(
+        src.name, src.source, loads, [(slots[n], meta_of(n).shape, meta_of(n).dtype) for n in src.stores],
+        src.grid, src.xblock, src.rblock, src.bytes_moved, src.num_warps, wide_name=src.wide_name,
+        wide_source=src.wide_source, sizes=src.sizes,
+        torch_kernel=render_torch_kernel(src.name, src.loads, loads, src.stores, stores, buffers),
+        index_checks=index_checks)
+
+
+def _donors(plan, src, slots, num_inputs: int) -> list:
+    """(store index, load slot) pairs of an elementwise kernel: an output that may be written into
+    the memory of a buffer the kernel reads, where that buffer dies at this kernel (``_donations``),
+    made by this program (an input may be held elsewhere: a saved tensor under retain_graph).
+
+    NOTE (memory): as Inductor's in-place buffers (``in_out_ptr``): safe where every element of the
+    output is written by the program that read the same element of the input, after reading it:
+    the kernel has no reduction, reads every buffer at the output's own index (pointwise ops of
+    one shape and reshapes only: no broadcast, permute or slice anywhere), computes the output from it
+    (so each load comes before the store that depends on it), and loads it nowhere after the
+    store. The runtime checks that the tensor is contiguous (``runtime.program.reused_memory``).
+    """
+    if plan.reduce_dims or plan.columns or plan.online or plan.second_pass or plan.reads_rows or \
+            not _elementwise_aligned(plan, src):
+        return []
+    pairs = []
+    for j, out in enumerate(src.stores):
+        m = meta_of(out)
+        if kind_of(out) != "pointwise" or tuple(m.shape) != tuple(plan.shape) or m.dtype.is_complex:
+            continue
+        for k, buffer in enumerate(src.loads):
+            b = meta_of(buffer)
+            if slots[buffer] >= num_inputs and _fresh(buffer) and b.dtype == m.dtype \
+                    and math.prod(b.shape) == math.prod(m.shape) and _reads_value(out, buffer) \
+                    and _loaded_before_store(src, k, j):
+                pairs.append((j, slots[buffer]))
+    return pairs
+
+
+def _input_donors(plan, src, slots, placeholders, donated: dict) -> list:
+    """(store index, input slot) pairs: the new value of an input the region changes in place,
+    stored into that input's memory, where the write-back into it would copy it there after the
+    region (``runtime.replay``: a copy skipped when the memory is the input's already). The
+    donation is made only where the input's old value dies at this kernel (``_donations``) and
+    the kernel reads it, if at all, only to compute the new value, at the new value's own
+    elements, through pointwise values of its shape: each element is read before the same
+    program stores it (batch norm's running statistics in the statistics kernel's epilogue,
+    ``num_batches_tracked + 1``). An input that needs a gradient is not donated (its write-back
+    copy is its autograd history)."""
+    pairs = []
+    for position, new in donated.items():
+        if new not in src.stores:
+            continue
+        old = placeholders[position]
+        m_old, m_new = meta_of(old), meta_of(new)
+        if m_old.requires_grad or m_new.dtype != m_old.dtype or m_new.dtype.is_complex \
+                or tuple(m_new.shape) != tuple(m_old.shape):
+            continue
+        if any(root is not new and _reads_value(root, old) for root in plan.roots) \
+                or not _reads_at_own_index(new, old, src):
+            continue
+        pairs.append((src.stores.index(new), slots[old]))
+    return pairs
+
+
+def _reads_at_own_index(new, old, src) -> bool:
+    """Whether ``new`` reads ``old`` (a loaded buffer) only through pointwise values of its own
+    shape, each element at its own index, or not at all."""
+    if kind_of(new) != "pointwise":
+        return not _reads_value(new, old)
+    shape, stack, seen = tuple(meta_of(new).shape), [new], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n is old:
+            continue
+        if n is not new and n in src.loads:
+            continue  # another buffer: its own reads are another kernel's
+        if kind_of(n) == "pointwise" and tuple(meta_of(n).shape) == shape:
+            stack.extend(n.all_input_nodes)
+        elif n is not new and _reads_value(n, old):
+            return False
+    return True
+
+
+def _reads_value(node, buffer) -> bool:
+    """Whether ``node`` (or a value it computes inline: pointwise ops, views, gathers...) reads ``buffer``."""
+    return node is buffer or any(n is buffer for n in inlined_reads(node))
+
+
+# externs whose result is a new tensor of its own (never a view of an argument)
+_FRESH_EXTERNS = ("mm", "bmm", "addmm", "conv", "conv_backward")
+
+
+def _fresh(buffer) -> bool:
+    """Whether ``buffer``'s memory is its own: a kernel's output, or a matmul's or convolution's."""
+    return kind_of(buffer) != "extern" or buffer.target.name in _FRESH_EXTERNS
+
+
+def _donations(donors, dying: set) -> tuple:
+    """Of ``donors`` (``_donors``), one buffer per output among those that die here (``dying``)."""
+    pairs, taken = [], set()
+    for j, slot in donors:
+        if slot in dying and slot not in taken and j not in {k for k, _ in pairs}:
+            pairs.append((j, slot))
+            taken.add(slot)
+    return tuple(pairs)
+
+
+def _elementwise_aligned(plan, src) -> bool:
+    """Whether the kernel reads every buffer at its own index: each value it computes is a
+    pointwise op of the kernel's shape over values of that shape, or a reshape (which keeps a
+    contiguous tensor's element order). (A view elsewhere, a permute of a computed value,
+    reads the buffers below it at other indices: ``dz + dz.t()`` loads dz's inputs transposed.)"""
+    for node in _computed(src):
+        if kind_of(node) == "view":
+            if node.target.name != "reshape":
+                return False
+            continue
+        if kind_of(node) != "pointwise" or tuple(meta_of(node).shape) != tuple(plan.shape) or \
+                any(tuple(meta_of(a).shape) != tuple(plan.shape) for a in node.all_input_nodes):
+            return False
+    return True
+
+
+def _computed(src) -> set:
+    """The values a kernel computes: from its stores down to the buffers it loads."""
+    computed, stack = set(), list(src.stores)
+    while stack:
+        node = stack.pop()
+        if node not in computed and (node in src.stores or node not in src.loads):
+            computed.add(node)
+            stack.extend(node.all_input_nodes)
+    return computed
+
+
+def _loaded_before_store(src, load: int, store: int) -> bool:
+    """Whether, in the kernel's source (and its 64-bit twin), every load of input ``load`` comes
+    before the store to output ``store``."""
+    for source in (src.source, src.wide_source):
+        if source is None:
+            continue
+        lines = source.splitlines()
+        loads = [i for i, line in enumerate(lines) if re.search(rf"tl\.load\(in{load}_ptr\b", line)]
+        stores = [i for i, line in enumerate(lines) if re.search(rf"tl\.store\(out{store}_ptr\b", line)]
+        if not loads or not stores or max(loads) > min(stores):
+            return False
+    return True
+
+
+def _joint_externs(schedule) -> dict:
+    """Externs one PyTorch call computes together (an op's ``joint_call``: a convolution's input and
+    weight gradients, one ``convolution_backward`` as eager's autograd calls it, not two): the first
+    of each group in the schedule -> (fn, kwargs, the group's nodes in the order fn returns them)."""
+    groups: dict = {}
+    for kind, item in schedule.steps:
+        key = getattr(item.target, "joint_key", None) if kind == "extern" else None
+        key = key(item) if key is not None else None
+        if key is not None:
+            groups.setdefault((item.target, key), []).append(item)
+    joint = {}
+    for (op, _), nodes in groups.items():
+        call = op.joint_call(nodes) if len(nodes) > 1 else None
+        if call is not None:
+            joint[nodes[0]] = call
+    return joint
+
+
+def _index_checks(graph: fx.Graph) -> dict:
+    """For each gather whose indices eager checks: (the buffer holding its indices, or the value
+    they are computed from inline; (index value, dim size, wrap, op name)). (Kernels clamp
+    indices, so a bad one never reads outside memory; the check gives eager's error.)"""
+    checks: dict = {}
+    for node in graph.nodes:
+        if getattr(node.target, "kind", None) != "gather":
+            continue
+        source, index = node.args
+        if math.prod(meta_of(node).shape) == 0 and "index_select" not in (meta_of(node).torch_op or ""):
+            continue  # eager checks no index for an empty result (x[idx] of a zero-size tensor)
+        base = index
+        while getattr(base.target, "kind", None) == "view":
+            base = base.args[0]
+        checks[node] = (base, (index, meta_of(source).shape[node.kwargs["dim"]], node.kwargs.get("wrap", False),
+                               meta_of(node).torch_op or "indexing"))
+    return checks
+
+
+def _reads(step) -> list:
+    return step.loads if isinstance(step, KernelLaunch) else [a.slot for a in step.args]
+
+
+def _writes(step) -> list:
+    if isinstance(step, KernelLaunch):
+        return [slot for slot, _, _ in step.stores]
+    return [step.out, *step.also] if isinstance(step, ExternCall) else []
+
+
+def _memory_order(steps, nbytes, kept) -> list:
+    """The steps in an order that keeps less memory allocated at once: greedily, of the steps
+    whose inputs are ready, the one that allocates least net of what it frees (the buffers it
+    is the last reader of; ``kept``: slots never freed, the program's outputs); ties keep the
+    schedule's order.
+
+    NOTE (memory): the fusion's order is a valid one, not a frugal one: a bias gradient's sum
+    run last keeps the output gradient alive across both weight-gradient matmuls; a matmul
+    that frees two buffers waits behind one that frees one. Slots are written once, so a
+    step depends only on the steps that write what it reads.
+    """
+    writer = {slot: i for i, step in enumerate(steps) for slot in _writes(step)}
+    readers: dict = {}
+    for i, step in enumerate(steps):
+        for slot in set(_reads(step)):
+            readers.setdefault(slot, set()).add(i)
+    done: set = set()
+    order = []
+    while len(order) < len(steps):
+        best, best_net = None, None
+        for i, step in enumerate(steps):
+            if i in done or any(writer.get(slot, -1) not in done and slot in writer for slot in _reads(step)):
+                continue
+            freed = sum(nbytes.get(slot, 0) for slot in set(_reads(step))
+                        if slot not in kept and readers[slot] - done == {i})
+            net = sum(nbytes.get(slot, 0) for slot in _writes(step)) - freed
+            if best_net is None or net < best_net:
+                best, best_net = i, net
+        done.add(best)
+        order.append(steps[best])
+    return order
+
+
+def _liveness(program: Program):
+    """Per step, the slots no later step or output reads: freed as soon as possible."""
+    keep = {o.slot for o in program.outputs if o is not None}
+    last_use = {}
+    for i, step in enumerate(program.steps):
+        for slot in _reads(step):
+            last_use[slot] = i
+    frees = [[] for _ in program.steps]
+    for slot, i in last_use.items():
+        if slot not in keep:
+            frees[i].append(slot)
+    return frees
