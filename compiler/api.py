@@ -21,7 +21,7 @@ from compiler.report import logs
 from compiler.reuse import persist
 from compiler.reuse import recordings
 from compiler.report.explain import KernelInfo, Report, fused_user_ops
-from compiler.ir.graph import has_meta, meta_of
+from compiler.ir.graph import copy_graph, has_meta, meta_of
 from compiler.autodiff.saved_set import check_policy
 from runtime import skip_python
 from runtime.backends import torch_on_cpu
@@ -196,7 +196,7 @@ def _compile_trace(name, trace, *, fullgraph, stats, memory, shape_generic=False
     for reason in fallbacks:
         logs.fallback(name, reason)
     for index, plan in enumerate(trace.regions):
-        captured = _copy(plan.graph)
+        captured = copy_graph(plan.graph)
         logs.graph(name, index, captured)
         info = {"captured": captured}
         if plan.reason:  # capture found this region cannot be compiled faithfully
@@ -208,18 +208,7 @@ def _compile_trace(name, trace, *, fullgraph, stats, memory, shape_generic=False
             regions.append(info)
             continue
         try:
-            mutated = {plan.input_ids.index(v) for v in plan.mutated}
-            later = _written_after(trace, plan)
-            written_later = {i for i, v in enumerate(plan.input_ids) if v in later}
-            outputs_written_later = _outputs_written(plan, later)
-            # the output that is each changed input's new value (a kernel may store it in the input)
-            # (tensors the function reads from outside: the same objects on every replay, by its guards)
-            mutated_outputs = tuple(sorted((plan.input_ids.index(v), plan.output_ids.index(v)) for v in plan.mutated
-                                           if v in plan.output_ids and v in trace.externals))
-            options = {k: v for k, v in (("written_later", written_later), ("memory", _policy(memory, plan.graph)),
-                                         ("outputs_written_later", outputs_written_later),
-                                         ("shape_generic", shape_generic), ("mutated_outputs", mutated_outputs))
-                       if v and v != "balanced"}  # (defaults left out: tests stand in for build_region)
+            mutated, options = _region_options(trace, plan, memory, shape_generic)
             compiled = _compile_region(plan.graph, mutated, options, index)
             plan.compiled, info["backward_graph"], info["kernels"] = compiled
             plan.compiled.stats = stats if stats is not None else {}
@@ -254,19 +243,40 @@ def _compile_trace(name, trace, *, fullgraph, stats, memory, shape_generic=False
     logs.kernels(name, optimizer_kernels)
     for reason in optimizer_reasons:
         logs.fallback(name, reason)
-    fused = fused_call_indices(trace)  # (optimizer steps and clip_grad_norm_ run as kernels, not eagerly)
-    # (a value read into Python is a graph break, listed apart: not an eager op)
-    eager_calls = list(dict.fromkeys(function_name(c.func) for i, c in enumerate(trace.calls)
-                                     if c.kind == "eager" and i not in fused
-                                     and getattr(c.func, "__name__", "") not in VALUE_READS))
     report = Report(
         graph=_merged_graph(regions),
         backward_graph=next((r["backward_graph"] for r in regions if r.get("backward_graph") is not None), None),
-        kernels=kernels, fallbacks=fallbacks, eager_calls=eager_calls, regions=regions,
+        kernels=kernels, fallbacks=fallbacks, eager_calls=_eager_calls(trace), regions=regions,
         internal_errors=internal_errors, graph_breaks=list(trace.graph_breaks),
         skip_python_refusal=skip_python.refusal(trace))
     dumps.dump(name, report)  # (when SYMGRAD_DUMP_DIR is set)
     return Entry(trace, report)
+
+
+def _region_options(trace, plan, memory, shape_generic):
+    """(positions of the inputs the region changes in place, ``build_region``'s other options)."""
+    mutated = {plan.input_ids.index(v) for v in plan.mutated}
+    later = _written_after(trace, plan)
+    written_later = {i for i, v in enumerate(plan.input_ids) if v in later}
+    outputs_written_later = _outputs_written(plan, later)
+    # the output that is each changed input's new value (a kernel may store it in the input)
+    # (tensors the function reads from outside: the same objects on every replay, by its guards)
+    mutated_outputs = tuple(sorted((plan.input_ids.index(v), plan.output_ids.index(v)) for v in plan.mutated
+                                   if v in plan.output_ids and v in trace.externals))
+    options = {k: v for k, v in (("written_later", written_later), ("memory", _policy(memory, plan.graph)),
+                                 ("outputs_written_later", outputs_written_later),
+                                 ("shape_generic", shape_generic), ("mutated_outputs", mutated_outputs))
+               if v and v != "balanced"}  # (defaults left out: tests stand in for build_region)
+    return mutated, options
+
+
+def _eager_calls(trace) -> list:
+    """Names of the torch functions the replay runs eagerly (not optimizer steps and
+    clip_grad_norm_, which run as kernels; a value read into Python is a graph break, listed apart)."""
+    fused = fused_call_indices(trace)
+    return list(dict.fromkeys(function_name(c.func) for i, c in enumerate(trace.calls)
+                              if c.kind == "eager" and i not in fused
+                              and getattr(c.func, "__name__", "") not in VALUE_READS))
 
 
 def _policy(memory: str, graph: fx.Graph) -> str:
@@ -285,7 +295,7 @@ def _compile_region(graph: fx.Graph, mutated: set, options: dict, index: int):
     # (a test standing in for build_region gets its stand-in, never a stored region)
     key = persist.region_key(graph, mutated, options) if persist.enabled() and build_region is _BUILD_REGION else None
     if key is not None:
-        loaded = persist.load(key, lambda: build_region(_copy(graph), mutated, **options)[0])
+        loaded = persist.load(key, lambda: build_region(copy_graph(graph), mutated, **options)[0])
         if loaded is not None:
             region, backward_graph, kernels = loaded
             return region, backward_graph, [dataclasses.replace(k, region=index) for k in kernels]
@@ -345,12 +355,6 @@ def _outputs_written(plan, written: set) -> set:
 _BACKWARD_CALLS = ("Tensor.backward", "torch.autograd.backward", "torch.autograd.grad")
 
 
-def _copy(graph: fx.Graph) -> fx.Graph:
-    new = fx.Graph()
-    env = {}
-    for node in graph.nodes:
-        env[node] = new.node_copy(node, lambda n: env[n])
-    return new
 
 
 def _merged_graph(regions) -> fx.Graph:
