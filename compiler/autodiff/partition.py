@@ -155,77 +155,106 @@ def partition(graph: fx.Graph, mutated_inputs=frozenset(), only_outputs=None, wr
     if to_save is None:
         return None
 
-    backward = fx.Graph()
-    backward_builder = GraphBuilder(backward)
-    env: dict = {}
-    saved_nodes: list = []
-    saved_placeholders: list = []
-    clones: list = []          # overwritten inputs whose old value backward needs
+    builder = _BackwardBuilder(forward_set, to_save, overwritten, written_outputs)
+    backward = builder.build(grad_placeholders, input_grads, {inputs[i] for i in written_later} - overwritten,
+                             {inputs[i] for i in copied_inputs})
+    forward, saved = _forward_program(forward_nodes, inputs, user_outputs, builder.saved_nodes, builder.clones)
+    return Partitioned(forward, backward, len(user_outputs), saved,
+                       [i for i, _ in grad_placeholders], input_needs_grad, joint, grad_sources,
+                       output_sources, tuple(n.name for n in builder.saved_nodes))
 
-    def fetch(node):
+
+class _BackwardBuilder:
+    """The backward graph of a differentiated region: its gradient nodes copied out of the joint
+    graph, each forward value they read recomputed (from what backward has anyway: the cut proved
+    it) or read from a placeholder the forward fills (saved, or a copy of the old value)."""
+
+    def __init__(self, forward_set: set, to_save: set, overwritten: set, written_outputs: set):
+        self.forward_set, self.to_save = forward_set, to_save
+        self.overwritten, self.written_outputs = overwritten, written_outputs
+        self.graph = fx.Graph()
+        self.builder = GraphBuilder(self.graph)
+        self.env: dict = {}
+        self.saved_nodes: list = []         # forward values backward reads, in placeholder order
+        self.saved_placeholders: list = []
+        self.clones: list = []              # of those, the ones saved as a copy the forward makes
+        self.grad_inputs: dict = {}         # joint graph's grad placeholder -> backward's
+
+    def build(self, grad_placeholders, input_grads, written_later: set, copied: set) -> fx.Graph:
+        for i, g in grad_placeholders:
+            self.grad_inputs[g] = self.builder.placeholder_like(f"grad_out{i}", g)
+        results = [self.copy(g) if g is not None else None for g in input_grads]
+        for p in written_later:
+            self._read_no_later_write(p, p in copied)
+        self.graph.output(tuple(results))
+        # fx keeps placeholders where they were created; put them first: saved, then grads.
+        _reorder_placeholders(self.graph, self.saved_placeholders + [self.grad_inputs[g] for _, g in grad_placeholders])
+        return self.graph
+
+    def fetch(self, node):
         """The backward graph's version of a forward value: recomputed, or saved."""
+        env = self.env
         if node in env:
             return env[node]
-        if node in overwritten or (node in to_save and _view_base(node) in written_outputs):
+        if node in self.overwritten or (node in self.to_save and _view_base(node) in self.written_outputs):
             # NOTE: the region overwrites this input in place (eager keeps the original for
             # such backwards too), or a later call overwrites this output (or its base): the
             # forward saves a copy of the value it had.
-            clones.append(node)
-            saved_nodes.append(node)
-            p = backward_builder.placeholder_like(f"saved_old_{node.name}", node)
-            saved_placeholders.append(p)
-            env[node] = p
-        elif node in to_save or node.op == "placeholder":
-            saved_nodes.append(node)
-            p = backward_builder.placeholder_like(f"saved_{node.name}", node)
-            saved_placeholders.append(p)
-            env[node] = p
+            self.clones.append(node)
+            env[node] = self._placeholder(node, f"saved_old_{node.name}")
+        elif node in self.to_save or node.op == "placeholder":
+            env[node] = self._placeholder(node, f"saved_{node.name}")
         else:  # recomputed from what backward has anyway (the cut proved its inputs are there)
-            env[node] = backward.node_copy(node, fetch)
+            env[node] = self.graph.node_copy(node, self.fetch)
         return env[node]
 
-    grad_inputs = {}
-    for i, g in grad_placeholders:
-        p = backward_builder.placeholder_like(f"grad_out{i}", g)
-        grad_inputs[g] = p
-
-    def copy_backward(node):
+    def copy(self, node):
+        """A gradient node of the joint graph, copied into the backward with what it reads."""
+        env = self.env
         if node in env:
             return env[node]
-        if node in forward_set:
-            return fetch(node)
-        if node in grad_inputs:
-            return grad_inputs[node]
-        env[node] = backward.node_copy(node, copy_backward)
+        if node in self.forward_set:
+            return self.fetch(node)
+        if node in self.grad_inputs:
+            return self.grad_inputs[node]
+        env[node] = self.graph.node_copy(node, self.copy)
         return env[node]
 
-    results = [copy_backward(g) if g is not None else None for g in input_grads]
-    for p in {inputs[i] for i in written_later} - overwritten:
-        if p in env and _read_result_instead(backward, p, env, to_save, fetch):
-            saved_placeholders.remove(env[p])
-            saved_nodes.remove(p)
-            backward.erase_node(env.pop(p))
-        elif p in env and inputs.index(p) in copied_inputs:
-            clones.append(p)
-    backward.output(tuple(results))
-    # fx keeps placeholders where they were created; put them first: saved, then grads.
-    _reorder_placeholders(backward, saved_placeholders + [grad_inputs[g] for _, g in grad_placeholders])
+    def _placeholder(self, node, name: str) -> fx.Node:
+        self.saved_nodes.append(node)
+        p = self.builder.placeholder_like(name, node)
+        self.saved_placeholders.append(p)
+        return p
 
-    # The forward program: strip the backward nodes, return user outputs + saved values.
+    def _read_no_later_write(self, p, copied: bool) -> None:
+        """An input the function writes in place later: read through a forward result instead
+        where that removes it (``_read_result_instead``), else, where no eager op saved it, saved as
+        a copy (``partition``'s ``copied_inputs``)."""
+        if p not in self.env:
+            return
+        if _read_result_instead(self.graph, p, self.env, self.to_save, self.fetch):
+            self.saved_placeholders.remove(self.env[p])
+            self.saved_nodes.remove(p)
+            self.graph.erase_node(self.env.pop(p))
+        elif copied:
+            self.clones.append(p)
+
+
+def _forward_program(forward_nodes, inputs, user_outputs, saved_nodes, clones):
+    """The forward program: the region's nodes without the backward's, returning the user outputs
+    and then the saved values it makes (copies of old values first made). Returns (graph, saved
+    descriptors: ("input", i) or ("output", j) per saved value)."""
     forward = fx.Graph()
     fenv: dict = {}
     for node in forward_nodes:
         if node.op == "output":
             break
         fenv[node] = forward.node_copy(node, lambda n: fenv[n])
-    saved = []
-    extra = []
-    copies = {}
+    saved, extra, copies = [], [], {}
     for node in clones:  # a copy of the old value, made before the region overwrites it
         m = meta_of(node)
-        copy = C.emit_pointwise(GraphBuilder(forward), "identity", [fenv[node]], dtype=m.dtype,
-                                requires_grad=m.requires_grad)
-        copies[node] = copy
+        copies[node] = C.emit_pointwise(GraphBuilder(forward), "identity", [fenv[node]], dtype=m.dtype,
+                                        requires_grad=m.requires_grad)
     for node in saved_nodes:
         if node in copies:
             saved.append(("output", len(user_outputs) + len(extra)))
@@ -239,9 +268,7 @@ def partition(graph: fx.Graph, mutated_inputs=frozenset(), only_outputs=None, wr
             extra.append(node)
     forward.output(tuple([fenv[o] if isinstance(o, fx.Node) else o for o in user_outputs]
                          + [copies[o] if o in copies else fenv[o] for o in extra]))
-    return Partitioned(forward, backward, len(user_outputs), saved,
-                       [i for i, _ in grad_placeholders], input_needs_grad, joint, grad_sources,
-                       output_sources, tuple(n.name for n in saved_nodes))
+    return forward, saved
 
 
 def _view_base(node: fx.Node) -> fx.Node:
