@@ -440,80 +440,131 @@ def fuse(graph: fx.Graph, shape_generic: bool = False) -> Schedule:
             continue
         if node not in buffers or kind not in ("pointwise", "scatter", "iota", "rand", "gather", "reduction"):
             continue
-        if kind == "reduction":
-            space = (meta_of(node.args[0]).shape, node.kwargs["dims"])
-        else:  # pointwise or scatter: one element per position of its shape
-            space = (meta_of(node).shape, ())
+        root = _Root(node, kind, buffers, reduction_roots_of)
         # The earliest kernel that can take this root: at or after the last step that
         # writes something it reads, same iteration space, not reading its reductions.
         barrier = max((step_of[b] for b in _reads(node, buffers) if b in step_of), default=0)
-        target = None
-        partner, reads_row, second, epilogue = None, False, False, False
-        column = _column_partial(node)
-        for i in range(barrier, len(steps)):
-            kind_i, plan = steps[i]
-            reductions = reduction_roots_of.get(id(plan), ())
-            if kind == "pointwise" and kind_i == "kernel" and plan.takes_epilogue(node, reductions, buffers):
-                target, epilogue = i, True
-                break
-            if column is not None and kind_i == "kernel":
-                if plan.takes_column(node, *column, buffers):
-                    target, reads_row = i, True
-                    break
-                if plan.loops_over_chunks(*column):   # its elements, met in the column sums' loop
-                    plan.shape, plan.reduce_dims = space
-                    target = i
-                    break
-            if kind_i != "kernel" or not plan.accepts(*space):
-                continue
-            depends = _depends_on(node, reductions, buffers)
-            persistent = (depends or plan.reads_rows) and plan.persistent_with(space[1], node, buffers)
-            if not depends:
-                if plan.reads_rows and not persistent:
-                    continue    # its loads would not fit beside the rows this kernel holds
-                target = i
-                break
-            if persistent and _row_aligned(node, reductions, plan):
-                target, reads_row = i, True
-                break
-            if not persistent:
-                partner = _online_softmax_partner(node, reductions, buffers, plan)
-            if partner is not None:
-                target = i
-                break
-            if not persistent and plan.second_pass_with(node, reductions, buffers):
-                target, second = i, True
-                break
+        target, join = _first_join(root, steps, barrier)
         if target is None and not shape_generic and node not in outputs:
             found = _copies_kernel(node, steps, barrier)
             if found is not None:   # made by that kernel, in its shape (then read through a reshape)
                 node = _stored_in_shape(graph, node, steps[found][1].shape, buffers)
-                target = found
+                target, join = found, _Join()
         if target is None:
-            target = len(steps)
-            steps.append(("kernel", KernelPlan(space[0], space[1], [])))
+            target, join = len(steps), _Join()
+            steps.append(("kernel", KernelPlan(root.space[0], root.space[1], [])))
         plan = steps[target][1]
-        plan.roots.append(node)
-        if epilogue:  # (the kernel's iteration space stays the rows')
-            plan.epilogue.append(node)
-            step_of[node] = target
-            continue
-        if partner is not None:
-            plan.online[node] = partner
-        if second:
-            plan.second_pass.append(node)
-        if column is not None and plan.shape != space[0]:   # joined a rows' kernel (``takes_column``)
-            plan.columns[node] = column
-            plan.reads_rows = True
-            step_of[node] = target
-            continue
-        plan.reads_rows = plan.reads_rows or reads_row
-        plan.reduce_dims = plan.reduce_dims or space[1]
+        _add_root(plan, node, root, join)
         step_of[node] = target
-        if kind == "reduction":
+        if kind == "reduction" and not join.epilogue and not _joined_rows_kernel(plan, root):
             reduction_roots_of.setdefault(id(plan), []).append(node)
     buffers -= _read_only_where_computed(nodes, outputs, steps, step_of, buffers)
     return Schedule(steps, buffers)
+
+
+class _Root:
+    """A value that must be in memory, looking for the kernel that computes it: its kind, its
+    iteration space (shape, reduced dims) and, for a column sum, its rows' partial."""
+
+    def __init__(self, node: fx.Node, kind: str, buffers: set, reduction_roots_of: dict):
+        self.node, self.kind, self.buffers = node, kind, buffers
+        if kind == "reduction":
+            self.space = (meta_of(node.args[0]).shape, node.kwargs["dims"])
+        else:  # pointwise or scatter: one element per position of its shape
+            self.space = (meta_of(node).shape, ())
+        self.column = _column_partial(node)
+        self._reduction_roots_of = reduction_roots_of
+
+    def reductions_of(self, plan) -> tuple:
+        """The reductions ``plan`` computes as roots."""
+        return self._reduction_roots_of.get(id(plan), ())
+
+
+@dataclass(frozen=True)
+class _Join:
+    """How a root joins a kernel (the answer of a join rule)."""
+    reads_row: bool = False      # it reads the rows the kernel holds
+    epilogue: bool = False       # computed after the kernel's reductions, in its rows' space
+    second: bool = False         # in the kernel's second pass over its rows
+    partner: fx.Node | None = None  # the reduction it computes with as an online softmax
+
+
+def _joins_as_epilogue(root: _Root, plan) -> _Join | None:
+    """Is the root a pointwise epilogue of this kernel's reductions?"""
+    if root.kind == "pointwise" and plan.takes_epilogue(root.node, root.reductions_of(plan), root.buffers):
+        return _Join(epilogue=True)
+    return None
+
+
+def _joins_column_sums(root: _Root, plan) -> _Join | None:
+    """Is the root a column sum this kernel's rows can feed, or whose chunks it loops over?"""
+    if root.column is None:
+        return None
+    if plan.takes_column(root.node, *root.column, root.buffers):
+        return _Join(reads_row=True)
+    if plan.loops_over_chunks(*root.column):   # its elements, met in the column sums' loop
+        plan.shape, plan.reduce_dims = root.space
+        return _Join()
+    return None
+
+
+def _joins_same_space(root: _Root, plan) -> _Join | None:
+    """Does the root share this kernel's iteration space, and can the kernel compute it there:
+    independently, on the rows it holds, beside a reduction (online softmax) or in a second pass?"""
+    if not plan.accepts(*root.space):
+        return None
+    node, reductions, buffers = root.node, root.reductions_of(plan), root.buffers
+    depends = _depends_on(node, reductions, buffers)
+    persistent = (depends or plan.reads_rows) and plan.persistent_with(root.space[1], node, buffers)
+    if not depends:
+        # (a root beside a kernel holding rows: its loads must fit beside them)
+        return _Join() if persistent or not plan.reads_rows else None
+    if persistent:
+        return _Join(reads_row=True) if _row_aligned(node, reductions, plan) else None
+    partner = _online_softmax_partner(node, reductions, buffers, plan)
+    if partner is not None:
+        return _Join(partner=partner)
+    return _Join(second=True) if plan.second_pass_with(node, reductions, buffers) else None
+
+
+# The questions asked of each kernel at or after a root's barrier, in order; the first answer wins.
+JOIN_RULES = (_joins_as_epilogue, _joins_column_sums, _joins_same_space)
+
+
+def _first_join(root: _Root, steps: list, barrier: int):
+    """(step index, _Join) of the first kernel at or after ``barrier`` that takes ``root``, or (None, None)."""
+    for i in range(barrier, len(steps)):
+        kind, plan = steps[i]
+        if kind != "kernel":
+            continue
+        for rule in JOIN_RULES:
+            join = rule(root, plan)
+            if join is not None:
+                return i, join
+    return None, None
+
+
+def _joined_rows_kernel(plan, root: _Root) -> bool:
+    """Whether a column-sum root joined a rows' kernel (``takes_column``): not the kernel's space."""
+    return root.column is not None and plan.shape != root.space[0]
+
+
+def _add_root(plan, node: fx.Node, root: _Root, join: _Join) -> None:
+    """Record ``node`` as a root of ``plan``, as ``join`` says."""
+    plan.roots.append(node)
+    if join.epilogue:  # (the kernel's iteration space stays the rows')
+        plan.epilogue.append(node)
+        return
+    if join.partner is not None:
+        plan.online[node] = join.partner
+    if join.second:
+        plan.second_pass.append(node)
+    if _joined_rows_kernel(plan, root):
+        plan.columns[node] = root.column
+        plan.reads_rows = True
+        return
+    plan.reads_rows = plan.reads_rows or join.reads_row
+    plan.reduce_dims = plan.reduce_dims or root.space[1]
 
 
 def _copies_kernel(node: fx.Node, steps, barrier: int):
