@@ -213,6 +213,12 @@ class CompiledFunction:
         result = mode.run(self.fn, args, kwargs)
         mode.finish()
         result = mode.real_result(result)
+        self._after_replay(mode, entry, variants, key, backend)
+        return result
+
+    def _after_replay(self, mode, entry, variants: list, key, backend: str) -> None:
+        """Bookkeeping after a replay: the recording it followed first among its key's variants,
+        and what a divergence means (one: nothing; two in a row: record the path taken)."""
         if mode.trace is not entry.trace:  # switched to the recording of the path it took
             entry = next(e for e in variants if e.trace is mode.trace)
         if not variants or variants[0] is not entry:
@@ -240,7 +246,6 @@ class CompiledFunction:
             say_once(self.__name__, f"this call did not follow its recording ({mode.diverged}); "
                      "the rest of the call ran eagerly; a path taken twice in a row is recorded too",
                      logging.INFO)
-        return result
 
     def _python_skippable(self, entry, variants) -> bool:
         """Whether this replay may make the recorded calls without the function's Python

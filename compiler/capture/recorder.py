@@ -158,14 +158,37 @@ class Capture(InPlaceTracking, TorchFunctionMode):
     def _record(self, func, args, kwargs, leaves, spec, recorded, result) -> None:
         """Record one call that eager just ran (``result``): into the current region when the
         catalog has a binding for it, else as an eager call."""
-        if isinstance(result, torch.Tensor):
-            out_tensors, out_spec = [result], None
-        elif func is torch.Tensor.__setitem__:
-            out_tensors, out_spec = [args[0]], "setitem"  # mutates args[0], returns None
+        out_tensors, out_spec = _results(func, args, result)
+        self._note_graph_reads(func, args, kwargs, leaves, recorded)
+        self.checkpoints.begin()
+        region, nodes, reason = self._bind(func, args, kwargs, leaves, recorded, out_tensors, result)
+        outputs, makes_views = self._output_ids(func, out_tensors)
+        if self.escaping:
+            self.escaped.update(outputs)
+        index = len(self.calls)
+        self._keep_eager_what_hooks_save_and_writes_change(index, recorded, outputs, out_tensors)
+        self.checkpoints.end(index, region is not None, bool(out_tensors))
+        if region is not None:
+            self.call_meta[index] = ({v: TensorMeta.of(x) for v, x in zip(recorded, leaves) if isinstance(v, ValueId)},
+                                     [TensorMeta.of(t) for t in out_tensors], _autocast_dtype(region.device))
+            for vid, node, t in zip(outputs, nodes, out_tensors):
+                if region.nodes.get(vid) is not node:  # (else returned its input as it is: x.to(x.dtype))
+                    self._note_produced(region, func, index, vid, node, t)
+            region.calls.append(index)
+            if any(t.requires_grad for t in out_tensors):
+                self._note_saved_for_grad(region, outputs, out_tensors, leaves, recorded, makes_views)
+            self.calls.append(TraceCall(func, "compute", region.index, spec, recorded, outputs, out_spec))
+            if self._wrote_input_that_requires_grad(region, outputs, out_tensors, recorded):
+                # NOTE: eager's later ops read the written tensor, whose grad_fn is the in-place op:
+                # gradients with respect to it (a non-leaf now) take their paths. Inside the region
+                # they would read the functional value instead, so the region ends here, and what
+                # reads the tensor next starts from the real, written-back one.
+                self.current = None
         else:
-            out_leaves, out_spec = tree_flatten(result)
-            out_tensors = [t for t in out_leaves if isinstance(t, torch.Tensor)]
+            self._record_eager(func, index, spec, recorded, outputs, out_spec, reason, result)
 
+    def _note_graph_reads(self, func, args, kwargs, leaves, recorded) -> None:
+        """Calls that read autograd's graph of a value end the region that makes it there."""
         if recorded and isinstance(recorded[0], ValueId) and recorded[0] in self.produced_by \
                 and inspects_node(func, leaves):
             # NOTE: the user inspects this value's Node (hooks on grad_fn, its saved tensors,
@@ -188,10 +211,11 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         watched = watched_gradient(func, args)
         if watched is not None:
             self._isolate_gradient_of(watched)
+
+    def _bind(self, func, args, kwargs, leaves, recorded, out_tensors, result):
+        """(region, its nodes for the call's results, None) where the call's binding emitted it into
+        the current region; (None, None, reason) where it runs eagerly (reason None: by design)."""
         reason = None
-        region = None
-        nodes = None
-        self.checkpoints.begin()
         binding = _binding(func)
         # NOTE: math the function runs under no_grad compiles (a rotary embedding's cos/sin),
         # as a region without autograd, but for a training step's own bookkeeping, which runs
@@ -204,6 +228,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
             self._split_before_overwriting_a_saved_value(out_tensors)
             try:
                 region, nodes = self._emit(func, binding, args, kwargs, leaves, recorded, out_tensors)
+                return region, nodes, None
             except Unsupported as e:
                 if not (func in FACTORIES and not self._reads_region_value(recorded)):
                     reason = f"{function_name(func)}: {e}"
@@ -214,7 +239,6 @@ class Capture(InPlaceTracking, TorchFunctionMode):
             except Exception as e:  # a bug in a binding: this call runs eagerly (strict: raises)
                 internal = internal_error(f"{self.fn_name} (compiling {function_name(func)})", e)
                 self.internal_errors.append(internal)
-                region = None
                 self.current = None
         elif getattr(func, "__name__", "") in VALUE_READS:
             # NOTE: a graph break, not a fallback: the region before ends with the value (made
@@ -223,9 +247,13 @@ class Capture(InPlaceTracking, TorchFunctionMode):
                 self.graph_breaks.append(value_read_break(func, result))
         elif not by_design and not expected_eager(func, self._reads_region_value(recorded)):
             reason = f"{function_name(func)} is not supported by the compiler yet"
+        return None, None, reason
 
+    def _output_ids(self, func, out_tensors) -> tuple:
+        """(the value ids of the call's results, whether all are new views: a view op's backward
+        saves no value)."""
         outputs = []
-        makes_views = bool(out_tensors)  # only new views (a view op: its backward saves no value)
+        makes_views = bool(out_tensors)
         for t in out_tensors:
             entry = self.ids.get(id(t))
             if entry is not None and entry[0]() is t:
@@ -236,92 +264,83 @@ class Capture(InPlaceTracking, TorchFunctionMode):
                 makes_views = makes_views and t._base is not None
                 if func in FACTORIES:
                     self.fresh_storages.add(_storage_address(t))
-        if self.escaping:
-            self.escaped.update(outputs)
-        index = len(self.calls)
-        self._keep_eager_what_hooks_save_and_writes_change(index, recorded, outputs, out_tensors)
-        self.checkpoints.end(index, region is not None, bool(out_tensors))
-        if region is not None:
-            self.call_meta[index] = ({v: TensorMeta.of(x) for v, x in zip(recorded, leaves) if isinstance(v, ValueId)},
-                                     [TensorMeta.of(t) for t in out_tensors], _autocast_dtype(region.device))
-            for vid, node, t in zip(outputs, nodes, out_tensors):
-                if region.nodes.get(vid) is node:
-                    continue  # returned its input as it is (x.to(x.dtype), x.reshape(x.shape))
-                old = region.nodes.get(vid)
-                region.nodes[vid] = node
-                region.produced.append(vid)
-                if old is not None:
-                    self._name_written_saved_result(vid, t)
-                self.produced_by[vid] = index
-                if old is None and t._base is not None:
-                    self._note_view(region, vid, node, t)
-                if old is None and func in FACTORIES:
-                    self.factory_values.add(vid)
-                if old is not None:
-                    region.writes[vid] = region.writes.get(vid, 0) + 1
-                if old is not None and t._base is not None:
-                    region.view_mutation = True
-                    try:
-                        self._update_base(region, vid, old, node, t._base, index)
-                    except ViewMutation as e:
-                        region.eager_reason = f"{function_name(func)}: {e}"
-                    refused = self._refuse_write_into_view_of_saved(region, t)
-                    if refused is not None and region.eager_reason is None:
-                        region.eager_reason = f"{function_name(func)}: {refused}"
-                if old is not None:
-                    self._note_stale_views(region, t, vid)
-                    root = t._base if t._base is not None else t
-                    if region.eager_reason is None and (torch._debug_has_internal_overlap(t) != 0
-                                                        or torch._debug_has_internal_overlap(root) != 0):
-                        # eager writes memory that other elements share (an expanded tensor):
-                        # the functional value and its write-back cannot express that
-                        region.eager_reason = (f"{function_name(func)}: an in-place write into a tensor whose elements "
-                                               "share memory (expanded); the region runs eagerly")
-            region.calls.append(index)
-            if any(t.requires_grad for t in out_tensors):
-                region.read_for_grad.update(v for v in recorded if isinstance(v, ValueId))
-                if not makes_views:
-                    region.saved_for_grad.update(v for v in recorded if isinstance(v, ValueId))
-                # eager's op saved its own result (exp, relu, softmax, polar): an in-place op on it
-                # later is eager's error too
-                for v, t in zip(outputs, out_tensors):
-                    if saves_result(t) and self.checkpoints.block is None:  # (in a checkpoint: a holder)
-                        region.read_for_grad.add(v)
-                        region.saved_for_grad.add(v)
-                        region.eager_saved[v] = (t.grad_fn.name(), t.output_nr)
-                # eager's op saved one of its inputs (minimum both, log its input): a value written
-                # in place later is eager's error at backward (``build_region``'s outputs_written_later)
-                if self.checkpoints.block is None and out_tensors[0].requires_grad:
-                    # (every tensor: mul saves a factor needing no gradient for the other's)
-                    inputs = [x for x in leaves if isinstance(x, torch.Tensor)]
-                    for x in saved_inputs(out_tensors[0], inputs):
-                        entry = self.ids.get(id(x))
-                        if entry is not None and entry[0]() is x:
-                            region.saved_by_consumers.add(entry[1])
-                            region.consumer_outputs.setdefault(entry[1], set()).update(outputs)
-            self.calls.append(TraceCall(func, "compute", region.index, spec, recorded, outputs, out_spec))
-            if self._wrote_input_that_requires_grad(region, outputs, out_tensors, recorded):
-                # NOTE: eager's later ops read the written tensor, whose grad_fn is the in-place op:
-                # gradients with respect to it (a non-leaf now) take their paths. Inside the region
-                # they would read the functional value instead, so the region ends here, and what
-                # reads the tensor next starts from the real, written-back one.
-                self.current = None
-        else:
-            self.current = None  # an eager call closes the region
-            for vid in outputs:
-                self.produced_by.setdefault(vid, index)
-            if not outputs:
-                # NOTE: a function given to a call that makes no tensor (a hook to register) is
-                # not needed to replay it, and keeping it would keep what its closure holds
-                # (the gradients a hook saw) alive, mistaken for tensors reached from outside.
-                recorded = [UNKEPT if isinstance(x, FUNCTIONS) else x for x in recorded]
-            call = TraceCall(func, "eager", None, spec, recorded, outputs, out_spec, reason)
-            if getattr(func, "__name__", "") in VALUE_READS and not isinstance(result, torch.Tensor):
-                # the calls Python makes next may depend on the value: replay compares it
-                call.guard, call.guarded = read_snapshot(result), True
-            self.calls.append(call)
-            if reason:
-                self.breaks.append(reason)
+        return outputs, makes_views
+
+    def _note_produced(self, region, func, index: int, vid, node, t) -> None:
+        """The region's value ``vid`` is now ``node`` (new, or written in place: then its base,
+        views and eager's saved values are tracked, and writes the region cannot express run eagerly)."""
+        old = region.nodes.get(vid)
+        region.nodes[vid] = node
+        region.produced.append(vid)
+        if old is None:
+            self.produced_by[vid] = index
+            if t._base is not None:
+                self._note_view(region, vid, node, t)
+            if func in FACTORIES:
+                self.factory_values.add(vid)
+            return
+        self._name_written_saved_result(vid, t)  # (before produced_by names this call: it reads the producer)
+        self.produced_by[vid] = index
+        region.writes[vid] = region.writes.get(vid, 0) + 1
+        if t._base is not None:
+            region.view_mutation = True
+            try:
+                self._update_base(region, vid, old, node, t._base, index)
+            except ViewMutation as e:
+                region.eager_reason = f"{function_name(func)}: {e}"
+            refused = self._refuse_write_into_view_of_saved(region, t)
+            if refused is not None and region.eager_reason is None:
+                region.eager_reason = f"{function_name(func)}: {refused}"
+        self._note_stale_views(region, t, vid)
+        root = t._base if t._base is not None else t
+        if region.eager_reason is None and (torch._debug_has_internal_overlap(t) != 0
+                                            or torch._debug_has_internal_overlap(root) != 0):
+            # eager writes memory that other elements share (an expanded tensor):
+            # the functional value and its write-back cannot express that
+            region.eager_reason = (f"{function_name(func)}: an in-place write into a tensor whose elements "
+                                   "share memory (expanded); the region runs eagerly")
+
+    def _note_saved_for_grad(self, region, outputs, out_tensors, leaves, recorded, makes_views) -> None:
+        """What eager's op saved for backward (its inputs, its result): a value written in place
+        later is eager's error at backward, which the compiled region must raise too."""
+        region.read_for_grad.update(v for v in recorded if isinstance(v, ValueId))
+        if not makes_views:
+            region.saved_for_grad.update(v for v in recorded if isinstance(v, ValueId))
+        # eager's op saved its own result (exp, relu, softmax, polar): an in-place op on it
+        # later is eager's error too
+        for v, t in zip(outputs, out_tensors):
+            if saves_result(t) and self.checkpoints.block is None:  # (in a checkpoint: a holder)
+                region.read_for_grad.add(v)
+                region.saved_for_grad.add(v)
+                region.eager_saved[v] = (t.grad_fn.name(), t.output_nr)
+        # eager's op saved one of its inputs (minimum both, log its input): a value written
+        # in place later is eager's error at backward (``build_region``'s outputs_written_later)
+        if self.checkpoints.block is None and out_tensors[0].requires_grad:
+            # (every tensor: mul saves a factor needing no gradient for the other's)
+            inputs = [x for x in leaves if isinstance(x, torch.Tensor)]
+            for x in saved_inputs(out_tensors[0], inputs):
+                entry = self.ids.get(id(x))
+                if entry is not None and entry[0]() is x:
+                    region.saved_by_consumers.add(entry[1])
+                    region.consumer_outputs.setdefault(entry[1], set()).update(outputs)
+
+    def _record_eager(self, func, index: int, spec, recorded, outputs, out_spec, reason, result) -> None:
+        """An eager call: it closes the region, and a fallback's reason is kept."""
+        self.current = None
+        for vid in outputs:
+            self.produced_by.setdefault(vid, index)
+        if not outputs:
+            # NOTE: a function given to a call that makes no tensor (a hook to register) is
+            # not needed to replay it, and keeping it would keep what its closure holds
+            # (the gradients a hook saw) alive, mistaken for tensors reached from outside.
+            recorded = [UNKEPT if isinstance(x, FUNCTIONS) else x for x in recorded]
+        call = TraceCall(func, "eager", None, spec, recorded, outputs, out_spec, reason)
+        if getattr(func, "__name__", "") in VALUE_READS and not isinstance(result, torch.Tensor):
+            # the calls Python makes next may depend on the value: replay compares it
+            call.guard, call.guarded = read_snapshot(result), True
+        self.calls.append(call)
+        if reason:
+            self.breaks.append(reason)
 
     def _keep_eager_what_hooks_save_and_writes_change(self, index, recorded, outputs, out_tensors) -> None:
         """Run eagerly each op that saved a value under saved-tensor hooks which a later call
@@ -819,3 +838,14 @@ def _storage_address(t: torch.Tensor):
     except (RuntimeError, NotImplementedError, TypeError):
         return None
     return address or None
+
+
+def _results(func, args, result) -> tuple:
+    """(the tensors a call returned, how to rebuild its result from them: None for one tensor,
+    "setitem" for ``x[i] = v``, which changes ``x`` and returns None, else a pytree spec)."""
+    if isinstance(result, torch.Tensor):
+        return [result], None
+    if func is torch.Tensor.__setitem__:
+        return [args[0]], "setitem"
+    out_leaves, out_spec = tree_flatten(result)
+    return [t for t in out_leaves if isinstance(t, torch.Tensor)], out_spec
