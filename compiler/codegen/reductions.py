@@ -70,7 +70,7 @@ class ReductionWriter:
         Returns (source lines, stored roots)."""
         stores, columns = [], []
         for root in self.plan.roots:
-            if root not in self.buffers:   # read only here (``fusion._read_only_where_computed``)
+            if root not in self.buffers:   # read only here (``compiler.fusion.fuse._read_only_where_computed``)
                 continue                   # computed where a later root reads it (``reduced``)
             out = f"out{len(stores)}"
             stores.append(root)

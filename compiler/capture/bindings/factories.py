@@ -7,7 +7,7 @@ A factory's arguments are Python values: the replay compares them with the recor
 compiled call's constants are baked into its kernels), so a call with other values leaves the
 recording safely. Forms these bindings do not take (a list's data, `requires_grad=True`: a new
 leaf of the user's autograd graph, `out=`, pinned memory, another layout) stay eager calls, as
-factories always were (``capture_calls.expected_eager``): no fallback is reported for them.
+factories always were (``compiler.capture.calls.expected_eager``): no fallback is reported for them.
 """
 
 from __future__ import annotations
