@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import functools
+import contextlib
+import os
 import time
 
 import torch
@@ -28,17 +29,39 @@ from compiler.build import build_region
 DIMS = dict(vocab=65, dim=64, heads=4, seq=128)   # a character-level nanoGPT block, small enough for the CPU
 
 
+def built(shape_generic: bool, into: list | None = None):
+    """``build_region`` with its kernels shape-generic or not, whatever the caller asks; each
+    build's details appended to ``into``."""
+    def build(graph, *args, **options):
+        region, details = build_region(graph, *args, **{**options, "shape_generic": shape_generic})
+        if into is not None:
+            into.append(details)
+        return region, details
+    return build
+
+
+@contextlib.contextmanager
+def regions_built_by(build):
+    """Regions compiled by ``build`` (a stand-in for ``build_region``) while it lasts, and never
+    loaded from the compile cache (a stored region would skip the stand-in)."""
+    original, api.build_region = api.build_region, build
+    saved = os.environ.get("SYMGRAD_REGION_CACHE")
+    os.environ["SYMGRAD_REGION_CACHE"] = "0"
+    try:
+        yield
+    finally:
+        api.build_region = original
+        if saved is None:
+            os.environ.pop("SYMGRAD_REGION_CACHE", None)
+        else:
+            os.environ["SYMGRAD_REGION_CACHE"] = saved
+
+
 def kernel_versions(lengths, batches=(8, 5), shape_generic=True) -> dict:
     """position ("forward 3: fused_sub_exp_sum_amax") -> {kernel name: source} over the builds."""
     versions = collections.defaultdict(dict)
     builds = []
-
-    def build(graph, *args, **kwargs):
-        region, details = build_region(graph, *args, shape_generic=shape_generic, **kwargs)
-        builds.append(details)
-        return region, details
-    original, api.build_region = api.build_region, build
-    try:
+    with regions_built_by(built(shape_generic, builds)):
         torch.manual_seed(0)
         model = TinyTransformer(**DIMS)
         step = compiler.compile(lambda m, idx, targets: m(idx, targets).backward())
@@ -51,8 +74,6 @@ def kernel_versions(lengths, batches=(8, 5), shape_generic=True) -> dict:
                     for part in ("forward", "backward"):
                         for i, k in enumerate(details[f"{part}_kernels"]):
                             versions[f"{part} {i}: {k.name.rsplit('_', 1)[0]}"][k.name] = k.source
-    finally:
-        api.build_region = original
     return versions
 
 
@@ -63,9 +84,7 @@ def sm90_costs(lengths=(20, 100)) -> dict:
 
     out = {}
     for generic in (True, False):
-        original = api.build_region
-        api.build_region = functools.partial(build_region, shape_generic=generic)
-        try:
+        with regions_built_by(built(generic)):
             model = TinyTransformer(**DIMS)
             step = compiler.compile(lambda m, idx, targets: m(idx, targets).backward())
             launches = {}
@@ -76,8 +95,6 @@ def sm90_costs(lengths=(20, 100)) -> dict:
                     step(model, idx, idx)
                 for launch in recorded:
                     launches.setdefault(launch.name, launch)
-        finally:
-            api.build_region = original
         start = time.perf_counter()
         results = compile_launches(list(launches.values()), processes=1, cache_dir=cache_dir())
         elapsed = time.perf_counter() - start

@@ -29,7 +29,6 @@ from runtime.dispatch import CompiledFunction, Entry
 from runtime.fallback import CompileError, internal_error
 from runtime.torch_functions import function_name
 
-_BUILD_REGION = build_region
 
 # The compiler's deliberate refusals: what it does not compile (yet), each with its reason.
 # Any other exception while compiling is a bug (see runtime.fallback.internal_error).
@@ -266,7 +265,7 @@ def _region_options(trace, plan, memory, shape_generic):
     options = {k: v for k, v in (("written_later", written_later), ("memory", _policy(memory, plan.graph)),
                                  ("outputs_written_later", outputs_written_later),
                                  ("shape_generic", shape_generic), ("mutated_outputs", mutated_outputs))
-               if v and v != "balanced"}  # (defaults left out: tests stand in for build_region)
+               if v and v != "balanced"}  # (defaults left out: the cache key of a plain region stays short)
     return mutated, options
 
 
@@ -292,8 +291,7 @@ def _compile_region(graph: fx.Graph, mutated: set, options: dict, index: int):
     """(CompiledRegion, backward graph, KernelInfos) of a region graph: built (SymPy autodiff,
     fusion, codegen), or loaded from the compiled-region cache (``compiler.reuse.persist``) when this
     graph was compiled before, here or in another process."""
-    # (a test standing in for build_region gets its stand-in, never a stored region)
-    key = persist.region_key(graph, mutated, options) if persist.enabled() and build_region is _BUILD_REGION else None
+    key = persist.region_key(graph, mutated, options) if persist.enabled() else None
     if key is not None:
         loaded = persist.load(key, lambda: build_region(copy_graph(graph), mutated, **options)[0])
         if loaded is not None:

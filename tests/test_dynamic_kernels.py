@@ -20,6 +20,7 @@ import compiler
 import compiler.api as api
 from compiler.fusion import tiling
 from compiler.build import build_region
+from benchmarks.generic_kernels import built, regions_built_by
 from benchmarks.workloads import TinyTransformer
 
 
@@ -34,6 +35,7 @@ def generic_builds(monkeypatch):
         builds.append(details["forward_kernels"] + details["backward_kernels"])
         return region, details
     monkeypatch.setattr(api, "build_region", build)
+    monkeypatch.setenv("SYMGRAD_REGION_CACHE", "0")  # (built here, never loaded from the cache)
     return builds
 
 
@@ -258,9 +260,7 @@ def _generic_and_static_launches(seq_lengths=(20, 100)):
 
     launches = {True: {}, False: {}}
     for generic in (True, False):
-        original = api.build_region
-        api.build_region = functools.partial(build_region, shape_generic=generic)
-        try:
+        with regions_built_by(built(generic)):
             model = _Transformer(vocab=64, dim=64, heads=4, seq=128)
             compiled = compiler.compile(lambda m, i, t: m(i, t).backward(), dynamic=False)
             for t in seq_lengths:
@@ -270,8 +270,6 @@ def _generic_and_static_launches(seq_lengths=(20, 100)):
                     compiled(model, idx, idx)
                 for launch in recorded:
                     launches[generic].setdefault(launch.name, launch)
-        finally:
-            api.build_region = original
     return list(launches[True].values()), list(launches[False].values())
 
 
