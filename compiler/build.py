@@ -17,7 +17,7 @@ from compiler.capture.regions import EAGER_NAMES, EAGER_SAVED, SAVED_BY_CONSUMER
 from compiler.fusion.fuse import fuse
 from compiler.ir.reference import first_nan
 from compiler.lower.program import lower, view_step
-from runtime.autograd_bridge import CompiledRegion
+from runtime.autograd_bridge import CompiledRegion, OnDemand
 from compiler.ir.graph import copy_graph, meta_of, output_node, outputs_of, update_meta
 
 
@@ -60,8 +60,6 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset(), written_later=froz
         kept = outputs_of(graph)
         backward = dict(
             grad_sources=parts.grad_sources,
-            backward_for=_partial_backward_builder(pristine, mutated_inputs, parts, written_later, memory,
-                                                   outputs.written_later, shape_generic, outputs.copied_inputs),
             eager_saved=tuple((kept.index(node), name, output_nr, parts.output_sources[kept.index(node)])
                               for node, (name, output_nr) in outputs.eager_saved.items() if node in kept),
             # (saved inputs are the graph's placeholders by position; saved outputs the forward's,
@@ -71,9 +69,13 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset(), written_later=froz
         if not mutated_inputs:
             backward["output_groups"] = _output_groups(parts.forward, parts.num_user_outputs, differentiable)
     if parts.joint is not None:
-        backward.update(build_double_backward=_double_backward_builder(parts.joint, memory, shape_generic),
-                        double_backward_reads=_placeholders_read(parts.joint),
-                        explain_nan=_nan_explainer(parts.backward))
+        backward["double_backward_reads"] = _placeholders_read(parts.joint)
+    backward["on_demand"] = OnDemand(
+        partial_backward=_partial_backward_builder(pristine, mutated_inputs, parts, written_later, memory,
+                                                   outputs.written_later, shape_generic, outputs.copied_inputs)
+        if parts.backward is not None else None,
+        double_backward=_double_backward_builder(parts.joint, memory, shape_generic) if parts.joint is not None else None,
+        explain_nan=_nan_explainer(parts.backward) if parts.joint is not None else None)
     donors = {slot for step in forward_program.steps for _, slot in getattr(step, "reuse", ())}
     region = CompiledRegion(
         forward_program, backward_program, parts.num_user_outputs, parts.saved, parts.grad_output_for,

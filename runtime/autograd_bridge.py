@@ -19,6 +19,21 @@ from runtime.checkpoints import in_checkpoint, outside_checkpoints
 from runtime.program import Program, apply_views
 
 
+@dataclass(frozen=True)
+class OnDemand:
+    """What the runtime asks of the compiler while autograd runs a region's backward: the one
+    interface through which ``loss.backward()`` reaches the compiler, which partitions, fuses and
+    renders then (each answer built once and kept). ``compiler.build`` gives each region its own;
+    a region loaded from the compile cache gets one that builds its graph again when first asked
+    (``compiler.reuse.persist``). None where the region has no such backward."""
+    # output positions given a gradient -> (Program, positions in the saved list it reads,
+    # the double-backward builder of that partial backward) | None: the backward without the
+    # outputs outside the loss's graph
+    partial_backward: object = None
+    double_backward: object = None  # requires_grad pattern -> CompiledRegion of the backward (create_graph)
+    explain_nan: object = None      # backward inputs -> message naming the forward op that made NaN (anomaly mode)
+
+
 @dataclass
 class CompiledRegion:
     forward: Program
@@ -33,21 +48,19 @@ class CompiledRegion:
     # (``compiler.build._split_written_output_views``); ``hidden_bases``: how many such bases
     output_views: list = field(default_factory=list)
     hidden_bases: int = 0
-    build_double_backward: object = None  # requires_grad pattern -> CompiledRegion of the backward
-    explain_nan: object = None  # backward inputs -> message naming the forward op that made NaN
     mutated_inputs: tuple = ()  # positions of inputs the region writes into (after its forward)
     written_later: tuple = ()  # positions of inputs the function writes in place after this region
     double_backward_reads: tuple = ()  # per input: whether the double backward reads its value
     grad_sources: tuple = ()    # per input gradient: positions in grad_output_for it is computed from
     eager_saved: tuple = ()     # (output position, eager grad_fn name, output_nr, grad positions reaching it)
     eager_names: dict = field(default_factory=dict)  # saved position -> the producer eager's version error names
-    backward_for: object = None  # output positions given a gradient -> (Program, saved positions) | None
     # positions of inputs changed in place whose new value a kernel stores into their own memory
     # (``compiler.lower.program._input_donors``): the replay checks that no other input shares it
     donated_inputs: tuple = ()
     unread_inputs: tuple = ()   # positions of inputs no output depends on: no autograd edge to them
     # ((output positions, input positions they depend on), ...): a Node per group (``_apply_by_group``)
     output_groups: tuple = ()
+    on_demand: OnDemand = OnDemand()  # the compiler's work during backward
 
     def prepare_cpu(self) -> None:
         """The CPU path's generated code, made at build time (``Program.prepare_cpu``)."""
@@ -122,8 +135,9 @@ class CompiledRegion:
         known = self.__dict__.setdefault("_reads_saved", {})
         if positions not in known:
             subsets = [(p,) for p in positions] + ([positions] if len(positions) == 2 else [])
-            known[positions] = (len(positions) > 2 or self.backward_for is None
-                                or any(p is None or p[1] for p in (self.backward_for(frozenset(s)) for s in subsets)))
+            partial = self.on_demand.partial_backward
+            known[positions] = (len(positions) > 2 or partial is None
+                                or any(p is None or p[1] for p in (partial(frozenset(s)) for s in subsets)))
         return known[positions]
 
     def _without_unread_edges(self, inputs) -> list:
@@ -140,7 +154,7 @@ class CompiledRegion:
         position -> a copy made before the write, still on the input's autograd history (the
         double backward recomputes from the values the forward read; eager's in-place ops
         keep their original ``self`` likewise). Empty for almost every region."""
-        if not self.mutated_inputs or self.build_double_backward is None:
+        if not self.mutated_inputs or self.on_demand.double_backward is None:
             return {}
         reads = self.double_backward_reads or (True,) * len(inputs)
         return {i: inputs[i].clone() for i in self.mutated_inputs
@@ -195,7 +209,7 @@ class _RegionFunction(torch.autograd.Function):
         # NOTE: an output outside the loss's graph gets None, not zeros: an input reached only
         # through such outputs then gets None too, as eager leaves it (``backward``).
         ctx.set_materialize_grads(False)
-        if region.build_double_backward is not None:
+        if region.on_demand.double_backward is not None:
             ctx.double_backward_inputs = _keep_for_double_backward(region, inputs, originals, saved_inputs=bool(saved))
         user = outs[: region.num_outputs]
         internal_views = region.__dict__.get("_internal_views")
@@ -244,20 +258,20 @@ class _RegionFunction(torch.autograd.Function):
         if not given:  # no output of this region is in the loss's graph
             return (None,) * len(ctx.needs_input_grad)
         partial = _partial_backward(region, given) if len(given) < len(grads) else None
-        if torch.is_grad_enabled() and region.build_double_backward is not None:
+        if torch.is_grad_enabled() and region.on_demand.double_backward is not None:
             if partial is not None and partial[2] is not None:
                 results = _differentiable_backward(ctx, region, [grads[k] for k in sorted(given)], partial[2], saved)
             else:
-                results = _differentiable_backward(ctx, region, grads, region.build_double_backward, saved)
+                results = _differentiable_backward(ctx, region, grads, region.on_demand.double_backward, saved)
         elif partial is not None:
             program, take, _ = partial
             args = [saved[i] for i in take] + [grads[k] for k in sorted(given)]
             del saved
             results = program.run(args, region.stats, consume=True)
-        elif torch.is_anomaly_enabled() and region.explain_nan is not None:
+        elif torch.is_anomaly_enabled() and region.on_demand.explain_nan is not None:
             results = region.backward.run(saved + grads, region.stats)
             if _has_nan(results) and not _has_nan(grads):
-                raise RuntimeError(region.explain_nan(saved + grads))
+                raise RuntimeError(region.on_demand.explain_nan(saved + grads))
         else:
             args = saved + grads
             del saved
@@ -306,9 +320,10 @@ def _partial_backward(region: CompiledRegion, given: set):
     """The backward without the outputs outside the loss's graph (``given``: positions in
     grad_output_for of those inside): (Program, saved positions it reads, double-backward
     builder), or None (then zeros stand for their gradients)."""
-    if region.backward_for is None:
+    partial = region.on_demand.partial_backward
+    if partial is None:
         return None
-    return region.backward_for(frozenset(region.grad_output_for[k] for k in given))
+    return partial(frozenset(region.grad_output_for[k] for k in given))
 
 
 def _named_as_eager(ctx, error: RuntimeError) -> RuntimeError:

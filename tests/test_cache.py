@@ -117,7 +117,7 @@ def test_loaded_region_builds_its_double_and_partial_backward_when_needed(builds
     (eggw,) = torch.autograd.grad(egx.sum(), [w])
     torch.testing.assert_close(gx, egx)
     torch.testing.assert_close(ggw, eggw)
-    lazy = loaded.last_entry.trace.regions[0].compiled.backward_for.func.__self__
+    lazy = loaded.last_entry.trace.regions[0].compiled.on_demand.partial_backward.func.__self__
     assert lazy.built  # the loaded region's closures came from a build made when first needed
 
 

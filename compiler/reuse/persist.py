@@ -28,6 +28,7 @@ that name these regions, so that a fresh process replays from its first call.
 from __future__ import annotations
 
 import copyreg
+import dataclasses
 import functools
 import hashlib
 import io
@@ -40,13 +41,14 @@ import threading
 
 import torch.fx as fx
 
+from runtime.autograd_bridge import OnDemand
 from runtime.kernels import cache_dir
 from runtime.program import KernelLaunch
 
 log = logging.getLogger("symgrad.cache")
 ENV = "SYMGRAD_REGION_CACHE"
 _MAGIC = b"SYMGRAD-REGION-1\n"
-_LAZY = ("build_double_backward", "backward_for", "explain_nan")
+_LAZY = ("partial_backward", "double_backward", "explain_nan")  # OnDemand's parts: rebuilt when first asked
 
 
 def enabled() -> bool:
@@ -193,22 +195,16 @@ class RegionPickler(pickle.Pickler):
 
 
 def store(key: str, region, backward_graph, kernels) -> None:
-    """Write one compiled region (without its closures and run-time caches) under ``key``."""
-    saved = {name: getattr(region, name) for name in _LAZY + ("stats",)}
+    """Write one compiled region (without its OnDemand closures and run-time caches) under ``key``."""
+    lazy = [name for name in _LAZY if getattr(region.on_demand, name) is not None]
     try:
-        for name in _LAZY:
-            setattr(region, name, None)
-        region.stats = {}
         buffer = io.BytesIO()
         RegionPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(
-            {"region": region, "lazy": [n for n in _LAZY if saved[n] is not None],
+            {"region": dataclasses.replace(region, on_demand=OnDemand(), stats={}), "lazy": lazy,
              "backward_graph": backward_graph, "kernels": kernels})
     except Exception as e:  # noqa: BLE001 — something in it does not pickle: compiled each time, said once
         log.info("compiled region not stored (%s: %s)", type(e).__name__, e)
         return
-    finally:
-        for name, value in saved.items():
-            setattr(region, name, value)
     write_checked(_path(key), buffer.getvalue())
 
 
@@ -251,8 +247,9 @@ def load(key: str, rebuild):
         discard_damaged(path, "compiled-region cache entry", "compiling again", e)
         return None
     lazy = _LazyParts(region, rebuild)
-    for name in entry["lazy"]:
-        setattr(region, name, functools.partial(lazy.call, name))
+    region = dataclasses.replace(region, on_demand=OnDemand(**{name: functools.partial(lazy.call, name)
+                                                               for name in entry["lazy"]}))
+    lazy.region = region
     return region, entry["backward_graph"], entry["kernels"]
 
 
@@ -297,8 +294,8 @@ class _LazyParts:
     def call(self, name, *args):
         built = self._built()
         if built is False:
-            if name == "backward_for":
+            if name == "partial_backward":
                 return None
             raise RuntimeError("symgrad: a compiled region loaded from the cache cannot run this backward "
                                "(a fresh build of its graph differs); set SYMGRAD_REGION_CACHE=0 and run again")
-        return getattr(built, name)(*args)
+        return getattr(built.on_demand, name)(*args)
