@@ -415,6 +415,23 @@ FIXED = {
         "opt.step()",
         "h1.remove()"], ["loss", "v4", "v1.grad", "v3.grad"],
         model=ModelSpec("linear", 2, 1, f64, 681422024, "Adam", {"lr": 0.01, "weight_decay": 0.1})),
+    # API fuzz seed 40254 (a run of 3000 at 253c1bc): a region cut in segments (a hook on one value's
+    # Node) rebuilt them without what eager's ops had saved, so v0 * v0's segment saved v0 as a copy
+    # (a value written in place later, seed 687's fix) and its backward ran where eager's raises its
+    # version error. Segments now carry what the recording learned (capture.regions.carry_recorded_facts)
+    "segment-forgets-what-eager-saved": _program([((4, 3), f32, True, 140109698)], [
+        "with torch.autograd.graph.saved_tensors_hooks(lambda t: log('~pack1', t) or (t,), lambda p: log('~unpack1', p) or p[0]):",
+        "    v0 = torch.sin(x0)",
+        "v0.grad_fn.register_hook(lambda grad_in, grad_out: log('node2', grad_in, grad_out) or tuple(None if g is None else g * 2 for g in grad_in))",
+        "v1 = v0 * v0",
+        "v2 = torch.sin(x0)",
+        "v2.retain_grad()",
+        "v0.register_hook(lambda g: log('hook4', g) or g * 2)",
+        "v3 = v1.sum(-1)",
+        "v0.mul_(2)",
+        "v4 = v0",
+        "v4.grad_fn.register_hook(lambda grad_in, grad_out: log('node5', grad_in, grad_out) or tuple(None if g is None else g * 2 for g in grad_in))",
+        "v5 = v2.sum(-1)"], ["v5", "v0", "v2", "v3"], external_backward=True),
 }
 
 

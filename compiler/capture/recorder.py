@@ -29,8 +29,9 @@ from compiler.capture.calls import (FACTORIES, FUNCTIONS, UNREFERENCED, VALUE_RE
                                     made_by_distributed, python_references, user_frame, value_read_break,
                                     watched_gradient)
 from compiler.capture.checkpoints import MIXED_BLOCK, CheckpointedCalls, tag_block
-from compiler.capture.regions import (InPlaceTracking, Region, ViewMutation, apply_writes, keep_overwritten_history,
-                                      mark_eager_saved, map_to_nodes, saved_inputs, saves_result)
+from compiler.capture.regions import (InPlaceTracking, Region, ViewMutation, apply_writes, carry_recorded_facts,
+                                      keep_overwritten_history, mark_eager_saved, map_to_nodes, saved_inputs,
+                                      saves_result)
 from compiler.ir.graph import meta_of, update_meta
 from compiler.capture.pack_hooks import recording_in_this_thread
 from compiler.optimizers import StepRecorder
@@ -572,6 +573,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
                     call.kind, call.region = "eager", None
                     continue
                 rebuilt = self._rebuild(len(regions), seg, r.grad_enabled, r.device)
+                carry_recorded_facts(r, rebuilt)
                 # (views of the segment's own values, as capture noted them: made from the real base)
                 produced = set(rebuilt.produced)
                 rebuilt.view_of.update((v, view) for v, view in r.view_of.items()

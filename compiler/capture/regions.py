@@ -56,6 +56,29 @@ class Region:
     view_of: dict = field(default_factory=dict)
 
 
+def carry_recorded_facts(old: Region, new: Region) -> None:
+    """What the recording learned about ``new``'s calls, from ``old``, the region it was cut out of
+    (``Capture._split_isolated``): what eager's ops saved for backward (their results, their
+    inputs) and what eager's version error names; and why ``old`` must run eagerly, if it must.
+    NOTE: a segment rebuilt without them saved an input written in place later as a copy, and its
+    backward ran where eager's raises (API fuzz seed 40254); one cut out of a region that reads a
+    stale view would have compiled it."""
+    new.eager_reason = new.eager_reason or old.eager_reason
+    produced = set(new.produced)
+    known = produced | set(new.inputs)
+    new.eager_saved.update((v, found) for v, found in old.eager_saved.items() if v in produced)
+    for v, outputs in old.consumer_outputs.items():
+        mine = outputs & produced  # (saved by an op of this segment: its outputs are made here)
+        if v in known and mine:
+            new.saved_by_consumers.add(v)
+            new.consumer_outputs[v] = mine
+    new.written_names.update((v, name) for v, name in old.written_names.items() if v in new.saved_by_consumers)
+    new.result_names.update((v, name) for v, name in old.result_names.items() if v in produced)
+    new.read_for_grad |= old.read_for_grad & known
+    new.saved_for_grad |= old.saved_for_grad & known
+    new.stale |= old.stale & known
+
+
 class ViewMutation(Exception):
     """A view changed in place in a way the functional capture cannot follow."""
 
