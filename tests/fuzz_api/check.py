@@ -129,13 +129,15 @@ def run_world(program, fn, calls: int, log: Log, on_call=None) -> list:
         result["outputs"] = [(t.requires_grad, t.detach().clone()) if isinstance(t, torch.Tensor) else t
                              for t in flat]
         if program.external_backward:
-            terms = [(t * _seed_like(t, k)).sum() for k, t in enumerate(flat)
-                     if isinstance(t, torch.Tensor) and t.requires_grad]
-            if terms:
-                try:
+            # (building the loss may raise too: an output that is a view made under no_grad whose
+            # base the program then changed in place with grad mode on refuses to be used; seed 42324)
+            try:
+                terms = [(t * _seed_like(t, k)).sum() for k, t in enumerate(flat)
+                         if isinstance(t, torch.Tensor) and t.requires_grad]
+                if terms:
                     sum(terms).backward()
-                except Exception as e:  # noqa: BLE001
-                    result["backward_error"] = describe(e)
+            except Exception as e:  # noqa: BLE001
+                result["backward_error"] = describe(e)
         result["log"] = list(log.entries)
         result["input grads"] = [None if x.grad is None else x.grad.clone() for x in inputs]
         if world:
