@@ -99,7 +99,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
 
     def _on_fresh_storage(self, t: torch.Tensor) -> bool:
         """Whether ``t`` lives on storage a factory call allocated during the recorded call."""
-        return bool(self.fresh_storages) and _storage_address(t) in self.fresh_storages - {None}
+        return bool(self.fresh_storages) and _storage_address(t) in self.fresh_storages
 
     def id_of(self, t: torch.Tensor) -> ValueId:
         entry = self.ids.get(id(t))
@@ -264,7 +264,9 @@ class Capture(InPlaceTracking, TorchFunctionMode):
                 outputs.append(self._new_id(t))
                 makes_views = makes_views and t._base is not None
                 if func in FACTORIES:
-                    self.fresh_storages.add(_storage_address(t))
+                    address = _storage_address(t)
+                    if address is not None:
+                        self.fresh_storages.add(address)
         return outputs, makes_views
 
     def _note_produced(self, region, func, index: int, vid, node, t) -> None:
@@ -572,21 +574,16 @@ class Capture(InPlaceTracking, TorchFunctionMode):
                     call = self.calls[seg[0]]
                     call.kind, call.region = "eager", None
                     continue
-                rebuilt = self._rebuild(len(regions), seg, r.grad_enabled, r.device)
-                carry_recorded_facts(r, rebuilt)
-                # (views of the segment's own values, as capture noted them: made from the real base)
-                produced = set(rebuilt.produced)
-                rebuilt.view_of.update((v, view) for v, view in r.view_of.items()
-                                       if v in produced and view[0] in produced)
-                regions.append(rebuilt)
+                regions.append(self._rebuild(len(regions), seg, r))
         for r in regions:
             for c in r.calls:
                 self.calls[c].region = r.index
         self.regions = regions
 
-    def _rebuild(self, index, call_indices, grad_enabled, device) -> Region:
-        """A region's graph re-emitted from recorded calls (bindings need metadata only)."""
-        region = self._new_region(index, grad_enabled, device)
+    def _rebuild(self, index, call_indices, old: Region) -> Region:
+        """A segment of region ``old``: its graph re-emitted from recorded calls (bindings need
+        metadata only), with what the recording learned about those calls (``carry_recorded_facts``)."""
+        region = self._new_region(index, old.grad_enabled, old.device)
         b = region.builder
         for c in call_indices:
             call = self.calls[c]
@@ -608,6 +605,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
                 region.nodes[vid] = node
                 region.produced.append(vid)
             region.calls.append(c)
+        carry_recorded_facts(old, region)
         return region
 
     def _kept_by_user(self) -> set:

@@ -58,8 +58,9 @@ class Region:
 
 def carry_recorded_facts(old: Region, new: Region) -> None:
     """What the recording learned about ``new``'s calls, from ``old``, the region it was cut out of
-    (``Capture._split_isolated``): what eager's ops saved for backward (their results, their
-    inputs) and what eager's version error names; and why ``old`` must run eagerly, if it must.
+    (``Capture._rebuild``): what eager's ops saved for backward (their results, their inputs), what
+    eager's version error names, stale views and views made from their base; and why ``old`` must
+    run eagerly, if it must.
     NOTE: a segment rebuilt without them saved an input written in place later as a copy, and its
     backward ran where eager's raises (API fuzz seed 40254); one cut out of a region that reads a
     stale view would have compiled it."""
@@ -77,6 +78,8 @@ def carry_recorded_facts(old: Region, new: Region) -> None:
     new.read_for_grad |= old.read_for_grad & known
     new.saved_for_grad |= old.saved_for_grad & known
     new.stale |= old.stale & known
+    # (views of the segment's own values, as capture noted them: made from the real base)
+    new.view_of.update((v, view) for v, view in old.view_of.items() if v in produced and view[0] in produced)
 
 
 class ViewMutation(Exception):
