@@ -432,6 +432,22 @@ FIXED = {
         "v4 = v0",
         "v4.grad_fn.register_hook(lambda grad_in, grad_out: log('node5', grad_in, grad_out) or tuple(None if g is None else g * 2 for g in grad_in))",
         "v5 = v2.sum(-1)"], ["v5", "v0", "v2", "v3"], external_backward=True),
+    # API fuzz seed 51334 (a run at 9499a49, also at b0d2cb3): one region held a tanh under a
+    # saved_tensors_hooks block and the sigmoid after it; its forward ran inside the block, so the
+    # sigmoid's result was taken as saved under hooks and the backward raised symgrad's error where
+    # eager's sigmoid raises its version error. A region now ends where the hooks in effect change
+    "region-spans-a-hooks-block": _program([((3, 4), f64, False, 699032732), ((), f64, True, 1244478344)], [
+        "with torch.no_grad():",
+        "    v0 = torch.tanh(x1)",
+        "with torch.autograd.graph.saved_tensors_hooks(lambda t: t * 1, lambda t: t):",
+        "    v1 = torch.tanh(x1)",
+        "v2 = torch.sigmoid(v1)",
+        "with torch.autograd.graph.saved_tensors_hooks(lambda t: log('~pack2', t) or Box(t), lambda b: log('~unpack2', b) or b.t):",
+        "    v3 = x0.pow(2)",
+        "v2.mul_(2)",
+        "v4 = v2",
+        "v2.register_hook(lambda g: log('hook3', g))",
+        "v5 = torch.tanh(v2)"], ["v5", "v2"], external_backward=True),
 }
 
 

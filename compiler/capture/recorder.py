@@ -467,9 +467,12 @@ class Capture(InPlaceTracking, TorchFunctionMode):
             raise Unsupported("tensors on several devices in one call")
         device = devices.pop()
         grad_enabled = torch.is_grad_enabled()
+        hooks = self._saved_tensor_hooks_in_effect()
         region = self.current
-        if region is None or region.device != device or region.grad_enabled != grad_enabled:
+        if region is None or region.device != device or region.grad_enabled != grad_enabled \
+                or region.saved_tensor_hooks is not hooks:
             region = self._new_region(len(self.regions), grad_enabled, device)
+            region.saved_tensor_hooks = hooks
         stale = region.stale.intersection(v for v in recorded if isinstance(v, ValueId))
         if stale and region.eager_reason is None:
             region.eager_reason = (f"{function_name(func)} reads a view that an earlier in-place op changed through "
@@ -511,6 +514,16 @@ class Capture(InPlaceTracking, TorchFunctionMode):
             self.regions.append(region)
             self.current = region
         return region, nodes
+
+    def _saved_tensor_hooks_in_effect(self):
+        """The pack hook of the innermost ``saved_tensors_hooks`` block the call runs in (None: none,
+        or a checkpoint's, which ``runtime.checkpoints`` handles). NOTE: a region's forward runs at
+        its first call, and its saved values go through the hooks in effect then; eager's ops pack
+        theirs through their own block's, so a region ends where the hooks change (API fuzz seed
+        51334: a sigmoid after the block saved through the block's hooks, and the version error
+        eager's sigmoid raises was taken for one under hooks)."""
+        hooks = _saved_tensors_hooks(False)
+        return None if hooks is None or self.checkpoints.block is not None else hooks[0]
 
     def _new_region(self, index, grad_enabled, device) -> Region:
         region = Region(index, grad_enabled, device)

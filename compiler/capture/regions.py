@@ -54,6 +54,7 @@ class Region:
     # a view written in place here -> (its base's value id, ViewSteps from base to view): the
     # runtime remakes it from the real base after the region, so it stays a view (issue 11)
     view_of: dict = field(default_factory=dict)
+    saved_tensor_hooks: object = None  # the pack hook its calls ran under (``Capture._saved_tensor_hooks_in_effect``)
 
 
 def carry_recorded_facts(old: Region, new: Region) -> None:
@@ -65,6 +66,7 @@ def carry_recorded_facts(old: Region, new: Region) -> None:
     backward ran where eager's raises (API fuzz seed 40254); one cut out of a region that reads a
     stale view would have compiled it."""
     new.eager_reason = new.eager_reason or old.eager_reason
+    new.saved_tensor_hooks = old.saved_tensor_hooks
     produced = set(new.produced)
     known = produced | set(new.inputs)
     new.eager_saved.update((v, found) for v, found in old.eager_saved.items() if v in produced)
