@@ -11,7 +11,7 @@ when the bucket fired.
 
     PYTHONPATH=$PWD python benchmarks/ddp_overlap.py [--layers 6] [--width 128] [--bucket-mb 0.1]
 
-Instrumentation only: it wraps the runtime's launch methods in this process to log them.
+Instrumentation only: it logs the runtime's launches through a ``runtime.program.StepRunner``.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from runtime.program import StepRunner, steps_run_by
+
 STEPS = 4   # the first calls record (and DDP rebuilds its buckets after its first step)
 
 
@@ -43,17 +45,21 @@ class _AtenLog(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _instrument(log):
-    """Log each launch of our runtime as ("kernel", name)."""
-    from runtime import program
+class _LaunchLog(StepRunner):
+    """Logs each launch of our runtime as ("kernel", name), each matmul and other PyTorch call as
+    ("kernel", "extern"), before it runs."""
 
-    for cls, label in ((program.KernelLaunch, None), (program.ExternCall, "extern")):
-        original = cls.run
+    def __init__(self, log):
+        super().__init__()
+        self.log = log
 
-        def run(self, env, device, _original=original, _label=label):
-            log.append(("kernel", _label or getattr(self, "name", "?")))
-            return _original(self, env, device)
-        cls.run = run
+    def kernel(self, step, env, device, torch_path, fresh_loads):
+        self.log.append(("kernel", step.name))
+        super().kernel(step, env, device, torch_path, fresh_loads)
+
+    def extern(self, step, env, device):
+        self.log.append(("kernel", "extern"))
+        super().extern(step, env, device)
 
 
 def _model(layers, width):
@@ -159,10 +165,10 @@ def worker(rank, world, init_file, args, out):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         log: list = []
-        _instrument(log)
         results = {}
         for compiled in (True, False):
-            events, report = _run(rank, compiled, args, log)
+            with steps_run_by(_LaunchLog(log)):
+                events, report = _run(rank, compiled, args, log)
             results["compiled" if compiled else "eager"] = _summary(events, report)
             if compiled:
                 results["kernels"] = (f"forward kernels {len(report.forward_kernels)}, backward kernels "

@@ -51,31 +51,38 @@ def recorded():
     from runtime import program
 
     jobs: list = []
-    original, check = program.KernelLaunch.run, program.IndexCheck.run
-
-    def run(step, env, device):
-        if step.grid:
-            jobs.append(_job(step, env))
-        return original(step, env, device)
-
-    def lenient(step, env, device):
-        with contextlib.suppress(IndexError):
-            check(step, env, device)
-
-    program.KernelLaunch.run, program.IndexCheck.run = run, lenient
-    try:
+    with program.steps_run_by(_recorder(program)(program.installed_runner(), jobs)):
         yield jobs
-    finally:
-        program.KernelLaunch.run, program.IndexCheck.run = original, check
 
 
-def _job(step, env) -> dict:
+def _recorder(program):
+    """The StepRunner class of ``recorded`` (``runtime.program`` is imported only where it records:
+    this file is also the worker, which must import Triton first)."""
+
+    class Recorder(program.StepRunner):
+        def __init__(self, inner, jobs: list):
+            super().__init__(inner)
+            self.jobs = jobs
+
+        def kernel(self, step, env, device, torch_path, fresh_loads):
+            if step.grid:
+                self.jobs.append(_job(step, env, fresh_loads))
+            super().kernel(step, env, device, torch_path, fresh_loads)
+
+        def index_check(self, step, env, device):
+            with contextlib.suppress(IndexError):
+                super().index_check(step, env, device)
+
+    return Recorder
+
+
+def _job(step, env, fresh_loads) -> dict:
     inputs = {}
     for slot in step.loads:
         t = env[slot]
         inputs[str(slot)] = [list(t.shape), list(t.stride()), t.storage_offset(), str(t.dtype),
                              t.untyped_storage().nbytes()]
-    return dict(name=step.name, source=step.source, loads=list(step.loads), fresh=sorted(step.fresh_loads),
+    return dict(name=step.name, source=step.source, loads=list(step.loads), fresh=sorted(fresh_loads),
                 stores=[[slot, list(shape), str(dtype)] for slot, shape, dtype in step.stores],
                 grid=step.grid, xblock=step.xblock, rblock=step.rblock, num_warps=step.num_warps, inputs=inputs)
 
@@ -191,9 +198,10 @@ def _worker(jobs_path: str) -> None:
     for job in spec["jobs"]:
         stores = [(slot, tuple(shape), getattr(torch, dtype.split(".")[-1])) for slot, shape, dtype in job["stores"]]
         launch = KernelLaunch(job["name"], job["source"], job["loads"], stores, job["grid"], job["xblock"],
-                              job["rblock"], 0, job["num_warps"], fresh_loads=frozenset(job["fresh"]),
+                              job["rblock"], 0, job["num_warps"],
                               # (a kernel that checks indices is compiled with its asserts, as it runs)
                               index_checks=() if asserts_indices(job["source"]) else None)
+        fresh = frozenset(job["fresh"])
         env = [None] * (1 + max([*job["loads"], *(s for s, _, _ in stores)]))
         for slot, layout in job["inputs"].items():
             env[int(slot)] = _tensor(*layout)
@@ -209,7 +217,7 @@ def _worker(jobs_path: str) -> None:
                 torch.empty(shape, dtype=dtype, device=cpu)
 
         def ours():
-            launch.run(env, cpu)
+            launch.run(env, cpu, fresh)
 
         def jit():  # the launch before issue 13: arguments, then JITFunction.run
             args, _, _ = launch.arguments(env, cpu)

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.program import StepRunner, installed_runner, reused_memory, steps_run_by
+
 
 # -- step times --------------------------------------------------------------------------------
 @dataclass
@@ -298,47 +300,36 @@ def _allocations(prof, device_type: str) -> list:
 
 @contextlib.contextmanager
 def _launches_marked():
-    """Each of our Triton launches inside a profiler range (see ``step_memory``). Relies on
-    ``runtime.program.KernelLaunch.kernel``."""
-    from runtime import optimizer_step, program
-
-    original = program.KernelLaunch.kernel
-    original_combo = optimizer_step.ComboLaunch.launch
-
-    def marked(self, wide=False):
-        return _MarkedKernel(original(self, wide))
-
-    def marked_combo(self, tensors, scalars, device):
-        # the optimizer's combo kernels launch their jit function themselves (not ``kernel``)
-        with torch.profiler.record_function(_LAUNCH):
-            original_combo(self, tensors, scalars, device)
-        gc.collect(0)  # (the interpreter's reference cycle, as in ``_MarkedKernel``)
-
-    program.KernelLaunch.kernel = marked
-    optimizer_step.ComboLaunch.launch = marked_combo
-    try:
+    """Each of our Triton launches inside a profiler range (see ``step_memory``): the kernel call
+    itself, after its outputs were allocated."""
+    with steps_run_by(_MarkedLaunches(installed_runner())):
         yield
-    finally:
-        program.KernelLaunch.kernel = original
-        optimizer_step.ComboLaunch.launch = original_combo
 
 
-class _MarkedKernel:
-    def __init__(self, fn):
-        self.fn = fn
+class _MarkedLaunches(StepRunner):
+    """Kernel calls (and the optimizer's combo kernels) inside ``_LAUNCH`` ranges."""
 
-    def __getitem__(self, grid):
-        launch = self.fn[grid]
+    def kernel(self, step, env, device, torch_path, fresh_loads):
+        if torch_path or self.inner is not None:  # (PyTorch's ops, or another runner's: as they run)
+            super().kernel(step, env, device, torch_path, fresh_loads)
+            return
+        args, key, wide = step.arguments(env, device)  # the outputs, allocated outside the range
+        with torch.profiler.record_function(_LAUNCH):
+            step.launch_arguments(args, key, wide, device)
+        _collect_interpreter_cycle()
 
-        def run(*args, **kwargs):
-            with torch.profiler.record_function(_LAUNCH):
-                result = launch(*args, **kwargs)
-            # NOTE: the interpreter's argument copier is a recursive closure (a reference cycle,
-            # triton/runtime/interpreter.py ``_init_args_hst``) that holds every argument's
-            # storage until the garbage collector runs: collect it now, as a GPU launch holds none.
-            gc.collect(0)
-            return result
-        return run
+    def combo(self, launch, tensors, scalars, device):
+        # (a combo kernel's launch is the kernel call: it updates in place, allocating nothing)
+        with torch.profiler.record_function(_LAUNCH):
+            super().combo(launch, tensors, scalars, device)
+        _collect_interpreter_cycle()
+
+
+def _collect_interpreter_cycle():
+    # NOTE: the interpreter's argument copier is a recursive closure (a reference cycle,
+    # triton/runtime/interpreter.py ``_init_args_hst``) that holds every argument's storage
+    # until the garbage collector runs: collect it now, as a GPU launch holds none.
+    gc.collect(0)
 
 
 def copy_bandwidth(device, nbytes=1 << 30) -> float | None:
@@ -367,7 +358,7 @@ def kernels_stubbed():
     What is left of a call is its host-side work — guards, replay, autograd bridge,
     allocations — plus matmuls and eager ops: on CPU, where our kernels only run in the
     interpreter, this is how per-call overhead and the non-Triton work of a step are measured.
-    Results are garbage: use throwaway arguments. Relies on ``runtime.program.KernelLaunch``.
+    Results are garbage: use throwaway arguments. Installed with ``runtime.program.steps_run_by``.
 
     Denormal floats are flushed to zero meanwhile (``torch.set_flush_denormal``): the outputs
     are uninitialized memory, and the matmuls and convolutions that read them ran up to 1.5x
@@ -376,39 +367,39 @@ def kernels_stubbed():
     real kernels' values would not have made. Eager, timed in the same context, has no denormals
     to flush. Set back to PyTorch's default (off) at the end.
     """
-    from runtime import optimizer_step, program
-
-    original = program.KernelLaunch.run
-
-    zeros: dict = {}
-
-    def allocate_only(self, env, device):
-        donors = dict(self.reuse)
-        for k, (slot, shape, dtype) in enumerate(self.stores):
-            out = program.reused_memory(env[donors[k]], shape, dtype) if k in donors else None
-            if out is not None:  # where the launch writes into a buffer's memory (as ``arguments`` does)
-                env[slot] = out
-                continue
-            if dtype.is_floating_point or dtype.is_complex:
-                env[slot] = torch.empty(shape, dtype=dtype, device=device)
-                continue
-            # Integer and bool outputs are zeros: an index a skipped kernel computed (cross
-            # entropy's target with ignore_index masked) is checked and gathered with later,
-            # and uninitialized memory there fails the index check (issue 13). Made once and
-            # handed out again: a zero fill per step would be counted as one more kernel.
-            key = (tuple(shape), dtype, device)
-            if key not in zeros:
-                zeros[key] = torch.zeros(shape, dtype=dtype, device=device)
-            env[slot] = zeros[key]
-
-    program.KernelLaunch.run = allocate_only
-    # optimizer steps' combo kernels update in place: nothing to allocate
-    original_combo = optimizer_step.ComboLaunch.launch
-    optimizer_step.ComboLaunch.launch = lambda self, tensors, scalars, device: None
     torch.set_flush_denormal(True)
     try:
-        yield
+        with steps_run_by(_Stubbed(installed_runner())):
+            yield
     finally:
         torch.set_flush_denormal(False)
-        program.KernelLaunch.run = original
-        optimizer_step.ComboLaunch.launch = original_combo
+
+
+class _Stubbed(StepRunner):
+    """Each kernel launch replaced by the allocation of its outputs; combo kernels (the optimizer's
+    steps, clips: in place) by nothing."""
+
+    def __init__(self, inner=None):
+        super().__init__(inner)
+        # Integer and bool outputs are zeros: an index a skipped kernel computed (cross entropy's
+        # target with ignore_index masked) is checked and gathered with later, and uninitialized
+        # memory there fails the index check (issue 13). Made once and handed out again: a zero
+        # fill per step would be counted as one more kernel.
+        self.zeros: dict = {}
+
+    def kernel(self, step, env, device, torch_path, fresh_loads):
+        donors = dict(step.reuse)
+        for k, (slot, shape, dtype) in enumerate(step.stores):
+            out = reused_memory(env[donors[k]], shape, dtype) if k in donors else None
+            if out is not None:  # where the launch writes into a buffer's memory (as ``arguments`` does)
+                env[slot] = out
+            elif dtype.is_floating_point or dtype.is_complex:
+                env[slot] = torch.empty(shape, dtype=dtype, device=device)
+            else:
+                key = (tuple(shape), dtype, device)
+                if key not in self.zeros:
+                    self.zeros[key] = torch.zeros(shape, dtype=dtype, device=device)
+                env[slot] = self.zeros[key]
+
+    def combo(self, launch, tensors, scalars, device):
+        pass

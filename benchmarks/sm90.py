@@ -85,55 +85,55 @@ def describe_args(args) -> list:
     return out
 
 
-def num_warps_of(source: str) -> int:
-    """The ``NUM_WARPS = n`` a generated module declares, else Triton's default of 4."""
-    match = re.search(r"^NUM_WARPS = (\d+)$", source, re.MULTILINE)
-    return int(match.group(1)) if match else DEFAULT_NUM_WARPS
-
-
 _TORCH_DTYPE = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp64": "float64", "i8": "int8",
                 "i16": "int16", "i32": "int32", "i64": "int64", "u8": "uint8", "i1": "bool"}
 
 
-def generic_launch(name: str, source: str, stride: int = 17) -> Launch:
+def generic_launch(name: str, source: str, stride: int = 17, kernel=None) -> Launch:
     """A launch of a generated kernel whose real arguments are not known: pointers aligned (as
     fresh allocations are), every stride ``stride`` (17: neither 1 nor a multiple of 16, so no
     integer is specialized; a shape-generic kernel's sizes are never specialized), fp32 arguments
-    0.5, the module's default tiles and warps."""
-    def constant(key):
-        match = re.search(rf"^{key} = (.+)$", source, re.MULTILINE)
-        if match is None:
-            raise ValueError(f"kernel {name}: its module defines no {key}")
-        return ast.literal_eval(match.group(1))
-
+    0.5, the kernel's own tiles and warps. ``kernel``: its ``KernelSource`` (signature, blocks,
+    warps); without it (a kernel file from the cache), the values its module declares."""
+    facts = kernel if kernel is not None else declared(source)
     args = []
-    for kind in constant("SIGNATURE").values():
+    for kind in facts.signature.values():
         if kind.startswith("*"):
             args.append(["ptr", "torch." + _TORCH_DTYPE[kind[1:]], 0])
         elif kind == "fp32":
             args.append(["float", 0.5])
         elif kind != "constexpr":
             args.append(["int", stride])
-    return Launch(name, source, args, {"XBLOCK": constant("XBLOCK_DEFAULT"), "RBLOCK": constant("RBLOCK_DEFAULT")},
-                  num_warps_of(source))
+    return Launch(name, source, args, {"XBLOCK": facts.xblock, "RBLOCK": facts.rblock}, facts.num_warps)
 
 
-class _LaunchRecorder:
-    """Stands in for a jit function: ``fn[grid](*args, **kwargs)`` records the launch."""
+@dataclass(frozen=True)
+class Declared:
+    """What a generated kernel module declares for its launch (``SIGNATURE``, ``XBLOCK_DEFAULT``,
+    ``RBLOCK_DEFAULT``, ``NUM_WARPS``: ``compiler.codegen.triton_kernel`` writes them for
+    ahead-of-time builds), as a ``KernelSource`` holds them."""
+    signature: dict
+    xblock: int
+    rblock: int
+    num_warps: int = DEFAULT_NUM_WARPS
 
-    def __init__(self, step, name: str, source: str, launches: list, on_launch):
-        self.step, self.name, self.source = step, name, source
-        self.launches, self.on_launch = launches, on_launch
 
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            constexprs = {k: kwargs[k] for k in ("XBLOCK", "RBLOCK") if k in kwargs}
-            warps = kwargs.get("num_warps") or num_warps_of(self.source)
-            recorded = Launch(self.name, self.source, describe_args(args), constexprs, warps, grid[0])
-            self.launches.append(recorded)
-            if self.on_launch is not None:
-                self.on_launch(self.step, recorded)
-        return launch
+def declared(source: str) -> Declared:
+    """The launch values a kernel module's top-level constants declare, read as Python reads the
+    module (its syntax tree, each value a literal), for a kernel known only by its file."""
+    values = {}
+    for statement in ast.parse(source).body:
+        if isinstance(statement, ast.Assign) and len(statement.targets) == 1 \
+                and isinstance(statement.targets[0], ast.Name):
+            try:
+                values[statement.targets[0].id] = ast.literal_eval(statement.value)
+            except ValueError:
+                continue
+    for key in ("SIGNATURE", "XBLOCK_DEFAULT", "RBLOCK_DEFAULT"):
+        if key not in values:
+            raise ValueError(f"the kernel module defines no {key}")
+    return Declared(values["SIGNATURE"], values["XBLOCK_DEFAULT"], values["RBLOCK_DEFAULT"],
+                    values.get("NUM_WARPS", DEFAULT_NUM_WARPS))
 
 
 @contextlib.contextmanager
@@ -148,70 +148,76 @@ def recorded_launches(on_launch=None, compute_extern_calls: bool = True, on_comb
     allocates their outputs (fast; their values do not matter here). Index checks run as on a GPU
     (the range test and an asynchronous assert), never raising for a skipped kernel's garbage.
     ``on_combo(launch)`` is called per launch of a fused optimizer step's combo kernel
-    (``runtime.optimizer_step.ComboLaunch``, not recorded as a ``Launch``: see below).
+    (``runtime.optimizer_step.ComboLaunch``, not recorded as a ``Launch``: see ``_recorder``).
     """
-    import torch
-    from torch.utils._python_dispatch import _disable_current_modes
-
     from runtime import program
 
     launches: list = []
-    run_kernel, run_check, run_extern = program.KernelLaunch.run, program.IndexCheck.run, program.ExternCall.run
+    recorder = _recorder(program)(program.installed_runner(), launches, on_launch, compute_extern_calls, on_combo)
+    with program.steps_run_by(recorder):
+        yield launches
 
-    def record(step, env, device):
-        def kernel(wide=False):
+
+def _recorder(program):
+    """The StepRunner class of ``recorded_launches`` (made when first recording: imported, this file
+    needs nothing but the standard library)."""
+    import torch
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    class Recorder(program.StepRunner):
+        def __init__(self, inner, launches, on_launch, compute_extern_calls, on_combo):
+            super().__init__(inner)
+            self.launches, self.on_launch, self.on_combo = launches, on_launch, on_combo
+            self.compute_extern_calls = compute_extern_calls
+
+        def kernel(self, step, env, device, torch_path, fresh_loads):
+            """What the launch passes, from its own arguments (outputs allocated), recorded: the
+            64-bit twin where the offsets need it, the launch's tiles and warps."""
+            args, _, wide = step.arguments(env, device)
+            if not step.grid:  # an empty iteration space: nothing is launched
+                return
             twin = wide and step.wide_source is not None
             name, source = (step.wide_name, step.wide_source) if twin else (step.name, step.source)
-            return _LaunchRecorder(step, name, source, launches, on_launch)
+            recorded = Launch(name, source, describe_args(args), {"XBLOCK": step.xblock, "RBLOCK": step.rblock},
+                              step.num_warps, step.grid)
+            self.launches.append(recorded)
+            if self.on_launch is not None:
+                self.on_launch(step, recorded)
 
-        step.kernel = kernel   # shadows the method for this run: the runtime picks, we record
-        try:
-            run_kernel(step, env, device)
-        finally:
-            del step.kernel
+        def index_check(self, step, env, device):
+            """The check as a GPU runs it (``IndexCheck.run``'s CUDA branch): the range test, then an
+            asynchronous assert. NOTE: not the CPU branch: its error path (4 more operators finding
+            the bad index) ran or not with the garbage a skipped kernel left in an index it computes
+            (cross-entropy's target where ignore_index is not hit), so a trace counted 8 host operators
+            in one run and 4 in another for the same program."""
+            index = step.args[0].resolve(env)
+            if index.numel() == 0:
+                return
+            low = -step.size if step.wrap else 0
+            ok = ((index >= low) & (index < step.size)).all()
+            with _disable_current_modes():
+                ok.fill_(True)   # a skipped kernel's garbage is no error of the program (unrecorded)
+            torch._assert_async(ok)
 
-    def check(step, env, device):
-        """The check as a GPU runs it (``IndexCheck.run``'s CUDA branch): the range test, then an
-        asynchronous assert. NOTE: not the CPU branch: its error path (4 more operators finding
-        the bad index) ran or not with the garbage a skipped kernel left in an index it computes
-        (cross-entropy's target where ignore_index is not hit), so a trace counted 8 host operators
-        in one run and 4 in another for the same program."""
-        index = step.args[0].resolve(env)
-        if index.numel() == 0:
-            return
-        low = -step.size if step.wrap else 0
-        ok = ((index >= low) & (index < step.size)).all()
-        with _disable_current_modes():
-            ok.fill_(True)   # a skipped kernel's garbage is no error of the program (unrecorded)
-        torch._assert_async(ok)
+        def extern(self, step, env, device):
+            if self.compute_extern_calls:
+                super().extern(step, env, device)
+                return
+            args = [a.resolve(env) for a in step.args]
+            meta = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta") for a in args]
+            outs = step.fn(*meta, **step.kwargs)
+            for slot, out in zip((step.out, *step.also), outs if isinstance(outs, tuple) else (outs,)):
+                env[slot] = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=device)
 
-    def extern_shapes_only(step, env, device):
-        args = [a.resolve(env) for a in step.args]
-        meta = [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta") for a in args]
-        outs = step.fn(*meta, **step.kwargs)
-        for slot, out in zip((step.out, *step.also), outs if isinstance(outs, tuple) else (outs,)):
-            env[slot] = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=device)
+        def combo(self, launch, tensors, scalars, device):
+            # NOTE: the fused optimizer step's combo kernels (runtime.optimizer_step) are skipped, not
+            # recorded: their float arguments (lr, betas) are not described yet, and running them in
+            # the interpreter at full size takes minutes. Known gap: they are not compiled for sm_90;
+            # ``on_combo`` sees each (its ``bytes_moved`` prices it).
+            if self.on_combo is not None and launch.grid:
+                self.on_combo(launch)
 
-    # NOTE: the fused optimizer step's combo kernels (runtime.optimizer_step) are skipped, not
-    # recorded: their float arguments (lr, betas) are not described yet, and running them in the
-    # interpreter at full size takes minutes. Known gap: they are not compiled for sm_90; ``on_combo``
-    # sees each (its ``bytes_moved`` prices it).
-    from runtime import optimizer_step
-
-    def combo(self, tensors, scalars, device):
-        if on_combo is not None and self.grid:
-            on_combo(self)
-
-    run_combo = optimizer_step.ComboLaunch.launch
-    optimizer_step.ComboLaunch.launch = combo
-    program.KernelLaunch.run, program.IndexCheck.run = record, check
-    if not compute_extern_calls:
-        program.ExternCall.run = extern_shapes_only
-    try:
-        yield launches
-    finally:
-        program.KernelLaunch.run, program.IndexCheck.run, program.ExternCall.run = run_kernel, run_check, run_extern
-        optimizer_step.ComboLaunch.launch = run_combo
+    return Recorder
 
 
 def compile_launches(launches: list, processes: int = 2, cache_dir: str | None = None, progress=None) -> list:

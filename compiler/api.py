@@ -24,8 +24,9 @@ from compiler.report.explain import KernelInfo, Report, fused_user_ops
 from compiler.ir.graph import copy_graph, has_meta, meta_of
 from compiler.autodiff.saved_set import check_policy
 from runtime import skip_python
-from runtime.backends import torch_on_cpu
+from runtime import backends
 from runtime.dispatch import CompiledFunction, Entry
+from runtime.trace import CallKind, CompiledRecording, Recording
 from runtime.fallback import CompileError, internal_error
 from runtime.torch_functions import function_name
 
@@ -108,9 +109,8 @@ class _Templates:
             return None, str(e)
         except Exception as e:  # noqa: BLE001 — a bug (logged; strict: raises): this call records instead
             return None, internal_error(f"{name} (instantiating its template)", e)
-        entry = _compile_trace(name, trace, fullgraph=fullgraph, stats=stats, memory=self.memory, shape_generic=True)
-        entry.instantiated = True
-        entry.sizes = tuple(sizes)
+        entry = _compile_trace(name, trace, fullgraph=fullgraph, stats=stats, memory=self.memory, shape_generic=True,
+                               instantiated_at=tuple(sizes))
         return entry, None
 
 
@@ -162,18 +162,22 @@ def _build(fn, args, kwargs, *, fullgraph=False, stats=None, memory="balanced", 
            other_path=False):
     name = _name(fn)
     stored_key = None if shape_generic else recordings.call_key(fn, args, kwargs)  # (before the call changes it)
+    backend = backends.chosen()  # (the dispatcher chose it for this call; a compiled call inside fn chooses its own)
     try:
-        result, trace = capture(fn, args, kwargs)
+        result, recording = capture(fn, args, kwargs)
     except RecordingFailed as failed:  # a bug (logged): this key runs eagerly from now on
         if fullgraph:
             raise CompileError(f"{name}: {failed}") from failed
         report = Report(graph=None, backward_graph=None, kernels=[], fallbacks=[], eager_calls=[],
                         internal_errors=[str(failed)])
         return failed.result, Entry(None, report)
-    trace.other_path = other_path
-    # (bytes now: compiling changes the trace; written once it compiled, for other processes)
-    stored = recordings.prepare(fn, args, kwargs, trace, stored_key)
-    entry = _compile_trace(name, trace, fullgraph=fullgraph, stats=stats, memory=memory, shape_generic=shape_generic)
+    if other_path:
+        recording = dataclasses.replace(recording, other_path=True)
+    # (written once it compiled, for other processes)
+    stored = recordings.prepare(fn, args, kwargs, recording, stored_key)
+    with backends.building_for(backend):
+        entry = _compile_trace(name, recording, fullgraph=fullgraph, stats=stats, memory=memory,
+                               shape_generic=shape_generic)
     if stored is not None:
         recordings.write(stored)
     return result, entry
@@ -183,65 +187,41 @@ def _name(fn) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
 
 
-def _compile_trace(name, trace, *, fullgraph, stats, memory, shape_generic=False) -> Entry:
-    """Compile a recording's regions (and optimizer steps): the Entry to replay it with.
-    ``shape_generic``: the trace was instantiated from a template (``compiler.reuse.dynamic``)."""
-    fallbacks = list(trace.fallbacks)
-    internal_errors = list(trace.internal_errors)
-    if fullgraph and (fallbacks or internal_errors or trace.graph_breaks):
+def _compile_trace(name, recording: Recording, *, fullgraph, stats, memory, shape_generic=False,
+                   instantiated_at=None) -> Entry:
+    """Compile a recording's regions (and optimizer steps): the Entry to replay it with, holding
+    the ``CompiledRecording``. ``shape_generic``: the recording was instantiated from a template
+    (``compiler.reuse.dynamic``) at the sizes ``instantiated_at``."""
+    fallbacks = list(recording.fallbacks)
+    internal_errors = list(recording.internal_errors)
+    if fullgraph and (fallbacks or internal_errors or recording.graph_breaks):
         raise CompileError(f"{name} cannot be compiled whole: "
-                           + "; ".join(fallbacks + internal_errors + trace.graph_breaks))
-    regions, kernels = [], []
+                           + "; ".join(fallbacks + internal_errors + recording.graph_breaks))
+    regions, kernels, plans = [], [], []
     for reason in fallbacks:
         logs.fallback(name, reason)
-    for index, plan in enumerate(trace.regions):
-        captured = copy_graph(plan.graph)
-        logs.graph(name, index, captured)
-        info = {"captured": captured}
-        if plan.reason:  # capture found this region cannot be compiled faithfully
-            if fullgraph:
-                raise CompileError(f"region {index}: {plan.reason}")
-            info["reason"] = plan.reason
-            fallbacks.append(plan.reason)
-            logs.fallback(name, plan.reason)
-            regions.append(info)
-            continue
-        try:
-            mutated, options = _region_options(trace, plan, memory, shape_generic)
-            compiled = _compile_region(plan.graph, mutated, options, index)
-            plan.compiled, info["backward_graph"], info["kernels"] = compiled
-            plan.compiled.stats = stats if stats is not None else {}
-            if torch_on_cpu():  # (the CPU path: its generated code made now, not in the first replay)
-                plan.compiled.prepare_cpu()
-            logs.backward(name, index, info["backward_graph"])
-            logs.kernels(name, info["kernels"])
-            name_for_profiler(plan.compiled, name, index, captured, info["kernels"])
+    for index, plan in enumerate(recording.regions):
+        info, compiled = _compile_plan(name, recording, index, plan, fullgraph, stats, memory, shape_generic)
+        if compiled is not None:
             kernels.extend(info["kernels"])
-        except DELIBERATE as e:  # something this compiler does not do (yet): its ops run eagerly
-            if fullgraph:
-                raise CompileError(f"region {index} cannot be compiled: {e}") from e
-            plan.compiled = None
-            plan.reason = f"region {index} cannot be compiled ({e}); its ops run eagerly"
-            info["reason"] = plan.reason
-            fallbacks.append(plan.reason)
-            logs.fallback(name, plan.reason)
-        except Exception as e:  # noqa: BLE001 — a bug: loud (strict: raises), and the user's program goes on
-            plan.compiled = None
-            plan.reason = internal_error(f"{name} (compiling region {index})", e)
-            if fullgraph:
-                raise CompileError(f"region {index} failed to compile: {type(e).__name__}: {e}") from e
-            info["reason"] = plan.reason
-            info["internal_error"] = True
-            internal_errors.append(plan.reason)
+        elif info.get("internal_error"):
+            internal_errors.append(info["reason"])
+        else:
+            fallbacks.append(info["reason"])
         regions.append(info)
+        plans.append(plan if compiled is None and plan.reason == info["reason"] else
+                     dataclasses.replace(plan, compiled=compiled, reason=info.get("reason")))
     # optimizer.step() calls: fused kernels where the optimizer is one the compiler knows
-    optimizer_kernels, optimizer_reasons = compile_optimizer_steps(trace, trace.recorded_optimizer_steps, stats)
-    trace.recorded_optimizer_steps = []  # (consumed)
+    fused_steps, fused_calls, optimizer_kernels, optimizer_reasons = compile_optimizer_steps(
+        recording, recording.recorded_optimizer_steps, stats)
     kernels.extend(optimizer_kernels)
     fallbacks.extend(optimizer_reasons)
     logs.kernels(name, optimizer_kernels)
     for reason in optimizer_reasons:
         logs.fallback(name, reason)
+    # (the recorded optimizer steps are consumed: the compiled recording holds no optimizer)
+    trace = CompiledRecording(**(recording.recorded_fields() | dict(regions=plans, recorded_optimizer_steps=[])),
+                              fused_steps=fused_steps, fused_calls=fused_calls)
     report = Report(
         graph=_merged_graph(regions),
         backward_graph=next((r["backward_graph"] for r in regions if r.get("backward_graph") is not None), None),
@@ -249,7 +229,44 @@ def _compile_trace(name, trace, *, fullgraph, stats, memory, shape_generic=False
         internal_errors=internal_errors, graph_breaks=list(trace.graph_breaks),
         skip_python_refusal=skip_python.refusal(trace))
     dumps.dump(name, report)  # (when SYMGRAD_DUMP_DIR is set)
-    return Entry(trace, report)
+    return Entry(trace, report, instantiated=instantiated_at is not None, sizes=instantiated_at)
+
+
+def _compile_plan(name, recording, index, plan, fullgraph, stats, memory, shape_generic) -> tuple:
+    """(what ``explain`` shows of region ``index``, its CompiledRegion or None: it runs eagerly,
+    ``info["reason"]`` says why; ``info["internal_error"]``: because of a compiler bug)."""
+    captured = copy_graph(plan.graph)
+    logs.graph(name, index, captured)
+    info = {"captured": captured}
+    if plan.reason:  # capture found this region cannot be compiled faithfully
+        if fullgraph:
+            raise CompileError(f"region {index}: {plan.reason}")
+        info["reason"] = plan.reason
+        logs.fallback(name, plan.reason)
+        return info, None
+    try:
+        mutated, options = _region_options(recording, plan, memory, shape_generic)
+        compiled, info["backward_graph"], info["kernels"] = _compile_region(plan.graph, mutated, options, index)
+        # (built for this call's backend; what it builds during a backward is built for it too)
+        compiled = backends.builds_keep_backend(compiled, backends.chosen())
+        compiled.count_launches_in(stats if stats is not None else {})
+        if backends.chosen() == "torch":  # (the CPU path: its generated code made now, not in the first replay)
+            compiled.prepare_cpu()
+        logs.backward(name, index, info["backward_graph"])
+        logs.kernels(name, info["kernels"])
+        name_for_profiler(compiled, name, index, captured, info["kernels"])
+        return info, compiled
+    except DELIBERATE as e:  # something this compiler does not do (yet): its ops run eagerly
+        if fullgraph:
+            raise CompileError(f"region {index} cannot be compiled: {e}") from e
+        info["reason"] = f"region {index} cannot be compiled ({e}); its ops run eagerly"
+        logs.fallback(name, info["reason"])
+    except Exception as e:  # noqa: BLE001 — a bug: loud (strict: raises), and the user's program goes on
+        info["reason"] = internal_error(f"{name} (compiling region {index})", e)
+        if fullgraph:
+            raise CompileError(f"region {index} failed to compile: {type(e).__name__}: {e}") from e
+        info["internal_error"] = True
+    return info, None
 
 
 def _region_options(trace, plan, memory, shape_generic):
@@ -274,14 +291,14 @@ def _eager_calls(trace) -> list:
     clip_grad_norm_, which run as kernels; a value read into Python is a graph break, listed apart)."""
     fused = fused_call_indices(trace)
     return list(dict.fromkeys(function_name(c.func) for i, c in enumerate(trace.calls)
-                              if c.kind == "eager" and i not in fused
+                              if c.kind is CallKind.EAGER and i not in fused
                               and getattr(c.func, "__name__", "") not in VALUE_READS))
 
 
 def _policy(memory: str, graph: fx.Graph) -> str:
     """The saved-set policy of one region: ``"balanced"`` is ``"cpu"`` where the CPU path will run
     the region (CPU tensors, backend torch: recomputing costs a PyTorch op's full time there)."""
-    if memory != "balanced" or not torch_on_cpu():
+    if memory != "balanced" or backends.chosen() != "torch":
         return memory
     devices = {meta_of(n).device for n in graph.nodes if n.op == "placeholder" and has_meta(n)}
     return "cpu" if devices and all(d is not None and d.type == "cpu" for d in devices) else memory
@@ -291,7 +308,7 @@ def _compile_region(graph: fx.Graph, mutated: set, options: dict, index: int):
     """(CompiledRegion, backward graph, KernelInfos) of a region graph: built (SymPy autodiff,
     fusion, codegen), or loaded from the compiled-region cache (``compiler.reuse.persist``) when this
     graph was compiled before, here or in another process."""
-    key = persist.region_key(graph, mutated, options) if persist.enabled() else None
+    key = persist.region_key(graph, mutated, options, backends.chosen()) if persist.enabled() else None
     if key is not None:
         loaded = persist.load(key, lambda: build_region(copy_graph(graph), mutated, **options)[0])
         if loaded is not None:
@@ -316,10 +333,10 @@ def name_for_profiler(region, fn_name: str, index: int, captured: fx.Graph, kern
     for phase, program in (("forward", region.forward), ("backward", region.backward)):
         if program is None:
             continue
-        program.profile_name = f"symgrad {fn_name} region {index} {phase} [{shown}]"
-        ops_of = {k.name: k.op_names for k in kernels if k.phase == phase}
-        for launch in program.kernels:
-            launch.profile_name = f"symgrad kernel {launch.name} [{', '.join(ops_of.get(launch.name, ()))}]"
+        ops_of = {k.name: ", ".join(k.op_names) for k in kernels if k.phase == phase}
+        program.name_in_profiles(f"symgrad {fn_name} region {index} {phase} [{shown}]",
+                                 {launch.name: f"symgrad kernel {launch.name} [{ops_of.get(launch.name, '')}]"
+                                  for launch in program.kernels})
 
 
 def _written_after(trace, plan) -> set:

@@ -18,7 +18,7 @@ from compiler.fusion.fuse import fuse
 from compiler.ir.reference import first_nan
 from compiler.lower.program import lower, view_step
 from runtime.autograd_bridge import CompiledRegion, OnDemand
-from compiler.ir.graph import copy_graph, meta_of, output_node, outputs_of, update_meta
+from compiler.ir.graph import OpKind, copy_graph, kind_of, meta_of, output_node, outputs_of, update_meta
 
 
 @dataclass(frozen=True)
@@ -311,9 +311,8 @@ class _WithAbsentOutputs:
     def stats(self):
         return self.region.stats
 
-    @stats.setter
-    def stats(self, value):
-        self.region.stats = value
+    def count_launches_in(self, stats: dict) -> None:
+        self.region.count_launches_in(stats)
 
     def __call__(self, inputs):
         results = iter(self.region(inputs))
@@ -349,7 +348,7 @@ def _split_input_views(graph: fx.Graph):
     kept, views = [], []
     for position, out in enumerate(output.args[0]):
         chain, node = [], out
-        while getattr(node.target, "kind", None) == "view":
+        while kind_of(node) == OpKind.VIEW:
             chain.append(view_step(node))
             node = node.args[0]
         if node.op == "placeholder":
@@ -377,7 +376,7 @@ def _split_written_output_views(graph: fx.Graph, written: set):
     remap = {}
     for position, out in enumerate(outs):
         chain, node = [], out
-        while isinstance(node, fx.Node) and getattr(node.target, "kind", None) == "view":
+        while isinstance(node, fx.Node) and kind_of(node) == OpKind.VIEW:
             chain.append(view_step(node))
             node = node.args[0]
         if position in written and chain and node.op == "call_function" and node not in outs:

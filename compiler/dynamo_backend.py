@@ -33,12 +33,17 @@ def symgrad(gm: fx.GraphModule, example_inputs, **options):
     unknown = set(options) - {"backend", "fullgraph"}
     if unknown:
         raise TypeError(f"backend 'symgrad' got unknown options {sorted(unknown)}; it takes 'backend' and 'fullgraph'")
-    compiled = compile_fn(gm.forward, **options)
+    return _DynamoRun(compile_fn(gm.forward, **options))
 
-    def run(*args):
+
+class _DynamoRun:
+    """What Dynamo calls for one graph it captured: the compiled function (``compiled``, for tests
+    and debugging: stats, last_entry.report)."""
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+
+    def __call__(self, *args):
         # Dynamo calls with a flat list of tensors (and SymInt sizes once it marks a dimension
         # dynamic: those arrive as Python ints, part of the guard key like any number argument).
-        return compiled(*args)
-
-    run.compiled = compiled  # for tests and debugging: stats, last_entry.report
-    return run
+        return self.compiled(*args)

@@ -62,6 +62,18 @@ class CompiledRegion:
     output_groups: tuple = ()
     on_demand: OnDemand = OnDemand()  # the compiler's work during backward
 
+    def __post_init__(self):
+        # (saved position, output position) of each saved output: what eager's version message names
+        self.saved_output_positions = [(k, i) for k, (kind, i) in enumerate(self.saved) if kind == "output"]
+        # facts about the region's calls worked out at its first call and fixed after it
+        # (``_internal_views``, the inputs kept for double backward): name -> value
+        self.first_call_facts: dict = {}
+
+    def count_launches_in(self, stats: dict) -> None:
+        """Count this region's kernel launches (and those of the regions it builds for a
+        create_graph backward) into ``stats``: the compiled function's."""
+        self.stats = stats
+
     def prepare_cpu(self) -> None:
         """The CPU path's generated code, made at build time (``Program.prepare_cpu``)."""
         for program in (self.forward, self.backward):
@@ -113,7 +125,7 @@ class CompiledRegion:
             # (only edges to cut: a detached alias of an inference tensor no longer says it is one)
             own = [t.detach() if i not in connected and isinstance(t, torch.Tensor) and t.requires_grad else t
                    for i, t in enumerate(inputs)]
-            call.saves = self._group_reads_saved(positions)
+            call.next_node_saves(self._group_reads_saved(positions))
             results = _apply(self, call, own)
             if outs is None:
                 outs = list(results)
@@ -169,6 +181,14 @@ class _GroupedCall(dict):
     outs = None
     saves = True
 
+    def made(self, outs: list) -> None:
+        """The first Node's forward ran the program: its results, for the other Nodes."""
+        self.outs = outs
+
+    def next_node_saves(self, saves: bool) -> None:
+        """Whether the Node made next saves the region's saved values."""
+        self.saves = saves
+
 
 class _RegionFunction(torch.autograd.Function):
     @staticmethod
@@ -178,7 +198,7 @@ class _RegionFunction(torch.autograd.Function):
         else:
             outs = region.forward.run(list(inputs), region.stats)
             if type(originals) is _GroupedCall:
-                originals.outs = outs
+                originals.made(outs)
         saved = [inputs[i] if kind == "input" else outs[i] for kind, i in region.saved] \
             if type(originals) is not _GroupedCall or originals.saves else []
         try:
@@ -189,10 +209,7 @@ class _RegionFunction(torch.autograd.Function):
         ctx.save_for_backward(*saved)
         ctx.saved_versions = versions
         # the user's tensors of the saved outputs, weakly: eager's message names their grad_fn then
-        positions = region.__dict__.get("_saved_outputs")
-        if positions is None:  # (fixed per region: (saved position, output position) pairs)
-            positions = region._saved_outputs = [(k, i) for k, (kind, i) in enumerate(region.saved) if kind == "output"]
-        ctx.saved_outputs = {k: weakref.ref(outs[i]) for k, i in positions}
+        ctx.saved_outputs = {k: weakref.ref(outs[i]) for k, i in region.saved_output_positions}
         # outputs eager's op saved (exp, polar: its result), version-checked where eager would run
         # that op's backward, with eager's message. NOTE: detach() shares the version counter;
         # the output itself would make a reference cycle through its grad_fn (this ctx).
@@ -212,9 +229,9 @@ class _RegionFunction(torch.autograd.Function):
         if region.on_demand.double_backward is not None:
             ctx.double_backward_inputs = _keep_for_double_backward(region, inputs, originals, saved_inputs=bool(saved))
         user = outs[: region.num_outputs]
-        internal_views = region.__dict__.get("_internal_views")
+        internal_views = region.first_call_facts.get("internal_views")
         if internal_views is None:  # (fixed per region: worked out at its first call)
-            internal_views = region._internal_views = _views_of_internal_buffers(user, inputs, outs)
+            internal_views = region.first_call_facts["internal_views"] = _views_of_internal_buffers(user, inputs, outs)
         for i in internal_views:
             user[i] = user[i].detach()
         if len(region.grad_output_for) > 1:
@@ -399,13 +416,13 @@ def _keep_for_double_backward(region: CompiledRegion, inputs, originals, saved_i
     never reads it, so, as in eager, a later in-place change to it is no error then. Inputs
     neither backward reads are not kept: they are freed when the caller drops them.
     """
-    key = "_kept_positions" if saved_inputs else "_every_read_position"
-    positions = region.__dict__.get(key)
+    key = "kept_positions" if saved_inputs else "every_read_position"
+    positions = region.first_call_facts.get(key)
     if positions is None:  # (fixed per region: worked out at its first call)
         reads = region.double_backward_reads or (True,) * len(inputs)
         saved = {i for kind, i in region.saved if kind == "input"} if saved_inputs else set()
         positions = [i for i in range(len(inputs)) if reads[i] and i not in saved]
-        setattr(region, key, positions)
+        region.first_call_facts[key] = positions
     kept = {}
     hooks = _saved_tensors_hooks(False) is not None
     for i in positions:
@@ -490,7 +507,7 @@ def _differentiable_backward(ctx, region: CompiledRegion, grads, build, saved):
         inputs[i] = packed.unpack()  # version-checked by PyTorch
     pattern = tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs + grads)
     backward_region = build(pattern)
-    backward_region.stats = region.stats
+    backward_region.count_launches_in(region.stats)
     results = backward_region(inputs + grads)
     return [r if needs else None for r, needs in zip(results, ctx.needs_input_grad[2:])]
 

@@ -11,10 +11,17 @@ Triton's interpreter is chosen per process, before Triton is first imported
 (``TRITON_INTERPRET=1``): once Triton is imported normally its standard library cannot be
 interpreted any more. ``import compiler`` therefore sets the variable on machines without
 CUDA, where interpreting is the only way Triton can run at all.
+
+A backend is fixed when something is built for it: a program (``runtime.program.Program``) or a
+fused optimizer step or clip keeps the backend it was built for, and its launches read nothing
+else. The compiled call this thread is making says which (``choose``, ``use``, ``chosen``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
 import os
 import sys
 import threading
@@ -63,33 +70,90 @@ def auto_cpu_backend() -> str:
     return name
 
 
-# NOTE: the backend of the compiled call this thread made last decides how CPU kernels run (the
-# backward of a call runs later, in the same thread on CPU: it keeps its forward's backend).
-_current = threading.local()
+# NOTE: the backend of the compiled call this thread is making (``choose``/``use`` set it at each
+# call). It is read only while something is built (a region's programs, a fused optimizer step),
+# which keeps it from then on: launches never read it. A build during a backward (a partial or
+# double backward, made when first asked) is made for its region's backend (``building_for``),
+# whichever thread runs the backward and whatever that thread's last compiled call chose.
+_chosen = threading.local()
 
 
-def torch_on_cpu() -> bool:
-    """Whether kernels on CPU tensors run as PyTorch ops now (``KernelLaunch.run`` asks)."""
-    backend = getattr(_current, "backend", None)
+def chosen() -> str:
+    """The backend that what is built now in this thread runs with: the one the compiled call it
+    is making chose (``torch``, ``interpret`` or ``triton``), or ``building_for``'s. Before any
+    compiled call: what ``auto`` runs CPU tensors with. Read at build time, never per launch."""
+    backend = getattr(_chosen, "backend", None)
     if backend is None:
-        backend = _current.backend = "torch" if auto_cpu_backend() == "torch" else "interpret"
-    return backend == "torch"
+        backend = _chosen.backend = auto_cpu_backend()
+    return backend
 
 
 def choose(backend: str, device_type: str | None) -> tuple[str, str]:
-    """The backend that runs tensors on ``device_type``, and why. Raises if impossible. The
-    choice (torch or interpret) is what CPU kernels run with from now on, in this thread
-    (``use``). A compiled function chooses at its first call on each device type and keeps it,
-    so ``SYMGRAD_CPU_BACKEND`` is read then."""
+    """The backend that runs tensors on ``device_type``, and why. Raises if impossible. What this
+    thread builds from now on is built for it (``use``). A compiled function chooses at its first
+    call on each device type and keeps it, so ``SYMGRAD_CPU_BACKEND`` is read then."""
     backend, why = _choose(backend, device_type)
     use(backend)
     return backend, why
 
 
 def use(backend: str) -> None:
-    """CPU kernels run with ``backend`` from now on, in this thread, where it is one for CPU."""
-    if backend == "torch" or backend == "interpret":
-        _current.backend = backend
+    """What this thread builds from now on runs with ``backend`` (a compiled call's; not ``eager``)."""
+    if backend in ("torch", "interpret", "triton"):
+        _chosen.backend = backend
+
+
+@contextlib.contextmanager
+def building_for(backend: str):
+    """Within the block, what this thread builds runs with ``backend`` (then the thread's own choice
+    again)."""
+    saved = getattr(_chosen, "backend", None)
+    _chosen.backend = backend
+    try:
+        yield
+    finally:
+        _chosen.backend = saved
+
+
+def builds_keep_backend(region, backend: str):
+    """``region`` (a ``runtime.autograd_bridge.CompiledRegion`` built for ``backend``) whose builds
+    during backward (its ``OnDemand``: a partial backward and its double backward, a double backward)
+    are made for ``backend`` too. The region itself is unchanged: its programs were built for it."""
+    on_demand = region.on_demand
+    if on_demand.partial_backward is None and on_demand.double_backward is None:
+        return region
+    partial = on_demand.partial_backward and _PartialBackwardFor(on_demand.partial_backward, backend)
+    double = on_demand.double_backward and functools.partial(_build_for, on_demand.double_backward, backend)
+    return dataclasses.replace(region, on_demand=dataclasses.replace(on_demand, partial_backward=partial,
+                                                                     double_backward=double))
+
+
+def _build_for(build, backend: str, key):
+    """``build(key)`` made for ``backend``."""
+    with building_for(backend):
+        return build(key)
+
+
+class _PartialBackwardFor:
+    """A region's partial backward builder (``OnDemand.partial_backward``) whose answers, and the
+    double backward each answer builds, are made for ``backend``; each wrapped answer kept."""
+
+    def __init__(self, build, backend: str):
+        self.build, self.backend = build, backend
+        self.answers: dict = {}
+
+    def __call__(self, given):
+        answer = self.answers.get(given, _UNSEEN)
+        if answer is _UNSEEN:
+            answer = _build_for(self.build, self.backend, given)
+            if answer is not None and answer[2] is not None:
+                program, take, double = answer
+                answer = (program, take, functools.partial(_build_for, double, self.backend))
+            self.answers[given] = answer
+        return answer
+
+
+_UNSEEN = object()
 
 
 def _choose(backend: str, device_type: str | None) -> tuple[str, str]:

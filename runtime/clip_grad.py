@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.utils.clip_grad as _clip_grad_module
 
-from runtime.backends import torch_on_cpu
+from runtime import backends
 from runtime.replay import active_replay
 
 _hooks = threading.local()   # .recorder: the recording in this thread that notes calls
@@ -49,6 +49,8 @@ class FusedClipGradNorm:
     scale_launches: list         # ComboLaunch per chunk: gradients *= coefficient
     bounds: list                 # gradient i's partials are [bounds[i], bounds[i + 1])
     stats: dict | None = None
+    # what it was built for (``runtime.backends``): "torch" leaves CPU gradients to PyTorch's own clip
+    backend: str = field(default_factory=backends.chosen)
     _bounds_on: dict = field(default_factory=dict, repr=False)  # device -> ``bounds`` as an int32 tensor
 
     @property
@@ -70,7 +72,7 @@ class FusedClipGradNorm:
         if grads is None:
             return None
         device = grads[0].device
-        if device.type == "cpu" and torch_on_cpu():  # the CPU path: PyTorch's own clip (its foreach kernels)
+        if device.type == "cpu" and self.backend == "torch":  # the CPU path: PyTorch's own clip (its foreach kernels)
             return None
         bounds = self._bounds_on.get(device)
         if bounds is None:

@@ -15,6 +15,7 @@ run concurrently (modes are thread-local).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import threading
@@ -84,11 +85,20 @@ class Entry:
     recording; calls with this key run eagerly). ``instantiated``: made from a template
     (``compiler.reuse.dynamic``) for this key's sizes, not recorded."""
 
-    def __init__(self, trace, report, instantiated=False):
+    def __init__(self, trace, report, instantiated=False, sizes=None):
         self.trace = trace
         self.report = report
         self.instantiated = instantiated
+        self.sizes = sizes  # an instantiated entry's sizes
         self.diverged_last = False  # whether its last replay left it
+
+    def runs_with(self, backend: str, why: str) -> None:
+        """The backend the compiled function chose for this entry's calls, and why (its report says so)."""
+        self.report = dataclasses.replace(self.report, backend=backend, backend_reason=why)
+
+    def replayed(self, diverged: bool) -> None:
+        """A replay of this entry ended; ``diverged``: it left the recording."""
+        self.diverged_last = diverged
 
 
 _UNCHECKED = object()   # _record's `seen` when the caller asks for a recording whatever the cache holds
@@ -155,7 +165,7 @@ class CompiledFunction:
                 return self._eager(str(e), args, kwargs)
             self.choices[device] = choice
         else:
-            backends.use(choice[0])  # (the thread's CPU kernels run as this call's, as choose sets)
+            backends.use(choice[0])  # (what this call builds is built for its backend, as choose sets)
         backend, why = choice
         if self.disabled:
             return self._eager(self.disabled, args, kwargs)
@@ -235,7 +245,7 @@ class CompiledFunction:
             guard_log.guards.info("%s: a per-call guard failed: %s; the rest of the call ran eagerly%s", self.__name__,
                                   mode.diverged, " (twice in a row: the next call records this path)"
                                   if key in self.needs_variant else "")
-        entry.diverged_last = bool(mode.diverged)
+        entry.replayed(bool(mode.diverged))
         if mode.diverged:
             self.last_backend = f"{backend}, then eager (the call left its recording)"
             self.stats["divergences"] += 1
@@ -278,7 +288,7 @@ class CompiledFunction:
             for stored in pending[0]:
                 try:
                     entry = self.stored.load(stored, self.fn, leaves, self.fullgraph, self.stats)
-                    entry.report.backend, entry.report.backend_reason = backend, why
+                    entry.runs_with(backend, why)
                     loaded.append(entry)
                 except self.stored.Unresolved as e:
                     waiting.append(stored)
@@ -367,8 +377,7 @@ class CompiledFunction:
             if other_path:  # (Python left the key's recording twice in a row: skip_python must not guess)
                 options["other_path"] = True
             result, entry = self.builder(self.fn, args, kwargs, fullgraph=self.fullgraph, stats=self.stats, **options)
-            entry.report.backend = backend
-            entry.report.backend_reason = why
+            entry.runs_with(backend, why)
             # NOTE: several recordings per guard key: one per train/eval mode of the modules
             # the function ran, and one per path Python took (the replay switches between
             # recordings that agree on the calls made so far: an optimizer step every few calls).

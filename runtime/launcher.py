@@ -29,6 +29,7 @@ One code path, two final calls:
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 MAX_SPECIALIZATIONS = 8   # layouts bound per launch before the oldest is forgotten
 
@@ -68,7 +69,8 @@ class IndexedLauncher(Launcher):
             self._call(*args, **self._kwargs)
             return
         # NOTE: the interpreter reads ``debug`` from its one builder's options (a frozen dataclass,
-        # not a launch argument): set for this launch only. The caller holds the interpreter's lock.
+        # not a launch argument), so Triton's own object is patched for this launch only: Triton
+        # offers no other way in. The caller holds the interpreter's lock.
         from triton.runtime.interpreter import interpreter_builder
 
         saved, interpreter_builder.options = interpreter_builder.options, self._options
@@ -177,10 +179,17 @@ class DirectLauncher(Launcher):
         bound.launch(self.grid, self._stream(device.index), args)
 
 
+@dataclass(frozen=True, slots=True)
+class GeneratedLaunch:
+    """A launch written out for one layout (``generate_launch``): ``run(env, device) -> bool``."""
+    run: object
+    source: str   # what runs, for a reader (and a test)
+
+
 def generate_launch(loads, stores, inputs, bound: BoundKernel, grid: int, stream, fresh=frozenset(), sizes=(),
-                    reuse=()):
+                    reuse=()) -> GeneratedLaunch | None:
     """One straight-line Python function for a launch at one layout, as Inductor generates its
-    wrappers' launch code: ``launch(env, device) -> bool`` reads the input slots, checks each
+    wrappers' launch code: ``run(env, device) -> bool`` reads the input slots, checks each
     input's layout against this one's and that every input address is 16-byte aligned, then
     allocates the outputs into ``env`` and calls the driver launcher with the arguments written
     out (strides as literals). It returns False, with nothing allocated or launched, when the
@@ -248,9 +257,7 @@ def generate_launch(loads, stores, inputs, bound: BoundKernel, grid: int, stream
               + ", ".join(arguments) + ")", "    return True"]
     source = "\n".join(lines) + "\n"
     exec(compile(source, f"<symgrad launch of {getattr(bound.kernel, 'name', 'a kernel')}>", "exec"), names)
-    launch = names["launch"]
-    launch.source = source  # what runs, for a reader (and a test)
-    return launch
+    return GeneratedLaunch(names["launch"], source)
 
 
 def _current_stream_of_driver():

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import torch
 from torch.optim import optimizer as _optim
 
-from runtime.backends import torch_on_cpu
+from runtime import backends
 from runtime.kernels import load_kernel
-from runtime.program import interpreter_lock, on_device
+from runtime.program import installed_runner, interpreter_lock, on_device
 
 _profiler_enabled = torch.autograd._profiler_enabled
 _increment_version = torch._C._increment_version
@@ -62,16 +62,32 @@ class ComboLaunch:
     num_warps: int
     bytes_moved: int
     _fn: object = None
+    # what a profile calls its launches (``name_in_profiles``; None: "symgrad kernel <name>")
+    profile_name: str | None = field(default=None, init=False, repr=False, compare=False)
+
+    def name_in_profiles(self, name: str) -> None:
+        """Its launches appear as ``name`` in a profile (the compiler names them after the step)."""
+        self.profile_name = name
 
     def launch(self, tensors: list, scalars: dict, device) -> None:
+        """Launch on ``tensors`` (in ``members`` order, each parameter's tensors in turn) with the
+        scalars it names; through the installed StepRunner, if a benchmark installed one
+        (``runtime.program.steps_run_by``)."""
+        runner = installed_runner()
+        if runner is not None:
+            runner.combo(self, tensors, scalars, device)
+        else:
+            self.launch_now(tensors, scalars, device)
+
+    def launch_now(self, tensors: list, scalars: dict, device) -> None:
         if not self.grid:  # parameters with no elements
             return
         if self._fn is None:
             self._fn = load_kernel(self.name, self.source)
-        if _profiler_enabled():  # named as the regions' kernels are (the compiler sets ``profile_name``)
+        if _profiler_enabled():  # named as the regions' kernels are (``name_in_profiles``)
             from torch.autograd.profiler import record_function
 
-            with record_function(getattr(self, "profile_name", None) or f"symgrad kernel {self.name}"), \
+            with record_function(self.profile_name or f"symgrad kernel {self.name}"), \
                     on_device(device), interpreter_lock:
                 self._fn[(self.grid,)](*tensors, *[scalars[n] for n in self.scalar_names], BLOCK=self.block,
                                        num_warps=self.num_warps)
@@ -182,10 +198,13 @@ class GroupStep:
 class FusedOptimizerStep:
     """One recorded ``optimizer.step()`` compiled: its groups' fused steps."""
 
-    def __init__(self, optimizer, groups: list, stats=None):
+    def __init__(self, optimizer, groups: list, stats=None, backend: str | None = None):
         self.optimizer = weakref.ref(optimizer)
         self.groups = groups
         self.stats = stats
+        # what it was built for (``runtime.backends``; default: what this thread builds for now):
+        # "torch" leaves CPU parameters to the optimizer's own step (its foreach kernels)
+        self.backend = backend or backends.chosen()
 
     @property
     def launches(self) -> list:
@@ -196,7 +215,7 @@ class FusedOptimizerStep:
         then runs with (its own update skipped), or None where it must run eagerly."""
         if optimizer is not self.optimizer() or len(args) > 1 or kwargs:
             return None  # another optimizer, or a closure to call: eager
-        if torch_on_cpu():
+        if self.backend == "torch":
             on_cpu = self.__dict__.get("_on_cpu")
             if on_cpu is None:  # (the parameters' device: fixed while the replay's guards hold)
                 on_cpu = self._on_cpu = _on_cpu(optimizer)
@@ -229,7 +248,7 @@ class FusedOptimizerStep:
             return self.run(optimizer, args, kwargs)  # (the usual case: no other pre-hook)
         last = _LastPreHook.of(optimizer)
         hooks.move_to_end(last.id)
-        last.pending = (self, args)
+        last.hand_over(self, args)
         return None
 
     def run_directly(self, optimizer, own_hooks) -> bool:
@@ -250,6 +269,7 @@ class FusedOptimizerStep:
         if self.run(optimizer, (), {}) is None:
             return False
         if patched is not None:
+            # (the LR scheduler's wrapper's own mark, which its next ``step()`` reads: torch's attribute)
             optimizer._opt_called = True
         return True
 
@@ -262,16 +282,21 @@ class _LastPreHook:
     arguments are the same tuple there unless a hook replaced them (then the step runs eagerly),
     and a step whose earlier pre-hook raised leaves nothing that a later, eager step would make."""
 
-    def __init__(self, optimizer):
+    def __init__(self, optimizer=None, hook_id: int | None = None):
         self.pending = None
-        self.id = optimizer.register_step_pre_hook(self).id
+        self.id = optimizer.register_step_pre_hook(self).id if optimizer is not None else hook_id
 
     @classmethod
     def of(cls, optimizer) -> "_LastPreHook":
         last = optimizer.__dict__.get("_symgrad_last_pre_hook")
         if last is None or last.id not in optimizer._optimizer_step_pre_hooks:  # (or the user removed it)
+            # NOTE: kept on the optimizer itself: it lives, is copied (``__deepcopy__``) and dies with it
             last = optimizer._symgrad_last_pre_hook = cls(optimizer)
         return last
+
+    def hand_over(self, step: FusedOptimizerStep, args) -> None:
+        """``step``'s update, to make when this hook runs in the ``step()`` call given ``args``."""
+        self.pending = (step, args)
 
     def __call__(self, optimizer, args, kwargs):
         pending, self.pending = self.pending, None
@@ -280,9 +305,7 @@ class _LastPreHook:
         return pending[0].run(optimizer, args, kwargs)
 
     def __deepcopy__(self, memo):  # (a copied optimizer's copy: nothing pending)
-        copy = _LastPreHook.__new__(_LastPreHook)
-        copy.pending, copy.id = None, self.id
-        return copy
+        return _LastPreHook(hook_id=self.id)
 
 
 def _on_cpu(optimizer) -> bool:

@@ -18,8 +18,9 @@ import threading
 from dataclasses import dataclass, field
 
 import torch
+from torch.autograd.profiler import record_function
 
-from runtime.backends import torch_on_cpu
+from runtime import backends
 from runtime.kernels import load_kernel
 from runtime.launcher import make_launcher
 from runtime.triton_math import INTERPRETING
@@ -125,7 +126,7 @@ class KernelLaunch:
     # in-place buffers. Fewer bytes allocated at once.
     reuse: tuple = ()
     # The CPU path's function of this kernel (``compiler.codegen.torch_kernel.TorchKernel``): run in
-    # place of the Triton kernel when ``runtime.backends`` says CPU kernels run as PyTorch ops.
+    # place of the Triton kernel (``run_torch``) by a program built for backend="torch".
     torch_kernel: object = None
     # The kernel asserts its gathered indices in range (None: it gathers unchecked, or not at all):
     # compiled with Triton's ``debug`` option, and on CPU a failed assert is explained by these
@@ -137,11 +138,14 @@ class KernelLaunch:
     _launchers: dict = field(default_factory=dict)  # wide -> runtime.launcher.Launcher, bound once
     _wide: dict = field(default_factory=dict)       # layout key -> whether it needs the 64-bit twin
     # The generated straight-line launch of the first layout that has one (runtime.launcher's
-    # ``generate_launch``); None: none yet, False: this kernel's launcher never has one.
+    # ``GeneratedLaunch``); None: none yet, False: this kernel's launcher never has one.
     _straight: object = None
-    # Loads that are outputs of earlier launches of the same program (set by ``Program``): always
-    # contiguous and freshly allocated, so the generated launch does not check their layout.
-    fresh_loads: frozenset = frozenset()
+    # what a profile calls its launches (``name_in_profiles``; None: "symgrad kernel <name>")
+    profile_name: str | None = field(default=None, init=False, repr=False, compare=False)
+
+    def name_in_profiles(self, name: str) -> None:
+        """Its launches appear as ``name`` in a profile (the compiler names them after the ops fused)."""
+        self.profile_name = name
 
     def arguments(self, env, device) -> tuple:
         """(arguments, layout key, wide) for this launch: each input with its strides, then each
@@ -190,30 +194,46 @@ class KernelLaunch:
                                      if isinstance(a, torch.Tensor))
         return wide
 
-    def run(self, env, device):
-        """Launch on ``env``'s input slots, allocating the output slots. The caller makes
-        ``device`` current (``Program.run`` does): the generated launch does not switch."""
+    def run(self, env, device, fresh_loads=frozenset()):
+        """Launch the Triton kernel on ``env``'s input slots, allocating the output slots. The caller
+        makes ``device`` current (``Program.run`` does): the generated launch does not switch.
+        ``fresh_loads``: the loads that are outputs of earlier launches of the same program
+        (``Program.fresh_loads``), whose layout the generated launch need not check."""
         try:
-            if device.type == "cpu" and self.torch_kernel is not None and torch_on_cpu():
-                self.torch_kernel.run(env)  # the CPU path: PyTorch's kernels (backend="torch")
-                return
             straight = self._straight
-            if straight and straight(env, device):
+            if straight and straight.run(env, device):
                 return  # the usual layout: generated code checked it and launched
             args, key, wide = self.arguments(env, device)
-            if self.grid:  # an empty iteration space: outputs stay empty
-                launcher = self.launcher(wide)
-                guard = on_device(device)
-                if guard is _NO_GUARD and interpreter_lock is _NO_GUARD:
-                    launcher.launch(args, key, device)   # compiled Triton on the current device: no context
-                    if straight is None:
-                        self._straight = launcher.straight_line(self.loads, self.stores, key,
-                                                                [env[slot] for slot in self.loads], self.fresh_loads,
-                                                                self.sizes, self.reuse)
-                    return
-                # the tensors' device (and its current stream), not whichever device is current
-                with guard, interpreter_lock:
-                    launcher.launch(args, key, device)
+            if self.launch_arguments(args, key, wide, device) and straight is None:
+                self._straight = self.launcher(wide).straight_line(self.loads, self.stores, key,
+                                                                   [env[slot] for slot in self.loads], fresh_loads,
+                                                                   self.sizes, self.reuse)
+        except Exception as error:
+            if self.index_checks is not None:
+                self._raise_index_error(env, device, error)
+            raise
+
+    def launch_arguments(self, args, key, wide, device) -> bool:
+        """Launch the kernel with ``arguments``'s result (the general path: no generated code).
+        True where it launched compiled Triton on the current device, with no lock: a generated
+        launch can take over there (``run``)."""
+        if not self.grid:  # an empty iteration space: outputs stay empty
+            return False
+        launcher = self.launcher(wide)
+        guard = on_device(device)
+        if guard is _NO_GUARD and interpreter_lock is _NO_GUARD:
+            launcher.launch(args, key, device)   # compiled Triton on the current device: no context
+            return True
+        # the tensors' device (and its current stream), not whichever device is current
+        with guard, interpreter_lock:
+            launcher.launch(args, key, device)
+        return False
+
+    def run_torch(self, env, device) -> None:
+        """The CPU path (backend="torch"): this kernel's PyTorch function on ``env``; a failed index
+        check raises eager's IndexError, as ``run`` does."""
+        try:
+            self.torch_kernel.run(env)
         except Exception as error:
             if self.index_checks is not None:
                 self._raise_index_error(env, device, error)
@@ -235,20 +255,17 @@ class KernelLaunch:
             raise IndexError(f"{text} (raised by the compiled region, as eager would)") from error
 
     def direct_cpu_call(self):
-        """The CPU path's function of this kernel, ``fn(env)`` (what ``run`` calls there), or None."""
+        """The CPU path's function of this kernel, ``fn(env)`` (what ``run_torch`` calls), or None."""
         if self.torch_kernel is None or self.index_checks is not None:
-            return None  # (a kernel that checks indices runs through ``run``, which explains a failure)
+            return None  # (a kernel that checks indices runs through ``run_torch``, which explains a failure)
         return self.torch_kernel.function()
 
     def launcher(self, wide: bool = False):
-        """The bound launcher of the kernel to launch (``kernel(wide)``), made at its first use.
-        Rebound if ``kernel`` now gives another function (a benchmark recording launches)."""
-        fn = self.kernel(wide)
+        """The bound launcher of the kernel to launch (``kernel(wide)``), made at its first use."""
         launcher = self._launchers.get(wide)
-        if launcher is None or launcher.fn is not fn:
-            launcher = self._launchers[wide] = make_launcher(fn, self.grid, self.xblock, self.rblock, self.num_warps,
-                                                             debug=self.index_checks is not None)
-            self._straight = None  # generated for the old launcher's kernel
+        if launcher is None:
+            launcher = self._launchers[wide] = make_launcher(self.kernel(wide), self.grid, self.xblock, self.rblock,
+                                                             self.num_warps, debug=self.index_checks is not None)
         return launcher
 
     def kernel(self, wide: bool = False):
@@ -313,9 +330,9 @@ class ExternCall:
     also: tuple = ()
 
     def run(self, env, device):
-        (self.__dict__.get("_call") or self.direct_cpu_call())(env)
+        (self.__dict__.get("_call") or self.direct_call())(env)
 
-    def direct_cpu_call(self):
+    def direct_call(self):
         """``call(env)``, what ``run`` calls (generated at its first use)."""
         call = self.__dict__.get("_call")
         if call is None:
@@ -367,7 +384,71 @@ class IndexCheck:
                              "(raised by the compiled region, as eager would)")
 
 
-_KERNEL_RUN, _EXTERN_RUN = KernelLaunch.run, ExternCall.run  # (replaced by benchmarks that stub launches)
+class StepRunner:
+    """Runs the steps programs hand it, for what must see each step: a benchmark that stubs,
+    records or logs launches installs one (``steps_run_by``). This class runs each step as the
+    programs' generated code does; a subclass changes what it needs and hands the rest to
+    ``inner``, the runner installed before it (None: the runtime's own way)."""
+
+    def __init__(self, inner: StepRunner | None = None):
+        self.inner = inner
+
+    def kernel(self, step: KernelLaunch, env, device, torch_path: bool, fresh_loads: frozenset) -> None:
+        """One kernel launch. ``torch_path``: its program runs it as PyTorch ops (``run_torch``);
+        ``fresh_loads``: ``Program.fresh_loads`` of the step."""
+        if self.inner is not None:
+            self.inner.kernel(step, env, device, torch_path, fresh_loads)
+        elif torch_path:
+            step.run_torch(env, device)
+        else:
+            step.run(env, device, fresh_loads)
+
+    def extern(self, step: ExternCall, env, device) -> None:
+        if self.inner is not None:
+            self.inner.extern(step, env, device)
+        else:
+            step.run(env, device)
+
+    def index_check(self, step: IndexCheck, env, device) -> None:
+        if self.inner is not None:
+            self.inner.index_check(step, env, device)
+        else:
+            step.run(env, device)
+
+    def combo(self, launch, tensors: list, scalars: dict, device) -> None:
+        """One launch of a fused optimizer step's or clip's combo kernel
+        (``runtime.optimizer_step.ComboLaunch``)."""
+        if self.inner is not None:
+            self.inner.combo(launch, tensors, scalars, device)
+        else:
+            launch.launch_now(tensors, scalars, device)
+
+
+# The installed StepRunner (``steps_run_by``); None: programs run their generated steps.
+_runner: StepRunner | None = None
+_OWN_WAY = StepRunner()
+
+
+def installed_runner() -> StepRunner | None:
+    """The StepRunner installed now (``steps_run_by``), or None."""
+    return _runner
+
+
+@contextlib.contextmanager
+def steps_run_by(runner: StepRunner):
+    """Within the block, every program in this process hands each of its steps to ``runner``
+    (generated code still: ``kernel(s3, env, device, ...)`` per step), and fused optimizer steps
+    and clips their combo launches: the seam benchmarks stub, record and log launches with. A
+    program's run checks this one global; nothing else is checked on the usual path. Pass the
+    runner installed before (``installed_runner()``) as the new one's ``inner`` to stack them."""
+    global _runner
+    saved, _runner = _runner, runner
+    try:
+        yield runner
+    finally:
+        _runner = saved
+
+
 _CPU = torch.device("cpu")
 
 
@@ -386,82 +467,94 @@ class Program:
     steps: list
     outputs: list                          # ValueRef or None (no value, e.g. no gradient)
     frees: list = field(default_factory=list)  # per step: slots dead after it
+    # What its kernels run with on CPU tensors, fixed when it is built (``runtime.backends``):
+    # "torch", each kernel's PyTorch function (``KernelLaunch.run_torch``); else the Triton kernels
+    # (in Triton's interpreter on CPU). Launches read nothing else.
+    backend: str = field(default_factory=backends.chosen)
+    # per step: the loads that are outputs of earlier launches of this program (``__post_init__``)
+    fresh_loads: tuple = field(init=False, repr=False, compare=False)
+    # the generated steps (``_steps_for``), made at their first run: (torch path, through a runner) -> run
+    _generated: dict = field(init=False, default_factory=dict, repr=False, compare=False)
+    # what a profile calls its runs (``name_in_profiles``)
+    profile_name: str = field(default="symgrad program", init=False, repr=False, compare=False)
 
     def __post_init__(self):
         # Slots are written once: a slot a launch stores is, wherever it is loaded later, that
-        # launch's contiguous fresh output (tell each launch which of its loads those are)
-        stored: set = set()
+        # launch's contiguous fresh output (its generated launch does not check their layout)
+        stored, fresh = set(), []
         for step in self.steps:
             if isinstance(step, KernelLaunch):
-                step.fresh_loads = frozenset(slot for slot in step.loads if slot in stored)
+                fresh.append(frozenset(slot for slot in step.loads if slot in stored))
                 stored.update(slot for slot, _, _ in step.stores)
+            else:
+                fresh.append(frozenset())
+        self.fresh_loads = tuple(fresh)
+        self._torch_on_cpu = self.backend == "torch"
+        self._launch_count = sum(1 for step in self.steps if isinstance(step, KernelLaunch))
 
     @property
     def kernels(self):
         return [s for s in self.steps if isinstance(s, KernelLaunch)]
 
+    def name_in_profiles(self, name: str, kernel_names: dict) -> None:
+        """Its runs appear as ``name`` in a profile, each kernel's launches as ``kernel_names[its
+        name]`` where given (the compiler names them: region, phase, the user ops fused)."""
+        self.profile_name = name
+        for launch in self.kernels:
+            if launch.name in kernel_names:
+                launch.name_in_profiles(kernel_names[launch.name])
+
     def run(self, inputs, stats=None, consume=False) -> list:
         """Run the steps on ``inputs``; return the outputs. ``consume``: the caller hands its
         references over (``inputs``, a list, is emptied): each input is freed after its last use."""
-        if _profiler_enabled():  # (one C call: the unprofiled run pays nothing else)
-            return self._run_profiled(inputs, stats, consume)
+        if _runner is not None or _profiler_enabled():  # (a global and one C call: the usual run pays nothing else)
+            return self._run_observed(inputs, stats, consume)
         env = list(inputs) + [None] * (self.num_slots - self.num_inputs)
         device = _device_of(inputs)
         if consume:
             inputs.clear()
         guard = on_device(device)
         if guard is _NO_GUARD:
-            outputs = self._run_steps(env, device)
+            outputs = self._steps_for(device)(env, device)
         else:  # once for the program: each launch then runs on the current device without a switch
             with guard:
-                outputs = self._run_steps(env, device)
+                outputs = self._steps_for(device)(env, device)
         if stats is not None:
-            count = self.__dict__.get("_launch_count")
-            if count is None:  # (counted once: the steps are fixed once the program runs)
-                count = self._launch_count = len(self.kernels)
-            stats["kernel_launches"] = stats.get("kernel_launches", 0) + count
+            stats["kernel_launches"] = stats.get("kernel_launches", 0) + self._launch_count
         return outputs
 
-    def _run_steps(self, env, device) -> list:
-        """Run the steps (generated straight-line code) and return the outputs."""
-        if device.type == "cpu" and KernelLaunch.run is _KERNEL_RUN and ExternCall.run is _EXTERN_RUN \
-                and torch_on_cpu():
-            run = self.__dict__.get("_cpu_straight")
-            if run is None or run.frees is not self.frees or run.steps is not self.steps \
-                    or run.outputs is not self.outputs:
-                run = self._cpu_straight = self._generate(cpu=True)
-            return run(env, device)
-        run = self.__dict__.get("_straight")
-        if run is None or run.frees is not self.frees or run.steps is not self.steps or run.outputs is not self.outputs:
-            run = self._straight = self._generate()
-        return run(env, device)
+    def _steps_for(self, device, through_runner: bool = False):
+        """The generated steps that run on ``device``: the CPU path's where this program was built
+        for it (backend="torch") and its inputs are on the CPU, else the Triton kernels';
+        ``through_runner``: each step handed to a StepRunner, ``run(env, device, runner)``."""
+        variant = (self._torch_on_cpu and device.type == "cpu", through_runner)
+        run = self._generated.get(variant)
+        if run is None:
+            run = self._generated[variant] = self._generate(*variant)
+        return run
 
     def __getstate__(self):  # the generated steps are made again after unpickling
-        return state_without(self, "_straight", "_cpu_straight")
+        return state_without(self, "_generated") | {"_generated": {}}
 
     def prepare_cpu(self) -> None:
         """Generate now what the CPU path's first run would (each kernel's PyTorch function, the
         straight-line steps): a build's work, done while building, not in the first replayed call."""
-        self._cpu_straight = self._generate(cpu=True)
+        self._steps_for(_CPU)
 
-    def _generate(self, cpu: bool = False):
-        """The steps written out once: ``s3.run(env, device)`` then ``env[7] = None`` for each slot
-        dead after it (no loop, no zip per step), then the list of outputs. ``sN.run`` is looked
-        up per call, so a step class's ``run`` replaced later (a benchmark stubbing launches) is
-        still what runs.
-        ``cpu``: for the CPU path (kernels as PyTorch ops, ``torch_on_cpu``), each kernel's and
-        matmul's own generated function is called directly, ``k3(env)``: two Python frames fewer
-        a step, which on CPU is a fair part of what a small kernel costs (``_run_steps`` uses it
-        while the step classes' ``run`` are not replaced)."""
-        names = {f"s{i}": step for i, step in enumerate(self.steps)}
-        lines = ["def run(env, device):"]
+    def _generate(self, torch_path: bool, through_runner: bool):
+        """The steps written out once: ``s3(env, device)`` then ``env[7] = None`` for each slot dead
+        after it (no loop, no zip per step), then the list of outputs. ``through_runner``: each
+        step handed to the StepRunner passed, ``kernel(s3, env, device, ...)``."""
+        names: dict = {}
+        if through_runner:
+            lines = ["def run(env, device, runner):",
+                     "    kernel, extern, check = runner.kernel, runner.extern, runner.index_check"]
+            call = self._runner_call
+        else:
+            lines = ["def run(env, device):"]
+            call = self._step_call
         for i, (step, dead) in enumerate(zip(self.steps, self.frees)):  # (as the loop it replaces ran)
-            direct = step.direct_cpu_call() if cpu and isinstance(step, (KernelLaunch, ExternCall)) else None
-            if direct is not None:
-                names[f"k{i}"] = direct
-                lines.append(f"    k{i}(env)")
-            else:
-                lines.append(f"    s{i}.run(env, device)")
+            lines.append("    " + call(i, step, torch_path, names))
             if dead:
                 lines.append("    " + " = ".join(f"env[{slot}]" for slot in dead) + " = None")
         outputs = []  # each output read from its slot, its views applied (as ValueRef.resolve)
@@ -472,31 +565,81 @@ class Program:
             outputs.append(views_source(f"env[{ref.slot}]", ref.views, names, f"out{k}"))
         lines.append(f"    return [{', '.join(outputs)}]")
         exec(compile("\n".join(lines) + "\n", "<symgrad program steps>", "exec"), names)
-        run = names["run"]
-        # what it was written for (frees are set after construction)
-        run.frees, run.steps, run.outputs = self.frees, self.steps, self.outputs
-        return run
+        return names["run"]
+
+    def _step_call(self, i: int, step, torch_path: bool, names: dict) -> str:
+        """The generated line that runs step ``i`` (its objects bound in ``names``). A matmul's and,
+        on the CPU path, a kernel's own function is called directly, ``k3(env)``: two Python frames
+        fewer a step, which on CPU is a fair part of what a small kernel costs."""
+        if isinstance(step, ExternCall):
+            names[f"k{i}"] = step.direct_call()
+            return f"k{i}(env)"
+        if isinstance(step, KernelLaunch) and torch_path and step.torch_kernel is not None:
+            direct = step.direct_cpu_call()
+            if direct is not None:
+                names[f"k{i}"] = direct
+                return f"k{i}(env)"
+            names[f"s{i}"] = step.run_torch
+            return f"s{i}(env, device)"
+        names[f"s{i}"] = step.run
+        if self.fresh_loads[i]:
+            names[f"f{i}"] = self.fresh_loads[i]
+            return f"s{i}(env, device, f{i})"
+        return f"s{i}(env, device)"
+
+    def _runner_call(self, i: int, step, torch_path: bool, names: dict) -> str:
+        """The generated line that hands step ``i`` to the runner (``StepRunner``)."""
+        names[f"s{i}"] = step
+        if isinstance(step, KernelLaunch):
+            names[f"f{i}"] = self.fresh_loads[i]
+            return f"kernel(s{i}, env, device, {torch_path and step.torch_kernel is not None}, f{i})"
+        if isinstance(step, ExternCall):
+            return f"extern(s{i}, env, device)"
+        if isinstance(step, IndexCheck):
+            return f"check(s{i}, env, device)"
+        return f"s{i}.run(env, device)"
+
+    def _run_observed(self, inputs, stats, consume) -> list:
+        """``run`` where something sees each step: a StepRunner installed (``steps_run_by``), or a
+        profiler (``_run_profiled``)."""
+        if _profiler_enabled():
+            return self._run_profiled(inputs, stats, consume)
+        env = list(inputs) + [None] * (self.num_slots - self.num_inputs)
+        device = _device_of(inputs)
+        if consume:
+            inputs.clear()
+        with on_device(device):
+            outputs = self._steps_for(device, through_runner=True)(env, device, _runner)
+        if stats is not None:
+            stats["kernel_launches"] = stats.get("kernel_launches", 0) + self._launch_count
+        return outputs
 
     def _run_profiled(self, inputs, stats, consume) -> list:
         """``run`` under a profiler: the program, and each kernel launch in it, as a
-        ``record_function`` range named by the compiler (``compiler.api.name_for_profiler``:
-        the region, the phase and the user ops each fused), so a profile reads like eager's."""
-        from torch.autograd.profiler import record_function
-
-        with record_function(getattr(self, "profile_name", "symgrad program")):
+        ``record_function`` range named by the compiler (``compiler.api.name_for_profiler``: the
+        region, the phase and the user ops each fused), so a profile reads like eager's. Each
+        step goes through the installed StepRunner, if any."""
+        runner = _runner or _OWN_WAY
+        with record_function(self.profile_name):
             env = list(inputs) + [None] * (self.num_slots - self.num_inputs)
-            device = next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+            device = _device_of(inputs)
             if consume:
                 inputs.clear()
+            torch_path = self._torch_on_cpu and device.type == "cpu"
             with on_device(device):  # (as ``run``: the launches expect their device current)
-                for step, dead in zip(self.steps, self.frees):
+                for i, (step, dead) in enumerate(zip(self.steps, self.frees)):
                     if isinstance(step, KernelLaunch):
-                        with record_function(getattr(step, "profile_name", None) or f"symgrad kernel {step.name}"):
-                            step.run(env, device)
+                        with record_function(step.profile_name or f"symgrad kernel {step.name}"):
+                            runner.kernel(step, env, device, torch_path and step.torch_kernel is not None,
+                                          self.fresh_loads[i])
+                    elif isinstance(step, ExternCall):
+                        runner.extern(step, env, device)
+                    elif isinstance(step, IndexCheck):
+                        runner.index_check(step, env, device)
                     else:
                         step.run(env, device)
                     for slot in dead:
                         env[slot] = None
             if stats is not None:
-                stats["kernel_launches"] = stats.get("kernel_launches", 0) + len(self.kernels)
+                stats["kernel_launches"] = stats.get("kernel_launches", 0) + self._launch_count
             return [o.resolve(env) if o is not None else None for o in self.outputs]

@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from runtime.calls import flatten_call, holds_tensor, unflatten_call
 from runtime.program import apply_views
 from runtime.torch_functions import GRAD_GET, GRAD_SET, REFLECTED_COMPARISONS, function_name, is_metadata, is_state_read
-from runtime.trace import Trace, ValueId, same_read
+from runtime.trace import CallKind, CompiledRecording, ValueId, same_read
 
 
 class Diverged(Exception):
@@ -126,7 +126,7 @@ class _UnwatchedRange(record_function):
 
 
 class Replay(TorchFunctionMode):
-    def __init__(self, trace: Trace, arg_leaves: list, externals: dict, alternatives=()):
+    def __init__(self, trace: CompiledRecording, arg_leaves: list, externals: dict, alternatives=()):
         super().__init__()
         self.trace = trace
         self.alternatives = list(alternatives)  # other recordings of the same guard key
@@ -145,7 +145,7 @@ class Replay(TorchFunctionMode):
         self.unwatched = False  # skip_python: the recorded calls made without the function's Python
         # NOTE: an optimizer's zero_grad() sets each p.grad to None: ~2 calls a parameter, each
         # checked at a few microseconds, about what eager's whole zero_grad costs. Where the
-        # recording's zero_grad made only those (``Trace.zero_grad_spans``), it runs unwatched,
+        # recording's zero_grad made only those (``Recording.zero_grad_spans``), it runs unwatched,
         # as an optimizer step does: this mode off the stack from its profiler range's enter
         # to its exit (``_zero_grad_begins``); a later call given a gradient read there finds an
         # unknown tensor and leaves the recording, as after a step. Where the mode cannot come
@@ -423,7 +423,7 @@ class Replay(TorchFunctionMode):
         for i, expected in rec.value_slots:
             if args[i] is not shown.get(expected):
                 return _SLOW
-        if rec.kind == "compute":
+        if rec.kind is CallKind.COMPUTE:
             for i, expected in rec.constant_slots:
                 leaf = args[i]
                 if isinstance(leaf, torch.Tensor) or not _same_constant(leaf, expected):
@@ -506,14 +506,14 @@ class Replay(TorchFunctionMode):
         for i, expected in rec.value_slots:
             if leaves[i] is not shown.get(expected) and not self._bind_external(expected, leaves[i]):
                 raise Diverged(f"{function_name(func)} called on a different tensor")
-        compute = rec.kind == "compute"
+        compute = rec.kind is CallKind.COMPUTE
         for i, expected in rec.constant_slots:
             leaf = leaves[i]
             if isinstance(leaf, torch.Tensor) or (compute and not _same_constant(leaf, expected)):
                 # NOTE: only compiled calls have their constants baked into kernels; an eager
                 # call runs with this call's values (an optimizer's step size changes per step).
                 raise Diverged(f"{function_name(func)} called with a different constant ({leaf!r} != {expected!r})")
-        if rec.kind == "compute":
+        if rec.kind is CallKind.COMPUTE:
             region = self.trace.regions[rec.region]
             if rec.region not in self.done_regions:
                 self._run_region(rec.region)
@@ -550,7 +550,7 @@ class Replay(TorchFunctionMode):
     def _bind_external(self, vid, t) -> bool:
         """The first use of a value that appeared during the recorded call without a torch
         call the mode saw (a Parameter made inside the function, a saved tensor unpacked from
-        a grad_fn; ``Trace.transient``): bind it to the tensor the function passes now, if
+        a grad_fn; ``Recording.transient``): bind it to the tensor the function passes now, if
         its metadata matches the recording's."""
         meta = self.trace.transient.get(vid)
         if meta is None or vid in self.env or not isinstance(t, torch.Tensor) or id(t) in self.stand_ins \
@@ -591,9 +591,9 @@ class Replay(TorchFunctionMode):
         if self.unwatched:
             return  # (skip_python: no Python to hand stand-ins to)
         # Stand-ins are made once per region and reused: capture proved no one keeps them.
-        stand_ins = region.stand_ins
+        stand_ins = self.trace.stand_ins.get(index)
         if stand_ins is None:
-            stand_ins = region.stand_ins = {vid: stand_in(meta) for vid, meta in region.internal.items()}
+            stand_ins = self.trace.stand_ins[index] = {vid: stand_in(meta) for vid, meta in region.internal.items()}
         for vid, s in stand_ins.items():
             self.shown[vid] = s
             self.stand_ins[id(s)] = vid
@@ -700,7 +700,7 @@ def _shares_memory(inputs, donated) -> bool:
                for i, t in enumerate(inputs))
 
 
-def _same_prefix(a: Trace, b: Trace, k: int) -> bool:
+def _same_prefix(a: CompiledRecording, b: CompiledRecording, k: int) -> bool:
     """Whether recordings ``a`` and ``b`` agree on their first ``k`` calls — same functions,
     arguments and value ids, and the same compiled regions, each ending before call ``k`` —
     so a replay of ``a`` may go on as a replay of ``b``. Remembered per pair."""
@@ -711,7 +711,7 @@ def _same_prefix(a: Trace, b: Trace, k: int) -> bool:
     return memo[key]
 
 
-def _compare_prefix(a: Trace, b: Trace, k: int) -> bool:
+def _compare_prefix(a: CompiledRecording, b: CompiledRecording, k: int) -> bool:
     if a.arg_ids != b.arg_ids:
         return False
     regions = set()
@@ -725,9 +725,9 @@ def _compare_prefix(a: Trace, b: Trace, k: int) -> bool:
             if isinstance(x, ValueId) or isinstance(y, ValueId):
                 if not (isinstance(x, ValueId) and isinstance(y, ValueId) and x == y):
                     return False
-            elif ca.kind == "compute" and not _same_constant(x, y):
+            elif ca.kind is CallKind.COMPUTE and not _same_constant(x, y):
                 return False
-        if ca.kind == "compute":
+        if ca.kind is CallKind.COMPUTE:
             regions.add(ca.region)
     for r in regions:
         ra, rb = a.regions[r], b.regions[r]

@@ -31,10 +31,10 @@ import torch
 from torch.utils._pytree import tree_unflatten
 
 from runtime.torch_functions import is_profiler_range
-from runtime.trace import UNKEPT, Trace, ValueId, sets_grad_to_none
+from runtime.trace import UNKEPT, CallKind, CompiledRecording, ValueId, sets_grad_to_none
 
 
-def refusal(trace: Trace) -> str | None:
+def refusal(trace: CompiledRecording) -> str | None:
     """Why this recording cannot be replayed without its Python, or None (remembered per trace)."""
     memo = trace.__dict__.get("_skip_python_refusal", False)
     if memo is not False:
@@ -44,7 +44,7 @@ def refusal(trace: Trace) -> str | None:
     return reason
 
 
-def _refusal(trace: Trace) -> str | None:
+def _refusal(trace: CompiledRecording) -> str | None:
     if trace.result is None:
         return "it returns a tensor that no recorded torch call made"
     if trace.reseeded:
@@ -71,7 +71,7 @@ def _refusal(trace: Trace) -> str | None:
     return None
 
 
-def plan(trace: Trace) -> list:
+def plan(trace: CompiledRecording) -> list:
     """What a skip_python replay does, in order (made once per recording): ``("region", i)`` at
     a compiled region's first call (its other calls are answered by it), ``("step", start)``
     for an optimizer step (its recorded calls are the optimizer's own Python's), ``("call",
@@ -92,7 +92,7 @@ def plan(trace: Trace) -> list:
             continue
         rec = calls[i]
         i += 1
-        if rec.kind == "compute":
+        if rec.kind is CallKind.COMPUTE:
             if rec.region not in seen:
                 seen.add(rec.region)
                 out.append(("region", rec.region))
@@ -116,7 +116,7 @@ def plan(trace: Trace) -> list:
 _modules = torch.nn.modules.module  # (its global hook dicts: read per call)
 
 
-def hooks_in_the_way(trace: Trace) -> str | None:
+def hooks_in_the_way(trace: CompiledRecording) -> str | None:
     """Module hooks whose Python skip_python would not run, now (checked per call: cheap)."""
     modules = _modules
     if (modules._global_forward_hooks or modules._global_forward_pre_hooks or modules._global_backward_hooks
@@ -130,7 +130,7 @@ def hooks_in_the_way(trace: Trace) -> str | None:
     return None
 
 
-def result_of(trace: Trace, env: dict):
+def result_of(trace: CompiledRecording, env: dict):
     """The function's result, rebuilt from the replay's values."""
     spec, leaves = trace.result
     if spec.is_leaf():  # (the usual case: a loss)

@@ -9,6 +9,8 @@ arguments are recorded as value ids and its other arguments as constants.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import functools
 from dataclasses import dataclass, field
 
@@ -25,10 +27,16 @@ class ValueId(int):
     """A recorded tensor value, distinct from an integer constant in a call's arguments."""
 
 
-@dataclass
+class CallKind(enum.Enum):
+    """How a recorded call runs on replay."""
+    COMPUTE = "compute"        # inside a region: the region's kernels compute it
+    EAGER = "eager"            # as it is (``loss.backward()``, an optimizer's update, an op not compiled)
+
+
+@dataclass(frozen=True)
 class TraceCall:
     func: object
-    kind: str                  # "compute" (inside a region) | "eager"
+    kind: CallKind
     region: int | None
     spec: object               # pytree spec of (args, kwargs)
     leaves: list               # ValueId for tensors, the value itself for constants
@@ -70,7 +78,7 @@ class TraceCall:
         from runtime.torch_functions import REFLECTED_COMPARISONS
 
         spec = self.spec
-        if self.kind != "compute" or type(spec) is not tuple or spec[0] == "tree" or not spec[1] \
+        if self.kind is not CallKind.COMPUTE or type(spec) is not tuple or spec[0] == "tree" or not spec[1] \
                 or self.func in REFLECTED_COMPARISONS:
             return None
         return spec
@@ -116,9 +124,11 @@ class TensorMeta:
                 and t.requires_grad == self.requires_grad)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RegionPlan:
-    calls: list                # indices into Trace.calls
+    """One region as capture recorded it, and, in a ``CompiledRecording``, as compiling left it
+    (``compiled`` or the eager ``reason``): each stage makes a new plan, none changes one."""
+    calls: list                # indices into Recording.calls
     input_ids: list            # value ids read (not produced inside)
     output_ids: list           # value ids produced inside and visible outside (materialized)
     internal: dict             # value id -> TensorMeta of values never seen outside
@@ -126,7 +136,6 @@ class RegionPlan:
     mutated: list = field(default_factory=list)  # input value ids changed in place inside
     compiled: object = None    # CompiledRegion, or None: run this region's calls eagerly
     reason: str | None = None  # why it runs eagerly
-    stand_ins: dict | None = None  # value id -> stand-in tensor, made at the first replay
     seeds: list = field(default_factory=list)  # (value id, device) of inputs given a fresh RNG seed per run
     writes: dict = field(default_factory=dict)  # mutated input's value id -> in-place ops on it (version bumps)
     # outputs that eager has as views of another output (or of a mutated input), written in place
@@ -135,10 +144,14 @@ class RegionPlan:
     # whether a call inside writes in place (into an input or a value made inside): such a region
     # must not run whole where Python may not make all its calls (runtime.replay, after a read)
     writes_in_place: bool = False
+    graph: object = None       # the region's captured FX graph (None: a stored recording's, not kept)
 
 
-@dataclass
-class Trace:
+@dataclass(frozen=True)
+class Recording:
+    """What capture hands the compiler: the calls one run of the function made, its regions
+    (``RegionPlan``, none compiled yet) and what replay must check. Frozen: compiling makes a
+    ``CompiledRecording`` beside it."""
     calls: list
     regions: list
     arg_ids: list              # value id per tensor leaf of the function's (args, kwargs)
@@ -150,23 +163,23 @@ class Trace:
     transient: dict = field(default_factory=dict)  # value id -> TensorMeta: externals made during the call
     module_modes: list = field(default_factory=list)  # (weakref to an nn.Module it ran, its .training)
     optimizer_steps: dict = field(default_factory=dict)  # call index where an optimizer.step began -> where it ended
-    # optimizer steps: (call index where one began, optimizer, args, kwargs) as recorded, and the
-    # compiled ones by that call index (runtime.optimizer_step.FusedOptimizerStep)
+    # optimizer steps (and clip_grad_norm_ calls) as recorded, for the compiler to fuse
+    # (``compiler.optimizers.StepRecorder.found``); a compiled recording keeps none
     recorded_optimizer_steps: list = field(default_factory=list)
-    fused_steps: dict = field(default_factory=dict)
-    # library calls compiled as a whole (clip_grad_norm_), by the index of their first recorded
-    # call: runtime.clip_grad.FusedClipGradNorm (its ``end``: the index after its calls)
-    fused_calls: dict = field(default_factory=dict)
     # what the function returned: (pytree spec, leaves: ValueId per tensor, the value itself
     # otherwise), or None where a tensor it returned was not made by a recorded call
     result: tuple | None = None
     # optimizer.step() calls by the index where each began: (weak reference to the optimizer,
     # whether step() was given arguments): what skip_python calls in their place
     step_calls: dict = field(default_factory=dict)
+    reseeded: bool = False  # the call seeded the random generator (torch.manual_seed): no torch call records it
     # recorded because Python left the key's other recordings (a path they do not have): with
     # such a recording beside it, skip_python cannot know which path Python would take
     other_path: bool = False
-    reseeded: bool = False  # the call seeded the random generator (torch.manual_seed): no torch call records it
+
+    def recorded_fields(self) -> dict:
+        """This recording's own fields (a ``CompiledRecording``'s without what compiling added)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(Recording)}
 
     def zero_grad_spans(self) -> dict:
         """Where an optimizer's ``zero_grad()`` began -> where it ended (its profiler range's
@@ -205,6 +218,20 @@ class Trace:
         return values
 
 
+@dataclass(frozen=True)
+class CompiledRecording(Recording):
+    """What compiling a ``Recording`` hands the runtime, which replays it: the same calls, each
+    region with its ``CompiledRegion`` or the reason it runs eagerly, and the fused optimizer
+    steps. Replay-time caches (the regions' stand-ins) live in ``stand_ins``, made empty here."""
+    # compiled optimizer steps by the call index where each began (runtime.optimizer_step.FusedOptimizerStep)
+    fused_steps: dict = field(default_factory=dict)
+    # library calls compiled as a whole (clip_grad_norm_), by the index of their first recorded
+    # call: runtime.clip_grad.FusedClipGradNorm (its ``end``: the index after its calls)
+    fused_calls: dict = field(default_factory=dict)
+    # region index -> {value id: stand-in tensor}: made at the region's first replay (runtime.replay)
+    stand_ins: dict = field(default_factory=dict)
+
+
 ZERO_GRAD_RANGE = "Optimizer.zero_grad#"  # the profiler range torch.optim's zero_grad opens
 
 
@@ -214,19 +241,19 @@ def sets_grad_to_none(call) -> bool:
             and call.leaves[1] is None and not call.outputs)
 
 
-def _unused_reads(trace: Trace) -> list:
+def _unused_reads(trace: Recording) -> list:
     calls = trace.calls
     unused = [False] * len(calls)
     later = {v for v in trace.result[1] if isinstance(v, ValueId)} if trace.result is not None else set()
     for k in range(len(calls) - 1, -1, -1):  # (backwards: what the calls after each one read is known)
         unused[k] = is_state_read(calls[k].func) and not later.intersection(calls[k].outputs)
         later.update(v for v in calls[k].leaves if isinstance(v, ValueId))
-        if calls[k].kind == "compute":  # (a region reads its inputs at its first call: counted at each)
+        if calls[k].kind is CallKind.COMPUTE:  # (a region reads its inputs at its first call: counted at each)
             later.update(trace.regions[calls[k].region].input_ids)
     return unused
 
 
-def _zero_grad_spans(trace: Trace) -> dict:
+def _zero_grad_spans(trace: Recording) -> dict:
     calls, unused, spans = trace.calls, trace.unused_reads(), {}
     for i, rec in enumerate(calls):
         leaves = rec.leaves

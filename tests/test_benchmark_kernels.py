@@ -157,11 +157,12 @@ def test_recorded_index_check_runs_as_on_a_gpu_whatever_the_index_holds(index):
     operators (cross-entropy's forward: 8 host operators in one table, 4 in another)."""
     from benchmarks.sm90 import recorded_launches
     from benchmarks.step_trace import _Tracer
-    from runtime.program import IndexCheck, ValueRef
+    from runtime.program import IndexCheck, Program, ValueRef
 
     check = IndexCheck([ValueRef(0)], size=10, wrap=False, what="cross_entropy")
+    program = Program(1, 1, [check], [None], frees=[[]])
     tracer = _Tracer()
     tracer.ops = []
     with recorded_launches(), tracer:
-        check.run([torch.tensor(index)], torch.device("cpu"))
+        program.run([torch.tensor(index)])
     assert [op.name for op in tracer.ops] == ["ge", "lt", "bitwise_and", "all", "_assert_async"]

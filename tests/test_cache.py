@@ -65,6 +65,22 @@ def test_a_region_compiled_before_is_loaded_and_matches_eager(builds):
     assert [k.name for k in second.last_entry.report.kernels] == [k.name for k in first.last_entry.report.kernels]
 
 
+def test_a_loaded_region_checks_its_indices_as_the_built_one_does(builds):
+    """An index out of range raises eager's IndexError in a region loaded from the cache too (its
+    launches keep their index checks: without them the kernel would read out of bounds)."""
+    def gather(x, i):
+        return (x[i] * 2).sum()
+    x, good, bad = torch.randn(5, 3), torch.tensor([0, 4, 2]), torch.tensor([0, 5, 2])
+    compiler.compile(gather, backend="interpret", fullgraph=True)(x, good)
+    loaded = compiler.compile(gather, backend="interpret", fullgraph=True)
+    loaded(x, good)
+    assert len(builds) == 1  # the second function's region came from the cache
+    torch.testing.assert_close(loaded(x, good), gather(x, good))
+    assert loaded.stats["replays"] == 1 and loaded.stats["kernel_launches"] > 0
+    with pytest.raises(IndexError, match="out of bounds"):
+        loaded(x, bad)
+
+
 def test_damaged_entries_are_detected_and_rebuilt(builds, caplog):
     x = torch.randn(4, 8)
     model = _model()
@@ -117,7 +133,8 @@ def test_loaded_region_builds_its_double_and_partial_backward_when_needed(builds
     (eggw,) = torch.autograd.grad(egx.sum(), [w])
     torch.testing.assert_close(gx, egx)
     torch.testing.assert_close(ggw, eggw)
-    lazy = loaded.last_entry.trace.regions[0].compiled.on_demand.partial_backward.func.__self__
+    # (the loaded region's builder, held by the one that builds it for the region's backend)
+    lazy = loaded.last_entry.trace.regions[0].compiled.on_demand.partial_backward.build.func.__self__
     assert lazy.built  # the loaded region's closures came from a build made when first needed
 
 

@@ -328,3 +328,116 @@ def test_an_operand_the_kernel_does_not_load_is_zeros_in_its_cpu_function():
     env = [torch.tensor([1.0, 2.0, 3.0]), None, None]
     kernel.run(env)
     assert torch.equal(env[2], torch.tensor([2.0, 4.0, 6.0]))
+
+
+@pytest.fixture
+def paths_taken(monkeypatch):
+    """Counts of kernels run as PyTorch ops (``"torch"``: each kernel's generated function) and in
+    Triton's interpreter (``"triton"``), for kernels built after the fixture started."""
+    from compiler.codegen import torch_kernel
+    from runtime.launcher import IndexedLauncher
+
+    ran = {"torch": 0, "triton": 0}
+    load, launch = torch_kernel.TorchKernel._load, IndexedLauncher.launch
+
+    def counted_load(self):
+        fn = load(self)
+
+        def counted(env):
+            ran["torch"] += 1
+            fn(env)
+        return counted
+
+    def counted_launch(self, args, key, device):
+        ran["triton"] += 1
+        launch(self, args, key, device)
+
+    monkeypatch.setattr(torch_kernel.TorchKernel, "_load", counted_load)
+    monkeypatch.setattr(IndexedLauncher, "launch", counted_launch)
+    monkeypatch.setattr(program, "make_launcher", _make_launcher)  # (the interpreter's kernels: these tests use both)
+    return ran
+
+
+def _paths(ran, work) -> dict:
+    """The kernels ``work()`` ran on each path."""
+    before = dict(ran)
+    work()
+    return {path: ran[path] - before[path] for path in ran}
+
+
+def test_two_functions_with_different_cpu_backends_each_run_their_own_kernels(paths_taken):
+    """The backend is fixed when a region is built: a function compiled for the CPU path and one
+    for the interpreter, called in turn in one thread, each run their own kernels, forward and
+    backward, whichever ran last (a backward runs after the other function's call here)."""
+    def fn(x):
+        return (torch.sin(x) * x).sum()
+    ours, interpreted = compiler.compile(fn, backend="torch"), compiler.compile(fn, backend="interpret")
+    x = torch.randn(6, requires_grad=True)
+    ours(x), interpreted(x)  # the recordings
+    losses = {}
+    assert _paths(paths_taken, lambda: losses.update(ours=ours(x))) == {"torch": 1, "triton": 0}
+    assert _paths(paths_taken, lambda: losses.update(interpreted=interpreted(x))) == {"torch": 0, "triton": 1}
+    grads = {}
+    for name in ("ours", "interpreted"):
+        x.grad = None
+        grads[name] = _paths(paths_taken, losses[name].backward), x.grad.clone()
+    assert grads["ours"][0] == {"torch": 1, "triton": 0} and grads["interpreted"][0] == {"torch": 0, "triton": 1}
+    expected = torch.sin(x) + x * torch.cos(x)
+    torch.testing.assert_close(grads["ours"][1], expected)
+    torch.testing.assert_close(grads["interpreted"][1], expected)
+
+
+def _in_a_thread(work):
+    """``work()`` run in a new thread; its exception raised here."""
+    import threading
+
+    errors = []
+
+    def run():
+        try:
+            work()
+        except BaseException as e:  # noqa: BLE001 — handed to the test
+            errors.append(e)
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+
+
+def test_a_backward_in_another_thread_keeps_its_forwards_backend(paths_taken):
+    """A backward run later in a thread whose last compiled call chose the interpreter keeps its
+    forward's CPU path: the backward built with the forward, a partial backward (one output outside
+    the loss) and a create_graph backward, both built only when that backward first asks."""
+    def two(x):
+        return torch.sin(x) * 2, torch.cos(x) * 3
+
+    def one(x):
+        return (torch.sin(x) * x).sum()
+    ours, ours_once, other = (compiler.compile(two, backend="torch"), compiler.compile(one, backend="torch"),
+                              compiler.compile(lambda x: torch.tanh(x) * 2, backend="interpret"))
+    x = torch.randn(5, requires_grad=True)
+    ours(x), ours_once(x), other(x)  # the recordings
+    a, b = ours(x)
+    loss = a.sum() + 0 * b.sum()
+    partial = ours(x)[0].sum()
+    twice = ours_once(x)
+    taken = {}
+
+    def backwards():
+        other(x.detach())  # this thread's last compiled call chose the interpreter
+        taken["full"] = _paths(paths_taken, loss.backward)
+        taken["partial"] = _paths(paths_taken, partial.backward)
+        grad = {}
+        taken["first"] = _paths(paths_taken, lambda: grad.update(
+            g=torch.autograd.grad(twice, x, create_graph=True)[0]))
+        taken["second"] = _paths(paths_taken, lambda: grad.update(gg=torch.autograd.grad(grad["g"].sum(), x)[0]))
+        taken["values"] = grad
+    _in_a_thread(backwards)
+    for name in ("full", "partial", "first", "second"):
+        assert taken[name]["triton"] == 0 and taken[name]["torch"] > 0, (name, taken)
+    xe = x.detach().requires_grad_()
+    (ge,) = torch.autograd.grad(one(xe), xe, create_graph=True)
+    torch.testing.assert_close(taken["values"]["g"], ge)
+    torch.testing.assert_close(taken["values"]["gg"], torch.autograd.grad(ge.sum(), xe)[0])
+    torch.testing.assert_close(x.grad, 4 * torch.cos(x))  # (the full and the partial backward: 2·cos each)

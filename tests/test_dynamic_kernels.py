@@ -308,7 +308,7 @@ def test_generated_launch_passes_the_sizes_after_the_outputs():
     launch = generate_launch([0], [(1, (6, 4), torch.float32)], [x], bound, 3, lambda index: "stream",
                              sizes=(24, 4, 0.25))
     env = {0: x}
-    assert launch(env, torch.device("cpu"))
+    assert launch.run(env, torch.device("cpu"))
     *_, given_x, s0, s1, out, ks0, ks1, kf0, xblock, rblock = calls[0]
     assert given_x is x and (s0, s1) == x.stride() and out is env[1]
     assert (ks0, ks1, kf0, xblock, rblock) == (24, 4, 0.25, 64, 8)

@@ -245,17 +245,17 @@ def test_loads_of_an_earlier_launch_s_output_are_not_checked():
     f32 = torch.float32
     first = KernelLaunch("a", "", [0], [(1, (6, 4), f32)], 1, 32, 1, 0)
     second = KernelLaunch("b", "", [0, 1], [(2, (6, 4), f32)], 1, 32, 1, 0)
-    Program(1, 3, [first, second], [ValueRef(2)])
-    assert first.fresh_loads == frozenset() and second.fresh_loads == {1}
+    program = Program(1, 3, [first, second], [ValueRef(2)])
+    assert program.fresh_loads == (frozenset(), {1})
     bound = BoundKernel(_FakeKernel(1), (32, 1), runner=lambda *arguments: ran.append(arguments))
     ran = []
     x = torch.randn(4, 6).t()   # the program's input, column-major: its strides are checked
     launch = generate_launch(second.loads, second.stores, [x, torch.randn(6, 4)], bound, 1, lambda index: 0,
-                             second.fresh_loads)
+                             program.fresh_loads[1])
     assert "t0.stride() != (1, 6)" in launch.source and "t1." not in launch.source.split("return False")[0]
     env = [x, torch.randn(6, 4), None]
-    assert launch(env, torch.device("cpu")) and ran[0][9:] == (x, 1, 6, env[1], 4, 1, env[2], 32, 1)
-    assert not launch([x.contiguous(), env[1], None], torch.device("cpu")) and len(ran) == 1
+    assert launch.run(env, torch.device("cpu")) and ran[0][9:] == (x, 1, 6, env[1], 4, 1, env[2], 32, 1)
+    assert not launch.run([x.contiguous(), env[1], None], torch.device("cpu")) and len(ran) == 1
 
 
 def test_the_generated_launch_writes_into_a_donated_buffer_as_the_general_path_does():
@@ -270,10 +270,10 @@ def test_the_generated_launch_writes_into_a_donated_buffer_as_the_general_path_d
     x = torch.randn(6, 4)
     launch = generate_launch([0], [(1, (6, 4), f32)], [x], bound, 1, lambda index: 0, reuse=((0, 0),))
     env = [x, None]
-    assert launch(env, torch.device("cpu")) and env[1].data_ptr() == x.data_ptr() and env[1] is not x
+    assert launch.run(env, torch.device("cpu")) and env[1].data_ptr() == x.data_ptr() and env[1] is not x
     ints = torch.zeros(6, 4, dtype=torch.int32)
     env = [ints, None]
-    assert launch(env, torch.device("cpu")) and env[1].data_ptr() != ints.data_ptr() and env[1].dtype == f32
+    assert launch.run(env, torch.device("cpu")) and env[1].data_ptr() != ints.data_ptr() and env[1].dtype == f32
 
 
 def test_the_generated_launch_passes_complex_tensors_at_their_real_views_addresses():
@@ -295,13 +295,13 @@ def test_the_generated_launch_passes_complex_tensors_at_their_real_views_address
     launch = generate_launch(step.loads, step.stores, [z, w], bound, 1, lambda index: 0)
     assert "view_as_real" not in launch.source and "t1.stride() != (1, 6)" in launch.source
     env = [z, w, None]
-    assert launch(env, torch.device("cpu"))
+    assert launch.run(env, torch.device("cpu"))
     passed = ran[0][9:-2]  # (after grid, stream, function, metadata, hooks; before the constexprs)
     assert env[2].dtype == c64 and env[2].shape == (6, 4)
     assert [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in passed] == \
         [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in general[:-1]] + [env[2].data_ptr()]
     assert list(passed[1:3]) == [8, 2] and list(passed[4:6]) == [2, 12]  # the real view's strides
-    assert not launch([z.conj(), w, None], torch.device("cpu")) and len(ran) == 1
+    assert not launch.run([z.conj(), w, None], torch.device("cpu")) and len(ran) == 1
 
 
 def test_a_stubbed_step_checks_indices_a_skipped_kernel_computed():
@@ -330,3 +330,70 @@ def test_stubbed_steps_flush_denormals_and_put_the_flag_back():
     with measure.kernels_stubbed():
         assert (tiny * 1.0).item() == 0.0
     assert (tiny * 1.0).item() != 0.0
+
+
+def test_an_installed_step_runner_sees_every_step_and_programs_need_no_other_seam():
+    """Benchmarks stub, record and log launches through ``runtime.program.steps_run_by``: while a
+    StepRunner is installed every program hands it each kernel launch (with the path its program was
+    built for) and each matmul, a runner stacked on another hands them on, and outside the block
+    programs run their own generated steps again."""
+    from runtime import program
+
+    class Seen(program.StepRunner):
+        def __init__(self, inner):
+            super().__init__(inner)
+            self.seen = []
+
+        def kernel(self, step, env, device, torch_path, fresh_loads):
+            self.seen.append(("kernel", step.name, torch_path))
+            super().kernel(step, env, device, torch_path, fresh_loads)
+
+        def extern(self, step, env, device):
+            self.seen.append(("extern", step.name))
+            super().extern(step, env, device)
+
+    def f(x, w):
+        return torch.relu(x @ w).sum()
+    compiled = compiler.compile(f, backend="interpret")
+    x, w = torch.randn(4, 6), torch.randn(6, 5, requires_grad=True)
+    compiled(x, w)  # the recording
+    with program.steps_run_by(Seen(None)) as outer:
+        with program.steps_run_by(Seen(program.installed_runner())) as inner:
+            out = compiled(x, w)
+            out.backward()
+        assert program.installed_runner() is outer
+    assert program.installed_runner() is None
+    kernels = [k.name for k in _launches(compiled)]
+    assert inner.seen == outer.seen and [name for kind, name, *_ in outer.seen if kind == "kernel"] == kernels
+    assert all(not on_torch for kind, _, *on_torch in outer.seen if kind == "kernel" for on_torch in on_torch)
+    assert any(kind == "extern" for kind, *_ in outer.seen)
+    grad = w.grad.clone()
+    w.grad = None
+    f(x, w).backward()
+    torch.testing.assert_close(out, f(x, w))
+    torch.testing.assert_close(grad, w.grad)
+
+
+def test_a_generic_launch_takes_a_kernels_own_fields(monkeypatch):
+    """``benchmarks.sm90.generic_launch`` builds a launch from a ``KernelSource``'s signature, blocks
+    and warps; a kernel known only by its file gives the same from the values its module declares."""
+    import compiler.api as api
+    from benchmarks.sm90 import declared, generic_launch
+    from compiler.build import build_region
+
+    sources = []
+
+    def build(graph, *args, **kwargs):
+        region, details = build_region(graph, *args, **kwargs)
+        sources.extend(details["forward_kernels"] + details["backward_kernels"])
+        return region, details
+    monkeypatch.setattr(api, "build_region", build)
+    monkeypatch.setenv("SYMGRAD_REGION_CACHE", "0")  # (built here, never loaded)
+    compiler.explain(lambda x: (torch.sigmoid(x) * 2).sum(-1), torch.randn(4, 300, requires_grad=True))
+    assert sources
+    for kernel in sources:
+        launch = generic_launch(kernel.name, kernel.source, kernel=kernel)
+        assert launch == generic_launch(kernel.name, kernel.source)
+        assert launch.constexprs == {"XBLOCK": kernel.xblock, "RBLOCK": kernel.rblock}
+        assert launch.num_warps == kernel.num_warps == declared(kernel.source).num_warps
+        assert len(launch.args) == sum(1 for kind in kernel.signature.values() if kind != "constexpr")

@@ -188,7 +188,7 @@ def test_the_cpu_backend_is_chosen_at_a_compiled_functions_first_call(monkeypatc
     g(x)
     g(x)
     assert g.last_backend == "interpret"
-    assert backends.torch_on_cpu() is False  # the thread's CPU kernels run as its last call's
+    assert backends.chosen() == "interpret"  # what the thread builds now is built for its last call's
 
 
 def test_cpu_path_kernels_store_without_a_helper_call_where_the_dtype_is_known():
@@ -237,7 +237,7 @@ def test_matmul_operand_views_are_written_in_line_where_one_tensor_method_makes_
     out, none = program.run([a, b])
     torch.testing.assert_close(out, (a.t() @ b[:, 1:3]).t())
     assert none is None
-    names = call.direct_cpu_call().__code__.co_names
+    names = call.direct_call().__code__.co_names
     assert "mT" in names and "fn" in names and any(n.startswith("v1_") for n in names)
     assert "permute" not in names
     rotated = ExternCall("clone", torch.clone, [ValueRef(0, (rotate,))], 1)
@@ -245,7 +245,7 @@ def test_matmul_operand_views_are_written_in_line_where_one_tensor_method_makes_
     env = [x, None]
     rotated.run(env, torch.device("cpu"))
     torch.testing.assert_close(env[1], x.permute(1, 2, 0))
-    assert "permute" in rotated.direct_cpu_call().__code__.co_names  # not a transpose: permute itself
+    assert "permute" in rotated.direct_call().__code__.co_names  # not a transpose: permute itself
 
 
 def test_explain_without_arguments_reports_the_last_call_and_runs_nothing():

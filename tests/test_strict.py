@@ -40,7 +40,7 @@ def broken_binding(*args, **kwargs):
     raise KeyError("shape")
 
 
-def broken_finish(self, result):
+def broken_finish(self, result, *watched):
     raise IndexError("a bug in escape analysis")
 
 

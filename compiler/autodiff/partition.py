@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from compiler.ir.graph import GraphBuilder, arg_symbol, meta_of, output_node, update_meta
+from compiler.ir.graph import GraphBuilder, OpKind, arg_symbol, kind_of, meta_of, output_node, update_meta
 from compiler.ir.ops import catalog as C
 from compiler.ir.ops.pointwise import UNDEFINED
 from compiler.autodiff.saved_set import choose_saved
@@ -273,7 +273,7 @@ def _forward_program(forward_nodes, inputs, user_outputs, saved_nodes, clones):
 
 def _view_base(node: fx.Node) -> fx.Node:
     """The value whose storage ``node`` shares: itself, or the base of its chain of views."""
-    while getattr(node.target, "kind", None) == "view":
+    while kind_of(node) == OpKind.VIEW:
         node = node.args[0]
     return node
 
@@ -323,11 +323,11 @@ def _read_result_instead(backward: fx.Graph, p, env, to_save, fetch) -> bool:
     backward no longer reads ``p``."""
     read = env[p]
     for user in list(read.users):
-        expr = meta_of(user).expr if getattr(user.target, "kind", None) == "pointwise" else None
+        expr = meta_of(user).expr if kind_of(user) == OpKind.POINTWISE else None
         if expr is None:
             continue
         for op in p.users:
-            op_expr = meta_of(op).expr if getattr(op.target, "kind", None) == "pointwise" else None
+            op_expr = meta_of(op).expr if kind_of(op) == OpKind.POINTWISE else None
             if op_expr is None or (op in env and env[op].op != "placeholder") or \
                     any(a not in env or env[a] not in user.args for a in op.all_input_nodes):
                 continue

@@ -46,11 +46,12 @@ import math
 
 import torch.fx as fx
 
-from compiler.ir.graph import meta_of
+from compiler.ir.graph import OpKind, kind_of, meta_of
 
 POLICIES = ("balanced", "min")
-_ALWAYS_SAVED = {"balanced": ("reduction", "extern"), "min": ("extern",),
-                 "cpu": ("reduction", "extern", "pointwise", "gather", "iota", "rand", "scatter")}
+_ALWAYS_SAVED = {"balanced": (OpKind.REDUCTION, OpKind.EXTERN), "min": (OpKind.EXTERN,),
+                 "cpu": (OpKind.REDUCTION, OpKind.EXTERN, OpKind.POINTWISE, OpKind.GATHER, OpKind.IOTA, OpKind.RAND,
+                         OpKind.SCATTER)}
 _SOURCE, _SINK = "source", "sink"
 
 
@@ -87,12 +88,12 @@ def _min_cut(forward_nodes, needed, free, unreadable, policy, only_from, checkpo
         cost = _cost(node, free, unreadable)
         if only_from is not None:
             cost = 0 if node.name in only_from else math.inf
-        recomputable = node.op == "call_function" and (node in inside or getattr(node.target, "kind", None)
+        recomputable = node.op == "call_function" and (node in inside or kind_of(node)
                                                        not in always_saved) \
             and not any(a in unreadable for a in node.all_input_nodes)
         if node in inside and cost:
             cost = math.inf
-        if recomputable and not cost and getattr(node.target, "kind", None) == "view":
+        if recomputable and not cost and kind_of(node) == OpKind.VIEW:
             # NOTE: a view of a value saved for free (an input's transpose): save the value, the
             # backward makes the view again where it reads it, and a transpose of that transpose
             # folds away (``build._fold_permutes``): no host view call at all
@@ -133,7 +134,7 @@ def _cost(node: fx.Node, free, unreadable) -> float:
     """Bytes that saving ``node`` keeps alive: a view keeps its base's storage (nothing more
     where the base is alive anyway)."""
     base = node
-    while getattr(base.target, "kind", None) == "view":
+    while kind_of(base) == OpKind.VIEW:
         base = base.args[0]
     return _nbytes(base) if base in unreadable or base not in free else 0
 

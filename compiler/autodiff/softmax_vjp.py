@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from compiler.ir.graph import GraphBuilder, arg_symbol, compute_dtype, meta_of
+from compiler.ir.graph import GraphBuilder, OpKind, arg_symbol, compute_dtype, kind_of, meta_of
 from compiler.ir.ops import catalog as C
 
 
@@ -90,7 +90,7 @@ def _is(node, name, nargs) -> bool:
 
 
 def _is_row_sum(s, e) -> bool:
-    return isinstance(s, fx.Node) and getattr(s.target, "kind", None) == "reduction" and \
+    return isinstance(s, fx.Node) and kind_of(s) == OpKind.REDUCTION and \
         getattr(s.target, "name", None) == "sum" and s.args[0] is e and s.kwargs.get("keepdim") is True
 
 

@@ -14,6 +14,7 @@ import weakref
 import torch
 
 from runtime.torch_functions import function_name, is_profiler_range, is_state_read
+from runtime.trace import CallKind
 
 # Eager calls that are part of a training step, not gaps in the compiled graph.
 AUTOGRAD_CALLS = {torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad,
@@ -175,9 +176,11 @@ class OptimizerSteps:
         if threading.get_ident() == self.thread and self.open:
             self.found.append((self.open.pop(), len(self.mode.calls)))
 
-    def spans(self, trace) -> dict:
+    def spans(self, calls) -> dict:
+        """Where each optimizer step began -> where it ended, for those whose recorded ``calls`` are all
+        plain eager updates (a step the replay may skip for its fused kernels)."""
         return {start: end for start, end in self.found
-                if end > start and all(c.kind == "eager" and c.reason is None for c in trace.calls[start:end])}
+                if end > start and all(c.kind is CallKind.EAGER and c.reason is None for c in calls[start:end])}
 
 
 class ModulesRun:

@@ -48,11 +48,8 @@ def _watched(pack_hook):
         mode = getattr(_recording, "mode", None)
         if mode is None:
             return pack_hook(tensor)
-        mode.escaping += 1
-        try:
+        with mode.pack_hook_running():
             return pack_hook(tensor)
-        finally:
-            mode.escaping -= 1
     return pack
 
 

@@ -14,6 +14,8 @@ materialized: those returned, read by eager calls or later regions, or still ali
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import gc
 import inspect
 import weakref
@@ -29,7 +31,7 @@ from compiler.capture.calls import (FACTORIES, FUNCTIONS, UNREFERENCED, VALUE_RE
                                     made_by_distributed, python_references, user_frame, value_read_break,
                                     watched_gradient)
 from compiler.capture.checkpoints import MIXED_BLOCK, CheckpointedCalls, tag_block
-from compiler.capture.regions import (InPlaceTracking, Region, ViewMutation, apply_writes, carry_recorded_facts,
+from compiler.capture.regions import (InPlaceTracking, Region, ViewMutation, apply_writes,
                                       keep_overwritten_history, mark_eager_saved, map_to_nodes, saved_inputs,
                                       saves_result)
 from compiler.ir.graph import meta_of, update_meta
@@ -40,7 +42,7 @@ from compiler.capture.bindings import Unsupported, Writes, lookup
 from runtime.calls import flatten_call, unflatten_call
 from runtime.fallback import InternalCompilerError, internal_error
 from runtime.torch_functions import function_name, is_metadata, is_state_read
-from runtime.trace import UNKEPT, RegionPlan, TensorMeta, Trace, TraceCall, ValueId, read_snapshot
+from runtime.trace import UNKEPT, CallKind, Recording, RegionPlan, TensorMeta, TraceCall, ValueId, read_snapshot
 
 _SUPPORTED_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool,
                      torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
@@ -134,7 +136,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         except Exception:
             # eager raised (and the user may catch it): record the call, so replay raises too
             self.current = None
-            self.calls.append(TraceCall(func, "eager", None, spec, recorded, [], None))
+            self.calls.append(TraceCall(func, CallKind.EAGER, None, spec, recorded, [], None))
             raise
         if type(result) is torch.Tensor and is_state_read(func):
             self.gradients.add(id(result))  # (t.grad: what a hand-written update reads)
@@ -178,7 +180,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
             region.calls.append(index)
             if any(t.requires_grad for t in out_tensors):
                 self._note_saved_for_grad(region, outputs, out_tensors, leaves, recorded, makes_views)
-            self.calls.append(TraceCall(func, "compute", region.index, spec, recorded, outputs, out_spec))
+            self.calls.append(TraceCall(func, CallKind.COMPUTE, region.index, spec, recorded, outputs, out_spec))
             if self._wrote_input_that_requires_grad(region, outputs, out_tensors, recorded):
                 # NOTE: eager's later ops read the written tensor, whose grad_fn is the in-place op:
                 # gradients with respect to it (a non-leaf now) take their paths. Inside the region
@@ -196,7 +198,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
             # its name in a printout): the op that made it runs eagerly on every call, so the
             # Node is eager's own.
             producer = self.produced_by[recorded[0]]
-            if self.calls[producer].kind == "compute":
+            if self.calls[producer].kind is CallKind.COMPUTE:
                 self.isolate.add(producer)
         for t in gradient_inputs(func, args, kwargs):
             # NOTE: grad(z, y) / backward(inputs=[y]) needs y's Node in z's graph: the region
@@ -206,7 +208,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
             # not reach it (API fuzz seed 2770: a pre-hook called that eager's backward skips)
             entry = self.ids.get(id(t))
             producer = self.produced_by.get(entry[1]) if entry is not None and entry[0]() is t else None
-            if producer is not None and self.calls[producer].kind == "compute":
+            if producer is not None and self.calls[producer].kind is CallKind.COMPUTE:
                 self.split_after.add(producer)
                 self.gradient_watched.add(producer)
         watched = watched_gradient(func, args)
@@ -286,22 +288,22 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         self.produced_by[vid] = index
         region.writes[vid] = region.writes.get(vid, 0) + 1
         if t._base is not None:
-            region.view_mutation = True
+            region.note_view_mutation()
             try:
                 self._update_base(region, vid, old, node, t._base, index)
             except ViewMutation as e:
-                region.eager_reason = f"{function_name(func)}: {e}"
+                region.run_eagerly(f"{function_name(func)}: {e}", keep_first=False)
             refused = self._refuse_write_into_view_of_saved(region, t)
-            if refused is not None and region.eager_reason is None:
-                region.eager_reason = f"{function_name(func)}: {refused}"
+            if refused is not None:
+                region.run_eagerly(f"{function_name(func)}: {refused}")
         self._note_stale_views(region, t, vid)
         root = t._base if t._base is not None else t
         if region.eager_reason is None and (torch._debug_has_internal_overlap(t) != 0
                                             or torch._debug_has_internal_overlap(root) != 0):
             # eager writes memory that other elements share (an expanded tensor):
             # the functional value and its write-back cannot express that
-            region.eager_reason = (f"{function_name(func)}: an in-place write into a tensor whose elements "
-                                   "share memory (expanded); the region runs eagerly")
+            region.run_eagerly(f"{function_name(func)}: an in-place write into a tensor whose elements "
+                               "share memory (expanded); the region runs eagerly")
 
     def _note_saved_for_grad(self, region, outputs, out_tensors, leaves, recorded, makes_views) -> None:
         """What eager's op saved for backward (its inputs, its result): a value written in place
@@ -337,11 +339,10 @@ class Capture(InPlaceTracking, TorchFunctionMode):
             # not needed to replay it, and keeping it would keep what its closure holds
             # (the gradients a hook saw) alive, mistaken for tensors reached from outside.
             recorded = [UNKEPT if isinstance(x, FUNCTIONS) else x for x in recorded]
-        call = TraceCall(func, "eager", None, spec, recorded, outputs, out_spec, reason)
-        if getattr(func, "__name__", "") in VALUE_READS and not isinstance(result, torch.Tensor):
-            # the calls Python makes next may depend on the value: replay compares it
-            call.guard, call.guarded = read_snapshot(result), True
-        self.calls.append(call)
+        # a value read into Python: the calls Python makes next may depend on it, replay compares it
+        guarded = getattr(func, "__name__", "") in VALUE_READS and not isinstance(result, torch.Tensor)
+        self.calls.append(TraceCall(func, CallKind.EAGER, None, spec, recorded, outputs, out_spec, reason,
+                                    guard=read_snapshot(result) if guarded else None, guarded=guarded))
         if reason:
             self.breaks.append(reason)
 
@@ -357,7 +358,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         read = {v for v in recorded if isinstance(v, ValueId)}
         for v in outputs:
             if v in read and v in self.saved_under_hooks:  # (written in place)
-                self.isolate.update(c for c in self.saved_under_hooks.pop(v) if self.calls[c].kind == "compute")
+                self.isolate.update(c for c in self.saved_under_hooks.pop(v) if self.calls[c].kind is CallKind.COMPUTE)
         if out_tensors and out_tensors[0].requires_grad and _saved_tensors_hooks(False) is not None:
             saved = read | {v for v, t in zip(outputs, out_tensors) if saves_result(t)}
             for v in saved:
@@ -375,7 +376,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         ``_split_before_watched``)."""
         entry = self.ids.get(id(t))
         producer = self.produced_by.get(entry[1]) if entry is not None and entry[0]() is t else None
-        if producer is not None and self.calls[producer].kind == "compute":
+        if producer is not None and self.calls[producer].kind is CallKind.COMPUTE:
             self.split_after.add(producer)
             self.gradient_watched.add(producer)
 
@@ -471,13 +472,12 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         region = self.current
         if region is None or region.device != device or region.grad_enabled != grad_enabled \
                 or region.saved_tensor_hooks is not hooks:
-            region = self._new_region(len(self.regions), grad_enabled, device)
-            region.saved_tensor_hooks = hooks
+            region = self._new_region(len(self.regions), grad_enabled, device, hooks)
         stale = region.stale.intersection(v for v in recorded if isinstance(v, ValueId))
-        if stale and region.eager_reason is None:
-            region.eager_reason = (f"{function_name(func)} reads a view that an earlier in-place op changed through "
-                                   "other memory it shares (the functional capture cannot follow); the region "
-                                   "runs eagerly")
+        if stale:
+            region.run_eagerly(f"{function_name(func)} reads a view that an earlier in-place op changed through "
+                               "other memory it shares (the functional capture cannot follow); the region "
+                               "runs eagerly")
         b = region.builder
         metas = {vid: TensorMeta.of(x) for x, vid in zip(leaves, recorded) if isinstance(x, torch.Tensor)}
         mapped = map_to_nodes(region, recorded, metas)
@@ -525,10 +525,8 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         hooks = _saved_tensors_hooks(False)
         return None if hooks is None or self.checkpoints.block is not None else hooks[0]
 
-    def _new_region(self, index, grad_enabled, device) -> Region:
-        region = Region(index, grad_enabled, device)
-        region.builder.new_seed = lambda: self._seed_input(region)
-        return region
+    def _new_region(self, index, grad_enabled, device, hooks) -> Region:
+        return Region(index, grad_enabled, device, saved_tensor_hooks=hooks, seed_input=self._seed_input)
 
     def _seed_input(self, region: Region):
         """A region input that replay fills with a fresh random seed before each run (random
@@ -579,24 +577,24 @@ class Capture(InPlaceTracking, TorchFunctionMode):
             if current:
                 segments.append(current)
             if r.view_mutation or (len(segments) == 1 and segments[0][0] not in self.isolate):
-                r.index = len(regions)
+                r.renumber(len(regions))
                 regions.append(r)
                 continue
             for seg in segments:
                 if seg[0] in self.isolate:
-                    call = self.calls[seg[0]]
-                    call.kind, call.region = "eager", None
+                    self.calls[seg[0]] = dataclasses.replace(self.calls[seg[0]], kind=CallKind.EAGER, region=None)
                     continue
                 regions.append(self._rebuild(len(regions), seg, r))
         for r in regions:
             for c in r.calls:
-                self.calls[c].region = r.index
+                if self.calls[c].region != r.index:
+                    self.calls[c] = dataclasses.replace(self.calls[c], region=r.index)
         self.regions = regions
 
     def _rebuild(self, index, call_indices, old: Region) -> Region:
         """A segment of region ``old``: its graph re-emitted from recorded calls (bindings need
         metadata only), with what the recording learned about those calls (``carry_recorded_facts``)."""
-        region = self._new_region(index, old.grad_enabled, old.device)
+        region = self._new_region(index, old.grad_enabled, old.device, old.saved_tensor_hooks)
         b = region.builder
         for c in call_indices:
             call = self.calls[c]
@@ -618,7 +616,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
                 region.nodes[vid] = node
                 region.produced.append(vid)
             region.calls.append(c)
-        carry_recorded_facts(old, region)
+        region.take_recorded_facts(old)
         return region
 
     def _kept_by_user(self) -> set:
@@ -645,8 +643,10 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         entry = self.ids.get(id(base)) if base is not None else None
         return [entry[1]] if entry is not None and entry[0]() is base else []
 
-    def finish(self, result) -> Trace:
-        """Escape analysis, then the trace with one RegionPlan per region."""
+    def finish(self, result, modules, steps, optimizer_steps, reseeded: bool) -> Recording:
+        """Escape analysis, then the recording with one RegionPlan per region, with what the hooks
+        watching the call saw: the ``modules`` run (``ModulesRun``), the optimizer ``steps``
+        (``OptimizerSteps``) and which optimizer each was (``StepRecorder``)."""
         # What is still alive decides what escapes; garbage in reference cycles (module hooks
         # make some) is not: collect the young generations, where the call's own cycles are
         # (a full collection costs a large program ~0.3 s per recording).
@@ -664,7 +664,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         # their final value is written back into the real tensor.
         used_outside = set(returned)
         for call in self.calls:
-            if call.kind == "eager":
+            if call.kind is CallKind.EAGER:
                 used_outside.update(v for v in call.leaves if isinstance(v, ValueId))
         for r in self.regions:
             used_outside.update(r.inputs)
@@ -697,14 +697,13 @@ class Capture(InPlaceTracking, TorchFunctionMode):
             # (eager bumps a version counter per in-place op, none for a write inside an operator;
             # views share their base's)
             writes = {} if r.view_mutation else {v: r.writes[v] for v in mutated if r.writes.get(v, 1) != 1}
-            if r.stale.intersection(outputs) and r.eager_reason is None:
-                r.eager_reason = ("a view that an in-place op changed through other memory it shares is used "
-                                  "after the region (the functional capture cannot follow); the region runs eagerly")
+            if r.stale.intersection(outputs):
+                r.run_eagerly("a view that an in-place op changed through other memory it shares is used "
+                              "after the region (the functional capture cannot follow); the region runs eagerly")
             views = {v: r.view_of[v] for v in outputs if v in r.view_of and r.view_of[v][0] in outputs}
             plans.append(RegionPlan(r.calls, list(r.inputs), outputs, internal, r.grad_enabled, mutated=mutated,
                                     reason=r.eager_reason, seeds=[(v, r.device) for v in r.seeds], writes=writes,
-                                    views=views, writes_in_place=bool(r.writes) or r.view_mutation))
-            plans[-1].graph = b.graph
+                                    views=views, writes_in_place=bool(r.writes) or r.view_mutation, graph=b.graph))
         # Externals already gone appeared during the call, from code the mode does not see (a
         # Parameter made inside the function, a tensor unpacked from a grad_fn): replay binds
         # them to what the function passes then. The others are guarded by identity.
@@ -715,8 +714,30 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         transient = {vid: meta for vid, (ref, meta) in self.externals.items()
                      if ref() is None or self._on_fresh_storage(ref())}
         externals = {vid: e for vid, e in self.externals.items() if vid not in transient}
-        return Trace(self.calls, plans, self.arg_ids, externals, dict(self.produced_by),
-                     list(dict.fromkeys(self.breaks)), list(dict.fromkeys(self.graph_breaks)), transient=transient)
+        found = optimizer_steps.found
+        return Recording(self.calls, plans, self.arg_ids, externals, dict(self.produced_by),
+                         list(dict.fromkeys(self.breaks)), list(dict.fromkeys(self.graph_breaks)),
+                         internal_errors=list(self.internal_errors), transient=transient, module_modes=modules.modes,
+                         optimizer_steps=steps.spans(self.calls), recorded_optimizer_steps=found,
+                         step_calls={f[0]: (f[1], f[2]) for f in found if type(f) is tuple},
+                         result=_result_structure(self, result), reseeded=reseeded)
+
+    def watch_library_calls(self, running) -> None:
+        """``running()``: whether an optimizer step or clip_grad_norm_ runs now (its math stays eager)."""
+        self.in_library_call = running
+
+    def analysis_failed(self, error: Exception) -> None:
+        """A compiler bug while analysing the finished recording (``finish``): the key runs eagerly."""
+        self.broken = internal_error(f"{self.fn_name} (analysing its recording)", error)
+
+    @contextlib.contextmanager
+    def pack_hook_running(self):
+        """While a saved tensor's pack hook runs: what it makes escapes (autograd holds it)."""
+        self.escaping += 1
+        try:
+            yield
+        finally:
+            self.escaping -= 1
 
 
 _saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
@@ -795,7 +816,7 @@ def _result_structure(mode, result):
 
 
 def capture(fn, args, kwargs):
-    """Run ``fn`` eagerly, recording it. Returns (the function's result, Trace). Raises
+    """Run ``fn`` eagerly, recording it. Returns (the function's result, Recording). Raises
     ``RecordingFailed`` (carrying the result) where a compiler bug broke the recording."""
     mode = Capture(getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__)
     leaves, _ = tree_flatten((args, kwargs))
@@ -807,8 +828,8 @@ def capture(fn, args, kwargs):
     optimizer_steps = StepRecorder(mode)  # which optimizer each step was, to compile it (compiler.optimizers)
     # (a clip_grad_norm_ call runs from its ClipRecord until its end is set; one that raised
     # counts as running on, which only keeps later no_grad math eager)
-    mode.in_library_call = lambda: bool(steps.open) or any(
-        getattr(found, "end", 0) is None for found in optimizer_steps.found)
+    mode.watch_library_calls(lambda: bool(steps.open) or any(
+        getattr(found, "end", 0) is None for found in optimizer_steps.found))
     handles = [torch.nn.modules.module.register_module_forward_pre_hook(modules),
                register_optimizer_step_pre_hook(steps.begin),
                register_optimizer_step_post_hook(steps.end),
@@ -827,20 +848,12 @@ def capture(fn, args, kwargs):
         raise mode.broken  # (strict) the user's code caught it: a bug fails the call all the same
     if mode.broken is None:
         try:
-            trace = mode.finish(result)
-            trace.module_modes = modules.modes
-            trace.optimizer_steps = steps.spans(trace)
-            trace.recorded_optimizer_steps = optimizer_steps.found
-            trace.step_calls = {found[0]: (found[1], found[2]) for found in optimizer_steps.found
-                                if type(found) is tuple}
-            trace.result = _result_structure(mode, result)
-            trace.reseeded = reseeded
+            recording = mode.finish(result, modules, steps, optimizer_steps, reseeded)
         except Exception as e:
-            mode.broken = internal_error(f"{mode.fn_name} (analysing its recording)", e)
+            mode.analysis_failed(e)
     if mode.broken is not None:
         raise RecordingFailed(result, mode.broken)
-    trace.internal_errors = list(mode.internal_errors)
-    return result, trace
+    return result, recording
 
 
 def _storage_address(t: torch.Tensor):

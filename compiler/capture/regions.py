@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from compiler.ir.graph import GraphBuilder, meta_of, output_node
+from compiler.ir.graph import GraphBuilder, OpKind, kind_of, meta_of, output_node
 from compiler.ir.ops import catalog as C
 from runtime.program import ViewStep
 from runtime.trace import ValueId
@@ -55,33 +55,53 @@ class Region:
     # runtime remakes it from the real base after the region, so it stays a view (issue 11)
     view_of: dict = field(default_factory=dict)
     saved_tensor_hooks: object = None  # the pack hook its calls ran under (``Capture._saved_tensor_hooks_in_effect``)
+    # capture's ``(region) -> a region input holding a fresh RNG seed per call`` (dropout's)
+    seed_input: object = None
 
+    def __post_init__(self):
+        if self.seed_input is not None:
+            seed_input = self.seed_input
+            self.builder = GraphBuilder(new_seed=lambda: seed_input(self))
 
-def carry_recorded_facts(old: Region, new: Region) -> None:
-    """What the recording learned about ``new``'s calls, from ``old``, the region it was cut out of
-    (``Capture._rebuild``): what eager's ops saved for backward (their results, their inputs), what
-    eager's version error names, stale views and views made from their base; and why ``old`` must
-    run eagerly, if it must.
-    NOTE: a segment rebuilt without them saved an input written in place later as a copy, and its
-    backward ran where eager's raises (API fuzz seed 40254); one cut out of a region that reads a
-    stale view would have compiled it."""
-    new.eager_reason = new.eager_reason or old.eager_reason
-    new.saved_tensor_hooks = old.saved_tensor_hooks
-    produced = set(new.produced)
-    known = produced | set(new.inputs)
-    new.eager_saved.update((v, found) for v, found in old.eager_saved.items() if v in produced)
-    for v, outputs in old.consumer_outputs.items():
-        mine = outputs & produced  # (saved by an op of this segment: its outputs are made here)
-        if v in known and mine:
-            new.saved_by_consumers.add(v)
-            new.consumer_outputs[v] = mine
-    new.written_names.update((v, name) for v, name in old.written_names.items() if v in new.saved_by_consumers)
-    new.result_names.update((v, name) for v, name in old.result_names.items() if v in produced)
-    new.read_for_grad |= old.read_for_grad & known
-    new.saved_for_grad |= old.saved_for_grad & known
-    new.stale |= old.stale & known
-    # (views of the segment's own values, as capture noted them: made from the real base)
-    new.view_of.update((v, view) for v, view in old.view_of.items() if v in produced and view[0] in produced)
+    def run_eagerly(self, reason: str, keep_first: bool = True) -> None:
+        """The region must run eagerly, because of ``reason`` (the first one given is kept,
+        unless ``keep_first`` is False: a more precise reason replaces it)."""
+        if self.eager_reason is None or not keep_first:
+            self.eager_reason = reason
+
+    def note_view_mutation(self) -> None:
+        """An in-place op changed a view inside the region."""
+        self.view_mutation = True
+
+    def renumber(self, index: int) -> None:
+        """The region's place among the regions, once capture cut some apart."""
+        self.index = index
+
+    def take_recorded_facts(self, old: Region) -> None:
+        """What the recording learned about this region's calls, from ``old``, the region it was cut
+        out of (``Capture._rebuild``): what eager's ops saved for backward (their results, their
+        inputs), what eager's version error names, stale views and views made from their base; and
+        why ``old`` must run eagerly, if it must.
+        NOTE: a segment rebuilt without them saved an input written in place later as a copy, and its
+        backward ran where eager's raises (API fuzz seed 40254); one cut out of a region that reads a
+        stale view would have compiled it."""
+        if old.eager_reason is not None:
+            self.run_eagerly(old.eager_reason)
+        produced = set(self.produced)
+        known = produced | set(self.inputs)
+        self.eager_saved.update((v, found) for v, found in old.eager_saved.items() if v in produced)
+        for v, outputs in old.consumer_outputs.items():
+            mine = outputs & produced  # (saved by an op of this segment: its outputs are made here)
+            if v in known and mine:
+                self.saved_by_consumers.add(v)
+                self.consumer_outputs[v] = mine
+        self.written_names.update((v, name) for v, name in old.written_names.items() if v in self.saved_by_consumers)
+        self.result_names.update((v, name) for v, name in old.result_names.items() if v in produced)
+        self.read_for_grad |= old.read_for_grad & known
+        self.saved_for_grad |= old.saved_for_grad & known
+        self.stale |= old.stale & known
+        # (views of the segment's own values, as capture noted them: made from the real base)
+        self.view_of.update((v, view) for v, view in old.view_of.items() if v in produced and view[0] in produced)
 
 
 class ViewMutation(Exception):
@@ -160,7 +180,7 @@ class InPlaceTracking:
         if base_node is None or base_node.op == "placeholder":
             return  # (views of inputs: the build takes them out of the graph already)
         chain = []
-        while node is not base_node and getattr(node.target, "kind", None) == "view":
+        while node is not base_node and kind_of(node) == OpKind.VIEW:
             chain.append(node)
             node = node.args[0]
         if node is base_node and chain:
@@ -177,7 +197,7 @@ class InPlaceTracking:
         base_vid = entry[1] if entry is not None and entry[0]() is base else None
         base_node = region.nodes.get(base_vid) if base_vid is not None else None
         chain, node = [], old_node
-        while node is not base_node and getattr(node.target, "kind", None) == "view":
+        while node is not base_node and kind_of(node) == OpKind.VIEW:
             chain.append(node)
             node = node.args[0]
         if base_node is None or node is not base_node or not all(n.target.writes_back for n in chain):

@@ -8,10 +8,13 @@ looped over in steps of RBLOCK with per-lane accumulators, and the online softma
 
 from __future__ import annotations
 
-from compiler.codegen.kernel_text import TL_DTYPE, arange, broadcast_index, contiguous_offset, masked, unwrapped
+import operator
+from contextlib import contextmanager
+
+from compiler.codegen.kernel_text import TL_DTYPE, ZERO, arange, broadcast_index, compose, contiguous_offset, masked
 from compiler.codegen.triton_printer import NotPrintable, literal
-from compiler.fusion.fuse import inlined_reads, kind_of
-from compiler.ir.graph import compute_dtype, meta_of, numel
+from compiler.fusion.fuse import inlined_reads
+from compiler.ir.graph import OpKind, compute_dtype, kind_of, meta_of, numel
 
 
 class ReductionWriter:
@@ -23,6 +26,16 @@ class ReductionWriter:
             return f"{total} / {self.size(count, (node, 'count'))}"
         return f"{total} * {literal(scale)}"
 
+    @contextmanager
+    def row_values(self):
+        """While writing a row's values ([XBLOCK, 1]: an epilogue's, what follows a loop), whose
+        loads are no block (``live_values``)."""
+        held, self.writing_row_values = self.writing_row_values, True
+        try:
+            yield
+        finally:
+            self.writing_row_values = held
+
     # -- rows held whole in one block ----------------------------------------------------
     def reduced(self, node, index):
         """A reduction root of this kernel whose value is known, read by a later value of
@@ -30,7 +43,7 @@ class ReductionWriter:
         kept = [d for d in range(len(self.plan.shape)) if d not in self.plan.reduce_dims]
         keepdim = node.kwargs["keepdim"]
         wanted = [index[d] for d in kept] if keepdim else list(index)
-        if [unwrapped(i) for i in wanted] != [unwrapped(self.base_index[d]) for d in kept]:
+        if [i.element for i in wanted] != [self.base_index[d].element for d in kept]:
             raise NotPrintable("a reduction read at another row than the one it reduced")
         if node not in self.reductions:
             self.reductions[node] = self.reduce_row(node)
@@ -53,12 +66,15 @@ class ReductionWriter:
                 held = self.tmp(f"tl.where(MASK, {part}, float(\"-inf\"))")
                 total = (f"tl.where(tl.max(({held} != {held}).to(tl.int8), 1)[:, None] > 0, float(\"nan\"), "
                          f"tl.max({held}, 1)[:, None])")
+                self.row_reductions += 2     # (``live_values``: each tl.max and tl.sum of a row)
             elif node.target.name == "amax":
                 held = self.tmp(f"tl.where(MASK, {part}, float(\"-inf\"))")
                 total = (f"tl.max({held}, 1)[:, None] + "
                          f"tl.sum(tl.where({held} != {held}, {held}, 0.0), 1)[:, None]")
+                self.row_reductions += 2
             else:
                 total = f"tl.sum(tl.where(MASK, {part}, 0), 1)[:, None]"
+                self.row_reductions += 1
             if scale != 1.0:
                 total = self.scaled(f"({total})", node, scale)
             out.append(self.tmp(total))
@@ -72,13 +88,13 @@ class ReductionWriter:
         for root in self.plan.roots:
             if root not in self.buffers:   # read only here (``compiler.fusion.fuse._read_only_where_computed``)
                 continue                   # computed where a later root reads it (``reduced``)
-            out = f"out{len(stores)}"
+            out = len(stores)
             stores.append(root)
             dtype = meta_of(root).dtype
             if root in self.plan.columns:
                 columns.append((root, out, self.accumulate_column(root, f"cacc{len(columns)}")))
                 continue
-            if kind_of(root) == "reduction":
+            if kind_of(root) == OpKind.REDUCTION:
                 var, have = self.reduced(root, self._reduced_index(root))
                 self.store(out, self.cast(var, have, dtype), self.row_addresses(dtype), "xmask")
                 continue
@@ -93,21 +109,22 @@ class ReductionWriter:
         return header + rindex + body_prefix + body, stores
 
     # -- values of a row, from its reductions (fusion.KernelPlan.takes_epilogue) ----------
-    def store_epilogue(self, root, out: str, into: list | None = None) -> None:
+    def store_epilogue(self, root, out: int, into: list | None = None) -> None:
         """Compute ``root`` (one value per row, from the rows' reductions) and store it at the row.
         Its lines are a row's values ([XBLOCK, 1], masked by rows only); the reductions it reads
         are computed first, among the row's lines (or, looped, kept after the loop: ``write_loop``)."""
         dims = self.plan.reduce_dims
         if len(meta_of(root).shape) == len(self.plan.shape):  # keepdim: size 1 at the reduced dims
-            index = tuple("0" if d in dims else self.base_index[d] for d in range(len(self.plan.shape)))
+            index = tuple(ZERO if d in dims else self.base_index[d] for d in range(len(self.plan.shape)))
         else:
             index = tuple(self.base_index[d] for d in range(len(self.plan.shape)) if d not in dims)
-        reductions = {n for n in self.plan.roots if kind_of(n) == "reduction"}
+        reductions = {n for n in self.plan.roots if kind_of(n) == OpKind.REDUCTION}
         for n in inlined_reads(root):
             if n in reductions:
                 self.reduced(n, self._reduced_index(n))  # among the row's lines, before the row's values
         mark = len(self.lines)
-        var, have = self.value(root, index)
+        with self.row_values():
+            var, have = self.value(root, index)
         dtype = meta_of(root).dtype
         var = self.cast(var, have, dtype)
         self.lines[mark:] = [masked(line, "xmask").replace("SHAPE", "[XBLOCK, 1]") for line in self.lines[mark:]]
@@ -123,7 +140,7 @@ class ReductionWriter:
         src = []
         for root in self.plan.epilogue:
             stores.append(root)
-            self.store_epilogue(root, f"out{len(stores) - 1}", into=src)
+            self.store_epilogue(root, len(stores) - 1, into=src)
         return src
 
     # -- column sums beside the rows (fusion.split_column_sum) ----------------------------
@@ -166,11 +183,11 @@ class ReductionWriter:
     def _reduced_index(self, root):
         kept = [d for d in range(len(self.plan.shape)) if d not in self.plan.reduce_dims]
         if root.kwargs["keepdim"]:
-            return tuple("0" if d in self.plan.reduce_dims else self.base_index[d]
+            return tuple(ZERO if d in self.plan.reduce_dims else self.base_index[d]
                          for d in range(len(self.plan.shape)))
         return tuple(self.base_index[d] for d in kept)
 
-    def store_root(self, root, out: str):
+    def store_root(self, root, out: int):
         """Store a pointwise root at the current elements (contiguous output). A root of shape (M, N)
         in a kernel over its rows' chunks (chunks, M / chunks, N) (``fusion.KernelPlan.loops_over_chunks``)
         is read at row chunk * (M / chunks) + row: the same contiguous offset; one of shape (..., N)
@@ -178,12 +195,12 @@ class ReductionWriter:
         index = self.base_index
         shape = tuple(meta_of(root).shape)
         if shape != tuple(self.plan.shape):
-            (chunk, row, col), rows = index, self.size(self.plan.shape[1], ("shape", 1))
-            flat, index = f"(({chunk}) * {rows} + ({row}))", [col]
+            (chunk, row, col), rows = index, self.size_index(self.plan.shape[1], ("shape", 1))
+            flat, index = compose("({}) * {} + ({})", chunk, rows, row, value=lambda c, n, r: c * n + r), [col]
             for d in reversed(range(1, len(shape) - 1)):    # row-major: the last leading dim varies fastest
-                dim = self.size(shape[d], (root, "dim", d))
-                index.insert(0, f"({flat} % {dim})")
-                flat = f"({flat} // {dim})"
+                dim = self.size_index(shape[d], (root, "dim", d))
+                index.insert(0, compose("{} % {}", flat, dim, value=operator.mod))
+                flat = compose("{} // {}", flat, dim, value=operator.floordiv)
             index = (flat, *index)
         var, have = self.value(root, index)
         dtype = meta_of(root).dtype
@@ -233,7 +250,7 @@ class ReductionWriter:
         maxima = {}    # amax root with an online sum -> (its accumulator, the variable holding its value)
         for root, accs, acc_dtype in accumulators:
             stored = root in self.buffers   # else read only by this kernel's second loop (not stored)
-            out = f"out{len(stores)}"
+            out = len(stores)
             if stored:
                 stores.append(root)
             scale = root.target.scale(root)
@@ -271,7 +288,7 @@ class ReductionWriter:
         mark = len(self.lines)
         for root in self.plan.second_pass:
             stores.append(root)
-            self.store_root(root, f"out{len(stores) - 1}")
+            self.store_root(root, len(stores) - 1)
         body = [masked(line, "xmask & rmask").replace("SHAPE", "[XBLOCK, RBLOCK]") for line in self.lines[mark:]]
         loop = [f"rindex = roffset + {arange('RBLOCK', wide)}[None, :]", f"rmask = rindex < {rnumel}"]
         return [f"for roffset in range(0, {rnumel}, RBLOCK):"] + ["    " + line for line in loop + body_prefix + body]
@@ -299,7 +316,8 @@ class ReductionWriter:
         c = shifted.args[1]
         self.reductions[amax] = (max_value, acc_dtype)
         mark = len(self.lines)
-        value, have = self.value(c, broadcast_index(self.base_index, meta_of(shifted).shape, meta_of(c).shape))
+        with self.row_values():
+            value, have = self.value(c, broadcast_index(self.base_index, meta_of(shifted).shape, meta_of(c).shape))
         value = self.cast(value, have, acc_dtype)
         src.extend(line.replace("SHAPE", "[XBLOCK, 1]") for line in self.lines[mark:])
         del self.lines[mark:]

@@ -31,7 +31,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from compiler.ir.graph import compute_dtype, meta_of
+from compiler.ir.graph import OpKind, compute_dtype, kind_of, meta_of
 from compiler.ir.ops import primitives
 from compiler.ir.ops import symbols as Y
 
@@ -198,12 +198,12 @@ class _Writer:
         if var is not None:
             return var
         args = [self.value(a) if isinstance(a, fx.Node) else repr(a) for a in node.args]
-        kind = getattr(node.target, "kind", "other")
+        kind = kind_of(node)
         var = f"v{len(self.values)}"
         self.values[node] = var
         meta = meta_of(node)
         dtype = compute_dtype(meta.dtype)
-        if kind == "pointwise":
+        if kind == OpKind.POINTWISE:
             text = self._pointwise(node, args)
             if self.types.get(text) == (dtype, tuple(meta.shape)):  # known to be the node's value as it is
                 self.lines.append(f"{var} = {text}")
@@ -212,7 +212,7 @@ class _Writer:
             if text in args or text in self.aliases:  # (the expression is an operand itself: no new tensor)
                 self.aliases.add(var)
             self.types[var] = (dtype, tuple(meta.shape))
-        elif kind == "reduction" and node.target.name in ("sum", "mean", "amax"):
+        elif kind == OpKind.REDUCTION and node.target.name in ("sum", "mean", "amax"):
             known = self.types.get(args[0])
             if known is not None and known[0] == dtype and dtype.is_floating_point:
                 # (a floating reduction keeps its input's dtype: no conversion to call)
@@ -220,7 +220,7 @@ class _Writer:
             else:  # (an integer or bool sum is int64 in torch)
                 self.lines.append(f"{var} = {self._reduction(node, args[0])}.to({self._obj(dtype)})")
             self.types[var] = (dtype, tuple(meta.shape))
-        elif kind == "view":
+        elif kind == OpKind.VIEW:
             inline = getattr(node.target, "method_call", None)
             method = inline(args[0], dict(node.kwargs)) if inline is not None else None
             if method is not None:  # (the tensor method itself: ``v3 = l8.reshape((1, 1))``)

@@ -29,7 +29,6 @@ strides reach that far (``runtime.program.KernelLaunch``); other kernels pay not
 from __future__ import annotations
 
 import hashlib
-import re
 import itertools
 from dataclasses import dataclass
 
@@ -37,13 +36,14 @@ import sympy
 import torch
 import torch.fx as fx
 
-from compiler.codegen.kernel_text import TL_DTYPE, broadcast_index, masked, unwrapped
+from compiler.codegen.kernel_text import (TL_DTYPE, ZERO, Index, broadcast_index, constant_index,
+                                          last_position, masked, variable_index)
 from compiler.codegen.realify import IM, RE, realify
 from compiler.codegen.reductions import ReductionWriter
 from compiler.codegen.triton_printer import NotPrintable, TritonPrinter
 from compiler.ir.ops import symbols as Y
-from compiler.fusion.fuse import KernelPlan, kind_of
-from compiler.ir.graph import compute_dtype, contiguous_strides, meta_of, numel
+from compiler.fusion.fuse import KernelPlan
+from compiler.ir.graph import OpKind, compute_dtype, contiguous_strides, kind_of, meta_of, numel
 from compiler.fusion.tiling import choose_tiling, fits_one_block, next_pow2
 from runtime.program import INDEX_ASSERT
 
@@ -76,6 +76,17 @@ class KernelSource:
     checked_gathers: tuple = ()
     xblock: int = 0        # the launch's block sizes (the module's XBLOCK_DEFAULT, RBLOCK_DEFAULT)
     rblock: int = 0
+    # the kernel's memory accesses in the order its body runs them, as written: ("load", k) for a
+    # ``tl.load`` of input k (``loads[k]``), ("store", j) for a ``tl.store`` of output j; the same in
+    # ``source`` and ``wide_source`` (the twin only casts its strides before the body)
+    accesses: tuple = ()
+
+    def loaded_before_store(self, load: int, store: int) -> bool:
+        """Whether every load of input ``load`` comes before the first store of output ``store``
+        (and the kernel does both)."""
+        loads = [at for at, access in enumerate(self.accesses) if access == ("load", load)]
+        stores = [at for at, access in enumerate(self.accesses) if access == ("store", store)]
+        return bool(loads) and bool(stores) and max(loads) < min(stores)
 
 
 # Element offsets at or past this need 64-bit index math.
@@ -111,6 +122,15 @@ class KernelWriter(ReductionWriter):
         self.full_reads: set = set()     # buffers read at the kernel's own positions
         self.x_names: set = set()    # index variables that do not vary along a row
         self.r_names: set = set()    # index variables that vary only along a row
+        # what the body holds (``live_values``): its block-shaped masked loads, and (persistent
+        # kernels) its row reductions; a row's values (``row_values``) are no block
+        self.block_loads = 0
+        self.row_reductions = 0
+        self.writing_row_values = False
+        # the loads and stores written, in order (``KernelSource.accesses``): the order the kernel
+        # runs them, as the writers lay out each block of lines (a loop's body, what follows the
+        # loop, an epilogue, a second loop) after every line written before it
+        self.accesses: list = []
 
     # -- helpers -----------------------------------------------------------------------
     def size(self, value: int, key) -> str:
@@ -122,7 +142,7 @@ class KernelWriter(ReductionWriter):
 
         NOTE: keyed by what the size is, not by its value: two dims equal at one size and not at
         another would otherwise share an argument at one and not the other (two sources)."""
-        if not self.generic or value in (0, 1):
+        if not self.takes_size(value):
             return str(value)
         if key not in self.size_args:
             self.size_args[key] = (f"ks{len(self.size_args)}", value)
@@ -130,13 +150,22 @@ class KernelWriter(ReductionWriter):
         assert known == value, (key, known, value)
         return name
 
+    def takes_size(self, value: int) -> bool:
+        """Whether a size of ``value`` is an argument of this kernel (``size``), not a literal."""
+        return self.generic and value not in (0, 1)
+
+    def size_index(self, value: int, key) -> Index:
+        """``size`` as an index term: a constant where it is a literal, else a size argument."""
+        text = self.size(value, key)
+        return Index(text, sized=True) if self.takes_size(value) else constant_index(value)
+
     def tmp(self, text: str) -> str:
         name = f"t{self.counter}"
         self.counter += 1
         self.lines.append(f"{name} = {text}")
         return name
 
-    def load(self, node: fx.Node, index):
+    def load(self, node: fx.Node, index: tuple):
         """The element of buffer ``node`` at ``index``; complex: (real, imag) of it."""
         dtype = meta_of(node).dtype
         if numel(meta_of(node).shape) == 0:
@@ -151,37 +180,49 @@ class KernelWriter(ReductionWriter):
         else:
             self.full_reads.add(node)
         arg = self.load_args[node]
-        dtype = meta_of(node).dtype
-        terms = [f"({idx}) * {arg}_s{d}" for d, (idx, size) in enumerate(zip(index, meta_of(node).shape))
-                 if size != 1 and idx != "0"]
-        offset = " + ".join(terms)
-        if offset and all(_fixed(idx) for idx in index):  # a fixed element: scalar load
-            if dtype.is_complex:
-                return (self.tmp(f"tl.load({arg}_ptr + {offset})"),
-                        self.tmp(f"tl.load({arg}_ptr + {offset} + 1)")), dtype
-            return self.tmp(f"tl.load({arg}_ptr + {offset})"), dtype
-        if dtype.is_complex:  # interleaved storage: strides count real elements
-            if not offset:
-                return (self.tmp(f"tl.load({arg}_ptr)"), self.tmp(f"tl.load({arg}_ptr + 1)")), dtype
-            return (self.tmp(f"tl.load({arg}_ptr + {offset}, mask=MASK, other=0)"),
-                    self.tmp(f"tl.load({arg}_ptr + {offset} + 1, mask=MASK, other=0)")), dtype
-        if not offset:  # one element for the whole block: a scalar load, broadcast on use
-            return self.tmp(f"tl.load({arg}_ptr)"), dtype
-        names = _index_names(offset) - {f"{arg}_s{d}" for d in range(len(index))}
-        if self.r_names and names <= self.x_names:  # the same element all along a row: one per row ([XBLOCK, 1])
-            return self.tmp(f"tl.load({arg}_ptr + {offset}, mask=XMASK, other=0)"), dtype
-        if names <= self.r_names:  # the same element for every row: one per column ([1, RBLOCK])
-            return self.tmp(f"tl.load({arg}_ptr + {offset}, mask=RMASK, other=0)"), dtype
-        return self.tmp(f"tl.load({arg}_ptr + {offset}, mask=MASK, other=0)"), dtype
+        terms = [(idx, d) for d, (idx, size) in enumerate(zip(index, meta_of(node).shape))
+                 if size != 1 and idx.constant != 0]
+        offset = " + ".join(f"({idx}) * {arg}_s{d}" for idx, d in terms)
+        if not offset or all(idx.fixed for idx in index):
+            mask = None    # one element for the whole block (a fixed one, or the only one): scalar, broadcast on use
+        elif dtype.is_complex:
+            mask = "MASK"  # interleaved parts (strides count real elements), each a block
+        else:
+            mask = self.load_mask(frozenset().union(*(idx.names for idx, _ in terms)))
+        if dtype.is_complex:
+            return (self.load_line(node, offset, mask), self.load_line(node, offset, mask, "1")), dtype
+        return self.load_line(node, offset, mask), dtype
 
-    def store(self, out: str, value, addresses: list, mask: str, into: list | None = None) -> None:
-        """Write ``value`` into output ``out``: one ``tl.store`` per part (a complex value is its
-        (real, imag) pair, stored interleaved), each at its address in ``addresses``; appended to
-        the body (``self.lines``) unless ``into`` is given. Every store of a kernel is made here."""
+    def load_mask(self, names: frozenset) -> str:
+        """The mask of a block load at an offset that varies with index variables ``names``."""
+        if self.r_names and names <= self.x_names:  # the same element all along a row: one per row ([XBLOCK, 1])
+            return "XMASK"
+        if names <= self.r_names:  # the same element for every row: one per column ([1, RBLOCK])
+            return "RMASK"
+        return "MASK"
+
+    def load_line(self, node, offset: str, mask: str | None, part: str = "") -> str:
+        """A ``tl.load`` of buffer ``node`` at ``offset`` (plus ``part``), under ``mask`` (None: a
+        scalar load), into a new variable; recorded (``accesses``, ``block_loads``)."""
+        arg = self.load_args[node]
+        address = " + ".join(a for a in (f"{arg}_ptr", offset, part) if a)
+        self.accesses.append(("load", list(self.load_args).index(node)))
+        if mask is None:
+            return self.tmp(f"tl.load({address})")
+        if mask in ("MASK", "RMASK") and not self.writing_row_values:
+            self.block_loads += 1
+        return self.tmp(f"tl.load({address}, mask={mask}, other=0)")
+
+    def store(self, out: int, value, addresses: list, mask: str, into: list | None = None) -> None:
+        """Write ``value`` into output ``out`` (its position among the stores): one ``tl.store`` per
+        part (a complex value is its (real, imag) pair, stored interleaved), each at its address in
+        ``addresses``; appended to the body (``self.lines``) unless ``into`` is given. Every store of
+        a kernel is made here."""
         parts = value if isinstance(value, tuple) else (value,)
         lines = self.lines if into is None else into
         for address, part in zip(addresses, parts, strict=True):
-            lines.append(f"tl.store({out}_ptr + {address}, {part}, mask={mask})")
+            self.accesses.append(("store", out))
+            lines.append(f"tl.store(out{out}_ptr + {address}, {part}, mask={mask})")
 
     @staticmethod
     def element_addresses(offset: str, dtype: torch.dtype) -> list:
@@ -209,36 +250,37 @@ class KernelWriter(ReductionWriter):
 
     # -- values ------------------------------------------------------------------------
     def value(self, node: fx.Node, index: tuple):
-        """(Triton variable(s), dtype) of ``node`` at ``index``: loaded, or computed inline."""
-        index = tuple(_fold(i) for i in index)
-        key = (node, tuple(unwrapped(i) for i in index))   # "((i0))" is the element "i0" is
+        """(Triton variable(s), dtype) of ``node`` at ``index`` (an ``Index`` a dim): loaded, or computed
+        inline."""
+        index = tuple(i.folded() for i in index)
+        key = (node, tuple(i.element for i in index))   # "((i0))" is the element "i0" is
         if key in self.values:
             return self.values[key]
         kind = kind_of(node)
-        if kind == "iota" and not (node in self.buffers and node not in self.roots):
+        if kind == OpKind.IOTA and not (node in self.buffers and node not in self.roots):
             position = index[node.kwargs["dim"]]
-            result = self.tmp(f"tl.full(SHAPE, {position}, tl.int64)" if _fixed(position)
+            result = self.tmp(f"tl.full(SHAPE, {position}, tl.int64)" if position.fixed
                               else f"({position}).to(tl.int64)"), torch.int64
             self.values[key] = result
             return result
-        if kind == "gather" and not (node in self.buffers and node not in self.roots):
+        if kind == OpKind.GATHER and not (node in self.buffers and node not in self.roots):
             result = self.gathered(node, index)
             self.values[key] = result
             return result
-        if kind == "rand" and not (node in self.buffers and node not in self.roots):
+        if kind == OpKind.RAND and not (node in self.buffers and node not in self.roots):
             result = self.random(node, index)
             self.values[key] = result
             return result
         if (node in self.buffers and node not in self.roots) or \
-                kind not in ("pointwise", "scatter", "view", "reduction"):
+                kind not in (OpKind.POINTWISE, OpKind.SCATTER, OpKind.VIEW, OpKind.REDUCTION):
             result = self.load(node, index)
-        elif kind == "view":  # its input's value at the index the view maps to (``View.read``)
+        elif kind == OpKind.VIEW:  # its input's value at the index the view maps to (``View.read``)
             result = node.target.read(self, node, index)
-        elif kind == "reduction" and (self.persistent or node in self.reductions):
+        elif kind == OpKind.REDUCTION and (self.persistent or node in self.reductions):
             result = self.reduced(node, index)  # a row's reduction, once its value is known
-        elif kind == "pointwise":
+        elif kind == OpKind.POINTWISE:
             result = self.pointwise(node, index)
-        elif kind == "scatter":
+        elif kind == OpKind.SCATTER:
             result = self.slice_scatter(node, index)
         else:
             raise AssertionError(f"reduction {node.name} read inside the kernel that computes it")
@@ -278,11 +320,11 @@ class KernelWriter(ReductionWriter):
         """The source element at the position an index tensor gives (see ``catalog.Gather``)."""
         source, index_node = node.args
         index_at, source_at = node.target.positions(node, list(index))
-        dim, size = node.kwargs["dim"], meta_of(source).shape[node.kwargs["dim"]]
-        size_text = self.size(size, (source, "dim", dim))
+        dim = node.kwargs["dim"]
+        size = self.size_index(meta_of(source).shape[dim], (source, "dim", dim))   # a literal, or an argument
         i, _ = self.value(index_node, tuple(index_at))
         i = self.tmp(f"{i}.to(tl.int64)")
-        if all(_fixed(str(idx)) for idx in index_at):
+        if all(idx.fixed for idx in index_at):
             # one index for the whole block (a scalar load): give it the block's shape, since
             # the gathered load is masked and a masked load needs a block of pointers
             i = self.tmp(f"tl.full(SHAPE, 0, tl.int64) + {i}")
@@ -291,18 +333,18 @@ class KernelWriter(ReductionWriter):
             # check indirect indices (``assert_indirect_indexing``): no reduction over the indices
             # on the host first. Masked-off lanes are no element (a reduction over an empty gather
             # has lanes, and no index to check).
-            low = f"-{size_text}" if node.kwargs.get("wrap") else "0"
+            low = f"-{size}" if node.kwargs.get("wrap") else "0"
             what = (meta_of(node).torch_op or "indexing").replace('"', "'")
-            of_size = f" of size {size_text}" if size_text.isdigit() else ""  # (shape-generic: an argument)
-            in_range = f"({i} >= {low}) & ({i} < {size_text}) | ~(MASK)"
+            of_size = f" of size {size}" if size.constant is not None else ""  # (shape-generic: an argument)
+            in_range = f"({i} >= {low}) & ({i} < {size}) | ~(MASK)"
             self.lines.append(f'tl.device_assert({in_range}, "{what}: {INDEX_ASSERT}{of_size}")')
             self.checked_gathers[node] = None
         if node.kwargs.get("wrap"):
-            i = self.tmp(f"tl.where({i} < 0, {i} + {size_text}, {i})")
+            i = self.tmp(f"tl.where({i} < 0, {i} + {size}, {i})")
         # NOTE: clamped too, so a bad index never reads outside memory where the assert is compiled
         # out, or on GPU before the asynchronous assert stops the kernel.
-        i = self.tmp(f"tl.minimum(tl.maximum({i}, 0), {_minus_one(size_text)})")
-        source_at[dim] = i
+        i = self.tmp(f"tl.minimum(tl.maximum({i}, 0), {last_position(size)})")
+        source_at[dim] = variable_index(i)
         self.gathering.append(numel(meta_of(node).shape))
         value, dtype = self.value(source, tuple(source_at))
         self.gathering.pop()
@@ -318,15 +360,15 @@ class KernelWriter(ReductionWriter):
         """Philox(seed, position of the element in the rand node's shape), in [0, 1)."""
         seed, _ = self.value(node.args[0], ())
         shape, strides = meta_of(node).shape, contiguous_strides(meta_of(node).shape)
-        strides = [self.size(st, (node, "stride", d)) for d, st in enumerate(strides)]
-        terms = [(idx, st) for idx, size, st in zip(index, shape, strides) if size != 1 and idx != "0"]
-        if all(idx.isdigit() and st.isdigit() for idx, st in terms):  # one known element
-            position = f"tl.full(SHAPE, {sum(int(i) * int(st) for i, st in terms)}, tl.int64)"
-        elif all(_fixed(idx) for idx in index):   # a known element at sizes given as arguments
+        strides = [self.size_index(st, (node, "stride", d)) for d, st in enumerate(strides)]
+        terms = [(idx, st) for idx, size, st in zip(index, shape, strides) if size != 1 and idx.constant != 0]
+        if all(idx.position is not None and st.constant is not None for idx, st in terms):  # one known element
+            position = f"tl.full(SHAPE, {sum(i.position * st.constant for i, st in terms)}, tl.int64)"
+        elif all(idx.fixed for idx in index):   # a known element at sizes given as arguments
             position = "tl.full(SHAPE, 0, tl.int64) + " + " + ".join(f"({idx}) * {st}" for idx, st in terms)
         else:
-            position = " + ".join(f"({idx}).to(tl.int64) * {stride}" for idx, size, stride in zip(index, shape, strides)
-                                  if size != 1 and idx != "0") or "tl.full(SHAPE, 0, tl.int64)"
+            position = " + ".join(f"({idx}).to(tl.int64) * {stride}" for idx, stride in terms) \
+                or "tl.full(SHAPE, 0, tl.int64)"
         return self.tmp(f"tl.rand({seed}, {position})"), torch.float32
 
     def slice_scatter(self, node, index: tuple):
@@ -338,23 +380,24 @@ class KernelWriter(ReductionWriter):
         base_value = self.cast(base_value, base_dtype, dtype)
         if length == 0:
             return base_value, dtype
-        if index[d].isdigit():  # a known position: whether it is in the slice is known now
-            at = int(index[d]) - start
+        if index[d].position is not None:  # a known position: whether it is in the slice is known now
+            at = index[d].position - start
             if not (0 <= at < length * step and at % step == 0):
                 return base_value, dtype
-            src_index = tuple(str(at // step) if i == d else idx for i, idx in enumerate(index))
+            src_index = tuple(constant_index(at // step) if i == d else idx for i, idx in enumerate(index))
             src_index = broadcast_index(src_index, meta_of(node).shape, meta_of(src).shape)
             src_value, src_dtype = self.value(src, src_index)
             return self.cast(src_value, src_dtype, dtype), dtype
-        length_text = self.size(length, (node, "length"))
+        length_at = self.size_index(length, (node, "length"))
+        extent = length * step if length_at.constant is not None else f"{length_at} * {step}"
         rel = self.tmp(f"{index[d]} - {self.size(start, (node, 'start')) if start else start}")
-        inside = f"({rel} >= 0) & ({rel} < {length * step if length_text.isdigit() else f'{length_text} * {step}'})"
+        inside = f"({rel} >= 0) & ({rel} < {extent})"
         if step != 1:
             inside += f" & ({rel} % {step} == 0)"
         inside = self.tmp(inside)
         # clamp, so positions outside the slice still read inside src (their value is unused)
-        position = self.tmp(f"tl.minimum(tl.maximum({rel} // {step}, 0), {_minus_one(length_text)})")
-        src_index = tuple(position if i == d else idx for i, idx in enumerate(index))
+        position = self.tmp(f"tl.minimum(tl.maximum({rel} // {step}, 0), {last_position(length_at)})")
+        src_index = tuple(variable_index(position) if i == d else idx for i, idx in enumerate(index))
         src_index = broadcast_index(src_index, meta_of(node).shape, meta_of(src).shape)
         src_value, src_dtype = self.value(src, src_index)
         src_value = self.cast(src_value, src_dtype, dtype)
@@ -458,13 +501,13 @@ class KernelWriter(ReductionWriter):
             strides = contiguous_strides(sizes)
             for d, size, stride in zip(dims, sizes, strides):
                 if size == 1:
-                    index[d] = "0"
+                    index[d] = ZERO
                     continue
                 term = var if stride == 1 else f"({var} // {self.size(stride, (var, 'stride', d))})"
                 if stride * size < numel(sizes):
                     term = f"({term} % {self.size(size, ('shape', d))})"
                 target.append(f"i{d} = {term}")
-                index[d] = f"i{d}"
+                index[d] = variable_index(f"i{d}")
         index = tuple(index)
         self.base_index = index
         self.x_names = {"xindex"} | {f"i{d}" for d in xdims}
@@ -479,11 +522,11 @@ class KernelWriter(ReductionWriter):
         for root in plan.roots:
             if root in plan.online or root in plan.second_pass or root in plan.epilogue:
                 continue  # accumulated with its amax; the second loop; after the loop
-            if kind_of(root) == "reduction":
+            if kind_of(root) == OpKind.REDUCTION:
                 self.accumulate(root, accumulators)
             else:
                 stores.append(root)
-                self.store_root(root, f"out{len(stores) - 1}")
+                self.store_root(root, len(stores) - 1)
         body = [masked(line, "xmask & rmask" if reduction else "xmask")
                 .replace("SHAPE", "[XBLOCK, RBLOCK]" if reduction else "[XBLOCK]") for line in self.lines]
         if reduction:
@@ -506,10 +549,10 @@ class KernelWriter(ReductionWriter):
         kept = [(d, size) for d, size in zip(dims, sizes) if size != 1]
         for d, size in zip(dims, sizes):
             if size == 1:
-                index[d] = "0"
+                index[d] = ZERO
         lines, rest = [], var
         for k, (d, size) in enumerate(reversed(kept)):
-            index[d] = f"i{d}"
+            index[d] = variable_index(f"i{d}")
             if k == len(kept) - 1:   # the outermost dim: what is left
                 lines.append(f"i{d} = {rest}")
                 break
@@ -519,10 +562,20 @@ class KernelWriter(ReductionWriter):
             rest = quotient
         return lines
 
+    def live_values(self, accumulators: int) -> int:
+        """An estimate of the block-shaped values a kernel holds at once: each block load, each
+        accumulator, and in a persistent kernel each row reduction (values computed before it
+        are held until the reduced value is known).
+
+        NOTE: a load of the same elements for every row (``mask=RMASK``, [1, RBLOCK]) counts too: a kernel
+        over rows this long takes one row a program, where it is as large as the block (the cross-entropy
+        over 8192 targets: two such int64 loads uncounted, 2048 a step at 8 warps spilled 4 bytes)."""
+        return self.block_loads + accumulators + (2 * self.row_reductions if self.persistent else 0)
+
     def finish(self, src, stores, xnumel, wide, accumulators) -> KernelSource:
         loads = list(self.load_args)
         tiling = choose_tiling(self.plan.shape, self.plan.reduce_dims, persistent=self.persistent,
-                               live_values=_live_values(self.lines, accumulators, self.persistent),
+                               live_values=self.live_values(accumulators),
                                wide_values=any(meta_of(n).dtype.itemsize >= 8 for n in loads + stores),
                                two_pass=bool(self.plan.second_pass), shape_generic=self.generic)
         xblock = tiling.xblock
@@ -546,7 +599,8 @@ class KernelWriter(ReductionWriter):
         sizes = tuple(value for _, value in self.size_args.values()) + \
             tuple(value for _, value in self.float_args.values())
         return KernelSource(name, source, loads, stores, grid, signature, moved, tiling.num_warps,
-                            wide_name, wide_source, sizes, tuple(self.checked_gathers), tiling.xblock, tiling.rblock)
+                            wide_name, wide_source, sizes, tuple(self.checked_gathers), tiling.xblock, tiling.rblock,
+                            tuple(self.accesses))
 
     def module(self, src, stores, tiling, stride_type, size_type="i32"):
         """(name, source, signature) of the module defining the kernel that runs ``src``."""
@@ -598,23 +652,6 @@ class KernelWriter(ReductionWriter):
 
 _cse_counter = itertools.count()
 
-_SIZE_ARGUMENT = re.compile(r"k[sf]\d+")
-
-
-def _index_names(text: str) -> set:
-    """The variables an index text depends on (size arguments are not: fixed for the launch)."""
-    return {name for name in re.findall(r"[A-Za-z_]\w*", text) if not _SIZE_ARGUMENT.fullmatch(name)}
-
-
-def _fixed(index: str) -> bool:
-    """Whether an index names one element for the whole block: digits, or (shape-generic) sizes."""
-    return index.isdigit() or (bool(_SIZE_ARGUMENT.search(index)) and not _index_names(index))
-
-
-def _minus_one(size: str) -> str:
-    """``size - 1`` as text: folded where ``size`` is a literal."""
-    return str(int(size) - 1) if size.isdigit() else f"({size} - 1)"
-
 
 def _cse_symbols():
     while True:
@@ -626,27 +663,8 @@ def _used_as_condition(expr, symbol) -> bool:
     return any(w.args[0] == symbol for w in expr.atoms(S.Where))
 
 
-def _live_values(lines, accumulators: int, persistent: bool) -> int:
-    """An estimate of the block-shaped values a kernel holds at once: each block load, each
-    accumulator, and in a persistent kernel each row reduction (values computed before it
-    are held until the reduced value is known).
-
-    NOTE: a load of the same elements for every row (``mask=RMASK``, [1, RBLOCK]) counts too: a kernel
-    over rows this long takes one row a program, where it is as large as the block (the cross-entropy
-    over 8192 targets: two such int64 loads uncounted, 2048 a step at 8 warps spilled 4 bytes)."""
-    loads = sum(1 for line in lines if "tl.load(" in line and ("mask=MASK" in line or "mask=RMASK" in line))
-    reductions = sum(line.count("tl.sum(") + line.count("tl.max(") for line in lines) if persistent else 0
-    return loads + accumulators + 2 * reductions
-
-
-def _fold(index: str) -> str:
-    """An index expression with no variables in it, as its integer value ("(((0)))" -> "0")."""
-    if index.isdigit() or re.search(r"[A-Za-z_]", index):
-        return index
-    return str(eval(index, {"__builtins__": {}}))  # digits, operators and parentheses only
-
-
-_COMPUTED_KINDS = ("pointwise", "scatter", "view", "reduction", "iota", "gather", "rand")  # see value()
+_COMPUTED_KINDS = (OpKind.POINTWISE, OpKind.SCATTER, OpKind.VIEW, OpKind.REDUCTION, OpKind.IOTA, OpKind.GATHER,
+                  OpKind.RAND)  # see value()
 
 
 def _index_extent(plan: KernelPlan, buffers: set, xnumel, xblock, rnumel, rblock) -> int:
@@ -682,9 +700,9 @@ def _describe(plan: KernelPlan) -> str:
                 continue
             seen.add(n)
             name = getattr(n.target, "name", "op")
-            if name not in ops and kind_of(n) != "view":
+            if name not in ops and kind_of(n) != OpKind.VIEW:
                 ops.append(name)
-            if kind_of(n) in ("pointwise", "scatter", "view") or n is root:
+            if kind_of(n) in (OpKind.POINTWISE, OpKind.SCATTER, OpKind.VIEW) or n is root:
                 stack.extend(n.args)
     return "fused_" + "_".join(reversed(ops[:4])).replace("pointwise", "pw")
 

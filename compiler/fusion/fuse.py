@@ -17,7 +17,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from compiler.ir.graph import GraphBuilder, compute_dtype, meta_of, numel, output_node
+from compiler.ir.graph import GraphBuilder, OpKind, compute_dtype, kind_of, meta_of, numel, output_node
 from compiler.ir.ops import catalog as C
 from compiler.ir.ops import symbols as Y
 from compiler.ir.ops.pointwise import emit_pointwise
@@ -39,6 +39,26 @@ class KernelPlan:
     # mean as sum / count), computed from the rows' reductions once they are known and stored at
     # the row (``takes_epilogue``)
     epilogue: list = field(default_factory=list)
+
+    def add_root(self, node: fx.Node, join, space: tuple, column) -> None:
+        """Take ``node`` as a root, as the join rule's answer ``join`` says; ``space``: the root's
+        (shape, reduce dims), ``column``: its column-sum value and chunks, if it is one."""
+        if join.space is not None:
+            self.shape, self.reduce_dims = join.space
+        self.roots.append(node)
+        if join.epilogue:  # (the kernel's iteration space stays the rows')
+            self.epilogue.append(node)
+            return
+        if join.partner is not None:
+            self.online[node] = join.partner
+        if join.second:
+            self.second_pass.append(node)
+        if column is not None and self.shape != space[0]:  # a column sum joined a rows' kernel
+            self.columns[node] = column
+            self.reads_rows = True
+            return
+        self.reads_rows = self.reads_rows or join.reads_row
+        self.reduce_dims = self.reduce_dims or space[1]
 
     def accepts(self, shape, reduce_dims) -> bool:
         if shape != self.shape:
@@ -77,7 +97,8 @@ class KernelPlan:
         shape = tuple(meta_of(value).shape)
         if self.reduce_dims or tuple(self.shape) != shape or self.columns:
             return False
-        return all(kind_of(r) in ("pointwise", "scatter") and tuple(meta_of(r).shape) == shape for r in self.roots)
+        return all(kind_of(r) in (OpKind.POINTWISE, OpKind.SCATTER) and tuple(meta_of(r).shape) == shape
+                   for r in self.roots)
 
     def takes_epilogue(self, node: fx.Node, reductions, buffers) -> bool:
         """Whether ``node``, a pointwise value with one element per row of this kernel's reductions,
@@ -119,9 +140,10 @@ class KernelPlan:
                 continue  # (read as any kernel reads other kernels' values)
             if tuple(m.shape) not in space or m.dtype.is_complex:
                 return False
-            if kind_of(n) == "view" and not (n.target.name == "reshape" and tuple(meta_of(n.args[0]).shape) in space):
+            if kind_of(n) == OpKind.VIEW and \
+                    not (n.target.name == "reshape" and tuple(meta_of(n.args[0]).shape) in space):
                 return False
-            if kind_of(n) not in ("pointwise", "view"):
+            if kind_of(n) not in (OpKind.POINTWISE, OpKind.VIEW):
                 return False
             stack.extend(n.args)
         return found
@@ -131,7 +153,7 @@ class KernelPlan:
         row, can be computed in a second loop over the row after the reductions' loop (as eager's
         softmax backward does: ``tiling.rereads_row_from_l2``), instead of a kernel of its own that
         reads the row from memory again. Real reductions of an inner row only."""
-        if kind_of(node) == "reduction" or self.reads_rows or is_outer(self.shape, self.reduce_dims):
+        if kind_of(node) == OpKind.REDUCTION or self.reads_rows or is_outer(self.shape, self.reduce_dims):
             return False
         if any(meta_of(n).dtype.is_complex for n in list(reductions) + [node]):
             return False
@@ -155,13 +177,7 @@ class Schedule:
 
 
 # computed per element inside the kernels that read them
-INLINE_KINDS = ("pointwise", "scatter", "iota", "rand", "gather")
-
-
-def kind_of(node: fx.Node) -> str:
-    if node.op == "placeholder":
-        return "input"
-    return getattr(node.target, "kind", "other")
+INLINE_KINDS = (OpKind.POINTWISE, OpKind.SCATTER, OpKind.IOTA, OpKind.RAND, OpKind.GATHER)
 
 
 SPLIT_MIN_CHUNK = 256   # a split reduction's programs each reduce at least this many elements
@@ -180,7 +196,7 @@ def split_starved_reductions(graph: fx.Graph) -> None:
     with the ops that feed it, as any reduction does. A row that fits one block is left
     whole, so the ops after it stay in its kernel (layer norm, softmax)."""
     for node in list(graph.nodes):
-        if kind_of(node) != "reduction":
+        if kind_of(node) != OpKind.REDUCTION:
             continue
         x = node.args[0]
         shape, dims = tuple(meta_of(x).shape), tuple(node.kwargs["dims"])
@@ -237,12 +253,12 @@ def _row_kernel_chunks(graph: fx.Graph, x: fx.Node, dims) -> int | None:
     its rows' dgamma into a buffer, reduced by a second kernel)."""
     shape = tuple(meta_of(x).shape)
     last = len(shape) - 1
-    if last < 1 or tuple(dims) != tuple(range(last)) or kind_of(x) not in INLINE_KINDS + ("input",) or \
+    if last < 1 or tuple(dims) != tuple(range(last)) or kind_of(x) not in (*INLINE_KINDS, OpKind.INPUT) or \
             meta_of(x).dtype.is_complex:
         return None
     if not fits_one_block(shape, (last,)):
         return None
-    if not any(kind_of(n) == "reduction" and tuple(n.kwargs["dims"]) == (last,) and
+    if not any(kind_of(n) == OpKind.REDUCTION and tuple(n.kwargs["dims"]) == (last,) and
                tuple(meta_of(n.args[0]).shape) == shape for n in graph.nodes):
         return None
     rows = numel(shape[:-1])
@@ -270,10 +286,10 @@ def split_column_sum(graph: fx.Graph, node: fx.Node, chunks: int) -> None:
 def _column_partial(node: fx.Node):
     """(value, chunks) when ``node`` is a chunk's column sums made by ``split_column_sum``: a sum over
     dim 1 of an (M, N) value (or (..., N), M rows in all) reshaped to (chunks, M / chunks, N)."""
-    if kind_of(node) != "reduction" or node.target.name != "sum" or tuple(node.kwargs["dims"]) != (1,):
+    if kind_of(node) != OpKind.REDUCTION or node.target.name != "sum" or tuple(node.kwargs["dims"]) != (1,):
         return None
     view = node.args[0]
-    if node.kwargs["keepdim"] or kind_of(view) != "view" or view.target.name != "reshape":
+    if node.kwargs["keepdim"] or kind_of(view) != OpKind.VIEW or view.target.name != "reshape":
         return None
     value = view.args[0]
     shape, chunked = tuple(meta_of(value).shape), tuple(meta_of(view).shape)
@@ -309,18 +325,18 @@ def copy_operands_in_kernels(graph: fx.Graph) -> None:
     b = GraphBuilder(graph)
     output = output_node(graph)
     for node in list(graph.nodes):
-        if kind_of(node) == "extern":
+        if kind_of(node) == OpKind.EXTERN:
             operands = list(node.args)
         elif node is output:
             operands = list(output.args[0])
         else:
             continue
         for arg in operands:
-            if not isinstance(arg, fx.Node) or kind_of(arg) != "view":
+            if not isinstance(arg, fx.Node) or kind_of(arg) != OpKind.VIEW:
                 continue
             chain = []  # the views from the buffer to the operand, the buffer's side first
             value = arg
-            while kind_of(value) == "view":
+            while kind_of(value) == OpKind.VIEW:
                 chain.append(value)
                 value = value.args[0]
             chain.reverse()
@@ -367,11 +383,11 @@ def column_sums_over_their_source(graph: fx.Graph) -> None:
     a reshape that merges leading dims and keeps the others, of a value no row reduction reads."""
     b = GraphBuilder(graph)
     for node in list(graph.nodes):
-        if kind_of(node) != "reduction" or node.target.name not in ("sum", "mean") \
+        if kind_of(node) != OpKind.REDUCTION or node.target.name not in ("sum", "mean") \
                 or tuple(node.kwargs["dims"]) != (0,) or set(node.kwargs) - {"dims", "keepdim", "count"}:
             continue
         view = node.args[0]
-        if kind_of(view) != "view" or view.target.name != "reshape":
+        if kind_of(view) != OpKind.VIEW or view.target.name != "reshape":
             continue
         source = view.args[0]
         flat, shape = tuple(meta_of(view).shape), tuple(meta_of(source).shape)
@@ -406,21 +422,21 @@ def fuse(graph: fx.Graph, shape_generic: bool = False) -> Schedule:
         split_starved_reductions(graph)
     nodes = [n for n in graph.nodes if n.op == "call_function"]
     outputs = [o for o in output_node(graph).args[0] if isinstance(o, fx.Node)]
-    buffers = {n for n in graph.nodes if kind_of(n) in ("input", "extern", "reduction")}
+    buffers = {n for n in graph.nodes if kind_of(n) in (OpKind.INPUT, OpKind.EXTERN, OpKind.REDUCTION)}
 
     def needs_memory(value: fx.Node):
         """``value`` must be readable as a tensor: a buffer, or views of one (applied to it on
         the host by the runtime)."""
-        while kind_of(value) == "view":
+        while kind_of(value) == OpKind.VIEW:
             value = value.args[0]
         if value not in buffers:
             buffers.add(value)  # a pointwise result: becomes a kernel root
 
     for node in nodes:
-        if kind_of(node) == "extern":
+        if kind_of(node) == OpKind.EXTERN:
             for arg in node.args:
                 needs_memory(arg)
-        elif kind_of(node) == "gather" and numel(meta_of(node).shape) == 0:
+        elif kind_of(node) == OpKind.GATHER and numel(meta_of(node).shape) == 0:
             # (the kernels that gather check their indices; a gather with no elements has no kernel
             # to, and eager still checks index_select's: on the host, as its indices' buffer is written)
             needs_memory(node.args[1])
@@ -434,11 +450,11 @@ def fuse(graph: fx.Graph, shape_generic: bool = False) -> Schedule:
     reduction_roots_of: dict = {}
     for node in nodes:
         kind = kind_of(node)
-        if kind == "extern":
+        if kind == OpKind.EXTERN:
             step_of[node] = len(steps)
             steps.append(("extern", node))
             continue
-        if node not in buffers or kind not in ("pointwise", "scatter", "iota", "rand", "gather", "reduction"):
+        if node not in buffers or kind not in (*INLINE_KINDS, OpKind.REDUCTION):
             continue
         root = _Root(node, kind, buffers, reduction_roots_of)
         # The earliest kernel that can take this root: at or after the last step that
@@ -454,9 +470,9 @@ def fuse(graph: fx.Graph, shape_generic: bool = False) -> Schedule:
             target, join = len(steps), _Join()
             steps.append(("kernel", KernelPlan(root.space[0], root.space[1], [])))
         plan = steps[target][1]
-        _add_root(plan, node, root, join)
+        plan.add_root(node, join, root.space, root.column)
         step_of[node] = target
-        if kind == "reduction" and not join.epilogue and not _joined_rows_kernel(plan, root):
+        if kind == OpKind.REDUCTION and not join.epilogue and not _joined_rows_kernel(plan, root):
             reduction_roots_of.setdefault(id(plan), []).append(node)
     buffers -= _read_only_where_computed(nodes, outputs, steps, step_of, buffers)
     return Schedule(steps, buffers)
@@ -466,9 +482,9 @@ class _Root:
     """A value that must be in memory, looking for the kernel that computes it: its kind, its
     iteration space (shape, reduced dims) and, for a column sum, its rows' partial."""
 
-    def __init__(self, node: fx.Node, kind: str, buffers: set, reduction_roots_of: dict):
+    def __init__(self, node: fx.Node, kind: OpKind, buffers: set, reduction_roots_of: dict):
         self.node, self.kind, self.buffers = node, kind, buffers
-        if kind == "reduction":
+        if kind == OpKind.REDUCTION:
             self.space = (meta_of(node.args[0]).shape, node.kwargs["dims"])
         else:  # pointwise or scatter: one element per position of its shape
             self.space = (meta_of(node).shape, ())
@@ -487,11 +503,12 @@ class _Join:
     epilogue: bool = False       # computed after the kernel's reductions, in its rows' space
     second: bool = False         # in the kernel's second pass over its rows
     partner: fx.Node | None = None  # the reduction it computes with as an online softmax
+    space: tuple | None = None   # the kernel takes the root's (shape, reduce dims): it loops over column chunks
 
 
 def _joins_as_epilogue(root: _Root, plan) -> _Join | None:
     """Is the root a pointwise epilogue of this kernel's reductions?"""
-    if root.kind == "pointwise" and plan.takes_epilogue(root.node, root.reductions_of(plan), root.buffers):
+    if root.kind == OpKind.POINTWISE and plan.takes_epilogue(root.node, root.reductions_of(plan), root.buffers):
         return _Join(epilogue=True)
     return None
 
@@ -503,8 +520,7 @@ def _joins_column_sums(root: _Root, plan) -> _Join | None:
     if plan.takes_column(root.node, *root.column, root.buffers):
         return _Join(reads_row=True)
     if plan.loops_over_chunks(*root.column):   # its elements, met in the column sums' loop
-        plan.shape, plan.reduce_dims = root.space
-        return _Join()
+        return _Join(space=root.space)
     return None
 
 
@@ -549,24 +565,6 @@ def _joined_rows_kernel(plan, root: _Root) -> bool:
     return root.column is not None and plan.shape != root.space[0]
 
 
-def _add_root(plan, node: fx.Node, root: _Root, join: _Join) -> None:
-    """Record ``node`` as a root of ``plan``, as ``join`` says."""
-    plan.roots.append(node)
-    if join.epilogue:  # (the kernel's iteration space stays the rows')
-        plan.epilogue.append(node)
-        return
-    if join.partner is not None:
-        plan.online[node] = join.partner
-    if join.second:
-        plan.second_pass.append(node)
-    if _joined_rows_kernel(plan, root):
-        plan.columns[node] = root.column
-        plan.reads_rows = True
-        return
-    plan.reads_rows = plan.reads_rows or join.reads_row
-    plan.reduce_dims = plan.reduce_dims or root.space[1]
-
-
 def _copies_kernel(node: fx.Node, steps, barrier: int):
     """The kernel at or after ``barrier`` that can also make ``node``, a copy into another layout (an
     ``identity``: a bmm's operand made contiguous) with no kernel of its own shape to join: one
@@ -574,14 +572,14 @@ def _copies_kernel(node: fx.Node, steps, barrier: int):
     order, so one kernel over one shape stores both (Inductor's combo kernels launch unrelated
     pointwise kernels as one): a launch fewer, where each copy is small enough to be launch-bound
     (the transformer's backward: k transposed and the attention output, beside q, k, v)."""
-    if kind_of(node) != "pointwise" or node.target.name != "identity" or meta_of(node).dtype.is_complex:
+    if kind_of(node) != OpKind.POINTWISE or node.target.name != "identity" or meta_of(node).dtype.is_complex:
         return None
     shape = tuple(meta_of(node).shape)
     for i in range(barrier, len(steps)):
         kind_i, plan = steps[i]
         if kind_i != "kernel" or plan.reduce_dims or tuple(plan.shape) == shape:
             continue
-        if numel(plan.shape) == numel(shape) and all(kind_of(r) == "pointwise" and r.target.name == "identity"
+        if numel(plan.shape) == numel(shape) and all(kind_of(r) == OpKind.POINTWISE and r.target.name == "identity"
                                                      for r in plan.roots):
             return i
     return None
@@ -611,16 +609,17 @@ def _read_only_where_computed(nodes, outputs, steps, step_of, buffers) -> set:
     softmax moved more than eager's). Taken out of ``buffers``, a kernel computes them as roots
     (``reductions.ReductionWriter``) without a store, and the CPU path computes them inline."""
     def memory_of(value):
-        while kind_of(value) == "view":
+        while kind_of(value) == OpKind.VIEW:
             value = value.args[0]
         return value
 
-    candidates = {n for n in nodes if kind_of(n) == "reduction" and n in step_of and steps[step_of[n]][0] == "kernel"}
+    candidates = {n for n in nodes
+                  if kind_of(n) == OpKind.REDUCTION and n in step_of and steps[step_of[n]][0] == "kernel"}
     kept = {memory_of(o) for o in outputs}
     for node in nodes:
-        if kind_of(node) == "extern":
+        if kind_of(node) == OpKind.EXTERN:
             kept |= {memory_of(a) for a in node.args if isinstance(a, fx.Node)}
-        elif kind_of(node) == "gather":
+        elif kind_of(node) == OpKind.GATHER:
             kept.add(memory_of(node.args[1]))   # its range check reads the indices on the host
         if meta_of(node).materialize:
             kept.add(memory_of(node))
@@ -643,14 +642,14 @@ def _online_softmax_partner(node: fx.Node, reductions, buffers, plan):
     kernel then keeps a running max and a sum rescaled to it as the row streams by (online
     softmax: Milakov & Gimelshein 2018; Inductor and flash-attention do the same), instead
     of reading the row once for the max and again for the sum."""
-    if kind_of(node) != "reduction" or node.target.name != "sum" or node.args[0] in buffers:
+    if kind_of(node) != OpKind.REDUCTION or node.target.name != "sum" or node.args[0] in buffers:
         return None
     e = node.args[0]
     a0, a1 = Y.REAL_ARGS[0], Y.REAL_ARGS[1]
-    if kind_of(e) != "pointwise" or meta_of(e).expr != sympy.exp(a0):
+    if kind_of(e) != OpKind.POINTWISE or meta_of(e).expr != sympy.exp(a0):
         return None
     d = e.args[0]
-    if not isinstance(d, fx.Node) or d in buffers or kind_of(d) != "pointwise" or meta_of(d).expr != a0 - a1:
+    if not isinstance(d, fx.Node) or d in buffers or kind_of(d) != OpKind.POINTWISE or meta_of(d).expr != a0 - a1:
         return None
     x, c = d.args
     if not isinstance(c, fx.Node) or meta_of(d).shape != meta_of(x).shape:
@@ -662,7 +661,7 @@ def _online_softmax_partner(node: fx.Node, reductions, buffers, plan):
             continue
         others = [n for n in list(inlined_reads(c)) + [c] if n is not m]
         if _depends_on(c, [m], ()) and _row_aligned(c, [m], plan) and \
-                all(n not in buffers and kind_of(n) in ("pointwise", "view") for n in others):
+                all(n not in buffers and kind_of(n) in (OpKind.POINTWISE, OpKind.VIEW) for n in others):
             return m
     return None
 
@@ -678,7 +677,7 @@ def inlined_reads(node: fx.Node):
             continue
         seen.add(n)
         yield n
-        if kind_of(n) in INLINE_KINDS or kind_of(n) == "view":
+        if kind_of(n) in INLINE_KINDS or kind_of(n) == OpKind.VIEW:
             stack.extend(n.args)
 
 
@@ -709,11 +708,11 @@ def _row_aligned(node: fx.Node, reductions, plan) -> bool:
 
     def _aligned_through(n) -> bool:
         kind = kind_of(n)
-        if len(meta_of(n).shape) != rank or kind == "reduction":
+        if len(meta_of(n).shape) != rank or kind == OpKind.REDUCTION:
             return False  # an implicit broadcast (lower rank) or another reduction's space
         if kind in INLINE_KINDS:
             return all(aligned(a) for a in n.args)
-        if kind != "view":
+        if kind != OpKind.VIEW:
             return False
         source = n.args[0]
         if n.target.name == "expand":

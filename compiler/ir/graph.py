@@ -12,6 +12,7 @@ with ``update_meta``, which swaps in a new record for that node alone.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import math
 
@@ -147,6 +148,28 @@ def contiguous_strides(shape) -> tuple:
     return tuple(reversed(strides))
 
 
+class OpKind(enum.StrEnum):
+    """What a graph node is to the stages after capture (its op's ``kind``): how fusion groups it
+    and how the kernel writer computes it."""
+    INPUT = "input"          # a placeholder
+    POINTWISE = "pointwise"  # an element from the elements of its arguments at the same index
+    REDUCTION = "reduction"
+    VIEW = "view"            # a new index map over its argument's elements (no data moved)
+    SCATTER = "scatter"      # values written into positions of a zero (or given) tensor
+    GATHER = "gather"        # elements read at positions a tensor holds
+    IOTA = "iota"            # a value of its index (arange)
+    RAND = "rand"            # a random number from a seed and its index
+    EXTERN = "extern"        # a PyTorch call of its own (matmul, convolution): never fused
+    OP = "op"                # a catalog op of no kind above
+    OTHER = "other"          # no catalog op (the output node)
+
+
+def kind_of(node: fx.Node) -> OpKind:
+    if node.op == "placeholder":
+        return OpKind.INPUT
+    return getattr(node.target, "kind", OpKind.OTHER)
+
+
 def output_node(graph: fx.Graph) -> fx.Node:
     """The graph's output node (fx keeps it last)."""
     node = next(iter(reversed(graph.nodes)))
@@ -171,10 +194,10 @@ def copy_graph(graph: fx.Graph) -> fx.Graph:
 class GraphBuilder:
     """Appends catalog ops to an fx.Graph with their metadata filled in."""
 
-    def __init__(self, graph: fx.Graph | None = None):
+    def __init__(self, graph: fx.Graph | None = None, new_seed=None):
         self.graph = graph if graph is not None else fx.Graph()
         self.created: list = []   # call nodes in creation order (stages tag what they made)
-        self.new_seed = None      # capture's: () -> a region input holding a fresh RNG seed per call
+        self.new_seed = new_seed  # capture's: () -> a region input holding a fresh RNG seed per call
 
     def placeholder(self, name, shape, dtype, requires_grad=False, device=None) -> fx.Node:
         node = self.graph.placeholder(name)

@@ -4,14 +4,14 @@ calls, index checks, buffer reuse (donations) and the order that keeps memory lo
 from __future__ import annotations
 
 import math
-import re
+from dataclasses import dataclass
 
 import torch.fx as fx
 
 from compiler.codegen.torch_kernel import render_torch_kernel
 from compiler.codegen.triton_kernel import render_kernel
-from compiler.fusion.fuse import Schedule, inlined_reads, kind_of
-from compiler.ir.graph import meta_of, output_node
+from compiler.fusion.fuse import Schedule, inlined_reads
+from compiler.ir.graph import OpKind, kind_of, meta_of, output_node
 from runtime.program import ExternCall, IndexCheck, KernelLaunch, Program, ValueRef, ViewStep
 
 
@@ -40,7 +40,6 @@ def lower(graph: fx.Graph, schedule: Schedule, check_indices: bool = True, trans
         return ValueRef(slots[node], tuple(reversed(views)))
 
     steps, sources = [], []
-    donors = {}  # id(KernelLaunch) -> its (store index, load slot) candidates (``_donors``)
     rendered = {id(item): render_kernel(item, schedule.buffers, shape_generic, check_indices)
                 for kind, item in schedule.steps if kind == "kernel"}
     index_checks = _index_checks(graph) if check_indices else {}
@@ -79,27 +78,54 @@ def lower(graph: fx.Graph, schedule: Schedule, check_indices: bool = True, trans
                 explain.append(entry)
         for node in src.stores:
             slots[node] = len(slots)
-        steps.append(_launch(src, slots, schedule.buffers,
-                             tuple(IndexCheck([ref(index)], size, wrap, what) for index, size, wrap, what in explain)
-                             if src.checked_gathers else None))
         # NOTE: a kernel that checks indices stores no input's new value in place: its programs before
         # the one meeting a bad index would have written the user's tensor, which eager's error leaves
         # as it was (the write-back after the region never runs then)
-        donors[id(steps[-1])] = _donors(item, src, slots, len(placeholders)) + \
+        donors = _donors(item, src, slots, len(placeholders)) + \
             (_input_donors(item, src, slots, placeholders, donated_inputs or {}) if not src.checked_gathers else [])
+        steps.append(_PlannedLaunch(_launch_arguments(
+            src, slots, schedule.buffers,
+            tuple(IndexCheck([ref(index)], size, wrap, what) for index, size, wrap, what in explain)
+            if src.checked_gathers else None), donors))
         sources.append(src)
         check(src.stores)
     outputs = [ref(o) if isinstance(o, fx.Node) else None
                for o in output_node(graph).args[0]]
     nbytes = {slot: math.prod(meta_of(node).shape) * meta_of(node).dtype.itemsize for node, slot in slots.items()
               if slot >= len(placeholders) or slot in transient_inputs}
+    return _program(steps, outputs, len(placeholders), len(slots), nbytes), sources
+
+
+def _program(steps: list, outputs: list, num_inputs: int, num_slots: int, nbytes: dict) -> Program:
+    """The program running ``steps`` in an order that keeps less memory allocated (``_memory_order``),
+    freeing each buffer after its last reader, each launch writing outputs into the memory of
+    buffers that die at it where it may (``_donations``)."""
     kept = {o.slot for o in outputs if o is not None}
-    program = Program(len(placeholders), len(slots), _memory_order(steps, nbytes, kept), outputs)
-    program.frees = _liveness(program)
-    for step, dead in zip(program.steps, program.frees):
-        if isinstance(step, KernelLaunch):
-            step.reuse = _donations(donors[id(step)], set(dead) - kept)
-    return program, sources
+    ordered = _memory_order(steps, nbytes, kept)
+    frees = _liveness(ordered, kept)
+    steps = [step.launch(set(dead) - kept) if isinstance(step, _PlannedLaunch) else step
+             for step, dead in zip(ordered, frees)]
+    return Program(num_inputs, num_slots, steps, outputs, frees)
+
+
+@dataclass(frozen=True)
+class _PlannedLaunch:
+    """A kernel launch before the program's order is known: its ``KernelLaunch`` arguments, and the
+    buffers it may write an output into (``_donors``); which it does follows from the order (what
+    dies at the launch: ``_donations``), and is the launch's ``reuse``."""
+    arguments: dict
+    donors: list
+
+    @property
+    def loads(self) -> list:
+        return self.arguments["loads"]
+
+    @property
+    def stores(self) -> list:
+        return self.arguments["stores"]
+
+    def launch(self, dying: set) -> KernelLaunch:
+        return KernelLaunch(**self.arguments, reuse=_donations(self.donors, dying))
 
 
 def _host_index_checks(index_checks: dict, rendered: dict) -> dict:
@@ -114,13 +140,15 @@ def _host_index_checks(index_checks: dict, rendered: dict) -> dict:
     return checks
 
 
-def _launch(src, slots: dict, buffers, index_checks) -> KernelLaunch:
-    """The runtime's launch of a rendered kernel, with its CPU path's rendering."""
+def _launch_arguments(src, slots: dict, buffers, index_checks) -> dict:
+    """The arguments of the runtime's launch of a rendered kernel (``KernelLaunch``), with its CPU
+    path's rendering."""
     loads, stores = [slots[n] for n in src.loads], [slots[n] for n in src.stores]
-    return KernelLaunch(
-        src.name, src.source, loads, [(slots[n], meta_of(n).shape, meta_of(n).dtype) for n in src.stores],
-        src.grid, src.xblock, src.rblock, src.bytes_moved, src.num_warps, wide_name=src.wide_name,
-        wide_source=src.wide_source, sizes=src.sizes,
+    return dict(
+        name=src.name, source=src.source, loads=loads,
+        stores=[(slots[n], meta_of(n).shape, meta_of(n).dtype) for n in src.stores],
+        grid=src.grid, xblock=src.xblock, rblock=src.rblock, bytes_moved=src.bytes_moved, num_warps=src.num_warps,
+        wide_name=src.wide_name, wide_source=src.wide_source, sizes=src.sizes,
         torch_kernel=render_torch_kernel(src.name, src.loads, loads, src.stores, stores, buffers),
         index_checks=index_checks)
 
@@ -143,13 +171,13 @@ def _donors(plan, src, slots, num_inputs: int) -> list:
     pairs = []
     for j, out in enumerate(src.stores):
         m = meta_of(out)
-        if kind_of(out) != "pointwise" or tuple(m.shape) != tuple(plan.shape) or m.dtype.is_complex:
+        if kind_of(out) != OpKind.POINTWISE or tuple(m.shape) != tuple(plan.shape) or m.dtype.is_complex:
             continue
         for k, buffer in enumerate(src.loads):
             b = meta_of(buffer)
             if slots[buffer] >= num_inputs and _fresh(buffer) and b.dtype == m.dtype \
                     and math.prod(b.shape) == math.prod(m.shape) and _reads_value(out, buffer) \
-                    and _loaded_before_store(src, k, j):
+                    and src.loaded_before_store(k, j):
                 pairs.append((j, slots[buffer]))
     return pairs
 
@@ -183,7 +211,7 @@ def _input_donors(plan, src, slots, placeholders, donated: dict) -> list:
 def _reads_at_own_index(new, old, src) -> bool:
     """Whether ``new`` reads ``old`` (a loaded buffer) only through pointwise values of its own
     shape, each element at its own index, or not at all."""
-    if kind_of(new) != "pointwise":
+    if kind_of(new) != OpKind.POINTWISE:
         return not _reads_value(new, old)
     shape, stack, seen = tuple(meta_of(new).shape), [new], set()
     while stack:
@@ -195,7 +223,7 @@ def _reads_at_own_index(new, old, src) -> bool:
             continue
         if n is not new and n in src.loads:
             continue  # another buffer: its own reads are another kernel's
-        if kind_of(n) == "pointwise" and tuple(meta_of(n).shape) == shape:
+        if kind_of(n) == OpKind.POINTWISE and tuple(meta_of(n).shape) == shape:
             stack.extend(n.all_input_nodes)
         elif n is not new and _reads_value(n, old):
             return False
@@ -213,7 +241,7 @@ _FRESH_EXTERNS = ("mm", "bmm", "addmm", "conv", "conv_backward")
 
 def _fresh(buffer) -> bool:
     """Whether ``buffer``'s memory is its own: a kernel's output, or a matmul's or convolution's."""
-    return kind_of(buffer) != "extern" or buffer.target.name in _FRESH_EXTERNS
+    return kind_of(buffer) != OpKind.EXTERN or buffer.target.name in _FRESH_EXTERNS
 
 
 def _donations(donors, dying: set) -> tuple:
@@ -232,11 +260,11 @@ def _elementwise_aligned(plan, src) -> bool:
     contiguous tensor's element order). (A view elsewhere, a permute of a computed value,
     reads the buffers below it at other indices: ``dz + dz.t()`` loads dz's inputs transposed.)"""
     for node in _computed(src):
-        if kind_of(node) == "view":
+        if kind_of(node) == OpKind.VIEW:
             if node.target.name != "reshape":
                 return False
             continue
-        if kind_of(node) != "pointwise" or tuple(meta_of(node).shape) != tuple(plan.shape) or \
+        if kind_of(node) != OpKind.POINTWISE or tuple(meta_of(node).shape) != tuple(plan.shape) or \
                 any(tuple(meta_of(a).shape) != tuple(plan.shape) for a in node.all_input_nodes):
             return False
     return True
@@ -251,20 +279,6 @@ def _computed(src) -> set:
             computed.add(node)
             stack.extend(node.all_input_nodes)
     return computed
-
-
-def _loaded_before_store(src, load: int, store: int) -> bool:
-    """Whether, in the kernel's source (and its 64-bit twin), every load of input ``load`` comes
-    before the store to output ``store``."""
-    for source in (src.source, src.wide_source):
-        if source is None:
-            continue
-        lines = source.splitlines()
-        loads = [i for i, line in enumerate(lines) if re.search(rf"tl\.load\(in{load}_ptr\b", line)]
-        stores = [i for i, line in enumerate(lines) if re.search(rf"tl\.store\(out{store}_ptr\b", line)]
-        if not loads or not stores or max(loads) > min(stores):
-            return False
-    return True
 
 
 def _joint_externs(schedule) -> dict:
@@ -291,13 +305,13 @@ def _index_checks(graph: fx.Graph) -> dict:
     indices, so a bad one never reads outside memory; the check gives eager's error.)"""
     checks: dict = {}
     for node in graph.nodes:
-        if getattr(node.target, "kind", None) != "gather":
+        if kind_of(node) != OpKind.GATHER:
             continue
         source, index = node.args
         if math.prod(meta_of(node).shape) == 0 and "index_select" not in (meta_of(node).torch_op or ""):
             continue  # eager checks no index for an empty result (x[idx] of a zero-size tensor)
         base = index
-        while getattr(base.target, "kind", None) == "view":
+        while kind_of(base) == OpKind.VIEW:
             base = base.args[0]
         checks[node] = (base, (index, meta_of(source).shape[node.kwargs["dim"]], node.kwargs.get("wrap", False),
                                meta_of(node).torch_op or "indexing"))
@@ -305,11 +319,11 @@ def _index_checks(graph: fx.Graph) -> dict:
 
 
 def _reads(step) -> list:
-    return step.loads if isinstance(step, KernelLaunch) else [a.slot for a in step.args]
+    return step.loads if isinstance(step, _PlannedLaunch) else [a.slot for a in step.args]
 
 
 def _writes(step) -> list:
-    if isinstance(step, KernelLaunch):
+    if isinstance(step, _PlannedLaunch):
         return [slot for slot, _, _ in step.stores]
     return [step.out, *step.also] if isinstance(step, ExternCall) else []
 
@@ -347,15 +361,15 @@ def _memory_order(steps, nbytes, kept) -> list:
     return order
 
 
-def _liveness(program: Program):
-    """Per step, the slots no later step or output reads: freed as soon as possible."""
-    keep = {o.slot for o in program.outputs if o is not None}
+def _liveness(steps: list, kept: set) -> list:
+    """Per step, the slots no later step reads (nor are ``kept``: the program's outputs): freed as
+    soon as possible."""
     last_use = {}
-    for i, step in enumerate(program.steps):
+    for i, step in enumerate(steps):
         for slot in _reads(step):
             last_use[slot] = i
-    frees = [[] for _ in program.steps]
+    frees = [[] for _ in steps]
     for slot, i in last_use.items():
-        if slot not in keep:
+        if slot not in kept:
             frees[i].append(slot)
     return frees

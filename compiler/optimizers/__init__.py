@@ -11,7 +11,7 @@ place of the optimizer's per-parameter loop. Any other optimizer (RMSprop, a sub
 running eagerly, with the reason in ``explain()``'s fallbacks.
 
 ``torch.nn.utils.clip_grad_norm_``, the bookkeeping between backward and the step, is noted
-and compiled the same way (``clip``: a few combo kernels per call, ``Trace.fused_calls``).
+and compiled the same way (``clip``: a few combo kernels per call, ``CompiledRecording.fused_calls``).
 """
 
 from __future__ import annotations
@@ -72,10 +72,8 @@ class StepRecorder:
         return found
 
     def clip_ends(self, found, total_norm):
-        found.end = len(self.mode.calls)
         entry = self.mode.ids.get(id(total_norm))
-        if entry is not None and entry[0]() is total_norm:
-            found.output_id = entry[1]
+        found.ended(len(self.mode.calls), entry[1] if entry is not None and entry[0]() is total_norm else None)
 
 
 def _gradient_facts(p):
@@ -87,8 +85,10 @@ def _gradient_facts(p):
 
 
 def compile_optimizer_steps(trace, recorded, stats=None) -> tuple:
-    """Compile the recorded optimizer steps of ``trace`` (``StepRecorder.found``) into
-    ``trace.fused_steps``. Returns (KernelInfo list, reasons some steps run eagerly)."""
+    """Compile the recorded optimizer steps of ``trace`` (``StepRecorder.found``). Returns (the
+    fused steps by the call index where each began, the fused clip_grad_norm_ calls likewise,
+    KernelInfo list, reasons some steps run eagerly): a ``CompiledRecording``'s ``fused_steps``
+    and ``fused_calls``."""
     kernels, reasons, fused, clips = [], [], {}, {}
     for entry in recorded:
         if isinstance(entry, clip.ClipRecord):
@@ -124,16 +124,14 @@ def compile_optimizer_steps(trace, recorded, stats=None) -> tuple:
         _name_for_profiler(step.launches, f"{name}.step")
         kernels.extend(KernelInfo(launch.name, launch.source, "optimizer", -1, launch.bytes_moved)
                        for launch in step.launches)
-    trace.fused_steps = fused
-    trace.fused_calls = clips
-    return kernels, reasons
+    return fused, clips, kernels, reasons
 
 
 def _name_for_profiler(launches, what: str) -> None:
     """The names the combo kernels run under in a profile (as ``compiler.api.name_for_profiler``
     names the regions' kernels): the kernel, the call it does and how many parameters it updates."""
     for launch in launches:
-        launch.profile_name = f"symgrad kernel {launch.name} [{what}, {len(launch.members)} tensors]"
+        launch.name_in_profiles(f"symgrad kernel {launch.name} [{what}, {len(launch.members)} tensors]")
 
 
 def fused_call_indices(trace) -> set:

@@ -28,6 +28,7 @@ import torch
 from compiler.optimizers.combo import BLOCK, MAX_PARAMETERS, NUM_WARPS, named, select_member
 from runtime.clip_grad import FusedClipGradNorm
 from runtime.optimizer_step import ComboLaunch
+from runtime.trace import CallKind
 
 _INT32_LIMIT = 2 ** 31
 _DTYPES = {torch.float32: "fp32", torch.float64: "fp64"}
@@ -51,6 +52,11 @@ class ClipRecord:
     foreach: object
     end: int | None = None     # index after its last recorded call (None: it raised)
     output_id: object = None   # value id of the total norm it returned
+
+    def ended(self, end: int, output_id) -> None:
+        """The call returned: its calls end before index ``end``, its total norm is value ``output_id``
+        (None where the recording does not know the tensor)."""
+        self.end, self.output_id = end, output_id
 
 
 def record(start, params, max_norm, norm_type, error_if_nonfinite, foreach) -> ClipRecord:
@@ -87,7 +93,7 @@ def compile_clip(trace, clip: ClipRecord, stats) -> FusedClipGradNorm:
     if clip.output_id is None:
         raise NotFused("its total norm is not a tensor the recording tracked")
     calls = trace.calls[clip.start:clip.end]
-    if not calls or any(c.kind != "eager" or c.reason is not None for c in calls):
+    if not calls or any(c.kind is not CallKind.EAGER or c.reason is not None for c in calls):
         raise NotFused("its calls were not all eager bookkeeping (the function runs under no_grad?)")
     for start, end in trace.optimizer_steps.items():
         if start <= clip.start < end:

@@ -31,11 +31,11 @@ import sympy
 import torch
 import torch.fx as fx
 
-from compiler.ir.graph import NodeMeta, broadcast_shapes, meta_of, set_meta
+from compiler.ir.graph import NodeMeta, OpKind, broadcast_shapes, kind_of, meta_of, set_meta
 from runtime.calls import unflatten_call
 from runtime.program import ViewStep
 from runtime.torch_functions import function_name
-from runtime.trace import TensorMeta, Trace, ValueId
+from runtime.trace import Recording, TensorMeta, ValueId
 
 MAX_DEGREE = 3          # monomials of the sizes tried: s0, s0*s1, s0**2*s1, ...
 MAX_POSITIONS = 200_000  # ints in a recording beyond which no template is made (fitting would cost too much)
@@ -48,11 +48,15 @@ class NotInstantiable(Exception):
 class ShapeRuleBroken(NotInstantiable):
     """A re-made graph's node (at ``position`` in its graph) disagrees with its op's shape rule."""
 
-    def __init__(self, message: str, position: int):
+    def __init__(self, message: str, position: int, template_node=None, graph_index: int = 0):
         super().__init__(message)
         self.position = position
-        self.template_node = None   # the node at ``position`` in the template's own graph
-        self.where = (0, position)  # (graph index, position): how far an instantiation got
+        self.template_node = template_node   # the node at ``position`` in the template's own graph
+        self.where = (graph_index, position)  # (graph index, position): how far an instantiation got
+
+    def located(self, template_graph, graph_index: int) -> "ShapeRuleBroken":
+        """The same error, naming the template's node at its position in graph ``graph_index``."""
+        return ShapeRuleBroken(str(self), self.position, list(template_graph.nodes)[self.position], graph_index)
 
 
 # graph kwargs whose ints are never sizes: dim indices (a permute's (0, 2, 1, 3) at a batch of 3 became
@@ -264,7 +268,7 @@ def _no_unit(label):
     pass
 
 
-def remake(trace: Trace, graphs: list, f, unit=_no_unit) -> tuple:
+def remake(trace: Recording, graphs: list, f, unit=_no_unit) -> tuple:
     """(trace, graphs) with every int position mapped by ``f``, in the order ``positions``
     lists them. The trace's calls and plans are new objects; what does not depend on sizes
     (functions, value ids, compiled optimizer steps, external tensors) is shared. ``unit(label)``
@@ -294,17 +298,16 @@ def remake(trace: Trace, graphs: list, f, unit=_no_unit) -> tuple:
         for vid, (base, steps) in plan.views.items():  # outputs remade as views of another output
             unit(("views", len(steps)))
             views[vid] = (base, tuple(ViewStep(step.op, _map_ints(step.params, f)) for step in steps))
-        new_plan = dataclasses.replace(plan, internal=internal, views=views, compiled=None, stand_ins=None)
         new_graph = None if graph is None else _remake_graph(graph, f, unit)
-        new_plan.graph = new_graph
-        plans.append(new_plan)
+        plans.append(dataclasses.replace(plan, internal=internal, views=views, compiled=None, graph=new_graph))
         new_graphs.append(new_graph)
-    new = dataclasses.replace(trace, calls=calls, regions=plans, externals=externals, transient=transient,
-                              recorded_optimizer_steps=[])
+    # (a Recording, not compiled, whatever ``trace`` was)
+    new = Recording(**(trace.recorded_fields() | dict(calls=calls, regions=plans, externals=externals,
+                                                       transient=transient, recorded_optimizer_steps=[])))
     return new, new_graphs
 
 
-def units(trace: Trace, graphs: list) -> list:
+def units(trace: Recording, graphs: list) -> list:
     """The ints of a recording in ``remake``'s order, by unit: [(label, [ints])]."""
     found = []
 
@@ -421,7 +424,7 @@ def _monomial_space(points, count) -> tuple:
 class Template:
     """A recording (``trace``, region ``graphs``) with an expression for each of its ints."""
 
-    def __init__(self, trace: Trace, graphs: list, sizes: tuple, others=()):
+    def __init__(self, trace: Recording, graphs: list, sizes: tuple, others=()):
         """``sizes``: the dynamic sizes the recording was made at; ``others``: earlier
         recordings of the same calls at other sizes, as (trace, graphs, sizes)."""
         self.trace, self.graphs, self.sizes = trace, graphs, tuple(sizes)
@@ -566,8 +569,7 @@ class Template:
             try:
                 check_shapes(graph, unchecked)
             except ShapeRuleBroken as e:
-                e.template_node, e.where = list(template_graph.nodes)[e.position], (index, e.position)
-                raise
+                raise e.located(template_graph, index) from e
         return trace, graphs
 
 
@@ -599,17 +601,17 @@ def check_shapes(graph: fx.Graph, skip=frozenset(), collect=None) -> None:
     for position, node in enumerate(graph.nodes):
         if node.op != "call_function" or "symgrad" not in node.meta or position in skip:
             continue
-        kind = getattr(node.target, "kind", None)
+        kind = kind_of(node)
         shape = tuple(meta_of(node).shape)
         try:
-            if kind == "pointwise":
+            if kind == OpKind.POINTWISE:
                 shapes = [tuple(meta_of(a).shape) for a in node.args if isinstance(a, fx.Node)]
                 expected = broadcast_shapes(*shapes) if shapes else shape
                 ok = expected == shape or (shapes and all(s == () for s in shapes))
-            elif kind == "reduction":
+            elif kind == OpKind.REDUCTION:
                 in_shape, kw = tuple(meta_of(node.args[0]).shape), node.kwargs
                 ok = node.target.out_shape(in_shape, kw["dims"], kw["keepdim"]) == shape
-            elif kind == "view":
+            elif kind == OpKind.VIEW:
                 x = node.args[0]
                 in_shape = tuple(meta_of(x).shape)
                 ok = tuple(node.target.out_shape(in_shape, dict(node.kwargs))) == shape

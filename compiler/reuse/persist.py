@@ -109,12 +109,13 @@ def _settings() -> str:
     return ";".join(out)
 
 
-def region_key(graph: fx.Graph, mutated, options: dict) -> str | None:
-    """The key of a region graph (a hex digest), or None when some part of it has no stable
-    text (an object printed by address): such a region is compiled every time."""
+def region_key(graph: fx.Graph, mutated, options: dict, backend: str) -> str | None:
+    """The key of a region graph built for ``backend`` (a hex digest; its programs keep the backend
+    they were built for: ``runtime.backends``), or None when some part of it has no stable text
+    (an object printed by address): such a region is compiled every time."""
     index = {}
     options = sorted((k, sorted(v) if isinstance(v, (set, frozenset)) else v) for k, v in options.items())
-    parts = [build_versions(), _settings(), repr(sorted(mutated)), repr(options)]
+    parts = [build_versions(), _settings(), backend, repr(sorted(mutated)), repr(options)]
     for i, node in enumerate(graph.nodes):
         index[node] = i
         target = node.target
@@ -137,18 +138,16 @@ def region_key(graph: fx.Graph, mutated, options: dict) -> str | None:
 def _reduce_launch(launch: KernelLaunch):
     """A kernel launch without what it loaded at run time (the jit function, bound launchers).
     Kept: a shape-generic kernel's size arguments, the CPU path's function (``torch_kernel``, as
-    source text), and the buffer reuse and fresh loads (set by the compiler after construction;
-    without them a loaded step allocates every output anew: a higher peak than the step built here)."""
-    return _launch, ((launch.name, launch.source, launch.loads, launch.stores, launch.grid, launch.xblock,
-                      launch.rblock, launch.bytes_moved, launch.num_warps, launch.wide_name, launch.wide_source),
-                     {"sizes": launch.sizes, "torch_kernel": launch.torch_kernel},
-                     {"reuse": launch.reuse, "fresh_loads": launch.fresh_loads})
+    source text), the buffer reuse (without it a loaded step allocates every output anew: a
+    higher peak than the step built here) and the index checks (without them a loaded kernel's
+    out-of-range index would not raise eager's IndexError)."""
+    kept = ("name", "source", "loads", "stores", "grid", "xblock", "rblock", "bytes_moved", "num_warps", "wide_name",
+            "wide_source", "sizes", "reuse", "torch_kernel", "index_checks")
+    return _launch, ({name: getattr(launch, name) for name in kept},)
 
 
-def _launch(args, fields, state):
-    launch = KernelLaunch(*args, **fields)
-    launch.reuse, launch.fresh_loads = state["reuse"], state["fresh_loads"]
-    return launch
+def _launch(fields: dict) -> KernelLaunch:
+    return KernelLaunch(**fields)
 
 
 class _NodeRef:
@@ -246,10 +245,9 @@ def load(key: str, rebuild):
     except Exception as e:  # noqa: BLE001 — truncated, garbled, or from an incompatible build
         discard_damaged(path, "compiled-region cache entry", "compiling again", e)
         return None
-    lazy = _LazyParts(region, rebuild)
+    lazy = _LazyParts(region, rebuild)  # (it compares the saved set and kernels: the copy below shares them)
     region = dataclasses.replace(region, on_demand=OnDemand(**{name: functools.partial(lazy.call, name)
                                                                for name in entry["lazy"]}))
-    lazy.region = region
     return region, entry["backward_graph"], entry["kernels"]
 
 

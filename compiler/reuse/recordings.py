@@ -1,6 +1,6 @@
 """Recordings on disk: a fresh process's first call of a function seen before replays at once.
 
-A recording (``runtime.trace.Trace``) is what the first call of a function learned: its torch
+A recording (``runtime.trace.Recording``, capture's hand-off) is what the first call of a function learned: its torch
 calls, its regions' captured graphs, the tensors it reached outside its arguments. Stored after
 it compiled, it lets another process skip the eager recording run: the regions it names load from
 the compiled-region cache (``compiler.reuse.persist``: no SymPy, no fusion, no codegen), and the call
@@ -408,7 +408,7 @@ class _Reader(pickle.Unpickler):
 # -- storing and finding --------------------------------------------------------------------------
 @dataclass
 class Prepared:
-    """A recording ready to be written (made before compiling changes the trace)."""
+    """A recording ready to be written."""
     path: str
     payload: bytes
 
@@ -510,7 +510,7 @@ def find(fn, spec, leaves) -> list:
 
 
 def load(stored: Stored, fn, leaves):
-    """The Trace of a stored recording with its paths resolved in this call. Raises Unresolved
+    """The Recording of a stored recording with its paths resolved in this call. Raises Unresolved
     where a path leads nowhere or two lead to one object (the recording had two)."""
     seen = {}
     for path in stored.required:

@@ -1,10 +1,11 @@
 """The base of every catalog op: a named, callable-looking fx target that the compiler lowers."""
 
 from __future__ import annotations
+from compiler.ir.graph import OpKind
 
 
 class OpDef:
-    kind = "op"
+    kind = OpKind.OP
 
     def __init__(self, name: str):
         self.name = name

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from compiler.ir.graph import GraphBuilder
+from compiler.ir.graph import GraphBuilder, OpKind
 from compiler.ir.ops.base import OpDef
 from compiler.ir.ops.externs import (
     EXTERNS,
@@ -84,6 +84,6 @@ __all__ = [
 
 def vjp(b: GraphBuilder, node: fx.Node, grad_out: fx.Node):
     """Gradient contributions for each tensor argument of ``node`` (None: no gradient)."""
-    if node.target.kind == "pointwise":
+    if node.target.kind == OpKind.POINTWISE:
         return pointwise_vjp(b, node, grad_out)
     return node.target.vjp(b, node, grad_out)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from compiler.ir.graph import meta_of
+from compiler.ir.graph import OpKind, meta_of
 from compiler.ir.ops import structural, views
 from compiler.ir.ops.base import OpDef
 from compiler.ir.ops.pointwise import emit_pointwise
@@ -18,7 +18,7 @@ class Extern(OpDef):
     (``runtime.program.ExternCall``) and the reference executor too. Its result is always a
     buffer; fusion works around it."""
 
-    kind = "extern"
+    kind = OpKind.EXTERN
 
     def __init__(self, name, torch_fn=None):
         super().__init__(name)

@@ -9,7 +9,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from compiler.ir.graph import GraphBuilder, arg_symbol, meta_of
+from compiler.ir.graph import GraphBuilder, OpKind, arg_symbol, meta_of
 from compiler.ir.ops import primitives
 from compiler.ir.ops import scalar as S
 from compiler.ir.ops import symbols as Y
@@ -42,7 +42,7 @@ BOOL_RESULT_OPS = primitives.ops_of_kind(BOOL)
 class Pointwise(OpDef):
     """A pointwise op: its value is ``meta_of(node).expr`` over the node's tensor arguments."""
 
-    kind = "pointwise"
+    kind = OpKind.POINTWISE
 
     def evaluate(self, node: fx.Node, args) -> torch.Tensor:
         """The value with PyTorch: the SymPy expression evaluated on the argument tensors."""

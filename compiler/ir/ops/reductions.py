@@ -7,7 +7,7 @@ import math
 import torch
 import torch.fx as fx
 
-from compiler.ir.graph import GraphBuilder, meta_of, numel
+from compiler.ir.graph import GraphBuilder, OpKind, meta_of, numel
 from compiler.ir.ops import views
 from compiler.ir.ops.base import OpDef
 from compiler.ir.ops.pointwise import emit_pointwise
@@ -17,7 +17,7 @@ from compiler.ir.ops.pointwise import emit_pointwise
 class Reduction(OpDef):
     """sum / mean / amax over ``dims`` (a sorted tuple); ``keepdim`` as in PyTorch."""
 
-    kind = "reduction"
+    kind = OpKind.REDUCTION
 
     def out_shape(self, in_shape, dims, keepdim):
         if keepdim:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from compiler.ir.graph import meta_of
+from compiler.ir.graph import OpKind, meta_of
 from compiler.ir.ops import externs, views
 from compiler.ir.ops.base import OpDef
 from compiler.ir.ops.pointwise import emit_fill, emit_pointwise
@@ -15,7 +15,7 @@ class Iota(OpDef):
     """The position along ``dim`` of each element of ``shape`` (an index-valued constant):
     with a comparison it builds one-hot masks, as cross-entropy's target selection needs."""
 
-    kind = "iota"
+    kind = OpKind.IOTA
 
     def evaluate(self, node: fx.Node, args: list) -> torch.Tensor:
         """The op's value on real tensors (``compiler.ir.reference``)."""
@@ -39,7 +39,7 @@ class Rand(OpDef):
     ``torch.manual_seed``; a backward that needs them computes them again from the seed
     instead of saving a mask (dropout's backward reads no mask from memory)."""
 
-    kind = "rand"
+    kind = OpKind.RAND
 
     def evaluate(self, node: fx.Node, args: list) -> torch.Tensor:
         # NOTE: the reference executor only attributes NaNs (anomaly mode); these numbers come
@@ -67,7 +67,7 @@ class Gather(OpDef):
     The gradient is a scatter-add into zeros of the source's shape (``IndexBackward``).
     """
 
-    kind = "gather"
+    kind = OpKind.GATHER
 
     def vjp(self, b, node, grad_out):
         source, index = node.args
@@ -161,7 +161,7 @@ class SliceScatter(OpDef):
     functional form of ``x[..., a:b:c] = v`` and the gradient of a slice. Inlined into
     kernels like a pointwise op whose value depends on the index."""
 
-    kind = "scatter"
+    kind = OpKind.SCATTER
 
     def vjp(self, b, node, grad_out):
         base, src = node.args

@@ -4,9 +4,10 @@ A view moves no data: it says which element of its input each output element is.
 view class declares, next to each other:
 
 * ``out_shape(in_shape, params)`` — its shape rule;
-* ``index_map(node, out_index, size)`` — the input index (kernel text) an output index reads, so a
-  view fuses into any kernel for free; every size it writes into that text goes through
-  ``size(value, key)`` (its literal, or a shape-generic kernel's argument: ``KernelWriter.size``);
+* ``index_map(node, out_index, size)`` — the input index an output index reads (``Index`` values of
+  the kernel being written, made from those of ``out_index`` with ``compose``), so a view fuses into
+  any kernel for free; every size in it comes from ``size(value, key)`` (an ``Index``: its literal, or
+  a shape-generic kernel's argument: ``KernelWriter.size_index``);
 * ``vjp(b, node, grad_out)`` — its gradient, as graph nodes;
 * ``apply(tensor, **params)`` — the same view on a real tensor, with PyTorch's own view
   function (the runtime's views of buffers, the reference executor);
@@ -19,11 +20,13 @@ class here and register it in ``VIEWS``; ``Flip`` is the example the README walk
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
-from compiler.codegen.kernel_text import literal_size
-from compiler.ir.graph import meta_of, update_meta
+from compiler.codegen.kernel_text import ZERO, Index, compose, constant_index, last_position, literal_index
+from compiler.ir.graph import OpKind, meta_of, update_meta
 from compiler.ir.ops import reductions, structural
 from compiler.ir.ops.base import OpDef
 from compiler.ir.ops.pointwise import emit_fill, emit_pointwise
@@ -32,16 +35,16 @@ from compiler.ir.ops.pointwise import emit_fill, emit_pointwise
 class View(OpDef):
     """A view: no data moves. ``index_map`` turns an output index into the input index."""
 
-    kind = "view"
+    kind = OpKind.VIEW
     writes_back = False  # whether ``scatter_back`` maps a new value of the view to its source
 
     def out_shape(self, in_shape: tuple, params: dict) -> tuple:
         """The view's shape, from its input's shape and its parameters."""
         raise NotImplementedError(f"{self.name}: out_shape")
 
-    def index_map(self, node: fx.Node, out_index: list[str], size=literal_size) -> list[str]:
-        """The input index (kernel text, one entry per input dim) that ``out_index`` reads;
-        ``size(value, key)`` writes a size into it (``key``: which size of ``node`` it is)."""
+    def index_map(self, node: fx.Node, out_index: list[Index], size=literal_index) -> list[Index]:
+        """The input index (an ``Index`` per input dim) that ``out_index`` reads; ``size(value, key)``
+        gives a size in it as an ``Index`` (``key``: which size of ``node`` it is)."""
         raise NotImplementedError(f"{self.name}: index_map")
 
     def vjp(self, b, node: fx.Node, grad_out: fx.Node) -> list:
@@ -75,7 +78,7 @@ class View(OpDef):
     def read(self, writer, node: fx.Node, index: tuple):
         """The view's value at ``index`` inside a kernel being written (``KernelWriter``):
         its input's value at the mapped index."""
-        return writer.value(node.args[0], tuple(self.index_map(node, list(index), writer.size)))
+        return writer.value(node.args[0], tuple(self.index_map(node, list(index), writer.size_index)))
 
     def evaluate(self, node: fx.Node, args: list) -> torch.Tensor:
         """The op's value on real tensors (``compiler.ir.reference``)."""
@@ -103,7 +106,7 @@ class Reshape(View):
     def out_shape(self, in_shape, params):
         return tuple(params["shape"])
 
-    def index_map(self, node, out_index, size=literal_size):
+    def index_map(self, node, out_index, size=literal_index):
         in_shape = meta_of(node.args[0]).shape
         out_shape = meta_of(node).shape
         kept_in = [d for d, size in enumerate(in_shape) if size != 1]
@@ -112,7 +115,7 @@ class Reshape(View):
             # a reshape that only adds or drops size-1 dims: each other dim maps to itself
             # (no division by sizes: a zero-size dim would divide by 0, and a reduction read
             # through it is still recognised as its own row, index text and all)
-            result = ["0"] * len(in_shape)
+            result = [ZERO] * len(in_shape)
             for d_in, d_out in zip(kept_in, kept_out):
                 result[d_in] = out_index[d_out]
             return result
@@ -128,7 +131,7 @@ class Reshape(View):
         return emit_view(b, "reshape", value, shape=meta_of(node.args[0]).shape)
 
 
-def _reshape_index(in_shape, out_shape, out_index: list[str], size=literal_size) -> list[str]:
+def _reshape_index(in_shape, out_shape, out_index: list[Index], size=literal_index) -> list[Index]:
     """A reshape's input index: through the row-major position of the element, taken
     separately in each group of dims that the reshape merges or splits (where the prefix
     products of both shapes meet), so dims it leaves alone keep their index unchanged and
@@ -139,20 +142,24 @@ def _reshape_index(in_shape, out_shape, out_index: list[str], size=literal_size)
             out.append(out[-1] * size)
         return out
     if 0 in in_shape or 0 in out_shape:  # no elements: the index is never used
-        return ["0"] * len(in_shape)
+        return [ZERO] * len(in_shape)
     p_in, p_out = prefixes(in_shape), prefixes(out_shape)
     bounds = sorted(set(p_in) & set(p_out))
-    result = ["0"] * len(in_shape)
+    result = [ZERO] * len(in_shape)
     for low, high in zip(bounds, bounds[1:]):
         outs = [d for d in range(len(out_shape)) if out_shape[d] != 1 and low <= p_out[d] and p_out[d + 1] <= high]
         ins = [d for d in range(len(in_shape)) if in_shape[d] != 1 and low <= p_in[d] and p_in[d + 1] <= high]
-        terms = [f"({out_index[d]}) * {size(high // p_out[d + 1], ('out', d))}" if p_out[d + 1] != high
-                 else f"({out_index[d]})" for d in outs]
-        linear = " + ".join(terms) if terms else "0"
+        # the group's row-major position, "((i0) * 8 + (i1))"; its sizes asked for in the order they
+        # are written (a shape-generic kernel numbers its size arguments as they are first asked for)
+        terms = [compose("({}) * {}", out_index[d], size(high // p_out[d + 1], ('out', d)), value=operator.mul,
+                         wrap=False) if p_out[d + 1] != high
+                 else compose("({})", out_index[d], value=lambda i: i, wrap=False) for d in outs]
+        linear = compose(" + ".join(["{}"] * len(terms)) or "0", *terms, value=lambda *t: sum(t))
         for k, d in enumerate(ins):
             stride = high // p_in[d + 1]
-            term = f"({linear})" if stride == 1 else f"(({linear}) // {size(stride, ('in', d))})"
-            result[d] = term if k == 0 else f"({term} % {size(in_shape[d], ('dim', d))})"
+            term = linear if stride == 1 else compose("{} // {}", linear, size(stride, ('in', d)),
+                                                      value=operator.floordiv)
+            result[d] = term if k == 0 else compose("{} % {}", term, size(in_shape[d], ('dim', d)), value=operator.mod)
     return result
 
 
@@ -178,7 +185,7 @@ class Permute(View):
     def is_identity(self, in_shape, params):
         return tuple(params["dims"]) == tuple(range(len(in_shape)))
 
-    def index_map(self, node, out_index, size=literal_size):
+    def index_map(self, node, out_index, size=literal_index):
         result = [None] * len(meta_of(node.args[0]).shape)
         for out_dim, in_dim in enumerate(node.kwargs["dims"]):
             result[in_dim] = out_index[out_dim]
@@ -210,10 +217,10 @@ class Expand(View):
     def out_shape(self, in_shape, params):
         return tuple(params["shape"])
 
-    def index_map(self, node, out_index, size=literal_size):
+    def index_map(self, node, out_index, size=literal_index):
         in_shape = meta_of(node.args[0]).shape
         lead = len(meta_of(node).shape) - len(in_shape)
-        return ["0" if size == 1 else out_index[lead + i] for i, size in enumerate(in_shape)]
+        return [ZERO if size == 1 else out_index[lead + i] for i, size in enumerate(in_shape)]
 
     def vjp(self, b, node, grad_out):
         return [reductions.sum_to_shape(b, grad_out, meta_of(node.args[0]).shape)]
@@ -236,12 +243,14 @@ class Slice(View):
     def is_identity(self, in_shape, params):
         return params["start"] == 0 and params["step"] == 1 and params["length"] == in_shape[params["dim"]]
 
-    def index_map(self, node, out_index, size=literal_size):
+    def index_map(self, node, out_index, size=literal_index):
         result = list(out_index)
         d, start, step = node.kwargs["dim"], node.kwargs["start"], node.kwargs["step"]
-        scaled = result[d] if step == 1 else f"({result[d]}) * {step}"
+        scaled = result[d] if step == 1 else compose("({}) * {}", result[d], constant_index(step),
+                                                     value=operator.mul, wrap=False)
         # a start follows the sizes where it counts from the end (x[:, -T:]): an argument when generic
-        result[d] = scaled if start == 0 else f"{size(start, (node, 'start'))} + {scaled}"
+        result[d] = scaled if start == 0 else compose("{} + {}", size(start, (node, 'start')), scaled,
+                                                      value=operator.add, wrap=False)
         return result
 
     def vjp(self, b, node, grad_out):  # the gradient goes back to the sliced positions, 0 elsewhere
@@ -269,10 +278,11 @@ class Unfold(View):
         shape[params["dim"]] = (in_shape[params["dim"]] - params["size"]) // params["step"] + 1
         return tuple(shape) + (params["size"],)
 
-    def index_map(self, node, out_index, size=literal_size):
+    def index_map(self, node, out_index, size=literal_index):
         result = list(out_index[:-1])
         d, step = node.kwargs["dim"], node.kwargs["step"]
-        result[d] = f"({result[d]}) * {step} + ({out_index[-1]})"
+        result[d] = compose("({}) * {} + ({})", result[d], constant_index(step), out_index[-1],
+                            value=lambda i, s, k: i * s + k, wrap=False)
         return result
 
     def vjp(self, b, node, grad_out):  # window position k of every window lands at k, k+step, ...: add them
@@ -312,9 +322,10 @@ class Flip(View):
     def is_identity(self, in_shape, params):
         return all(in_shape[d] == 1 for d in params["dims"])
 
-    def index_map(self, node, out_index, size=literal_size):
+    def index_map(self, node, out_index, size=literal_index):
         shape, dims = meta_of(node).shape, node.kwargs["dims"]
-        return [f"{_last(size(shape[d], (node, 'dim', d)))} - ({i})" if d in dims and shape[d] != 1 else i
+        return [compose("{} - ({})", last_position(size(shape[d], (node, 'dim', d))), i, value=operator.sub,
+                        wrap=False) if d in dims and shape[d] != 1 else i
                 for d, i in enumerate(out_index)]
 
     def vjp(self, b, node, grad_out):  # each element's gradient comes from its mirrored position
@@ -322,11 +333,6 @@ class Flip(View):
 
     def apply(self, tensor, *, dims):
         return torch.flip(tensor, dims)
-
-
-def _last(size: str) -> str:
-    """The last index of a dim of ``size`` (text): folded where the size is a literal."""
-    return str(int(size) - 1) if size.isdigit() else f"({size} - 1)"
 
 
 # ----------------------------------------------------------------------------- complex parts
@@ -367,8 +373,8 @@ class ViewAsComplex(View):
         return False
 
     def read(self, writer, node, index):
-        re, dtype = writer.value(node.args[0], index + ("0",))
-        im, _ = writer.value(node.args[0], index + ("1",))
+        re, dtype = writer.value(node.args[0], index + (ZERO,))
+        im, _ = writer.value(node.args[0], index + (constant_index(1),))
         return (re, im), meta_of(node).dtype
 
     def vjp(self, b, node, grad_out):
