@@ -23,7 +23,7 @@ import os
 import pytest
 import torch
 
-from tests.fuzz_api.check import KNOWN_BUGS, KnownBug, Mismatch, check_program
+from tests.fuzz_api.check import KNOWN_BUGS, IllConditioned, KnownBug, Mismatch, check_program
 from tests.fuzz_api.program import Input, ModelSpec, Program, RandomChooser, draw_program
 
 pytestmark = pytest.mark.allows_eager("programs that read a grad_fn run that op eagerly, by design (README: "
@@ -58,7 +58,7 @@ def test_seeded_api_programs_match_eager(chunk):
         program = draw_program(RandomChooser(seed))
         try:
             info = check_program(program)
-        except KnownBug:
+        except (KnownBug, IllConditioned):
             continue
         except AssertionError as e:
             failures.append(f"seed {seed}:\n{program}\n{e}")
@@ -90,6 +90,44 @@ def test_the_checker_sees_a_wrong_hook_argument():
     got = [dict(want[0], log=[("h", (want[0]["log"][0][1][0] * 2,))])]
     with pytest.raises(Mismatch, match="h's arguments"):
         check.compare_worlds("compiled", got, want)
+
+
+def test_a_program_that_amplifies_rounding_is_ill_conditioned_not_a_mismatch():
+    """Seed 21080 (found at 5ecd9d5): SGD with ``maximize`` grows the weights to 65,000 by the third
+    call, where a tanh saturates: 1 - tanh(x)**2 is 1.07e-6 from the interpreter's tanh and 1.19e-6
+    from torch's (one ulp apart, both correct), and the weights make that 10% of the input's gradient.
+    Eager's own gradients there are 5% off the program run in float64: float32 does not determine them."""
+    program = draw_program(RandomChooser(21080))
+    with pytest.raises(IllConditioned, match="compiled call 2"):
+        check_program(program)
+
+
+def test_a_hook_on_a_view_changed_through_an_alias_does_not_crash_eager():
+    """Seed 28389: a hook registered on a Linear's 3-d output (a view) after ``v0.mul_(2)`` under
+    no_grad crashes PyTorch 2.13 itself (pytorch/pytorch#196459), in both worlds; the programs
+    register tensor hooks through ``hookable``, which refreshes the view's history first, as
+    PyTorch's fix does. Without it this test's process dies."""
+    program = draw_program(RandomChooser(28389))
+    assert "hookable(v1).register_hook" in program.source
+    info = check_program(program)
+    assert info["replayed with kernels"]
+
+
+def test_a_wrong_value_in_a_stable_program_stays_a_mismatch():
+    """The accuracy test does not excuse a real difference: a parameter 1% off after the second call
+    of a program whose eager values are within tolerance of its float64 run's is a mismatch."""
+    from tests.fuzz_api import check
+
+    model = ModelSpec("linear", 3, 2, f32, 5, "SGD", {"lr": 0.1, "momentum": 0.9})
+    program = _program([((4, 3), f32, False, 1)], ["loss = m(x0).square().mean()", "loss.backward()",
+                                                   "opt.step()", "opt.zero_grad()"], ["loss"], model)
+    want = check.run_world(program, program.function(_log := check.Log()), check.CALLS, _log)
+    got = [dict(w) for w in want]
+    got[1] = dict(got[1], parameters=[p * 1.01 for p in want[1]["parameters"]])
+    with pytest.raises(Mismatch) as found:
+        check.compare_worlds("compiled", got, want, loose=True)
+    assert found.value.call == 1
+    check._raise_if_ill_conditioned(program, want, got, found.value)  # (returns: the mismatch stands)
 
 
 def _program(inputs, lines, outputs, model=None, external_backward=False):
@@ -448,6 +486,18 @@ FIXED = {
         "v4 = v2",
         "v2.register_hook(lambda g: log('hook3', g))",
         "v5 = torch.tanh(v2)"], ["v5", "v2"], external_backward=True),
+    # API fuzz seed 22026 (a run at 5ecd9d5, also at 3a68233): the hook on v1 puts the division in a
+    # region of its own, whose backward computes from the quotient and never read its numerator v0;
+    # so nothing was saved, and v0.mul_(2) later was no error at backward, where eager's division,
+    # which saved v0, raises its version error. An input an eager op of the region saved is now
+    # saved as it is (version-checked at backward) whether or not our backward reads it
+    "unread-numerator-written-later": _program([((3,), f64, True, 1892587040)], [
+        "v0 = x0 + x0",
+        "v1 = v0 / (x0.abs() + 1)",
+        "h2 = v1.register_hook(lambda g: log('hook2', g))",
+        "v2 = x0.mean()",
+        "v0.mul_(2)",
+        "v4 = v2.clone()"], ["v4", "v1", "v2"], external_backward=True),
 }
 
 

@@ -186,6 +186,12 @@ class _BackwardBuilder:
         results = [self.copy(g) if g is not None else None for g in input_grads]
         for p in written_later:
             self._read_no_later_write(p, p in copied)
+        for p in sorted(written_later - copied, key=lambda n: n.name):
+            if p not in self.env:
+                # NOTE: an eager op of the region saved it (a division's numerator), though this
+                # backward computes without it (from the quotient): saved as it is all the same, so
+                # the later write is eager's version error at backward here too (API fuzz seed 22026)
+                self.env[p] = self._placeholder(p, f"saved_{p.name}")
         self.graph.output(tuple(results))
         # fx keeps placeholders where they were created; put them first: saved, then grads.
         _reorder_placeholders(self.graph, self.saved_placeholders + [self.grad_inputs[g] for _, g in grad_placeholders])

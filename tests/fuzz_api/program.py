@@ -69,7 +69,18 @@ def snapshot(value):
 
 
 def program_globals(log: Log) -> dict:
-    return {"torch": torch, "log": log, "Box": Box, "stash": log.stash, "store": log.store}
+    return {"torch": torch, "log": log, "Box": Box, "stash": log.stash, "store": log.store, "hookable": hookable}
+
+
+def hookable(t: torch.Tensor) -> torch.Tensor:
+    """``t``, its view history refreshed before a hook is registered on it, as PyTorch itself does
+    from its fix of pytorch/pytorch#196459: in 2.13, ``register_hook`` on a view changed in place
+    through an alias (``with torch.no_grad(): v.mul_(2)`` on a Linear's 3-d output) crashes the
+    process (seed 28389, both worlds: eager's own crash). Read with torch functions off, so the
+    recording does not see it, as it does not see PyTorch's own refresh."""
+    with torch._C.DisableTorchFunction():
+        t.grad_fn  # noqa: B018 (the read refreshes it)
+    return t
 
 
 # -- choosers -------------------------------------------------------------------------------------
@@ -428,11 +439,12 @@ def _feature(d, program, latest) -> bool:
     feature = ch.pick(choices)
     at = f"@{target}" if leaf else ""  # (hooks of leaves: see check.leaf_order)
     if feature == "tensor hook":
-        line = f"{target}.register_hook(lambda g: log('hook{k}{at}', g))"
+        line = f"hookable({target}).register_hook(lambda g: log('hook{k}{at}', g))"
     elif feature == "tensor hook (replaces grad)":
-        line = f"{target}.register_hook(lambda g: log('hook{k}{at}', g) or g * {ch.pick(['2', '0.5', '-1'])})"
+        line = (f"hookable({target}).register_hook(lambda g: log('hook{k}{at}', g) or "
+                f"g * {ch.pick(['2', '0.5', '-1'])})")
     elif feature == "tensor hook (removed)":
-        line = f"h{k} = {target}.register_hook(lambda g: log('hook{k}{at}', g))\nh{k}.remove()"
+        line = f"h{k} = hookable({target}).register_hook(lambda g: log('hook{k}{at}', g))\nh{k}.remove()"
     elif feature == "post-accumulate hook":
         line = f"{target}.register_post_accumulate_grad_hook(lambda p: log('accumulated{k}{at}', p.grad))"
     elif feature == "node post hook":
