@@ -13,7 +13,7 @@ from compiler.build import build_region
 from compiler.capture.recorder import RecordingFailed, capture
 from compiler.capture.calls import VALUE_READS
 from compiler.reuse.dynamic import NotInstantiable, Template
-from compiler.optimizers import compile_optimizer_steps, fused_call_indices
+from compiler.optimizers import compile_optimizer_steps, fused_call_indices, optimizer_kernel_infos
 from compiler.codegen.triton_printer import NotPrintable
 from compiler.capture.bindings import Unsupported
 from compiler.report import dumps
@@ -109,8 +109,9 @@ class _Templates:
             return None, str(e)
         except Exception as e:  # noqa: BLE001 — a bug (logged; strict: raises): this call records instead
             return None, internal_error(f"{name} (instantiating its template)", e)
+        # (its optimizer steps are the template's: the same calls, the same parameters at every size)
         entry = _compile_trace(name, trace, fullgraph=fullgraph, stats=stats, memory=self.memory, shape_generic=True,
-                               instantiated_at=tuple(sizes))
+                               instantiated_at=tuple(sizes), fused_from=template.trace)
         return entry, None
 
 
@@ -188,10 +189,11 @@ def _name(fn) -> str:
 
 
 def _compile_trace(name, recording: Recording, *, fullgraph, stats, memory, shape_generic=False,
-                   instantiated_at=None) -> Entry:
+                   instantiated_at=None, fused_from=None) -> Entry:
     """Compile a recording's regions (and optimizer steps): the Entry to replay it with, holding
     the ``CompiledRecording``. ``shape_generic``: the recording was instantiated from a template
-    (``compiler.reuse.dynamic``) at the sizes ``instantiated_at``."""
+    (``compiler.reuse.dynamic``) at the sizes ``instantiated_at``; ``fused_from``: the template's
+    compiled recording, whose fused optimizer steps and clip_grad_norm_ calls it shares."""
     fallbacks = list(recording.fallbacks)
     internal_errors = list(recording.internal_errors)
     if fullgraph and (fallbacks or internal_errors or recording.graph_breaks):
@@ -212,8 +214,12 @@ def _compile_trace(name, recording: Recording, *, fullgraph, stats, memory, shap
         plans.append(plan if compiled is None and plan.reason == info["reason"] else
                      dataclasses.replace(plan, compiled=compiled, reason=info.get("reason")))
     # optimizer.step() calls: fused kernels where the optimizer is one the compiler knows
-    fused_steps, fused_calls, optimizer_kernels, optimizer_reasons = compile_optimizer_steps(
-        recording, recording.recorded_optimizer_steps, stats)
+    if fused_from is not None:
+        fused_steps, fused_calls = fused_from.fused_steps, fused_from.fused_calls
+        optimizer_kernels, optimizer_reasons = optimizer_kernel_infos(fused_steps, fused_calls), []
+    else:
+        fused_steps, fused_calls, optimizer_kernels, optimizer_reasons = compile_optimizer_steps(
+            recording, recording.recorded_optimizer_steps, stats)
     kernels.extend(optimizer_kernels)
     fallbacks.extend(optimizer_reasons)
     logs.kernels(name, optimizer_kernels)

@@ -228,8 +228,9 @@ class CompiledRecording(Recording):
     # library calls compiled as a whole (clip_grad_norm_), by the index of their first recorded
     # call: runtime.clip_grad.FusedClipGradNorm (its ``end``: the index after its calls)
     fused_calls: dict = field(default_factory=dict)
-    # region index -> {value id: stand-in tensor}: made at the region's first replay (runtime.replay)
-    stand_ins: dict = field(default_factory=dict)
+    # region index -> {value id: stand-in tensor}: made at the region's first replay (runtime.replay);
+    # a stand-in refuses to be read, so neither repr nor == looks at them
+    stand_ins: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 ZERO_GRAD_RANGE = "Optimizer.zero_grad#"  # the profiler range torch.optim's zero_grad opens

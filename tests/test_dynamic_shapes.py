@@ -96,6 +96,42 @@ def test_dynamic_sequence_training_steps_match_eager_with_at_most_two_recordings
     assert compiled.stats["divergences"] <= 1  # (the first replay: the optimizer's state exists now)
 
 
+def _clipped_step(model, opt, idx, targets):
+    loss = model(idx, targets)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def test_calls_instantiated_from_a_template_run_its_fused_optimizer_step():
+    """A call instantiated at new sizes runs the template's fused optimizer step and clip_grad_norm_
+    (the same calls, the same parameters at every size): before, its recording had no optimizer step
+    to compile and the update ran eagerly on every instantiated call (SGD's mul_ and add_)."""
+    torch.manual_seed(0)
+    model = Block()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    compiled = compiler.compile(_clipped_step, backend="interpret")
+    g = torch.Generator().manual_seed(2)
+    launches = []
+    for T in (7, 10, 5, 13, 9, 6):
+        idx, targets = torch.randint(0, 32, (2, T), generator=g), torch.randint(0, 32, (2, T), generator=g)
+        before = compiled.stats.get("optimizer_launches", 0)
+        _close(compiled(model, opt, idx, targets), _clipped_step(ref, ref_opt, idx, targets))
+        launches.append(compiled.stats.get("optimizer_launches", 0) - before)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            _close(p, q)
+    entry = compiled.last_entry
+    assert entry.instantiated and compiled.stats["instantiations"] >= 3, compiled.stats
+    assert entry.trace.fused_steps and entry.trace.fused_calls
+    assert not {"Tensor.mul_", "Tensor.add_", "torch._foreach_mul_"} & set(entry.report.eager_calls), entry.report.eager_calls
+    assert all(n > 0 for n in launches[-3:]), launches  # (the instantiated calls launched the fused step)
+    assert any(k.phase == "optimizer" for k in entry.report.kernels)
+
+
 def test_a_batch_dynamic_only_at_a_smaller_last_batch_is_instantiated():
     # the lengths change first (2 recordings); the last batch is smaller: the batch becomes dynamic
     # only there, and batch x heads (8, inside the attention matmuls' reshapes) was never varied: a

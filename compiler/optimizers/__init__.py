@@ -101,8 +101,7 @@ def compile_optimizer_steps(trace, recorded, stats=None) -> tuple:
                 continue
             clips[entry.start] = plan
             _name_for_profiler(plan.launches, "clip_grad_norm_")
-            kernels.extend(KernelInfo(launch.name, launch.source, "optimizer", -1, launch.bytes_moved)
-                           for launch in plan.launches)
+            kernels.extend(_kernel_infos(plan.launches))
             continue
         start, optimizer_ref, given_arguments, grads = entry
         optimizer = optimizer_ref()
@@ -122,9 +121,18 @@ def compile_optimizer_steps(trace, recorded, stats=None) -> tuple:
             continue
         fused[start] = step
         _name_for_profiler(step.launches, f"{name}.step")
-        kernels.extend(KernelInfo(launch.name, launch.source, "optimizer", -1, launch.bytes_moved)
-                       for launch in step.launches)
+        kernels.extend(_kernel_infos(step.launches))
     return fused, clips, kernels, reasons
+
+
+def optimizer_kernel_infos(fused_steps: dict, fused_calls: dict) -> list:
+    """What ``explain`` lists of already fused optimizer steps and clip_grad_norm_ calls (shared by
+    a recording instantiated from a template)."""
+    return [info for plan in [*fused_calls.values(), *fused_steps.values()] for info in _kernel_infos(plan.launches)]
+
+
+def _kernel_infos(launches) -> list:
+    return [KernelInfo(launch.name, launch.source, "optimizer", -1, launch.bytes_moved) for launch in launches]
 
 
 def _name_for_profiler(launches, what: str) -> None:
