@@ -130,3 +130,24 @@ def test_step_memory_counts_the_steps_own_blocks_whatever_ran_before():
         assert m.saved >= 2 * 256 * 1024, m
         assert m.peak >= m.saved
     assert second.saved == first.saved
+
+
+def test_attention_saved_bytes_counts_what_autograd_keeps():
+    """``benchmarks.attention_saved`` (issue 34's measure): eager's causal SDPA on CPU saves q, k, v,
+    the output and the row logsumexp, nothing T x T; nanoGPT's explicit path saves T x T tensors (the
+    weights); a replay of ours is measured through the same hooks, on both CPU paths."""
+    from benchmarks import attention_saved
+
+    T = 16
+    fn, args = attention_saved.forms(T)["sdpa causal (nanoGPT)"]
+    eager = attention_saved.measure(fn, args, T, None)
+    q_bytes = attention_saved.BATCH * 2 * T * attention_saved.HEAD_DIM * 4
+    assert eager == {"bytes": 4 * q_bytes + attention_saved.BATCH * 2 * T * 4, "square": 0, "replayed": False,
+                     "kernels": 0}
+    fn, args = attention_saved.forms(T)["explicit (nanoGPT non-flash)"]
+    assert attention_saved.measure(fn, args, T, None)["square"] >= 1
+    for backend in ("interpret", "torch"):
+        ours = attention_saved.measure(fn, args, T, backend)
+        assert ours["replayed"] and ours["kernels"] > 0 and ours["bytes"] > 0
+    rows = attention_saved.run([T], backends=("torch",))
+    assert len(rows) == len(attention_saved.forms(T)) and "sdpa boolean mask" in attention_saved.table(rows, ("torch",))
