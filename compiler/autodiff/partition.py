@@ -184,10 +184,10 @@ class _BackwardBuilder:
         for i, g in grad_placeholders:
             self.grad_inputs[g] = self.builder.placeholder_like(f"grad_out{i}", g)
         results = [self.copy(g) if g is not None else None for g in input_grads]
-        for p in written_later:
-            self._read_no_later_write(p, p in copied)
-        for p in sorted(written_later - copied, key=lambda n: n.name):
-            if p not in self.env:
+        for p in sorted(written_later, key=lambda n: n.name):
+            if p in copied:
+                self._read_without_saving(p)
+            elif p not in self.env:
                 # NOTE: an eager op of the region saved it (a division's numerator), though this
                 # backward computes without it (from the quotient): saved as it is all the same, so
                 # the later write is eager's version error at backward here too (API fuzz seed 22026)
@@ -232,17 +232,18 @@ class _BackwardBuilder:
         self.saved_placeholders.append(p)
         return p
 
-    def _read_no_later_write(self, p, copied: bool) -> None:
-        """An input the function writes in place later: read through a forward result instead
-        where that removes it (``_read_result_instead``), else, where no eager op saved it, saved as
-        a copy (``partition``'s ``copied_inputs``)."""
+    def _read_without_saving(self, p) -> None:
+        """An input the function writes in place later and no eager op saved (``partition``'s
+        ``copied_inputs``: eager's backward runs after the write): read through a forward result
+        instead where that removes it (``_read_result_instead``), else saved as a copy. (One an
+        eager op saved stays saved as it is: the write is eager's version error.)"""
         if p not in self.env:
             return
         if _read_result_instead(self.graph, p, self.env, self.to_save, self.fetch):
             self.saved_placeholders.remove(self.env[p])
             self.saved_nodes.remove(p)
             self.graph.erase_node(self.env.pop(p))
-        elif copied:
+        else:
             self.clones.append(p)
 
 
