@@ -16,6 +16,7 @@ from compiler.autodiff.partition import partition, propagate_requires_grad
 from compiler.capture.regions import EAGER_NAMES, EAGER_SAVED, SAVED_BY_CONSUMERS, SAVED_INPUTS
 from compiler.fusion.fuse import fuse
 from compiler.ir.reference import first_nan
+from compiler.report import logs
 from compiler.lower.program import lower, view_step
 from runtime.autograd_bridge import CompiledRegion, OnDemand
 from compiler.ir.graph import OpKind, copy_graph, kind_of, meta_of, output_node, outputs_of, update_meta
@@ -74,7 +75,8 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset(), written_later=froz
         partial_backward=_partial_backward_builder(pristine, mutated_inputs, parts, written_later, memory,
                                                    outputs.written_later, shape_generic, outputs.copied_inputs)
         if parts.backward is not None else None,
-        double_backward=_double_backward_builder(parts.joint, memory, shape_generic) if parts.joint is not None else None,
+        double_backward=_double_backward_builder(parts.joint, memory, shape_generic, parts.joint_decomposed)
+        if parts.joint is not None else None,
         explain_nan=_nan_explainer(parts.backward) if parts.joint is not None else None)
     donors = {slot for step in forward_program.steps for _, slot in getattr(step, "reuse", ())}
     region = CompiledRegion(
@@ -224,10 +226,16 @@ def _memoized(make):
     return get
 
 
-def _double_backward_builder(joint: fx.Graph, memory="balanced", shape_generic=False):
+def _double_backward_builder(joint: fx.Graph, memory="balanced", shape_generic=False, decomposed=()):
     """For create_graph=True: the backward as a compiled, differentiable region of its own,
-    built per pattern of which of its inputs require grad (the same machinery, one order up)."""
+    built per pattern of which of its inputs require grad (the same machinery, one order up).
+    ``decomposed``: ops the joint runs in their decomposed form (said in the log when built)."""
     def build(requires_grad: tuple):
+        if decomposed:
+            logs.logger("backward").info(
+                "double backward (create_graph=True) runs %s in its decomposed form, softmax(q k^T * scale + mask) "
+                "v: the flash-attention kernels have no derivative of their own, so this backward saves the "
+                "T x T attention weights", ", ".join(decomposed))
         graph = copy_graph(joint)
         propagate_requires_grad(graph, requires_grad)
         output = output_node(graph)
@@ -255,7 +263,8 @@ def _partial_backward_builder(forward: fx.Graph, mutated_inputs, parts, written_
             return None
         program, _ = lower(sub.backward, fuse(sub.backward, shape_generic), check_indices=False,
                            shape_generic=shape_generic)
-        double = _double_backward_builder(sub.joint, memory, shape_generic) if sub.joint is not None else None
+        double = _double_backward_builder(sub.joint, memory, shape_generic, sub.joint_decomposed) \
+            if sub.joint is not None else None
         return program, [position[name] for name in sub.saved_names], double
     return _memoized(build)
 

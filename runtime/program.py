@@ -328,6 +328,7 @@ class ExternCall:
     # more output slots: ``fn`` returns a tuple, (out, *also) in order (one PyTorch call that makes
     # several of the program's values: a convolution's input and weight gradients)
     also: tuple = ()
+    kernels: int = 0        # our own kernels the call launches (flash attention's), counted as launches
 
     def run(self, env, device):
         (self.__dict__.get("_call") or self.direct_call())(env)
@@ -490,7 +491,8 @@ class Program:
                 fresh.append(frozenset())
         self.fresh_loads = tuple(fresh)
         self._torch_on_cpu = self.backend == "torch"
-        self._launch_count = sum(1 for step in self.steps if isinstance(step, KernelLaunch))
+        self._launch_count = sum(1 if isinstance(step, KernelLaunch) else getattr(step, "kernels", 0)
+                                 for step in self.steps)
 
     @property
     def kernels(self):

@@ -87,5 +87,33 @@ def _round_bf16_to_nearest_even():
     builder.cast_impl = cast_impl
 
 
+def _bf16_products_as_floats():
+    """Make the interpreter's ``tl.dot`` multiply bfloat16 operands as numbers.
+
+    NOTE: Triton's interpreter (3.9) keeps bfloat16 values as their uint16 bit patterns and its
+    ``create_dot`` hands those to ``np.matmul`` as integers (products of 1e10 for values near 1).
+    Widened to float32 first, every product is exact, as in the GPU's bf16 MMA with float32
+    accumulation (the flash-attention kernels multiply bf16 tiles).
+    """
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    integer_products = builder.create_dot
+
+    def widened(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        data = (np.ascontiguousarray(handle.data).astype(np.uint32) << 16).view(np.float32)
+        return interpreter.TensorHandle(data, tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return integer_products(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
+
+    builder.create_dot = create_dot
+
+
 if INTERPRETING:
     _round_bf16_to_nearest_even()
+    _bf16_products_as_floats()

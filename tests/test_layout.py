@@ -52,6 +52,7 @@ ALLOWED = {
     ("runtime/replay.py", "_active.replay"): _THREAD,
     ("runtime/backends.py", "_chosen.backend"): _THREAD,
     ("runtime/clip_grad.py", "_hooks.recorder"): _THREAD,
+    ("runtime/attention.py", "_recording.on_launch"): _THREAD,
     ("compiler/capture/pack_hooks.py", "_register_hooks.of_torch"): _FUNCTION,
     ("compiler/capture/pack_hooks.py", "_register_hooks.__doc__"): _FUNCTION,
     ("compiler/capture/bindings/elementwise.py", "bind.__qualname__"): _FUNCTION,
@@ -64,6 +65,7 @@ ALLOWED = {
     ("runtime/launcher.py", "interpreter_builder.options"): _PATCH,
     ("runtime/triton_math.py", "setattr(libdevice, ...)"): _PATCH,
     ("runtime/triton_math.py", "builder.cast_impl"): _PATCH,
+    ("runtime/triton_math.py", "builder.create_dot"): _PATCH,
     ("runtime/replay.py", "entering.__class__"): "a torch record_function range the replay takes over (its "
                                                  "exit then runs unwatched): torch's object, our subclass",
     ("runtime/replay.py", "entering._symgrad_replay"): "the same range: which replay its exit belongs to",

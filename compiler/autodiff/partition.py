@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from compiler.ir.graph import GraphBuilder, OpKind, arg_symbol, kind_of, meta_of, output_node, update_meta
+from compiler.ir.graph import (GraphBuilder, OpKind, arg_symbol, copy_graph, kind_of, meta_of, output_node,
+                               update_meta)
 from compiler.ir.ops import catalog as C
 from compiler.ir.ops.pointwise import UNDEFINED
 from compiler.autodiff.saved_set import choose_saved
@@ -37,6 +38,7 @@ class Partitioned:
     grad_sources: tuple = ()   # per input: positions in grad_output_for whose gradient reaches it
     output_sources: tuple = ()  # per user output: the same (eager runs its op's backward iff any is given)
     saved_names: tuple = ()    # the forward node's name per saved value (to match another partition's)
+    joint_decomposed: tuple = ()  # ops the joint runs in their decomposed form (flash attention)
 
 
 def differentiate(graph: fx.Graph, only_outputs=None):
@@ -141,10 +143,13 @@ def partition(graph: fx.Graph, mutated_inputs=frozenset(), only_outputs=None, wr
         return Partitioned(graph, None, len(user_outputs), [], [], [False] * len(inputs))
 
     forward_set = set(forward_nodes)
+    decomposed = copy_graph(graph) if C.has_attention(graph) else None
     grad_placeholders, input_grads, sources = differentiate(graph, only_outputs)
     grad_sources = tuple(sources.get(x, frozenset()) for x in inputs)
     output_sources = tuple(sources.get(o, frozenset()) for o in user_outputs)
-    joint = _joint(inputs, [g for _, g in grad_placeholders], input_grads)
+    joint, joint_decomposed = _joint(inputs, [g for _, g in grad_placeholders], input_grads), ()
+    if decomposed is not None:
+        joint, joint_decomposed = _decomposed_joint(decomposed, only_outputs)
     values = [n for n in forward_nodes if n.op in ("placeholder", "call_function")]
     # NOTE: an output written later is not free to save: it is saved as a copy (its bytes), as an
     # input the region overwrites is (eager's ops saved their values before the write, or the output
@@ -161,7 +166,7 @@ def partition(graph: fx.Graph, mutated_inputs=frozenset(), only_outputs=None, wr
     forward, saved = _forward_program(forward_nodes, inputs, user_outputs, builder.saved_nodes, builder.clones)
     return Partitioned(forward, backward, len(user_outputs), saved,
                        [i for i, _ in grad_placeholders], input_needs_grad, joint, grad_sources,
-                       output_sources, tuple(n.name for n in builder.saved_nodes))
+                       output_sources, tuple(n.name for n in builder.saved_nodes), joint_decomposed)
 
 
 class _BackwardBuilder:
@@ -304,6 +309,17 @@ def _joint(inputs, grad_placeholders, input_grads) -> fx.Graph:
         return env[node]
     joint.output(tuple(copy(g) if g is not None else None for g in input_grads))
     return joint
+
+
+def _decomposed_joint(forward: fx.Graph, only_outputs) -> tuple:
+    """(the joint graph, the ops decomposed) of a forward whose ops include kernels with no
+    derivative of their own (flash attention): differentiated again with them in their
+    decomposed form, so that double backward sees every path. The first-order backward keeps
+    the kernels."""
+    replaced = C.decompose_for_double_backward(forward)
+    inputs = [n for n in forward.nodes if n.op == "placeholder"]
+    grad_placeholders, input_grads, _ = differentiate(forward, only_outputs)
+    return _joint(inputs, [g for _, g in grad_placeholders], input_grads), tuple(sorted(set(replaced)))
 
 
 def propagate_requires_grad(graph: fx.Graph, placeholder_flags) -> None:

@@ -12,6 +12,7 @@ from compiler.codegen.torch_kernel import render_torch_kernel
 from compiler.codegen.triton_kernel import render_kernel
 from compiler.fusion.fuse import Schedule, inlined_reads
 from compiler.ir.graph import OpKind, kind_of, meta_of, output_node
+from runtime import backends
 from runtime.program import ExternCall, IndexCheck, KernelLaunch, Program, ValueRef, ViewStep
 
 
@@ -50,7 +51,8 @@ def lower(graph: fx.Graph, schedule: Schedule, check_indices: bool = True, trans
             for index, size, wrap, what in checks.pop(node, ()):
                 steps.append(IndexCheck([ref(index)], size, wrap, what))
     check(placeholders)
-    joint = _joint_externs(schedule)
+    backend = backends.chosen()
+    joint = _joint_externs(schedule, backend)
     for kind, item in schedule.steps:
         if kind == "extern":
             if item in slots:
@@ -60,12 +62,14 @@ def lower(graph: fx.Graph, schedule: Schedule, check_indices: bool = True, trans
                 for node in made:
                     slots[node] = len(slots)
                 steps.append(ExternCall(item.target.name, fn, [ref(a) for a in item.args], slots[made[0]], kwargs,
-                                        also=tuple(slots[n] for n in made[1:])))
+                                        also=tuple(slots[n] for n in made[1:]),
+                                        kernels=item.target.kernels_launched(backend, made)))
                 check(made)
                 continue
             slots[item] = len(slots)
-            steps.append(ExternCall(item.target.name, item.target.torch_fn, [ref(a) for a in item.args], slots[item],
-                                     dict(item.kwargs)))
+            steps.append(ExternCall(item.target.name, item.target.function_for(backend), [ref(a) for a in item.args],
+                                    slots[item], dict(item.kwargs),
+                                    kernels=item.target.kernels_launched(backend, [item])))
             check([item])
             continue
         src = rendered[id(item)]
@@ -281,7 +285,7 @@ def _computed(src) -> set:
     return computed
 
 
-def _joint_externs(schedule) -> dict:
+def _joint_externs(schedule, backend: str) -> dict:
     """Externs one PyTorch call computes together (an op's ``joint_call``: a convolution's input and
     weight gradients, one ``convolution_backward`` as eager's autograd calls it, not two): the first
     of each group in the schedule -> (fn, kwargs, the group's nodes in the order fn returns them)."""
@@ -293,7 +297,7 @@ def _joint_externs(schedule) -> dict:
             groups.setdefault((item.target, key), []).append(item)
     joint = {}
     for (op, _), nodes in groups.items():
-        call = op.joint_call(nodes) if len(nodes) > 1 else None
+        call = op.joint_call(nodes, backend) if len(nodes) > 1 else None
         if call is not None:
             joint[nodes[0]] = call
     return joint

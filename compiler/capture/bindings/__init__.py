@@ -5,7 +5,7 @@ Decompositions are written on tensor-like handles (``handles.py``: ``x - x.mean(
 so each reads like its counterpart in ``torch/_refs`` or ``torch/_decomp/decompositions.py``.
 """
 
-from compiler.capture.bindings import (cross_entropy, elementwise, factories, flip, indexing, layers, losses,  # noqa: F401
+from compiler.capture.bindings import (attention, cross_entropy, elementwise, factories, flip, indexing, layers, losses,  # noqa: F401
                                norms, random, reductions, routing, views)
 from compiler.capture.bindings.registry import BINDINGS, Unsupported, Writes, binds, lookup
 

@@ -1,5 +1,5 @@
-"""Bindings of layers: matmul, linear, addmm, convolutions, pooling, interpolation and
-scaled dot-product attention.
+"""Bindings of layers: matmul, linear, addmm, convolutions, pooling and interpolation
+(scaled dot-product attention: ``attention.py``).
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ from compiler.capture.bindings.handles import (
     where,
 )
 from compiler.capture.bindings.indexing import _triangle
-from compiler.capture.bindings.random import _dropout
-from compiler.capture.bindings.reductions import _shifted
 from compiler.capture.bindings.registry import Unsupported, _no_out, _t, binds
 from compiler.capture.bindings.views import _interleave, _pad
 from compiler.ir.graph import compute_dtype, numel
@@ -373,62 +371,6 @@ binds(F.avg_pool3d, torch._C._nn.avg_pool3d)(_avg_pool(3))
 binds(F.adaptive_avg_pool1d, torch.adaptive_avg_pool1d)(_adaptive_avg_pool(1))
 binds(F.adaptive_avg_pool2d)(_adaptive_avg_pool(2))
 binds(F.adaptive_avg_pool3d)(_adaptive_avg_pool(3))
-
-
-def _grouped_heads(query: Tensor, kv: Tensor) -> Tensor:
-    """Grouped-query attention's keys or values: each of the kv heads (dim -3) repeated for
-    the query heads of its group, as eager's ``repeat_interleave(groups, -3)`` (an expand
-    and a reshape here: views, so the repeat moves no data before the matmul)."""
-    if query.ndim < 3 or kv.ndim < 3:
-        raise Unsupported("scaled_dot_product_attention(enable_gqa=True) needs a head dim (eager raises)")
-    heads, kv_heads = query.shape[-3], kv.shape[-3]
-    if kv_heads == 0 or heads % kv_heads:
-        raise Unsupported(f"enable_gqa with {heads} query heads and {kv_heads} key/value heads (eager raises)")
-    groups = heads // kv_heads
-    if groups == 1:
-        return kv
-    lead, tail = tuple(kv.shape[:-3]), tuple(kv.shape[-2:])
-    grouped = kv.reshape(lead + (kv_heads, 1) + tail).expand(lead + (kv_heads, groups) + tail)
-    return grouped.reshape(lead + (heads,) + tail)
-
-
-@binds(F.scaled_dot_product_attention)
-@on_handles
-def _scaled_dot_product_attention(b, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                                  enable_gqa=False):
-    """softmax(q kᵀ · scale + mask) v, as PyTorch's math backend computes it: a causal mask
-    from element positions (nothing stored), rows masked entirely give 0 (not NaN), dropout on
-    the attention weights from in-kernel random numbers. The matmuls are PyTorch's; the
-    scaling, masking, softmax and dropout fuse around them."""
-    if enable_gqa:
-        key, value = _grouped_heads(query, key), _grouped_heads(query, value)
-    if is_causal and attn_mask is not None:
-        raise Unsupported("scaled_dot_product_attention with both attn_mask and is_causal (eager raises)")
-    if scale is None:
-        scale = 1.0 / math.sqrt(query.shape[-1])
-    # NOTE: half types: the scores and their softmax in float32, as every eager backend keeps
-    # them (CPU's kernels compute in float32; CUDA's flash and memory-efficient kernels
-    # accumulate q kᵀ in float32): scores rounded to bf16 (|s| ~ 10: errors of 0.03) made
-    # outputs 6x further from the exact result than eager's. The weights go back to the input's
-    # dtype for the matmul with v, as flash attention's do.
-    wide = compute_dtype(query.dtype)
-    scores = matmul(query.to(wide), key.to(wide).transpose(-2, -1)) * scale
-    if is_causal:
-        rows, cols = arange_along(b, scores.shape, scores.ndim - 2), arange_along(b, scores.shape, scores.ndim - 1)
-        attn_mask = cols <= rows
-    if isinstance(attn_mask, Tensor):
-        scores = where(attn_mask, scores, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
-    elif attn_mask is not None:
-        raise Unsupported("scaled_dot_product_attention with a non-tensor attn_mask")
-    shifted, _ = _shifted(scores, -1)
-    e = shifted.exp()
-    total = e.sum(-1, keepdim=True)
-    # a row masked entirely has e = 0 and total = 0: dividing by 1 there gives eager's 0, and a
-    # finite derivative (a where after the division would still send 0 * inf back: NaN)
-    weights = e / where(total == 0.0, 1.0, total)
-    if dropout_p > 0:
-        weights = Tensor(b, _dropout(b, weights, dropout_p, True))
-    return matmul(weights.to(value.dtype), value)
 
 
 binds(torch.tril, _t("tril"))(_triangle(True))

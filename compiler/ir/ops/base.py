@@ -38,6 +38,7 @@ def _catalog() -> dict:
         from compiler.ir.ops import catalog as C
 
         ops = [*C.POINTWISE.values(), C.DERIVED, *C.REDUCTIONS.values(), *C.VIEWS.values(), *C.EXTERNS.values(),
-               *C.ROUTING.values(), C.IOTA, C.RAND, C.GATHER, C.SLICE_SCATTER]
+               *C.ROUTING.values(), C.IOTA, C.RAND, C.GATHER, C.SLICE_SCATTER, C.ATTENTION,
+               C.ATTENTION_BACKWARD]
         _ops_by_name.update(((type(op).__name__, op.name), op) for op in ops)
     return _ops_by_name

@@ -12,6 +12,9 @@
   grouped matmuls, index_put, scatters, ``x[i, j]``), by PyTorch's kernels; hand-written VJPs.
 * ``externs`` — matmuls, convolutions and a gather's scatter-add gradient, run by PyTorch
   (cuBLAS and cuDNN on GPU); hand-written VJPs.
+* ``attention`` — scaled dot-product attention by flash-attention kernels (ours in Triton,
+  PyTorch's fused one on the CPU path), forward and gradients; a decomposed form for double
+  backward.
 
 Gradients flow as graph nodes built from these same ops, so backward graphs fuse exactly
 like forward graphs (tinygrad's habit). This module gathers the names stages use as ``C.*``.
@@ -22,6 +25,15 @@ from __future__ import annotations
 import torch.fx as fx
 
 from compiler.ir.graph import GraphBuilder, OpKind
+from compiler.ir.ops.attention import (
+    ATTENTION,
+    ATTENTION_BACKWARD,
+    Attention,
+    AttentionBackward,
+    decompose_for_double_backward,
+    emit_attention,
+    has_attention,
+)
 from compiler.ir.ops.base import OpDef
 from compiler.ir.ops.externs import (
     EXTERNS,
@@ -72,7 +84,9 @@ from compiler.ir.ops.routing import ROUTING
 from compiler.ir.ops.views import VIEWS, View, emit_slice, emit_view, slice_tensor
 
 __all__ = [
-    "OpDef", "EXTERNS", "AddMM", "Convolution", "ConvolutionBackward", "Extern", "IndexBackward", "MatMul",
+    "ATTENTION", "ATTENTION_BACKWARD", "Attention", "AttentionBackward", "decompose_for_double_backward",
+    "emit_attention", "has_attention", "OpDef", "EXTERNS", "AddMM", "Convolution", "ConvolutionBackward", "Extern",
+    "IndexBackward", "MatMul",
     "emit_addmm", "emit_conv", "emit_extern", "BOOL_RESULT_OPS", "DERIVED", "FLOAT_RESULT_OPS", "GRAD_SYMBOL",
     "POINTWISE", "RESULT_SYMBOL", "SCALAR_FUNCTIONS", "Pointwise", "derived_pointwise", "emit_fill",
     "emit_pointwise", "masked_product", "partial_derivative", "pointwise_vjp", "scalar_expr", "wirtinger_gradient",

@@ -29,6 +29,14 @@ class Extern(OpDef):
         """The op's value on real tensors (``compiler.ir.reference``)."""
         return self.torch_fn(*args, **node.kwargs)
 
+    def function_for(self, backend: str):
+        """What a program built for ``backend`` calls (an op with kernels of its own picks them)."""
+        return self.torch_fn
+
+    def kernels_launched(self, backend: str, nodes) -> int:
+        """How many of our own kernels the call making ``nodes`` launches (PyTorch's: none)."""
+        return 0
+
 
 class MatMul(Extern):
     """mm and bmm (cuBLAS on GPU)."""
@@ -132,7 +140,7 @@ class ConvolutionBackward(Extern):
         return tuple(node.args), tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
                                               for k, v in node.kwargs.items() if k != "which"))
 
-    def joint_call(self, nodes):
+    def joint_call(self, nodes, backend):
         """(fn, kwargs, nodes in fn's output order): both gradients from one ``convolution_backward``
         (eager's autograd makes them in one call too; on a GPU it is cuDNN's two kernels either way)."""
         which = {n.kwargs["which"]: n for n in nodes}

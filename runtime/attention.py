@@ -1,0 +1,279 @@
+"""Attention's forward and backward as the runtime calls them: our Triton flash kernels
+(``runtime.attention_kernels``), or on the CPU path (backend="torch") PyTorch's own fused CPU
+flash kernel, the one eager's ``scaled_dot_product_attention`` runs there.
+
+Every function takes q, k, v ([..., heads, length, head dim], 3-D or 4-D, any strides: views
+of a projection are read where they lie), then the mask (if ``has_mask``) and the dropout seed
+(if ``dropout_p``) as extra tensors; keys and values may have fewer heads (grouped-query
+attention). Results are contiguous.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+
+import torch
+import triton
+
+from runtime import attention_kernels as kernels
+from runtime.triton_math import INTERPRETING
+
+
+def forward(q, k, v, *extras, which=None, is_causal, scale, dropout_p, has_mask, backend="interpret"):
+    """(out, logsumexp) of softmax(scale * q k^T + mask) v, or the one ``which`` names."""
+    made = (_cpu_forward if backend == "torch" and q.device.type == "cpu" else _triton_forward)(
+        q, k, v, *_extras(extras, has_mask, dropout_p), is_causal=is_causal, scale=scale, dropout_p=dropout_p)
+    return made if which is None else made[("out", "lse").index(which)]
+
+
+def backward(grad, q, k, v, out, lse, *extras, which, is_causal, scale, dropout_p, has_mask, backend="interpret"):
+    """The gradients of q, k and v that ``which`` names (one name, or a tuple of them)."""
+    made = (_cpu_backward if backend == "torch" and q.device.type == "cpu" else _triton_backward)(
+        grad, q, k, v, out, lse, *_extras(extras, has_mask, dropout_p), is_causal=is_causal, scale=scale,
+        dropout_p=dropout_p)
+    grads = dict(zip("qkv", made))
+    return grads[which] if isinstance(which, str) else tuple(grads[w] for w in which)
+
+
+def _extras(extras, has_mask, dropout_p):
+    """(mask or None, seed or None) from the call's extra tensors."""
+    extras = list(extras)
+    mask = extras.pop(0) if has_mask else None
+    seed = extras.pop(0) if dropout_p > 0 else None
+    return mask, seed
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ------------------------------------------------------------------------------ Triton
+_recording = threading.local()
+
+
+@contextlib.contextmanager
+def launches_recorded(on_launch):
+    """Within the block, this thread's attention calls allocate their outputs and hand each kernel
+    launch to ``on_launch(kernel, grid, args, options, cost)`` instead of running it (the sm_90
+    compiles and the roofline of ``benchmarks``: the launch as a GPU would get it, never run).
+    ``cost``: the launch's phase, matmul FLOPs, bytes of its tensors, head dim, length (the longer
+    of the two), whether causal, dtype."""
+    saved = getattr(_recording, "on_launch", None)
+    _recording.on_launch = on_launch
+    try:
+        yield
+    finally:
+        _recording.on_launch = saved
+
+
+def _interpreted(t: torch.Tensor) -> bool:
+    """Whether this call's kernels run in Triton's interpreter (a recorded launch is a GPU's)."""
+    return INTERPRETING and not t.is_cuda and getattr(_recording, "on_launch", None) is None
+
+
+def _launch(kernel, grid, args, options, cost):
+    on_launch = getattr(_recording, "on_launch", None)
+    if on_launch is not None:
+        on_launch(kernel, grid, args, options, cost)
+        return
+    kernel[grid](*args, **options)
+
+
+def _cost(phase: str, share: float, q4, k4, is_causal: bool, tensors) -> dict:
+    """What ``launches_recorded`` tells of a launch: ``share`` of the phase's FLOPs."""
+    B, H, M, D = q4.shape
+    N = k4.shape[2]
+    return {"phase": phase, "flops": share * flops(B * H, M, N, D, is_causal, phase), "head_dim": D,
+            "length": max(M, N), "causal": is_causal, "dtype": q4.dtype,
+            "bytes": sum(t.numel() * t.element_size() for t in tensors)}
+
+
+def flops(batch_heads: int, M: int, N: int, D: int, is_causal: bool, phase: str) -> float:
+    """The matmul FLOPs of attention over ``batch_heads`` heads, counted as FlashAttention's
+    benchmarks count them: 4·M·N·D forward (q kᵀ and P v), 2.5x that backward (five products),
+    halved where causal."""
+    forward = 4.0 * batch_heads * M * N * D * (0.5 if is_causal else 1.0)
+    return forward if phase == "forward" else 2.5 * forward
+
+
+# (BLOCK_M rows, BLOCK_N keys, warps, stages) per kernel, by padded head dim: 16-bit inputs, float32
+# (float64 takes float32's). The dK/dV kernel's BLOCK_N is the keys it keeps, BLOCK_M the rows it streams.
+_TILES = {
+    "16-bit": {64: {"forward": (128, 64, 4, 3), "dq": (128, 64, 4, 2), "dkv": (64, 64, 4, 2)},
+               128: {"forward": (128, 64, 8, 2), "dq": (128, 64, 8, 2), "dkv": (64, 64, 8, 1)},
+               256: {"forward": (64, 32, 8, 1), "dq": (64, 32, 8, 1), "dkv": (32, 64, 8, 1)}},
+    "32-bit": {64: {"forward": (64, 32, 8, 2), "dq": (64, 32, 8, 2), "dkv": (32, 32, 8, 1)},
+               128: {"forward": (32, 32, 4, 1), "dq": (32, 32, 4, 1), "dkv": (16, 16, 8, 1)},
+               256: {"forward": (16, 32, 4, 1), "dq": (16, 32, 4, 1), "dkv": (16, 16, 8, 1)}},
+}
+
+
+def tiles(block_d: int, dtype: torch.dtype, kernel: str, interpreted: bool = False) -> tuple:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of ``kernel`` ("forward", "dq" or "dkv") for a
+    head dim padded to ``block_d``.
+
+    NOTE: chosen on Hopper's terms (228 KB of shared memory and 64K registers per SM, 255 per
+    thread): FlashAttention-2's Triton tiles, 128 x 64 for 16-bit inputs (8 warps past head dim
+    64); smaller where the float32 accumulators (the dK/dV kernel keeps two) would spill. The
+    sm_90 compiles (``benchmarks.kernels``' attention workloads, ``tests/test_attention.py``'s
+    compile check) show none spills. The interpreter runs 64 x 64 tiles: one NumPy operation per
+    tile, fewer when tiles are large."""
+    if interpreted:
+        return 64, 64, 4, 1
+    width = "16-bit" if dtype in (torch.float16, torch.bfloat16) else "32-bit"
+    return _TILES[width][max(64, block_d)][kernel]
+
+
+def _as_4d(t: torch.Tensor) -> torch.Tensor:
+    return t.unsqueeze(1) if t.dim() == 3 else t
+
+
+def _mask_4d(mask, shape):
+    """The mask broadcast to [B, H, M, N] (a view: stride 0 where it broadcasts)."""
+    return None if mask is None else mask.expand(shape)
+
+
+def _constants(q, mask, seed, is_causal, dropout_p):
+    """The kernels' compile-time arguments, and the stand-ins for absent pointers."""
+    wide = q.dtype == torch.float64
+    return dict(IS_CAUSAL=is_causal, MASK_KIND=0 if mask is None else (1 if mask.dtype == torch.bool else 2),
+                DROPOUT=dropout_p > 0, PRECISION="ieee" if q.dtype in (torch.float32, torch.float64) else "tf32",
+                WIDE=wide)
+
+
+def _scale_arguments(scale, dropout_p):
+    """Python floats reach a kernel as float32: a float64 scale goes as two parts (hi + lo), and
+    so does dropout's 1 / (1 - p), so float64 inputs keep float64's precision."""
+    keep = 1.0 / (1.0 - dropout_p)
+    hi, keep_hi = float(torch.tensor(scale, dtype=torch.float32)), float(torch.tensor(keep, dtype=torch.float32))
+    return hi, scale - hi, keep_hi, keep - keep_hi
+
+
+def _strides(t):
+    return t.stride() if t is not None else (0, 0, 0, 0)
+
+
+def _triton_forward(q, k, v, mask, seed, *, is_causal, scale, dropout_p):
+    q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
+    B, H, M, D = q4.shape
+    N = k4.shape[2]
+    mask4 = _mask_4d(mask, (B, H, M, N))
+    out = torch.empty((B, H, M, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, M), dtype=lse_dtype(q.dtype), device=q.device)
+    block_d = max(16, triton.next_power_of_2(D))
+    block_m, block_n, warps, stages = tiles(block_d, q.dtype, "forward", _interpreted(q))
+    args = (q4, k4, v4, mask4 if mask4 is not None else q4, seed if seed is not None else q4, out, lse,
+            *q4.stride(), *k4.stride(), *v4.stride(), *_strides(mask4), *out.stride(),
+            H, H // k4.shape[1], M, N, D, *_scale_arguments(scale, dropout_p), dropout_p)
+    _launch(kernels.attention_forward, (triton.cdiv(M, block_m), B * H), args,
+            dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=stages,
+                 **_constants(q, mask, seed, is_causal, dropout_p)),
+            _cost("forward", 1.0, q4, k4, is_causal, (q4, k4, v4, out, lse)))
+    return out.view(q.shape), lse.view(q.shape[:-1])
+
+
+def _triton_backward(grad, q, k, v, out, lse, mask, seed, *, is_causal, scale, dropout_p):
+    q4, k4, v4, g4, o4 = (_as_4d(t) for t in (q, k, v, grad, out))
+    B, H, M, D = q4.shape
+    HK, N = k4.shape[1], k4.shape[2]
+    mask4 = _mask_4d(mask, (B, H, M, N))
+    delta = torch.empty((B, H, M), dtype=lse_dtype(q.dtype), device=q.device)
+    dq = torch.empty((B, H, M, D), dtype=q.dtype, device=q.device)
+    dk = torch.empty((B, HK, N, D), dtype=k.dtype, device=q.device)
+    dv = torch.empty((B, HK, N, D), dtype=v.dtype, device=q.device)
+    block_d = max(16, triton.next_power_of_2(D))
+    constants = _constants(q, mask, seed, is_causal, dropout_p)
+    pointers = (mask4 if mask4 is not None else q4, seed if seed is not None else q4)
+    sizes = (H, H // HK, M, N, D, *_scale_arguments(scale, dropout_p), dropout_p)
+    strides = (*q4.stride(), *k4.stride(), *v4.stride(), *_strides(mask4))
+    # (the backward's five products: dQ's kernel recomputes P and dP and makes dS k, 3 of 5; the
+    # dK/dV kernel all but dS k, 4 of 5; counted as FlashAttention counts them: 2 and 3 of 5)
+    block_m, block_n, warps, stages = tiles(block_d, q.dtype, "dq", _interpreted(q))
+    _launch(kernels.attention_backward_dq, (triton.cdiv(M, block_m), B * H),
+            (q4, k4, v4, *pointers, o4, g4, lse, delta, dq, *strides, *o4.stride(), *g4.stride(), *sizes),
+            dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=stages,
+                 **constants), _cost("backward", 0.4, q4, k4, is_causal, (q4, k4, v4, o4, g4, lse, delta, dq)))
+    block_m, block_n, warps, stages = tiles(block_d, q.dtype, "dkv", _interpreted(q))
+    _launch(kernels.attention_backward_dkv, (triton.cdiv(N, block_n), B * HK),
+            (q4, k4, v4, *pointers, g4, lse, delta, dk, dv, *strides, *g4.stride(), *sizes),
+            dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=stages,
+                 **constants), _cost("backward", 0.6, q4, k4, is_causal, (q4, k4, v4, g4, lse, delta, dk, dv)))
+    return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
+
+
+# ------------------------------------------------------------------------ CPU (torch)
+def _cpu_forward(q, k, v, mask, seed, *, is_causal, scale, dropout_p):
+    """PyTorch's fused CPU flash kernel (eager's own); with dropout, which it lacks, the
+    weights are made whole for this call only (never saved)."""
+    if dropout_p > 0:
+        return _math_forward(q, k, v, mask, seed, is_causal, scale, dropout_p)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        _as_4d(q), _as_4d(k), _as_4d(v), 0.0, is_causal, attn_mask=_additive(mask, q.dtype), scale=scale)
+    return out.contiguous().view(q.shape), lse.view(q.shape[:-1])
+
+
+def _cpu_backward(grad, q, k, v, out, lse, mask, seed, *, is_causal, scale, dropout_p):
+    if dropout_p > 0:
+        return _math_backward(grad, q, k, v, out, lse, mask, seed, is_causal, scale, dropout_p)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        _as_4d(grad), _as_4d(q), _as_4d(k), _as_4d(v), _as_4d(out), _as_4d(lse.unsqueeze(-1)).squeeze(-1), 0.0,
+        is_causal, attn_mask=_additive(mask, q.dtype), scale=scale)
+    return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
+
+
+def _additive(mask, dtype):
+    """The CPU kernel takes a mask of the query's dtype, added to the scores: a boolean one
+    becomes 0 where True and -inf where False (the mask's own size)."""
+    if mask is None or mask.dtype == dtype:
+        return mask
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -math.inf)
+    return mask.to(dtype)
+
+
+def _weights(q, k, mask, seed, is_causal, scale, dropout_p, lse=None):
+    """(the weights softmax(scale q k^T + mask), their dropout keep mask or None, key repeat):
+    float32 (float64 for float64). From the saved logsumexp where given, as the kernels do."""
+    wide = lse_dtype(q.dtype)
+    group = q.shape[-3] // k.shape[-3] if q.dim() == 4 else 1
+    keys = k.repeat_interleave(group, dim=-3) if group > 1 else k
+    s = torch.matmul(q.to(wide), keys.to(wide).transpose(-2, -1)) * scale
+    if is_causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril().logical_not(), -math.inf)
+    if mask is not None:
+        s = s.masked_fill(mask.logical_not(), -math.inf) if mask.dtype == torch.bool else s + mask.to(wide)
+    if lse is None:
+        lse = torch.logsumexp(s, -1)
+        lse = torch.where(torch.isinf(lse) & (lse < 0), 0.0, lse)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    kept = None
+    if dropout_p > 0:  # the decomposed form's numbers: torch's generator seeded with the call's seed
+        generator = torch.Generator(device=seed.device).manual_seed(int(seed))
+        kept = torch.rand(p.shape, generator=generator, device=seed.device) >= dropout_p
+    return p, kept, lse, group
+
+
+def _math_forward(q, k, v, mask, seed, is_causal, scale, dropout_p):
+    p, kept, lse, group = _weights(q, k, mask, seed, is_causal, scale, dropout_p)
+    p = torch.where(kept, p * (1.0 / (1.0 - dropout_p)), 0.0)
+    values = v.repeat_interleave(group, dim=-3) if group > 1 else v
+    return torch.matmul(p.to(v.dtype), values).contiguous(), lse.to(lse_dtype(q.dtype))
+
+
+def _math_backward(grad, q, k, v, out, lse, mask, seed, is_causal, scale, dropout_p):
+    p, kept, _, group = _weights(q, k, mask, seed, is_causal, scale, dropout_p, lse)
+    wide = p.dtype
+    keep_scale = 1.0 / (1.0 - dropout_p)
+    values = v.repeat_interleave(group, dim=-3) if group > 1 else v
+    dp = torch.where(kept, torch.matmul(grad.to(wide), values.to(wide).transpose(-2, -1)) * keep_scale, 0.0)
+    delta = (grad.to(wide) * out.to(wide)).sum(-1, keepdim=True)
+    ds = p * (dp - delta) * scale
+    keys = k.repeat_interleave(group, dim=-3) if group > 1 else k
+    dq = torch.matmul(ds, keys.to(wide))
+    dk = torch.matmul(ds.transpose(-2, -1), q.to(wide))
+    dv = torch.matmul(torch.where(kept, p * keep_scale, 0.0).transpose(-2, -1), grad.to(wide))
+    if group > 1:
+        dk, dv = (t.unflatten(-3, (k.shape[-3], group)).sum(-3) for t in (dk, dv))
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

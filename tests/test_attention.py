@@ -1,0 +1,315 @@
+"""Scaled dot-product attention as flash attention (issue 34): every form the binding takes runs
+our Triton flash kernels (in the interpreter here) or, on the CPU path, PyTorch's fused CPU
+kernel; values and gradients equal eager's; nothing T x T is saved for backward; double
+backward goes through the decomposed form, correctly.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import compiler
+from compiler.ir.ops import catalog as C
+from runtime import attention as runtime_attention
+from tests.parity import TOLERANCE, check_parity, clone_inputs, run_eager
+
+
+def _qkv(B, H, HK, M, N, D, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    return [torch.randn(B, h, n, D, dtype=dtype, requires_grad=True) for h, n in ((H, M), (HK, N), (HK, N))]
+
+
+def _attention_nodes(fn, args, backend="interpret") -> list:
+    """The flash attention nodes of ``fn``'s captured graphs (each region's)."""
+    report = compiler.explain(compiler.compile(fn, backend=backend), *clone_inputs(args))
+    return [n for r in report.regions for n in r["captured"].nodes if n.op == "call_function"
+            and n.target is C.ATTENTION and n.kwargs["which"] == "out"]
+
+
+def _assert_flash(fn, args, expected=1):
+    nodes = _attention_nodes(fn, args)
+    assert len(nodes) == expected, f"{len(nodes)} flash attention nodes, expected {expected}"
+    return nodes
+
+
+FORMS = {
+    "plain": (dict(), dict(B=2, H=2, HK=2, M=37, N=37, D=16)),
+    "causal": (dict(is_causal=True), dict(B=2, H=2, HK=2, M=70, N=70, D=32)),
+    "causal, fewer queries than keys": (dict(is_causal=True), dict(B=1, H=2, HK=2, M=20, N=45, D=16)),
+    "scale": (dict(scale=0.37), dict(B=1, H=3, HK=3, M=33, N=65, D=24)),
+    "gqa": (dict(enable_gqa=True, is_causal=True), dict(B=2, H=4, HK=2, M=40, N=40, D=16)),
+    "head dim 80 (padded to 128)": (dict(), dict(B=1, H=1, HK=1, M=30, N=66, D=80)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("form", list(FORMS))
+def test_flash_forms_match_eager(form, dtype):
+    kwargs, sizes = FORMS[form]
+    args = _qkv(**sizes, dtype=dtype)
+
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    _assert_flash(f, args)
+    compiled = check_parity(f, args, dtype=dtype, grad_seed=torch.randn(sizes["B"], sizes["H"], sizes["M"],
+                                                                          sizes["D"], dtype=dtype))
+    assert compiled.stats["kernel_launches"] >= 3   # the forward kernel, then dQ and dK/dV
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_masks_broadcast_over_batch_and_heads(kind):
+    args = _qkv(2, 4, 4, 33, 70, 16, dtype=torch.float64)
+    torch.manual_seed(1)
+    if kind == "bool":
+        mask = torch.rand(33, 70) > 0.4          # [M, N]: broadcast over batch and heads
+        mask[5] = False                          # a row that sees no key: eager's 0, zero gradients
+    else:
+        mask = torch.randn(2, 1, 33, 70, dtype=torch.float64)   # over heads
+        mask[1, 0, 7] = -math.inf
+    args.append(mask)
+
+    def f(q, k, v, m):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    _assert_flash(f, args)
+    check_parity(f, args, dtype=torch.float64)
+
+
+def test_fully_masked_rows_give_zero_and_no_nan():
+    q, k, v = _qkv(1, 2, 2, 20, 20, 16)
+    mask = torch.ones(20, 20, dtype=torch.bool)
+    mask[3:9] = False
+
+    def f(q, k, v, m):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+    compiled = check_parity(f, [q, k, v, mask])
+    out = compiled(q, k, v, mask)
+    assert torch.equal(out[:, :, 3:9], torch.zeros_like(out[:, :, 3:9]))
+    out.sum().backward()
+    assert not any(torch.isnan(t.grad).any() for t in (q, k, v))
+
+
+def test_hugging_face_repeat_kv_is_read_not_made():
+    """Llama's ``repeat_kv`` (x[:, :, None].expand(...).reshape(...)) before SDPA: the kernels read
+    the 2 key/value heads for their 4 query heads; the repeated tensor is never an argument."""
+    args = _qkv(2, 4, 2, 24, 24, 16)
+
+    def repeat_kv(x, groups):
+        b, h, n, d = x.shape
+        return x[:, :, None, :, :].expand(b, h, groups, n, d).reshape(b, h * groups, n, d)
+
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), is_causal=True)
+    node, = _assert_flash(f, args)
+    assert [tuple(a.meta["symgrad"].shape) for a in node.args[1:3]] == [(2, 2, 24, 16)] * 2
+    check_parity(f, args)
+
+
+def test_three_dimensional_inputs():
+    torch.manual_seed(0)
+    args = [torch.randn(3, 29, 16, requires_grad=True) for _ in range(3)]
+
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    _assert_flash(f, args)
+    check_parity(f, args)
+
+
+def test_views_of_a_projection_are_read_where_they_lie():
+    """nanoGPT: q, k, v split from one projection and transposed to [B, H, T, D]: the kernels
+    read them through their strides, and nothing copies them first (no kernel but the flash
+    ones, forward and backward, besides the gradient's layout)."""
+    torch.manual_seed(0)
+    B, T, H, D = 2, 40, 2, 16
+    x = torch.randn(B, T, 3 * H * D, requires_grad=True)
+
+    def f(x):
+        q, k, v = x.split(H * D, dim=2)
+        q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in (q, k, v))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, H * D)
+    _assert_flash(f, [x])
+    check_parity(f, [x])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_is_as_close_to_the_exact_result_as_eager(dtype):
+    """bf16/fp16 inputs, float32 accumulation: the kernels' error against a float64 evaluation is
+    within 2x eager's own (eager's CPU kernel computes in float32 too)."""
+    q, k, v = _qkv(1, 2, 2, 70, 70, 32, dtype=dtype)
+    g = torch.randn(1, 2, 70, 32, dtype=dtype)
+
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    exact_out, exact_grads = run_eager(f, [t.detach().double().requires_grad_() for t in (q, k, v)], g.double())
+    eager_out, eager_grads = run_eager(f, [q, k, v], g)
+    compiled = compiler.compile(f, backend="interpret")
+    compiled(*clone_inputs([q, k, v]))
+    inputs = clone_inputs([q, k, v])
+    out = compiled(*inputs)
+    out.backward(g)
+    assert compiled.stats["kernel_launches"] >= 3
+    for ours, theirs, exact in zip([out] + [t.grad for t in inputs], [eager_out] + eager_grads,
+                                   [exact_out] + exact_grads):
+        ours_error = (ours.double() - exact).abs().max().item()
+        eager_error = (theirs.double() - exact).abs().max().item()
+        assert ours_error <= 2 * eager_error + 1e-3 * exact.abs().max().item(), (ours_error, eager_error)
+
+
+# ------------------------------------------------------------------------------ dropout
+@triton.jit
+def _philox_grid(Seed, Out, n):
+    offsets = tl.arange(0, 1024) + tl.program_id(0) * 1024
+    tl.store(Out + offsets, tl.rand(tl.load(Seed), offsets.to(tl.int64)), mask=offsets < n)
+
+
+def _kernel_random_numbers(seed: torch.Tensor, shape) -> torch.Tensor:
+    """What ``tl.rand(seed, position)`` gives at each position of ``shape`` (row-major)."""
+    out = torch.empty(math.prod(shape))
+    _philox_grid[(triton.cdiv(out.numel(), 1024),)](seed, out, out.numel())
+    return out.view(shape)
+
+
+@pytest.mark.parametrize("gqa", [False, True])
+def test_dropout_regenerates_the_same_numbers_in_backward(gqa):
+    """The kernels drop exactly the weights whose Philox number (by the weight's position) is
+    below p, in forward and again in backward: values and gradients equal the math with that
+    keep mask, and nothing is stored between the two."""
+    B, H, HK, T, D, p = 1, 4, 2 if gqa else 4, 45, 16, 0.3
+    q, k, v = _qkv(B, H, HK, T, T, D, dtype=torch.float64)
+    seed = torch.tensor(1234, dtype=torch.int64)
+    keep = _kernel_random_numbers(seed, (B, H, T, T)) >= p
+    groups = H // HK
+
+    def math_form(q, k, v):
+        kk, vv = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        weights = torch.softmax((q @ kk.transpose(-2, -1)) / math.sqrt(D) + torch.full((T, T), -math.inf,
+                                dtype=q.dtype).triu(1), -1)
+        return torch.where(keep, weights / (1 - p), 0.0) @ vv
+    g = torch.randn(B, H, T, D, dtype=torch.float64)
+    expected = math_form(q, k, v)
+    expected_grads = torch.autograd.grad(expected, (q, k, v), g)
+    parameters = dict(is_causal=True, scale=1 / math.sqrt(D), dropout_p=p, has_mask=False)
+    out, lse = runtime_attention.forward(q.detach(), k.detach(), v.detach(), seed, **parameters)
+    grads = runtime_attention.backward(g, q.detach(), k.detach(), v.detach(), out, lse, seed, which=("q", "k", "v"),
+                                       **parameters)
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float64])
+    for ours, theirs in zip(grads, expected_grads):
+        torch.testing.assert_close(ours, theirs, **TOLERANCE[torch.float64])
+
+
+def test_compiled_dropout_follows_the_generator_and_changes_per_call():
+    q, k, v = _qkv(1, 2, 2, 64, 64, 16)
+
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    _assert_flash(f, [q, k, v])
+    compiled = compiler.compile(f, backend="interpret")
+    compiled(q, k, v)
+    torch.manual_seed(7)
+    first = compiled(q, k, v)
+    torch.manual_seed(7)
+    again = compiled(q, k, v)
+    other = compiled(q, k, v)
+    assert torch.equal(first, again) and not torch.equal(first, other)
+    no_dropout = F.scaled_dot_product_attention(q, k, v)
+    # E[dropout(w)] = w: the mean over many positions is close to the undropped output's
+    assert abs(first.mean().item() - no_dropout.mean().item()) < 0.1
+    first.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+# ------------------------------------------------------------------------------ the CPU path
+@pytest.mark.parametrize("form", ["causal", "gqa", "scale"])
+def test_cpu_path_runs_pytorchs_fused_kernel(form):
+    """backend="torch": the same graph, attention by PyTorch's CPU flash kernel (eager's own): the
+    values are eager's to the bit."""
+    kwargs, sizes = FORMS[form]
+    args = _qkv(**sizes)
+    g = torch.randn(sizes["B"], sizes["H"], sizes["M"], sizes["D"])
+
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    _assert_flash(f, args)
+    compiled = compiler.compile(f, backend="torch")
+    ref_out, ref_grads = run_eager(f, args, g)
+    compiled(*clone_inputs(args))
+    inputs = clone_inputs(args)
+    out = compiled(*inputs)
+    out.backward(g)
+    assert compiled.stats["divergences"] == 0 and compiled.last_backend == "torch"
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    for ours, theirs in zip([t.grad for t in inputs], ref_grads):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------ saved bytes
+@pytest.mark.parametrize("backend", ["interpret", "torch"])
+def test_nothing_t_by_t_is_saved(backend):
+    """Issue 34's measure (``benchmarks.attention_saved``) at T=128, every SDPA form: at most
+    1.25x eager's saved bytes, and no saved tensor with two dimensions of length T but the
+    user's own mask."""
+    from benchmarks import attention_saved
+
+    T = 128
+    for name, (fn, args) in attention_saved.forms(T).items():
+        if name.startswith("explicit"):
+            continue
+        eager = attention_saved.measure(fn, args, T, None)
+        ours = attention_saved.measure(fn, args, T, backend)
+        assert ours["replayed"] and ours["bytes"] <= 1.25 * eager["bytes"], (name, ours, eager)
+        user_masks = sum(1 for a in args if not a.requires_grad and a.dim() >= 2)
+        assert ours["square"] <= user_masks, (name, ours)
+
+
+# ------------------------------------------------------------------------------ double backward
+class _Said(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@pytest.mark.parametrize("form", ["causal", "gqa", "mask"])
+def test_double_backward_through_the_decomposed_form(form):
+    """create_graph=True: eager's CPU flash kernel has no double backward (it raises), its math
+    kernel does; ours runs the flash kernels for the first backward and differentiates the
+    decomposed form for the second, and says so in the ``backward`` log."""
+    H, HK = (4, 2) if form == "gqa" else (2, 2)
+    q, k, v = _qkv(1, H, HK, 9, 11, 16, dtype=torch.float64)
+    mask = torch.randn(9, 11, dtype=torch.float64) if form == "mask" else None
+
+    def f(q, k, v):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=form == "causal",
+                                             enable_gqa=form == "gqa")
+        g, = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+        return g.sin().sum()
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = f(q, k, v)
+        expected_grads = torch.autograd.grad(expected, (q, k, v))
+    said = _Said()
+    logging.getLogger("symgrad.backward").addHandler(said)
+    compiler.set_logs("backward")
+    try:
+        compiled = compiler.compile(f, backend="interpret")
+        with sdpa_kernel(SDPBackend.MATH):  # (the recording call runs eagerly)
+            compiled(q, k, v)
+        out = compiled(q, k, v)
+        grads = torch.autograd.grad(out, (q, k, v))
+    finally:
+        compiler.set_logs()
+        logging.getLogger("symgrad.backward").removeHandler(said)
+    assert any("runs attention in its decomposed form" in m for m in said.messages), said.messages
+    assert compiled.stats["divergences"] == 0 and compiled.stats["kernel_launches"] > 0
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float64])
+    for ours, theirs in zip(grads, expected_grads):
+        torch.testing.assert_close(ours, theirs, **TOLERANCE[torch.float64])
+    assert _attention_nodes(f, [q, k, v]), "the first backward did not run the flash kernels"
