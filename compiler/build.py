@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from compiler.autodiff.partition import partition, propagate_requires_grad
+from compiler.capture.attention_pattern import rewrite_written_out_attention
 from compiler.capture.regions import EAGER_NAMES, EAGER_SAVED, SAVED_BY_CONSUMERS, SAVED_INPUTS
 from compiler.fusion.fuse import fuse
 from compiler.ir.reference import first_nan
@@ -45,6 +46,7 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset(), written_later=froz
     policy (``compiler.autodiff.saved_set``); ``outputs_written_later``: of outputs the function
     changes in place after the region; ``shape_generic``: kernels take their sizes as arguments
     (``codegen.triton_kernel.render_kernel``), so builds that differ only in sizes share sources."""
+    rewrite_written_out_attention(graph)   # (softmax(q kᵀ) v written out: flash attention, nothing T x T kept)
     outputs = _plan_outputs(graph, written_later, outputs_written_later)
     pristine = copy_graph(graph)  # partition appends the backward to ``graph``
     parts = partition(graph, mutated_inputs, written_later=written_later, memory=memory,

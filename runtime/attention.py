@@ -21,18 +21,23 @@ from runtime import attention_kernels as kernels
 from runtime.triton_math import INTERPRETING
 
 
-def forward(q, k, v, *extras, which=None, is_causal, scale, dropout_p, has_mask, backend="interpret"):
-    """(out, logsumexp) of softmax(scale * q k^T + mask) v, or the one ``which`` names."""
+def forward(q, k, v, *extras, which=None, is_causal, scale, dropout_p, has_mask, empty_nan=False,
+            backend="interpret"):
+    """(out, logsumexp) of softmax(scale * q k^T + mask) v, or the one ``which`` names. A row
+    no key is seen by gives 0 (SDPA's), or NaN with ``empty_nan`` (softmax's, for attention
+    written out)."""
     made = (_cpu_forward if backend == "torch" and q.device.type == "cpu" else _triton_forward)(
-        q, k, v, *_extras(extras, has_mask, dropout_p), is_causal=is_causal, scale=scale, dropout_p=dropout_p)
+        q, k, v, *_extras(extras, has_mask, dropout_p), is_causal=is_causal, scale=scale, dropout_p=dropout_p,
+        empty_nan=empty_nan)
     return made if which is None else made[("out", "lse").index(which)]
 
 
-def backward(grad, q, k, v, out, lse, *extras, which, is_causal, scale, dropout_p, has_mask, backend="interpret"):
+def backward(grad, q, k, v, out, lse, *extras, which, is_causal, scale, dropout_p, has_mask, empty_nan=False,
+             backend="interpret"):
     """The gradients of q, k and v that ``which`` names (one name, or a tuple of them)."""
     made = (_cpu_backward if backend == "torch" and q.device.type == "cpu" else _triton_backward)(
         grad, q, k, v, out, lse, *_extras(extras, has_mask, dropout_p), is_causal=is_causal, scale=scale,
-        dropout_p=dropout_p)
+        dropout_p=dropout_p, empty_nan=empty_nan)
     grads = dict(zip("qkv", made))
     return grads[which] if isinstance(which, str) else tuple(grads[w] for w in which)
 
@@ -101,11 +106,11 @@ def flops(batch_heads: int, M: int, N: int, D: int, is_causal: bool, phase: str)
 # (BLOCK_M rows, BLOCK_N keys, warps, stages) per kernel, by padded head dim: 16-bit inputs, float32
 # (float64 takes float32's). The dK/dV kernel's BLOCK_N is the keys it keeps, BLOCK_M the rows it streams.
 _TILES = {
-    "16-bit": {64: {"forward": (128, 64, 4, 3), "dq": (128, 64, 4, 2), "dkv": (64, 64, 4, 2)},
+    "16-bit": {64: {"forward": (128, 64, 4, 3), "dq": (128, 64, 4, 2), "dkv": (64, 64, 8, 2)},
                128: {"forward": (128, 64, 8, 2), "dq": (128, 64, 8, 2), "dkv": (64, 64, 8, 1)},
                256: {"forward": (64, 32, 8, 1), "dq": (64, 32, 8, 1), "dkv": (32, 64, 8, 1)}},
-    "32-bit": {64: {"forward": (64, 32, 8, 2), "dq": (64, 32, 8, 2), "dkv": (32, 32, 8, 1)},
-               128: {"forward": (32, 32, 4, 1), "dq": (32, 32, 4, 1), "dkv": (16, 16, 8, 1)},
+    "32-bit": {64: {"forward": (64, 32, 8, 2), "dq": (64, 32, 8, 2), "dkv": (16, 32, 4, 1)},
+               128: {"forward": (32, 32, 4, 2), "dq": (32, 32, 4, 2), "dkv": (16, 16, 8, 1)},
                256: {"forward": (16, 32, 4, 1), "dq": (16, 32, 4, 1), "dkv": (16, 16, 8, 1)}},
 }
 
@@ -155,7 +160,7 @@ def _strides(t):
     return t.stride() if t is not None else (0, 0, 0, 0)
 
 
-def _triton_forward(q, k, v, mask, seed, *, is_causal, scale, dropout_p):
+def _triton_forward(q, k, v, mask, seed, *, is_causal, scale, dropout_p, empty_nan):
     q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
     B, H, M, D = q4.shape
     N = k4.shape[2]
@@ -169,12 +174,12 @@ def _triton_forward(q, k, v, mask, seed, *, is_causal, scale, dropout_p):
             H, H // k4.shape[1], M, N, D, *_scale_arguments(scale, dropout_p), dropout_p)
     _launch(kernels.attention_forward, (triton.cdiv(M, block_m), B * H), args,
             dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=stages,
-                 **_constants(q, mask, seed, is_causal, dropout_p)),
+                 EMPTY_NAN=empty_nan, **_constants(q, mask, seed, is_causal, dropout_p)),
             _cost("forward", 1.0, q4, k4, is_causal, (q4, k4, v4, out, lse)))
     return out.view(q.shape), lse.view(q.shape[:-1])
 
 
-def _triton_backward(grad, q, k, v, out, lse, mask, seed, *, is_causal, scale, dropout_p):
+def _triton_backward(grad, q, k, v, out, lse, mask, seed, *, is_causal, scale, dropout_p, empty_nan):
     q4, k4, v4, g4, o4 = (_as_4d(t) for t in (q, k, v, grad, out))
     B, H, M, D = q4.shape
     HK, N = k4.shape[1], k4.shape[2]
@@ -204,18 +209,18 @@ def _triton_backward(grad, q, k, v, out, lse, mask, seed, *, is_causal, scale, d
 
 
 # ------------------------------------------------------------------------ CPU (torch)
-def _cpu_forward(q, k, v, mask, seed, *, is_causal, scale, dropout_p):
-    """PyTorch's fused CPU flash kernel (eager's own); with dropout, which it lacks, the
-    weights are made whole for this call only (never saved)."""
-    if dropout_p > 0:
-        return _math_forward(q, k, v, mask, seed, is_causal, scale, dropout_p)
+def _cpu_forward(q, k, v, mask, seed, *, is_causal, scale, dropout_p, empty_nan):
+    """PyTorch's fused CPU flash kernel (eager's own); with dropout, which it lacks, or softmax's
+    NaN rows, which it does not make, the weights are made whole for this call only (never saved)."""
+    if dropout_p > 0 or empty_nan:
+        return _math_forward(q, k, v, mask, seed, is_causal, scale, dropout_p, empty_nan)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         _as_4d(q), _as_4d(k), _as_4d(v), 0.0, is_causal, attn_mask=_additive(mask, q.dtype), scale=scale)
     return out.contiguous().view(q.shape), lse.view(q.shape[:-1])
 
 
-def _cpu_backward(grad, q, k, v, out, lse, mask, seed, *, is_causal, scale, dropout_p):
-    if dropout_p > 0:
+def _cpu_backward(grad, q, k, v, out, lse, mask, seed, *, is_causal, scale, dropout_p, empty_nan):
+    if dropout_p > 0 or empty_nan:
         return _math_backward(grad, q, k, v, out, lse, mask, seed, is_causal, scale, dropout_p)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         _as_4d(grad), _as_4d(q), _as_4d(k), _as_4d(v), _as_4d(out), _as_4d(lse.unsqueeze(-1)).squeeze(-1), 0.0,
@@ -233,7 +238,7 @@ def _additive(mask, dtype):
     return mask.to(dtype)
 
 
-def _weights(q, k, mask, seed, is_causal, scale, dropout_p, lse=None):
+def _weights(q, k, mask, seed, is_causal, scale, dropout_p, lse=None, empty_nan=False):
     """(the weights softmax(scale q k^T + mask), their dropout keep mask or None, key repeat):
     float32 (float64 for float64). From the saved logsumexp where given, as the kernels do."""
     wide = lse_dtype(q.dtype)
@@ -246,7 +251,7 @@ def _weights(q, k, mask, seed, is_causal, scale, dropout_p, lse=None):
         s = s.masked_fill(mask.logical_not(), -math.inf) if mask.dtype == torch.bool else s + mask.to(wide)
     if lse is None:
         lse = torch.logsumexp(s, -1)
-        lse = torch.where(torch.isinf(lse) & (lse < 0), 0.0, lse)
+        lse = torch.where(torch.isinf(lse) & (lse < 0), math.nan if empty_nan else 0.0, lse)
     p = torch.exp(s - lse.unsqueeze(-1))
     kept = None
     if dropout_p > 0:  # the decomposed form's numbers: torch's generator seeded with the call's seed
@@ -255,9 +260,10 @@ def _weights(q, k, mask, seed, is_causal, scale, dropout_p, lse=None):
     return p, kept, lse, group
 
 
-def _math_forward(q, k, v, mask, seed, is_causal, scale, dropout_p):
-    p, kept, lse, group = _weights(q, k, mask, seed, is_causal, scale, dropout_p)
-    p = torch.where(kept, p * (1.0 / (1.0 - dropout_p)), 0.0)
+def _math_forward(q, k, v, mask, seed, is_causal, scale, dropout_p, empty_nan=False):
+    p, kept, lse, group = _weights(q, k, mask, seed, is_causal, scale, dropout_p, empty_nan=empty_nan)
+    if kept is not None:
+        p = torch.where(kept, p * (1.0 / (1.0 - dropout_p)), 0.0)
     values = v.repeat_interleave(group, dim=-3) if group > 1 else v
     return torch.matmul(p.to(v.dtype), values).contiguous(), lse.to(lse_dtype(q.dtype))
 
@@ -267,13 +273,16 @@ def _math_backward(grad, q, k, v, out, lse, mask, seed, is_causal, scale, dropou
     wide = p.dtype
     keep_scale = 1.0 / (1.0 - dropout_p)
     values = v.repeat_interleave(group, dim=-3) if group > 1 else v
-    dp = torch.where(kept, torch.matmul(grad.to(wide), values.to(wide).transpose(-2, -1)) * keep_scale, 0.0)
+    dp = torch.matmul(grad.to(wide), values.to(wide).transpose(-2, -1))
+    p_used = p
+    if kept is not None:
+        dp, p_used = torch.where(kept, dp * keep_scale, 0.0), torch.where(kept, p * keep_scale, 0.0)
     delta = (grad.to(wide) * out.to(wide)).sum(-1, keepdim=True)
     ds = p * (dp - delta) * scale
     keys = k.repeat_interleave(group, dim=-3) if group > 1 else k
     dq = torch.matmul(ds, keys.to(wide))
     dk = torch.matmul(ds.transpose(-2, -1), q.to(wide))
-    dv = torch.matmul(torch.where(kept, p * keep_scale, 0.0).transpose(-2, -1), grad.to(wide))
+    dv = torch.matmul(p_used.transpose(-2, -1), grad.to(wide))
     if group > 1:
         dk, dv = (t.unflatten(-3, (k.shape[-3], group)).sum(-3) for t in (dk, dv))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -63,7 +63,7 @@ def attention_forward(Q, K, V, Mask, Seed, Out, LSE,
                       s_mb, s_mh, s_mm, s_mn, s_ob, s_oh, s_om, s_od,
                       H, GROUP, M, N, D, scale, scale_lo, keep, keep_lo, dropout_p,
                       IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
-                      PRECISION: tl.constexpr, WIDE: tl.constexpr,
+                      PRECISION: tl.constexpr, WIDE: tl.constexpr, EMPTY_NAN: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """O and the logsumexp of BLOCK_M rows of one (batch, head); grid (cdiv(M, BLOCK_M), B * H)."""
     ACC: tl.constexpr = tl.float64 if WIDE else tl.float32
@@ -94,11 +94,20 @@ def attention_forward(Q, K, V, Mask, Seed, Out, LSE,
                     mask=(cols[:, None] < N) & (offs_d[None, :] < D), other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION, out_dtype=ACC)
         m_i = m_new
-    empty = l_i == 0.0   # every key masked: eager's 0, and a logsumexp of 0 as eager's CPU kernel
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    # every key masked: SDPA's 0, and a logsumexp of 0 as eager's CPU kernel; or (EMPTY_NAN, attention
+    # written out as softmax) softmax's NaN, and a NaN logsumexp, which the backward spreads as eager's does
+    empty = l_i == 0.0
+    if EMPTY_NAN:
+        out = acc / l_i[:, None]
+        m_i = tl.where(empty, float("nan"), m_i)
+    else:
+        out = acc / tl.where(empty, 1.0, l_i)[:, None]
     tl.store(Out + b * s_ob + h * s_oh + rows[:, None] * s_om + offs_d[None, :] * s_od, out.to(Out.dtype.element_ty),
              mask=(rows[:, None] < M) & (offs_d[None, :] < D))
-    tl.store(LSE + bh * M + rows, tl.where(empty, 0.0, m_i + tl.log(tl.where(empty, 1.0, l_i))), mask=rows < M)
+    lse = tl.where(empty, 0.0, m_i + tl.log(tl.where(empty, 1.0, l_i)))
+    if EMPTY_NAN:
+        lse = tl.where(empty, float("nan"), lse)
+    tl.store(LSE + bh * M + rows, lse, mask=rows < M)
 
 
 @triton.jit

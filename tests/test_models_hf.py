@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import compiler
+from compiler.ir.ops import catalog as C
 
 transformers = pytest.importorskip("transformers")
 
@@ -39,6 +40,10 @@ STILL_EAGER = {
 # Values each model reads into Python (graph breaks: the regions on both sides compile, only the
 # read runs eagerly). BERT's padding-mask code asks `if mask.all():` (guarded on replay).
 GRAPH_BREAKS = {"bert": ["Tensor.__bool__"]}
+# Models whose attention runs as our flash-attention kernels, forward and backward (issue 34): every
+# layer's scaled_dot_product_attention. (T5 adds a learned position bias as its mask, which requires
+# grad: its self-attention keeps the decomposed form, its gradient flowing to the bias.)
+FLASH_ATTENTION = {"gpt2": 2, "llama": 2, "qwen2": 2, "mixtral": 2, "bert": 2}
 # The eager calls a training step makes by design, the only ones the report may list: the backward
 # call, the optimizer step's (its profiling marks, its .grad reads and writes: the step itself runs
 # as fused kernels), grad-mode switches (`@torch.no_grad()` around a rotary embedding: the math
@@ -147,6 +152,9 @@ def test_model_trains_like_eager(name):
     # included), and the replays follow the recording
     assert sorted(set(report.eager_calls) - STEP_BOUNDARIES) == EAGER_FACTORIES.get(name, []), report.eager_calls
     assert stats["divergences"] == 0, stats
+    flash = [n for r in report.regions if r.get("backward_graph") is not None for n in r["backward_graph"].nodes
+             if n.op == "call_function" and n.target is C.ATTENTION_BACKWARD and n.kwargs["which"] == "q"]
+    assert len(flash) == FLASH_ATTENTION.get(name, len(flash)), (name, len(flash))
     print(f"{name}: {launches} kernel launches per step; eager calls by design: {report.eager_calls}")
 
 

@@ -120,11 +120,12 @@ def _is_view(node, name: str) -> bool:
     return getattr(node, "op", None) == "call_function" and node.target is C.VIEWS[name]
 
 
-def decomposed_attention(b, query, key, value, attn_mask, seed, is_causal, scale, dropout_p):
+def decomposed_attention(b, query, key, value, attn_mask, seed, is_causal, scale, dropout_p, empty_nan=False):
     """softmax(q kᵀ · scale + mask) [dropout] v, as PyTorch's math backend computes it: a causal
-    mask from element positions (nothing stored), rows masked entirely give 0 (not NaN), dropout
-    from the random numbers of ``seed`` at each weight's position, as the flash kernels draw
-    them. ``query``... may be handles or graph nodes; returns the output's node."""
+    mask from element positions (nothing stored), rows masked entirely give 0 (not NaN; NaN with
+    ``empty_nan``, as a softmax written out), dropout from the random numbers of ``seed`` at each
+    weight's position, as the flash kernels draw them. ``query``... may be handles or graph
+    nodes; returns the output's node."""
     query, key, value, attn_mask = (handle(b, unwrap(x)) if x is not None else None
                                     for x in (query, key, value, attn_mask))
     if query.ndim >= 3 and key.shape[-3] != query.shape[-3]:
@@ -146,7 +147,7 @@ def decomposed_attention(b, query, key, value, attn_mask, seed, is_causal, scale
     total = e.sum(-1, keepdim=True)
     # a row masked entirely has e = 0 and total = 0: dividing by 1 there gives eager's 0, and a
     # finite derivative (a where after the division would still send 0 * inf back: NaN)
-    weights = e / where(total == 0.0, 1.0, total)
+    weights = e / total if empty_nan else e / where(total == 0.0, 1.0, total)
     if dropout_p > 0:
         keep = rand(b, unwrap(seed), weights.shape) >= dropout_p
         weights = where(keep, weights * (1.0 / (1.0 - dropout_p)), 0.0, dtype=weights.dtype)

@@ -25,11 +25,11 @@ from compiler.ir.graph import meta_of
 from compiler.ir.ops.externs import Extern
 from runtime import attention as runtime_attention
 
-_PARAMETERS = ("is_causal", "scale", "dropout_p", "has_mask")
+_PARAMETERS = ("is_causal", "scale", "dropout_p", "has_mask", "empty_nan")
 
 
 def _parameters(node: fx.Node) -> dict:
-    return {k: node.kwargs[k] for k in _PARAMETERS}
+    return {k: node.kwargs.get(k, False) for k in _PARAMETERS}   # (empty_nan: absent from older recordings)
 
 
 class Attention(Extern):
@@ -90,7 +90,8 @@ class Attention(Extern):
         p = _parameters(node)
         mask = extras.pop(0) if p["has_mask"] else None
         seed = extras.pop(0) if p["dropout_p"] > 0 else None
-        return decomposed_attention(b, q, k, v, mask, seed, p["is_causal"], p["scale"], p["dropout_p"])
+        return decomposed_attention(b, q, k, v, mask, seed, p["is_causal"], p["scale"], p["dropout_p"],
+                                    empty_nan=p["empty_nan"])
 
 
 class AttentionBackward(Extern):
@@ -129,12 +130,14 @@ ATTENTION = Attention()
 ATTENTION_BACKWARD = AttentionBackward()
 
 
-def emit_attention(b, q, k, v, mask, seed, *, is_causal: bool, scale: float, dropout_p: float) -> fx.Node:
+def emit_attention(b, q, k, v, mask, seed, *, is_causal: bool, scale: float, dropout_p: float,
+                   empty_nan: bool = False) -> fx.Node:
     """softmax(scale * q kᵀ + mask) [dropout] v by the flash kernels: the output node (its
-    logsumexp node is made with it)."""
+    logsumexp node is made with it). ``empty_nan``: a row no key is seen by is NaN (softmax's,
+    for attention written out) rather than SDPA's 0."""
     extras = [x for x in (mask, seed) if x is not None]
     parameters = {"is_causal": bool(is_causal), "scale": float(scale), "dropout_p": float(dropout_p),
-                  "has_mask": mask is not None}
+                  "has_mask": mask is not None, "empty_nan": bool(empty_nan)}
     mq = meta_of(q)
     lse = b.call(ATTENTION, [q, k, v, *extras], {"which": "lse", **parameters}, shape=mq.shape[:-1],
                  dtype=runtime_attention.lse_dtype(mq.dtype), requires_grad=False)
