@@ -86,11 +86,13 @@ def _kernel_row(trace, ours, result) -> dict:
     launch = ours.launch
     return {
         "workload": trace.workload, "dtype": trace.dtype, "phase": ours.phase, "name": launch.name,
-        "grid": launch.grid, "xblock": launch.constexprs.get("XBLOCK"), "rblock": launch.constexprs.get("RBLOCK"),
+        # (a flash-attention kernel's tiles: rows x keys)
+        "grid": launch.grid, "xblock": launch.constexprs.get("XBLOCK", launch.constexprs.get("BLOCK_M")),
+        "rblock": launch.constexprs.get("RBLOCK", launch.constexprs.get("BLOCK_N")),
         "num_warps": launch.num_warps, "registers": result["registers"], "spill_bytes": result["spill_bytes"],
         "loads": result["loads"], "vector_loads": result["vector_loads"], "vector_share": result["vector_share"],
         "int_constants": result["int_constants"], "bytes": ours.bytes,
-        "predicted_us": roofline.predicted_us(ours.bytes, 0, None), "error": result["error"],
+        "predicted_us": ours.predicted_us, "error": result["error"],
     }
 
 
@@ -103,7 +105,7 @@ def _workload_rows(trace) -> list:
         launches, ops, eager = pick(trace.launches), pick(trace.our_ops), pick(trace.eager_ops)
         kernel_bytes = sum(k.bytes for k in launches)
         ours_bytes = kernel_bytes + sum(o.bytes for o in ops)
-        ours_us = sum(roofline.predicted_us(k.bytes, 0, None) for k in launches) + sum(o.predicted_us for o in ops)
+        ours_us = sum(k.predicted_us for k in launches) + sum(o.predicted_us for o in ops)
         eager_us = sum(o.predicted_us for o in eager)
         min_bytes = sum(trace.min_bytes.values()) if phase == "step" else trace.min_bytes[phase]
         rows.append({
@@ -112,6 +114,7 @@ def _workload_rows(trace) -> list:
             "bytes": ours_bytes, "kernel_bytes": kernel_bytes, "min_bytes": min_bytes,
             "eager_bytes": sum(o.bytes for o in eager), "ours_us": ours_us, "eager_us": eager_us,
             "speedup": eager_us / ours_us if ours_us else None,
+            **({"ours_peak": trace.ours_peak, "eager_peak": trace.eager_peak} if phase == "step" else {}),
             "other_op_names": dict(collections.Counter(o.name for o in ops)),
         })
     return rows
@@ -147,6 +150,14 @@ def markdown(doc: dict) -> str:
                    f"{_mb(r['min_bytes'])} | {ratio:.2f} | {r['eager_ops']} | {_mb(r['eager_bytes'])} | "
                    f"{r['ours_us']:.1f} | {r['eager_us']:.1f} | "
                    f"{'-' if r['speedup'] is None else format(r['speedup'], '.2f')} |")
+    out += ["", "## Peak memory per step", "",
+            "The most allocated during one traced step above its start (outputs as a GPU allocates them; "
+            "kernels' own workspaces not counted), eager against ours.", "",
+            "| workload | eager peak MB | our peak MB | ours ÷ eager |", "|---|---|---|---|"]
+    for r in doc["workloads"]:
+        if r["phase"] == "step" and r.get("eager_peak"):
+            out.append(f"| {r['workload']} | {_mb(r['eager_peak'])} | {_mb(r['ours_peak'])} | "
+                       f"{r['ours_peak'] / r['eager_peak']:.2f} |")
     out += ["", "## Kernels", "",
             "| workload | phase | kernel | grid | XBLOCK×RBLOCK | warps | regs | spill B | vector loads | MB | µs |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -161,3 +161,80 @@ def _unique(tensors) -> list:
             seen.add(key)
             out.append(t)
     return out
+
+
+# -- flash attention ------------------------------------------------------------------------------
+# FlashAttention-2 on an H100 SXM5 (80 GB), 16-bit inputs, TFLOP/s by sequence length: the
+# FlashAttention-3 paper (Shah et al., 2024, arXiv:2407.08608), Figures 5 (forward) and 6 (backward),
+# FlashAttention-2's bars at batch x length = 16k tokens, hidden 2048. PyTorch's SDPA runs
+# FlashAttention-2 on an H100 (its flash backend), so eager's attention is priced by these. Ours
+# is FlashAttention-2's algorithm in Triton and is priced at the same rates: the paper's Triton
+# bars (its fused-attention tutorial, same algorithm) are 0-15% above FlashAttention-2's, which we
+# do not claim. Entries not in the paper are derived and say how: causal head dim 64 (forward and
+# backward) and causal backward take the non-causal rate times the head-dim-128 forward's
+# causal / non-causal ratio at the same length.
+_FA2_TFLOPS = {
+    ("forward", 64, False): {512: 282, 1024: 306, 2048: 318, 4096: 321, 8192: 322, 16384: 324},
+    ("forward", 128, False): {512: 309, 1024: 350, 2048: 362, 4096: 368, 8192: 370, 16384: 370},
+    ("forward", 128, True): {512: 191, 1024: 260, 2048: 298, 4096: 319, 8192: 333, 16384: 335},
+    ("backward", 64, False): {512: 198, 1024: 238, 2048: 264, 4096: 279, 8192: 287, 16384: 291},
+    ("backward", 128, False): {512: 214, 1024: 260, 2048: 291, 4096: 310, 8192: 318, 16384: 322},
+}
+# float32 has no FlashAttention-2 kernel (eager runs the memory-efficient one on CUDA cores): priced,
+# ours and eager's alike, at FlashAttention-2's fraction of the 16-bit peak applied to the FP32 rate.
+_DENSE_16BIT_PEAK = 989e12
+# kernels each attention call launches: FlashAttention-2's backward runs three (csrc/flash_attn/src/
+# flash_bwd_launch_template.h: the dO·O row sums, the dQ/dK/dV loop, the dQ conversion from float32)
+FA2_LAUNCHES = {"forward": 1, "backward": 3}
+
+
+def _by_length(table: dict, length: int) -> float:
+    """The table's rate at ``length``: log-linear between its lengths, its ends beyond them."""
+    lengths = sorted(table)
+    if length <= lengths[0]:
+        return table[lengths[0]]
+    for lo, hi in zip(lengths, lengths[1:]):
+        if length <= hi:
+            t = math.log(length / lo) / math.log(hi / lo)
+            return table[lo] + t * (table[hi] - table[lo])
+    return table[lengths[-1]]
+
+
+def flash_rate(phase: str, head_dim: int, length: int, causal: bool, dtype) -> float:
+    """FLOP/s of a flash-attention kernel (FlashAttention-2 on an H100; see ``_FA2_TFLOPS``)."""
+    dim = 64 if head_dim <= 96 else 128
+    rate = _by_length(_FA2_TFLOPS[(phase, dim, False)], length)
+    if causal:
+        ratio = _by_length(_FA2_TFLOPS[("forward", 128, True)], length) / _by_length(
+            _FA2_TFLOPS[("forward", 128, False)], length)
+        rate = _by_length(_FA2_TFLOPS[(phase, dim, True)], length) if (phase, dim, True) in _FA2_TFLOPS \
+            else rate * ratio
+    rate *= 1e12
+    if dtype not in (torch.bfloat16, torch.float16):
+        rate *= MATMUL_PEAK[torch.float32] / _DENSE_16BIT_PEAK
+    return rate
+
+
+def flash_us(flops: float, rate: float, bytes_moved: float = 0.0, launches: int = 1) -> float:
+    """Predicted µs of a flash-attention call: compute-bound at ``rate`` (its bytes, q/k/v/o once,
+    bound it only at tiny sizes), plus its launches."""
+    return max(flops / rate, bytes_moved / COPY_BANDWIDTH) * 1e6 + launches * LAUNCH_US
+
+
+# eager's attention operators (the CPU ones traced here are the CUDA flash kernels on an H100)
+FLASH_OPS = {"_scaled_dot_product_flash_attention_for_cpu": "forward",
+             "_scaled_dot_product_flash_attention_for_cpu_backward": "backward"}
+
+
+def flash_op_cost(func, args, kwargs, out) -> tuple[str, int, float, float]:
+    """(phase, bytes, flops, FLOP/s) of one of eager's flash-attention operators."""
+    name = func._overloadpacket.__name__
+    phase = FLASH_OPS[name]
+    q, k = (args[0], args[1]) if phase == "forward" else (args[1], args[2])
+    causal = bool(args[4] if phase == "forward" else args[7]) if len(args) > (4 if phase == "forward" else 7) \
+        else bool(kwargs.get("is_causal", False))
+    batch_heads, M, D = math.prod(q.shape[:-2]), q.shape[-2], q.shape[-1]
+    N = k.shape[-2]
+    flops = 4.0 * batch_heads * M * N * D * (0.5 if causal else 1.0) * (1.0 if phase == "forward" else 2.5)
+    moved, _, _ = op_cost(func, args, kwargs, out)
+    return phase, moved, flops, flash_rate(phase, D, max(M, N), causal, q.dtype)

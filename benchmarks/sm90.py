@@ -137,7 +137,7 @@ def declared(source: str) -> Declared:
 
 
 @contextlib.contextmanager
-def recorded_launches(on_launch=None, compute_extern_calls: bool = True, on_combo=None):
+def recorded_launches(on_launch=None, compute_extern_calls: bool = True, on_combo=None, on_flash=None):
     """Within the block, compiled programs record each of our kernel launches as a ``Launch``
     (appended to the yielded list) instead of running it. The runtime's own code still runs, so
     outputs are allocated and what a launch passes (offsets, strides, tiles, warps, the 64-bit
@@ -149,11 +149,15 @@ def recorded_launches(on_launch=None, compute_extern_calls: bool = True, on_comb
     (the range test and an asynchronous assert), never raising for a skipped kernel's garbage.
     ``on_combo(launch)`` is called per launch of a fused optimizer step's combo kernel
     (``runtime.optimizer_step.ComboLaunch``, not recorded as a ``Launch``: see ``_recorder``).
+    Our flash-attention kernels, launched inside an extern call, are recorded as ``Launch``es too
+    (their real arguments, tiles, warps and stages), and ``on_flash(launch, flops)`` is called
+    per launch with what it computes (``runtime.attention.launches_recorded``'s ``cost``).
     """
     from runtime import program
 
     launches: list = []
-    recorder = _recorder(program)(program.installed_runner(), launches, on_launch, compute_extern_calls, on_combo)
+    recorder = _recorder(program)(program.installed_runner(), launches, on_launch, compute_extern_calls, on_combo,
+                                  on_flash)
     with program.steps_run_by(recorder):
         yield launches
 
@@ -165,9 +169,9 @@ def _recorder(program):
     from torch.utils._python_dispatch import _disable_current_modes
 
     class Recorder(program.StepRunner):
-        def __init__(self, inner, launches, on_launch, compute_extern_calls, on_combo):
+        def __init__(self, inner, launches, on_launch, compute_extern_calls, on_combo, on_flash):
             super().__init__(inner)
-            self.launches, self.on_launch, self.on_combo = launches, on_launch, on_combo
+            self.launches, self.on_launch, self.on_combo, self.on_flash = launches, on_launch, on_combo, on_flash
             self.compute_extern_calls = compute_extern_calls
 
         def kernel(self, step, env, device, torch_path, fresh_loads):
@@ -200,6 +204,12 @@ def _recorder(program):
             torch._assert_async(ok)
 
         def extern(self, step, env, device):
+            if step.kernels:   # our own kernels inside the call (flash attention): recorded, not run
+                from runtime import attention
+
+                with attention.launches_recorded(self.flash):
+                    super().extern(step, env, device)
+                return
             if self.compute_extern_calls:
                 super().extern(step, env, device)
                 return
@@ -208,6 +218,19 @@ def _recorder(program):
             outs = step.fn(*meta, **step.kwargs)
             for slot, out in zip((step.out, *step.also), outs if isinstance(outs, tuple) else (outs,)):
                 env[slot] = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=device)
+
+        def flash(self, kernel, grid, args, options, cost):
+            """A flash-attention launch (``runtime.attention.launches_recorded``): its module's source,
+            its real arguments; ``num_stages`` rides with the constexprs (the binder takes it)."""
+            import inspect
+
+            options = dict(options)
+            warps = options.pop("num_warps")
+            recorded = Launch(kernel.fn.__name__, inspect.getsource(inspect.getmodule(kernel.fn)),
+                              describe_args(args), options, warps, list(grid))
+            self.launches.append(recorded)
+            if self.on_flash is not None:
+                self.on_flash(recorded, cost)
 
         def combo(self, launch, tensors, scalars, device):
             # NOTE: the fused optimizer step's combo kernels (runtime.optimizer_step) are skipped, not

@@ -28,12 +28,14 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import compiler
-from benchmarks.roofline import distinct_bytes, launches_kernel, op_kernels, predicted_us
+from benchmarks.roofline import (FA2_LAUNCHES, FLASH_OPS, distinct_bytes, flash_op_cost, flash_rate, flash_us,
+                                 launches_kernel, op_kernels, predicted_us)
+from benchmarks.measure import step_memory
 from benchmarks.sm90 import Launch, recorded_launches
 from benchmarks.workloads import WORKLOADS
 
 PHASES = ("forward", "backward", "update")
-_NOT_COMPUTED = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "convolution", "convolution_backward"}
+_NOT_COMPUTED = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "convolution", "convolution_backward", *FLASH_OPS}
 
 
 @dataclass
@@ -44,9 +46,13 @@ class Op:
     bytes: int
     flops: float
     dtype: object
+    rate: float | None = None   # FLOP/s of a flash-attention kernel (``roofline.flash_rate``)
+    launches: int = 1
 
     @property
     def predicted_us(self) -> float:
+        if self.rate is not None:
+            return flash_us(self.flops, self.rate, self.bytes, self.launches)
         return predicted_us(self.bytes, self.flops, self.dtype)
 
 
@@ -55,6 +61,14 @@ class OurLaunch:
     phase: str
     launch: Launch
     bytes: int            # the kernel's bytes moved (KernelSource.bytes_moved)
+    flops: float = 0.0    # a flash-attention kernel's matmul FLOPs, priced at ``rate`` FLOP/s
+    rate: float | None = None
+
+    @property
+    def predicted_us(self) -> float:
+        if self.rate is not None:
+            return flash_us(self.flops, self.rate, self.bytes)
+        return predicted_us(self.bytes, 0, None)
 
 
 @dataclass
@@ -66,6 +80,10 @@ class WorkloadTrace:
     launches: list
     min_bytes: dict       # phase -> bytes
     fallbacks: list = field(default_factory=list)
+    # bytes: the most allocated during the traced step above its start, eager's and ours (outputs
+    # allocated as they would be on a GPU; the kernels' and operators' own workspaces not counted)
+    eager_peak: int = 0
+    ours_peak: int = 0
 
 
 class _Tracer(TorchDispatchMode):
@@ -79,7 +97,10 @@ class _Tracer(TorchDispatchMode):
         kwargs = kwargs or {}
         name = func._overloadpacket.__name__
         out = _allocated_like_result(func, args, kwargs) if name in _NOT_COMPUTED else func(*args, **kwargs)
-        if self.ops is not None and launches_kernel(func, args, out):
+        if self.ops is not None and name in FLASH_OPS:   # eager's attention: FlashAttention-2 on an H100
+            phase, moved, flops, rate = flash_op_cost(func, args, kwargs, out)
+            self.ops.append(Op(self.phase, name, moved, flops, None, rate, FA2_LAUNCHES[phase]))
+        elif self.ops is not None and launches_kernel(func, args, out):
             for moved, flops, dtype in op_kernels(func, args, kwargs, out):   # an Op per kernel launched
                 self.ops.append(Op(self.phase, name, moved, flops, dtype))
         return out
@@ -152,22 +173,32 @@ def trace_workload(name: str, size, dtype: torch.dtype) -> WorkloadTrace:
     def record(step, launch):
         tracer.launches.append(OurLaunch(tracer.phase, launch, step.bytes_moved))
 
+    def flash(launch, cost):   # our flash-attention kernels: priced as FlashAttention-2's
+        rate = flash_rate(cost["phase"], cost["head_dim"], cost["length"], cost["causal"], cost["dtype"])
+        tracer.launches.append(OurLaunch(tracer.phase, launch, cost["bytes"], cost["flops"], rate))
+
     def combo(launch):   # the fused optimizer step's kernels: priced by their bytes, among the other ops
         if tracer.ops is not None:
             tracer.ops.append(Op(tracer.phase, "fused_optimizer_step", launch.bytes_moved, 0.0, None))
 
     def traced_step(fn, launches):
-        # NOTE: the second of two steps is traced: the first makes what later steps reuse
-        # (our replay's stand-in tensors, made once per region).
+        """(the step's result, its peak bytes). NOTE: the second of two steps is traced: the first
+        makes what later steps reuse (our replay's stand-in tensors, made once per region)."""
+        made = {}
         for ops in (None, []):
             _reset_grads(args, training)
             tracer.phase, tracer.ops, tracer.launches = "forward", ops, []
-            with amp(), (recorded_launches(record, on_combo=combo) if launches else contextlib.nullcontext()):
-                out = case.step(fn, args)
-        return out
+            recording = recorded_launches(record, on_combo=combo, on_flash=flash) if launches else \
+                contextlib.nullcontext()
+
+            def step():
+                with amp(), recording:
+                    made["out"] = case.step(fn, args)
+            memory = step_memory(step, cpu) if ops is not None else step()
+        return made["out"], memory.peak
 
     with tracer, _phases(tracer):
-        out = traced_step(case.fn, launches=False)
+        out, eager_peak = traced_step(case.fn, launches=False)
         eager_ops = tracer.ops
         min_bytes = minimal_bytes(args, out, training)
         del out
@@ -176,12 +207,13 @@ def trace_workload(name: str, size, dtype: torch.dtype) -> WorkloadTrace:
         tracer.ops = None
         with amp():
             report = compiler.explain(compiled, *case.fn_args(args))
-        traced_step(compiled, launches=True)
+        _, ours_peak = traced_step(compiled, launches=True)
         if compiled.stats.get("captures", 1) != 1:
             raise RuntimeError(f"{name}: the traced step recorded again instead of replaying; its launches "
                                "would not be the compiled program's")
     label = "bfloat16 (autocast)" if autocast else str(dtype).replace("torch.", "")
-    return WorkloadTrace(name, label, eager_ops, tracer.ops, tracer.launches, min_bytes, list(report.fallbacks))
+    return WorkloadTrace(name, label, eager_ops, tracer.ops, tracer.launches, min_bytes, list(report.fallbacks),
+                         eager_peak, ours_peak)
 
 
 def _reset_grads(args, training):

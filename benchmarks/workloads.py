@@ -231,12 +231,13 @@ def _make_complex(device, rows, cols):
 
 # -- 6. a small transformer block training step --------------------------------------------------
 class TinyTransformer(nn.Module):
-    """Token embedding, one pre-norm block (causal attention by matmuls, GELU MLP), final norm,
-    LM head and cross-entropy, in the style of nanoGPT."""
+    """Token embedding, one pre-norm block (causal attention, GELU MLP), final norm, LM head and
+    cross-entropy, in the style of nanoGPT: attention by ``F.scaled_dot_product_attention``, or
+    with ``explicit`` by matmuls, a masked_fill and a softmax (nanoGPT's path without flash)."""
 
-    def __init__(self, vocab, dim, heads, seq):
+    def __init__(self, vocab, dim, heads, seq, explicit=False):
         super().__init__()
-        self.heads = heads
+        self.heads, self.explicit = heads, explicit
         self.embed = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
         self.ln1, self.ln2, self.ln_f = nn.LayerNorm(dim), nn.LayerNorm(dim), nn.LayerNorm(dim)
@@ -250,9 +251,12 @@ class TinyTransformer(nn.Module):
         x = self.embed(idx) + self.pos[:t]
         q, k, v = self.qkv(self.ln1(x)).split(x.shape[-1], dim=-1)
         q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
-        att = att.masked_fill(~self.mask[:t, :t], float("-inf"))
-        y = F.softmax(att, dim=-1) @ v
+        if self.explicit:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+            att = att.masked_fill(~self.mask[:t, :t], float("-inf"))
+            y = F.softmax(att, dim=-1) @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, -1))
         x = x + self.out(F.gelu(self.fc(self.ln2(x))))
         logits = self.head(self.ln_f(x))
@@ -267,7 +271,7 @@ def transformer_train_step(model, opt, idx, targets):
     return loss
 
 
-def _make_transformer(device, batch, seq, dim, heads, vocab):
+def _make_transformer(device, batch, seq, dim, heads, vocab, explicit=False):
     def make_batch(g, dtype):
         idx = torch.randint(0, vocab, (batch, seq), generator=g, device=device)
         return idx, torch.randint(0, vocab, (batch, seq), generator=g, device=device)
@@ -275,9 +279,32 @@ def _make_transformer(device, batch, seq, dim, heads, vocab):
     # matmul flops per token, forward: qkv 6D², proj 2D², MLP 16D², head 2DV, attention 4TD;
     # the backward is twice the forward.
     per_token = 24 * dim * dim + 2 * dim * vocab + 4 * seq * dim
-    return training_step(transformer_train_step, lambda: TinyTransformer(vocab, dim, heads, seq),
-                         _Batch(device, make_batch), f"batch {batch}x{seq}, dim {dim}, {heads} heads, vocab {vocab}",
-                         flops=3.0 * per_token * batch * seq)
+    return training_step(transformer_train_step, lambda: TinyTransformer(vocab, dim, heads, seq, explicit),
+                         _Batch(device, make_batch), f"batch {batch}x{seq}, dim {dim}, {heads} heads, vocab {vocab}"
+                         + (", attention by matmuls" if explicit else ", SDPA"), flops=3.0 * per_token * batch * seq)
+
+
+def _make_explicit_transformer(device, **sizes):
+    return _make_transformer(device, explicit=True, **sizes)
+
+
+# -- 6b. causal attention alone ------------------------------------------------------------------
+def causal_attention(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _make_attention(head_dim):
+    def make(device, batch, heads, seq):
+        def inputs(dtype):
+            g = _generator(device)
+            shape = (batch, heads, seq, head_dim)
+            return [_randn(g, shape, device, dtype, requires_grad=True) for _ in range(3)], \
+                _randn(g, shape, device, dtype)
+        # causal: half of the 4·T²·D products per head forward, 2.5x that backward
+        flops = 3.5 * 4.0 * batch * heads * seq * seq * head_dim * 0.5
+        return forward_backward(causal_attention, inputs, f"causal, {batch}x{heads} heads, T {seq}, D {head_dim}",
+                                flops=flops)
+    return make
 
 
 # -- 7. a tiny overhead-bound step ----------------------------------------------------------------
@@ -379,6 +406,16 @@ WORKLOADS = {w.name: w for w in [
         "full": dict(batch=8, seq=1024, dim=1024, heads=16, vocab=16384),
         "small": dict(batch=2, seq=32, dim=64, heads=4, vocab=256),
         "tiny": dict(batch=1, seq=8, dim=16, heads=2, vocab=32)}),
+    Workload("transformer_explicit_step", 6, "transformer block training step, attention by matmuls",
+             make=_make_explicit_transformer, sizes={
+                 "full": dict(batch=8, seq=1024, dim=1024, heads=16, vocab=16384),
+                 "small": dict(batch=2, seq=32, dim=64, heads=4, vocab=256),
+                 "tiny": dict(batch=1, seq=8, dim=16, heads=2, vocab=32)}),
+    *[Workload(f"attention_d{d}_t{t}", 6, f"causal SDPA forward+backward, head dim {d}, T {t}",
+               make=_make_attention(d), sizes={"full": dict(batch=8, heads=12, seq=t),
+                                               "small": dict(batch=1, heads=2, seq=96),
+                                               "tiny": dict(batch=1, heads=2, seq=16)})
+      for d in (64, 128) for t in (1024, 4096)],
     Workload("overhead_step", 7, "tiny training step, 4 Linear layers: per-call overhead", make=_make_overhead,
              sizes={"full": dict(batch=16, dim=256, layers=4), "small": dict(batch=16, dim=256, layers=4),
                     "tiny": dict(batch=4, dim=16, layers=4)}),
