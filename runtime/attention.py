@@ -22,19 +22,27 @@ from runtime.triton_math import INTERPRETING
 
 
 def forward(q, k, v, *extras, which=None, is_causal, scale, dropout_p, has_mask, empty_nan=False,
-            backend="interpret"):
+            heads_last=False, backend="interpret"):
     """(out, logsumexp) of softmax(scale * q k^T + mask) v, or the one ``which`` names. A row
     no key is seen by gives 0 (SDPA's), or NaN with ``empty_nan`` (softmax's, for attention
-    written out)."""
-    made = (_cpu_forward if backend == "torch" and q.device.type == "cpu" else _triton_forward)(
-        q, k, v, *_extras(extras, has_mask, dropout_p), is_causal=is_causal, scale=scale, dropout_p=dropout_p,
-        empty_nan=empty_nan)
-    return made if which is None else made[("out", "lse").index(which)]
+    written out). ``heads_last``: the output as [B, T, H, D], what the caller's transpose back
+    makes, written so by the kernel (no copy)."""
+    if backend == "torch" and q.device.type == "cpu":
+        out, lse = _cpu_forward(q, k, v, *_extras(extras, has_mask, dropout_p), is_causal=is_causal, scale=scale,
+                                dropout_p=dropout_p, empty_nan=empty_nan)
+    else:
+        out, lse = _triton_forward(q, k, v, *_extras(extras, has_mask, dropout_p), is_causal=is_causal, scale=scale,
+                                   dropout_p=dropout_p, empty_nan=empty_nan, heads_last=heads_last)
+    if heads_last:   # (the kernels wrote it so, and PyTorch's CPU kernel does too: no copy)
+        out = out.transpose(1, 2).contiguous()
+    return (out, lse) if which is None else (out, lse)[("out", "lse").index(which)]
 
 
 def backward(grad, q, k, v, out, lse, *extras, which, is_causal, scale, dropout_p, has_mask, empty_nan=False,
-             backend="interpret"):
+             heads_last=False, backend="interpret"):
     """The gradients of q, k and v that ``which`` names (one name, or a tuple of them)."""
+    if heads_last:   # (the output and its gradient as [B, T, H, D]: read through their strides)
+        grad, out = grad.transpose(1, 2), out.transpose(1, 2)
     made = (_cpu_backward if backend == "torch" and q.device.type == "cpu" else _triton_backward)(
         grad, q, k, v, out, lse, *_extras(extras, has_mask, dropout_p), is_causal=is_causal, scale=scale,
         dropout_p=dropout_p, empty_nan=empty_nan)
@@ -160,12 +168,13 @@ def _strides(t):
     return t.stride() if t is not None else (0, 0, 0, 0)
 
 
-def _triton_forward(q, k, v, mask, seed, *, is_causal, scale, dropout_p, empty_nan):
+def _triton_forward(q, k, v, mask, seed, *, is_causal, scale, dropout_p, empty_nan, heads_last=False):
     q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
     B, H, M, D = q4.shape
     N = k4.shape[2]
     mask4 = _mask_4d(mask, (B, H, M, N))
-    out = torch.empty((B, H, M, D), dtype=q.dtype, device=q.device)
+    out = torch.empty((B, M, H, D), dtype=q.dtype, device=q.device).transpose(1, 2) if heads_last else \
+        torch.empty((B, H, M, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, M), dtype=lse_dtype(q.dtype), device=q.device)
     block_d = max(16, triton.next_power_of_2(D))
     block_m, block_n, warps, stages = tiles(block_d, q.dtype, "forward", _interpreted(q))
@@ -176,7 +185,7 @@ def _triton_forward(q, k, v, mask, seed, *, is_causal, scale, dropout_p, empty_n
             dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=stages,
                  EMPTY_NAN=empty_nan, **_constants(q, mask, seed, is_causal, dropout_p)),
             _cost("forward", 1.0, q4, k4, is_causal, (q4, k4, v4, out, lse)))
-    return out.view(q.shape), lse.view(q.shape[:-1])
+    return (out if heads_last else out.view(q.shape)), lse.view(q.shape[:-1])
 
 
 def _triton_backward(grad, q, k, v, out, lse, mask, seed, *, is_causal, scale, dropout_p, empty_nan):

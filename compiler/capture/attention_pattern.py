@@ -159,6 +159,32 @@ def rewrite_written_out_attention(graph: fx.Graph) -> int:
     return done
 
 
+def outputs_heads_last(graph: fx.Graph) -> int:
+    """Make each flash output that is only transposed back to [B, T, H, D] (``y.transpose(1, 2)``,
+    before the output projection) in that layout: the kernel writes it so and the transpose, and
+    the copy a reshape of it would need, disappear. Returns how many."""
+    b = GraphBuilder(graph)
+    done = 0
+    for node in list(graph.nodes):
+        users = list(node.users)
+        if not (node.op == "call_function" and node.target is C.ATTENTION and node.kwargs["which"] == "out"
+                and not node.kwargs.get("heads_last") and len(meta_of(node).shape) == 4 and len(users) == 1
+                and _is_view(users[0], "permute") and tuple(users[0].kwargs.get("dims", ())) == (0, 2, 1, 3)):
+            continue
+        q, k, v, *extras = node.args[:-1]
+        p = node.kwargs
+        mask = extras[0] if p["has_mask"] else None
+        seed = extras[-1] if p["dropout_p"] > 0 else None
+        with graph.inserting_before(users[0]):
+            made = C.emit_attention(b, q, k, v, mask, seed, is_causal=p["is_causal"], scale=p["scale"],
+                                    dropout_p=p["dropout_p"], empty_nan=p.get("empty_nan", False), heads_last=True)
+        users[0].replace_all_uses_with(made)
+        done += 1
+    if done:
+        graph.eliminate_dead_code()
+    return done
+
+
 # ------------------------------------------------------------------------------ replacing
 def _replace(graph: fx.Graph, bmm: fx.Node, found: "_Match") -> None:
     out = _only_user(bmm)

@@ -103,8 +103,14 @@ SHAPE_ONLY = {"new_empty"}
 RANDOM = {"nn.functional.scaled_dot_product_attention"}
 
 # Mismatches found by the sweep in code outside this sweep's owners' files, reported, not yet
-# fixed: counted apart ("known") so that any other mismatch fails. (op, dtype, sample index): why.
-KNOWN: dict = {}  # (none now: complex64 |z| near 1e30 is a true hypot since issue 16)
+# fixed, or a known property of an algorithm eager itself runs elsewhere: counted apart ("known")
+# so that any other mismatch fails. (op, dtype, sample index): why.
+_FLASH_DELTA = ("bf16, 3-D q/k/v: eager dispatches 3-D inputs to its math kernel; ours runs flash attention, "
+                "whose dQ reads delta = rowsum(dO * O) from the bf16-rounded output as every flash kernel does "
+                "(FlashAttention-2 on CUDA, eager's own CPU flash kernel): on these samples made 4-D, eager's "
+                "dQ error equals ours bitwise")
+KNOWN: dict = {("nn.functional.scaled_dot_product_attention", BF16, 4): _FLASH_DELTA,
+                ("nn.functional.scaled_dot_product_attention", BF16, 5): _FLASH_DELTA}
 
 TOLERANCE = {F32: dict(rtol=1e-4, atol=1e-5), F64: dict(rtol=1e-7, atol=1e-7), BF16: dict(rtol=2e-2, atol=2e-2),
              C64: dict(rtol=1e-4, atol=1e-5)}

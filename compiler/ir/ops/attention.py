@@ -22,14 +22,15 @@ import functools
 import torch.fx as fx
 
 from compiler.ir.graph import meta_of
+from compiler.ir.ops import views
 from compiler.ir.ops.externs import Extern
 from runtime import attention as runtime_attention
 
-_PARAMETERS = ("is_causal", "scale", "dropout_p", "has_mask", "empty_nan")
+_PARAMETERS = ("is_causal", "scale", "dropout_p", "has_mask", "empty_nan", "heads_last")
 
 
 def _parameters(node: fx.Node) -> dict:
-    return {k: node.kwargs.get(k, False) for k in _PARAMETERS}   # (empty_nan: absent from older recordings)
+    return {k: node.kwargs.get(k, False) for k in _PARAMETERS}   # (the flags: absent from older recordings)
 
 
 class Attention(Extern):
@@ -90,8 +91,9 @@ class Attention(Extern):
         p = _parameters(node)
         mask = extras.pop(0) if p["has_mask"] else None
         seed = extras.pop(0) if p["dropout_p"] > 0 else None
-        return decomposed_attention(b, q, k, v, mask, seed, p["is_causal"], p["scale"], p["dropout_p"],
-                                    empty_nan=p["empty_nan"])
+        out = decomposed_attention(b, q, k, v, mask, seed, p["is_causal"], p["scale"], p["dropout_p"],
+                                   empty_nan=p["empty_nan"])
+        return views.emit_view(b, "permute", out, dims=(0, 2, 1, 3)) if p["heads_last"] else out
 
 
 class AttentionBackward(Extern):
@@ -131,18 +133,21 @@ ATTENTION_BACKWARD = AttentionBackward()
 
 
 def emit_attention(b, q, k, v, mask, seed, *, is_causal: bool, scale: float, dropout_p: float,
-                   empty_nan: bool = False) -> fx.Node:
+                   empty_nan: bool = False, heads_last: bool = False) -> fx.Node:
     """softmax(scale * q kᵀ + mask) [dropout] v by the flash kernels: the output node (its
     logsumexp node is made with it). ``empty_nan``: a row no key is seen by is NaN (softmax's,
-    for attention written out) rather than SDPA's 0."""
+    for attention written out) rather than SDPA's 0. ``heads_last``: the output is [B, T, H, D]
+    (4-D q), the kernel writing it in the layout the caller's transpose back would make."""
     extras = [x for x in (mask, seed) if x is not None]
     parameters = {"is_causal": bool(is_causal), "scale": float(scale), "dropout_p": float(dropout_p),
-                  "has_mask": mask is not None, "empty_nan": bool(empty_nan)}
+                  "has_mask": mask is not None, "empty_nan": bool(empty_nan), "heads_last": bool(heads_last)}
     mq = meta_of(q)
     lse = b.call(ATTENTION, [q, k, v, *extras], {"which": "lse", **parameters}, shape=mq.shape[:-1],
                  dtype=runtime_attention.lse_dtype(mq.dtype), requires_grad=False)
-    return b.call(ATTENTION, [q, k, v, *extras, lse], {"which": "out", **parameters},
-                  shape=mq.shape[:-1] + meta_of(v).shape[-1:], dtype=mq.dtype,
+    shape = mq.shape[:-1] + meta_of(v).shape[-1:]
+    if heads_last:
+        shape = (shape[0], shape[2], shape[1], shape[3])
+    return b.call(ATTENTION, [q, k, v, *extras, lse], {"which": "out", **parameters}, shape=shape, dtype=mq.dtype,
                   requires_grad=any(meta_of(x).requires_grad for x in (q, k, v)))
 
 
