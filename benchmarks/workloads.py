@@ -307,6 +307,34 @@ def _make_attention(head_dim):
     return make
 
 
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary_attention(q, k, v, cos, sin):
+    """Llama's attention after its projections: the rotary embedding on q and k (Hugging Face's
+    apply_rotary_pos_emb), then causal SDPA with grouped-query attention."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def _make_rotary_attention(device, batch, heads, kv_heads, seq, head_dim):
+    def inputs(dtype):
+        g = _generator(device)
+        q = _randn(g, (batch, heads, seq, head_dim), device, dtype, requires_grad=True)
+        k, v = (_randn(g, (batch, kv_heads, seq, head_dim), device, dtype, requires_grad=True) for _ in range(2))
+        angles = torch.arange(seq, device=device)[:, None] * (10000.0 ** (-torch.arange(0, head_dim, 2, device=device)
+                                                                         / head_dim))[None]
+        angles = torch.cat((angles, angles), -1)[None].expand(batch, seq, head_dim)
+        return [q, k, v, angles.cos().to(dtype), angles.sin().to(dtype)], \
+            _randn(g, (batch, heads, seq, head_dim), device, dtype)
+    flops = 3.5 * 4.0 * batch * heads * seq * seq * head_dim * 0.5
+    return forward_backward(rotary_attention, inputs, f"rotary + causal GQA, {batch}x{heads} heads ({kv_heads} "
+                            f"key/value), T {seq}, D {head_dim}", flops=flops)
+
+
 # -- 7. a tiny overhead-bound step ----------------------------------------------------------------
 def _make_overhead(device, batch, dim, layers):
     def make_model():
@@ -416,6 +444,11 @@ WORKLOADS = {w.name: w for w in [
                                                "small": dict(batch=1, heads=2, seq=96),
                                                "tiny": dict(batch=1, heads=2, seq=16)})
       for d in (64, 128) for t in (1024, 4096)],
+    Workload("rotary_attention", 6, "Llama's rotary embedding + causal GQA SDPA, forward+backward",
+             make=_make_rotary_attention, sizes={
+                 "full": dict(batch=4, heads=32, kv_heads=8, seq=2048, head_dim=64),
+                 "small": dict(batch=1, heads=4, kv_heads=2, seq=64, head_dim=16),
+                 "tiny": dict(batch=1, heads=2, kv_heads=1, seq=16, head_dim=16)}),
     Workload("overhead_step", 7, "tiny training step, 4 Linear layers: per-call overhead", make=_make_overhead,
              sizes={"full": dict(batch=16, dim=256, layers=4), "small": dict(batch=16, dim=256, layers=4),
                     "tiny": dict(batch=4, dim=16, layers=4)}),

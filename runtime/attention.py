@@ -22,16 +22,18 @@ from runtime.triton_math import INTERPRETING
 
 
 def forward(q, k, v, *extras, which=None, is_causal, scale, dropout_p, has_mask, empty_nan=False,
-            heads_last=False, backend="interpret"):
+            heads_last=False, rotary=False, backend="interpret"):
     """(out, logsumexp) of softmax(scale * q k^T + mask) v, or the one ``which`` names. A row
     no key is seen by gives 0 (SDPA's), or NaN with ``empty_nan`` (softmax's, for attention
     written out). ``heads_last``: the output as [B, T, H, D], what the caller's transpose back
-    makes, written so by the kernel (no copy)."""
+    makes, written so by the kernel (no copy). ``rotary``: q and k are rotated first by the
+    extras' cos and sin ([B or 1, 1, T, D]), x * cos + rotate_half(x) * sin, inside the kernels."""
+    mask, seed, rot = _extras(extras, has_mask, dropout_p, rotary)
     if backend == "torch" and q.device.type == "cpu":
-        out, lse = _cpu_forward(q, k, v, *_extras(extras, has_mask, dropout_p), is_causal=is_causal, scale=scale,
+        out, lse = _cpu_forward(*_rotated(q, k, rot), v, mask, seed, is_causal=is_causal, scale=scale,
                                 dropout_p=dropout_p, empty_nan=empty_nan)
     else:
-        out, lse = _triton_forward(q, k, v, *_extras(extras, has_mask, dropout_p), is_causal=is_causal, scale=scale,
+        out, lse = _triton_forward(q, k, v, mask, seed, rot, is_causal=is_causal, scale=scale,
                                    dropout_p=dropout_p, empty_nan=empty_nan, heads_last=heads_last)
     if heads_last:   # (the kernels wrote it so, and PyTorch's CPU kernel does too: no copy)
         out = out.transpose(1, 2).contiguous()
@@ -39,23 +41,42 @@ def forward(q, k, v, *extras, which=None, is_causal, scale, dropout_p, has_mask,
 
 
 def backward(grad, q, k, v, out, lse, *extras, which, is_causal, scale, dropout_p, has_mask, empty_nan=False,
-             heads_last=False, backend="interpret"):
-    """The gradients of q, k and v that ``which`` names (one name, or a tuple of them)."""
+             heads_last=False, rotary=False, backend="interpret"):
+    """The gradients of q, k and v that ``which`` names (one name, or a tuple of them); with
+    ``rotary``, those of the rotated q and k (the op's graph takes them back through the rotation,
+    fused into what reads them)."""
     if heads_last:   # (the output and its gradient as [B, T, H, D]: read through their strides)
         grad, out = grad.transpose(1, 2), out.transpose(1, 2)
-    made = (_cpu_backward if backend == "torch" and q.device.type == "cpu" else _triton_backward)(
-        grad, q, k, v, out, lse, *_extras(extras, has_mask, dropout_p), is_causal=is_causal, scale=scale,
-        dropout_p=dropout_p, empty_nan=empty_nan)
+    mask, seed, rot = _extras(extras, has_mask, dropout_p, rotary)
+    parameters = dict(is_causal=is_causal, scale=scale, dropout_p=dropout_p, empty_nan=empty_nan)
+    if backend == "torch" and q.device.type == "cpu":
+        made = _cpu_backward(grad, *_rotated(q, k, rot), v, out, lse, mask, seed, **parameters)
+    else:
+        made = _triton_backward(grad, q, k, v, out, lse, mask, seed, rot, **parameters)
     grads = dict(zip("qkv", made))
     return grads[which] if isinstance(which, str) else tuple(grads[w] for w in which)
 
 
-def _extras(extras, has_mask, dropout_p):
-    """(mask or None, seed or None) from the call's extra tensors."""
+def _extras(extras, has_mask, dropout_p, rotary=False):
+    """(mask or None, seed or None, (cos, sin) or None) from the call's extra tensors."""
     extras = list(extras)
     mask = extras.pop(0) if has_mask else None
     seed = extras.pop(0) if dropout_p > 0 else None
-    return mask, seed
+    rot = (extras.pop(0), extras.pop(0)) if rotary else None
+    return mask, seed, rot
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rotated(q, k, rot):
+    """q and k rotated by the rotary embedding (``rot``: cos, sin), as the model computes them."""
+    if rot is None:
+        return q, k
+    cos, sin = (t.to(q.dtype) for t in rot)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -123,7 +144,16 @@ _TILES = {
 }
 
 
-def tiles(block_d: int, dtype: torch.dtype, kernel: str, interpreted: bool = False) -> tuple:
+# with the rotary embedding applied inside (cos and sin tiles, the rotated copies), where the plain
+# tiles would spill (sm_90 compiles: none does with these)
+_ROTARY_TILES = {
+    "16-bit": {64: {"forward": (128, 64, 8, 2), "dq": (128, 64, 8, 2), "dkv": (32, 64, 8, 2)},
+               128: {"forward": (128, 64, 8, 2), "dq": (64, 64, 8, 2), "dkv": (32, 32, 8, 2)}},
+    "32-bit": {64: {"forward": (32, 32, 8, 2), "dq": (32, 32, 8, 2), "dkv": (16, 32, 4, 1)}},
+}
+
+
+def tiles(block_d: int, dtype: torch.dtype, kernel: str, interpreted: bool = False, rotary: bool = False) -> tuple:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of ``kernel`` ("forward", "dq" or "dkv") for a
     head dim padded to ``block_d``.
 
@@ -136,6 +166,8 @@ def tiles(block_d: int, dtype: torch.dtype, kernel: str, interpreted: bool = Fal
     if interpreted:
         return 64, 64, 4, 1
     width = "16-bit" if dtype in (torch.float16, torch.bfloat16) else "32-bit"
+    if rotary and block_d in _ROTARY_TILES[width]:
+        return _ROTARY_TILES[width][block_d][kernel]
     return _TILES[width][max(64, block_d)][kernel]
 
 
@@ -148,12 +180,24 @@ def _mask_4d(mask, shape):
     return None if mask is None else mask.expand(shape)
 
 
-def _constants(q, mask, seed, is_causal, dropout_p):
-    """The kernels' compile-time arguments, and the stand-ins for absent pointers."""
+def _constants(q, mask, seed, rot, is_causal, dropout_p):
+    """The kernels' compile-time arguments."""
     wide = q.dtype == torch.float64
     return dict(IS_CAUSAL=is_causal, MASK_KIND=0 if mask is None else (1 if mask.dtype == torch.bool else 2),
                 DROPOUT=dropout_p > 0, PRECISION="ieee" if q.dtype in (torch.float32, torch.float64) else "tf32",
-                WIDE=wide)
+                WIDE=wide, ROTARY=rot is not None)
+
+
+def _rotary_arguments(rot, q4):
+    """(cos, sin, their strides for batch, position and dim; the kernels take one set): cos and sin
+    broadcast over heads. q's stand-ins (never read) without a rotary embedding."""
+    if rot is None:
+        return q4, q4, (0, 0, 0)
+    B, _, M, D = q4.shape
+    cos, sin = (t.expand(B, 1, M, D) for t in rot)
+    if cos.stride() != sin.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    return cos, sin, (cos.stride(0), cos.stride(2), cos.stride(3))
 
 
 def _scale_arguments(scale, dropout_p):
@@ -168,7 +212,7 @@ def _strides(t):
     return t.stride() if t is not None else (0, 0, 0, 0)
 
 
-def _triton_forward(q, k, v, mask, seed, *, is_causal, scale, dropout_p, empty_nan, heads_last=False):
+def _triton_forward(q, k, v, mask, seed, rot=None, *, is_causal, scale, dropout_p, empty_nan, heads_last=False):
     q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
     B, H, M, D = q4.shape
     N = k4.shape[2]
@@ -177,18 +221,19 @@ def _triton_forward(q, k, v, mask, seed, *, is_causal, scale, dropout_p, empty_n
         torch.empty((B, H, M, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, M), dtype=lse_dtype(q.dtype), device=q.device)
     block_d = max(16, triton.next_power_of_2(D))
-    block_m, block_n, warps, stages = tiles(block_d, q.dtype, "forward", _interpreted(q))
-    args = (q4, k4, v4, mask4 if mask4 is not None else q4, seed if seed is not None else q4, out, lse,
-            *q4.stride(), *k4.stride(), *v4.stride(), *_strides(mask4), *out.stride(),
+    block_m, block_n, warps, stages = tiles(block_d, q.dtype, "forward", _interpreted(q), rot is not None)
+    cos, sin, rot_strides = _rotary_arguments(rot, q4)
+    args = (q4, k4, v4, mask4 if mask4 is not None else q4, seed if seed is not None else q4, cos, sin, out, lse,
+            *q4.stride(), *k4.stride(), *v4.stride(), *_strides(mask4), *rot_strides, *out.stride(),
             H, H // k4.shape[1], M, N, D, *_scale_arguments(scale, dropout_p), dropout_p)
     _launch(kernels.attention_forward, (triton.cdiv(M, block_m), B * H), args,
             dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=stages,
-                 EMPTY_NAN=empty_nan, **_constants(q, mask, seed, is_causal, dropout_p)),
+                 EMPTY_NAN=empty_nan, **_constants(q, mask, seed, rot, is_causal, dropout_p)),
             _cost("forward", 1.0, q4, k4, is_causal, (q4, k4, v4, out, lse)))
     return (out if heads_last else out.view(q.shape)), lse.view(q.shape[:-1])
 
 
-def _triton_backward(grad, q, k, v, out, lse, mask, seed, *, is_causal, scale, dropout_p, empty_nan):
+def _triton_backward(grad, q, k, v, out, lse, mask, seed, rot=None, *, is_causal, scale, dropout_p, empty_nan):
     q4, k4, v4, g4, o4 = (_as_4d(t) for t in (q, k, v, grad, out))
     B, H, M, D = q4.shape
     HK, N = k4.shape[1], k4.shape[2]
@@ -198,18 +243,19 @@ def _triton_backward(grad, q, k, v, out, lse, mask, seed, *, is_causal, scale, d
     dk = torch.empty((B, HK, N, D), dtype=k.dtype, device=q.device)
     dv = torch.empty((B, HK, N, D), dtype=v.dtype, device=q.device)
     block_d = max(16, triton.next_power_of_2(D))
-    constants = _constants(q, mask, seed, is_causal, dropout_p)
-    pointers = (mask4 if mask4 is not None else q4, seed if seed is not None else q4)
+    constants = _constants(q, mask, seed, rot, is_causal, dropout_p)
+    cos, sin, rot_strides = _rotary_arguments(rot, q4)
+    pointers = (mask4 if mask4 is not None else q4, seed if seed is not None else q4, cos, sin)
     sizes = (H, H // HK, M, N, D, *_scale_arguments(scale, dropout_p), dropout_p)
-    strides = (*q4.stride(), *k4.stride(), *v4.stride(), *_strides(mask4))
+    strides = (*q4.stride(), *k4.stride(), *v4.stride(), *_strides(mask4), *rot_strides)
     # (the backward's five products: dQ's kernel recomputes P and dP and makes dS k, 3 of 5; the
     # dK/dV kernel all but dS k, 4 of 5; counted as FlashAttention counts them: 2 and 3 of 5)
-    block_m, block_n, warps, stages = tiles(block_d, q.dtype, "dq", _interpreted(q))
+    block_m, block_n, warps, stages = tiles(block_d, q.dtype, "dq", _interpreted(q), rot is not None)
     _launch(kernels.attention_backward_dq, (triton.cdiv(M, block_m), B * H),
             (q4, k4, v4, *pointers, o4, g4, lse, delta, dq, *strides, *o4.stride(), *g4.stride(), *sizes),
             dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=stages,
                  **constants), _cost("backward", 0.4, q4, k4, is_causal, (q4, k4, v4, o4, g4, lse, delta, dq)))
-    block_m, block_n, warps, stages = tiles(block_d, q.dtype, "dkv", _interpreted(q))
+    block_m, block_n, warps, stages = tiles(block_d, q.dtype, "dkv", _interpreted(q), rot is not None)
     _launch(kernels.attention_backward_dkv, (triton.cdiv(N, block_n), B * HK),
             (q4, k4, v4, *pointers, g4, lse, delta, dk, dv, *strides, *g4.stride(), *sizes),
             dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=stages,

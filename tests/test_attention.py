@@ -318,7 +318,8 @@ def test_double_backward_through_the_decomposed_form(form):
 def test_flash_kernels_compile_for_hopper_without_spills():
     """Issue 34: the forward and both backward kernels compile for sm_90 (Triton's real compiler,
     the specializations a launch gives them, the tiles ``runtime.attention.tiles`` picks) and spill
-    no registers: head dims 64 and 128 in bfloat16 and float16, 64 in float32; causal, GQA."""
+    no registers: head dims 64 and 128 in bfloat16 and float16, 64 in float32; causal, GQA; and with
+    the rotary embedding applied inside (bfloat16)."""
     from benchmarks.sm90 import Launch, compile_launches, describe_args
     from runtime import attention_kernels
     from runtime.kernels import cache_dir
@@ -332,18 +333,22 @@ def test_flash_kernels_compile_for_hopper_without_spills():
         warps = options.pop("num_warps")
         launches.append(Launch(kernel.fn.__name__, source, describe_args(args), options, warps, list(grid)))
     with runtime_attention.launches_recorded(record):
-        for head_dim, dtype in [(64, torch.bfloat16), (128, torch.bfloat16), (64, torch.float16),
-                                (128, torch.float16), (64, torch.float32)]:
+        for head_dim, dtype, rotary in [(64, torch.bfloat16, False), (128, torch.bfloat16, False),
+                                        (64, torch.float16, False), (128, torch.float16, False),
+                                        (64, torch.float32, False), (64, torch.bfloat16, True),
+                                        (128, torch.bfloat16, True)]:
             q = torch.empty(2, 4, 1024, head_dim, dtype=dtype)
             kv = torch.empty(2, 2, 1024, head_dim, dtype=dtype)
-            parameters = dict(is_causal=True, scale=0.125, dropout_p=0.0, has_mask=False)
-            out, lse = runtime_attention.forward(q, kv, kv, **parameters)
-            runtime_attention.backward(q, q, kv, kv, out, lse, which=("q", "k", "v"), **parameters)
-    assert len(launches) == 15
+            rot = [torch.empty(2, 1, 1024, head_dim, dtype=dtype)] * 2 if rotary else []
+            parameters = dict(is_causal=True, scale=0.125, dropout_p=0.0, has_mask=False, rotary=rotary)
+            out, lse = runtime_attention.forward(q, kv, kv, *rot, **parameters)
+            runtime_attention.backward(q, q, kv, kv, out, lse, *rot, which=("q", "k", "v"), **parameters)
+    assert len(launches) == 21
     results = compile_launches(launches, processes=2, cache_dir=cache_dir())
     errors = [f"{launch.name}: {r['error']}" for launch, r in zip(launches, results) if r["error"]]
     assert not errors, "\n".join(errors)
-    spills = [f"{launch.name} {launch.args[0][1]} BLOCK_D={launch.constexprs['BLOCK_D']}: {r['spill_bytes']} B"
+    spills = [f"{launch.name} {launch.args[0][1]} BLOCK_D={launch.constexprs['BLOCK_D']} "
+              f"rotary={launch.constexprs['ROTARY']}: {r['spill_bytes']} B"
               for launch, r in zip(launches, results) if r["spill_bytes"]]
     assert not spills, "\n".join(spills)
 
@@ -500,3 +505,74 @@ def test_random_written_out_attention_is_eagers():
         fn, args, escapes = _random_written_out(rng)
         assert _runs_flash_backward(fn, args) == (not escapes)
         check_parity(fn, args, dtype=torch.float64)
+
+
+# ------------------------------------------------------------------------------ rotary embeddings
+def _rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _llama_attention(cache: bool):
+    """Llama's attention after its projections: rotary on q and k (HF's apply_rotary_pos_emb), then
+    SDPA with GQA; ``cache``: k and v appended to an empty key/value cache first (torch.cat)."""
+    def f(q, k, v, cos, sin):
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        if cache:
+            empty = k.new_zeros(k.shape[0], k.shape[1], 0, k.shape[3])
+            k, v = torch.cat([empty, k], dim=2), torch.cat([empty, v], dim=2)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return f
+
+
+def _rotary_args(dtype, B=2, H=4, HK=2, T=24, D=16):
+    args = _qkv(B, H, HK, T, T, D, dtype=dtype)
+    positions = torch.arange(T, dtype=dtype)[:, None] * torch.rand(D // 2, dtype=dtype)[None]
+    angles = torch.cat((positions, positions), -1)[None].expand(B, T, D)
+    return args + [angles.cos(), angles.sin()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("cache", [False, True])
+def test_rotary_embedding_is_applied_inside_the_kernels(dtype, cache):
+    """q * cos + rotate_half(q) * sin (and k's) is read inside the flash kernels: no kernel writes
+    the rotated q and k, and the gradients of q and k are taken back through the rotation there.
+    Values and gradients are eager's, on the interpreter and the CPU path."""
+    fn, args = _llama_attention(cache), _rotary_args(dtype)
+    report = compiler.explain(compiler.compile(fn, backend="interpret"), *clone_inputs(args))
+    assert report.forward_kernels == [], [k.name for k in report.forward_kernels]
+    flash = [n for r in report.regions for n in r["backward_graph"].nodes
+             if n.op == "call_function" and n.target is C.ATTENTION_BACKWARD]
+    assert flash and all(n.kwargs["rotary"] for n in flash)
+    check_parity(fn, args, dtype=dtype)
+    compiled = compiler.compile(fn, backend="torch")
+    compiled(*clone_inputs(args))
+    inputs = clone_inputs(args)
+    out = compiled(*inputs)
+    out.sum().backward()
+    expected, grads = run_eager(fn, args, torch.ones_like(out))
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+    for ours, theirs in zip([t.grad for t in inputs[:3]], grads):
+        torch.testing.assert_close(ours, theirs, **TOLERANCE[dtype])
+
+
+def test_double_backward_through_rotary_attention():
+    fn = _llama_attention(cache=False)
+    args = _rotary_args(torch.float64, B=1, T=9)
+
+    def f(q, k, v, cos, sin):
+        g, = torch.autograd.grad(fn(q, k, v, cos, sin).square().sum(), q, create_graph=True)
+        return g.sin().sum()
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = f(*args)
+        expected_grads = torch.autograd.grad(expected, args[:3])
+    compiled = compiler.compile(f, backend="interpret")
+    with sdpa_kernel(SDPBackend.MATH):
+        compiled(*args)
+    out = compiled(*args)
+    grads = torch.autograd.grad(out, args[:3])
+    assert compiled.stats["divergences"] == 0 and compiled.stats["kernel_launches"] > 0
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float64])
+    for ours, theirs in zip(grads, expected_grads):
+        torch.testing.assert_close(ours, theirs, **TOLERANCE[torch.float64])

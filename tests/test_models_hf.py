@@ -44,6 +44,9 @@ GRAPH_BREAKS = {"bert": ["Tensor.__bool__"]}
 # layer's scaled_dot_product_attention. (T5 adds a learned position bias as its mask, which requires
 # grad: its self-attention keeps the decomposed form, its gradient flowing to the bias.)
 FLASH_ATTENTION = {"gpt2": 2, "llama": 2, "qwen2": 2, "mixtral": 2, "bert": 2}
+# ... and whose rotary embedding the kernels apply (head dims that are powers of two from 16; Mixtral's
+# here is 8, so it is a kernel of its own before attention)
+ROTARY_INSIDE = {"llama", "qwen2"}
 # The eager calls a training step makes by design, the only ones the report may list: the backward
 # call, the optimizer step's (its profiling marks, its .grad reads and writes: the step itself runs
 # as fused kernels), grad-mode switches (`@torch.no_grad()` around a rotary embedding: the math
@@ -61,10 +64,10 @@ def _causal_lm(name):
         config = T.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2,
                               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         return T.GPT2LMHeadModel(config)
-    if name == "llama":
-        return T.LlamaForCausalLM(T.LlamaConfig(**ATTENTION, num_key_value_heads=4))
-    if name == "qwen2":  # grouped-query attention: 4 query heads share 2 key/value heads
-        return T.Qwen2ForCausalLM(T.Qwen2Config(**ATTENTION, num_key_value_heads=2))
+    if name == "llama":  # (head dim 16: its rotary embedding is applied inside the flash kernels)
+        return T.LlamaForCausalLM(T.LlamaConfig(**{**ATTENTION, "hidden_size": 64}, num_key_value_heads=4))
+    if name == "qwen2":  # grouped-query attention: 4 query heads share 2 key/value heads; head dim 16
+        return T.Qwen2ForCausalLM(T.Qwen2Config(**{**ATTENTION, "hidden_size": 64}, num_key_value_heads=2))
     if name == "mixtral":  # mixture of experts: top-2 of 4 experts, routed with sort/histc/grouped_mm
         return T.MixtralForCausalLM(T.MixtralConfig(**ATTENTION, num_key_value_heads=2, num_local_experts=4,
                                                     num_experts_per_tok=2))
@@ -155,6 +158,7 @@ def test_model_trains_like_eager(name):
     flash = [n for r in report.regions if r.get("backward_graph") is not None for n in r["backward_graph"].nodes
              if n.op == "call_function" and n.target is C.ATTENTION_BACKWARD and n.kwargs["which"] == "q"]
     assert len(flash) == FLASH_ATTENTION.get(name, len(flash)), (name, len(flash))
+    assert all(n.kwargs.get("rotary", False) == (name in ROTARY_INSIDE) for n in flash), name
     print(f"{name}: {launches} kernel launches per step; eager calls by design: {report.eager_calls}")
 
 

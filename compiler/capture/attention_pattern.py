@@ -171,18 +171,122 @@ def outputs_heads_last(graph: fx.Graph) -> int:
                 and not node.kwargs.get("heads_last") and len(meta_of(node).shape) == 4 and len(users) == 1
                 and _is_view(users[0], "permute") and tuple(users[0].kwargs.get("dims", ())) == (0, 2, 1, 3)):
             continue
-        q, k, v, *extras = node.args[:-1]
-        p = node.kwargs
-        mask = extras[0] if p["has_mask"] else None
-        seed = extras[-1] if p["dropout_p"] > 0 else None
         with graph.inserting_before(users[0]):
-            made = C.emit_attention(b, q, k, v, mask, seed, is_causal=p["is_causal"], scale=p["scale"],
-                                    dropout_p=p["dropout_p"], empty_nan=p.get("empty_nan", False), heads_last=True)
+            made = _emit_again(b, node, heads_last=True)
         users[0].replace_all_uses_with(made)
         done += 1
     if done:
         graph.eliminate_dead_code()
     return done
+
+
+def attention_reads_whole_copies_source(graph: fx.Graph) -> int:
+    """An attention operand that is a whole copy of another tensor (a key/value cache's ``cat`` onto
+    an empty past) is read from that tensor itself: the copy is not made. Returns how many."""
+    done = 0
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is C.ATTENTION:
+            for operand in dict.fromkeys(node.args[:3]):
+                source = _whole_copy_of(operand)
+                if source is not operand:
+                    node.replace_input_with(operand, source)
+                    done += 1
+    if done:
+        graph.eliminate_dead_code()
+    return done
+
+
+def rotary_inside_attention(graph: fx.Graph) -> int:
+    """Read q and k's rotary embedding inside the flash kernels: an attention whose q and k are
+    ``x * cos + rotate_half(x) * sin`` (Llama's, as the bindings record it) of the same cos and sin
+    takes x, cos and sin instead, so the rotated q and k are never written. Head dims that are
+    powers of two from 16 (the kernels rotate a whole tile in registers). Returns how many."""
+    b = GraphBuilder(graph)
+    done = 0
+    for node in list(graph.nodes):
+        if not (node.op == "call_function" and node.target is C.ATTENTION and node.kwargs["which"] == "out"
+                and not node.kwargs.get("rotary") and len(meta_of(node.args[0]).shape) == 4):
+            continue
+        q_parts, k_parts = _rotary_parts(node.args[0]), _rotary_parts(node.args[1])
+        if q_parts is None or k_parts is None or q_parts[1:] != k_parts[1:]:
+            continue
+        (_, _, rows, dim), keys = meta_of(node.args[0]).shape, meta_of(node.args[1]).shape[2]
+        cos = meta_of(q_parts[1]).shape
+        if rows != keys or dim < 16 or dim & (dim - 1) or len(cos) != 4 or cos[1] != 1 or cos[2:] != (rows, dim):
+            continue
+        with graph.inserting_before(node):
+            made = _emit_again(b, node, q=q_parts[0], k=k_parts[0], rotary=q_parts[1:])
+        node.replace_all_uses_with(made)
+        done += 1
+    if done:
+        graph.eliminate_dead_code()
+    return done
+
+
+def _rotary_parts(node):
+    """(x, cos, sin) where ``node`` is x * cos + rotate_half(x) * sin, else None."""
+    if not _pointwise(node, A0 + A1) or not all(_pointwise(a, A0 * A1) for a in node.args):
+        return None
+    for plain, turned in (node.args, tuple(reversed(node.args))):
+        for x, cos in (plain.args, tuple(reversed(plain.args))):
+            for half_turned, sin in (turned.args, tuple(reversed(turned.args))):
+                if _is_rotate_half(half_turned, x) and not meta_of(cos).requires_grad \
+                        and not meta_of(sin).requires_grad and meta_of(node).dtype == meta_of(x).dtype:
+                    return x, cos, sin
+    return None
+
+
+def _is_rotate_half(node, x) -> bool:
+    """Whether ``node`` is cat(-x[..., D/2:], x[..., :D/2]) as recorded: two slice_scatters into zeros."""
+    shape = meta_of(x).shape
+    last, half = len(shape) - 1, shape[-1] // 2
+    if not _slice_scatter(node, last, half, half):
+        return False
+    inner, low = node.args
+    if not _slice_scatter(inner, last, 0, half):
+        return False
+    zeros = inner.args[0]
+    if not (_pointwise(zeros, sympy.Float(0.0)) or _pointwise(zeros, sympy.Integer(0))) or zeros.args:
+        return False
+    negated = inner.args[1]
+    return _is_slice_of(low, x, last, 0, half) and _pointwise(negated, -A0) \
+        and _is_slice_of(negated.args[0], x, last, half, half)
+
+
+def _slice_scatter(node, dim, start, length) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is C.SLICE_SCATTER \
+        and (node.kwargs["dim"], node.kwargs["start"], node.kwargs["step"], node.kwargs["length"]) == (dim, start, 1,
+                                                                                                        length)
+
+
+def _is_slice_of(node, x, dim, start, length) -> bool:
+    return _is_view(node, "slice") and node.args[0] is x and (node.kwargs["dim"], node.kwargs["start"],
+                                                                node.kwargs["step"], node.kwargs["length"]) == \
+        (dim, start, 1, length)
+
+
+def _whole_copy_of(node):
+    """``src`` where ``node`` writes it over all of another tensor (a key cache's cat onto nothing),
+    else ``node``."""
+    if isinstance(node, fx.Node) and node.op == "call_function" and node.target is C.SLICE_SCATTER:
+        src = node.args[1]
+        if meta_of(src).shape == meta_of(node).shape and node.kwargs["start"] == 0 and node.kwargs["step"] == 1:
+            return src
+    return node
+
+
+def _emit_again(b: GraphBuilder, node: fx.Node, **changes) -> fx.Node:
+    """The flash output ``node`` made anew with ``changes`` (q, k, heads_last, rotary)."""
+    q, k, v, *extras = node.args[:-1]
+    p = node.kwargs
+    mask = extras.pop(0) if p["has_mask"] else None
+    seed = extras.pop(0) if p["dropout_p"] > 0 else None
+    rotary = (extras[0], extras[1]) if p.get("rotary") else None
+    arguments = dict(q=q, k=k, is_causal=p["is_causal"], scale=p["scale"], dropout_p=p["dropout_p"],
+                     empty_nan=p.get("empty_nan", False), heads_last=p.get("heads_last", False), rotary=rotary)
+    arguments.update(changes)
+    q, k = arguments.pop("q"), arguments.pop("k")
+    return C.emit_attention(b, q, k, v, mask, seed, **arguments)
 
 
 # ------------------------------------------------------------------------------ replacing

@@ -24,9 +24,11 @@ import torch.fx as fx
 from compiler.ir.graph import meta_of
 from compiler.ir.ops import views
 from compiler.ir.ops.externs import Extern
+from compiler.ir.ops.pointwise import emit_fill, emit_pointwise
+from compiler.ir.ops.structural import emit_slice_scatter
 from runtime import attention as runtime_attention
 
-_PARAMETERS = ("is_causal", "scale", "dropout_p", "has_mask", "empty_nan", "heads_last")
+_PARAMETERS = ("is_causal", "scale", "dropout_p", "has_mask", "empty_nan", "heads_last", "rotary")
 
 
 def _parameters(node: fx.Node) -> dict:
@@ -68,15 +70,19 @@ class Attention(Extern):
             return [None] * len(node.args)
         q, k, v = node.args[:3]
         extras, lse = list(node.args[3:-1]), node.args[-1]
+        parameters = _parameters(node)
         grads = []
         for name, source in zip("qkv", (q, k, v)):
             if not meta_of(source).requires_grad:
                 grads.append(None)
                 continue
             operands = [grad_out, q, k, v, node, lse, *extras]
-            grads.append(b.call(ATTENTION_BACKWARD, operands, {"which": name, **_parameters(node)},
-                                shape=meta_of(source).shape, dtype=meta_of(source).dtype,
-                                requires_grad=any(meta_of(o).requires_grad for o in operands[:4])))
+            grad = b.call(ATTENTION_BACKWARD, operands, {"which": name, **parameters},
+                          shape=meta_of(source).shape, dtype=meta_of(source).dtype,
+                          requires_grad=any(meta_of(o).requires_grad for o in operands[:4]))
+            if parameters["rotary"] and name != "v":   # (the kernels' gradient is the rotated q's or k's)
+                grad = unrotated(b, grad, extras[-2], extras[-1])
+            grads.append(grad)
         return grads + [None] * (len(node.args) - 3)
 
     def decompose(self, b, node):
@@ -91,6 +97,8 @@ class Attention(Extern):
         p = _parameters(node)
         mask = extras.pop(0) if p["has_mask"] else None
         seed = extras.pop(0) if p["dropout_p"] > 0 else None
+        if p["rotary"]:
+            q, k = (rotated(b, x, extras[0], extras[1]) for x in (q, k))
         out = decomposed_attention(b, q, k, v, mask, seed, p["is_causal"], p["scale"], p["dropout_p"],
                                    empty_nan=p["empty_nan"])
         return views.emit_view(b, "permute", out, dims=(0, 2, 1, 3)) if p["heads_last"] else out
@@ -133,14 +141,17 @@ ATTENTION_BACKWARD = AttentionBackward()
 
 
 def emit_attention(b, q, k, v, mask, seed, *, is_causal: bool, scale: float, dropout_p: float,
-                   empty_nan: bool = False, heads_last: bool = False) -> fx.Node:
+                   empty_nan: bool = False, heads_last: bool = False, rotary=None) -> fx.Node:
     """softmax(scale * q kᵀ + mask) [dropout] v by the flash kernels: the output node (its
     logsumexp node is made with it). ``empty_nan``: a row no key is seen by is NaN (softmax's,
     for attention written out) rather than SDPA's 0. ``heads_last``: the output is [B, T, H, D]
-    (4-D q), the kernel writing it in the layout the caller's transpose back would make."""
-    extras = [x for x in (mask, seed) if x is not None]
+    (4-D q), the kernel writing it in the layout the caller's transpose back would make.
+    ``rotary``: (cos, sin), [B or 1, 1, T, D]: q and k are rotated by them (x * cos +
+    rotate_half(x) * sin) inside the kernels, and their gradients are those of q and k before."""
+    extras = [x for x in (mask, seed, *(rotary or ())) if x is not None]
     parameters = {"is_causal": bool(is_causal), "scale": float(scale), "dropout_p": float(dropout_p),
-                  "has_mask": mask is not None, "empty_nan": bool(empty_nan), "heads_last": bool(heads_last)}
+                  "has_mask": mask is not None, "empty_nan": bool(empty_nan), "heads_last": bool(heads_last),
+                  "rotary": rotary is not None}
     mq = meta_of(q)
     lse = b.call(ATTENTION, [q, k, v, *extras], {"which": "lse", **parameters}, shape=mq.shape[:-1],
                  dtype=runtime_attention.lse_dtype(mq.dtype), requires_grad=False)
@@ -149,6 +160,31 @@ def emit_attention(b, q, k, v, mask, seed, *, is_causal: bool, scale: float, dro
         shape = (shape[0], shape[2], shape[1], shape[3])
     return b.call(ATTENTION, [q, k, v, *extras, lse], {"which": "out", **parameters}, shape=shape, dtype=mq.dtype,
                   requires_grad=any(meta_of(x).requires_grad for x in (q, k, v)))
+
+
+def _rotate_half(b, x: fx.Node) -> fx.Node:
+    """cat(-x[..., D/2:], x[..., :D/2]) as graph nodes (what a model's rotary embedding records)."""
+    shape, dtype = meta_of(x).shape, meta_of(x).dtype
+    half, last = shape[-1] // 2, len(shape) - 1
+    low, high = (views.emit_slice(b, x, last, start, 1, half) for start in (0, half))
+    negated = emit_pointwise(b, "neg", [high], dtype=dtype)
+    zeros = emit_fill(b, shape, dtype, 0.0)
+    return emit_slice_scatter(b, emit_slice_scatter(b, zeros, negated, last, 0, 1, half), low, last, half, 1, half)
+
+
+def rotated(b, x: fx.Node, cos: fx.Node, sin: fx.Node) -> fx.Node:
+    """x * cos + rotate_half(x) * sin."""
+    dtype = meta_of(x).dtype
+    products = [emit_pointwise(b, "mul", [a, t], dtype=dtype) for a, t in ((x, cos), (_rotate_half(b, x), sin))]
+    return emit_pointwise(b, "add", products, dtype=dtype)
+
+
+def unrotated(b, g: fx.Node, cos: fx.Node, sin: fx.Node) -> fx.Node:
+    """The gradient of x from ``g``, that of ``rotated(x)``: g * cos - rotate_half(g * sin)
+    (rotate_half's transpose is its negation). Pointwise: it fuses into what reads it."""
+    dtype = meta_of(g).dtype
+    turned = _rotate_half(b, emit_pointwise(b, "mul", [g, sin], dtype=dtype))
+    return emit_pointwise(b, "sub", [emit_pointwise(b, "mul", [g, cos], dtype=dtype), turned], dtype=dtype)
 
 
 def decompose_for_double_backward(graph: fx.Graph) -> list:
