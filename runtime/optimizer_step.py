@@ -215,6 +215,11 @@ class FusedOptimizerStep:
         then runs with (its own update skipped), or None where it must run eagerly."""
         if optimizer is not self.optimizer() or len(args) > 1 or kwargs:
             return None  # another optimizer, or a closure to call: eager
+        if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+            # NOTE: CUDA graph capture: the fused kernels take the learning rate and step count from
+            # the host, which the graph would bake in. Eager's own step raises unless its groups are
+            # capturable (then its scalars live on the device): it runs, and decides.
+            return None
         if self.backend == "torch":
             on_cpu = self.__dict__.get("_on_cpu")
             if on_cpu is None:  # (the parameters' device: fixed while the replay's guards hold)

@@ -453,12 +453,14 @@ def steps_run_by(runner: StepRunner):
 _CPU = torch.device("cpu")
 
 
-def _device_of(inputs) -> torch.device:
-    """The first tensor input's device (CPU where there is none): where the program's kernels run."""
+def _device_of(inputs, recorded=None) -> torch.device:
+    """Where the program's kernels run: the first tensor input's device; with none (a region of
+    factories alone: positions, a causal mask, rotary tables), the device its values were recorded
+    on (``Program.recorded_device``), else the CPU."""
     for t in inputs:
         if isinstance(t, torch.Tensor):
             return t.device
-    return _CPU
+    return recorded if recorded is not None else _CPU
 
 
 @dataclass
@@ -472,6 +474,9 @@ class Program:
     # "torch", each kernel's PyTorch function (``KernelLaunch.run_torch``); else the Triton kernels
     # (in Triton's interpreter on CPU). Launches read nothing else.
     backend: str = field(default_factory=backends.chosen)
+    # where a program with no tensor inputs runs: the device capture recorded its values on (a
+    # factory-only region of a CUDA model makes CUDA tensors, as eager's factories there do)
+    recorded_device: torch.device | None = None
     # per step: the loads that are outputs of earlier launches of this program (``__post_init__``)
     fresh_loads: tuple = field(init=False, repr=False, compare=False)
     # the generated steps (``_steps_for``), made at their first run: (torch path, through a runner) -> run
@@ -512,7 +517,7 @@ class Program:
         if _runner is not None or _profiler_enabled():  # (a global and one C call: the usual run pays nothing else)
             return self._run_observed(inputs, stats, consume)
         env = list(inputs) + [None] * (self.num_slots - self.num_inputs)
-        device = _device_of(inputs)
+        device = _device_of(inputs, self.recorded_device)
         if consume:
             inputs.clear()
         guard = on_device(device)
@@ -607,7 +612,7 @@ class Program:
         if _profiler_enabled():
             return self._run_profiled(inputs, stats, consume)
         env = list(inputs) + [None] * (self.num_slots - self.num_inputs)
-        device = _device_of(inputs)
+        device = _device_of(inputs, self.recorded_device)
         if consume:
             inputs.clear()
         with on_device(device):
@@ -624,7 +629,7 @@ class Program:
         runner = _runner or _OWN_WAY
         with record_function(self.profile_name):
             env = list(inputs) + [None] * (self.num_slots - self.num_inputs)
-            device = _device_of(inputs)
+            device = _device_of(inputs, self.recorded_device)
             if consume:
                 inputs.clear()
             torch_path = self._torch_on_cpu and device.type == "cpu"

@@ -97,10 +97,16 @@ def lower(graph: fx.Graph, schedule: Schedule, check_indices: bool = True, trans
                for o in output_node(graph).args[0]]
     nbytes = {slot: math.prod(meta_of(node).shape) * meta_of(node).dtype.itemsize for node, slot in slots.items()
               if slot >= len(placeholders) or slot in transient_inputs}
-    return _program(steps, outputs, len(placeholders), len(slots), nbytes), sources
+    return _program(steps, outputs, len(placeholders), len(slots), nbytes, _recorded_device(graph)), sources
 
 
-def _program(steps: list, outputs: list, num_inputs: int, num_slots: int, nbytes: dict) -> Program:
+def _recorded_device(graph: fx.Graph):
+    """The device capture recorded the graph's values on (None where it says none: a derived graph)."""
+    return next((meta_of(n).device for n in graph.nodes
+                 if n.op in ("placeholder", "call_function") and meta_of(n).device is not None), None)
+
+
+def _program(steps: list, outputs: list, num_inputs: int, num_slots: int, nbytes: dict, device=None) -> Program:
     """The program running ``steps`` in an order that keeps less memory allocated (``_memory_order``),
     freeing each buffer after its last reader, each launch writing outputs into the memory of
     buffers that die at it where it may (``_donations``)."""
@@ -109,7 +115,7 @@ def _program(steps: list, outputs: list, num_inputs: int, num_slots: int, nbytes
     frees = _liveness(ordered, kept)
     steps = [step.launch(set(dead) - kept) if isinstance(step, _PlannedLaunch) else step
              for step, dead in zip(ordered, frees)]
-    return Program(num_inputs, num_slots, steps, outputs, frees)
+    return Program(num_inputs, num_slots, steps, outputs, frees, recorded_device=device)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,107 @@
+"""What a CUDA run would hit, checked without a GPU (issue 35): each test fails before its fix.
+
+- A region with no tensor inputs (a factory-only region: ``torch.arange`` positions, a causal mask,
+  rotary tables) has no input to take its device from: it runs where its values were recorded, not
+  on the CPU, whose tensors the next CUDA kernel would be handed.
+- The fused optimizer step never runs inside a CUDA graph capture (its host scalars would be baked
+  in): the optimizer's own step does, as eager's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import compiler  # noqa: F401  (first: it chooses Triton's interpreter on a machine without a GPU)
+
+import torch  # noqa: E402
+
+from compiler.fusion.fuse import fuse  # noqa: E402
+from compiler.ir.graph import GraphBuilder, update_meta  # noqa: E402
+from compiler.ir.ops import catalog as C  # noqa: E402
+from compiler.lower.program import lower  # noqa: E402
+from runtime import program as P  # noqa: E402
+
+
+def _factory_only_program(device: torch.device):
+    """positions * 2 + 1 from iota alone, its nodes recorded on ``device`` (as capture records them)."""
+    b = GraphBuilder()
+    positions = C.emit_iota(b, (4, 8), 1, torch.float32)
+    out = C.emit_pointwise(b, "add", [C.emit_pointwise(b, "mul", [positions, 2.0], dtype=torch.float32), 1.0],
+                           dtype=torch.float32)
+    for node in b.created:
+        update_meta(node, device=device)
+    b.output([out])
+    return lower(b.graph, fuse(b.graph))[0]
+
+
+class _DeviceSeen(P.StepRunner):
+    """Records the device each step is run on, and runs nothing."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.devices = []
+
+    def kernel(self, step, env, device, torch_path, fresh_loads):
+        self.devices.append(device)
+        for slot, shape, dtype in step.stores:
+            env[slot] = torch.empty(shape, dtype=dtype, device="meta")
+
+
+def test_a_region_without_tensor_inputs_runs_where_its_values_were_recorded(monkeypatch):
+    program = _factory_only_program(torch.device("cuda", 0))
+    assert program.num_inputs == 0 and program.recorded_device == torch.device("cuda", 0)
+    monkeypatch.setattr(P, "on_device", lambda device: contextlib.nullcontext())   # (no CUDA runtime here)
+    seen = _DeviceSeen(P.installed_runner())
+    with P.steps_run_by(seen):
+        program.run([])
+    assert seen.devices and all(d == torch.device("cuda", 0) for d in seen.devices), seen.devices
+
+
+def test_a_region_without_tensor_inputs_still_runs_on_the_cpu_when_recorded_there():
+    program = _factory_only_program(torch.device("cpu"))
+    out, = program.run([])
+    torch.testing.assert_close(out, torch.arange(8.0).expand(4, 8) * 2 + 1)
+
+
+# ------------------------------------------------------------------------------ CUDA graph capture
+def _sgd_step():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step(x):
+        model(x).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, step
+
+
+def test_the_fused_optimizer_step_never_runs_inside_a_cuda_graph_capture(monkeypatch):
+    """Under CUDA graph capture eager's ``step()`` raises unless its groups are capturable, and a
+    capturable step keeps its scalars on the device; the fused step reads the learning rate and step
+    count on the host, which a captured graph would bake in. So while the current stream captures,
+    the step is left to the optimizer itself (its own check raises or it captures correctly); the
+    fused kernels run again after. (A fake capture: this machine has no CUDA.)"""
+    model, step = _sgd_step()
+    reference, reference_step = _sgd_step()
+    compiled = compiler.compile(step, backend="interpret")
+    x = torch.randn(5, 4)
+    for _ in range(2):
+        compiled(x)
+        reference_step(x)
+    launches = compiled.stats["kernel_launches"]
+    compiled(x)
+    reference_step(x)
+    per_step = compiled.stats["kernel_launches"] - launches
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    launches = compiled.stats["kernel_launches"]
+    compiled(x)
+    reference_step(x)
+    assert compiled.stats["kernel_launches"] - launches < per_step   # (the optimizer's kernels did not run)
+    monkeypatch.undo()
+    compiled(x)
+    reference_step(x)
+    for ours, theirs in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(ours, theirs)
+    assert compiled.stats["divergences"] == 0, compiled.stats
