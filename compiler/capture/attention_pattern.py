@@ -10,6 +10,12 @@ dropout: a ``where`` of ``rand >= p``), reading each pointwise node's SymPy expr
 name. A mask made from positions alone (``torch.tril(torch.ones(T, T))``) is evaluated when the
 graph is built: if it is the causal mask the kernels skip the tiles above the diagonal and
 nothing is read. A row that every key is masked from stays NaN, as softmax makes it.
+
+The other passes here shape what the flash op reads and writes (run by ``build_region`` in turn):
+an operand that is a whole copy of another tensor is read from that tensor
+(``attention_reads_whole_copies_source``); Llama's rotary embedding of q and k is applied inside
+the kernels (``rotary_inside_attention``); an output only transposed back to [B, T, H, D] is
+written in that layout (``outputs_heads_last``).
 """
 
 from __future__ import annotations
