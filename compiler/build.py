@@ -13,8 +13,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from compiler.autodiff.partition import partition, propagate_requires_grad
-from compiler.capture.attention_pattern import (attention_reads_whole_copies_source, outputs_heads_last,
-                                                rewrite_written_out_attention, rotary_inside_attention)
+from compiler.capture.attention_pattern import attention_passes
 from compiler.capture.regions import EAGER_NAMES, EAGER_SAVED, SAVED_BY_CONSUMERS, SAVED_INPUTS
 from compiler.fusion.fuse import fuse
 from compiler.ir.reference import first_nan
@@ -47,10 +46,7 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset(), written_later=froz
     policy (``compiler.autodiff.saved_set``); ``outputs_written_later``: of outputs the function
     changes in place after the region; ``shape_generic``: kernels take their sizes as arguments
     (``codegen.triton_kernel.render_kernel``), so builds that differ only in sizes share sources."""
-    rewrite_written_out_attention(graph)   # (softmax(q kᵀ) v written out: flash attention, nothing T x T kept)
-    attention_reads_whole_copies_source(graph)   # (a key/value cache's cat onto nothing: not copied)
-    rotary_inside_attention(graph)         # (q and k's rotary embedding applied inside the flash kernels)
-    outputs_heads_last(graph)              # (attention's output in the layout its transpose back makes)
+    attention_passes(graph)   # (written-out attention as flash attention; its rotary, operands and output layout)
     outputs = _plan_outputs(graph, written_later, outputs_written_later)
     pristine = copy_graph(graph)  # partition appends the backward to ``graph``
     parts = partition(graph, mutated_inputs, written_later=written_later, memory=memory,

@@ -11,7 +11,7 @@ name. A mask made from positions alone (``torch.tril(torch.ones(T, T))``) is eva
 graph is built: if it is the causal mask the kernels skip the tiles above the diagonal and
 nothing is read. A row that every key is masked from stays NaN, as softmax makes it.
 
-The other passes here shape what the flash op reads and writes (run by ``build_region`` in turn):
+The other passes here shape what the flash op reads and writes (``attention_passes`` runs all four):
 an operand that is a whole copy of another tensor is read from that tensor
 (``attention_reads_whole_copies_source``); Llama's rotary embedding of q and k is applied inside
 the kernels (``rotary_inside_attention``); an output only transposed back to [B, T, H, D] is
@@ -146,6 +146,17 @@ class _Match:
             self.inner.append(node)
             node = node.args[0]
         return node
+
+
+def attention_passes(graph: fx.Graph) -> None:
+    """Every pass of this module, in order (``build_region`` runs them first): written-out attention
+    rewritten; then, where the graph has attention at all, its operands read past whole copies,
+    its rotary embedding applied inside the kernels, its output in the layout its reader wants."""
+    rewrite_written_out_attention(graph)
+    if C.has_attention(graph):
+        attention_reads_whole_copies_source(graph)
+        rotary_inside_attention(graph)
+        outputs_heads_last(graph)
 
 
 def rewrite_written_out_attention(graph: fx.Graph) -> int:

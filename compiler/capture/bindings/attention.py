@@ -45,17 +45,14 @@ def _scaled_dot_product_attention(b, query, key, value, attn_mask=None, dropout_
         _check_groups(query, key), _check_groups(query, value)
     else:
         key, value = _ungrouped(query, key), _ungrouped(query, value)
+    seed = None
+    if dropout_p > 0:
+        if b.new_seed is None:
+            raise Unsupported("random numbers need a per-call seed, which this graph cannot take")
+        seed = b.new_seed()
     if _flash_takes(query, key, value, attn_mask):
-        seed = None
-        if dropout_p > 0:
-            if b.new_seed is None:
-                raise Unsupported("random numbers need a per-call seed, which this graph cannot take")
-            seed = b.new_seed()
         return Tensor(b, C.emit_attention(b, query.node, key.node, value.node, _node(attn_mask), seed,
                                           is_causal=is_causal, scale=scale, dropout_p=dropout_p))
-    seed = b.new_seed() if dropout_p > 0 and b.new_seed is not None else None
-    if dropout_p > 0 and seed is None:
-        raise Unsupported("random numbers need a per-call seed, which this graph cannot take")
     return decomposed_attention(b, query, key, value, attn_mask, seed, is_causal, scale, dropout_p)
 
 
