@@ -160,7 +160,10 @@ def explain(fn, *args, **kwargs) -> Report:
 
 
 def _build(fn, args, kwargs, *, fullgraph=False, stats=None, memory="balanced", shape_generic=False,
-           other_path=False):
+           other_path=False, decide_backend=None):
+    """Record ``fn`` on these arguments and compile the recording: (its result, the Entry).
+    ``decide_backend``: the backend asked for a call with no tensor arguments, where the device the
+    recorded tensors are on decides it (the entry's report says which)."""
     name = _name(fn)
     stored_key = None if shape_generic else recordings.call_key(fn, args, kwargs)  # (before the call changes it)
     backend = backends.chosen()  # (the dispatcher chose it for this call; a compiled call inside fn chooses its own)
@@ -174,6 +177,10 @@ def _build(fn, args, kwargs, *, fullgraph=False, stats=None, memory="balanced", 
         return failed.result, Entry(None, report)
     if other_path:
         recording = dataclasses.replace(recording, other_path=True)
+    decided = None
+    if decide_backend is not None:
+        decided = backends.decide(decide_backend, _recorded_device_type(recording))
+        backend = decided[0]
     # (written once it compiled, for other processes)
     stored = recordings.prepare(fn, args, kwargs, recording, stored_key)
     with backends.building_for(backend):
@@ -181,7 +188,19 @@ def _build(fn, args, kwargs, *, fullgraph=False, stats=None, memory="balanced", 
                                shape_generic=shape_generic)
     if stored is not None:
         recordings.write(stored)
+    if decided is not None:
+        entry.runs_with(*decided)
     return result, entry
+
+
+def _recorded_device_type(recording: Recording) -> str | None:
+    """The device type of the first tensor a region of ``recording`` holds, else of a tensor it
+    reached from outside (a module's parameters); None where it touched no tensor."""
+    for plan in recording.regions:
+        for node in plan.graph.nodes if plan.graph is not None else ():
+            if has_meta(node) and meta_of(node).device is not None:
+                return meta_of(node).device.type
+    return next((meta.device.type for _, meta in recording.externals.values()), None)
 
 
 def _name(fn) -> str:

@@ -97,6 +97,19 @@ def choose(backend: str, device_type: str | None) -> tuple[str, str]:
     return backend, why
 
 
+# ``choose``'s answer for ``auto`` when a call has no tensor arguments: nothing says the device until the
+# function has run, so the recording decides (``decide``) before anything is built for it.
+UNDECIDED = "undecided"
+
+
+def decide(backend: str, device_type: str | None) -> tuple[str, str]:
+    """The backend for a call with no tensor arguments whose recording made its tensors on
+    ``device_type`` (None: it made none; the CPU's then), as ``choose`` picks it for such inputs."""
+    backend, why = _choose(backend, device_type or "cpu")
+    use(backend)
+    return backend, f"{why} (no tensor arguments: the device the recording's tensors are on)"
+
+
 def use(backend: str) -> None:
     """What this thread builds from now on runs with ``backend`` (a compiled call's; not ``eager``)."""
     if backend in ("torch", "interpret", "triton"):
@@ -161,8 +174,9 @@ def _choose(backend: str, device_type: str | None) -> tuple[str, str]:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend == "eager":
         return "eager", "backend='eager' runs the function unmodified"
-    if device_type is None:
-        device_type = "cpu"
+    if device_type is None and backend == "auto":
+        return UNDECIDED, ("no tensor arguments: the backend is chosen by the device the recording's tensors are "
+                           "on (decide)")
     if backend == "auto":
         if device_type == "cuda":
             backend, why = "triton", "CUDA tensors: Triton kernels"
@@ -174,6 +188,8 @@ def _choose(backend: str, device_type: str | None) -> tuple[str, str]:
                                          "run in Triton's interpreter")
     else:
         why = f"backend={backend!r}"
+    if device_type is None:  # (no tensor arguments: only what the process allows is checked)
+        device_type = "cuda" if backend == "triton" else "cpu"
     if backend == "torch" and device_type != "cpu":
         raise BackendUnavailable(
             f"backend='torch' runs the fused kernels as PyTorch CPU ops, but the inputs are on {device_type}; "

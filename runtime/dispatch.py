@@ -163,7 +163,8 @@ class CompiledFunction:
                 if self.backend != "auto" or self.fullgraph:
                     raise
                 return self._eager(str(e), args, kwargs)
-            self.choices[device] = choice
+            if choice[0] != backends.UNDECIDED:  # (no tensor arguments: the first recording decides)
+                self.choices[device] = choice
         else:
             backends.use(choice[0])  # (what this call builds is built for its backend, as choose sets)
         backend, why = choice
@@ -176,7 +177,8 @@ class CompiledFunction:
                 or (self.needs_variant and key in self.needs_variant):
             if variants is None and self._note_changing_scalars(spec, leaves):
                 key = _guard_key(spec, leaves, self.dynamic)
-            if self.stored is not None and (key not in self.cache or key in self.stored_pending):
+            if self.stored is not None and (key not in self.cache or key in self.stored_pending) \
+                    and backend != backends.UNDECIDED:
                 self._load_stored(key, spec, leaves, backend, why)  # an earlier process's recording: replayed
             if key not in self.cache and tensors and self.shapes.enabled:
                 self._instantiate(key, spec, leaves)  # sizes a template covers: an entry without recording
@@ -376,7 +378,13 @@ class CompiledFunction:
             options = {"shape_generic": True} if dynamic else {}
             if other_path:  # (Python left the key's recording twice in a row: skip_python must not guess)
                 options["other_path"] = True
+            if backend == backends.UNDECIDED:  # no tensor arguments: the devices it records on decide
+                options["decide_backend"] = self.backend
             result, entry = self.builder(self.fn, args, kwargs, fullgraph=self.fullgraph, stats=self.stats, **options)
+            if backend == backends.UNDECIDED:
+                backend, why = ((entry.report.backend, entry.report.backend_reason) if entry.report.backend
+                                else backends.decide(self.backend, None))  # (a recording that failed: none said)
+                self.choices.setdefault(None, (backend, why))
             entry.runs_with(backend, why)
             # NOTE: several recordings per guard key: one per train/eval mode of the modules
             # the function ran, and one per path Python took (the replay switches between

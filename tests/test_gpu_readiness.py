@@ -105,3 +105,57 @@ def test_the_fused_optimizer_step_never_runs_inside_a_cuda_graph_capture(monkeyp
     for ours, theirs in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(ours, theirs)
     assert compiled.stats["divergences"] == 0, compiled.stats
+
+
+# ------------------------------------------------------------------------- no tensor arguments
+def _closes_over(w):
+    @compiler.compile
+    def step():   # (no tensor arguments: the parameter it reads is reached from outside)
+        return (w.sin() * 2).sum()
+    return step
+
+
+def test_a_call_without_tensor_arguments_runs_with_the_backend_of_the_device_it_recorded_on(monkeypatch):
+    """``auto`` chooses by the device of the call's tensors. A training step that takes none (its
+    model and batch reached from outside) used to be chosen as a CPU call whatever its tensors were:
+    in a CUDA process its regions were built for the CPU path. The recording's device decides now.
+    (No CUDA here: the recording is said to be on cuda, and Triton said not to interpret; the kernels
+    built for ``triton`` then run through the interpreter's launcher, as any ``fn[grid]`` kernel.)"""
+    from compiler import api
+
+    recorded = api._recorded_device_type
+    monkeypatch.setattr(api, "_recorded_device_type", lambda r: {"cpu": "cuda"}.get(recorded(r)))
+    monkeypatch.setattr(api.backends, "interpreting", lambda: False)
+    w = torch.randn(4, requires_grad=True)
+    step = _closes_over(w)
+    for _ in range(3):
+        out = step()
+    assert step.last_entry.report.backend == "triton", step.last_entry.report.backend
+    assert "no tensor arguments" in step.last_entry.report.backend_reason
+    assert step.last_backend == "triton" and step.stats["kernel_launches"] >= 2, step.stats
+    torch.testing.assert_close(out, (w.sin() * 2).sum())
+
+
+def test_a_call_without_tensor_arguments_on_the_cpu_takes_the_cpu_path():
+    w = torch.randn(4, requires_grad=True)
+    step = _closes_over(w)
+    out = step()
+    out.backward()
+    from runtime.backends import auto_cpu_backend
+
+    assert step.last_entry.report.backend == auto_cpu_backend() and step.stats["captures"] == 1
+    torch.testing.assert_close(w.grad, 2 * w.detach().cos())
+
+
+def test_an_explicit_backend_without_tensor_arguments_is_checked_only_against_the_process():
+    """``backend='triton'`` with no tensor arguments cannot be refused for "inputs on the CPU": there
+    are none. Here it is refused because Triton interprets, which is true of the process."""
+    from runtime.backends import BackendUnavailable
+
+    step = compiler.compile(lambda: torch.ones(3).sum(), backend="triton")
+    try:
+        step()
+    except BackendUnavailable as e:
+        assert "interpreter" in str(e) and "cpu" not in str(e).split(";")[0], e
+    else:
+        raise AssertionError("backend='triton' ran with Triton interpreting")
