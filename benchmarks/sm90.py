@@ -48,7 +48,10 @@ DEFAULT_NUM_WARPS = 4   # Triton's default; a kernel module may say otherwise (N
 _ALIGNED_BASE = 1 << 20  # a stand-in allocation address, aligned far beyond 16 bytes
 _VECTOR_LOAD = re.compile(r"\bld\.global\S*\.v[248]\.")
 _ANY_LOAD = re.compile(r"\bld\.global\b")
-_RESULT_VERSION = 2      # bumped when a result gains or changes a field: older cached results are not read
+# fp32 arithmetic a GPU rounds otherwise than IEEE (and than Triton's interpreter): ``/`` compiles to
+# div.full.f32 (2 ulp), tl.sqrt to sqrt.approx.f32, and libdevice's fast paths to the .approx forms
+_APPROXIMATE_MATH = re.compile(r"\b(?:div\.full|div\.approx|sqrt\.approx|rsqrt\.approx|rcp\.approx)\.\S*f32\b")
+_RESULT_VERSION = 3      # bumped when a result gains or changes a field: older cached results are not read
 
 
 @dataclass
@@ -252,6 +255,9 @@ def compile_launches(launches: list, processes: int = 2, cache_dir: str | None =
     again: one value for many lanes, such as a row's mean), ``vector_share``, and ``error``
     (None, or why it did not compile).
 
+    ``approximate_math``: fp32 divisions and roots the GPU rounds approximately (div.full,
+    sqrt.approx...), where IEEE (and the interpreter) rounds exactly.
+
     ``vector_share`` is vectorized loads among the loads that stream data: broadcasts are left
     out, since they read one value and nothing could vectorize them; counting them would rate
     a LayerNorm backward that streams all its rows in vectors as half scalar. It is 1.0 when
@@ -427,6 +433,7 @@ def _compile_one(job: dict, workdir: str) -> dict:
         "vector_share": (vector / (loads - broadcast) if loads > broadcast else 1.0) if loads else None,
         "shared": compiled.metadata.shared,
         "num_warps": compiled.metadata.num_warps,
+        "approximate_math": len(_APPROXIMATE_MATH.findall(compiled.asm["ptx"])),
         # integer arguments the launch turns into constants (strides equal to 1)
         "int_constants": [fn.arg_names[path[0]] for path in constexprs
                           if fn.arg_names[path[0]] not in job["constexprs"]],
@@ -456,7 +463,7 @@ def _worker(jobs_path: str, workdir: str) -> None:
         except Exception as e:  # noqa: BLE001 — reported per kernel, the others still compile
             result = {"name": job["name"], "registers": None, "spill_bytes": None, "spill_loads": None,
                       "loads": 0, "vector_loads": 0, "broadcast_loads": 0, "vector_share": None, "shared": None,
-                      "num_warps": job["num_warps"], "int_constants": [],
+                      "num_warps": job["num_warps"], "int_constants": [], "approximate_math": None,
                       "error": f"{type(e).__name__}: {str(e)[:600]}"}
         result["key"] = job["key"]
         print(json.dumps(result), flush=True)

@@ -159,3 +159,22 @@ def test_an_explicit_backend_without_tensor_arguments_is_checked_only_against_th
         assert "interpreter" in str(e) and "cpu" not in str(e).split(";")[0], e
     else:
         raise AssertionError("backend='triton' ran with Triton interpreting")
+
+
+# ------------------------------------------------------------------ GPU arithmetic in the optimizer
+def test_the_fp32_adam_update_rounds_its_divisions_and_roots_as_eager_does_on_hopper(tmp_path):
+    """Triton's fp32 ``/`` compiles to div.full.f32 (2 ulp) on a GPU, where eager's foreach Adam
+    (``_foreach_sqrt``, ``addcdiv_``) rounds as IEEE does, and the interpreter the tests run is exact:
+    an update's error lands in the parameters and compounds over every step. The fused Adam kernel
+    compiled for sm_90 has no approximate division or root left (it had two before)."""
+    from benchmarks.sm90 import Launch, compile_launches
+    from compiler.optimizers.combo import BLOCK, combo_source
+    from compiler.optimizers.rules import AdamRule
+
+    rule, key = AdamRule(), (False, True, True, True)   # AdamW, amsgrad
+    name, source, scalars, _ = combo_source(rule, key, torch.float32, (4096, 64))
+    pointers = [["ptr", "torch.float32", 0]] * (2 * (2 + len(rule.state_names(key))))
+    args = pointers + [["int", 1] if s == "lerp_low" else ["float", 0.37] for s in scalars]
+    result, = compile_launches([Launch(name, source, args, {"BLOCK": BLOCK})], processes=1, cache_dir=str(tmp_path))
+    assert result["error"] is None, result["error"]
+    assert result["approximate_math"] == 0, result

@@ -34,7 +34,13 @@ def combo_source(rule, key, dtype, numels) -> tuple:
     tensors = ("p", "g") + rule.state_names(key)
     stores = rule.stores(key)
     scalar_names = sorted(rule.scalar_names)
-    body = [line.replace("SQRT(", "tl.sqrt_rn(" if dtype == torch.float32 else "tl.sqrt(")
+    # NOTE: on a GPU, Triton's fp32 ``/`` compiles to div.full.f32 (2 ulp) and ``tl.sqrt`` to an
+    # approximate root; eager's foreach kernels round both as IEEE does (``_foreach_sqrt``,
+    # ``addcdiv_``). An update's error lands in the parameters and compounds over every step, so
+    # the rules' SQRT and DIV are the correctly rounded forms (fp64 is always exact).
+    exact = dtype == torch.float32
+    body = [line.replace("SQRT(", "tl.sqrt_rn(" if exact else "tl.sqrt(").replace("DIV(", "tl.div_rn(" if exact
+                                                                                  else "_div(")
             for line in rule.body(key)]
     scalar_type = _TRITON_DTYPE[dtype]
 
@@ -42,6 +48,7 @@ def combo_source(rule, key, dtype, numels) -> tuple:
         return f"{name}: 'i32'" if name == "lerp_low" else f"{name}: '{scalar_type}'"
 
     lines = ["import triton", "import triton.language as tl", "", "",
+             "@triton.jit", "def _div(a, b):", "    return a / b", "", "",
              "@triton.jit",
              f"def _update({', '.join(t + '_ptr' for t in tensors)}, offsets, mask, {', '.join(scalar_names)}):"]
     lines += [f"    {t} = tl.load({t}_ptr + offsets, mask=mask)" for t in tensors]

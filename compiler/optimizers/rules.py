@@ -70,7 +70,8 @@ class Rule:
         raise NotImplementedError
 
     def body(self, key) -> list:
-        """Triton statements: read the loaded ``p``, ``g``, state values; assign the new ones."""
+        """Triton statements: read the loaded ``p``, ``g``, state values; assign the new ones.
+        ``SQRT(x)`` and ``DIV(a, b)`` are written so: correctly rounded in fp32 (``combo_source``)."""
         raise NotImplementedError
 
     def stores(self, key) -> tuple:
@@ -223,8 +224,8 @@ class AdamRule(Rule):
             lines.append("max_exp_avg_sq = tl.where((max_exp_avg_sq < exp_avg_sq) | (exp_avg_sq != exp_avg_sq), "
                          "exp_avg_sq, max_exp_avg_sq)")
             second = "max_exp_avg_sq"
-        lines.append(f"denom = SQRT({second}) / bias_correction2_sqrt + eps")
-        lines.append("p = p + neg_step_size * exp_avg / denom")
+        lines.append(f"denom = DIV(SQRT({second}), bias_correction2_sqrt) + eps")
+        lines.append("p = p + neg_step_size * DIV(exp_avg, denom)")
         return lines
 
 
