@@ -25,7 +25,10 @@ so tests that compile but launch no kernel can be listed::
 import os
 import tempfile
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests import devices  # (first: whether this run is the CUDA test mode decides the interpreter)
+
+if not devices.CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("SYMGRAD_CACHE_DIR", tempfile.mkdtemp(prefix="symgrad-test-kernels-"))
 os.environ.setdefault("SYMGRAD_STRICT", "1")
 os.environ.setdefault("SYMGRAD_CPU_BACKEND", "interpret")
@@ -50,11 +53,53 @@ ALLOWS_EAGER_FILES = {
 }
 
 
+def pytest_configure(config):
+    # With -n (pytest-xdist): each file on one worker, so its module fixtures (the Hopper compile run, the
+    # OpInfo sweep's totals) are built once and see their whole file. Set here, not as ``--dist loadfile``
+    # in addopts: a plain ``pytest`` where xdist is not installed (a GPU machine's own environment)
+    # would refuse the option.
+    if getattr(config.option, "dist", "no") == "load":
+        config.option.dist = "loadfile"
+    if devices.MODE in ("cuda", "cpu-rehearsal"):
+        import torch
+
+        # (tensors made without a device, the tests' and their models', are the mode's)
+        torch.set_default_device(devices.DEVICE)
+        _widen_fp32_tolerances(torch)
+
+
+def _widen_fp32_tolerances(torch) -> None:
+    """In the CUDA test mode, assert_close compares fp32 at the GPU's tolerances (``tests.devices.GPU_FP32``,
+    which says why) where a test asks for tighter ones or none."""
+    if not devices.CUDA:
+        return
+    original = torch.testing.assert_close
+
+    def assert_close(actual, expected, *args, rtol=None, atol=None, **kwargs):
+        dtype = getattr(actual, "dtype", None)
+        wide = devices.tolerances(dtype)
+        if wide:
+            rtol, atol = max(rtol or 0.0, wide["rtol"]), max(atol or 0.0, wide["atol"])
+        return original(actual, expected, *args, rtol=rtol, atol=atol, **kwargs)
+    torch.testing.assert_close = assert_close
+
+
+_SKIP_CPU_TEST = pytest.mark.skip(reason="the CUDA test mode (pytest -m gpu) runs the tests marked gpu only")
+_SKIP_NO_GPU = pytest.mark.skip(reason="no CUDA device here; SYMGRAD_TEST_DEVICE=cpu rehearses the gpu tests "
+                                       "on the CPU")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         reason = ALLOWS_EAGER_FILES.get(item.path.name)
         if reason is not None:
             item.add_marker(pytest.mark.allows_eager(reason))
+        if item.path.name in devices.GPU_FILES:
+            item.add_marker(pytest.mark.gpu)
+            if devices.MODE == "skip":
+                item.add_marker(_SKIP_NO_GPU)
+        elif devices.MODE in ("cuda", "cpu-rehearsal"):
+            item.add_marker(_SKIP_CPU_TEST)
     # The Hopper compile test compiles every kernel the other tests generated: run it last.
     items.sort(key=lambda item: "test_hopper" in item.nodeid)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 import compiler
+from tests.devices import KERNELS  # noqa: E402  (the CUDA test mode's: tests/devices.py)
 
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float64: dict(rtol=1e-10, atol=1e-10)}
 
@@ -29,13 +30,13 @@ def _backward(out, args, grad_seed):
     return [a.grad for a in leaves]
 
 
-def assert_ran_compiled(compiled, launches_before=0, backend="interpret", divergences=0):
+def assert_ran_compiled(compiled, launches_before=0, backend=KERNELS, divergences=0):
     """``compiled``'s calls since its ``kernel_launches`` were ``launches_before`` ran its kernels,
     on ``backend``, and no replay left its recording (``divergences``: how many did, where a test
     expects some, e.g. the call after an optimizer's first step, which created its state): a
     parity test whose every call recorded or ran eagerly compares eager with eager.
 
-    >>> f = compiler.compile(lambda x: x.exp() * 2, backend="interpret")
+    >>> f = compiler.compile(lambda x: x.exp() * 2, backend=KERNELS)
     >>> _ = f(torch.ones(3)), f(torch.ones(3))
     >>> assert_ran_compiled(f)
     """
@@ -48,14 +49,14 @@ def assert_ran_compiled(compiled, launches_before=0, backend="interpret", diverg
 def check_parity(fn, args, *, dtype=None, tol=None, grad_seed=None, expect_kernels=True):
     """Compile ``fn`` (interpret backend), call it twice, compare the second (compiled) call
     with eager: output values and input gradients. Returns the compiled function."""
-    compiled = compiler.compile(fn, backend="interpret", fullgraph=True)
+    compiled = compiler.compile(fn, backend=KERNELS, fullgraph=True)
     ref_out, ref_grads = run_eager(fn, args, grad_seed)
     first = compiled(*clone_inputs(args))               # records (runs eagerly)
     torch.testing.assert_close(first, ref_out, equal_nan=True, **(tol or TOLERANCE.get(dtype or ref_out.dtype, {})))
     launches = compiled.stats["kernel_launches"]
     inputs = clone_inputs(args)
     out = compiled(*inputs)                             # replays with the compiled kernels
-    assert compiled.last_backend == "interpret"
+    assert compiled.last_backend == KERNELS
     assert compiled.stats["divergences"] == 0
     grads = _backward(out, inputs, grad_seed)
     if expect_kernels:

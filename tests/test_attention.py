@@ -10,6 +10,7 @@ import logging
 import math
 
 import compiler  # (first: it chooses Triton's interpreter on a machine without a GPU, before Triton loads)
+from tests.devices import KERNELS, BACKENDS  # noqa: E402  (the CUDA test mode's: tests/devices.py)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -28,7 +29,7 @@ def _qkv(B, H, HK, M, N, D, dtype=torch.float32, seed=0):
     return [torch.randn(B, h, n, D, dtype=dtype, requires_grad=True) for h, n in ((H, M), (HK, N), (HK, N))]
 
 
-def _attention_nodes(fn, args, backend="interpret") -> list:
+def _attention_nodes(fn, args, backend=KERNELS) -> list:
     """The flash attention nodes of ``fn``'s captured graphs (each region's)."""
     report = compiler.explain(compiler.compile(fn, backend=backend), *clone_inputs(args))
     return [n for r in report.regions for n in r["captured"].nodes if n.op == "call_function"
@@ -150,7 +151,7 @@ def test_half_precision_is_as_close_to_the_exact_result_as_eager(dtype):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     exact_out, exact_grads = run_eager(f, [t.detach().double().requires_grad_() for t in (q, k, v)], g.double())
     eager_out, eager_grads = run_eager(f, [q, k, v], g)
-    compiled = compiler.compile(f, backend="interpret")
+    compiled = compiler.compile(f, backend=KERNELS)
     compiled(*clone_inputs([q, k, v]))
     inputs = clone_inputs([q, k, v])
     out = compiled(*inputs)
@@ -211,7 +212,7 @@ def test_compiled_dropout_follows_the_generator_and_changes_per_call():
     def f(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
     _assert_flash(f, [q, k, v])
-    compiled = compiler.compile(f, backend="interpret")
+    compiled = compiler.compile(f, backend=KERNELS)
     compiled(q, k, v)
     torch.manual_seed(7)
     first = compiled(q, k, v)
@@ -251,7 +252,7 @@ def test_cpu_path_runs_pytorchs_fused_kernel(form):
 
 
 # ------------------------------------------------------------------------------ saved bytes
-@pytest.mark.parametrize("backend", ["interpret", "torch"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_nothing_t_by_t_is_saved(backend):
     """Issue 34's measure (``benchmarks.attention_saved``) at T=128, every form (SDPA's and nanoGPT's
     written out): at most 1.25x eager's saved bytes, and no saved tensor with two dimensions of
@@ -298,7 +299,7 @@ def test_double_backward_through_the_decomposed_form(form):
     logging.getLogger("symgrad.backward").addHandler(said)
     compiler.set_logs("backward")
     try:
-        compiled = compiler.compile(f, backend="interpret")
+        compiled = compiler.compile(f, backend=KERNELS)
         with sdpa_kernel(SDPBackend.MATH):  # (the recording call runs eagerly)
             compiled(q, k, v)
         out = compiled(q, k, v)
@@ -356,7 +357,7 @@ def test_flash_kernels_compile_for_hopper_without_spills():
 # ------------------------------------------------------------------------------ written out
 def _runs_flash_backward(fn, args) -> bool:
     """Whether ``fn``'s compiled backward is the flash kernels' (the written-out pattern rewritten)."""
-    report = compiler.explain(compiler.compile(fn, backend="interpret"), *clone_inputs(args))
+    report = compiler.explain(compiler.compile(fn, backend=KERNELS), *clone_inputs(args))
     return any(n.op == "call_function" and n.target is C.ATTENTION_BACKWARD
                for r in report.regions if r.get("backward_graph") is not None for n in r["backward_graph"].nodes)
 
@@ -428,7 +429,7 @@ def test_written_out_dropout_draws_the_numbers_sdpa_draws():
 
     def sdpa(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=0.2)
-    ours, theirs = compiler.compile(written, backend="interpret"), compiler.compile(sdpa, backend="interpret")
+    ours, theirs = compiler.compile(written, backend=KERNELS), compiler.compile(sdpa, backend=KERNELS)
     ours(q, k, v), theirs(q, k, v)
     torch.manual_seed(5)
     a = ours(q, k, v)
@@ -452,7 +453,7 @@ def test_the_output_is_written_in_the_layout_its_transpose_back_makes():
         q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return c_proj(y.transpose(1, 2).contiguous().view(B, T, H * D))
-    report = compiler.explain(compiler.compile(block, backend="interpret"), x)
+    report = compiler.explain(compiler.compile(block, backend=KERNELS), x)
     assert report.forward_kernels == [], [k.name for k in report.forward_kernels]
     assert not [k.name for k in report.backward_kernels if k.name.startswith("fused_identity")]
     check_parity(block, [x])
@@ -540,7 +541,7 @@ def test_rotary_embedding_is_applied_inside_the_kernels(dtype, cache):
     the rotated q and k, and the gradients of q and k are taken back through the rotation there.
     Values and gradients are eager's, on the interpreter and the CPU path."""
     fn, args = _llama_attention(cache), _rotary_args(dtype)
-    report = compiler.explain(compiler.compile(fn, backend="interpret"), *clone_inputs(args))
+    report = compiler.explain(compiler.compile(fn, backend=KERNELS), *clone_inputs(args))
     assert report.forward_kernels == [], [k.name for k in report.forward_kernels]
     flash = [n for r in report.regions for n in r["backward_graph"].nodes
              if n.op == "call_function" and n.target is C.ATTENTION_BACKWARD]
@@ -567,7 +568,7 @@ def test_double_backward_through_rotary_attention():
     with sdpa_kernel(SDPBackend.MATH):
         expected = f(*args)
         expected_grads = torch.autograd.grad(expected, args[:3])
-    compiled = compiler.compile(f, backend="interpret")
+    compiled = compiler.compile(f, backend=KERNELS)
     with sdpa_kernel(SDPBackend.MATH):
         compiled(*args)
     out = compiled(*args)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import compiler
+from tests.devices import KERNELS  # noqa: E402  (the CUDA test mode's: tests/devices.py)
 from tests.parity import check_parity
 
 CDTYPES = [torch.complex64, torch.complex128]
@@ -74,7 +75,7 @@ def test_notes_worked_example_grad_is_c():
     """The notes: f(z) = c·z with real c gives ∂L/∂z* = c for grad_output 1."""
     c = 2.5
     z = torch.randn(6, dtype=torch.complex128, requires_grad=True)
-    f = compiler.compile(lambda z: c * z, backend="interpret", fullgraph=True)
+    f = compiler.compile(lambda z: c * z, backend=KERNELS, fullgraph=True)
     f(z)
     out = f(z)
     out.backward(torch.ones_like(out))
@@ -138,7 +139,7 @@ def test_complex_chain_is_one_kernel_each_way():
     lambda z, w: (z @ w.t()).real,
 ], ids=["chain", "quotient", "matmul_real"])
 def test_gradcheck_on_compiled_complex_functions(fn):
-    compiled = compiler.compile(fn, backend="interpret", fullgraph=True)
+    compiled = compiler.compile(fn, backend=KERNELS, fullgraph=True)
     z = torch.randn(3, 2, dtype=torch.complex128, requires_grad=True)
     w = torch.randn(3, 2, dtype=torch.complex128, requires_grad=True)
     compiled(z, w)

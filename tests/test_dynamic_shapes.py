@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import compiler
+from tests.devices import KERNELS  # noqa: E402  (the CUDA test mode's: tests/devices.py)
 
 
 def _close(a, b):
@@ -24,7 +25,7 @@ def test_dynamic_batch_records_twice_then_instantiates():
 
     def f(model, x):
         return (model(x).relu() ** 2).mean(0).sum()
-    compiled = compiler.compile(f, backend="interpret")
+    compiled = compiler.compile(f, backend=KERNELS)
     for batch in (4, 7, 3, 9, 5, 12):
         x = torch.randn(batch, 6)
         out = compiled(lin, x)
@@ -83,7 +84,7 @@ def test_dynamic_sequence_training_steps_match_eager_with_at_most_two_recordings
     # projection's bias under softmax, into steps of lr either way)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    compiled = compiler.compile(train_step, backend="interpret")
+    compiled = compiler.compile(train_step, backend=KERNELS)
     lengths = (7, 10, 5, 13, 9, 14, 11, 17, 19, 15)  # 10 distinct lengths (none equal to a model size)
     g = torch.Generator().manual_seed(1)
     for T in lengths:
@@ -114,7 +115,7 @@ def test_calls_instantiated_from_a_template_run_its_fused_optimizer_step():
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    compiled = compiler.compile(_clipped_step, backend="interpret")
+    compiled = compiler.compile(_clipped_step, backend=KERNELS)
     g = torch.Generator().manual_seed(2)
     launches = []
     for T in (7, 10, 5, 13, 9, 6):
@@ -142,7 +143,7 @@ def test_a_batch_dynamic_only_at_a_smaller_last_batch_is_instantiated():
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    compiled = compiler.compile(train_step, backend="interpret")
+    compiled = compiler.compile(train_step, backend=KERNELS)
     g = torch.Generator().manual_seed(1)
     for B, T in [(4, 7), (4, 10), (4, 5), (4, 13), (4, 9), (3, 11), (3, 14), (2, 6)]:
         idx, targets = torch.randint(0, 32, (B, T), generator=g), torch.randint(0, 32, (B, T), generator=g)
@@ -158,7 +159,7 @@ def test_an_op_constant_equal_to_a_size_stays_a_constant():
     # size, and at a size of 3 the comparison became another one (silently wrong values)
     def f(x):
         return torch.where(x == 0.5, 2.0, x).sum(0)
-    compiled = compiler.compile(f, backend="interpret", dynamic=True)
+    compiled = compiler.compile(f, backend=KERNELS, dynamic=True)
     for rows in (4, 3, 5):
         x = torch.tensor([0.5, 0.25, 1.0, 0.75, 2.0, 0.5]).repeat(rows, 1)
         _close(compiled(x), f(x))
@@ -187,14 +188,14 @@ def test_dim_indices_are_not_sizes(name):
     # called with a different constant (3 != 2)"). Values agreed: only the kernels' launches and
     # the divergences count tell.
     f = _DIM_CALLS[name]
-    compiled = compiler.compile(f, backend="interpret", dynamic=True)
+    compiled = compiler.compile(f, backend=KERNELS, dynamic=True)
     for batch in (3, 2, 5):
         x = torch.randn(batch, 5, 6, 4)
         launches = compiled.stats["kernel_launches"]
         _close(compiled(x), f(x))
         if batch != 3:  # (3: the recording, eager)
             assert compiled.stats["kernel_launches"] > launches, (batch, compiled.stats)
-            assert compiled.last_backend == "interpret", compiled.last_backend
+            assert compiled.last_backend == KERNELS, compiled.last_backend
     assert compiled.stats["divergences"] == 0, compiled.stats
     assert (compiled.stats["captures"], compiled.stats["instantiations"]) == (1, 2), compiled.stats
 
@@ -231,7 +232,7 @@ def test_ints_passed_to_the_math_give_eagers_values_at_every_size(name, passed):
     # size Python passes (x / x.shape[0]) passed the replay's check and the kernel used the
     # recording's number: wrong values at every other size (19 of these 32 before the fix)
     f = _int_cases(lambda x: 3 if passed == "literal" else x.shape[0])[name]
-    compiled = compiler.compile(f, backend="interpret", dynamic=True)
+    compiled = compiler.compile(f, backend=KERNELS, dynamic=True)
     for batch in (3, 2, 5):
         torch.manual_seed(batch)
         x = torch.randn(batch, 6)
@@ -246,7 +247,7 @@ def test_a_loss_mean_divides_by_the_count_at_every_size(loss, dynamic):
     # default (automatic) mode too. Seen at one size, whether 1/N follows the sizes is a guess: record.
     def f(x, y):
         return loss(x, y.sigmoid())
-    compiled = compiler.compile(f, backend="interpret", dynamic=dynamic)
+    compiled = compiler.compile(f, backend=KERNELS, dynamic=dynamic)
     for batch in (3, 7, 2, 5):
         torch.manual_seed(batch)
         x, y = torch.randn(batch, 6, requires_grad=True), torch.randn(batch, 6)
@@ -264,7 +265,7 @@ def test_a_replay_that_diverges_at_an_in_place_call_runs_the_rest_eagerly():
     # in-place call itself recursed for ever)
     def f(x, v):
         return x.clone().fill_(v).add_(x) + x
-    compiled = compiler.compile(f, backend="interpret")
+    compiled = compiler.compile(f, backend=KERNELS)
     x = torch.randn(3, 4)
     for v in (2, 3, 4, 5):   # (from the third value on, v is no longer in the guard key: the replay checks it)
         _close(compiled(x, v), f(x, v))
@@ -277,7 +278,7 @@ def test_outputs_that_are_views_of_other_outputs_follow_the_sizes():
         z = y.view(x.shape[0] * 2, -1)
         z.mul_(3)  # through the view: y changes too
         return y, z
-    compiled = compiler.compile(f, backend="interpret")
+    compiled = compiler.compile(f, backend=KERNELS)
     for n in (4, 6, 5, 7):
         x = torch.randn(n, 6)
         (y, z), (y_ref, z_ref) = compiled(x), f(x)
@@ -293,7 +294,7 @@ def test_a_dim_no_expression_gives_stays_static_and_records_again():
     # of D, so each new D records again (eager's numbers every time)
     def f(x):
         return x[:, 1:].reshape(x.shape[0], 2, -1).softmax(-1).sum(1)
-    compiled = compiler.compile(f, backend="interpret")
+    compiled = compiler.compile(f, backend=KERNELS)
     for d in (7, 9, 11, 13):
         x = torch.randn(3, d)
         _close(compiled(x), f(x))
@@ -304,7 +305,7 @@ def test_a_quotient_must_still_divide():
     def f(x):
         n = x.shape[0]
         return x[: n // 3].exp().sum(0) + x.view(n // 3, -1).sum(0).sum()
-    compiled = compiler.compile(f, backend="interpret")
+    compiled = compiler.compile(f, backend=KERNELS)
     for n in (6, 9, 15):  # n/3 fits: the third call is instantiated
         x = torch.randn(n, 4)
         _close(compiled(x), f(x))
@@ -315,7 +316,7 @@ def test_a_quotient_must_still_divide():
 
 
 def test_sizes_0_and_1_stay_specialized():
-    compiled = compiler.compile(lambda x: (x.sin() * 2).sum(0), backend="interpret")
+    compiled = compiler.compile(lambda x: (x.sin() * 2).sum(0), backend=KERNELS)
     for n in (4, 6, 5):
         x = torch.randn(n, 3)
         _close(compiled(x), (x.sin() * 2).sum(0))
@@ -332,7 +333,7 @@ def test_sizes_0_and_1_stay_specialized():
 def test_dims_equal_at_recording_must_stay_equal():
     def f(x, y):
         return x.sum(0) * 2 + y.exp().sum(0)
-    compiled = compiler.compile(f, backend="interpret")
+    compiled = compiler.compile(f, backend=KERNELS)
     for n in (4, 6, 5):  # x and y always as long: the template relies on it
         x, y = torch.randn(n, 3), torch.randn(n, 3)
         _close(compiled(x, y), f(x, y))
@@ -348,7 +349,7 @@ def _norm_rows(x):
 
 
 def test_dynamic_false_specializes_on_every_size():
-    compiled = compiler.compile(_norm_rows, backend="interpret", dynamic=False)
+    compiled = compiler.compile(_norm_rows, backend=KERNELS, dynamic=False)
     for n in (4, 6, 5, 7):
         x = torch.randn(n, 5)
         _close(compiled(x), _norm_rows(x))
@@ -356,7 +357,7 @@ def test_dynamic_false_specializes_on_every_size():
 
 
 def test_dynamic_true_instantiates_from_the_first_recording():
-    compiled = compiler.compile(_norm_rows, backend="interpret", dynamic=True)
+    compiled = compiler.compile(_norm_rows, backend=KERNELS, dynamic=True)
     for n in (4, 6, 9):
         x = torch.randn(n, 5)
         _close(compiled(x), _norm_rows(x))
@@ -367,7 +368,7 @@ def test_dynamic_true_instantiates_from_the_first_recording():
 
 
 def test_mark_dynamic_marks_one_dim_up_front():
-    compiled = compiler.compile(_norm_rows, backend="interpret")
+    compiled = compiler.compile(_norm_rows, backend=KERNELS)
     x = torch.randn(4, 5)
     compiler.mark_dynamic(x, 0)
     _close(compiled(x), _norm_rows(x))
@@ -382,7 +383,7 @@ def test_mark_dynamic_marks_one_dim_up_front():
 def test_a_constant_equal_to_a_size_seen_once_is_a_guess_the_shape_rules_check():
     def f(x):
         return x.view(x.shape[0], 4, -1).softmax(-1).sum(1)  # at the recording, the 4 equals the batch
-    compiled = compiler.compile(f, backend="interpret")
+    compiled = compiler.compile(f, backend=KERNELS)
     x = torch.randn(4, 20)
     compiler.mark_dynamic(x, 0)
     _close(compiled(x), f(x))
@@ -397,7 +398,7 @@ def test_a_constant_equal_to_a_size_seen_once_is_a_guess_the_shape_rules_check()
 
 
 def test_dynamic_true_keeps_dims_that_were_equal_equal():
-    compiled = compiler.compile(lambda x: (x.exp() * 2).sum(0), backend="interpret", dynamic=True)
+    compiled = compiler.compile(lambda x: (x.exp() * 2).sum(0), backend=KERNELS, dynamic=True)
     x = torch.randn(5, 5)  # both dims 5: every 5 could be either
     _close(compiled(x), (x.exp() * 2).sum(0))
     x = torch.randn(7, 5)
@@ -420,7 +421,7 @@ def test_hooks_and_saved_tensors_with_changing_shapes():
         h = (x * w).tanh()
         h.register_hook(lambda g: seen.append(tuple(g.shape)) or g * 3)
         return h, (h * h).sum()
-    compiled = compiler.compile(f, backend="interpret")
+    compiled = compiler.compile(f, backend=KERNELS)
     for n in (3, 5, 7, 6):
         x = torch.randn(n, 4, requires_grad=True)
         x_ref = x.detach().clone().requires_grad_(True)
@@ -440,7 +441,7 @@ def test_double_backward_with_changing_shapes():
         y = (x.sin() * x).sum()
         (g,) = torch.autograd.grad(y, x, create_graph=True)
         return (g * g).sum()
-    compiled = compiler.compile(f, backend="interpret")
+    compiled = compiler.compile(f, backend=KERNELS)
     for n in (4, 6, 5, 8):
         x = torch.randn(n, requires_grad=True)
         x_ref = x.detach().clone().requires_grad_(True)
@@ -454,7 +455,7 @@ def test_double_backward_with_changing_shapes():
 def test_dropout_draws_a_fresh_mask_each_call_at_every_size():
     def f(x):
         return F.dropout(x, 0.5, training=True)
-    compiled = compiler.compile(f, backend="interpret")
+    compiled = compiler.compile(f, backend=KERNELS)
     masks = []
     for n in (64, 96, 80, 80, 112):
         x = torch.rand(n, 8) + 1.0
@@ -485,7 +486,7 @@ def test_the_recompiles_log_says_what_was_instantiated_and_why_a_call_records():
         lg.addHandler(handler)
         lg.setLevel(logging.INFO)
     try:
-        compiled = compiler.compile(lambda x, y: x.sum(0) + y.sum(0), backend="interpret")
+        compiled = compiler.compile(lambda x, y: x.sum(0) + y.sum(0), backend=KERNELS)
         for n in (4, 6, 5):
             compiled(torch.randn(n, 3), torch.randn(n, 3))
         compiled(torch.randn(7, 3), torch.randn(8, 3))

@@ -18,9 +18,17 @@ import pytest
 import torch
 
 import compiler
+from tests.devices import KERNELS  # noqa: E402  (the CUDA test mode's: tests/devices.py)
 from compiler.ir.ops import catalog as C
 
 transformers = pytest.importorskip("transformers")
+# The lists below are exact for the version pyproject's test extra pins. Elsewhere (a GPU machine with
+# its own transformers, which nothing may be installed on) a model's code differs: its values must
+# still be eager's and its kernels run, but which ops it leaves eager is not asserted.
+PINNED = "5.23.0"
+EXACT_LISTS = transformers.__version__ == PINNED
+pytestmark = [] if EXACT_LISTS else [pytest.mark.allows_eager(f"transformers {transformers.__version__}, not {PINNED}: "
+                                                              "its models may leave other ops eager")]
 
 VOCAB, SEQ, BATCH = 64, 8, 2
 ATTENTION = dict(num_attention_heads=4, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -148,13 +156,16 @@ def test_model_trains_like_eager(name):
     torch.testing.assert_close(torch.stack(compiled_losses), torch.stack(eager_losses), atol=1e-4, rtol=1e-4)
     for (key, a), (_, b) in zip(compiled.state_dict().items(), eager.state_dict().items()):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m, key=key: f"{name}: {key}: {m}")
+    assert launches > 0
+    assert stats["divergences"] == 0, stats
+    if not EXACT_LISTS:
+        print(f"{name}: transformers {transformers.__version__}, not {PINNED}: the exact lists are not checked")
+        return
     assert [reason_op(r) for r in report.fallbacks] == STILL_EAGER[name], report.fallbacks
     assert [reason_op(r) for r in report.graph_breaks] == GRAPH_BREAKS.get(name, []), report.graph_breaks
-    assert launches > 0
     # nothing of the model's math runs eagerly (Llama/Qwen2/Mixtral's rotary cos/sin under no_grad
     # included), and the replays follow the recording
     assert sorted(set(report.eager_calls) - STEP_BOUNDARIES) == EAGER_FACTORIES.get(name, []), report.eager_calls
-    assert stats["divergences"] == 0, stats
     flash = [n for r in report.regions if r.get("backward_graph") is not None for n in r["backward_graph"].nodes
              if n.op == "call_function" and n.target is C.ATTENTION_BACKWARD and n.kwargs["which"] == "q"]
     assert len(flash) == FLASH_ATTENTION.get(name, len(flash)), (name, len(flash))
@@ -171,4 +182,4 @@ def test_train_gpt2_example_matches_eager(capsys):
     losses, eager_losses = train_gpt2.main(["--steps", "3", "--width", "32", "--layers", "1"])
     torch.testing.assert_close(torch.stack(losses), torch.stack(eager_losses), atol=1e-4, rtol=1e-4)
     out = capsys.readouterr().out
-    assert "kernels " in out and "ran: interpret" in out and "fallbacks:" in out
+    assert "kernels " in out and f"ran: {KERNELS}" in out and "fallbacks:" in out

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import compiler
+from tests.devices import KERNELS, BACKENDS  # noqa: E402  (the CUDA test mode's: tests/devices.py)
 from compiler.ir.graph import meta_of
 from tests.parity import TOLERANCE as TOL
 from tests.parity import check_parity
@@ -187,7 +188,7 @@ def test_modules_forward(dtype):
                                 torch.nn.ReLU(), torch.nn.Linear(12, 2)).to(dtype)
     reference = copy.deepcopy(model)
     x = torch.randn(9, 6, dtype=dtype)
-    compiled = compiler.compile(lambda x: model(x), backend="interpret", fullgraph=True)
+    compiled = compiler.compile(lambda x: model(x), backend=KERNELS, fullgraph=True)
     compiled(x)
     model.zero_grad()
     out = compiled(x)
@@ -324,7 +325,7 @@ def test_embedding_module_and_its_double_backward():
     emb = torch.nn.Embedding(11, 6, padding_idx=2).double()
     idx = torch.tensor([[1, 2, 3, 2, 10], [0, 0, 4, 5, 2]])
     check_parity(lambda w: emb(idx).tanh().sum(1), [emb.weight])
-    compiled = compiler.compile(lambda w: F.embedding(idx, w).tanh(), backend="interpret", fullgraph=True)
+    compiled = compiler.compile(lambda w: F.embedding(idx, w).tanh(), backend=KERNELS, fullgraph=True)
     w = torch.randn(11, 6, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(compiled, (w,)) and torch.autograd.gradgradcheck(compiled, (w,))
     assert compiled.stats["replays"] > 0 and compiled.stats["eager_calls"] == 0
@@ -334,7 +335,7 @@ def test_embedding_module_and_its_double_backward():
 def test_embedding_options_not_supported_fall_back_with_a_reason():
     idx = torch.tensor([1, 2])
     w = torch.randn(4, 3, requires_grad=True)
-    compiled = compiler.compile(lambda w: F.embedding(idx, w, max_norm=1.0).sum(), backend="interpret")
+    compiled = compiler.compile(lambda w: F.embedding(idx, w, max_norm=1.0).sum(), backend=KERNELS)
     report = compiler.explain(compiled, w.detach().clone().requires_grad_())
     assert any("max_norm" in reason for reason in report.fallbacks)
 
@@ -367,18 +368,18 @@ def test_gather_index_select_and_tensor_indexing(name, dtype):
 
 def test_gather_double_backward():
     index = GATHER_INDEX
-    compiled = compiler.compile(lambda x: torch.gather(x, 1, index).sin(), backend="interpret", fullgraph=True)
+    compiled = compiler.compile(lambda x: torch.gather(x, 1, index).sin(), backend=KERNELS, fullgraph=True)
     x = torch.randn(6, 8, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(compiled, (x,)) and torch.autograd.gradgradcheck(compiled, (x,))
     assert compiled.stats["eager_calls"] == 0 and compiled.stats["replays"] > 0
 
 
 def test_index_out_of_range_raises_as_in_eager():
-    compiled = compiler.compile(lambda x, i: x[i].sum() + torch.gather(x, 0, i), backend="interpret")
+    compiled = compiler.compile(lambda x, i: x[i].sum() + torch.gather(x, 0, i), backend=KERNELS)
     x = torch.randn(4)
     compiled(x, torch.tensor([0, 3]))
     compiled(x, torch.tensor([0, 3]))
-    assert compiled.last_backend == "interpret"
+    assert compiled.last_backend == KERNELS
     with pytest.raises(IndexError, match="torch.gather: index -1 is out of bounds"):
         compiled(x, torch.tensor([0, -1]))          # fine for x[i], not for gather
     with pytest.raises(IndexError, match="index 7 is out of bounds"):
@@ -392,7 +393,7 @@ def _programs(compiled):
             if program is not None]
 
 
-@pytest.mark.parametrize("backend", ["interpret", "torch"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_indices_are_checked_in_the_kernel_that_gathers(backend):
     """A forward gather asserts its indices in its own kernel (``tl.device_assert``, as Inductor's
     kernels check indirect indices), not by a reduction over them on the host first; a failed
@@ -419,7 +420,7 @@ def test_indices_are_checked_in_the_kernel_that_gathers(backend):
 def test_an_index_computed_in_the_kernel_is_checked_there_too():
     """Cross entropy's target with ``ignore_index`` masked is computed inline where it is gathered
     with: no buffer holds it to check on the host, the kernel's assert still raises."""
-    compiled = compiler.compile(lambda x, t: F.cross_entropy(x, t), backend="interpret")
+    compiled = compiler.compile(lambda x, t: F.cross_entropy(x, t), backend=KERNELS)
     x = torch.randn(4, 5)
     assert torch.allclose(compiled(x, torch.tensor([0, 1, -100, 4])), F.cross_entropy(x, torch.tensor([0, 1, -100, 4])))
     with pytest.raises(IndexError, match="cross_entropy: index out of bounds for a dimension of size 5"):
@@ -433,7 +434,7 @@ def test_an_empty_gather_eager_checks_is_checked_on_the_host():
     eager still checks the indices: that check stays on the host."""
     from runtime.program import IndexCheck
 
-    compiled = compiler.compile(lambda x, i: x.index_select(0, i) + 1, backend="interpret")
+    compiled = compiler.compile(lambda x, i: x.index_select(0, i) + 1, backend=KERNELS)
     x = torch.randn(4, 0)
     assert compiled(x, torch.tensor([1, 3])).shape == (2, 0)
     assert compiled(x, torch.tensor([1, 3])).shape == (2, 0)
@@ -451,7 +452,7 @@ def test_a_bad_index_leaves_a_buffer_updated_in_place_as_it_was():
     def update(idx):
         buf.add_(table[idx])
         return idx + 1
-    compiled = compiler.compile(update, backend="interpret")
+    compiled = compiler.compile(update, backend=KERNELS)
     idx = torch.randint(0, 10, (8192,))
     compiled(idx)
     compiled(idx)
@@ -577,7 +578,7 @@ def test_double_backward_through_a_convolution_matches_eager(stride):
         gx, gw = torch.autograd.grad(F.conv2d(x, w, stride=stride, padding=1).tanh().sum(), (x, w),
                                      create_graph=True)
         return gx.pow(2).sum() + gw.pow(2).sum()
-    compiled = compiler.compile(penalty, backend="interpret", fullgraph=True)
+    compiled = compiler.compile(penalty, backend=KERNELS, fullgraph=True)
     compiled(x, w)
     ours = torch.autograd.grad(compiled(x, w), (x, w))
     theirs = torch.autograd.grad(penalty(x, w), (x, w))

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import compiler
+from tests.devices import KERNELS  # noqa: E402  (the CUDA test mode's: tests/devices.py)
 from tests.parity import assert_ran_compiled
 
 BF16 = torch.bfloat16
@@ -33,7 +34,7 @@ def _check(fn, inputs, names):
     grad = torch.randn(out_shape, dtype=BF16)
     reference = _run(fn, [t.double() for t in inputs], grad.double())
     eager = _run(fn, inputs, grad)
-    compiled = compiler.compile(fn, backend="interpret", fullgraph=True)
+    compiled = compiler.compile(fn, backend=KERNELS, fullgraph=True)
     _run(compiled, inputs, grad)     # records
     launches = compiled.stats["kernel_launches"]
     ours = _run(compiled, inputs, grad)

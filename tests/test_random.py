@@ -6,12 +6,13 @@ import torch
 import torch.nn.functional as F
 
 import compiler
+from tests.devices import KERNELS  # noqa: E402  (the CUDA test mode's: tests/devices.py)
 from compiler.ir.graph import meta_of
 from tests.training import sgd_step
 
 
 def _compiled(fn):
-    return compiler.compile(fn, backend="interpret", fullgraph=True)
+    return compiler.compile(fn, backend=KERNELS, fullgraph=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
@@ -21,7 +22,7 @@ def test_dropout_keeps_scales_and_differentiates_with_one_mask(dtype):
     f = _compiled(lambda x: F.dropout(x.sin(), 0.3, training=True) * 2)
     f(x)                                            # records (eager dropout)
     out = f(x)
-    assert f.last_backend == "interpret" and f.stats["kernel_launches"] > 0
+    assert f.last_backend == KERNELS and f.stats["kernel_launches"] > 0
     keep = out != 0
     assert 0.6 < keep.to(dtype).mean().item() < 0.8  # 2112 draws of keep-probability 0.7
     torch.testing.assert_close(out, torch.where(keep, x.sin() * 2 / 0.7, 0).detach())
@@ -55,14 +56,14 @@ def test_dropout_module_train_eval_and_in_place():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.GELU(),
                                 torch.nn.Dropout(0.2, inplace=True))
     x = torch.randn(16, 8)
-    f = compiler.compile(lambda x: model(x), backend="interpret", fullgraph=True)
+    f = compiler.compile(lambda x: model(x), backend=KERNELS, fullgraph=True)
     model.eval()                                   # dropout is the identity: compiled away
     f(x)
     torch.testing.assert_close(f(x), model(x))
     model.train()
     f(x)                                           # records the training-mode variant
     out = f(x)
-    assert f.last_backend == "interpret"
+    assert f.last_backend == KERNELS
     kept = out != 0                                # dropped by either dropout: 0
     assert 0.25 < kept.float().mean().item() < 0.55
     # a kept element went through both dropouts: scaled by 1/0.5 and then by 1/0.8
@@ -81,9 +82,9 @@ def test_dropout_in_a_training_step_and_double_backward():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(16, 1))
     x, y = torch.randn(32, 8), torch.randn(32, 1)
-    step = compiler.compile(sgd_step(model, lr=0.1), backend="interpret")
+    step = compiler.compile(sgd_step(model, lr=0.1), backend=KERNELS)
     losses = [step(x, y).item() for _ in range(30)]
-    assert step.stats["divergences"] <= 1 and step.last_backend == "interpret"
+    assert step.stats["divergences"] <= 1 and step.last_backend == KERNELS
     assert losses[-1] < losses[0]
 
     w = torch.randn(5, dtype=torch.float64, requires_grad=True)
@@ -92,7 +93,7 @@ def test_dropout_in_a_training_step_and_double_backward():
         out = F.dropout(w.sin(), 0.4)
         g, = torch.autograd.grad(out.sum(), w, create_graph=True)
         return (g * g).sum(), out
-    f = compiler.compile(penalty, backend="interpret")
+    f = compiler.compile(penalty, backend=KERNELS)
     f(w)
     value, out = f(w)
     value.backward()
@@ -109,7 +110,7 @@ def test_attention_dropout_is_compiled():
     a = f(q, k, v)
     torch.manual_seed(3)
     b = f(q, k, v)
-    assert torch.equal(a, b) and f.last_backend == "interpret"
+    assert torch.equal(a, b) and f.last_backend == KERNELS
     a.sum().backward()
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
     no_dropout = F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import compiler
+from tests.devices import KERNELS, BACKENDS  # noqa: E402  (the CUDA test mode's: tests/devices.py)
 from tests.notes_examples import stored_recordings
 
 
@@ -109,10 +110,10 @@ def test_saved_tensor_hooks_give_eagers_gradients(form, hooks):
     fn = FORMS[form](*HOOKS[hooks])
     _STORE.clear()
     with stored_recordings():
-        compiled = compiler.compile(fn, backend="interpret")
+        compiled = compiler.compile(fn, backend=KERNELS)
         _check_calls(fn, compiled, [0, 1, 2], first_call_records=True)
         assert compiled.stats["captures"] == 1, compiled.stats
-        fresh = compiler.compile(fn, backend="interpret")  # a fresh process: the stored recording
+        fresh = compiler.compile(fn, backend=KERNELS)  # a fresh process: the stored recording
         _check_calls(fn, fresh, [3, 4], first_call_records=False)
         assert (fresh.stats["captures"], fresh.stats["loaded"]) == (0, 1), fresh.stats
     assert not _STORE  # every packed value unpacked once
@@ -121,9 +122,9 @@ def test_saved_tensor_hooks_give_eagers_gradients(form, hooks):
 def test_save_on_cpu():
     fn = _save_on_cpu()
     with stored_recordings():
-        compiled = compiler.compile(fn, backend="interpret")
+        compiled = compiler.compile(fn, backend=KERNELS)
         _check_calls(fn, compiled, [0, 1, 2], first_call_records=True)
-        fresh = compiler.compile(fn, backend="interpret")
+        fresh = compiler.compile(fn, backend=KERNELS)
         _check_calls(fn, fresh, [3, 4], first_call_records=False)
         assert fresh.stats["loaded"] == 1, fresh.stats
 
@@ -134,7 +135,7 @@ def test_the_issues_example():
         y.grad_fn._raw_saved_self.register_hooks(lambda t: t * 1, lambda t: t)
         y.sum().backward()
         return x.grad.clone()
-    for backend in ("torch", "interpret"):
+    for backend in BACKENDS[::-1]:
         c = compiler.compile(f, backend=backend)
         for _ in range(3):
             x = torch.randn(5, requires_grad=True)

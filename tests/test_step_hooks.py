@@ -11,6 +11,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import compiler
+from tests.devices import KERNELS  # noqa: E402  (the CUDA test mode's: tests/devices.py)
 from tests.training import train_step
 
 OPTIMIZERS = {
@@ -54,7 +55,7 @@ def _scale_grads(log, name):
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 def test_pre_hooks_registered_after_the_recording_run_before_the_update(optimizer, skip_python):
     (model, opt), (reference, eager_opt) = _twins(optimizer)
-    compiled = compiler.compile(_step(model, opt), backend="interpret", skip_python=skip_python)
+    compiled = compiler.compile(_step(model, opt), backend=KERNELS, skip_python=skip_python)
     eager = _step(reference, eager_opt)
     for k in range(3):
         torch.testing.assert_close(compiled(*_data(k)), eager(*_data(k)))
@@ -78,7 +79,7 @@ def test_pre_hooks_registered_after_the_recording_run_before_the_update(optimize
 
 def test_a_global_pre_hook_registered_after_the_recording_runs_before_the_update():
     (model, opt), (reference, eager_opt) = _twins("sgd-momentum")
-    compiled, eager = compiler.compile(_step(model, opt), backend="interpret"), _step(reference, eager_opt)
+    compiled, eager = compiler.compile(_step(model, opt), backend=KERNELS), _step(reference, eager_opt)
     for k in range(3):
         compiled(*_data(k)), eager(*_data(k))
     log = []
@@ -94,7 +95,7 @@ def test_a_global_pre_hook_registered_after_the_recording_runs_before_the_update
 
 def test_a_pre_hook_that_raises_leaves_the_parameters_as_they_were():
     (model, opt), (reference, eager_opt) = _twins("adamw")
-    compiled, eager = compiler.compile(_step(model, opt), backend="interpret"), _step(reference, eager_opt)
+    compiled, eager = compiler.compile(_step(model, opt), backend=KERNELS), _step(reference, eager_opt)
     for k in range(3):
         compiled(*_data(k)), eager(*_data(k))
 

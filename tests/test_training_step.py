@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import compiler
+from tests.devices import KERNELS  # noqa: E402  (the CUDA test mode's: tests/devices.py)
 from tests.training import sgd_step, train_step
 
 
@@ -31,7 +32,7 @@ def test_compiled_training_step_tracks_eager(dtype, optimizer):
         return torch.optim.AdamW(params, lr=1e-2)
     opt, ref_opt = make_opt(model.parameters()), make_opt(reference.parameters())
 
-    compiled = compiler.compile(train_step, backend="interpret")
+    compiled = compiler.compile(train_step, backend=KERNELS)
     x = torch.randn(64, 8, dtype=dtype)
     y = torch.randn(64, 1, dtype=dtype)
     tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-9, atol=1e-10)
@@ -54,7 +55,7 @@ def test_compiled_training_step_tracks_eager(dtype, optimizer):
 def test_backward_outside_the_compiled_function_accumulates_grad():
     model = make_model(torch.float64)
     reference = copy.deepcopy(model)
-    forward = compiler.compile(lambda x, y: F.mse_loss(model(x), y), backend="interpret")
+    forward = compiler.compile(lambda x, y: F.mse_loss(model(x), y), backend=KERNELS)
     x, y = torch.randn(16, 8, dtype=torch.float64), torch.randn(16, 1, dtype=torch.float64)
     for _ in range(3):  # .grad accumulates across backward calls, exactly as in eager
         forward(x, y).backward()
@@ -65,7 +66,7 @@ def test_backward_outside_the_compiled_function_accumulates_grad():
 
 def test_loss_returned_has_grad_fn_and_second_backward_raises():
     w = torch.randn(5, requires_grad=True)
-    f = compiler.compile(lambda x: (x * w).sin().sum(), backend="interpret")
+    f = compiler.compile(lambda x: (x * w).sin().sum(), backend=KERNELS)
     x = torch.randn(5)
     f(x)
     loss = f(x)
@@ -81,13 +82,13 @@ def test_profiler_around_a_compiled_step_stays_on_the_recording():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
     x, y = torch.randn(32, 8), torch.randn(32, 1)
-    step = compiler.compile(sgd_step(model, lr=0.1), backend="interpret")
+    step = compiler.compile(sgd_step(model, lr=0.1), backend=KERNELS)
     for _ in range(3):
         step(x, y)
     with torch.profiler.profile(with_stack=True):
         for _ in range(2):
             step(x, y)
-    assert step.stats["divergences"] == 0 and step.last_backend == "interpret"
+    assert step.stats["divergences"] == 0 and step.last_backend == KERNELS
 
 
 def test_autocast_training_step_compiles_whole_and_tracks_eager():
@@ -110,11 +111,11 @@ def test_autocast_training_step_compiles_whole_and_tracks_eager():
             opt.zero_grad()
             return loss.detach()
         return step
-    eager_step, compiled_step = make_step(reference), compiler.compile(make_step(model), backend="interpret")
+    eager_step, compiled_step = make_step(reference), compiler.compile(make_step(model), backend=KERNELS)
     initial = [p.detach().clone() for p in model.parameters()]
     for _ in range(5):
         torch.testing.assert_close(compiled_step(x, target), eager_step(x, target), rtol=1e-2, atol=1e-2)
-    assert compiled_step.last_backend == "interpret" and compiled_step.last_entry.report.fallbacks == []
+    assert compiled_step.last_backend == KERNELS and compiled_step.last_entry.report.fallbacks == []
     assert compiled_step.stats["kernel_launches"] > 0 and compiled_step.stats["divergences"] == 0, compiled_step.stats
     for p, q, p0 in zip(model.parameters(), reference.parameters(), initial):
         # NOTE: the parameters were updated, and as eager updated them (float32 master weights: the
@@ -122,7 +123,7 @@ def test_autocast_training_step_compiles_whole_and_tracks_eager():
         assert (p - p0).abs().max() > 1e-3
         torch.testing.assert_close(p - p0, q - p0, rtol=0, atol=5e-4)  # (seen: 1.5e-4 at most; updates 1.7e-3+)
 
-    f = compiler.compile(lambda x: model(x).sum(), backend="interpret")
+    f = compiler.compile(lambda x: model(x).sum(), backend=KERNELS)
     for autocast in (False, True, False, True):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             out = f(x)
@@ -138,6 +139,7 @@ def test_optimizer_step_runs_unwatched_and_its_state_stays_right():
     Values it makes (Adam's moments) read by the function afterwards still give eager's results,
     and a step that raises leaves the replay machinery in order."""
     torch.manual_seed(0)
+    modes_before = torch._C._len_torch_function_stack()
     model = torch.nn.Linear(4, 1)
     reference = copy.deepcopy(model)
     x, y = torch.randn(8, 4), torch.randn(8, 1)
@@ -154,10 +156,10 @@ def test_optimizer_step_runs_unwatched_and_its_state_stays_right():
             return loss.detach() + (moment * 0).sum() + moment.abs().sum()
         return step, opt
     (eager_step, _), (step, opt) = make_step(reference), make_step(model)
-    compiled = compiler.compile(step, backend="interpret")
+    compiled = compiler.compile(step, backend=KERNELS)
     for _ in range(6):  # the first step creates Adam's state: its path is recorded again
         torch.testing.assert_close(compiled(x, y), eager_step(x, y))
-    assert compiled.last_backend == "interpret"
+    assert compiled.last_backend == KERNELS
 
     def failing_hook(optimizer, args, kwargs):
         raise RuntimeError("hook failed")
@@ -165,7 +167,7 @@ def test_optimizer_step_runs_unwatched_and_its_state_stays_right():
     with pytest.raises(RuntimeError, match="hook failed"):
         compiled(x, y)
     handle.remove()
-    assert torch._C._len_torch_function_stack() == 0
+    assert torch._C._len_torch_function_stack() == modes_before   # (the CUDA test mode's default device: one)
     model.zero_grad()
     # the step whose hook raised changed no parameter (as eager's), and the next compiled steps are
     # eager's next steps, with kernels
@@ -176,7 +178,7 @@ def test_optimizer_step_runs_unwatched_and_its_state_stays_right():
         torch.testing.assert_close(compiled(x, y), eager_step(x, y))
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q)
-    assert compiled.last_backend == "interpret" and compiled.stats["kernel_launches"] > launches
+    assert compiled.last_backend == KERNELS and compiled.stats["kernel_launches"] > launches
 
 
 def test_cnn_training_step_with_batch_norm_tracks_eager():
@@ -192,15 +194,15 @@ def test_cnn_training_step_with_batch_norm_tracks_eager():
     x, y = torch.randn(4, 3, 8, 8, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
 
     eager_step = sgd_step(reference, lr=0.05, momentum=0.9)
-    compiled = compiler.compile(sgd_step(model, lr=0.05, momentum=0.9), backend="interpret")
+    compiled = compiler.compile(sgd_step(model, lr=0.05, momentum=0.9), backend=KERNELS)
     for _ in range(5):
         torch.testing.assert_close(compiled(x, y), eager_step(x, y))
-    assert compiled.last_backend == "interpret" and compiled.last_entry.report.fallbacks == []
+    assert compiled.last_backend == KERNELS and compiled.last_entry.report.fallbacks == []
     for (name, mine), theirs in zip(model.state_dict().items(), reference.state_dict().values()):
         torch.testing.assert_close(mine, theirs, msg=name)
     model.eval()
     reference.eval()
-    forward = compiler.compile(lambda x: model(x), backend="interpret")
+    forward = compiler.compile(lambda x: model(x), backend=KERNELS)
     forward(x)
     torch.testing.assert_close(forward(x), reference(x))
-    assert forward.last_backend == "interpret"
+    assert forward.last_backend == KERNELS
