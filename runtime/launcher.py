@@ -34,16 +34,32 @@ from dataclasses import dataclass
 MAX_SPECIALIZATIONS = 8   # layouts bound per launch before the oldest is forgotten
 
 
+# Triton's ``knobs.runtime`` (its launch hooks), looked up when the first kernel is bound: importing
+# Triton here could come before ``compiler`` chose the interpreter mode
+_RUNTIME_KNOBS = None
+
+
+def _runtime_knobs():
+    global _RUNTIME_KNOBS
+    if _RUNTIME_KNOBS is None:
+        from triton import knobs
+
+        _RUNTIME_KNOBS = knobs.runtime
+    return _RUNTIME_KNOBS
+
+
 class Launcher:
     """One kernel at one grid, tiles and warps. ``launch(args, key, device)`` runs it. ``debug``:
     the kernel's ``tl.device_assert``s are compiled in (Triton drops them otherwise), without
     Triton's integer-overflow checks, as Inductor compiles kernels that check indirect indices
     (``torch/_inductor/runtime/triton_heuristics.py``: ``"debug"``, ``"sanitize_overflow": False``)."""
 
-    def __init__(self, fn, grid: int, xblock: int, rblock: int, num_warps: int, debug: bool = False):
+    def __init__(self, fn, grid: int, xblock: int, rblock: int, num_warps: int, debug: bool = False,
+                 constexprs: dict | None = None):
         self.fn = fn
         self.grid = grid
-        self.constexprs = {"XBLOCK": xblock, "RBLOCK": rblock}
+        # (a graph kernel's tiles; another kernel, a fused optimizer step's, names its own)
+        self.constexprs = dict(constexprs) if constexprs is not None else {"XBLOCK": xblock, "RBLOCK": rblock}
         self.num_warps = num_warps
         self.debug = debug
         self.binds = 0          # how many specializations were bound (the first call binds one)
@@ -57,8 +73,8 @@ class Launcher:
 class IndexedLauncher(Launcher):
     """The interpreter's (or any ``fn[grid]`` kernel's) launch: the grid proxy made once."""
 
-    def __init__(self, fn, grid, xblock, rblock, num_warps, debug=False):
-        super().__init__(fn, grid, xblock, rblock, num_warps, debug)
+    def __init__(self, fn, grid, xblock, rblock, num_warps, debug=False, constexprs=None):
+        super().__init__(fn, grid, xblock, rblock, num_warps, debug, constexprs)
         self._call = fn[(grid,)]
         self._kwargs = dict(self.constexprs, num_warps=num_warps)
         self.binds = 1
@@ -94,32 +110,30 @@ def _interpreter_debug_options():
 class BoundKernel:
     """One compiled specialization and what its driver launcher takes besides the arguments."""
 
-    __slots__ = ("kernel", "runner", "function", "metadata", "enter_hook", "exit_hook", "constants")
+    __slots__ = ("kernel", "runner", "function", "metadata", "constants")
 
     def __init__(self, kernel, constexprs: tuple, runner=None):
-        from triton import knobs
-
         self.kernel = kernel
         # NOTE: ``kernel.run`` loads the binary onto the current device (a driver call): a test
         # without a GPU passes a ``runner`` of its own.
         self.runner = kernel.run if runner is None else runner
         self.function = kernel.function
         self.metadata = kernel.packed_metadata
-        # Hook chains are read once (as Inductor's wrappers do); a hook added to a chain later
-        # still runs, and launch metadata is only computed while some hook is installed.
-        self.enter_hook = knobs.runtime.launch_enter_hook
-        self.exit_hook = knobs.runtime.launch_exit_hook
         self.constants = constexprs   # XBLOCK, RBLOCK: passed last, dropped by the launcher
+        _runtime_knobs()
 
     def launch(self, grid: int, stream, args) -> None:
         """Call the driver launcher with what ``JITFunction.run`` passes it for these kernel
         arguments: grid, stream, function, metadata, hooks, then every parameter in order
         (XBLOCK and RBLOCK last; the launcher drops constexprs and integers specialized to 1)."""
+        # NOTE: the hooks are read at every launch, as JITFunction.run reads them: a profiler
+        # started after the kernel was bound installs its hook then (Triton 3.9 adds it to a chain
+        # kept in one place; older Triton assigns a new function to the knob).
+        enter, exit_ = _RUNTIME_KNOBS.launch_enter_hook, _RUNTIME_KNOBS.launch_exit_hook
         metadata = None
-        if self.enter_hook is not None and getattr(self.enter_hook, "calls", True):
+        if enter is not None and getattr(enter, "calls", True):   # (metadata only while a hook listens)
             metadata = self.kernel.launch_metadata((grid, 1, 1), stream, *args, *self.constants)
-        self.runner(grid, 1, 1, stream, self.function, self.metadata, metadata, self.enter_hook, self.exit_hook,
-                    *args, *self.constants)
+        self.runner(grid, 1, 1, stream, self.function, self.metadata, metadata, enter, exit_, *args, *self.constants)
 
 
 class DirectLauncher(Launcher):
@@ -130,8 +144,9 @@ class DirectLauncher(Launcher):
     the device's current raw CUDA stream, ``runner(kernel)`` the kernel's driver launcher;
     tests without a GPU replace them."""
 
-    def __init__(self, fn, grid, xblock, rblock, num_warps, compile=None, stream=None, runner=None, debug=False):
-        super().__init__(fn, grid, xblock, rblock, num_warps, debug)
+    def __init__(self, fn, grid, xblock, rblock, num_warps, compile=None, stream=None, runner=None, debug=False,
+                 constexprs=None):
+        super().__init__(fn, grid, xblock, rblock, num_warps, debug, constexprs)
         self._compile = compile or self._jit_compile
         self._stream = stream   # resolved at the first bind: a driver exists only on a GPU machine
         self._runner = runner
@@ -216,14 +231,15 @@ def generate_launch(loads, stores, inputs, bound: BoundKernel, grid: int, stream
     (its launch metadata is computed by the general path)."""
     import torch
 
-    enter, exit_ = bound.enter_hook, bound.exit_hook
+    knobs = _runtime_knobs()
+    enter, exit_ = knobs.launch_enter_hook, knobs.launch_exit_hook
     hook_calls = getattr(enter, "calls", None) if enter is not None else []
     if hook_calls is None or hook_calls:
         return None
     if any(t.data_ptr() & 15 or t.is_conj() for t in inputs):
         return None
     names = {"runner": bound.runner, "function": bound.function, "metadata": bound.metadata, "enter": enter,
-             "exit": exit_, "hook_calls": hook_calls, "stream": stream, "empty": torch.empty}
+             "exit": exit_, "hook_calls": hook_calls, "stream": stream, "empty": torch.empty, "knobs": knobs}
     checked = [i for i, slot in enumerate(loads) if slot not in fresh]
     lines = ["def launch(env, device):"]
     lines += [f"    t{i} = env[{slot}]" for i, slot in enumerate(loads)]
@@ -232,8 +248,11 @@ def generate_launch(loads, stores, inputs, bound: BoundKernel, grid: int, stream
     checks += [f"t{i}.is_conj()" for i in checked if inputs[i].is_complex()]
     if checked:
         checks.append("(" + " | ".join(f"t{i}.data_ptr()" for i in checked) + ") & 15")
+    # a hook installed since (added to the chain, or a new knob value on older Triton): the general
+    # path computes launch metadata and passes the hooks
+    checks.append("knobs.launch_enter_hook is not enter")
     if enter is not None:
-        checks.append("hook_calls")  # a hook added since: the general path computes launch metadata
+        checks.append("hook_calls")
     if checks:
         lines += ["    if " + " or ".join(checks) + ":", "        return False"]
     arguments = []
@@ -270,9 +289,19 @@ def _current_stream_of_driver():
     return lambda index: stream(device() if index is None else index)
 
 
-def make_launcher(fn, grid: int, xblock: int, rblock: int, num_warps: int, debug: bool = False) -> Launcher:
-    """The launcher for ``fn``: direct for a compiled ``JITFunction``, ``fn[grid]`` otherwise."""
+def make_launcher(fn, grid: int, xblock: int = 0, rblock: int = 0, num_warps: int = 4, debug: bool = False,
+                  constexprs: dict | None = None) -> Launcher:
+    """The launcher for ``fn``: direct for a compiled ``JITFunction``, ``fn[grid]`` otherwise.
+    ``constexprs``: a kernel's own (``BLOCK``), in place of a graph kernel's ``XBLOCK``/``RBLOCK``."""
     from triton.runtime.jit import JITFunction
 
     kind = DirectLauncher if isinstance(fn, JITFunction) else IndexedLauncher
-    return kind(fn, grid, xblock, rblock, num_warps, debug=debug)
+    return kind(fn, grid, xblock, rblock, num_warps, debug=debug, constexprs=constexprs)
+
+
+def specialization_key(tensors, numbers) -> tuple:
+    """What Triton specializes a launch on, for arguments of fixed types: each pointer's 16-byte
+    alignment, and each integer's being 1 (a constant) or a multiple of 16 (floats: nothing)."""
+    key = [t.data_ptr() & 15 for t in tensors]
+    key += [(n == 1, n % 16 == 0) for n in numbers if type(n) is int]
+    return tuple(key)

@@ -24,6 +24,7 @@ from torch.optim import optimizer as _optim
 
 from runtime import backends
 from runtime.kernels import load_kernel
+from runtime.launcher import make_launcher, specialization_key
 from runtime.program import installed_runner, interpreter_lock, on_device
 
 _profiler_enabled = torch.autograd._profiler_enabled
@@ -62,6 +63,7 @@ class ComboLaunch:
     num_warps: int
     bytes_moved: int
     _fn: object = None
+    _launcher: object = None   # runtime.launcher's, made at the first launch
     # what a profile calls its launches (``name_in_profiles``; None: "symgrad kernel <name>")
     profile_name: str | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -79,22 +81,32 @@ class ComboLaunch:
         else:
             self.launch_now(tensors, scalars, device)
 
+    def launcher(self):
+        """The kernel's launcher (``runtime.launcher``: compiled Triton's driver launcher called
+        directly, not ``JITFunction.run``'s 10-20 µs of binding per launch), made once."""
+        if self._launcher is None:
+            if self._fn is None:
+                self._fn = load_kernel(self.name, self.source)
+            self._launcher = make_launcher(self._fn, self.grid, num_warps=self.num_warps,
+                                           constexprs={"BLOCK": self.block})
+        return self._launcher
+
     def launch_now(self, tensors: list, scalars: dict, device) -> None:
         if not self.grid:  # parameters with no elements
             return
-        if self._fn is None:
-            self._fn = load_kernel(self.name, self.source)
+        numbers = [scalars[n] for n in self.scalar_names]
+        args = [*tensors, *numbers]
+        key = specialization_key(tensors, numbers)
+        launcher = self.launcher()
         if _profiler_enabled():  # named as the regions' kernels are (``name_in_profiles``)
             from torch.autograd.profiler import record_function
 
             with record_function(self.profile_name or f"symgrad kernel {self.name}"), \
                     on_device(device), interpreter_lock:
-                self._fn[(self.grid,)](*tensors, *[scalars[n] for n in self.scalar_names], BLOCK=self.block,
-                                       num_warps=self.num_warps)
+                launcher.launch(args, key, device)
             return
         with on_device(device), interpreter_lock:
-            self._fn[(self.grid,)](*tensors, *[scalars[n] for n in self.scalar_names], BLOCK=self.block,
-                                   num_warps=self.num_warps)
+            launcher.launch(args, key, device)
 
 
 @dataclass

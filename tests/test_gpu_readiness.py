@@ -178,3 +178,66 @@ def test_the_fp32_adam_update_rounds_its_divisions_and_roots_as_eager_does_on_ho
     result, = compile_launches([Launch(name, source, args, {"BLOCK": BLOCK})], processes=1, cache_dir=str(tmp_path))
     assert result["error"] is None, result["error"]
     assert result["approximate_math"] == 0, result
+
+
+# ---------------------------------------------------------------------------- launch hooks
+def test_a_launch_hook_installed_after_the_kernel_was_bound_is_called(monkeypatch):
+    """A profiler started mid-training installs its launch hook after our kernels were bound. Triton
+    before 3.9 installs it by assigning a new function to ``knobs.runtime.launch_enter_hook``; a hook
+    read once at bind time never saw it, and neither did the generated straight-line launch. Both read
+    the knob at each launch now, and pass the hook and the launch metadata it needs."""
+    from triton import knobs
+
+    from runtime import program
+    from tests.test_launch import _exp_kernel_bound_directly
+
+    monkeypatch.setattr(program, "interpreter_lock", program._NO_GUARD)  # as on a GPU: no interpreter
+    x, launch, compiled, ran, direct = _exp_kernel_bound_directly()
+    direct.fn = launch.kernel()
+    launch._launchers[False] = direct
+    cpu = torch.device("cpu")
+    for _ in range(2):   # the first binds, the second runs the generated launch
+        launch.run([x, None], cpu)
+    assert launch._straight and len(ran) == 2 and ran[1][1][6] is None
+    seen = []
+
+    def profiler_hook(metadata):
+        seen.append(metadata)
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", profiler_hook)
+    launch.run([x, None], cpu)
+    grid, one, one_, stream, function, metadata, launch_metadata, enter, exit_, *passed = ran[2][1]
+    assert enter is profiler_hook and launch_metadata == {"grid": (launch.grid, 1, 1)}
+
+
+# ------------------------------------------------------------------- the optimizer's launches
+def test_the_fused_optimizer_step_calls_the_driver_launcher_directly(monkeypatch):
+    """The optimizer's combo kernels launched through ``JITFunction.run`` (10-20 µs of binding and
+    specialization per launch on a GPU). They go through runtime.launcher now, as the graph kernels
+    do: the specialization is compiled once, then each step calls the driver's launcher with the
+    parameters, gradients, state and scalars. (No GPU: the compile and the driver are stand-ins.)"""
+    from runtime import optimizer_step
+    from runtime.launcher import DirectLauncher
+    from tests.test_launch import _FakeKernel
+
+    compiled, ran = [], []
+
+    def direct(fn, grid, num_warps=4, constexprs=None, **_):
+        def compile(args):
+            compiled.append(len(args))
+            return _FakeKernel(len(compiled))
+        return DirectLauncher(fn, grid, 0, 0, num_warps, constexprs=constexprs, compile=compile,
+                              stream=lambda index: 0, runner=lambda kernel: lambda *a: ran.append(a))
+    monkeypatch.setattr(optimizer_step, "make_launcher", direct)
+    monkeypatch.setattr(optimizer_step, "interpreter_lock", contextlib.nullcontext())
+    model, step = _sgd_step()
+    fused = compiler.compile(step, backend="interpret")
+    x = torch.randn(5, 4)
+    for _ in range(4):
+        fused(x)
+    assert len(compiled) == 1, compiled              # one combo kernel (both parameters), bound once
+    assert len(ran) >= 2, len(ran)                   # launched by the driver launcher at each replayed step
+    grid, *_, enter, exit_ = ran[-1][:9]
+    passed = ran[-1][9:]
+    tensors = [a for a in passed if isinstance(a, torch.Tensor)]
+    assert any(t is model.weight for t in tensors) and any(t is model.bias for t in tensors)
+    assert passed[-1] == 1024   # BLOCK, last
