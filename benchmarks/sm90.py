@@ -377,16 +377,12 @@ class _Pointer:
         return self._address
 
 
-def _compile_one(job: dict, workdir: str) -> dict:
+def load_job(job: dict, workdir: str) -> tuple:
+    """(the jit function, its launch arguments) of a ``Launch`` as a dict: its source written to
+    ``workdir`` and imported, pointers as stand-ins at its offsets from an aligned base."""
     import importlib.util
-    import io
-    from contextlib import redirect_stdout
 
     import torch
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import create_function_from_signature
 
     path = os.path.join(workdir, job["name"] + ".py")
     with open(path, "w") as f:
@@ -394,7 +390,6 @@ def _compile_one(job: dict, workdir: str) -> dict:
     spec = importlib.util.spec_from_file_location(job["name"], path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    fn = getattr(module, job["name"])
     args = []
     for kind, *rest in job["args"]:
         if kind == "ptr":
@@ -402,21 +397,42 @@ def _compile_one(job: dict, workdir: str) -> dict:
             args.append(_Pointer(getattr(torch, dtype.split(".")[-1]), _ALIGNED_BASE + offset))
         else:
             args.append(rest[0])
+    return getattr(module, job["name"]), args
+
+
+def compile_for_sm90(fn, args, job: dict):
+    """``fn`` compiled for sm_90 as a launch with ``args`` and the job's constexprs and warps would
+    compile it (Triton's own binder and specialization): (the CompiledKernel, its constexprs)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    from runtime.program import asserts_indices
+
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
     kwargs = dict(job["constexprs"], num_warps=job["num_warps"])
-    from runtime.program import asserts_indices
-
     if asserts_indices(job["source"]):  # index checks: compiled in, as the launch compiles them
         kwargs.update(debug=True, sanitize_overflow=False)   # (runtime.launcher.Launcher's ``debug``)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    return compiled, constexprs
+
+
+def _compile_one(job: dict, workdir: str) -> dict:
+    import io
+    from contextlib import redirect_stdout
+
+    import triton
+
+    fn, args = load_job(job, workdir)
     log = io.StringIO()
     with redirect_stdout(log):
         triton.knobs.nvidia.dump_ptxas_log = True   # make_cubin prints ptxas -v's report
-        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
-                                  options=options.__dict__)
+        compiled, constexprs = compile_for_sm90(fn, args, job)
     loads, vector, broadcast = load_counts(compiled.asm["ptx"])
     report = log.getvalue()
     registers = re.search(r"Used (\d+) registers", report)

@@ -23,6 +23,7 @@ from compiler.reuse import recordings
 from compiler.report.explain import KernelInfo, Report, fused_user_ops
 from compiler.ir.graph import copy_graph, has_meta, meta_of
 from compiler.autodiff.saved_set import check_policy
+from runtime import ahead_of_time
 from runtime import skip_python
 from runtime import backends
 from runtime.dispatch import CompiledFunction, Entry
@@ -274,6 +275,8 @@ def _compile_plan(name, recording, index, plan, fullgraph, stats, memory, shape_
         compiled, info["backward_graph"], info["kernels"] = _compile_region(plan.graph, mutated, options, index)
         # (built for this call's backend; what it builds during a backward is built for it too)
         compiled = backends.builds_keep_backend(compiled, backends.chosen())
+        # (compiled Triton: every forward and backward kernel now, in parallel, not in the first replay)
+        ahead_of_time.compile_region(compiled, f"{name} region {index}", backends.chosen())
         compiled.count_launches_in(stats if stats is not None else {})
         if backends.chosen() == "torch":  # (the CPU path: its generated code made now, not in the first replay)
             compiled.prepare_cpu()

@@ -69,6 +69,10 @@ class Launcher:
         (only compiled Triton's driver launcher is called directly)."""
         return False
 
+    def prepare(self, args, key) -> None:
+        """Compile the specialization a launch with ``args`` (layout ``key``) needs, before that
+        launch (``runtime.ahead_of_time``): nothing here, where nothing is compiled."""
+
 
 class IndexedLauncher(Launcher):
     """The interpreter's (or any ``fn[grid]`` kernel's) launch: the grid proxy made once."""
@@ -177,6 +181,14 @@ class DirectLauncher(Launcher):
                 self.binds += 1
             self._current = (key, bound)
             return bound
+
+    def prepare(self, args, key) -> None:
+        """Compile and bind the specialization for ``key`` now (``args``: stand-ins with its
+        dtypes and alignment), so that the first launch with that layout finds it."""
+        with self._lock:
+            if key in self._known:
+                return
+        self.bind(args, key)
 
     def straight_line(self, loads, stores, key, inputs, fresh=frozenset(), sizes=(), reuse=()):
         """The generated launch of the specialization bound for ``key`` (just launched with

@@ -222,6 +222,32 @@ class FusedOptimizerStep:
     def launches(self) -> list:
         return [launch for g in self.groups for launch in g.launches]
 
+    def ahead_of_time(self) -> tuple:
+        """(``runtime.ahead_of_time`` jobs, device): each combo kernel's launch as a step of the
+        optimizer's groups now would make it (its scalars at step 1: only an integer's being 1 or a
+        multiple of 16 changes what is compiled), every tensor aligned. None to do where the
+        optimizer is gone or its groups changed (the first launch compiles then, as before)."""
+        from runtime.ahead_of_time import Job, stand_in
+
+        optimizer = self.optimizer()
+        if optimizer is None or len(optimizer.param_groups) != len(self.groups):
+            return [], None
+        jobs, device = [], None
+        for plan, group in zip(self.groups, optimizer.param_groups):
+            params = group["params"]
+            for launch in plan.launches:
+                if not launch.grid:
+                    continue
+                index, _, dtype = plan.updated[launch.members[0]]
+                device = params[index].device
+                real = dtype.to_real()
+                tensors = [stand_in(real, device)] * (len(launch.members) * (2 + len(plan.state_names)))
+                scalars = plan.rule.scalars(group, 1, real)
+                numbers = [scalars[n] for n in launch.scalar_names]
+                jobs.append(Job(launch.name, launch.launcher(), [*tensors, *numbers],
+                                specialization_key(tensors, numbers)))
+        return jobs, device
+
     def run(self, optimizer, args, kwargs):
         """Update the parameters and state with the fused kernels; the arguments the step call
         then runs with (its own update skipped), or None where it must run eagerly."""

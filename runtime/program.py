@@ -132,6 +132,9 @@ class KernelLaunch:
     # compiled with Triton's ``debug`` option, and on CPU a failed assert is explained by these
     # host checks of the index buffers it loads (``IndexCheck``), for eager's error and message.
     index_checks: tuple | None = None
+    # (shape, dtype) of each buffer loaded, as the program's graph recorded it: the launch compiled
+    # ahead of the first call assumes them contiguous and aligned (``ahead_of_time``)
+    expected_loads: tuple = ()
     _fn: object = None
     _wide_fn: object = None
 
@@ -260,6 +263,30 @@ class KernelLaunch:
             return None  # (a kernel that checks indices runs through ``run_torch``, which explains a failure)
         return self.torch_kernel.function()
 
+    def ahead_of_time(self, device) -> list:
+        """The launch to compile before the first call (``runtime.ahead_of_time``): its inputs
+        contiguous at their recorded shapes and 16-byte aligned, as fresh buffers and parameters
+        are; the layout key and arguments such a launch computes (``arguments``), with stand-in
+        tensors. Nothing for a kernel with no programs to launch, or complex buffers (their real
+        views' strides: left to the first launch)."""
+        from runtime.ahead_of_time import Job, stand_in
+
+        if not self.grid or len(self.expected_loads) != len(self.loads) \
+                or any(dtype.is_complex for _, dtype in self.expected_loads) \
+                or any(dtype.is_complex for _, _, dtype in self.stores):
+            return []
+        args, key = [], []
+        for shape, dtype in self.expected_loads:
+            strides = _contiguous_strides(shape)
+            args += [stand_in(dtype, device), *strides]
+            key += [0, *strides]
+        args += [stand_in(dtype, device) for _, _, dtype in self.stores]
+        key = tuple(key)
+        # (contiguous: an input's last element is numel - 1 elements from its first)
+        wide = self._wide[key] = any(_numel(shape) - 1 >= INT32_LIMIT for shape, _ in self.expected_loads)
+        return [Job(self.wide_name if wide and self.wide_source else self.name, self.launcher(wide),
+                    args + list(self.sizes), key)]
+
     def launcher(self, wide: bool = False):
         """The bound launcher of the kernel to launch (``kernel(wide)``), made at its first use."""
         launcher = self._launchers.get(wide)
@@ -277,6 +304,14 @@ class KernelLaunch:
         if self._fn is None:
             self._fn = load_kernel(self.name, self.source)
         return self._fn
+
+
+def _contiguous_strides(shape) -> tuple:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
 
 
 def reused_memory(t, shape, dtype):
@@ -542,6 +577,10 @@ class Program:
 
     def __getstate__(self):  # the generated steps are made again after unpickling
         return state_without(self, "_generated") | {"_generated": {}}
+
+    def ahead_of_time(self, device) -> list:
+        """Every kernel's launch to compile before the first call (``KernelLaunch.ahead_of_time``)."""
+        return [job for step in self.kernels for job in step.ahead_of_time(device)]
 
     def prepare_cpu(self) -> None:
         """Generate now what the CPU path's first run would (each kernel's PyTorch function, the

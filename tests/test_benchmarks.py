@@ -154,3 +154,14 @@ def test_attention_saved_bytes_counts_what_autograd_keeps():
         assert ours["kernels"] == (3 if backend == "interpret" else 0)
     rows = attention_saved.run([T], backends=("torch",))
     assert len(rows) == len(attention_saved.forms(T)) and "sdpa boolean mask" in attention_saved.table(rows, ("torch",))
+
+
+def test_the_ahead_of_time_benchmark_compiles_a_steps_kernels_for_hopper_with_each_pool(tmp_path):
+    from benchmarks import ahead_of_time
+
+    path = tmp_path / "aot.json"
+    result = ahead_of_time.main(["--workload", "overhead_step", "--size", "tiny", "--workers", "1,2",
+                                 "--json", str(path)])
+    runs = result["runs"]
+    assert [r["workers"] for r in runs] == [1, 2] and runs[0]["kernels"] == runs[1]["kernels"] >= 4
+    assert all(r["seconds"] > 0 for r in runs) and path.exists()

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
+
 import compiler  # noqa: F401  (first: it chooses Triton's interpreter on a machine without a GPU)
 
 import torch  # noqa: E402
@@ -241,3 +243,170 @@ def test_the_fused_optimizer_step_calls_the_driver_launcher_directly(monkeypatch
     tensors = [a for a in passed if isinstance(a, torch.Tensor)]
     assert any(t is model.weight for t in tensors) and any(t is model.bias for t in tensors)
     assert passed[-1] == 1024   # BLOCK, last
+
+
+# ------------------------------------------------------------------ compiled ahead of time
+def _compiles_recorded(monkeypatch, fail=None):
+    """Compiled Triton's launchers with a stand-in compile (no GPU): each compile waits 50 ms and
+    records (kernel, thread); ``fail``: a kernel name part whose compile raises. Ahead-of-time
+    compiling is on for the interpreter's builds too (what the GPU's builds would do)."""
+    import threading
+    import time
+
+    from runtime import ahead_of_time, optimizer_step
+    from runtime.launcher import DirectLauncher
+    from tests.test_launch import _FakeKernel
+
+    compiles = []
+
+    def make(fn, grid, xblock=0, rblock=0, num_warps=4, debug=False, constexprs=None):
+        name = getattr(fn, "__name__", "?")
+
+        def compile(args):
+            time.sleep(0.05)
+            compiles.append((name, threading.get_ident()))
+            if fail and fail in name:
+                raise RuntimeError(f"PassManager::run failed for {name}")
+            return _FakeKernel(len(compiles))
+        return DirectLauncher(fn, grid, xblock, rblock, num_warps, compile=compile, stream=lambda index: 0,
+                              runner=lambda kernel: lambda *a: None, debug=debug, constexprs=constexprs)
+    monkeypatch.setattr(P, "make_launcher", make)
+    monkeypatch.setattr(optimizer_step, "make_launcher", make)
+    monkeypatch.setattr(P, "interpreter_lock", P._NO_GUARD)
+    monkeypatch.setattr(optimizer_step, "interpreter_lock", contextlib.nullcontext())
+    monkeypatch.setattr(ahead_of_time, "BACKENDS", frozenset({"interpret"}))
+    monkeypatch.setenv(ahead_of_time.WORKERS_ENV, "4")
+    return compiles
+
+
+def _region_kernels(compiled):
+    return [k for region in compiled.last_entry.trace.regions if region.compiled is not None
+            for program in (region.compiled.forward, region.compiled.backward) if program is not None
+            for k in program.kernels]
+
+
+def test_every_forward_and_backward_kernel_compiles_in_parallel_before_the_first_replay(monkeypatch):
+    """Compiled Triton bound each kernel at its first launch: forward kernels inside the first
+    replay, backward kernels inside loss.backward(), one at a time. A region built for compiled
+    Triton now compiles all of them while it is built, in a thread pool; the replays and the
+    backward compile nothing."""
+    import threading
+
+    compiles = _compiles_recorded(monkeypatch)
+    f = compiler.compile(lambda x, w: ((x.sin() * w).exp().sum(1) / 3).tanh().sum(), backend="interpret")
+    x, w = torch.randn(8, 16), torch.randn(8, 16, requires_grad=True)
+    f(x, w)   # the recording: the region is built, its kernels compiled
+    kernels = _region_kernels(f)
+    forward, backward = (sum(1 for k in kernels if k in p.kernels) for p in
+                         (f.last_entry.trace.regions[0].compiled.forward, f.last_entry.trace.regions[0].compiled.backward))
+    assert forward >= 1 and backward >= 1, (forward, backward)
+    assert len(compiles) == len(kernels), (compiles, kernels)
+    threads = {t for _, t in compiles}
+    assert threading.get_ident() not in threads and len(threads) >= 2, threads   # (in the pool, at once)
+    for _ in range(2):
+        f(x, w).backward()
+    assert len(compiles) == len(kernels) and f.stats["kernel_launches"] >= 2 * len(kernels), f.stats
+
+
+def test_the_fused_optimizer_step_compiles_its_kernels_when_it_is_built(monkeypatch):
+    compiles = _compiles_recorded(monkeypatch)
+    model, step = _sgd_step()
+    fused = compiler.compile(step, backend="interpret")
+    x = torch.randn(5, 4)
+    fused(x)
+    combos = [name for name, _ in compiles if name.startswith("optimizer_")]
+    assert len(combos) == 1, compiles
+    for _ in range(3):
+        fused(x)
+    assert [name for name, _ in compiles if name.startswith("optimizer_")] == combos
+
+
+@pytest.mark.allows_eager("a kernel that does not compile: its region runs eagerly")
+def test_a_kernel_that_does_not_compile_makes_its_region_run_eagerly_with_the_reason(monkeypatch):
+    """Never mid-step: the failure is met while the region is built (after the recording, which ran
+    eagerly), where the compiler's handling of a bug applies: eager's values, the reason in explain."""
+    monkeypatch.setenv("SYMGRAD_STRICT", "0")
+    _compiles_recorded(monkeypatch, fail="fused")
+    f = compiler.compile(lambda x: (x.sin() * 2).sum(), backend="interpret")
+    x = torch.randn(6, requires_grad=True)
+    for _ in range(3):
+        out = f(x)
+        torch.testing.assert_close(out, (x.sin() * 2).sum())
+    report = f.last_entry.report
+    assert any("did not compile" in e and "PassManager::run failed" in e for e in report.internal_errors), report
+    assert f.stats["kernel_launches"] == 0
+
+
+def test_under_strict_mode_a_kernel_that_does_not_compile_raises_when_the_region_is_built(monkeypatch):
+    from runtime.fallback import InternalCompilerError
+
+    _compiles_recorded(monkeypatch, fail="fused")
+    f = compiler.compile(lambda x: (x.sin() * 2).sum(), backend="interpret")
+    with pytest.raises(InternalCompilerError, match="did not compile"):
+        f(torch.randn(6, requires_grad=True))
+
+
+AHEAD_SM90_SCRIPT = """
+import json, sys
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile, make_backend
+from triton.runtime.jit import create_function_from_signature
+from runtime.program import KernelLaunch
+
+spec = json.loads(sys.argv[1])
+shape = tuple(spec["shape"])
+launch = KernelLaunch(spec["name"], spec["source"], [0], [(1, shape, torch.float32)], spec["grid"], spec["xblock"],
+                      spec["rblock"], 0, spec["num_warps"], expected_loads=((shape, torch.float32),))
+target = GPUTarget("cuda", 90, 32)
+backend = make_backend(target)
+specializations = []
+
+def compile_sm90(args):  # what JITFunction.run(..., warmup=True) does, for an H100
+    fn = launch.kernel()
+    kwargs = dict(XBLOCK=launch.xblock, RBLOCK=launch.rblock, num_warps=launch.num_warps)
+    bound, specialization, options = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    specializations.append([sorted(map(str, constexprs)), sorted(map(str, attrs.items()))])
+    return compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+launcher = launch.launcher()
+launcher._compile, launcher._stream = compile_sm90, lambda index: 0
+ran = []
+launcher._runner = lambda kernel: (lambda *arguments: ran.append(kernel))
+cpu = torch.device("cpu")
+for job in launch.ahead_of_time(cpu):
+    job.launcher.prepare(job.args, job.key)
+ahead = len(specializations)
+x = torch.randn(*shape)
+launch.run([x, None], cpu)        # the first real launch: contiguous, aligned
+x_out = torch.empty(shape)
+compile_sm90([x, *x.stride(), x_out])   # what that launch's arguments specialize to, compiled apart
+print(json.dumps(dict(ahead=ahead, compiles=len(specializations), launched=len(ran),
+                      same=specializations[0] == specializations[-1], spec=specializations)))
+"""
+
+
+def test_a_kernel_compiled_ahead_has_the_specialization_its_first_real_launch_asks_for():
+    """The stand-ins ahead-of-time compiling passes (empty tensors at address 0, the recorded shapes'
+    contiguous strides) give Triton's binder what a real contiguous, aligned launch gives it: the
+    same constants and divisibility attributes, compiled for sm_90 here. The first real launch then
+    finds the kernel bound and compiles nothing."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    f = compiler.compile(lambda x: torch.exp(x) * 2)
+    f(torch.randn(6, 40))
+    launch, = _region_kernels(f)
+    spec = dict(name=launch.name, source=launch.source, grid=launch.grid, xblock=launch.xblock,
+                rblock=launch.rblock, num_warps=launch.num_warps, shape=[6, 40])
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": root}
+    done = subprocess.run([sys.executable, "-c", AHEAD_SM90_SCRIPT, json.dumps(spec)], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["ahead"] == 1 and result["launched"] == 1, result
+    assert result["compiles"] == 2 and result["same"], result   # (the real launch compiled nothing)

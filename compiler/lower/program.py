@@ -160,7 +160,8 @@ def _launch_arguments(src, slots: dict, buffers, index_checks) -> dict:
         grid=src.grid, xblock=src.xblock, rblock=src.rblock, bytes_moved=src.bytes_moved, num_warps=src.num_warps,
         wide_name=src.wide_name, wide_source=src.wide_source, sizes=src.sizes,
         torch_kernel=render_torch_kernel(src.name, src.loads, loads, src.stores, stores, buffers),
-        index_checks=index_checks)
+        index_checks=index_checks,
+        expected_loads=tuple((tuple(meta_of(n).shape), meta_of(n).dtype) for n in src.loads))
 
 
 def _donors(plan, src, slots, num_inputs: int) -> list:

@@ -25,7 +25,8 @@ from compiler.optimizers import clip
 from compiler.optimizers.combo import BLOCK, MAX_PARAMETERS, NUM_WARPS, combo_source
 from compiler.optimizers.rules import rule_for
 from compiler.report.explain import KernelInfo
-from runtime import clip_grad
+from runtime import ahead_of_time, clip_grad
+from runtime.fallback import internal_error
 from runtime.optimizer_step import ComboLaunch, FusedOptimizerStep, GroupStep
 
 # parameter dtype -> the kernel's: complex parameters are updated as their real views, as
@@ -118,6 +119,11 @@ def compile_optimizer_steps(trace, recorded, stats=None) -> tuple:
                 raise NotFused("another optimizer step began at the same call (a step calling another)")
         except NotFused as e:
             reasons.append(f"optimizer.step() of {name} runs eagerly: {e}")
+            continue
+        try:  # (compiled Triton: its kernels now, not inside the first replayed step)
+            ahead_of_time.compile_optimizer_step(step, f"{name}.step", step.backend)
+        except ahead_of_time.KernelsDidNotCompile as e:   # a bug (strict: raises); the step runs eagerly
+            reasons.append(internal_error(f"{name}.step (compiling its kernels)", e))
             continue
         fused[start] = step
         _name_for_profiler(step.launches, f"{name}.step")
