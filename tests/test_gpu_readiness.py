@@ -410,3 +410,26 @@ def test_a_kernel_compiled_ahead_has_the_specialization_its_first_real_launch_as
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["ahead"] == 1 and result["launched"] == 1, result
     assert result["compiles"] == 2 and result["same"], result   # (the real launch compiled nothing)
+
+
+# ------------------------------------------------------------------------------ offline install
+def test_the_readme_s_offline_install_line_builds_without_an_index(tmp_path):
+    """GPU machines this project may run on are offline: ``pip install -e .`` fails there, its build
+    isolation fetching setuptools from an index. The README's line (no build isolation, no
+    dependencies) builds with what is installed; the same build with isolation does not (here, as
+    on such a machine, with no index to reach)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    readme = open(os.path.join(root, "README.md")).read()
+    assert "pip install --no-build-isolation --no-deps -e ." in readme
+
+    def build(*options):
+        return subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-index", "--no-deps", *options, "-w",
+                               str(tmp_path), root], capture_output=True, text=True, timeout=300)
+    offline = build("--no-build-isolation")
+    assert offline.returncode == 0, offline.stdout[-2000:] + offline.stderr[-2000:]
+    assert any(name.startswith("symgrad-") and name.endswith(".whl") for name in os.listdir(tmp_path))
+    assert build().returncode != 0   # (isolation: setuptools from an index that is not there)
