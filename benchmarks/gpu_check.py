@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass, field
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "results", "gpu-check")
 TRAINING_WORKLOADS = "mlp_step,transformer_step,overhead_step,cnn_step"
+SANITIZED = "readme_function,transposed_and_misaligned_inputs,adam_against_eager"   # (memcheck is slow)
 PYTEST_SUBSET = ["tests/test_training_step.py", "tests/test_optimizer_step.py", "tests/test_clip_grad.py",
                  "tests/test_hooks.py", "tests/test_saved_tensor_hooks.py", "tests/test_elementwise.py",
                  "tests/test_random.py"]
@@ -116,8 +117,7 @@ def _commands(dry: bool, out: str) -> dict:
                                  "--json", os.path.join(out, "cold-compile.json"))],
         "sanitizer": [] if dry or not shutil.which("compute-sanitizer") else
         [["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "3", *_python(
-            "-m", "benchmarks.gpu_smoke", "--device", "cuda", "--only", "readme_function,transposed_and_misaligned_inputs,"
-            "adam_against_eager")]],
+            "-m", "benchmarks.gpu_smoke", "--device", "cuda", "--only", SANITIZED)]],
     }
 
 
@@ -175,7 +175,8 @@ def _summarize(step: Step, out: str) -> None:
         step.data["checks"] = checks
         failed = [c["check"] for c in checks if not c["ok"]]
         step.detail = (f"{len(checks) - len(failed)}/{len(checks)} checks passed"
-                       + (f"; failed: {', '.join(failed)}" if failed else "") + (f"; {step.detail}" if step.detail else ""))
+                       + (f"; failed: {', '.join(failed)}" if failed else "")
+                       + (f"; {step.detail}" if step.detail else ""))
     elif step.name == "examples":
         step.detail = "; ".join(line.strip() for line in text.splitlines() if "final loss" in line) \
             + (f"; {step.detail}" if step.detail else "")
