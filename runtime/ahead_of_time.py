@@ -10,7 +10,8 @@ So when a region is built for compiled Triton, every kernel of its forward and b
 (and of a fused optimizer step) is compiled here for the launch it will most likely get: inputs
 contiguous and 16-byte aligned, as fresh allocations and parameters are
 (``KernelLaunch.ahead_of_time``), each specialization bound into the kernel's launcher, so the first
-launch finds it. A launch with another layout (a transposed input) still binds its own at its first
+launch finds it. Flash attention's kernels, launched by an extern call, are found by running the
+program on the meta device (``extern_kernel_jobs``) and compiled into their JITFunction's cache. A launch with another layout (a transposed input) still binds its own at its first
 launch, as before. A kernel that does not compile raises ``KernelsDidNotCompile`` here, in the
 build: the compiler's usual handling of a bug applies (the region runs eagerly, the reason logged
 and shown by ``explain``; ``SYMGRAD_STRICT`` raises), never a failure mid-step.
@@ -121,7 +122,7 @@ def compile_region(region, name: str, backend: str) -> None:
         return
     programs = [p for p in (region.forward, region.backward) if p is not None]
     device = next((p.recorded_device for p in programs if p.recorded_device is not None), None)
-    jobs = [job for program in programs for job in program.ahead_of_time(device)]
+    jobs = [job for program in programs for job in program.ahead_of_time(device) + extern_kernel_jobs(program, device)]
     seconds = compile_jobs(jobs, device)
     if jobs:
         log.debug("compiler: %s: %d kernels compiled ahead of the first call in %.2f s (%d threads)", name,
@@ -136,6 +137,74 @@ def compile_optimizer_step(step, name: str, backend: str) -> None:
     seconds = compile_jobs(jobs, device)
     if jobs:
         log.debug("compiler: %s: %d optimizer kernels compiled ahead in %.2f s", name, len(jobs), seconds)
+
+
+def extern_kernel_jobs(program, device) -> list:
+    """Jobs for our kernels that extern calls launch themselves (flash attention's): found by running
+    ``program`` on the meta device from its recorded input shapes (contiguous), each such call
+    handing its launches over (``runtime.attention.launches_recorded``) with the arguments a real
+    call of those shapes passes, strides included. [] where the program has none, or where some
+    step cannot run on the meta device (those kernels then compile at their first launch)."""
+    from runtime.program import ExternCall
+
+    if not any(isinstance(s, ExternCall) and s.kernels for s in program.steps):
+        return []
+    if len(program.input_metas) != program.num_inputs or any(m is None for m in program.input_metas):
+        return []
+    meta = torch.device("meta")
+    env = [torch.empty(shape, dtype=dtype, device=meta) for shape, dtype in program.input_metas]
+    env += [None] * (program.num_slots - program.num_inputs)
+    runner = _MetaRun(device)
+    try:
+        program._steps_for(meta, through_runner=True)(env, meta, runner)
+    except Exception as e:  # noqa: BLE001 — only the prediction failed: those kernels compile when first launched
+        log.debug("compiler: the meta-device run that finds extern calls' kernels stopped (%s: %s); they compile "
+                  "at their first launch", type(e).__name__, e)
+        return runner.jobs
+    return runner.jobs
+
+
+class _MetaRun:
+    """A program's steps on the meta device (``Program._steps_for``'s runner): kernels make their
+    outputs, extern calls compute shapes, and the launches of our kernels inside extern calls are
+    collected as jobs instead of run."""
+
+    def __init__(self, device):
+        self.device = device
+        self.jobs: list = []
+
+    def kernel(self, step, env, device, torch_path, fresh_loads) -> None:
+        for slot, shape, dtype in step.stores:
+            env[slot] = torch.empty(shape, dtype=dtype, device=device)
+
+    def extern(self, step, env, device) -> None:
+        if not step.kernels:
+            step.run(env, device)
+            return
+        from runtime import attention
+
+        with attention.launches_recorded(self._collect):
+            step.run(env, device)
+
+    def index_check(self, step, env, device) -> None:
+        pass
+
+    def _collect(self, kernel, grid, args, options, cost) -> None:
+        real = [stand_in(a.dtype, self.device) if isinstance(a, torch.Tensor) else a for a in args]
+        self.jobs.append(Job(getattr(getattr(kernel, "fn", None), "__name__", "kernel"),
+                             _JitLaunch(kernel, tuple(grid), dict(options)), real, ()))
+
+
+class _JitLaunch:
+    """A kernel an extern call launches with ``kernel[grid](*args, **options)``: compiled for
+    those arguments by ``JITFunction.run(..., warmup=True)``, into the JITFunction's own cache,
+    where its first launch finds it."""
+
+    def __init__(self, kernel, grid, options):
+        self.fn, self.grid, self.options = kernel, grid, options
+
+    def prepare(self, args, key) -> None:
+        self.fn.run(*args, grid=self.grid, warmup=True, **self.options)
 
 
 def stand_in(dtype: torch.dtype, device) -> torch.Tensor:

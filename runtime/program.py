@@ -512,6 +512,9 @@ class Program:
     # where a program with no tensor inputs runs: the device capture recorded its values on (a
     # factory-only region of a CUDA model makes CUDA tensors, as eager's factories there do)
     recorded_device: torch.device | None = None
+    # (shape, dtype) of each input as the graph recorded it (None: unknown), for what is compiled
+    # before the first run (``runtime.ahead_of_time``)
+    input_metas: tuple = ()
     # per step: the loads that are outputs of earlier launches of this program (``__post_init__``)
     fresh_loads: tuple = field(init=False, repr=False, compare=False)
     # the generated steps (``_steps_for``), made at their first run: (torch path, through a runner) -> run

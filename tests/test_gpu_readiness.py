@@ -433,3 +433,31 @@ def test_the_readme_s_offline_install_line_builds_without_an_index(tmp_path):
     assert offline.returncode == 0, offline.stdout[-2000:] + offline.stderr[-2000:]
     assert any(name.startswith("symgrad-") and name.endswith(".whl") for name in os.listdir(tmp_path))
     assert build().returncode != 0   # (isolation: setuptools from an index that is not there)
+
+
+def test_flash_attention_kernels_are_found_for_compiling_ahead_with_the_arguments_a_real_call_passes():
+    """Flash attention's kernels are launched by an extern call, not a KernelLaunch: running the
+    programs on the meta device from their recorded input shapes collects each launch (kernel, grid,
+    tiles, every integer and float argument: strides, sizes, scale) as the first real call makes it,
+    so they compile ahead too."""
+    import torch.nn.functional as F
+
+    from runtime import ahead_of_time, attention
+
+    f = compiler.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum(),
+                         backend="interpret")
+    q, k, v = (torch.randn(2, 4, 64, 32, requires_grad=True) for _ in range(3))
+    f(q, k, v)
+    region = f.last_entry.trace.regions[0].compiled
+
+    def described(name, grid, args, options):
+        return (name, tuple(grid), [str(a.dtype) if isinstance(a, torch.Tensor) else a for a in args], options)
+    predicted = [described(job.name, job.launcher.grid, job.args, job.launcher.options)
+                 for program in (region.forward, region.backward)
+                 for job in ahead_of_time.extern_kernel_jobs(program, torch.device("cpu"))]
+    real = []
+    with attention.launches_recorded(lambda kernel, grid, args, options, cost:
+                                     real.append(described(kernel.fn.__name__, grid, args, options))):
+        f(q, k, v).backward()
+    assert [p[0] for p in predicted] == ["attention_forward", "attention_backward_dq", "attention_backward_dkv"]
+    assert predicted == real

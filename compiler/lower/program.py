@@ -11,7 +11,7 @@ import torch.fx as fx
 from compiler.codegen.torch_kernel import render_torch_kernel
 from compiler.codegen.triton_kernel import render_kernel
 from compiler.fusion.fuse import Schedule, inlined_reads
-from compiler.ir.graph import OpKind, kind_of, meta_of, output_node
+from compiler.ir.graph import OpKind, has_meta, kind_of, meta_of, output_node
 from runtime import backends
 from runtime.program import ExternCall, IndexCheck, KernelLaunch, Program, ValueRef, ViewStep
 
@@ -97,7 +97,9 @@ def lower(graph: fx.Graph, schedule: Schedule, check_indices: bool = True, trans
                for o in output_node(graph).args[0]]
     nbytes = {slot: math.prod(meta_of(node).shape) * meta_of(node).dtype.itemsize for node, slot in slots.items()
               if slot >= len(placeholders) or slot in transient_inputs}
-    return _program(steps, outputs, len(placeholders), len(slots), nbytes, _recorded_device(graph)), sources
+    input_metas = tuple((tuple(meta_of(p).shape), meta_of(p).dtype) if has_meta(p) else None for p in placeholders)
+    return _program(steps, outputs, len(placeholders), len(slots), nbytes, _recorded_device(graph),
+                    input_metas), sources
 
 
 def _recorded_device(graph: fx.Graph):
@@ -106,7 +108,8 @@ def _recorded_device(graph: fx.Graph):
                  if n.op in ("placeholder", "call_function") and meta_of(n).device is not None), None)
 
 
-def _program(steps: list, outputs: list, num_inputs: int, num_slots: int, nbytes: dict, device=None) -> Program:
+def _program(steps: list, outputs: list, num_inputs: int, num_slots: int, nbytes: dict, device=None,
+             input_metas=()) -> Program:
     """The program running ``steps`` in an order that keeps less memory allocated (``_memory_order``),
     freeing each buffer after its last reader, each launch writing outputs into the memory of
     buffers that die at it where it may (``_donations``)."""
@@ -115,7 +118,7 @@ def _program(steps: list, outputs: list, num_inputs: int, num_slots: int, nbytes
     frees = _liveness(ordered, kept)
     steps = [step.launch(set(dead) - kept) if isinstance(step, _PlannedLaunch) else step
              for step, dead in zip(ordered, frees)]
-    return Program(num_inputs, num_slots, steps, outputs, frees, recorded_device=device)
+    return Program(num_inputs, num_slots, steps, outputs, frees, recorded_device=device, input_metas=input_metas)
 
 
 @dataclass(frozen=True)
