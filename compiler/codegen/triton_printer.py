@@ -92,6 +92,11 @@ class TritonPrinter:
         return literal(value)
 
     def _mul(self, e) -> str:
+        # NOTE (GPU arithmetic): a quotient prints as ``/``, which Triton compiles to div.full.f32 in
+        # fp32 (2 ulp), as Inductor's kernels do; eager's own CUDA kernels are not IEEE either where
+        # they normalize (rsqrtf). The CUDA test mode's fp32 tolerance covers it (tests/devices.py).
+        # Where an error would compound (the optimizer's update), the division is correctly rounded
+        # (compiler/optimizers/combo.py).
         num, den = [], []
         for factor in e.args:
             if factor.is_Pow and factor.exp.is_number and factor.exp.is_negative and factor.exp.is_Integer:
