@@ -44,11 +44,13 @@ def compile(fn=None, *, backend: str = "auto", fullgraph: bool = False, memory: 
     """Compile ``fn``: its torch ops become fused Triton kernels, forward and backward.
 
     Usable as ``@compiler.compile`` or ``@compiler.compile(backend=..., fullgraph=...)``.
-    Backends: ``"triton"`` (CUDA tensors), ``"interpret"`` (the same kernels in Triton's
-    interpreter, CPU tensors), ``"eager"`` (the function unmodified) and ``"auto"``
-    (triton on CUDA, interpret on CPU). The first call with new shapes runs eagerly while
-    it records; later calls run the compiled kernels. With ``fullgraph=True``, anything that
-    would run eagerly raises ``CompileError`` instead.
+    Backends: ``"triton"`` (CUDA tensors), ``"torch"`` (CPU tensors: each fused kernel as PyTorch
+    ops), ``"cpp"`` (CPU tensors: the kernels the C++ printer writes compiled by the system's C++
+    compiler, the others as ``"torch"``), ``"interpret"`` (the Triton kernels in Triton's
+    interpreter, CPU tensors), ``"eager"`` (the function unmodified) and ``"auto"`` (triton on
+    CUDA, torch on CPU; ``SYMGRAD_CPU_BACKEND=interpret`` makes it interpret). The first call
+    with new shapes runs eagerly while it records; later calls run the compiled kernels. With
+    ``fullgraph=True``, anything that would run eagerly raises ``CompileError`` instead.
 
     ``memory`` chooses what the forward saves for backward (the rest is recomputed inside the
     backward's kernels; ``compiler.autodiff.saved_set``): ``"balanced"`` (the default) recomputes
@@ -278,7 +280,7 @@ def _compile_plan(name, recording, index, plan, fullgraph, stats, memory, shape_
         # (compiled Triton: every forward and backward kernel now, in parallel, not in the first replay)
         ahead_of_time.compile_region(compiled, f"{name} region {index}", backends.chosen())
         compiled.count_launches_in(stats if stats is not None else {})
-        if backends.chosen() == "torch":  # (the CPU path: its generated code made now, not in the first replay)
+        if backends.cpu_path(backends.chosen()):  # (the CPU path: its code made now, not in the first replay)
             compiled.prepare_cpu()
         logs.backward(name, index, info["backward_graph"])
         logs.kernels(name, info["kernels"])
@@ -326,7 +328,7 @@ def _eager_calls(trace) -> list:
 def _policy(memory: str, graph: fx.Graph) -> str:
     """The saved-set policy of one region: ``"balanced"`` is ``"cpu"`` where the CPU path will run
     the region (CPU tensors, backend torch: recomputing costs a PyTorch op's full time there)."""
-    if memory != "balanced" or backends.chosen() != "torch":
+    if memory != "balanced" or not backends.cpu_path(backends.chosen()):
         return memory
     devices = {meta_of(n).device for n in graph.nodes if n.op == "placeholder" and has_meta(n)}
     return "cpu" if devices and all(d is not None and d.type == "cpu" for d in devices) else memory

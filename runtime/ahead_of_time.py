@@ -11,8 +11,9 @@ So when a region is built for compiled Triton, every kernel of its forward and b
 contiguous and 16-byte aligned, as fresh allocations and parameters are
 (``KernelLaunch.ahead_of_time``), each specialization bound into the kernel's launcher, so the first
 launch finds it. Flash attention's kernels, launched by an extern call, are found by running the
-program on the meta device (``extern_kernel_jobs``) and compiled into their JITFunction's cache. A launch with another layout (a transposed input) still binds its own at its first
-launch, as before. A kernel that does not compile raises ``KernelsDidNotCompile`` here, in the
+program on the meta device (``extern_kernel_jobs``) and compiled into their JITFunction's cache.
+A launch with another layout (a transposed input) still binds its own at its first launch, as
+before. A kernel that does not compile raises ``KernelsDidNotCompile`` here, in the
 build: the compiler's usual handling of a bug applies (the region runs eagerly, the reason logged
 and shown by ``explain``; ``SYMGRAD_STRICT`` raises), never a failure mid-step.
 
@@ -37,8 +38,8 @@ import torch
 log = logging.getLogger("compiler")
 
 WORKERS_ENV = "SYMGRAD_COMPILE_WORKERS"
-# the backends whose kernels are compiled Triton (the interpreter and the CPU path compile nothing)
-BACKENDS = frozenset({"triton"})
+# the backends whose kernels are compiled: Triton's, and C++ (the interpreter and the torch path compile nothing)
+BACKENDS = frozenset({"triton", "cpp"})
 
 
 @dataclass(frozen=True)
@@ -117,10 +118,16 @@ def _current(device):
 
 def compile_region(region, name: str, backend: str) -> None:
     """Compile ``region``'s forward and backward kernels now (``runtime.autograd_bridge.CompiledRegion``
-    built for ``backend``), logged with the time it took. Nothing where ``backend`` compiles nothing."""
+    built for ``backend``), logged with the time it took. Nothing where ``backend`` compiles nothing.
+    C++ kernels (``backend="cpp"``) are built by the system compiler in the same pool (a build is a
+    compiler process: threads overlap them)."""
     if backend not in BACKENDS or workers() == 0:
         return
     programs = [p for p in (region.forward, region.backward) if p is not None]
+    if backend == "cpp":
+        compile_jobs([Job(step.torch_kernel.name, step.torch_kernel, [], ()) for program in programs
+                      for step in program.kernels if hasattr(step.torch_kernel, "prepare")], None)
+        return
     device = next((p.recorded_device for p in programs if p.recorded_device is not None), None)
     jobs = [job for program in programs for job in program.ahead_of_time(device) + extern_kernel_jobs(program, device)]
     seconds = compile_jobs(jobs, device)
@@ -130,8 +137,9 @@ def compile_region(region, name: str, backend: str) -> None:
 
 
 def compile_optimizer_step(step, name: str, backend: str) -> None:
-    """Compile a fused optimizer step's combo kernels now (``runtime.optimizer_step.FusedOptimizerStep``)."""
-    if backend not in BACKENDS or workers() == 0:
+    """Compile a fused optimizer step's combo kernels now (``runtime.optimizer_step.FusedOptimizerStep``;
+    on a CPU path the optimizer's own step runs: nothing to compile)."""
+    if backend not in BACKENDS or backend == "cpp" or workers() == 0:
         return
     jobs, device = step.ahead_of_time()
     seconds = compile_jobs(jobs, device)

@@ -29,7 +29,7 @@ def forward(q, k, v, *extras, which=None, is_causal, scale, dropout_p, has_mask,
     makes, written so by the kernel (no copy). ``rotary``: q and k are rotated first by the
     extras' cos and sin ([B or 1, 1, T, D]), x * cos + rotate_half(x) * sin, inside the kernels."""
     mask, seed, rot = _extras(extras, has_mask, dropout_p, rotary)
-    if backend == "torch" and q.device.type == "cpu":
+    if backend in ("torch", "cpp") and q.device.type == "cpu":
         out, lse = _cpu_forward(*_rotated(q, k, rot), v, mask, seed, is_causal=is_causal, scale=scale,
                                 dropout_p=dropout_p, empty_nan=empty_nan)
     else:
@@ -49,7 +49,7 @@ def backward(grad, q, k, v, out, lse, *extras, which, is_causal, scale, dropout_
         grad, out = grad.transpose(1, 2), out.transpose(1, 2)
     mask, seed, rot = _extras(extras, has_mask, dropout_p, rotary)
     parameters = dict(is_causal=is_causal, scale=scale, dropout_p=dropout_p, empty_nan=empty_nan)
-    if backend == "torch" and q.device.type == "cpu":
+    if backend in ("torch", "cpp") and q.device.type == "cpu":
         made = _cpu_backward(grad, *_rotated(q, k, rot), v, out, lse, mask, seed, **parameters)
     else:
         made = _triton_backward(grad, q, k, v, out, lse, mask, seed, rot, **parameters)

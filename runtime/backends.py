@@ -2,8 +2,10 @@
 
 Backends: ``triton`` (compiled Triton kernels, CUDA tensors), ``torch`` (the CPU path: each fused
 kernel runs as a generated function of PyTorch ops, ``compiler.codegen.torch_kernel``; same
-capture, SymPy backward and runtime), ``interpret`` (the real Triton kernels in Triton's
-interpreter: slow, used by the tests), ``eager`` (the function unmodified). ``auto`` picks
+capture, SymPy backward and runtime), ``cpp`` (the CPU path with each kernel that prints as C++
+compiled by the system's compiler, ``compiler.codegen.cpp_kernel``; the others as ``torch``),
+``interpret`` (the real Triton kernels in Triton's interpreter: slow, used by the tests), ``eager``
+(the function unmodified). ``auto`` picks
 ``triton`` for CUDA tensors and ``torch`` for CPU tensors, or what ``SYMGRAD_CPU_BACKEND`` names
 (``interpret``: the test suite sets it, so its default runs the real kernels).
 
@@ -31,7 +33,8 @@ class BackendUnavailable(RuntimeError):
     """The requested backend cannot run these inputs here; the message says what to do."""
 
 
-BACKENDS = ("auto", "triton", "torch", "interpret", "eager")
+BACKENDS = ("auto", "triton", "torch", "cpp", "interpret", "eager")
+CPU_PATHS = ("torch", "cpp")   # backends whose programs run CPU tensors without Triton (``cpu_path``)
 CPU_BACKEND_ENV = "SYMGRAD_CPU_BACKEND"   # what ``auto`` runs CPU tensors with: torch (default) or interpret
 
 
@@ -110,9 +113,15 @@ def decide(backend: str, device_type: str | None) -> tuple[str, str]:
     return backend, f"{why} (no tensor arguments: the device the recording's tensors are on)"
 
 
+def cpu_path(backend: str) -> bool:
+    """Whether programs built for ``backend`` run CPU tensors without Triton: the torch path
+    (each kernel as PyTorch ops) or C++ kernels (``cpp``, the kernels it cannot print as PyTorch ops)."""
+    return backend in CPU_PATHS
+
+
 def use(backend: str) -> None:
     """What this thread builds from now on runs with ``backend`` (a compiled call's; not ``eager``)."""
-    if backend in ("torch", "interpret", "triton"):
+    if backend in ("torch", "cpp", "interpret", "triton"):
         _chosen.backend = backend
 
 
@@ -194,6 +203,15 @@ def _choose(backend: str, device_type: str | None) -> tuple[str, str]:
         raise BackendUnavailable(
             f"backend='torch' runs the fused kernels as PyTorch CPU ops, but the inputs are on {device_type}; "
             "use backend='triton' (or 'auto') for CUDA tensors")
+    if backend == "cpp":
+        if device_type != "cpu":
+            raise BackendUnavailable(f"backend='cpp' compiles the fused kernels to C++ for CPU tensors, but the "
+                                     f"inputs are on {device_type}; use backend='triton' (or 'auto') for CUDA tensors")
+        from runtime import cpp_build
+
+        ok, why_not = cpp_build.available()
+        if not ok:
+            raise BackendUnavailable(f"backend='cpp': {why_not}; backend='torch' runs without a compiler")
     if backend == "triton":
         if device_type != "cuda":
             raise BackendUnavailable(

@@ -72,8 +72,8 @@ class FusedClipGradNorm:
         if grads is None:
             return None
         device = grads[0].device
-        if device.type == "cpu" and self.backend == "torch":  # the CPU path: PyTorch's own clip (its foreach kernels)
-            return None
+        if device.type == "cpu" and backends.cpu_path(self.backend):
+            return None   # the CPU path: PyTorch's own clip (its foreach kernels)
         bounds = self._bounds_on.get(device)
         if bounds is None:
             bounds = self._bounds_on[device] = torch.tensor(self.bounds, dtype=torch.int32, device=device)

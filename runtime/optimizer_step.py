@@ -258,7 +258,7 @@ class FusedOptimizerStep:
             # the host, which the graph would bake in. Eager's own step raises unless its groups are
             # capturable (then its scalars live on the device): it runs, and decides.
             return None
-        if self.backend == "torch":
+        if backends.cpu_path(self.backend):
             on_cpu = self.__dict__.get("_on_cpu")
             if on_cpu is None:  # (the parameters' device: fixed while the replay's guards hold)
                 on_cpu = self._on_cpu = _on_cpu(optimizer)

@@ -533,7 +533,7 @@ class Program:
             else:
                 fresh.append(frozenset())
         self.fresh_loads = tuple(fresh)
-        self._torch_on_cpu = self.backend == "torch"
+        self._torch_on_cpu = backends.cpu_path(self.backend)
         self._launch_count = sum(1 if isinstance(step, KernelLaunch) else getattr(step, "kernels", 0)
                                  for step in self.steps)
 

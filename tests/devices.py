@@ -76,9 +76,17 @@ def decide() -> str:
 MODE = decide()
 CUDA = MODE == "cuda"
 DEVICE = "cuda" if CUDA else "cpu"
+def _compiler_found() -> bool:
+    """Whether the C++ backend can build here (``runtime.cpp_build``; CI's machine has g++)."""
+    from runtime import cpp_build
+
+    return cpp_build.available()[0]
+
+
 KERNELS = "triton" if CUDA else "interpret"   # the backend that runs the real generated kernels
-# the backends a test runs both of on the CPU (the kernels, and the torch CPU path); on CUDA, Triton's
-BACKENDS = ["triton"] if CUDA else ["interpret", "torch"]
+# the backends a test runs each of on the CPU (the kernels in the interpreter, the torch path, C++ kernels
+# where a compiler is found); on CUDA, Triton's
+BACKENDS = ["triton"] if CUDA else ["interpret", "torch"] + (["cpp"] if _compiler_found() else [])
 
 
 def tolerances(dtype) -> dict:

@@ -33,6 +33,10 @@ class Index:
     sized: bool = False
     constant: int | None = None
     unwrapped: str | None = None
+    # how ``compose`` made it: its template (with the parentheses around all of it) and its parts,
+    # so another printer writes it in its own language (``c_text``); None: a leaf (a name, a number)
+    form: str | None = None
+    parts: tuple = ()
 
     @property
     def element(self) -> str:
@@ -81,7 +85,16 @@ def compose(template: str, *parts: Index, value, wrap: bool = True) -> Index:
     text = f"({inner})" if wrap else inner
     bare = parts[0].element if template in ("{}", "({})") else inner
     return Index(text, frozenset().union(*(p.names for p in parts)), any(p.sized for p in parts),
-                 value(*constants) if None not in constants else None, bare if bare != text else None)
+                 value(*constants) if None not in constants else None, bare if bare != text else None,
+                 f"({template})" if wrap else template, tuple(parts))
+
+
+def c_text(index: Index) -> str:
+    """``index`` as C/C++ text: its templates' floor division ``//`` written ``/`` (indices are
+    never negative, where C's division truncating toward zero is Python's floor)."""
+    if index.form is None:
+        return index.text
+    return index.form.replace("//", "/").format(*(c_text(part) for part in index.parts))
 
 
 def last_position(size: Index) -> Index:

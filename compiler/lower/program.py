@@ -8,7 +8,10 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
+from compiler.codegen.cpp_kernel import render_cpp_kernel
 from compiler.codegen.torch_kernel import render_torch_kernel
+from compiler.ir.ops.primitives.base import NotPrintable
+from runtime.cpp_kernels import CppKernel
 from compiler.codegen.triton_kernel import render_kernel
 from compiler.fusion.fuse import Schedule, inlined_reads
 from compiler.ir.graph import OpKind, has_meta, kind_of, meta_of, output_node
@@ -90,7 +93,7 @@ def lower(graph: fx.Graph, schedule: Schedule, check_indices: bool = True, trans
         steps.append(_PlannedLaunch(_launch_arguments(
             src, slots, schedule.buffers,
             tuple(IndexCheck([ref(index)], size, wrap, what) for index, size, wrap, what in explain)
-            if src.checked_gathers else None), donors))
+            if src.checked_gathers else None, item if backend == "cpp" else None), donors))
         sources.append(src)
         check(src.stores)
     outputs = [ref(o) if isinstance(o, fx.Node) else None
@@ -153,16 +156,27 @@ def _host_index_checks(index_checks: dict, rendered: dict) -> dict:
     return checks
 
 
-def _launch_arguments(src, slots: dict, buffers, index_checks) -> dict:
+def _launch_arguments(src, slots: dict, buffers, index_checks, cpp_plan=None) -> dict:
     """The arguments of the runtime's launch of a rendered kernel (``KernelLaunch``), with its CPU
-    path's rendering."""
+    path's rendering: the kernel in C++ where ``cpp_plan`` (backend="cpp") and it prints, else its
+    PyTorch function."""
     loads, stores = [slots[n] for n in src.loads], [slots[n] for n in src.stores]
+    store_slots = [(slots[n], meta_of(n).shape, meta_of(n).dtype) for n in src.stores]
+    cpu_kernel = None
+    if cpp_plan is not None and index_checks is None:
+        try:
+            cpp = render_cpp_kernel(cpp_plan, buffers, src.loads, src.stores)
+            cpu_kernel = CppKernel(cpp.name, cpp.source, tuple(loads), tuple(d for d, _ in cpp.loads),
+                                   tuple(store_slots))
+        except NotPrintable:   # (this kernel on the torch path; why is in the kernel's explain entry)
+            cpu_kernel = None
+    if cpu_kernel is None:
+        cpu_kernel = render_torch_kernel(src.name, src.loads, loads, src.stores, stores, buffers)
     return dict(
-        name=src.name, source=src.source, loads=loads,
-        stores=[(slots[n], meta_of(n).shape, meta_of(n).dtype) for n in src.stores],
+        name=src.name, source=src.source, loads=loads, stores=store_slots,
         grid=src.grid, xblock=src.xblock, rblock=src.rblock, bytes_moved=src.bytes_moved, num_warps=src.num_warps,
         wide_name=src.wide_name, wide_source=src.wide_source, sizes=src.sizes,
-        torch_kernel=render_torch_kernel(src.name, src.loads, loads, src.stores, stores, buffers),
+        torch_kernel=cpu_kernel,
         index_checks=index_checks,
         expected_loads=tuple((tuple(meta_of(n).shape), meta_of(n).dtype) for n in src.loads))
 

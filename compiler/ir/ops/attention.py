@@ -27,6 +27,7 @@ from compiler.ir.ops.externs import Extern
 from compiler.ir.ops.pointwise import emit_fill, emit_pointwise
 from compiler.ir.ops.structural import emit_slice_scatter
 from runtime import attention as runtime_attention
+from runtime import backends
 
 _PARAMETERS = ("is_causal", "scale", "dropout_p", "has_mask", "empty_nan", "heads_last", "rotary")
 
@@ -51,7 +52,7 @@ class Attention(Extern):
         return functools.partial(Attention.torch_fn, backend=backend)
 
     def kernels_launched(self, backend: str, nodes) -> int:
-        return 0 if backend == "torch" else 1
+        return 0 if backends.cpu_path(backend) else 1
 
     def joint_key(self, node):
         args = node.args[:-1] if node.kwargs["which"] == "out" else node.args
@@ -118,7 +119,7 @@ class AttentionBackward(Extern):
         return functools.partial(AttentionBackward.torch_fn, backend=backend)
 
     def kernels_launched(self, backend: str, nodes) -> int:
-        return 0 if backend == "torch" else 2   # dQ (with delta), then dK and dV
+        return 0 if backends.cpu_path(backend) else 2   # dQ (with delta), then dK and dV
 
     def joint_key(self, node):
         return tuple(node.args), tuple(sorted(_parameters(node).items()))

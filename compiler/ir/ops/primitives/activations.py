@@ -36,6 +36,11 @@ class Relu(Primitive, sympy.Function):
         x = printer.p(e.args[0])
         return f"tl.where({x} < 0, 0.0, {x})"
 
+    @classmethod
+    def render_cpp(cls, printer, e):   # (relu(nan) = nan: NaN < 0 is false)
+        x, zero = printer.p(e.args[0]), printer.literal(sympy.Integer(0))
+        return printer.where(f"{x} < {zero}", zero, x)
+
 
 class Step(Primitive, sympy.Function):
     """0 where x <= 0, else 1 (so 1 at NaN, as eager's threshold_backward). relu's derivative."""
@@ -53,6 +58,11 @@ class Step(Primitive, sympy.Function):
     @classmethod
     def render(cls, printer, e):
         return f"tl.where({printer.p(e.args[0])} <= 0, {printer.whole('0.0')}, {printer.whole('1.0')})"
+
+    @classmethod
+    def render_cpp(cls, printer, e):
+        zero, one = printer.literal(sympy.Integer(0)), printer.literal(sympy.Integer(1))
+        return printer.where(f"{printer.p(e.args[0])} <= {zero}", zero, one)
 
     @classmethod
     def torch_eval(cls, x):
@@ -74,6 +84,11 @@ class Sigmoid(Primitive, sympy.Function):
     @classmethod
     def render(cls, printer, e):
         return f"(1.0 / (1.0 + tl.exp(-{printer.p(e.args[0])})))"
+
+    @classmethod
+    def render_cpp(cls, printer, e):
+        one = printer.one()
+        return f"({one} / ({one} + {printer.call('std::exp', printer.neg(printer.p(e.args[0])))}))"
 
     @classmethod
     def re_im(cls, cx, x):

@@ -7,7 +7,8 @@ A *primitive* is a function that can appear in a pointwise expression (a SymPy h
   PyTorch's rule at kinks (``class Relu(Primitive, sympy.Function)``), or, for a SymPy
   builtin, a declaration that wraps it (``class Exp(Builtin): function = sympy.exp``);
 * ``triton``: the Triton function it prints as (``"libdevice.log1p"``), or a ``render``
-  classmethod for anything more than a call;
+  classmethod for anything more than a call; the C++ CPU kernels print the same call as its
+  ``<cmath>`` function, or a ``render_cpp`` classmethod where ``render`` is its own;
 * ``torch_fn``: the torch function that evaluates it (the eager path of user ops, and the
   reference), or a ``torch_eval`` classmethod;
 * ``re_im``: its real and imaginary parts for a complex argument, where it has a rule;
@@ -94,6 +95,18 @@ class Primitive(OpFacts):
         if cls.triton is None:
             raise NotPrintable(f"no Triton lowering for {cls.function.__name__}")
         return f"{cls.triton}({', '.join(printer.p(a) for a in e.args)})"
+
+    @classmethod
+    def render_cpp(cls, printer, e) -> str:
+        """C++ source for ``e`` in a CPU kernel (``compiler.codegen.cpp_printer``): the <cmath>
+        function its Triton call is (libdevice is the C math library), else NotPrintable (the
+        kernel then runs on the torch path). A primitive with a lowering of its own overrides it."""
+        from compiler.codegen.cpp_printer import cmath_function
+
+        function = cmath_function(cls.triton)
+        if function is None:
+            raise NotPrintable(f"no C++ lowering for {cls.function.__name__}")
+        return printer.call(function, *(printer.p(a) for a in e.args))
 
     @classmethod
     def folds_constants(cls) -> bool:

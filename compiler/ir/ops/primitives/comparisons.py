@@ -42,6 +42,10 @@ class Compare(Primitive, sympy.Function):
         return f"({printer.p(e.args[1])} {op} {printer.p(e.args[2])})"
 
     @classmethod
+    def render_cpp(cls, printer, e):   # (C++ compares as Triton does)
+        return cls.render(printer, e)
+
+    @classmethod
     def torch_eval(cls, code, a, b):
         return _TORCH_COMPARE[COMPARE_OPS[int(code)]](as_tensor(a), b)
 
@@ -66,6 +70,10 @@ class Where(Primitive, sympy.Function):
         if e.args[1].is_number and e.args[2].is_number:
             a, b = printer.whole(a), printer.whole(b)
         return f"tl.where({printer.p(e.args[0])}, {a}, {b})"
+
+    @classmethod
+    def render_cpp(cls, printer, e):
+        return printer.where(printer.p(e.args[0]), printer.p(e.args[1]), printer.p(e.args[2]))
 
     @classmethod
     def torch_eval(cls, cond, a, b):
@@ -95,6 +103,10 @@ class Maximum(Primitive, sympy.Function):
     def render(cls, printer, e):
         return _nan_propagating(printer, e, ">")
 
+    @classmethod
+    def render_cpp(cls, printer, e):
+        return _nan_propagating_cpp(printer, e, ">")
+
 
 class Minimum(Primitive, sympy.Function):
     """Elementwise min that propagates NaN; equal inputs share the gradient evenly."""
@@ -111,12 +123,21 @@ class Minimum(Primitive, sympy.Function):
     def render(cls, printer, e):
         return _nan_propagating(printer, e, "<")
 
+    @classmethod
+    def render_cpp(cls, printer, e):
+        return _nan_propagating_cpp(printer, e, "<")
+
 
 def _nan_propagating(printer, e, op):
     a, b = printer.p(e.args[0]), printer.p(e.args[1])
     # nested wheres, not `(a > b) | (a != a)`: the interpreter cannot `|` a 0-dim
     # operand's scalar comparison with a block (TypeError from numpy's bitwise_or)
     return f"tl.where({a} != {a}, {a}, tl.where({a} {op} {b}, {a}, {b}))"
+
+
+def _nan_propagating_cpp(printer, e, op):
+    """NaN wins, as torch.maximum/minimum: the printer's own (at::vec's propagate NaN too)."""
+    return printer.extremum(printer.p(e.args[0]), printer.p(e.args[1]), op)
 
 
 class TieShare(Primitive, sympy.Function):
@@ -138,6 +159,12 @@ class TieShare(Primitive, sympy.Function):
         a, b = printer.p(e.args[0]), printer.p(e.args[1])
         c = printer.whole
         return f"tl.where({a} == {b}, {c('0.5')}, tl.where({a} < {b}, {c('0.0')}, {c('1.0')}))"
+
+    @classmethod
+    def render_cpp(cls, printer, e):
+        a, b = printer.p(e.args[0]), printer.p(e.args[1])
+        half, zero, one = (printer.literal(sympy.Float(v)) for v in (0.5, 0.0, 1.0))
+        return printer.where(f"{a} == {b}", half, printer.where(f"{a} < {b}", zero, one))
 
     @classmethod
     def torch_eval(cls, a, b):

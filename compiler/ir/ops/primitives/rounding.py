@@ -20,6 +20,11 @@ def _render_sign(printer, e):
     return f"tl.where({x} > 0, {c('1.0')}, tl.where({x} < 0, {c('-1.0')}, {c('0.0')}))"
 
 
+def _render_sign_cpp(printer, e):
+    x, c = printer.p(e.args[0]), (lambda v: printer.literal(sympy.Integer(v)))
+    return printer.where(f"{x} > {c(0)}", c(1), printer.where(f"{x} < {c(0)}", c(-1), c(0)))
+
+
 class Sign(Primitive, sympy.Function):
     """sign(x) with sign(0) = 0; derivative 0 everywhere (PyTorch's convention)."""
 
@@ -39,6 +44,10 @@ class Sign(Primitive, sympy.Function):
     def render(cls, printer, e):
         return _render_sign(printer, e)
 
+    @classmethod
+    def render_cpp(cls, printer, e):
+        return _render_sign_cpp(printer, e)
+
 
 class SympySign(Builtin):
     """SymPy's own sign, from derivatives (hypot's second); printed as Sign."""
@@ -48,6 +57,10 @@ class SympySign(Builtin):
     @classmethod
     def render(cls, printer, e):
         return _render_sign(printer, e)
+
+    @classmethod
+    def render_cpp(cls, printer, e):
+        return _render_sign_cpp(printer, e)
 
 
 class Abs(Primitive, sympy.Function):

@@ -1,0 +1,274 @@
+"""A fused kernel as one C++ function: the C++ CPU backend (``backend="cpp"``).
+
+The kernel plan that ``triton_kernel`` renders for a GPU is written here as a loop nest over its
+iteration space, compiled by the system's C++ compiler (``runtime.cpp_build``): the leading dims
+flattened into one loop spread over threads by OpenMP, the last dim the inner loop, which
+``-O3 -march=native`` vectorizes where the accesses allow (the compiler versions a loop for a
+stride of 1). Every value is computed at the loop's multi-index as the Triton kernel computes
+it: buffers loaded through their strides (kernel arguments, so any layout works), views through
+their index maps (``View.index_map``, written in C by ``kernel_text.c_text``), broadcasts, and each
+pointwise node's SymPy expression (``cpp_printer``), one value per (node, element), in the dtype
+the Triton kernel computes in.
+
+Printed today: kernels without reductions over fp32, fp64, integer and bool buffers, whose nodes are
+pointwise ops, views and loads. Anything else (a reduction, a gather, random numbers, half types,
+complex values, a primitive without a C++ lowering) raises ``NotPrintable``: that kernel runs on
+the torch path (``compiler.codegen.torch_kernel``), the others of its program still in C++.
+
+The argument order is the Triton kernel's (``KernelSource.loads``, then ``stores``): each input's
+pointer and one int64 stride per dim, then each output's pointer (contiguous).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import sympy
+import torch
+import torch.fx as fx
+
+from compiler.codegen.cpp_printer import C_TYPE, CppPrinter, VectorPrinter
+from compiler.codegen.kernel_text import ZERO, broadcast_index, c_text, variable_index
+from compiler.fusion.fuse import KernelPlan
+from compiler.ir.graph import OpKind, compute_dtype, contiguous_strides, kind_of, meta_of, numel
+from compiler.ir.ops import symbols as Y
+from compiler.ir.ops.primitives.base import NotPrintable
+
+# below this many elements a kernel runs in one thread (OpenMP's start costs more than it saves)
+PARALLEL_MIN = 32768
+
+
+@dataclass(frozen=True)
+class CppKernelSource:
+    name: str
+    source: str            # a C++ translation unit defining ``extern "C" void <name>(...)``
+    loads: tuple           # (dims, dtype) per input, in argument order: a pointer, then a stride per dim
+    stores: tuple          # dtype per output (contiguous), in argument order
+    vectorized: bool = False   # the inner loop is written with at::vec::Vectorized (built with ATen's headers)
+
+
+def render_cpp_kernel(plan: KernelPlan, buffers: set, loads: list, stores: list) -> CppKernelSource:
+    """The C++ source of one fused kernel, its arguments in the order of the Triton kernel's
+    ``loads`` and ``stores`` (graph nodes). Raises NotPrintable where it cannot be printed."""
+    return _CppWriter(plan, buffers, loads, stores).write()
+
+
+class _CppWriter:
+    def __init__(self, plan: KernelPlan, buffers: set, loads: list, stores: list, vector_dtype=None):
+        if plan.reduce_dims or plan.columns or plan.online or plan.second_pass or plan.epilogue or plan.reads_rows:
+            raise NotPrintable("a reduction (C++ kernels print pointwise kernels only, so far)")
+        self.plan = plan
+        self.buffers = buffers
+        self.roots = set(plan.roots)
+        self.load_names = {node: f"in{k}" for k, node in enumerate(loads)}
+        self.loads = loads
+        self.stores = stores
+        self.lines: list = []
+        self.values: dict = {}
+        self.counter = 0
+        # the vector body's element type (None: the scalar body): one float dtype for every value
+        self.vector_dtype = vector_dtype
+        self.inner_name = f"i{len(plan.shape) - 1}" if plan.shape else None
+        for node in [*loads, *stores]:
+            if C_TYPE.get(meta_of(node).dtype) is None:
+                raise NotPrintable(f"a {meta_of(node).dtype} buffer")
+
+    def tmp(self, ctype: str, text: str) -> str:
+        name = f"t{self.counter}"
+        self.counter += 1
+        self.lines.append(f"const {'V' if self.vector_dtype is not None else ctype} {name} = {text};")
+        return name
+
+    # -- values ----------------------------------------------------------------------------
+    def value(self, node: fx.Node, index: tuple):
+        """(C++ variable, dtype) of ``node`` at ``index`` (an ``Index`` a dim)."""
+        index = tuple(i.folded() for i in index)
+        key = (node, tuple(c_text(i) for i in index))
+        if key in self.values:
+            return self.values[key]
+        kind = kind_of(node)
+        if (node in self.buffers and node not in self.roots) or kind not in (OpKind.POINTWISE, OpKind.VIEW):
+            if kind in (OpKind.IOTA, OpKind.GATHER, OpKind.RAND, OpKind.SCATTER, OpKind.REDUCTION) and \
+                    not (node in self.buffers and node not in self.roots):
+                raise NotPrintable(f"a {kind.name.lower()} node inside the kernel")
+            result = self.load(node, index)
+        elif kind == OpKind.VIEW:   # its input's value at the index the view maps to
+            result = self.value(node.args[0], tuple(node.target.index_map(node, list(index))))
+        else:
+            result = self.pointwise(node, index)
+        self.values[key] = result
+        return result
+
+    def load(self, node: fx.Node, index: tuple):
+        if node not in self.load_names:
+            raise NotPrintable(f"{node.name} is read but is no argument of the kernel")
+        dtype = meta_of(node).dtype
+        arg = self.load_names[node]
+        shape = meta_of(node).shape
+        terms = [f"({c_text(i)}) * {arg}_s{d}" for d, (i, size) in enumerate(zip(index, shape))
+                 if size != 1 and i.constant != 0]
+        offset = " + ".join(terms) or "0"
+        if self.vector_dtype is None:
+            return self.tmp(C_TYPE[dtype], f"{arg}[{offset}]"), dtype
+        if dtype != self.vector_dtype:
+            raise NotPrintable(f"a {dtype} load in a {self.vector_dtype} vector body")
+        along = [d for d, i in enumerate(index) if self.inner_name in i.names]
+        if not along:   # the same element for every lane: broadcast
+            return self.tmp("V", f"V({arg}[{offset}])"), dtype
+        # lanes read consecutive elements only where the inner loop's index is the load's last dim
+        # itself (the contiguous function's stride there is 1)
+        last = len(shape) - 1
+        if along != [last] or index[last].form is not None or index[last].text != self.inner_name:
+            raise NotPrintable("a load whose elements are not consecutive along the inner loop")
+        return self.tmp("V", f"V::loadu({arg} + {offset})"), dtype
+
+    def cast(self, var: str, have: torch.dtype, want: torch.dtype) -> str:
+        if have == want:
+            return var
+        if self.vector_dtype is not None:
+            if have != torch.bool or want != self.vector_dtype:
+                raise NotPrintable(f"a {have} -> {want} conversion in a vector body")
+            return self.tmp("V", f"V::blendv(V(0), V(1), {var})")   # (a mask: lanes all ones or zeros)
+        return self.tmp(C_TYPE[want], f"static_cast<{C_TYPE[want]}>({var})")
+
+    def pointwise(self, node: fx.Node, index: tuple):
+        out_shape, out_dtype, expr = meta_of(node).shape, meta_of(node).dtype, meta_of(node).expr
+        if out_dtype.is_complex or out_dtype in (torch.float16, torch.bfloat16):
+            raise NotPrintable(f"{out_dtype} math")
+        name = getattr(node.target, "name", "")
+        is_compare = name in ("lt", "le", "gt", "ge", "eq", "ne")
+        args = [self.value(arg, broadcast_index(index, out_shape, meta_of(arg).shape)) for arg in node.args]
+        if any(dtype.is_complex for _, dtype in args):
+            raise NotPrintable("complex math")
+        if is_compare:
+            want = compute_dtype(torch.promote_types(args[0][1], args[1][1]) if len(args) == 2 else args[0][1])
+        else:
+            want = compute_dtype(out_dtype)
+        names = {}
+        for i, (var, have) in enumerate(args):
+            symbol = Y.REAL_ARGS[i]
+            condition = (name == "where" and i == 0) or (name == "pointwise" and have == torch.bool
+                                                          and _used_as_condition(expr, symbol))
+            names[symbol] = var if condition else self.cast(var, have, want)
+        if self.vector_dtype is not None and want != self.vector_dtype:
+            raise NotPrintable(f"{want} math in a {self.vector_dtype} vector body")
+        replacements, (reduced,) = sympy.cse([expr], symbols=sympy.numbered_symbols("c"), order="none")
+        printer = (VectorPrinter if self.vector_dtype is not None else CppPrinter)(names, want)
+        for symbol, sub in replacements:
+            names[symbol] = printer(sub) if sub.is_number else self.tmp(C_TYPE[want], printer(sub))
+        text = printer(reduced)
+        if is_compare:   # (a vector body's comparison is a mask)
+            return self.tmp("bool", text), torch.bool
+        if self.vector_dtype is not None:
+            return self.tmp("V", text), want
+        return self.tmp(C_TYPE[want], f"static_cast<{C_TYPE[want]}>({text})"), want
+
+    # -- the kernel ------------------------------------------------------------------------
+    def write(self) -> CppKernelSource:
+        shape = tuple(self.plan.shape)
+        inner = shape[-1] if shape else 1
+        rows = numel(shape[:-1]) if shape else 1
+        index, header = [], []
+        for d, size in enumerate(shape[:-1]):
+            if size == 1:
+                index.append(ZERO)
+                continue
+            stride = numel(shape[d + 1:-1])
+            term = "x" if stride == 1 else f"(x / {stride})"
+            if stride * size < rows:
+                term = f"({term} % {size})"
+            header.append(f"const int64_t i{d} = {term};")
+            index.append(variable_index(f"i{d}"))
+        if shape:
+            index.append(ZERO if inner == 1 else variable_index(self.inner_name))
+        index = tuple(index)
+        scalar = self.body(index, shape, inner)
+        vector = None
+        dtype = self._one_float_dtype()
+        if dtype is not None and shape and inner > 1:
+            try:
+                writer = _CppWriter(self.plan, self.buffers, self.loads, self.stores, vector_dtype=dtype)
+                vector = writer.body(index, shape, inner)
+            except NotPrintable:   # (the scalar loop alone: the compiler may still vectorize it)
+                vector = None
+        return self.module(header, scalar, vector, dtype, rows, inner, len(shape))
+
+    def _one_float_dtype(self):
+        """The dtype of every buffer where they share one float dtype (a vector body's), else None."""
+        dtypes = {meta_of(n).dtype for n in [*self.loads, *self.stores]}
+        return dtypes.pop() if len(dtypes) == 1 and dtypes <= {torch.float32, torch.float64} else None
+
+    def body(self, index: tuple, shape: tuple, inner: int) -> list:
+        """The statements computing and storing every output at ``index`` (one element, or in the
+        vector body one register's worth starting there)."""
+        self.lines, self.values, self.counter = [], {}, 0
+        stores = []
+        at = f"x * {inner} + {self.inner_name}" if shape and inner != 1 else "x"
+        for out, root in enumerate(self.stores):
+            if tuple(meta_of(root).shape) != shape:
+                raise NotPrintable("an output stored in another shape than the kernel's space")
+            var, have = self.value(root, index)
+            dtype = meta_of(root).dtype
+            if self.vector_dtype is not None:
+                if have != dtype:
+                    raise NotPrintable(f"a {have} value stored as {dtype} in a vector body")
+                stores.append(f"({var}).store(out{out} + {at});")
+            else:
+                stores.append(f"out{out}[{at}] = static_cast<{C_TYPE[dtype]}>({var});")
+        return self.lines + stores
+
+    def module(self, header, scalar, vector, dtype, rows: int, inner: int, ndim: int) -> CppKernelSource:
+        """Two functions: ``<name>`` for contiguous inputs, their strides constants (a stride of 1 is
+        known: the inner loop is the vector body, at::vec's, then the scalar one for the tail), and
+        ``<name>_strided`` taking each input's strides as arguments (any layout, scalar). The vector
+        parts are left out where the build has no ATen headers (``SYMGRAD_SCALAR_ONLY``)."""
+        pointers, strided, constants = [], [], []   # (strided: each input's pointer, then its strides)
+        for node, arg in self.load_names.items():
+            shape = meta_of(node).shape
+            pointers.append(f"const {C_TYPE[meta_of(node).dtype]}* __restrict__ {arg}")
+            strided += [pointers[-1]] + [f"int64_t {arg}_s{d}" for d in range(len(shape))]
+            constants += [f"    constexpr int64_t {arg}_s{d} = {st};"
+                          for d, st in enumerate(contiguous_strides(shape))]
+        outputs = [f"{C_TYPE[meta_of(n).dtype]}* __restrict__ out{j}" for j, n in enumerate(self.stores)]
+        fast = self.loop(header, scalar, vector, rows, inner, ndim)
+        plain = self.loop(header, scalar, None, rows, inner, ndim)
+        digest = hashlib.sha256(("\n".join(strided + outputs + fast)).encode()).hexdigest()[:16]
+        name = f"cpp_kernel_{digest}"
+        prelude = ["#include <cmath>", "#include <cstdint>"]
+        if vector is not None:
+            prelude += ["#ifndef SYMGRAD_SCALAR_ONLY", "#include <ATen/cpu/vec/functional.h>",
+                        "#include <ATen/cpu/vec/vec.h>", f"using V = at::vec::Vectorized<{C_TYPE[dtype]}>;", "#endif"]
+        source = "\n".join([
+            *prelude, "",
+            f'extern "C" void {name}({", ".join(pointers + outputs)}) {{', *constants, *fast, "}", "",
+            f'extern "C" void {name}_strided({", ".join(strided + outputs)}) {{', *plain, "}", ""])
+        return CppKernelSource(name, source, tuple((len(meta_of(n).shape), meta_of(n).dtype) for n in self.loads),
+                               tuple(meta_of(n).dtype for n in self.stores), vector is not None)
+
+    def loop(self, header, scalar, vector, rows: int, inner: int, ndim: int) -> list:
+        """The loop nest: rows (over threads where it pays), then the last dim: its vector body
+        while a register's worth of elements is left, the scalar body for the rest."""
+        body = [f"        {line}" for line in header]
+        if ndim and inner != 1:
+            i = self.inner_name
+            body.append(f"        int64_t {i} = 0;")
+            if vector is not None:
+                body += ["#ifndef SYMGRAD_SCALAR_ONLY",
+                         f"        for (; {i} + V::size() <= {inner}; {i} += V::size()) {{",
+                         *[f"            {line}" for line in vector], "        }", "#endif"]
+            body.append(f"        for (; {i} < {inner}; ++{i}) {{")
+            body += [f"            {line}" for line in scalar]
+            body.append("        }")
+        else:
+            body += [f"        {line}" for line in scalar]
+        parallel = rows > 1 and rows * inner >= PARALLEL_MIN
+        return (["    #pragma omp parallel for schedule(static)"] if parallel else []) + \
+            [f"    for (int64_t x = 0; x < {rows}; ++x) {{", *body, "    }"]
+
+
+def _used_as_condition(expr, symbol) -> bool:
+    """Whether ``symbol`` appears as a where's condition in ``expr`` (a bool argument kept as it is)."""
+    from compiler.codegen.triton_kernel import _used_as_condition as used
+
+    return used(expr, symbol)

@@ -1,0 +1,83 @@
+"""One C++ kernel of a program built for ``backend="cpp"``, run on the program's slots.
+
+A ``CppKernel`` stands where the torch path's ``TorchKernel`` stands (``KernelLaunch.torch_kernel``:
+``run(env)``, ``function()``): it reads its load slots, allocates its outputs (contiguous, as every
+kernel's are) and calls the compiled function (``runtime.cpp_build``) with each input's address and
+strides and each output's address. The function is built at the region's build, ahead of the first
+call (``prepare``, in ``runtime.ahead_of_time``'s pool), or at its first run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime import cpp_build
+
+
+@dataclass
+class CppKernel:
+    name: str
+    source: str            # the C++ translation unit (``compiler.codegen.cpp_kernel``)
+    loads: tuple           # slots read, in argument order
+    load_dims: tuple       # dims of each (one stride argument per dim)
+    stores: tuple          # (slot, shape, dtype) written, in argument order
+    _fn: object = field(default=None, repr=False, compare=False)
+
+    def prepare(self, args=None, key=None) -> None:
+        """Build (or find) and load the compiled function now (``runtime.ahead_of_time``'s job)."""
+        if self._fn is None:
+            self._fn = self._load()
+
+    def run(self, env) -> None:
+        self.function()(env)
+
+    def function(self):
+        """``kernel(env)``: what ``run`` calls (a program on the CPU path calls it directly)."""
+        fn = self.__dict__.get("_call")
+        if fn is None:
+            fn = self._call = self._generate()
+        return fn
+
+    def __getstate__(self):  # the loaded library and the generated call are made again after unpickling
+        state = self.__dict__.copy()
+        state["_fn"] = None
+        state.pop("_call", None)
+        return state
+
+    def _load(self):
+        """(the contiguous inputs' function, the any-layout one), loaded with their argument types."""
+        pointer, integer = ctypes.c_void_p, ctypes.c_int64
+        contiguous = cpp_build.load(self.name, self.source, [pointer] * (len(self.loads) + len(self.stores)))
+        each_input = [t for dims in self.load_dims for t in [pointer] + [integer] * dims]
+        strided = cpp_build.load(self.name, self.source, each_input + [pointer] * len(self.stores),
+                                 f"{self.name}_strided")
+        return contiguous, strided
+
+    def _generate(self):
+        """``kernel(env)`` written out once: each output allocated, then the contiguous function
+        where every input is contiguous (the usual case), else the strided one with the strides."""
+        if self._fn is None:
+            self._fn = self._load()
+        names = {"fn": self._fn[0], "strided": self._fn[1], "empty": torch.empty}
+        lines, pointers, strides = ["def kernel(env):"], [], []
+        for k, (slot, dims) in enumerate(zip(self.loads, self.load_dims)):
+            lines.append(f"    a{k} = env[{slot}]")
+            pointers.append(f"a{k}.data_ptr()")
+            strides.append([f"a{k}.data_ptr()"] + [f"a{k}.stride({d})" for d in range(dims)])
+        outputs = []
+        for j, (slot, shape, dtype) in enumerate(self.stores):
+            names[f"dtype{j}"] = dtype
+            lines.append(f"    o{j} = env[{slot}] = empty({tuple(shape)!r}, dtype=dtype{j})")
+            outputs.append(f"o{j}.data_ptr()")
+        strided_call = f"strided({', '.join([a for group in strides for a in group] + outputs)})"
+        if self.loads:
+            lines.append("    if " + " and ".join(f"a{k}.is_contiguous()" for k in range(len(self.loads))) + ":")
+            lines.append(f"        fn({', '.join(pointers + outputs)})")
+            lines.append(f"    else:\n        {strided_call}")
+        else:
+            lines.append(f"    fn({', '.join(outputs)})")
+        exec(compile("\n".join(lines) + "\n", f"<symgrad C++ call of {self.name}>", "exec"), names)
+        return names["kernel"]

@@ -1,0 +1,173 @@
+"""The C++ CPU backend (``backend="cpp"``): fused kernels printed as C++ from the same kernel plan and
+SymPy expressions, built by the system compiler, run on the CPU path's programs. Eager PyTorch is
+the oracle; each test also asserts that C++ kernels ran (not only the torch path's) and that no
+Triton kernel was launched. Kernels the C++ printer does not print yet (reductions, gathers,
+random numbers, half types, complex values) run as PyTorch ops in the same program."""
+
+import os
+
+import pytest
+import torch
+
+import compiler
+import runtime.program as program
+from runtime import cpp_build
+from runtime.backends import BackendUnavailable
+from runtime.cpp_kernels import CppKernel
+
+pytestmark = pytest.mark.skipif(not cpp_build.available()[0], reason="no working C++ compiler here")
+
+
+@pytest.fixture(autouse=True)
+def no_triton(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a Triton kernel was launched on the C++ path")
+    monkeypatch.setattr(program, "make_launcher", refuse)
+
+
+def _kernels(compiled) -> list:
+    return [k for r in compiled.last_entry.trace.regions if r.compiled is not None
+            for p in (r.compiled.forward, r.compiled.backward) if p is not None for k in p.kernels]
+
+
+def _clone(args):
+    return [a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def check(fn, args, tol=None, calls=3, cpp_kernels=1):
+    """``fn`` compiled with backend="cpp": every call's value and gradients equal eager's, and at
+    least ``cpp_kernels`` of its kernels are C++."""
+    compiled = compiler.compile(fn, backend="cpp", fullgraph=True)
+    tol = tol or {}
+    for _ in range(calls):
+        ref_args, our_args = _clone(args), _clone(args)
+        ref, ours = fn(*ref_args), compiled(*our_args)
+        torch.testing.assert_close(ours, ref, **tol)
+        if ref.requires_grad:
+            seed = torch.randn_like(ref)
+            ref.backward(seed)
+            ours.backward(seed.clone())
+            for a, b in zip(our_args, ref_args):
+                if isinstance(a, torch.Tensor) and a.requires_grad:
+                    torch.testing.assert_close(a.grad, b.grad, **tol)
+    assert compiled.last_backend == "cpp"
+    assert compiled.stats["divergences"] == 0 and compiled.stats["kernel_launches"] > 0, compiled.stats
+    printed = [k for k in _kernels(compiled) if isinstance(k.torch_kernel, CppKernel)]
+    assert len(printed) >= cpp_kernels, [type(k.torch_kernel).__name__ for k in _kernels(compiled)]
+    return compiled
+
+
+def test_a_pointwise_chain_forward_and_backward():
+    x, y = torch.randn(64, 33, requires_grad=True), torch.randn(64, 33, requires_grad=True)
+    check(lambda x, y: torch.sin(x) * y + torch.exp(-x) * torch.tanh(y) - x / (y * y + 1), [x, y], cpp_kernels=2)
+
+
+def test_broadcasts_and_views():
+    x, b = torch.randn(8, 6, 10, requires_grad=True), torch.randn(10, requires_grad=True)
+    check(lambda x, b: ((x + b).transpose(0, 2).reshape(60, 8) * 2).sigmoid(), [x, b])
+    check(lambda x: x.reshape(48, 10).t().unsqueeze(0).expand(3, 10, 48).relu() + 1, [x])
+
+
+def test_special_values_keep_eagers_semantics():
+    """NaN through maximum, minimum, relu and where; sign(0) = 0; infinities; a division by zero."""
+    x = torch.tensor([float("nan"), 0.0, -0.0, 1.5, -2.0, float("inf"), float("-inf"), 3.0])
+    y = torch.tensor([1.0, float("nan"), 0.0, -1.5, 2.0, 1.0, float("-inf"), 0.0])
+    nan = {"equal_nan": True}
+    check(lambda x, y: torch.maximum(x, y) + torch.minimum(x, y), [x, y], nan)
+    check(lambda x, y: torch.relu(x) + torch.sign(x) * 2 + torch.where(x > y, x, y) + x / y, [x, y], nan)
+
+
+def test_integer_and_boolean_kernels():
+    a, b = torch.randint(-50, 50, (40, 7)), torch.randint(1, 9, (40, 7))
+    check(lambda a, b: (a * 3 - b) * (a > b) + (a == 0), [a, b])
+    check(lambda a, b: ((a > 0) & (b < 5)) | (a == b), [a, b])
+
+
+def test_float64():
+    x = torch.randn(17, 5, dtype=torch.float64, requires_grad=True)
+    check(lambda x: torch.log1p(x * x) * torch.atan(x) + torch.cosh(x / 3), [x])
+
+
+def test_an_input_in_another_layout_runs_the_strided_function():
+    """The contiguous function has its strides as constants (the inner loop vectorizes); a transposed
+    or sliced input takes the one that reads them as arguments."""
+    f = compiler.compile(lambda x, y: (x * y + 1).relu(), backend="cpp")
+    x, y = torch.randn(32, 48), torch.randn(32, 48)
+    f(x, y)
+    for a, b in ((x, y), (x.t().contiguous().t(), y), (torch.randn(32, 96)[:, ::2], y), (x, y)):
+        torch.testing.assert_close(f(a, b), (a * b + 1).relu())
+    assert any(isinstance(k.torch_kernel, CppKernel) for k in _kernels(f))
+
+
+def test_a_kernel_the_cpp_printer_cannot_write_runs_as_pytorch_ops():
+    """A reduction's kernel is not printed in C++ yet: it runs on the torch path in the same program,
+    beside the C++ kernels (here the forward's sum; the backward's broadcast product is C++)."""
+    x = torch.randn(16, 32, requires_grad=True)
+    compiled = check(lambda x: (x.sin() * 2).sum(1), [x])
+    kinds = {type(k.torch_kernel).__name__ for k in _kernels(compiled)}
+    assert kinds == {"CppKernel", "TorchKernel"}, kinds
+
+
+def test_every_cpp_kernel_is_built_when_its_region_is_built(monkeypatch):
+    """Built ahead of the first replay (in the compile pool), not at the first call of each kernel."""
+    built = []
+    real = cpp_build.build
+    monkeypatch.setattr(cpp_build, "build", lambda name, source: built.append(name) or real(name, source))
+    f = compiler.compile(lambda x, y: (x * y).sin() + y, backend="cpp")
+    x, y = torch.randn(10, 3, requires_grad=True), torch.randn(10, 3, requires_grad=True)
+    f(x, y)
+    names = {k.torch_kernel.name for k in _kernels(f) if isinstance(k.torch_kernel, CppKernel)}
+    assert names and names <= set(built), (names, built)
+    count = len(built)
+    f(x, y).sum().backward()
+    assert len(built) == count
+
+
+def test_a_damaged_library_in_the_cache_is_built_again(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("SYMGRAD_CACHE_DIR", str(tmp_path))
+    source = 'extern "C" void probe_kernel(float* __restrict__ out0) { out0[0] = 2.5f; }\n'
+    path = cpp_build.build("probe_kernel", source)
+    with open(path, "r+b") as f:   # a flipped byte
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    again = cpp_build.build("probe_kernel", source)
+    assert again == path and "did not match its stamp" in caplog.text
+    with open(os.path.join(tmp_path, "cpp", "probe_kernel.cpp")) as f:
+        assert f.read() == source
+
+
+def test_without_a_working_compiler_the_backend_says_so(monkeypatch):
+    monkeypatch.setattr(cpp_build, "_found", {"compiler": (None, "no working C++ compiler with OpenMP (g++: not "
+                                                                 "found); set CXX to one")})
+    f = compiler.compile(lambda x: x + 1, backend="cpp")
+    with pytest.raises(BackendUnavailable, match="set CXX.*backend='torch'"):
+        f(torch.randn(3))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd_momentum", "adamw"])
+def test_an_mlp_training_step(optimizer):
+    """A whole step (forward, loss, backward, optimizer): the optimizer's own step on the CPU path."""
+    import copy
+
+    from tests.training import train_step
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.SiLU(),
+                                torch.nn.Linear(64, 1))
+    reference = copy.deepcopy(model)
+
+    def make(params):
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9) if optimizer == "sgd_momentum" \
+            else torch.optim.AdamW(params, lr=1e-2)
+    opt, ref_opt = make(model.parameters()), make(reference.parameters())
+    compiled = compiler.compile(train_step, backend="cpp")
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    for _ in range(5):
+        torch.testing.assert_close(compiled(model, opt, x, y), train_step(reference, ref_opt, x, y), rtol=1e-5,
+                                   atol=1e-6)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert compiled.last_backend == "cpp" and compiled.stats["divergences"] == 0
+    assert any(isinstance(k.torch_kernel, CppKernel) for k in _kernels(compiled))
