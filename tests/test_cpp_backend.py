@@ -100,10 +100,10 @@ def test_an_input_in_another_layout_runs_the_strided_function():
 
 
 def test_a_kernel_the_cpp_printer_cannot_write_runs_as_pytorch_ops():
-    """A reduction's kernel is not printed in C++ yet: it runs on the torch path in the same program,
-    beside the C++ kernels (here the forward's sum; the backward's broadcast product is C++)."""
+    """A sum over a leading dim (column sums) is not printed in C++ yet: it runs on the torch path in
+    the same program, beside the C++ kernels (here the backward's broadcast product)."""
     x = torch.randn(16, 32, requires_grad=True)
-    compiled = check(lambda x: (x.sin() * 2).sum(1), [x])
+    compiled = check(lambda x: (x.sin() * 2).sum(0), [x])
     kinds = {type(k.torch_kernel).__name__ for k in _kernels(compiled)}
     assert kinds == {"CppKernel", "TorchKernel"}, kinds
 
@@ -171,3 +171,25 @@ def test_an_mlp_training_step(optimizer):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     assert compiled.last_backend == "cpp" and compiled.stats["divergences"] == 0
     assert any(isinstance(k.torch_kernel, CppKernel) for k in _kernels(compiled))
+
+
+def test_row_reductions_softmax_norms_and_a_loss():
+    """Kernels reducing their trailing dims: a loop per reduction in each row (one reading another's
+    value after it: softmax's sum after its max, a variance after its mean), then the row's elements."""
+    torch.manual_seed(0)
+    ln = torch.nn.LayerNorm(48)
+    x = torch.randn(20, 48, requires_grad=True)
+    check(lambda x: torch.softmax(x * 1.5, -1), [x], cpp_kernels=2)
+    check(lambda x: ln(x), [x], tol={"rtol": 1e-5, "atol": 1e-5})
+    check(lambda x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6), [x])
+    check(lambda x: x.reshape(4, 5, 48).amax(-1) + x.reshape(4, 5, 48).sum((1, 2), keepdim=True).squeeze(-1),
+          [x], cpp_kernels=1)
+    t = torch.randint(0, 48, (20,))
+    check(lambda x, t: torch.nn.functional.cross_entropy(x, t), [x, t], cpp_kernels=1)
+
+
+def test_a_row_max_keeps_nan_as_eagers_does():
+    x = torch.randn(6, 10)
+    x[2, 3] = float("nan")
+    x[4] = float("-inf")
+    check(lambda x: x - x.amax(-1, keepdim=True), [x], tol={"equal_nan": True})

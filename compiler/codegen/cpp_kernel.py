@@ -10,10 +10,12 @@ their index maps (``View.index_map``, written in C by ``kernel_text.c_text``), b
 pointwise node's SymPy expression (``cpp_printer``), one value per (node, element), in the dtype
 the Triton kernel computes in.
 
-Printed today: kernels without reductions over fp32, fp64, integer and bool buffers, whose nodes are
-pointwise ops, views and loads. Anything else (a reduction, a gather, random numbers, half types,
-complex values, a primitive without a C++ lowering) raises ``NotPrintable``: that kernel runs on
-the torch path (``compiler.codegen.torch_kernel``), the others of its program still in C++.
+Printed today, over fp32, fp64, integer and bool buffers: pointwise kernels (views, broadcasts,
+loads), with a vector body; and kernels reducing their trailing dims (sum, mean, amax), a scalar
+loop per reduction in each row, in the order their values are needed, then the row's elements.
+Anything else (column sums, a row epilogue, a gather, random numbers, half types, complex values, a
+primitive without a C++ lowering) raises ``NotPrintable``: that kernel runs on the torch path
+(``compiler.codegen.torch_kernel``), the others of its program still in C++.
 
 The argument order is the Triton kernel's (``KernelSource.loads``, then ``stores``): each input's
 pointer and one int64 stride per dim, then each output's pointer (contiguous).
@@ -56,8 +58,12 @@ def render_cpp_kernel(plan: KernelPlan, buffers: set, loads: list, stores: list)
 
 class _CppWriter:
     def __init__(self, plan: KernelPlan, buffers: set, loads: list, stores: list, vector_dtype=None):
-        if plan.reduce_dims or plan.columns or plan.online or plan.second_pass or plan.epilogue or plan.reads_rows:
-            raise NotPrintable("a reduction (C++ kernels print pointwise kernels only, so far)")
+        rdims = tuple(plan.reduce_dims)
+        if plan.columns or plan.epilogue or rdims != tuple(range(len(plan.shape) - len(rdims), len(plan.shape))):
+            raise NotPrintable("column sums, a row epilogue or a reduction over leading dims (C++ kernels reduce "
+                               "trailing dims, so far)")
+        if rdims and vector_dtype is not None:
+            raise NotPrintable("a reduction in a vector body")
         self.plan = plan
         self.buffers = buffers
         self.roots = set(plan.roots)
@@ -70,6 +76,9 @@ class _CppWriter:
         # the vector body's element type (None: the scalar body): one float dtype for every value
         self.vector_dtype = vector_dtype
         self.inner_name = f"i{len(plan.shape) - 1}" if plan.shape else None
+        self.row_lines: list = []    # a row's statements: its reductions' loops (kernels that reduce)
+        self.row_values: dict = {}   # reduction node -> (its row's value, dtype)
+        self.base_index: tuple = ()
         for node in [*loads, *stores]:
             if C_TYPE.get(meta_of(node).dtype) is None:
                 raise NotPrintable(f"a {meta_of(node).dtype} buffer")
@@ -88,17 +97,60 @@ class _CppWriter:
         if key in self.values:
             return self.values[key]
         kind = kind_of(node)
-        if (node in self.buffers and node not in self.roots) or kind not in (OpKind.POINTWISE, OpKind.VIEW):
-            if kind in (OpKind.IOTA, OpKind.GATHER, OpKind.RAND, OpKind.SCATTER, OpKind.REDUCTION) and \
+        if (node in self.buffers and node not in self.roots) or \
+                kind not in (OpKind.POINTWISE, OpKind.VIEW, OpKind.REDUCTION):
+            if kind in (OpKind.IOTA, OpKind.GATHER, OpKind.RAND, OpKind.SCATTER) and \
                     not (node in self.buffers and node not in self.roots):
                 raise NotPrintable(f"a {kind.name.lower()} node inside the kernel")
             result = self.load(node, index)
         elif kind == OpKind.VIEW:   # its input's value at the index the view maps to
             result = self.value(node.args[0], tuple(node.target.index_map(node, list(index))))
+        elif kind == OpKind.REDUCTION:
+            result = self.reduced(node, index)
         else:
             result = self.pointwise(node, index)
         self.values[key] = result
         return result
+
+    # -- reductions: one loop over its row each, before the loop that reads it -----------------
+    def reduced(self, node: fx.Node, index: tuple):
+        """A reduction of this kernel read at ``index``: its row's value (its loop written once, at
+        row level, before whatever loop reads it; one that reads another's comes after it)."""
+        kept = [d for d in range(len(self.plan.shape)) if d not in self.plan.reduce_dims]
+        wanted = [index[d] for d in kept] if node.kwargs["keepdim"] else list(index)
+        if not self.plan.reduce_dims or \
+                [c_text(i) for i in wanted] != [c_text(self.base_index[d]) for d in kept]:
+            raise NotPrintable("a reduction read at another row than the one it reduced")
+        if node not in self.row_values:
+            self.row_values[node] = self.reduce_row(node)
+        return self.row_values[node]
+
+    def reduce_row(self, node: fx.Node):
+        name = node.target.name
+        if name not in ("sum", "mean", "amax"):
+            raise NotPrintable(f"a {name} reduction")
+        dtype = compute_dtype(meta_of(node).dtype)
+        if dtype.is_complex:
+            raise NotPrintable("a complex reduction")
+        held = (self.lines, self.values, self.counter)   # (the loop body has values of its own)
+        self.lines, self.values = [], {}
+        var, have = self.value(node.args[0], self.base_index)
+        var = self.cast(var, have, dtype)
+        body = self.lines
+        self.lines, self.values, self.counter = held[0], held[1], max(held[2], self.counter)
+        acc = f"acc{len(self.row_values)}_{self.counter}"
+        self.counter += 1
+        ctype = C_TYPE[dtype]
+        if name == "amax":   # NaN wins, as eager's
+            init, update = "-INFINITY", f"{acc} = ({var} > {acc} || {var} != {var}) ? {var} : {acc};"
+        else:
+            init, update = "0", f"{acc} += {var};"
+        self.row_lines += [f"{ctype} {acc} = {init};", f"for (int64_t r = 0; r < {self.rnumel}; ++r) {{",
+                           *[f"    {line}" for line in self.r_header + body + [update]], "}"]
+        scale = node.target.scale(node)
+        if scale != 1.0:
+            self.row_lines.append(f"{acc} = {acc} * {CppPrinter({}, dtype).literal(sympy.Float(scale))};")
+        return acc, dtype
 
     def load(self, node: fx.Node, index: tuple):
         if node not in self.load_names:
@@ -166,6 +218,8 @@ class _CppWriter:
 
     # -- the kernel ------------------------------------------------------------------------
     def write(self) -> CppKernelSource:
+        if self.plan.reduce_dims:
+            return self.write_rows()
         shape = tuple(self.plan.shape)
         inner = shape[-1] if shape else 1
         rows = numel(shape[:-1]) if shape else 1
@@ -223,6 +277,13 @@ class _CppWriter:
         known: the inner loop is the vector body, at::vec's, then the scalar one for the tail), and
         ``<name>_strided`` taking each input's strides as arguments (any layout, scalar). The vector
         parts are left out where the build has no ATen headers (``SYMGRAD_SCALAR_ONLY``)."""
+        return self.assemble(self.loop(header, scalar, vector, rows, inner, ndim),
+                             self.loop(header, scalar, None, rows, inner, ndim), dtype if vector is not None else None)
+
+    def assemble(self, fast: list, plain: list, vector_dtype) -> CppKernelSource:
+        """The translation unit: ``<name>`` running ``fast`` for contiguous inputs (their strides
+        constants), ``<name>_strided`` running ``plain`` with each input's strides as arguments;
+        ``vector_dtype``: ``fast`` holds a vector body over that dtype (at::vec's headers)."""
         pointers, strided, constants = [], [], []   # (strided: each input's pointer, then its strides)
         for node, arg in self.load_names.items():
             shape = meta_of(node).shape
@@ -231,20 +292,63 @@ class _CppWriter:
             constants += [f"    constexpr int64_t {arg}_s{d} = {st};"
                           for d, st in enumerate(contiguous_strides(shape))]
         outputs = [f"{C_TYPE[meta_of(n).dtype]}* __restrict__ out{j}" for j, n in enumerate(self.stores)]
-        fast = self.loop(header, scalar, vector, rows, inner, ndim)
-        plain = self.loop(header, scalar, None, rows, inner, ndim)
         digest = hashlib.sha256(("\n".join(strided + outputs + fast)).encode()).hexdigest()[:16]
         name = f"cpp_kernel_{digest}"
         prelude = ["#include <cmath>", "#include <cstdint>"]
-        if vector is not None:
+        if vector_dtype is not None:
             prelude += ["#ifndef SYMGRAD_SCALAR_ONLY", "#include <ATen/cpu/vec/functional.h>",
-                        "#include <ATen/cpu/vec/vec.h>", f"using V = at::vec::Vectorized<{C_TYPE[dtype]}>;", "#endif"]
+                        "#include <ATen/cpu/vec/vec.h>", f"using V = at::vec::Vectorized<{C_TYPE[vector_dtype]}>;",
+                        "#endif"]
         source = "\n".join([
             *prelude, "",
             f'extern "C" void {name}({", ".join(pointers + outputs)}) {{', *constants, *fast, "}", "",
             f'extern "C" void {name}_strided({", ".join(strided + outputs)}) {{', *plain, "}", ""])
         return CppKernelSource(name, source, tuple((len(meta_of(n).shape), meta_of(n).dtype) for n in self.loads),
-                               tuple(meta_of(n).dtype for n in self.stores), vector is not None)
+                               tuple(meta_of(n).dtype for n in self.stores), vector_dtype is not None)
+
+    def write_rows(self) -> CppKernelSource:
+        """A kernel that reduces its trailing dims: per row (spread over threads), a loop per
+        reduction (in the order their values are needed), the reduced values stored at the row,
+        then one loop computing and storing the row's elementwise outputs. Scalar loops."""
+        shape, rdims = tuple(self.plan.shape), tuple(self.plan.reduce_dims)
+        lead = len(shape) - len(rdims)
+        rows, self.rnumel = numel(shape[:lead]), numel(shape[lead:])
+        index, header, self.r_header = [], [], []
+        for d, size in enumerate(shape):
+            if size == 1:
+                index.append(ZERO)
+                continue
+            var, extent = ("x", rows) if d < lead else ("r", self.rnumel)
+            stride = numel(shape[d + 1:lead]) if d < lead else numel(shape[d + 1:])
+            term = var if stride == 1 else f"({var} / {stride})"
+            if stride * size < extent:
+                term = f"({term} % {size})"
+            (header if d < lead else self.r_header).append(f"const int64_t i{d} = {term};")
+            index.append(variable_index(f"i{d}"))
+        self.base_index = index = tuple(index)
+        row_stores, elements = [], []
+        for out, root in enumerate(self.stores):
+            dtype = meta_of(root).dtype
+            if kind_of(root) == OpKind.REDUCTION:
+                if numel(meta_of(root).shape) != rows:
+                    raise NotPrintable("a reduction stored in another shape than its rows'")
+                if root not in self.row_values:
+                    self.row_values[root] = self.reduce_row(root)
+                var, _ = self.row_values[root]
+                row_stores.append(f"out{out}[x] = static_cast<{C_TYPE[dtype]}>({var});")
+                continue
+            if tuple(meta_of(root).shape) != shape:
+                raise NotPrintable("an output stored in another shape than the kernel's space")
+            var, _ = self.value(root, index)   # (in the elements' loop: self.lines)
+            elements.append(f"out{out}[x * {self.rnumel} + r] = static_cast<{C_TYPE[dtype]}>({var});")
+        body = [f"        {line}" for line in header + self.row_lines + row_stores]
+        if elements:
+            body += [f"        for (int64_t r = 0; r < {self.rnumel}; ++r) {{",
+                     *[f"            {line}" for line in self.r_header + self.lines + elements], "        }"]
+        parallel = rows > 1 and rows * self.rnumel >= PARALLEL_MIN
+        loop = (["    #pragma omp parallel for schedule(static)"] if parallel else []) + \
+            [f"    for (int64_t x = 0; x < {rows}; ++x) {{", *body, "    }"]
+        return self.assemble(loop, loop, None)
 
     def loop(self, header, scalar, vector, rows: int, inner: int, ndim: int) -> list:
         """The loop nest: rows (over threads where it pays), then the last dim: its vector body
