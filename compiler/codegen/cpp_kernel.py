@@ -77,6 +77,8 @@ class _CppWriter:
         self.vector_dtype = vector_dtype
         self.inner_name = f"i{len(plan.shape) - 1}" if plan.shape else None
         self.row_lines: list = []    # a row's statements: its reductions' loops (kernels that reduce)
+        self.row_vector_dtype = None  # a reducing kernel's vector bodies' dtype (None: scalar loops)
+        self.used_vector = False      # whether a row loop got a vector body
         self.row_values: dict = {}   # reduction node -> (its row's value, dtype)
         self.base_index: tuple = ()
         for node in [*loads, *stores]:
@@ -123,7 +125,50 @@ class _CppWriter:
             raise NotPrintable("a reduction read at another row than the one it reduced")
         if node not in self.row_values:
             self.row_values[node] = self.reduce_row(node)
-        return self.row_values[node]
+        var, dtype = self.row_values[node]
+        if self.vector_dtype is not None:   # (a row's value, the same in every lane)
+            if dtype != self.vector_dtype:
+                raise NotPrintable(f"a {dtype} row value in a {self.vector_dtype} vector body")
+            return self.tmp("V", f"V({var})"), dtype
+        return var, dtype
+
+    def in_loop(self, compute, vector: bool):
+        """(the statements, what ``compute()`` returns) of one loop body, written with values of its
+        own (the scalar body, or with ``vector`` the vector body over the kernel's float dtype)."""
+        held = (self.lines, self.values, self.vector_dtype)
+        self.lines, self.values = [], {}
+        self.vector_dtype = self.row_vector_dtype if vector else None
+        try:
+            result = compute()
+            return self.lines, result
+        finally:
+            self.lines, self.values, self.vector_dtype = held
+
+    def vector_and_scalar(self, compute) -> tuple:
+        """(vector body or None where it cannot be written, scalar body) of one loop over a row."""
+        vector = None
+        if self.row_vector_dtype is not None:
+            try:
+                vector = self.in_loop(compute, True)
+            except NotPrintable:
+                vector = None
+        return vector, self.in_loop(compute, False)
+
+    def row_loop(self, vector, scalar, vector_step: list, scalar_step: list, after_vector=()) -> list:
+        """A loop over a row: the vector body while a register's worth of elements is left (where
+        there is one), then the scalar body; ``*_step``: what each does with its body's values;
+        ``after_vector``: statements between the two loops (a vector accumulator's total)."""
+        r = f"const int64_t {self.inner_name} = r;"   # (the one reduced dim: its index is r)
+        self.used_vector = self.used_vector or vector is not None
+        lines = ["int64_t r = 0;"] if vector is not None else []
+        if vector is not None:
+            lines += ["#ifndef SYMGRAD_SCALAR_ONLY", f"for (; r + V::size() <= {self.rnumel}; r += V::size()) {{",
+                      *[f"    {line}" for line in [r] + vector + vector_step], "}", *after_vector, "#endif",
+                      f"for (; r < {self.rnumel}; ++r) {{"]
+        else:
+            lines.append(f"for (int64_t r = 0; r < {self.rnumel}; ++r) {{")
+        lines += [f"    {line}" for line in self.r_header + scalar + scalar_step]
+        return ["{"] + [f"    {line}" for line in lines + ["}"]] + ["}"]   # (a scope of its own: its r)
 
     def reduce_row(self, node: fx.Node):
         name = node.target.name
@@ -132,21 +177,30 @@ class _CppWriter:
         dtype = compute_dtype(meta_of(node).dtype)
         if dtype.is_complex:
             raise NotPrintable("a complex reduction")
-        held = (self.lines, self.values, self.counter)   # (the loop body has values of its own)
-        self.lines, self.values = [], {}
-        var, have = self.value(node.args[0], self.base_index)
-        var = self.cast(var, have, dtype)
-        body = self.lines
-        self.lines, self.values, self.counter = held[0], held[1], max(held[2], self.counter)
-        acc = f"acc{len(self.row_values)}_{self.counter}"
+
+        def element():
+            var, have = self.value(node.args[0], self.base_index)
+            return self.cast(var, have, dtype)
+        vector, (body, var) = self.vector_and_scalar(element)
+        acc = f"acc{self.counter}"
         self.counter += 1
         ctype = C_TYPE[dtype]
-        if name == "amax":   # NaN wins, as eager's
-            init, update = "-INFINITY", f"{acc} = ({var} > {acc} || {var} != {var}) ? {var} : {acc};"
+        if name == "amax":   # NaN wins, as eager's (at::vec::maximum's too)
+            init, update, combine = "-INFINITY", f"{acc} = ({var} > {acc} || {var} != {var}) ? {var} : {acc};", \
+                "at::vec::maximum(a, b)"
         else:
-            init, update = "0", f"{acc} += {var};"
-        self.row_lines += [f"{ctype} {acc} = {init};", f"for (int64_t r = 0; r < {self.rnumel}; ++r) {{",
-                           *[f"    {line}" for line in self.r_header + body + [update]], "}"]
+            init, update, combine = "0", f"{acc} += {var};", "a + b"
+        if vector is None:
+            self.row_lines += [f"{ctype} {acc} = {init};", *self.row_loop(None, body, [], [update])]
+        else:
+            # the vector body accumulates lanes apart, added up (or maxed) once after its loop; the
+            # scalar tail then adds its elements
+            vbody, vvar = vector
+            step = [f"{acc}_v = at::vec::maximum({acc}_v, {vvar});" if name == "amax" else f"{acc}_v = {acc}_v + {vvar};"]
+            self.row_lines += [f"{ctype} {acc} = {init};", "#ifndef SYMGRAD_SCALAR_ONLY", f"V {acc}_v = V({init});",
+                               "#endif"]
+            total = [f"{acc} = at::vec::vec_reduce_all<{ctype}>([](V& a, V& b) {{ return {combine}; }}, {acc}_v);"]
+            self.row_lines += self.row_loop(vbody, body, step, [update], after_vector=total)
         scale = node.target.scale(node)
         if scale != 1.0:
             self.row_lines.append(f"{acc} = {acc} * {CppPrinter({}, dtype).literal(sympy.Float(scale))};")
@@ -325,7 +379,19 @@ class _CppWriter:
                 term = f"({term} % {size})"
             (header if d < lead else self.r_header).append(f"const int64_t i{d} = {term};")
             index.append(variable_index(f"i{d}"))
-        self.base_index = index = tuple(index)
+        self.base_index = tuple(index)
+        # vector bodies where the row is one dim (its index is r itself) and one float dtype is used
+        vector = self._one_float_dtype() if len(rdims) == 1 and shape[-1] > 1 else None
+        fast = self.rows_loop(header, rows, vector)
+        vectorized = self.used_vector
+        plain = self.rows_loop(header, rows, None)   # (the strided function: its loads' lanes need not be consecutive)
+        return self.assemble(fast, plain, vector if vectorized else None)
+
+    def rows_loop(self, header: list, rows: int, vector_dtype) -> list:
+        """The loop over rows, its reductions and elements written with vector bodies over
+        ``vector_dtype`` where they print (None: scalar loops only)."""
+        self.lines, self.values, self.counter, self.row_lines, self.row_values = [], {}, 0, [], {}
+        self.row_vector_dtype, self.used_vector = vector_dtype, False
         row_stores, elements = [], []
         for out, root in enumerate(self.stores):
             dtype = meta_of(root).dtype
@@ -337,18 +403,34 @@ class _CppWriter:
                 var, _ = self.row_values[root]
                 row_stores.append(f"out{out}[x] = static_cast<{C_TYPE[dtype]}>({var});")
                 continue
-            if tuple(meta_of(root).shape) != shape:
+            if tuple(meta_of(root).shape) != tuple(self.plan.shape):
                 raise NotPrintable("an output stored in another shape than the kernel's space")
-            var, _ = self.value(root, index)   # (in the elements' loop: self.lines)
-            elements.append(f"out{out}[x * {self.rnumel} + r] = static_cast<{C_TYPE[dtype]}>({var});")
-        body = [f"        {line}" for line in header + self.row_lines + row_stores]
-        if elements:
-            body += [f"        for (int64_t r = 0; r < {self.rnumel}; ++r) {{",
-                     *[f"            {line}" for line in self.r_header + self.lines + elements], "        }"]
+            elements.append(root)
+        element_loop = self.element_loop(elements)   # (first: the reductions it reads are written then)
+        body = [f"        {line}" for line in header + self.row_lines + row_stores + element_loop]
         parallel = rows > 1 and rows * self.rnumel >= PARALLEL_MIN
-        loop = (["    #pragma omp parallel for schedule(static)"] if parallel else []) + \
+        return (["    #pragma omp parallel for schedule(static)"] if parallel else []) + \
             [f"    for (int64_t x = 0; x < {rows}; ++x) {{", *body, "    }"]
-        return self.assemble(loop, loop, None)
+
+    def element_loop(self, roots: list) -> list:
+        """The loop computing and storing a reducing kernel's elementwise outputs over the row."""
+        if not roots:
+            return []
+
+        def stores():
+            out = []
+            for root in roots:
+                var, _ = self.value(root, self.base_index)
+                j = self.stores.index(root)
+                if self.vector_dtype is not None:
+                    out.append(f"({var}).store(out{j} + x * {self.rnumel} + r);")
+                else:
+                    out.append(f"out{j}[x * {self.rnumel} + r] = static_cast<{C_TYPE[meta_of(root).dtype]}>({var});")
+            return out
+        vector, (body, store) = self.vector_and_scalar(stores)
+        if vector is not None:
+            return self.row_loop(vector[0], body, vector[1], store)
+        return self.row_loop(None, body, [], store)
 
     def loop(self, header, scalar, vector, rows: int, inner: int, ndim: int) -> list:
         """The loop nest: rows (over threads where it pays), then the last dim: its vector body
@@ -376,3 +458,4 @@ def _used_as_condition(expr, symbol) -> bool:
     from compiler.codegen.triton_kernel import _used_as_condition as used
 
     return used(expr, symbol)
+

@@ -144,6 +144,8 @@ class CppPrinter:
             return f"std::sqrt({b})"
         if exp == sympy.Rational(-1, 2):
             return f"({self.one()} / std::sqrt({b}))"
+        if exp == sympy.Rational(-3, 2):
+            return f"({self.one()} / (std::sqrt({b}) * {b}))"
         if self.integer:
             raise NotPrintable("a non-integer power in an integer kernel")
         return f"std::pow({b}, {self.p(exp)})"
@@ -187,6 +189,9 @@ class VectorPrinter(CppPrinter):
             return f"({self.p(base)}).sqrt()"
         if exp == sympy.Rational(-1, 2):
             return f"({self.one()} / ({self.p(base)}).sqrt())"
+        if exp == sympy.Rational(-3, 2):
+            b = self.p(base)
+            return f"({self.one()} / (({b}).sqrt() * {b}))"
         if not exp.is_Integer or not -8 <= int(exp) <= 8:
             return f"({self.p(base)}).pow({self.p(exp)})"
         return super()._pow(base, exp)
