@@ -196,7 +196,8 @@ class _CppWriter:
             # the vector body accumulates lanes apart, added up (or maxed) once after its loop; the
             # scalar tail then adds its elements
             vbody, vvar = vector
-            step = [f"{acc}_v = at::vec::maximum({acc}_v, {vvar});" if name == "amax" else f"{acc}_v = {acc}_v + {vvar};"]
+            step = [f"{acc}_v = at::vec::maximum({acc}_v, {vvar});" if name == "amax"
+                    else f"{acc}_v = {acc}_v + {vvar};"]
             self.row_lines += [f"{ctype} {acc} = {init};", "#ifndef SYMGRAD_SCALAR_ONLY", f"V {acc}_v = V({init});",
                                "#endif"]
             total = [f"{acc} = at::vec::vec_reduce_all<{ctype}>([](V& a, V& b) {{ return {combine}; }}, {acc}_v);"]
