@@ -100,10 +100,10 @@ def test_an_input_in_another_layout_runs_the_strided_function():
 
 
 def test_a_kernel_the_cpp_printer_cannot_write_runs_as_pytorch_ops():
-    """A sum over a leading dim (column sums) is not printed in C++ yet: it runs on the torch path in
-    the same program, beside the C++ kernels (here the backward's broadcast product)."""
-    x = torch.randn(16, 32, requires_grad=True)
-    compiled = check(lambda x: (x.sin() * 2).sum(0), [x])
+    """A gather is not printed in C++ yet: its kernel runs on the torch path in the same program,
+    beside the C++ kernels (here the backward's product by tanh's derivative)."""
+    w, idx = torch.randn(30, 8, requires_grad=True), torch.randint(0, 30, (12,))
+    compiled = check(lambda w, idx: torch.nn.functional.embedding(idx, w).tanh(), [w, idx])
     kinds = {type(k.torch_kernel).__name__ for k in _kernels(compiled)}
     assert kinds == {"CppKernel", "TorchKernel"}, kinds
 
@@ -180,7 +180,10 @@ def test_row_reductions_softmax_norms_and_a_loss():
     ln = torch.nn.LayerNorm(48)
     x = torch.randn(20, 48, requires_grad=True)
     check(lambda x: torch.softmax(x * 1.5, -1), [x], cpp_kernels=2)
-    check(lambda x: ln(x), [x], tol={"rtol": 1e-5, "atol": 1e-5})
+    norm = check(lambda x: ln(x), [x], tol={"rtol": 1e-5, "atol": 1e-5}, cpp_kernels=3)
+    assert all(isinstance(k.torch_kernel, CppKernel) for k in _kernels(norm))   # (its weight's: column sums)
+    check(lambda x: (x.sin() * 2).sum(0), [x], cpp_kernels=2)
+    check(lambda x: x.reshape(4, 5, 48).mean((0, 1)), [x], cpp_kernels=1)
     check(lambda x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6), [x])
     check(lambda x: x.reshape(4, 5, 48).amax(-1) + x.reshape(4, 5, 48).sum((1, 2), keepdim=True).squeeze(-1),
           [x], cpp_kernels=1)
@@ -193,3 +196,22 @@ def test_a_row_max_keeps_nan_as_eagers_does():
     x[2, 3] = float("nan")
     x[4] = float("-inf")
     check(lambda x: x - x.amax(-1, keepdim=True), [x], tol={"equal_nan": True})
+
+
+def test_column_sums_beside_rows_are_summed_per_chunk_of_rows():
+    """At 1024 rows a layer norm's backward computes its weight's and bias's gradients as partial
+    column sums beside its rows (a chunk of rows a thread), added up by the next kernel."""
+    torch.manual_seed(0)
+    ln = torch.nn.LayerNorm(32)
+    x, seed = torch.randn(1024, 32, requires_grad=True), torch.randn(1024, 32)
+    compiled = check(lambda x: ln(x) * 2, [x], tol={"rtol": 1e-5, "atol": 1e-5}, cpp_kernels=3)
+    partials = [k for k in _kernels(compiled) if any(shape == (4, 32) for _, shape, _ in k.stores)]
+    assert partials and all(isinstance(k.torch_kernel, CppKernel) for k in _kernels(compiled)), partials
+    grads = []
+    for run in (compiled, lambda x: ln(x) * 2):
+        for p in ln.parameters():
+            p.grad = None
+        run(x).backward(seed)
+        grads.append([p.grad.clone() for p in ln.parameters()])
+    for ours, theirs in zip(*grads):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-4)

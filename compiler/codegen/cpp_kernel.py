@@ -10,12 +10,17 @@ their index maps (``View.index_map``, written in C by ``kernel_text.c_text``), b
 pointwise node's SymPy expression (``cpp_printer``), one value per (node, element), in the dtype
 the Triton kernel computes in.
 
-Printed today, over fp32, fp64, integer and bool buffers: pointwise kernels (views, broadcasts,
-loads), with a vector body; and kernels reducing their trailing dims (sum, mean, amax), a scalar
-loop per reduction in each row, in the order their values are needed, then the row's elements.
-Anything else (column sums, a row epilogue, a gather, random numbers, half types, complex values, a
-primitive without a C++ lowering) raises ``NotPrintable``: that kernel runs on the torch path
-(``compiler.codegen.torch_kernel``), the others of its program still in C++.
+Printed today, over fp32, fp64, integer and bool buffers:
+- pointwise kernels (views, broadcasts, loads), with a vector body;
+- kernels reducing their trailing dims (sum, mean, amax: softmax, norms, a loss's rows): per row a
+  loop per reduction, in the order their values are needed, the row's values computed from them
+  (an epilogue: layer norm's rstd), then a loop over the row's elements; each loop with a vector
+  body where the row is one dim;
+- kernels reducing their leading dims (a weight's gradient over the batch): blocks of columns, each
+  column's accumulator updated row by row by an inner loop over consecutive columns.
+Anything else (column sums joined to a rows' kernel, a gather, random numbers, half types, complex
+values, a primitive without a C++ lowering) raises ``NotPrintable``: that kernel runs on the torch
+path (``compiler.codegen.torch_kernel``), the others of its program still in C++.
 
 The argument order is the Triton kernel's (``KernelSource.loads``, then ``stores``): each input's
 pointer and one int64 stride per dim, then each output's pointer (contiguous).
@@ -39,6 +44,8 @@ from compiler.ir.ops.primitives.base import NotPrintable
 
 # below this many elements a kernel runs in one thread (OpenMP's start costs more than it saves)
 PARALLEL_MIN = 32768
+# columns a thread sums at once in a kernel reducing leading dims (its accumulators stay in L1)
+_COLUMN_BLOCK = 256
 
 
 @dataclass(frozen=True)
@@ -59,9 +66,14 @@ def render_cpp_kernel(plan: KernelPlan, buffers: set, loads: list, stores: list)
 class _CppWriter:
     def __init__(self, plan: KernelPlan, buffers: set, loads: list, stores: list, vector_dtype=None):
         rdims = tuple(plan.reduce_dims)
-        if plan.columns or plan.epilogue or rdims != tuple(range(len(plan.shape) - len(rdims), len(plan.shape))):
-            raise NotPrintable("column sums, a row epilogue or a reduction over leading dims (C++ kernels reduce "
-                               "trailing dims, so far)")
+        trailing = rdims == tuple(range(len(plan.shape) - len(rdims), len(plan.shape)))
+        self.over_columns = bool(rdims) and not trailing and rdims == tuple(range(len(rdims))) and not (
+            plan.reads_rows or plan.online or plan.second_pass or plan.epilogue)
+        if not (trailing or self.over_columns):
+            raise NotPrintable("a reduction over dims neither leading nor trailing")
+        if plan.columns and (len(rdims) != 1 or len(plan.shape) != 2
+                             or len({chunks for _, chunks in plan.columns.values()}) != 1):
+            raise NotPrintable("column sums beside rows of another form than [rows, row length]")
         if rdims and vector_dtype is not None:
             raise NotPrintable("a reduction in a vector body")
         self.plan = plan
@@ -273,6 +285,8 @@ class _CppWriter:
 
     # -- the kernel ------------------------------------------------------------------------
     def write(self) -> CppKernelSource:
+        if self.over_columns:
+            return self.write_columns()
         if self.plan.reduce_dims:
             return self.write_rows()
         shape = tuple(self.plan.shape)
@@ -393,9 +407,16 @@ class _CppWriter:
         ``vector_dtype`` where they print (None: scalar loops only)."""
         self.lines, self.values, self.counter, self.row_lines, self.row_values = [], {}, 0, [], {}
         self.row_vector_dtype, self.used_vector = vector_dtype, False
-        row_stores, elements = [], []
+        row_stores, elements, columns = [], [], []
         for out, root in enumerate(self.stores):
             dtype = meta_of(root).dtype
+            if root in self.plan.columns:   # partial column sums over a chunk of rows (``columns_loop``)
+                columns.append(root)
+                continue
+            if root in self.plan.epilogue:   # a row's value computed from its reductions (layer norm's rstd)
+                var = self.row_value(root, rows)
+                row_stores.append(f"out{out}[x] = static_cast<{C_TYPE[dtype]}>({var});")
+                continue
             if kind_of(root) == OpKind.REDUCTION:
                 if numel(meta_of(root).shape) != rows:
                     raise NotPrintable("a reduction stored in another shape than its rows'")
@@ -407,19 +428,132 @@ class _CppWriter:
             if tuple(meta_of(root).shape) != tuple(self.plan.shape):
                 raise NotPrintable("an output stored in another shape than the kernel's space")
             elements.append(root)
-        element_loop = self.element_loop(elements)   # (first: the reductions it reads are written then)
+        element_loop = self.element_loop(elements, columns)   # (first: the reductions it reads are written then)
         body = [f"        {line}" for line in header + self.row_lines + row_stores + element_loop]
+        if columns:
+            return self.columns_loop(columns, rows, body)
         parallel = rows > 1 and rows * self.rnumel >= PARALLEL_MIN
         return (["    #pragma omp parallel for schedule(static)"] if parallel else []) + \
             [f"    for (int64_t x = 0; x < {rows}; ++x) {{", *body, "    }"]
 
-    def element_loop(self, roots: list) -> list:
-        """The loop computing and storing a reducing kernel's elementwise outputs over the row."""
-        if not roots:
+    def columns_loop(self, columns: list, rows: int, row_body: list) -> list:
+        """Rows in chunks, one chunk a thread's task: the chunk's column sums (one accumulator per
+        position of the row, ``col<j>``) added to by each of its rows' element loop, then stored as
+        the chunk's partial sums (the next kernel adds the chunks up)."""
+        chunks = self.plan.columns[columns[0]][1]
+        if rows % chunks:
+            raise NotPrintable("rows not a whole number of chunks")
+        per_chunk, R = rows // chunks, self.rnumel
+        start, stores = [], []
+        for root in columns:
+            j, ctype = self.stores.index(root), C_TYPE[compute_dtype(meta_of(root).dtype)]
+            start += [f"{ctype} col{j}[{R}];", f"for (int64_t k = 0; k < {R}; ++k) col{j}[k] = 0;"]
+            stores.append(f"for (int64_t k = 0; k < {R}; ++k) out{j}[chunk * {R} + k] = "
+                          f"static_cast<{C_TYPE[meta_of(root).dtype]}>(col{j}[k]);")
+        parallel = chunks > 1 and rows * R >= PARALLEL_MIN
+        return (["    #pragma omp parallel for schedule(static)"] if parallel else []) + [
+            f"    for (int64_t chunk = 0; chunk < {chunks}; ++chunk) {{", *[f"        {line}" for line in start],
+            f"    for (int64_t x = chunk * {per_chunk}; x < (chunk + 1) * {per_chunk}; ++x) {{", *row_body, "    }",
+            *[f"        {line}" for line in stores], "    }"]
+
+    def write_columns(self) -> CppKernelSource:
+        """A kernel that reduces its leading dims (a weight's gradient summed over the batch): blocks
+        of columns spread over threads; each block's accumulators, one per column, updated row by
+        row by an inner loop over the block's consecutive columns (the compiler vectorizes it: no
+        column's sum depends on another's), then stored. Scalar code."""
+        shape, rdims = tuple(self.plan.shape), tuple(self.plan.reduce_dims)
+        lead = len(rdims)
+        reduced, kept = numel(shape[:lead]), numel(shape[lead:])
+        index, r_lines, c_lines = [], [], []
+        for d, size in enumerate(shape):
+            if size == 1:
+                index.append(ZERO)
+                continue
+            var, extent = ("r", reduced) if d < lead else ("c", kept)
+            stride = numel(shape[d + 1:lead]) if d < lead else numel(shape[d + 1:])
+            term = var if stride == 1 else f"({var} / {stride})"
+            if stride * size < extent:
+                term = f"({term} % {size})"
+            (r_lines if d < lead else c_lines).append(f"const int64_t i{d} = {term};")
+            index.append(variable_index(f"i{d}"))
+        index = tuple(index)
+        accumulators, updates, finals, elements = [], [], [], []
+        for out, root in enumerate(self.stores):
+            dtype = meta_of(root).dtype
+            if kind_of(root) != OpKind.REDUCTION:
+                if tuple(meta_of(root).shape) != shape:
+                    raise NotPrintable("an output stored in another shape than the kernel's space")
+                var, _ = self.value(root, index)
+                elements.append(f"out{out}[r * {kept} + c] = static_cast<{C_TYPE[dtype]}>({var});")
+                continue
+            name, acc_dtype = root.target.name, compute_dtype(dtype)
+            if name not in ("sum", "mean", "amax") or acc_dtype.is_complex or numel(meta_of(root).shape) != kept:
+                raise NotPrintable(f"a {name} over columns of {acc_dtype}")
+            var, have = self.value(root.args[0], index)
+            var = self.cast(var, have, acc_dtype)
+            acc, ctype = f"acc{out}", C_TYPE[acc_dtype]
+            init = "-INFINITY" if name == "amax" else "0"
+            accumulators.append(f"{ctype} {acc}[{_COLUMN_BLOCK}];")
+            accumulators.append(f"for (int64_t k = 0; k < {_COLUMN_BLOCK}; ++k) {acc}[k] = {init};")
+            at = f"{acc}[c - cb]"
+            updates.append(f"{at} = ({var} > {at} || {var} != {var}) ? {var} : {at};" if name == "amax"
+                           else f"{at} += {var};")
+            scale = root.target.scale(root)
+            total = at if scale == 1.0 else f"{at} * {CppPrinter({}, acc_dtype).literal(sympy.Float(scale))}"
+            finals.append(f"out{out}[c] = static_cast<{C_TYPE[dtype]}>({total});")
+        blocks = -(-kept // _COLUMN_BLOCK)
+        parallel = blocks > 1 and reduced * kept >= PARALLEL_MIN
+        loop = (["    #pragma omp parallel for schedule(static)"] if parallel else []) + [
+            f"    for (int64_t block = 0; block < {blocks}; ++block) {{",
+            f"        const int64_t cb = block * {_COLUMN_BLOCK};",
+            f"        const int64_t ce = cb + {_COLUMN_BLOCK} < {kept} ? cb + {_COLUMN_BLOCK} : {kept};",
+            *[f"        {line}" for line in accumulators],
+            f"        for (int64_t r = 0; r < {reduced}; ++r) {{",
+            *[f"            {line}" for line in r_lines],
+            "            for (int64_t c = cb; c < ce; ++c) {",
+            *[f"                {line}" for line in c_lines + self.lines + updates + elements],
+            "            }", "        }",
+            "        for (int64_t c = cb; c < ce; ++c) {", *[f"            {line}" for line in finals], "        }",
+            "    }"]
+        return self.assemble(loop, loop, None)
+
+    def row_value(self, root: fx.Node, rows: int) -> str:
+        """An epilogue root's value at the current row, computed at row level after the reductions
+        it reads (their loops are written first, as it asks for them)."""
+        shape, kept = meta_of(root).shape, [d for d in range(len(self.plan.shape)) if d not in self.plan.reduce_dims]
+        if numel(shape) != rows:
+            raise NotPrintable("a row value stored in another shape than its rows'")
+        if len(shape) == len(self.plan.shape):   # (keepdim: 1 where the row was)
+            index = tuple(self.base_index[d] if d in kept else ZERO for d in range(len(shape)))
+        elif len(shape) == len(kept):
+            index = tuple(self.base_index[d] for d in kept)
+        else:
+            raise NotPrintable("a row value of another rank")
+        held, self.lines = self.lines, []
+        try:
+            var, have = self.value(root, index)
+            var = self.cast(var, have, meta_of(root).dtype)
+            self.row_lines += self.lines
+        finally:
+            self.lines = held
+        return var
+
+    def element_loop(self, roots: list, columns=()) -> list:
+        """The loop computing and storing a reducing kernel's elementwise outputs over the row, and
+        adding each column sum's value at the element to its chunk's accumulator (``columns``)."""
+        if not roots and not columns:
             return []
 
         def stores():
             out = []
+            for root in columns:
+                value, _ = self.plan.columns[root]
+                dtype = compute_dtype(meta_of(root).dtype)
+                var, have = self.value(value, self.base_index)
+                var = self.cast(var, have, dtype)
+                j = self.stores.index(root)
+                out.append(f"(V::loadu(col{j} + r) + {var}).store(col{j} + r);" if self.vector_dtype is not None
+                           else f"col{j}[r] += {var};")
             for root in roots:
                 var, _ = self.value(root, self.base_index)
                 j = self.stores.index(root)
