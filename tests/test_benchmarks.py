@@ -165,3 +165,21 @@ def test_the_ahead_of_time_benchmark_compiles_a_steps_kernels_for_hopper_with_ea
     runs = result["runs"]
     assert [r["workers"] for r in runs] == [1, 2] and runs[0]["kernels"] == runs[1]["kernels"] >= 4
     assert all(r["seconds"] > 0 for r in runs) and path.exists()
+
+
+def test_the_cpu_kernels_benchmark_times_each_backend_side_by_side(tmp_path, monkeypatch):
+    from benchmarks import cpu_kernels
+    from runtime import cpp_build
+
+    if not cpp_build.available()[0]:
+        import pytest
+        pytest.skip("no C++ compiler")
+    monkeypatch.setattr(cpu_kernels, "N", 64)
+    monkeypatch.setattr(cpu_kernels, "D", 32)
+    monkeypatch.setattr(cpu_kernels, "ROUNDS", 2)
+    results = cpu_kernels.main(["--only", "rmsnorm,softmax", "--out", str(tmp_path)])
+    assert set(results) == {"rmsnorm", "softmax"}
+    assert all(set(row) == {"eager", "ours (cpp)", "ours (torch path)", "torch.compile"} and min(row.values()) > 0
+               for row in results.values())
+    table = (tmp_path / "cpu-kernels.md").read_text()
+    assert "| rmsnorm | " in table and "(1.00×)" in table
