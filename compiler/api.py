@@ -326,9 +326,10 @@ def _eager_calls(trace) -> list:
 
 
 def _policy(memory: str, graph: fx.Graph) -> str:
-    """The saved-set policy of one region: ``"balanced"`` is ``"cpu"`` where the CPU path will run
-    the region (CPU tensors, backend torch: recomputing costs a PyTorch op's full time there)."""
-    if memory != "balanced" or not backends.cpu_path(backends.chosen()):
+    """The saved-set policy of one region: ``"balanced"`` is ``"cpu"`` where the torch path will run
+    the region (CPU tensors, backend torch: recomputing costs a PyTorch op's full time there). C++
+    kernels recompute inside the fused loop, as GPU kernels do: ``"balanced"`` stays."""
+    if memory != "balanced" or backends.chosen() != "torch":
         return memory
     devices = {meta_of(n).device for n in graph.nodes if n.op == "placeholder" and has_meta(n)}
     return "cpu" if devices and all(d is not None and d.type == "cpu" for d in devices) else memory
