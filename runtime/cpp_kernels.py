@@ -24,6 +24,7 @@ class CppKernel:
     loads: tuple           # slots read, in argument order
     load_dims: tuple       # dims of each (one stride argument per dim)
     stores: tuple          # (slot, shape, dtype) written, in argument order
+    vectorized: bool = False   # its source includes ATen's vector headers (``runtime.cpp_build.VECTOR_HEADER``)
     _fn: object = field(default=None, repr=False, compare=False)
 
     def prepare(self, args=None, key=None) -> None:
@@ -50,10 +51,11 @@ class CppKernel:
     def _load(self):
         """(the contiguous inputs' function, the any-layout one), loaded with their argument types."""
         pointer, integer = ctypes.c_void_p, ctypes.c_int64
-        contiguous = cpp_build.load(self.name, self.source, [pointer] * (len(self.loads) + len(self.stores)))
+        contiguous = cpp_build.load(self.name, self.source, [pointer] * (len(self.loads) + len(self.stores)),
+                                    vectorized=self.vectorized)
         each_input = [t for dims in self.load_dims for t in [pointer] + [integer] * dims]
         strided = cpp_build.load(self.name, self.source, each_input + [pointer] * len(self.stores),
-                                 f"{self.name}_strided")
+                                 f"{self.name}_strided", self.vectorized)
         return contiguous, strided
 
     def _generate(self):

@@ -112,7 +112,8 @@ def test_every_cpp_kernel_is_built_when_its_region_is_built(monkeypatch):
     """Built ahead of the first replay (in the compile pool), not at the first call of each kernel."""
     built = []
     real = cpp_build.build
-    monkeypatch.setattr(cpp_build, "build", lambda name, source: built.append(name) or real(name, source))
+    monkeypatch.setattr(cpp_build, "build", lambda name, source, vectorized=False: built.append(name)
+                        or real(name, source, vectorized))
     f = compiler.compile(lambda x, y: (x * y).sin() + y, backend="cpp")
     x, y = torch.randn(10, 3, requires_grad=True), torch.randn(10, 3, requires_grad=True)
     f(x, y)

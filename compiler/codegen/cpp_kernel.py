@@ -41,6 +41,7 @@ from compiler.fusion.fuse import KernelPlan
 from compiler.ir.graph import OpKind, compute_dtype, contiguous_strides, kind_of, meta_of, numel
 from compiler.ir.ops import symbols as Y
 from compiler.ir.ops.primitives.base import NotPrintable
+from runtime.cpp_build import VECTOR_HEADER
 
 # below this many elements a kernel runs in one thread (OpenMP's start costs more than it saves)
 PARALLEL_MIN = 32768
@@ -363,11 +364,11 @@ class _CppWriter:
         outputs = [f"{C_TYPE[meta_of(n).dtype]}* __restrict__ out{j}" for j, n in enumerate(self.stores)]
         digest = hashlib.sha256(("\n".join(strided + outputs + fast)).encode()).hexdigest()[:16]
         name = f"cpp_kernel_{digest}"
-        prelude = ["#include <cmath>", "#include <cstdint>"]
-        if vector_dtype is not None:
-            prelude += ["#ifndef SYMGRAD_SCALAR_ONLY", "#include <ATen/cpu/vec/functional.h>",
-                        "#include <ATen/cpu/vec/vec.h>", f"using V = at::vec::Vectorized<{C_TYPE[vector_dtype]}>;",
-                        "#endif"]
+        prelude = []
+        if vector_dtype is not None:   # (first: the build may use its precompiled form, runtime.cpp_build)
+            prelude += ["#ifndef SYMGRAD_SCALAR_ONLY", f'#include "{VECTOR_HEADER}"',
+                        f"using V = at::vec::Vectorized<{C_TYPE[vector_dtype]}>;", "#endif"]
+        prelude += ["#include <cmath>", "#include <cstdint>"]
         source = "\n".join([
             *prelude, "",
             f'extern "C" void {name}({", ".join(pointers + outputs)}) {{', *constants, *fast, "}", "",

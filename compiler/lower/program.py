@@ -167,7 +167,7 @@ def _launch_arguments(src, slots: dict, buffers, index_checks, cpp_plan=None) ->
         try:
             cpp = render_cpp_kernel(cpp_plan, buffers, src.loads, src.stores)
             cpu_kernel = CppKernel(cpp.name, cpp.source, tuple(loads), tuple(d for d, _ in cpp.loads),
-                                   tuple(store_slots))
+                                   tuple(store_slots), cpp.vectorized)
         except NotPrintable:   # (this kernel on the torch path; why is in the kernel's explain entry)
             cpu_kernel = None
     if cpu_kernel is None:
