@@ -158,8 +158,8 @@ def library(name: str, source: str, vectorized: bool = False):
 
 def load(name: str, source: str, argtypes: list, function: str | None = None, vectorized: bool = False):
     """The C function ``function`` (default: ``name``) of library ``name``, taking ``argtypes``
-    (ctypes types) and returning nothing."""
-    return ctypes.CFUNCTYPE(None, *argtypes)((function or name, library(name, source, vectorized)))
+    (ctypes types) and returning an int (a kernel's: 1 where a gather met an index out of range)."""
+    return ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)((function or name, library(name, source, vectorized)))
 
 
 def build(name: str, source: str, vectorized: bool = False) -> str:

@@ -25,6 +25,7 @@ class CppKernel:
     load_dims: tuple       # dims of each (one stride argument per dim)
     stores: tuple          # (slot, shape, dtype) written, in argument order
     vectorized: bool = False   # its source includes ATen's vector headers (``runtime.cpp_build.VECTOR_HEADER``)
+    index_error: str | None = None   # what a gathered index out of range raises (as the Triton kernels' assert)
     _fn: object = field(default=None, repr=False, compare=False)
 
     def prepare(self, args=None, key=None) -> None:
@@ -77,9 +78,13 @@ class CppKernel:
         strided_call = f"strided({', '.join([a for group in strides for a in group] + outputs)})"
         if self.loads:
             lines.append("    if " + " and ".join(f"a{k}.is_contiguous()" for k in range(len(self.loads))) + ":")
-            lines.append(f"        fn({', '.join(pointers + outputs)})")
-            lines.append(f"    else:\n        {strided_call}")
+            lines.append(f"        bad = fn({', '.join(pointers + outputs)})")
+            lines.append(f"    else:\n        bad = {strided_call}")
         else:
-            lines.append(f"    fn({', '.join(outputs)})")
+            lines.append(f"    bad = fn({', '.join(outputs)})")
+        # (an index out of range, found by a gather: the program's host checks then raise eager's error,
+        # ``KernelLaunch.run_torch``; the kernel clamped it, reading nothing outside memory)
+        names["message"] = self.index_error or "a gathered index out of range"
+        lines.append("    if bad:\n        raise IndexError(message)")
         exec(compile("\n".join(lines) + "\n", f"<symgrad C++ call of {self.name}>", "exec"), names)
         return names["kernel"]

@@ -100,12 +100,40 @@ def test_an_input_in_another_layout_runs_the_strided_function():
 
 
 def test_a_kernel_the_cpp_printer_cannot_write_runs_as_pytorch_ops():
-    """A gather is not printed in C++ yet: its kernel runs on the torch path in the same program,
-    beside the C++ kernels (here the backward's product by tanh's derivative)."""
-    w, idx = torch.randn(30, 8, requires_grad=True), torch.randint(0, 30, (12,))
-    compiled = check(lambda w, idx: torch.nn.functional.embedding(idx, w).tanh(), [w, idx])
-    kinds = {type(k.torch_kernel).__name__ for k in _kernels(compiled)}
+    """Random numbers are not printed in C++ yet: dropout's kernels run on the torch path in the same
+    program, beside the C++ kernels (the tanh after the matmul, and its backward)."""
+    x, w = torch.randn(64, 32, requires_grad=True), torch.randn(32, 16, requires_grad=True)
+
+    def fn(x, w):
+        dropped = torch.nn.functional.dropout(x.sin(), 0.25, training=True)
+        return dropped, (dropped @ w).tanh()
+    f = compiler.compile(fn, backend="cpp")
+    for _ in range(3):
+        dropped, out = f(x, w)
+    out.sum().backward()
+    kept = dropped != 0
+    torch.testing.assert_close(dropped[kept], x.sin()[kept] / 0.75)
+    torch.testing.assert_close(out, (dropped @ w).tanh())
+    assert 0.6 < kept.float().mean().item() < 0.9
+    kinds = {type(k.torch_kernel).__name__ for k in _kernels(f)}
     assert kinds == {"CppKernel", "TorchKernel"}, kinds
+
+
+def test_gathers_cross_entropy_embedding_and_indexing():
+    """Gathers read their index, check it (a bad one makes the call raise eager's IndexError), wrap
+    negative ones where they count from the end, and read the source there."""
+    torch.manual_seed(0)
+    x, t = torch.randn(40, 70, requires_grad=True), torch.randint(0, 70, (40,))
+    ce = check(lambda x, t: torch.nn.functional.cross_entropy(x, t), [x, t], cpp_kernels=2)
+    assert all(isinstance(k.torch_kernel, CppKernel) for k in _kernels(ce))
+    bad = t.clone()
+    bad[5] = 70
+    with pytest.raises(IndexError, match="out of bounds"):
+        ce(x, bad)
+    w, idx = torch.randn(30, 8, requires_grad=True), torch.randint(0, 30, (6, 4))
+    check(lambda w, idx: torch.nn.functional.embedding(idx, w).tanh(), [w, idx])
+    rows = torch.tensor([3, -1, 0, -7])
+    check(lambda x, rows: x[rows].sigmoid() * 2, [x, rows])
 
 
 def test_every_cpp_kernel_is_built_when_its_region_is_built(monkeypatch):

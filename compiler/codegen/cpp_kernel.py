@@ -18,9 +18,11 @@ Printed today, over fp32, fp64, integer and bool buffers:
   body where the row is one dim;
 - kernels reducing their leading dims (a weight's gradient over the batch): blocks of columns, each
   column's accumulator updated row by row by an inner loop over consecutive columns.
-Anything else (column sums joined to a rows' kernel, a gather, random numbers, half types, complex
-values, a primitive without a C++ lowering) raises ``NotPrintable``: that kernel runs on the torch
-path (``compiler.codegen.torch_kernel``), the others of its program still in C++.
+Gathers and iotas are read in scalar bodies: a gathered index is checked (the function returns 1
+where one was out of range: the caller raises eager's IndexError), wrapped where negative indices
+count from the end, and clamped. Anything else (random numbers, half types, complex values, a
+primitive without a C++ lowering) raises ``NotPrintable``: that kernel runs on the torch path
+(``compiler.codegen.torch_kernel``), the others of its program still in C++.
 
 The argument order is the Triton kernel's (``KernelSource.loads``, then ``stores``): each input's
 pointer and one int64 stride per dim, then each output's pointer (contiguous).
@@ -42,9 +44,13 @@ from compiler.ir.graph import OpKind, compute_dtype, contiguous_strides, kind_of
 from compiler.ir.ops import symbols as Y
 from compiler.ir.ops.primitives.base import NotPrintable
 from runtime.cpp_build import VECTOR_HEADER
+from runtime.program import INDEX_ASSERT
 
 # below this many elements a kernel runs in one thread (OpenMP's start costs more than it saves)
 PARALLEL_MIN = 32768
+# the loop over rows (or chunks, or column blocks) spread over threads; ``bad``: an index a gather
+# found out of range, in any thread (the function returns it: the caller raises eager's error)
+_PARALLEL = "    #pragma omp parallel for schedule(static) reduction(|:bad)"
 # columns a thread sums at once in a kernel reducing leading dims (its accumulators stay in L1)
 _COLUMN_BLOCK = 256
 
@@ -52,10 +58,12 @@ _COLUMN_BLOCK = 256
 @dataclass(frozen=True)
 class CppKernelSource:
     name: str
-    source: str            # a C++ translation unit defining ``extern "C" void <name>(...)``
+    source: str            # a C++ translation unit defining ``extern "C" int <name>(...)`` (1: a bad index)
     loads: tuple           # (dims, dtype) per input, in argument order: a pointer, then a stride per dim
     stores: tuple          # dtype per output (contiguous), in argument order
     vectorized: bool = False   # the inner loop is written with at::vec::Vectorized (built with ATen's headers)
+    # what a gathered index out of range is reported as (the Triton kernels' assert's words), or None
+    index_error: str | None = None
 
 
 def render_cpp_kernel(plan: KernelPlan, buffers: set, loads: list, stores: list) -> CppKernelSource:
@@ -92,6 +100,7 @@ class _CppWriter:
         self.row_lines: list = []    # a row's statements: its reductions' loops (kernels that reduce)
         self.row_vector_dtype = None  # a reducing kernel's vector bodies' dtype (None: scalar loops)
         self.used_vector = False      # whether a row loop got a vector body
+        self.index_errors: dict = {}  # what each gather reports for an index out of range (ordered)
         self.row_values: dict = {}   # reduction node -> (its row's value, dtype)
         self.base_index: tuple = ()
         for node in [*loads, *stores]:
@@ -114,10 +123,15 @@ class _CppWriter:
         kind = kind_of(node)
         if (node in self.buffers and node not in self.roots) or \
                 kind not in (OpKind.POINTWISE, OpKind.VIEW, OpKind.REDUCTION):
-            if kind in (OpKind.IOTA, OpKind.GATHER, OpKind.RAND, OpKind.SCATTER) and \
-                    not (node in self.buffers and node not in self.roots):
+            inside = not (node in self.buffers and node not in self.roots)
+            if kind == OpKind.IOTA and inside:
+                result = self.iota(node, index)
+            elif kind == OpKind.GATHER and inside:
+                result = self.gathered(node, index)
+            elif kind in (OpKind.RAND, OpKind.SCATTER) and inside:
                 raise NotPrintable(f"a {kind.name.lower()} node inside the kernel")
-            result = self.load(node, index)
+            else:
+                result = self.load(node, index)
         elif kind == OpKind.VIEW:   # its input's value at the index the view maps to
             result = self.value(node.args[0], tuple(node.target.index_map(node, list(index))))
         elif kind == OpKind.REDUCTION:
@@ -219,6 +233,37 @@ class _CppWriter:
         if scale != 1.0:
             self.row_lines.append(f"{acc} = {acc} * {CppPrinter({}, dtype).literal(sympy.Float(scale))};")
         return acc, dtype
+
+    def iota(self, node: fx.Node, index: tuple):
+        """The position along the iota's dim, as int64 (the Triton kernels' dtype for it)."""
+        if self.vector_dtype is not None:
+            raise NotPrintable("an iota in a vector body")
+        return self.tmp("int64_t", f"static_cast<int64_t>({c_text(index[node.kwargs['dim']])})"), torch.int64
+
+    def gathered(self, node: fx.Node, index: tuple):
+        """The source element at the position the index tensor gives (``catalog.Gather``): the index
+        checked (a bad one sets ``bad``: the caller raises eager's error), wrapped where negative
+        indices count from the end, and clamped, so that a bad one never reads outside memory."""
+        if self.vector_dtype is not None:
+            raise NotPrintable("a gather in a vector body")
+        source, index_node = node.args
+        index_at, source_at = node.target.positions(node, list(index))
+        dim, size = node.kwargs["dim"], meta_of(source).shape[node.kwargs["dim"]]
+        i, _ = self.value(index_node, tuple(index_at))
+        g = self.tmp("int64_t", f"static_cast<int64_t>({i})")
+        low = -size if node.kwargs.get("wrap") else 0
+        self.lines.append(f"bad |= ({g} < {low} || {g} >= {size});")
+        what = meta_of(node).torch_op or "indexing"
+        self.index_errors.setdefault(f"{what}: {INDEX_ASSERT} of size {size}", None)
+        if node.kwargs.get("wrap"):
+            g = self.tmp("int64_t", f"{g} < 0 ? {g} + {size} : {g}")
+        g = self.tmp("int64_t", f"{g} < 0 ? 0 : ({g} > {size - 1} ? {size - 1} : {g})")
+        source_at[dim] = variable_index(g)
+        value, dtype = self.value(source, tuple(source_at))
+        if node.kwargs.get("zero_padding"):
+            zero = CppPrinter({}, compute_dtype(dtype)).literal(sympy.Integer(0))
+            value = self.tmp(C_TYPE[dtype], f"{g} == {node.kwargs['padding_idx']} ? {zero} : {value}")
+        return value, dtype
 
     def load(self, node: fx.Node, index: tuple):
         if node not in self.load_names:
@@ -371,10 +416,13 @@ class _CppWriter:
         prelude += ["#include <cmath>", "#include <cstdint>"]
         source = "\n".join([
             *prelude, "",
-            f'extern "C" void {name}({", ".join(pointers + outputs)}) {{', *constants, *fast, "}", "",
-            f'extern "C" void {name}_strided({", ".join(strided + outputs)}) {{', *plain, "}", ""])
+            f'extern "C" int {name}({", ".join(pointers + outputs)}) {{', *constants, "    int bad = 0;", *fast,
+            "    return bad;", "}", "",
+            f'extern "C" int {name}_strided({", ".join(strided + outputs)}) {{', "    int bad = 0;", *plain,
+            "    return bad;", "}", ""])
         return CppKernelSource(name, source, tuple((len(meta_of(n).shape), meta_of(n).dtype) for n in self.loads),
-                               tuple(meta_of(n).dtype for n in self.stores), vector_dtype is not None)
+                               tuple(meta_of(n).dtype for n in self.stores), vector_dtype is not None,
+                               " / ".join(self.index_errors) or None)
 
     def write_rows(self) -> CppKernelSource:
         """A kernel that reduces its trailing dims: per row (spread over threads), a loop per
@@ -434,7 +482,7 @@ class _CppWriter:
         if columns:
             return self.columns_loop(columns, rows, body)
         parallel = rows > 1 and rows * self.rnumel >= PARALLEL_MIN
-        return (["    #pragma omp parallel for schedule(static)"] if parallel else []) + \
+        return ([_PARALLEL] if parallel else []) + \
             [f"    for (int64_t x = 0; x < {rows}; ++x) {{", *body, "    }"]
 
     def columns_loop(self, columns: list, rows: int, row_body: list) -> list:
@@ -452,7 +500,7 @@ class _CppWriter:
             stores.append(f"for (int64_t k = 0; k < {R}; ++k) out{j}[chunk * {R} + k] = "
                           f"static_cast<{C_TYPE[meta_of(root).dtype]}>(col{j}[k]);")
         parallel = chunks > 1 and rows * R >= PARALLEL_MIN
-        return (["    #pragma omp parallel for schedule(static)"] if parallel else []) + [
+        return ([_PARALLEL] if parallel else []) + [
             f"    for (int64_t chunk = 0; chunk < {chunks}; ++chunk) {{", *[f"        {line}" for line in start],
             f"    for (int64_t x = chunk * {per_chunk}; x < (chunk + 1) * {per_chunk}; ++x) {{", *row_body, "    }",
             *[f"        {line}" for line in stores], "    }"]
@@ -504,7 +552,7 @@ class _CppWriter:
             finals.append(f"out{out}[c] = static_cast<{C_TYPE[dtype]}>({total});")
         blocks = -(-kept // _COLUMN_BLOCK)
         parallel = blocks > 1 and reduced * kept >= PARALLEL_MIN
-        loop = (["    #pragma omp parallel for schedule(static)"] if parallel else []) + [
+        loop = ([_PARALLEL] if parallel else []) + [
             f"    for (int64_t block = 0; block < {blocks}; ++block) {{",
             f"        const int64_t cb = block * {_COLUMN_BLOCK};",
             f"        const int64_t ce = cb + {_COLUMN_BLOCK} < {kept} ? cb + {_COLUMN_BLOCK} : {kept};",
@@ -585,7 +633,7 @@ class _CppWriter:
         else:
             body += [f"        {line}" for line in scalar]
         parallel = rows > 1 and rows * inner >= PARALLEL_MIN
-        return (["    #pragma omp parallel for schedule(static)"] if parallel else []) + \
+        return ([_PARALLEL] if parallel else []) + \
             [f"    for (int64_t x = 0; x < {rows}; ++x) {{", *body, "    }"]
 
 

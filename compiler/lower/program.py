@@ -163,11 +163,11 @@ def _launch_arguments(src, slots: dict, buffers, index_checks, cpp_plan=None) ->
     loads, stores = [slots[n] for n in src.loads], [slots[n] for n in src.stores]
     store_slots = [(slots[n], meta_of(n).shape, meta_of(n).dtype) for n in src.stores]
     cpu_kernel = None
-    if cpp_plan is not None and index_checks is None:
+    if cpp_plan is not None:
         try:
             cpp = render_cpp_kernel(cpp_plan, buffers, src.loads, src.stores)
             cpu_kernel = CppKernel(cpp.name, cpp.source, tuple(loads), tuple(d for d, _ in cpp.loads),
-                                   tuple(store_slots), cpp.vectorized)
+                                   tuple(store_slots), cpp.vectorized, cpp.index_error)
         except NotPrintable:   # (this kernel on the torch path; why is in the kernel's explain entry)
             cpu_kernel = None
     if cpu_kernel is None:
