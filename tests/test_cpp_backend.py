@@ -15,6 +15,7 @@ from runtime import cpp_build
 from runtime.backends import BackendUnavailable
 from runtime.cpp_kernels import CppKernel
 
+_MAKE_LAUNCHER = program.make_launcher
 pytestmark = pytest.mark.skipif(not cpp_build.available()[0], reason="no working C++ compiler here")
 
 
@@ -100,23 +101,39 @@ def test_an_input_in_another_layout_runs_the_strided_function():
 
 
 def test_a_kernel_the_cpp_printer_cannot_write_runs_as_pytorch_ops():
-    """Random numbers are not printed in C++ yet: dropout's kernels run on the torch path in the same
-    program, beside the C++ kernels (the tanh after the matmul, and its backward)."""
+    """Complex values are not printed in C++ yet: the kernel with complex math runs on the torch path in
+    the same program, beside the C++ kernels (the tanh after the matmul, and its backward)."""
+    torch.manual_seed(0)
     x, w = torch.randn(64, 32, requires_grad=True), torch.randn(32, 16, requires_grad=True)
-
-    def fn(x, w):
-        dropped = torch.nn.functional.dropout(x.sin(), 0.25, training=True)
-        return dropped, (dropped @ w).tanh()
-    f = compiler.compile(fn, backend="cpp")
-    for _ in range(3):
-        dropped, out = f(x, w)
-    out.sum().backward()
-    kept = dropped != 0
-    torch.testing.assert_close(dropped[kept], x.sin()[kept] / 0.75)
-    torch.testing.assert_close(out, (dropped @ w).tanh())
-    assert 0.6 < kept.float().mean().item() < 0.9
-    kinds = {type(k.torch_kernel).__name__ for k in _kernels(f)}
+    compiled = check(lambda x, w: ((torch.polar(x.abs() + 1, x) * 2).abs() @ w).tanh(), [x, w],
+                     tol={"rtol": 1e-4, "atol": 1e-5})
+    kinds = {type(k.torch_kernel).__name__ for k in _kernels(compiled)}
     assert kinds == {"CppKernel", "TorchKernel"}, kinds
+
+
+def test_dropout_draws_the_triton_kernels_numbers(monkeypatch):
+    """Random numbers are Triton's tl.rand (Philox4x32, 10 rounds, as triton/language/random.py),
+    written in C++: the same seed drops the same elements as the Triton kernels do."""
+    import torch.nn.functional as F
+
+    monkeypatch.setattr(program, "make_launcher", _MAKE_LAUNCHER)   # (the interpreter's kernels, to compare)
+    x = torch.randn(64, 48, requires_grad=True)
+    results = {}
+    for backend in ("interpret", "cpp"):
+        f = compiler.compile(lambda x: F.dropout(x.sin(), 0.3, training=True) * 2, backend=backend)
+        torch.manual_seed(0)
+        f(x)
+        torch.manual_seed(1)
+        out = f(x)
+        out.sum().backward()
+        results[backend] = (out.detach(), x.grad)
+        x.grad = None
+        if backend == "cpp":
+            assert all(isinstance(k.torch_kernel, CppKernel) for k in _kernels(f))
+    (ours, our_grad), (triton, triton_grad) = results["cpp"], results["interpret"]
+    assert torch.equal(ours == 0, triton == 0) and 0.2 < (ours == 0).float().mean().item() < 0.4
+    torch.testing.assert_close(ours, triton)
+    torch.testing.assert_close(our_grad, triton_grad)
 
 
 def test_gathers_cross_entropy_embedding_and_indexing():

@@ -18,10 +18,11 @@ Printed today, over fp32, fp64, integer and bool buffers:
   body where the row is one dim;
 - kernels reducing their leading dims (a weight's gradient over the batch): blocks of columns, each
   column's accumulator updated row by row by an inner loop over consecutive columns.
-Gathers and iotas are read in scalar bodies: a gathered index is checked (the function returns 1
-where one was out of range: the caller raises eager's IndexError), wrapped where negative indices
-count from the end, and clamped. Anything else (random numbers, half types, complex values, a
-primitive without a C++ lowering) raises ``NotPrintable``: that kernel runs on the torch path
+Gathers, iotas and random numbers are read in scalar bodies: a gathered index is checked (the
+function returns 1 where one was out of range: the caller raises eager's IndexError), wrapped where
+negative indices count from the end, and clamped; a random number is Triton's ``tl.rand``
+(``_PHILOX``). Anything else (half types, complex values, a primitive without a C++ lowering)
+raises ``NotPrintable``: that kernel runs on the torch path
 (``compiler.codegen.torch_kernel``), the others of its program still in C++.
 
 The argument order is the Triton kernel's (``KernelSource.loads``, then ``stores``): each input's
@@ -101,6 +102,7 @@ class _CppWriter:
         self.row_vector_dtype = None  # a reducing kernel's vector bodies' dtype (None: scalar loops)
         self.used_vector = False      # whether a row loop got a vector body
         self.index_errors: dict = {}  # what each gather reports for an index out of range (ordered)
+        self.uses_random = False      # a body calls symgrad_rand (``_PHILOX``, in the prelude)
         self.row_values: dict = {}   # reduction node -> (its row's value, dtype)
         self.base_index: tuple = ()
         for node in [*loads, *stores]:
@@ -128,7 +130,9 @@ class _CppWriter:
                 result = self.iota(node, index)
             elif kind == OpKind.GATHER and inside:
                 result = self.gathered(node, index)
-            elif kind in (OpKind.RAND, OpKind.SCATTER) and inside:
+            elif kind == OpKind.RAND and inside:
+                result = self.random(node, index)
+            elif kind == OpKind.SCATTER and inside:
                 raise NotPrintable(f"a {kind.name.lower()} node inside the kernel")
             else:
                 result = self.load(node, index)
@@ -239,6 +243,19 @@ class _CppWriter:
         if self.vector_dtype is not None:
             raise NotPrintable("an iota in a vector body")
         return self.tmp("int64_t", f"static_cast<int64_t>({c_text(index[node.kwargs['dim']])})"), torch.int64
+
+    def random(self, node: fx.Node, index: tuple):
+        """Philox(seed, the element's position in the rand node's shape) in [0, 1): the numbers
+        Triton's ``tl.rand`` gives the Triton kernels (``_PHILOX``), so both backends drop alike."""
+        if self.vector_dtype is not None:
+            raise NotPrintable("random numbers in a vector body")
+        seed, _ = self.value(node.args[0], ())
+        shape = meta_of(node).shape
+        terms = [f"({c_text(i)}) * {st}" for i, size, st in zip(index, shape, contiguous_strides(shape))
+                 if size != 1 and i.constant != 0]
+        self.uses_random = True
+        return self.tmp("float", f"symgrad_rand(static_cast<uint64_t>({seed}), {' + '.join(terms) or '0'})"), \
+            torch.float32
 
     def gathered(self, node: fx.Node, index: tuple):
         """The source element at the position the index tensor gives (``catalog.Gather``): the index
@@ -413,7 +430,7 @@ class _CppWriter:
         if vector_dtype is not None:   # (first: the build may use its precompiled form, runtime.cpp_build)
             prelude += ["#ifndef SYMGRAD_SCALAR_ONLY", f'#include "{VECTOR_HEADER}"',
                         f"using V = at::vec::Vectorized<{C_TYPE[vector_dtype]}>;", "#endif"]
-        prelude += ["#include <cmath>", "#include <cstdint>"]
+        prelude += ["#include <cmath>", "#include <cstdint>"] + ([_PHILOX] if self.uses_random else [])
         source = "\n".join([
             *prelude, "",
             f'extern "C" int {name}({", ".join(pointers + outputs)}) {{', *constants, "    int bad = 0;", *fast,
@@ -635,6 +652,27 @@ class _CppWriter:
         parallel = rows > 1 and rows * inner >= PARALLEL_MIN
         return ([_PARALLEL] if parallel else []) + \
             [f"    for (int64_t x = 0; x < {rows}; ++x) {{", *body, "    }"]
+
+
+# Triton's tl.rand(seed, offset) (triton/language/random.py: randint4x's first word of Philox4x32,
+# 10 rounds, the offset's low and high words as the counter, the seed's as the key; then
+# uint_to_uniform_float), written for one element
+_PHILOX = """static inline float symgrad_rand(uint64_t seed, int64_t offset) {
+    uint32_t c0 = static_cast<uint32_t>(offset), c1 = static_cast<uint32_t>(static_cast<uint64_t>(offset) >> 32);
+    uint32_t c2 = 0, c3 = 0, k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+    for (int round = 0; round < 10; ++round) {
+        const uint32_t a = c0, b = c2;
+        c0 = static_cast<uint32_t>((static_cast<uint64_t>(0xCD9E8D57u) * b) >> 32) ^ c1 ^ k0;
+        c2 = static_cast<uint32_t>((static_cast<uint64_t>(0xD2511F53u) * a) >> 32) ^ c3 ^ k1;
+        c1 = 0xCD9E8D57u * b;
+        c3 = 0xD2511F53u * a;
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+    }
+    int32_t x = static_cast<int32_t>(c0);
+    x = x < 0 ? -x - 1 : x;
+    return static_cast<float>(x) * 4.6566127342e-10f;
+}"""
 
 
 def _used_as_condition(expr, symbol) -> bool:
