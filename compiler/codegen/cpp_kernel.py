@@ -40,6 +40,7 @@ import torch.fx as fx
 
 from compiler.codegen.cpp_printer import C_TYPE, CppPrinter, VectorPrinter
 from compiler.codegen.kernel_text import ZERO, broadcast_index, c_text, variable_index
+from compiler.codegen.triton_kernel import _used_as_condition   # (whether a bool argument is a where's condition)
 from compiler.fusion.fuse import KernelPlan
 from compiler.ir.graph import OpKind, compute_dtype, contiguous_strides, kind_of, meta_of, numel
 from compiler.ir.ops import symbols as Y
@@ -673,11 +674,3 @@ _PHILOX = """static inline float symgrad_rand(uint64_t seed, int64_t offset) {
     x = x < 0 ? -x - 1 : x;
     return static_cast<float>(x) * 4.6566127342e-10f;
 }"""
-
-
-def _used_as_condition(expr, symbol) -> bool:
-    """Whether ``symbol`` appears as a where's condition in ``expr`` (a bool argument kept as it is)."""
-    from compiler.codegen.triton_kernel import _used_as_condition as used
-
-    return used(expr, symbol)
-

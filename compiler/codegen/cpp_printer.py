@@ -20,7 +20,7 @@ import math
 import sympy
 import torch
 
-from compiler.ir.ops import primitives
+from compiler.codegen.expression_printer import ExpressionPrinter
 from compiler.ir.ops.primitives.base import NotPrintable
 
 # Triton's names for C math functions, as <cmath> spells them (libdevice mirrors the C library)
@@ -42,12 +42,14 @@ def cmath_function(triton_name: str | None) -> str | None:
     return None
 
 
-class CppPrinter:
+class CppPrinter(ExpressionPrinter):
     """Prints one expression; ``names`` maps each free symbol to a C++ variable; ``dtype``: the
     type the expression computes in."""
 
+    language = "C++"
+
     def __init__(self, names: dict, dtype: torch.dtype):
-        self.names = names
+        super().__init__(names)
         self.dtype = dtype
         self.ctype = C_TYPE.get(dtype)
         if self.ctype is None:
@@ -55,30 +57,7 @@ class CppPrinter:
         self.fp32 = dtype == torch.float32
         self.integer = not (dtype.is_floating_point or dtype == torch.bool)
 
-    def __call__(self, expr) -> str:
-        return self.p(expr)
-
-    def p(self, e) -> str:
-        if e.is_Symbol:
-            return self.names[e]
-        primitive = primitives.head(e.func) if isinstance(e, sympy.Function) else None
-        if e.is_number and primitive is not None and primitive.folds_constants():
-            try:  # log(2), exp(1): one constant, evaluated exactly here
-                e = sympy.Float(e.evalf(30), 30)
-            except (TypeError, ValueError):
-                pass
-        if e.is_number and not isinstance(e, sympy.Function):
-            if e.is_extended_real is False:
-                raise NotPrintable(f"complex constant {e}")
-            return self.literal(e)
-        if e.is_Add:
-            return "(" + " + ".join(self.p(a) for a in e.args) + ")"
-        if e.is_Mul:
-            return self._mul(e)
-        if e.is_Pow:
-            return self._pow(e.base, e.exp)
-        if primitive is None:
-            raise NotPrintable(f"no C++ lowering for {e.func.__name__}")
+    def render(self, primitive, e) -> str:
         return primitive.render_cpp(self, e)
 
     # -- what renders use ------------------------------------------------------------------
@@ -109,27 +88,10 @@ class CppPrinter:
         """The larger (``op`` ">") or smaller of two values, NaN where either is (torch.maximum's rule)."""
         return self.where(f"{a} != {a}", a, self.where(f"{b} != {b}", b, self.where(f"{a} {op} {b}", a, b)))
 
-    def one(self) -> str:
-        return self.literal(sympy.Integer(1))
-
     def neg(self, x: str) -> str:
         return f"(-{x})"
 
-    # -- products and powers, as the Triton printer writes them ----------------------------
-    def _mul(self, e) -> str:
-        num, den = [], []
-        for factor in e.args:
-            if factor.is_Pow and factor.exp.is_number and factor.exp.is_negative and factor.exp.is_Integer:
-                den.append(self._pow(factor.base, -factor.exp))
-            elif factor.is_Rational and not factor.is_Integer:
-                num.append(self.literal(factor))
-            else:
-                num.append(self.p(factor))
-        text = " * ".join(num) if num else self.one()
-        if den:
-            text = f"{text} / ({' * '.join(den)})"
-        return f"({text})"
-
+    # -- powers, as the Triton printer writes them --------------------------------------------
     def _pow(self, base, exp) -> str:
         b = self.p(base)
         if exp.is_Integer:

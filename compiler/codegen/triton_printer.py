@@ -14,8 +14,9 @@ import struct
 import sympy
 import torch
 
+from compiler.codegen.expression_printer import ExpressionPrinter
 from compiler.ir.ops import primitives
-from compiler.ir.ops.primitives.base import NotPrintable
+from compiler.ir.ops.primitives.base import NotPrintable  # noqa: F401  (re-exported: the kernel writer imports it here)
 
 
 def literal(value) -> str:
@@ -37,11 +38,19 @@ def _exact_in_fp32(value) -> bool:
     return struct.unpack("f", struct.pack("f", value))[0] == value
 
 
-class TritonPrinter:
-    """Prints one expression; ``names`` maps each free symbol to a Triton variable."""
+class TritonPrinter(ExpressionPrinter):
+    """Prints one expression; ``names`` maps each free symbol to a Triton variable.
+
+    NOTE (GPU arithmetic): a quotient prints as ``/``, which Triton compiles to div.full.f32 in
+    fp32 (2 ulp), as Inductor's kernels do; eager's own CUDA kernels are not IEEE either where
+    they normalize (rsqrtf). The CUDA test mode's fp32 tolerance covers it (tests/devices.py).
+    Where an error would compound (the optimizer's update), the division is correctly rounded
+    (compiler/optimizers/combo.py)."""
+
+    language = "Triton"
 
     def __init__(self, names: dict, dtype=None):
-        self.names = names
+        super().__init__(names)
         # tl.sqrt_rn (IEEE-rounded, as eager) exists for fp32 only; fp64's tl.sqrt is IEEE.
         self.fp64 = str(dtype) == "torch.float64"
         # NOTE: in an integer kernel whole numbers print as integers: `2.0 * t0` would compute
@@ -51,30 +60,7 @@ class TritonPrinter:
             dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
         self.sqrt = "tl.sqrt" if self.fp64 else "tl.sqrt_rn"
 
-    def __call__(self, expr) -> str:
-        return self.p(expr)
-
-    def p(self, e) -> str:
-        if e.is_Symbol:
-            return self.names[e]
-        primitive = primitives.head(e.func) if isinstance(e, sympy.Function) else None
-        if e.is_number and primitive is not None and primitive.folds_constants():
-            try:  # log(2), exp(1), ...: one constant, evaluated exactly here, not in fp32 on device
-                e = sympy.Float(e.evalf(30), 30)
-            except (TypeError, ValueError):
-                pass
-        if e.is_number and not isinstance(e, sympy.Function):
-            if e.is_extended_real is False:
-                raise NotPrintable(f"complex constant {e}")
-            return self._literal(e)
-        if e.is_Add:
-            return "(" + " + ".join(self.p(a) for a in e.args) + ")"
-        if e.is_Mul:
-            return self._mul(e)
-        if e.is_Pow:
-            return self._pow(e.base, e.exp)
-        if primitive is None:
-            raise NotPrintable(f"no Triton lowering for {e.func.__name__}")
+    def render(self, primitive, e) -> str:
         return primitive.render(self, e)
 
     def whole(self, text: str) -> str:
@@ -82,7 +68,7 @@ class TritonPrinter:
         types it fp32, so in an fp64 kernel it is made fp64 (sign(x) fed to cos in fp64)."""
         return f"tl.full([], {text}, tl.float64)" if self.fp64 and not text.startswith("tl.full") else text
 
-    def _literal(self, value) -> str:
+    def literal(self, value) -> str:
         if self.integer and value.is_number and value.is_finite and float(value).is_integer():
             return str(int(value))
         if self.fp64 and not _exact_in_fp32(value):
@@ -90,25 +76,6 @@ class TritonPrinter:
             # branches of tl.where, a product with an fp32 value): keep all 53 bits.
             return f"tl.full([], {literal(value)}, tl.float64)"
         return literal(value)
-
-    def _mul(self, e) -> str:
-        # NOTE (GPU arithmetic): a quotient prints as ``/``, which Triton compiles to div.full.f32 in
-        # fp32 (2 ulp), as Inductor's kernels do; eager's own CUDA kernels are not IEEE either where
-        # they normalize (rsqrtf). The CUDA test mode's fp32 tolerance covers it (tests/devices.py).
-        # Where an error would compound (the optimizer's update), the division is correctly rounded
-        # (compiler/optimizers/combo.py).
-        num, den = [], []
-        for factor in e.args:
-            if factor.is_Pow and factor.exp.is_number and factor.exp.is_negative and factor.exp.is_Integer:
-                den.append(self._pow(factor.base, -factor.exp))
-            elif factor.is_Rational and not factor.is_Integer:
-                num.append(self._literal(factor))
-            else:
-                num.append(self.p(factor))
-        text = " * ".join(num) if num else self._literal(sympy.Integer(1))
-        if den:
-            text = f"{text} / ({' * '.join(den)})"
-        return f"({text})"
 
     def _pow(self, base, exp) -> str:
         if base.is_number and not exp.is_number:  # 2.0 ** x: the literal base takes x's dtype (libdevice)
@@ -118,7 +85,7 @@ class TritonPrinter:
         if exp.is_Integer:
             n = int(exp)
             if n == 0:
-                return self._literal(sympy.Integer(1))
+                return self.literal(sympy.Integer(1))
             if 0 < n <= 8:
                 return "(" + " * ".join([b] * n) + ")"
             if -8 <= n < 0:
