@@ -138,8 +138,13 @@ def compile_region(region, name: str, backend: str) -> None:
 
 def compile_optimizer_step(step, name: str, backend: str) -> None:
     """Compile a fused optimizer step's combo kernels now (``runtime.optimizer_step.FusedOptimizerStep``;
-    on a CPU path the optimizer's own step runs: nothing to compile)."""
-    if backend not in BACKENDS or backend == "cpp" or workers() == 0:
+    C++ functions for ``backend="cpp"``; on the torch path the optimizer's own step runs: nothing to
+    compile)."""
+    if backend not in BACKENDS or workers() == 0:
+        return
+    if backend == "cpp":
+        compile_jobs([Job(launch.name, launch, [], ()) for launch in step.launches if hasattr(launch, "prepare")],
+                     None)
         return
     jobs, device = step.ahead_of_time()
     seconds = compile_jobs(jobs, device)

@@ -88,3 +88,55 @@ class CppKernel:
         lines.append("    if bad:\n        raise IndexError(message)")
         exec(compile("\n".join(lines) + "\n", f"<symgrad C++ call of {self.name}>", "exec"), names)
         return names["kernel"]
+
+
+@dataclass
+class CppComboLaunch:
+    """A fused optimizer step's update of several parameters in one C++ call (``backend="cpp"``),
+    where a ``runtime.optimizer_step.ComboLaunch`` launches a Triton combo kernel: the same
+    ``launch(tensors, scalars, device)``, ``members`` and ``bytes_moved``. ``tensors`` are, per
+    member, its parameter, gradient and state tensors (contiguous, of the kernel's dtype)."""
+    name: str
+    source: str              # ``compiler.optimizers.cpp_combo.cpp_combo_source``'s
+    members: list
+    scalar_names: list
+    integer_scalars: tuple   # those passed as int64 (the others in the kernel's dtype)
+    dtype: torch.dtype
+    chunks: tuple            # (member, begin, end) per chunk, flattened (``cpp_combo.chunk_table``)
+    parallel: bool           # the chunks spread over threads
+    bytes_moved: int
+    profile_name: str | None = field(default=None, repr=False, compare=False)
+    _fn: object = field(default=None, repr=False, compare=False)
+    _table: object = field(default=None, repr=False, compare=False)
+
+    def name_in_profiles(self, name: str) -> None:
+        self.profile_name = name
+
+    def prepare(self, args=None, key=None) -> None:
+        """Build (or find) and load the function now (``runtime.ahead_of_time``'s job)."""
+        if self._fn is None:
+            real = ctypes.c_float if self.dtype == torch.float32 else ctypes.c_double
+            scalars = [ctypes.c_int64 if n in self.integer_scalars else real for n in self.scalar_names]
+            self._fn = cpp_build.load(self.name, self.source,
+                                      [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, *scalars])
+            self._table = (ctypes.c_int64 * len(self.chunks))(*self.chunks)
+
+    def launch(self, tensors: list, scalars: dict, device) -> None:
+        if not self.chunks:  # parameters with no elements
+            return
+        if self._fn is None:
+            self.prepare()
+        pointers = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+        numbers = [scalars[n] for n in self.scalar_names]
+        if torch.autograd._profiler_enabled():   # (named as the Triton combo kernels are)
+            from torch.autograd.profiler import record_function
+
+            with record_function(self.profile_name or f"symgrad kernel {self.name}"):
+                self._fn(pointers, self._table, len(self.chunks) // 3, int(self.parallel), *numbers)
+            return
+        self._fn(pointers, self._table, len(self.chunks) // 3, int(self.parallel), *numbers)
+
+    def __getstate__(self):   # (the loaded library is loaded again after unpickling)
+        state = self.__dict__.copy()
+        state["_fn"] = state["_table"] = None
+        return state

@@ -215,7 +215,8 @@ class FusedOptimizerStep:
         self.groups = groups
         self.stats = stats
         # what it was built for (``runtime.backends``; default: what this thread builds for now):
-        # "torch" leaves CPU parameters to the optimizer's own step (its foreach kernels)
+        # "torch" leaves CPU parameters to the optimizer's own step (its foreach kernels); "cpp"
+        # launches C++ functions (``runtime.cpp_kernels.CppComboLaunch``)
         self.backend = backend or backends.chosen()
 
     @property
@@ -258,7 +259,7 @@ class FusedOptimizerStep:
             # the host, which the graph would bake in. Eager's own step raises unless its groups are
             # capturable (then its scalars live on the device): it runs, and decides.
             return None
-        if backends.cpu_path(self.backend):
+        if self.backend == "torch":
             on_cpu = self.__dict__.get("_on_cpu")
             if on_cpu is None:  # (the parameters' device: fixed while the replay's guards hold)
                 on_cpu = self._on_cpu = _on_cpu(optimizer)

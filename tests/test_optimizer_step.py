@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import compiler
+from tests.devices import BACKENDS, KERNELS
 from tests.parity import assert_ran_compiled
 
 STEPS = 20
@@ -76,7 +77,7 @@ def _assert_same_versions(eager_opt, ours_opt, i, start):
     assert ours == eager, f"step {i}: version counters {ours} vs eager's {eager}"
 
 
-def _run_both(make_optimizer, dtype, steps=STEPS, layers=2, scheduler=None, between=None):
+def _run_both(make_optimizer, dtype, steps=STEPS, layers=2, scheduler=None, between=None, backend="auto"):
     """The same training step, eager and compiled, from the same start; compares parameters and
     optimizer state after every step. Returns the compiled function and the optimizers; the
     compiled function's ``launches_per_step`` lists its optimizer launches in each step."""
@@ -84,7 +85,7 @@ def _run_both(make_optimizer, dtype, steps=STEPS, layers=2, scheduler=None, betw
     ours_model = copy.deepcopy(eager_model)
     eager_opt, ours_opt = make_optimizer(eager_model.parameters()), make_optimizer(ours_model.parameters())
     schedulers = [scheduler(eager_opt), scheduler(ours_opt)] if scheduler else []
-    step = compiler.compile(training_step)
+    step = compiler.compile(training_step, backend=backend)
     x, y = _batch(dtype)
     tol = TOLERANCE[dtype]
     step.launches_per_step = []
@@ -106,7 +107,7 @@ def _run_both(make_optimizer, dtype, steps=STEPS, layers=2, scheduler=None, betw
         _assert_same_versions(eager_opt, ours_opt, i, start)
         for s in schedulers:
             s.step()
-    assert_ran_compiled(step)
+    assert_ran_compiled(step, backend=KERNELS if backend == "auto" else backend)
     return step, eager_opt, ours_opt
 
 
@@ -129,14 +130,17 @@ OPTIMIZERS = {
 # every optimizer in float64 (math), the common ones in float32 too (eager's rounding)
 @pytest.mark.parametrize("name, dtype", [(name, torch.float64) for name in OPTIMIZERS]
                          + [(name, torch.float32) for name in ("sgd_momentum", "adamw", "adam_decay_amsgrad")])
-def test_fused_step_tracks_eager_for_20_steps(name, dtype):
-    step, _, _ = _run_both(OPTIMIZERS[name], dtype)
+@pytest.mark.parametrize("backend", ["auto"] + [b for b in BACKENDS if b == "cpp"])
+def test_fused_step_tracks_eager_for_20_steps(name, dtype, backend):
+    """(``cpp``: the update is a C++ function, ``compiler.optimizers.cpp_combo``, not a Triton kernel)"""
+    step, _, _ = _run_both(OPTIMIZERS[name], dtype, backend=backend)
     assert step.stats["optimizer_launches"] >= STEPS - 4  # fused from the first replay on
     assert step.stats["captures"] <= 2  # (the first step creates the optimizer's state: one more)
     report = step.last_entry.report
     assert not report.fallbacks
     assert [k.phase for k in report.kernels].count("optimizer") == 1
     assert "[optimizer] optimizer_" in str(report)
+    assert ("_cpp_" in str(report)) == (backend == "cpp")
 
 
 @pytest.mark.parametrize("flags", [dict(foreach=True), dict(foreach=False), dict(fused=True)])

@@ -526,8 +526,9 @@ class _CppWriter:
     def write_columns(self) -> CppKernelSource:
         """A kernel that reduces its leading dims (a weight's gradient summed over the batch): blocks
         of columns spread over threads; each block's accumulators, one per column, updated row by
-        row by an inner loop over the block's consecutive columns (the compiler vectorizes it: no
-        column's sum depends on another's), then stored. Scalar code."""
+        row by an inner loop over the block's consecutive columns (no column's sum depends on
+        another's): a vector body over a register's worth of columns where the kept part is one dim
+        and one float dtype is used, the scalar body for the rest, then the sums stored."""
         shape, rdims = tuple(self.plan.shape), tuple(self.plan.reduce_dims)
         lead = len(rdims)
         reduced, kept = numel(shape[:lead]), numel(shape[lead:])
@@ -544,45 +545,76 @@ class _CppWriter:
             (r_lines if d < lead else c_lines).append(f"const int64_t i{d} = {term};")
             index.append(variable_index(f"i{d}"))
         index = tuple(index)
-        accumulators, updates, finals, elements = [], [], [], []
+        accumulators, finals = [], []
         for out, root in enumerate(self.stores):
             dtype = meta_of(root).dtype
             if kind_of(root) != OpKind.REDUCTION:
                 if tuple(meta_of(root).shape) != shape:
                     raise NotPrintable("an output stored in another shape than the kernel's space")
-                var, _ = self.value(root, index)
-                elements.append(f"out{out}[r * {kept} + c] = static_cast<{C_TYPE[dtype]}>({var});")
                 continue
             name, acc_dtype = root.target.name, compute_dtype(dtype)
             if name not in ("sum", "mean", "amax") or acc_dtype.is_complex or numel(meta_of(root).shape) != kept:
                 raise NotPrintable(f"a {name} over columns of {acc_dtype}")
-            var, have = self.value(root.args[0], index)
-            var = self.cast(var, have, acc_dtype)
             acc, ctype = f"acc{out}", C_TYPE[acc_dtype]
-            init = "-INFINITY" if name == "amax" else "0"
             accumulators.append(f"{ctype} {acc}[{_COLUMN_BLOCK}];")
-            accumulators.append(f"for (int64_t k = 0; k < {_COLUMN_BLOCK}; ++k) {acc}[k] = {init};")
-            at = f"{acc}[c - cb]"
-            updates.append(f"{at} = ({var} > {at} || {var} != {var}) ? {var} : {at};" if name == "amax"
-                           else f"{at} += {var};")
+            accumulators.append(f"for (int64_t k = 0; k < {_COLUMN_BLOCK}; ++k) {acc}[k] = "
+                                f"{'-INFINITY' if name == 'amax' else '0'};")
             scale = root.target.scale(root)
-            total = at if scale == 1.0 else f"{at} * {CppPrinter({}, acc_dtype).literal(sympy.Float(scale))}"
+            total = f"{acc}[c - cb]" if scale == 1.0 else \
+                f"{acc}[c - cb] * {CppPrinter({}, acc_dtype).literal(sympy.Float(scale))}"
             finals.append(f"out{out}[c] = static_cast<{C_TYPE[dtype]}>({total});")
+        # the vector body's lanes are consecutive columns: the kept part must be one dim (its index c)
+        self.row_vector_dtype = self._one_float_dtype() if lead == len(shape) - 1 and kept > 1 else None
+        vector, (scalar, scalar_step) = self.vector_and_scalar(lambda: self.column_step(index, kept))
+        column_loop = ["            int64_t c = cb;"]
+        if vector is not None:
+            column_loop += ["#ifndef SYMGRAD_SCALAR_ONLY", "            for (; c + V::size() <= ce; c += V::size()) {",
+                            *[f"                {line}" for line in c_lines + vector[0] + vector[1]],
+                            "            }", "#endif"]
+        column_loop += ["            for (; c < ce; ++c) {",
+                        *[f"                {line}" for line in c_lines + scalar + scalar_step], "            }"]
         blocks = -(-kept // _COLUMN_BLOCK)
         parallel = blocks > 1 and reduced * kept >= PARALLEL_MIN
-        loop = ([_PARALLEL] if parallel else []) + [
-            f"    for (int64_t block = 0; block < {blocks}; ++block) {{",
-            f"        const int64_t cb = block * {_COLUMN_BLOCK};",
-            f"        const int64_t ce = cb + {_COLUMN_BLOCK} < {kept} ? cb + {_COLUMN_BLOCK} : {kept};",
-            *[f"        {line}" for line in accumulators],
-            f"        for (int64_t r = 0; r < {reduced}; ++r) {{",
-            *[f"            {line}" for line in r_lines],
-            "            for (int64_t c = cb; c < ce; ++c) {",
-            *[f"                {line}" for line in c_lines + self.lines + updates + elements],
-            "            }", "        }",
-            "        for (int64_t c = cb; c < ce; ++c) {", *[f"            {line}" for line in finals], "        }",
-            "    }"]
-        return self.assemble(loop, loop, None)
+
+        def loop(columns):
+            return ([_PARALLEL] if parallel else []) + [
+                f"    for (int64_t block = 0; block < {blocks}; ++block) {{",
+                f"        const int64_t cb = block * {_COLUMN_BLOCK};",
+                f"        const int64_t ce = cb + {_COLUMN_BLOCK} < {kept} ? cb + {_COLUMN_BLOCK} : {kept};",
+                *[f"        {line}" for line in accumulators],
+                f"        for (int64_t r = 0; r < {reduced}; ++r) {{",
+                *[f"            {line}" for line in r_lines], *columns, "        }",
+                "        for (int64_t c = cb; c < ce; ++c) {", *[f"            {line}" for line in finals], "        }",
+                "    }"]
+        # (the strided function: scalar only, its loads' lanes need not be consecutive)
+        plain = column_loop if vector is None else column_loop[:1] + column_loop[column_loop.index("#endif") + 1:]
+        return self.assemble(loop(column_loop), loop(plain), self.row_vector_dtype if vector is not None else None)
+
+    def column_step(self, index: tuple, kept: int) -> list:
+        """What one column (or, in the vector body, a register's worth of columns from ``c``) does
+        at row ``r``: each sum's accumulator added to, each elementwise output stored."""
+        updates, elements = [], []
+        vector = self.vector_dtype is not None
+        for out, root in enumerate(self.stores):
+            dtype = meta_of(root).dtype
+            if kind_of(root) != OpKind.REDUCTION:
+                var, have = self.value(root, index)
+                if vector and have != dtype:
+                    raise NotPrintable(f"a {have} value stored as {dtype} in a vector body")
+                elements.append(f"({var}).store(out{out} + r * {kept} + c);" if vector
+                                else f"out{out}[r * {kept} + c] = static_cast<{C_TYPE[dtype]}>({var});")
+                continue
+            var, have = self.value(root.args[0], index)
+            var = self.cast(var, have, compute_dtype(dtype))
+            at = f"acc{out}[c - cb]"
+            if vector:
+                held = f"V::loadu(acc{out} + (c - cb))"
+                new = f"at::vec::maximum({held}, {var})" if root.target.name == "amax" else f"{held} + {var}"
+                updates.append(f"({new}).store(acc{out} + (c - cb));")
+            else:
+                updates.append(f"{at} = ({var} > {at} || {var} != {var}) ? {var} : {at};"
+                               if root.target.name == "amax" else f"{at} += {var};")
+        return updates + elements
 
     def row_value(self, root: fx.Node, rows: int) -> str:
         """An epilogue root's value at the current row, computed at row level after the reductions

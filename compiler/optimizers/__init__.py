@@ -22,10 +22,13 @@ import weakref
 import torch
 
 from compiler.optimizers import clip
+from compiler.codegen.cpp_kernel import PARALLEL_MIN
 from compiler.optimizers.combo import BLOCK, MAX_PARAMETERS, NUM_WARPS, combo_source
+from compiler.optimizers.cpp_combo import chunk_table, cpp_combo_source
 from compiler.optimizers.rules import rule_for
 from compiler.report.explain import KernelInfo
-from runtime import ahead_of_time, clip_grad
+from runtime import ahead_of_time, backends, clip_grad
+from runtime.cpp_kernels import CppComboLaunch
 from runtime.fallback import internal_error
 from runtime.optimizer_step import ComboLaunch, FusedOptimizerStep, GroupStep
 
@@ -163,18 +166,18 @@ def _fuse(optimizer, given_arguments, grads, stats) -> FusedOptimizerStep:
                        "(it fuses torch.optim.SGD, Adam and AdamW themselves, not subclasses)")
     if given_arguments:
         raise NotFused("step() was given a closure")
-    groups = []
+    groups, backend = [], backends.chosen()
     if len(grads) != len(optimizer.param_groups):
         raise NotFused("its parameter groups changed during the step")
     for index, (group, group_grads) in enumerate(zip(optimizer.param_groups, grads)):
         refused = rule.refuse(optimizer, group)
         if refused:
             raise NotFused(f"parameter group {index}: {refused}")
-        groups.append(_fuse_group(optimizer, rule, index, group, group_grads))
-    return FusedOptimizerStep(optimizer, groups, stats)
+        groups.append(_fuse_group(optimizer, rule, index, group, group_grads, backend))
+    return FusedOptimizerStep(optimizer, groups, stats, backend)
 
 
-def _fuse_group(optimizer, rule, index, group, grads) -> GroupStep:
+def _fuse_group(optimizer, rule, index, group, grads, backend: str) -> GroupStep:
     key = rule.key(group)
     state_keys = rule.state_keys(key)
     updated, device = [], None
@@ -217,9 +220,14 @@ def _fuse_group(optimizer, rule, index, group, grads) -> GroupStep:
         for chunk in range(0, len(members), MAX_PARAMETERS):
             part = members[chunk:chunk + MAX_PARAMETERS]
             numels = [updated[m][1] * (2 if dtype.is_complex else 1) for m in part]
-            name, source, scalar_names, grid = combo_source(rule, key, real, numels)
             # reads: parameter, gradient, state; writes: parameter, state (and the gradient: nesterov's foreach)
             moved = sum(numels) * real.itemsize * (2 + len(state_keys) + len(rule.stores(key)))
+            if backend == "cpp" and device is not None and device.type == "cpu":
+                name, source, scalar_names = cpp_combo_source(rule, key, real)
+                launches.append(CppComboLaunch(name, source, part, scalar_names, rule.integer_scalars, real,
+                                               tuple(chunk_table(numels)), sum(numels) >= PARALLEL_MIN, moved))
+                continue
+            name, source, scalar_names, grid = combo_source(rule, key, real, numels)
             launches.append(ComboLaunch(name, source, part, scalar_names, grid, BLOCK, NUM_WARPS, moved))
     writes = rule.in_place_writes(key)  # (per parameter the kernels take: parameter, gradient, state)
     bumps = (writes["p"], writes.get("g", 0), *[writes[name] for name in rule.state_names(key)])

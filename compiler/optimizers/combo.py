@@ -41,11 +41,11 @@ def combo_source(rule, key, dtype, numels) -> tuple:
     exact = dtype == torch.float32
     body = [line.replace("SQRT(", "tl.sqrt_rn(" if exact else "tl.sqrt(").replace("DIV(", "tl.div_rn(" if exact
                                                                                   else "_div(")
-            for line in rule.body(key)]
+            .replace("WHERE(", "tl.where(") for line in rule.body(key)]
     scalar_type = _TRITON_DTYPE[dtype]
 
     def scalar_param(name):
-        return f"{name}: 'i32'" if name == "lerp_low" else f"{name}: '{scalar_type}'"
+        return f"{name}: 'i32'" if name in rule.integer_scalars else f"{name}: '{scalar_type}'"
 
     lines = ["import triton", "import triton.language as tl", "", "",
              "@triton.jit", "def _div(a, b):", "    return a / b", "", "",

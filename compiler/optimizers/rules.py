@@ -4,7 +4,7 @@ Each rule says, for one parameter group, whether it can be fused (else why not),
 the group's settings change the kernel (its *key*: a change runs the step eagerly), which
 state tensors each parameter has, the per-step scalars, computed on the host in double
 precision exactly as eager's ``_single_tensor_*`` functions compute them, and the elementwise
-update as Triton statements over loaded values (``p``, ``g``, the state's names, and the
+update as statements over loaded values (``p``, ``g``, the state's names, and the
 scalars by name). The scalars are kernel arguments, never constants: an LR scheduler
 changing ``lr`` changes an argument, not the kernel.
 
@@ -42,6 +42,7 @@ class Rule:
 
     scalar_settings: tuple = ()   # the group's settings read as scalars each step
     scalar_names: tuple = ()      # the kernel's scalar arguments (``scalars``' keys)
+    integer_scalars: tuple = ()   # those that are integers (the others are in the parameters' dtype)
 
     def key(self, group) -> tuple:
         """The group's settings that change the kernel's statements."""
@@ -70,8 +71,11 @@ class Rule:
         raise NotImplementedError
 
     def body(self, key) -> list:
-        """Triton statements: read the loaded ``p``, ``g``, state values; assign the new ones.
-        ``SQRT(x)`` and ``DIV(a, b)`` are written so: correctly rounded in fp32 (``combo_source``)."""
+        """Statements, ``name = expression``: read the loaded ``p``, ``g``, state values and the
+        scalars; assign the new ones. Expressions use Python's operators (``|`` between
+        comparisons) and three functions each backend writes its own way: ``WHERE(c, a, b)``,
+        ``SQRT(x)`` and ``DIV(a, b)``, the last two correctly rounded in fp32 (``combo.combo_source``
+        for Triton, ``cpp_combo.cpp_combo_source`` for C++)."""
         raise NotImplementedError
 
     def stores(self, key) -> tuple:
@@ -170,6 +174,7 @@ class AdamRule(Rule):
     scalar_settings = ("lr", "beta1", "beta2", "eps", "weight_decay")
     scalar_names = ("decay", "weight_decay", "lerp_low", "weight", "one_minus_weight", "beta2", "one_minus_beta2",
                     "bias_correction2_sqrt", "eps", "neg_step_size")
+    integer_scalars = ("lerp_low",)
 
     def key(self, group):
         decoupled = bool(group.get("decoupled_weight_decay", False))
@@ -216,12 +221,12 @@ class AdamRule(Rule):
         if decay:
             lines.append("p = p * decay" if decoupled else "g = g + weight_decay * p")
         # lerp as ATen computes it: from the nearer end, by the weight's size
-        lines.append("exp_avg = tl.where(lerp_low != 0, exp_avg + weight * (g - exp_avg), "
+        lines.append("exp_avg = WHERE(lerp_low != 0, exp_avg + weight * (g - exp_avg), "
                      "g - (g - exp_avg) * one_minus_weight)")
         lines.append("exp_avg_sq = exp_avg_sq * beta2 + one_minus_beta2 * g * g")
         second = "exp_avg_sq"
         if amsgrad:  # torch.maximum: NaN wins
-            lines.append("max_exp_avg_sq = tl.where((max_exp_avg_sq < exp_avg_sq) | (exp_avg_sq != exp_avg_sq), "
+            lines.append("max_exp_avg_sq = WHERE((max_exp_avg_sq < exp_avg_sq) | (exp_avg_sq != exp_avg_sq), "
                          "exp_avg_sq, max_exp_avg_sq)")
             second = "max_exp_avg_sq"
         lines.append(f"denom = DIV(SQRT({second}), bias_correction2_sqrt) + eps")
