@@ -48,7 +48,8 @@ def compile(fn=None, *, backend: str = "auto", fullgraph: bool = False, memory: 
     ops), ``"cpp"`` (CPU tensors: the kernels the C++ printer writes compiled by the system's C++
     compiler, the others as ``"torch"``), ``"interpret"`` (the Triton kernels in Triton's
     interpreter, CPU tensors), ``"eager"`` (the function unmodified) and ``"auto"`` (triton on
-    CUDA, torch on CPU; ``SYMGRAD_CPU_BACKEND=interpret`` makes it interpret). The first call
+    CUDA; on CPU cpp where a C++ compiler works, else torch; ``SYMGRAD_CPU_BACKEND`` names another).
+    The first call
     with new shapes runs eagerly while it records; later calls run the compiled kernels. With
     ``fullgraph=True``, anything that would run eagerly raises ``CompileError`` instead.
 

@@ -152,6 +152,13 @@ def compile_optimizer_step(step, name: str, backend: str) -> None:
         log.debug("compiler: %s: %d optimizer kernels compiled ahead in %.2f s", name, len(jobs), seconds)
 
 
+def compile_clip(plan) -> None:
+    """Build a fused ``clip_grad_norm_``'s C++ functions now (``runtime.clip_grad.FusedClipGradNorm``
+    built for ``backend="cpp"``; its Triton kernels compile at their first launch)."""
+    if plan.cpp is not None and workers() != 0:
+        compile_jobs([Job(plan.cpp.norm.name, plan.cpp, [], ())], None)
+
+
 def extern_kernel_jobs(program, device) -> list:
     """Jobs for our kernels that extern calls launch themselves (flash attention's): found by running
     ``program`` on the meta device from its recorded input shapes (contiguous), each such call

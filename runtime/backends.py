@@ -6,8 +6,9 @@ capture, SymPy backward and runtime), ``cpp`` (the CPU path with each kernel tha
 compiled by the system's compiler, ``compiler.codegen.cpp_kernel``; the others as ``torch``),
 ``interpret`` (the real Triton kernels in Triton's interpreter: slow, used by the tests), ``eager``
 (the function unmodified). ``auto`` picks
-``triton`` for CUDA tensors and ``torch`` for CPU tensors, or what ``SYMGRAD_CPU_BACKEND`` names
-(``interpret``: the test suite sets it, so its default runs the real kernels).
+``triton`` for CUDA tensors; for CPU tensors ``cpp`` where a working C++ compiler is found, else
+``torch``, or what ``SYMGRAD_CPU_BACKEND`` names (``interpret``: the test suite sets it, so its
+default runs the real kernels).
 
 Triton's interpreter is chosen per process, before Triton is first imported
 (``TRITON_INTERPRET=1``): once Triton is imported normally its standard library cannot be
@@ -35,7 +36,7 @@ class BackendUnavailable(RuntimeError):
 
 BACKENDS = ("auto", "triton", "torch", "cpp", "interpret", "eager")
 CPU_PATHS = ("torch", "cpp")   # backends whose programs run CPU tensors without Triton (``cpu_path``)
-CPU_BACKEND_ENV = "SYMGRAD_CPU_BACKEND"   # what ``auto`` runs CPU tensors with: torch (default) or interpret
+CPU_BACKEND_ENV = "SYMGRAD_CPU_BACKEND"   # what ``auto`` runs CPU tensors with: cpp, torch or interpret
 
 
 def prepare_process() -> None:
@@ -65,12 +66,30 @@ def interpreting() -> bool:
 
 
 def auto_cpu_backend() -> str:
-    """What ``backend="auto"`` runs CPU tensors with: ``$SYMGRAD_CPU_BACKEND`` or ``torch``."""
-    name = os.environ.get(CPU_BACKEND_ENV, "").strip() or "torch"
-    if name not in ("torch", "interpret"):
-        raise ValueError(f"{CPU_BACKEND_ENV}={name!r}: choose torch (PyTorch's CPU kernels) or interpret "
-                         "(Triton's interpreter)")
+    """What ``backend="auto"`` runs CPU tensors with: ``$SYMGRAD_CPU_BACKEND``, else ``cpp`` where a
+    working C++ compiler is found (``runtime.cpp_build``), else ``torch`` (said once, with why)."""
+    name = os.environ.get(CPU_BACKEND_ENV, "").strip()
+    if not name:
+        return _default_cpu_backend()
+    if name not in ("cpp", "torch", "interpret"):
+        raise ValueError(f"{CPU_BACKEND_ENV}={name!r}: choose cpp (C++ kernels built by the system's compiler), "
+                         "torch (PyTorch's CPU kernels) or interpret (Triton's interpreter)")
     return name
+
+
+@functools.lru_cache(maxsize=None)
+def _default_cpu_backend() -> str:
+    from runtime import cpp_build
+
+    found, why_not = cpp_build.available()
+    if found:
+        return "cpp"
+    import logging
+
+    logging.getLogger("symgrad").warning(
+        "symgrad: CPU tensors run on the torch path (each fused kernel as PyTorch ops), not as C++ kernels: %s",
+        why_not)
+    return "torch"
 
 
 # NOTE: the backend of the compiled call this thread is making (``choose``/``use`` set it at each
@@ -189,9 +208,14 @@ def _choose(backend: str, device_type: str | None) -> tuple[str, str]:
     if backend == "auto":
         if device_type == "cuda":
             backend, why = "triton", "CUDA tensors: Triton kernels"
+        elif auto_cpu_backend() == "cpp":
+            backend, why = "cpp", ("CPU tensors: each fused kernel compiled to C++ by the system's compiler "
+                                   "(backend='torch' runs them as PyTorch ops, backend='interpret' the Triton "
+                                   "kernels in Triton's interpreter)")
         elif auto_cpu_backend() == "torch":
-            backend, why = "torch", ("CPU tensors: each fused kernel runs as PyTorch CPU ops (the generated Triton "
-                                     "kernels run in Triton's interpreter with backend='interpret')")
+            backend, why = "torch", ("CPU tensors: each fused kernel runs as PyTorch CPU ops (no C++ compiler "
+                                     "found; the generated Triton kernels run in Triton's interpreter with "
+                                     "backend='interpret')")
         else:
             backend, why = "interpret", (f"CPU tensors, {CPU_BACKEND_ENV}=interpret: the generated Triton kernels "
                                          "run in Triton's interpreter")

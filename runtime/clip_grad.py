@@ -51,10 +51,13 @@ class FusedClipGradNorm:
     stats: dict | None = None
     # what it was built for (``runtime.backends``): "torch" leaves CPU gradients to PyTorch's own clip
     backend: str = field(default_factory=backends.chosen)
+    cpp: object = None           # ``runtime.cpp_kernels.CppClip``: the C++ functions (backend="cpp", CPU)
     _bounds_on: dict = field(default_factory=dict, repr=False)  # device -> ``bounds`` as an int32 tensor
 
     @property
     def launches(self) -> list:
+        if self.cpp is not None:
+            return self.cpp.functions
         return self.partial_launches + [self.finalize] + self.scale_launches
 
     def run(self, params, max_norm, norm_type, error_if_nonfinite, foreach):
@@ -72,8 +75,10 @@ class FusedClipGradNorm:
         if grads is None:
             return None
         device = grads[0].device
+        if device.type == "cpu" and self.cpp is not None:
+            return self._run_cpp(grads, max_norm, error_if_nonfinite)
         if device.type == "cpu" and backends.cpu_path(self.backend):
-            return None   # the CPU path: PyTorch's own clip (its foreach kernels)
+            return None   # the torch path: PyTorch's own clip (its foreach kernels)
         bounds = self._bounds_on.get(device)
         if bounds is None:
             bounds = self._bounds_on[device] = torch.tensor(self.bounds, dtype=torch.int32, device=device)
@@ -97,6 +102,21 @@ class FusedClipGradNorm:
             launch.launch([grads[m] for m in launch.members] + [scratch[count:]], {}, device)
         torch._C._increment_version(grads)  # as eager's grad.mul_ (the kernels write unseen)
         self._count(launches + len(self.scale_launches))
+        return total
+
+    def _run_cpp(self, grads, max_norm, error_if_nonfinite):
+        """``run`` with the C++ functions (``runtime.cpp_kernels.CppClip``): the same checks and errors."""
+        scalars = (_rounded(float(max_norm), self.dtype), _rounded(1e-6, self.dtype))
+        total, coef, pointers = self.cpp.norm_and_coefficient(grads, *scalars)
+        if error_if_nonfinite and not math.isfinite(total.item()):
+            self._count(1)
+            raise RuntimeError(
+                f"The total norm of order {self.norm_type} for gradients from `parameters` is non-finite, so it "
+                "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
+                "set `error_if_nonfinite=False`")
+        self.cpp.scale_by(pointers, coef)
+        torch._C._increment_version(grads)  # as eager's grad.mul_ (the function writes unseen)
+        self._count(2)
         return total
 
     def _gradients(self, params):

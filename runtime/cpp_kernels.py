@@ -140,3 +140,69 @@ class CppComboLaunch:
         state = self.__dict__.copy()
         state["_fn"] = state["_table"] = None
         return state
+
+
+@dataclass
+class CppFunctionInfo:
+    """What ``explain`` lists of one C++ function of a fused call (``KernelInfo``'s fields)."""
+    name: str
+    source: str
+    bytes_moved: int
+    members: list
+    profile_name: str | None = None
+
+    def name_in_profiles(self, name: str) -> None:
+        self.profile_name = name
+
+
+@dataclass
+class CppClip:
+    """``clip_grad_norm_``'s fused call in C++ (``backend="cpp"``): a norm function (the total norm
+    and the clip coefficient) and a scale function (``compiler.optimizers.cpp_combo.cpp_clip_sources``),
+    over the gradients' chunk table."""
+    norm: CppFunctionInfo
+    scale: CppFunctionInfo
+    dtype: torch.dtype
+    chunks: tuple            # (member, begin, end) per chunk, flattened
+    firsts: tuple            # per member its first chunk, then the count
+    parallel: bool
+    _fns: object = field(default=None, repr=False, compare=False)
+
+    @property
+    def functions(self) -> list:
+        return [self.norm, self.scale]
+
+    def prepare(self, args=None, key=None) -> None:
+        if self._fns is None:
+            pointer, integer = ctypes.c_void_p, ctypes.c_int64
+            real = ctypes.c_float if self.dtype == torch.float32 else ctypes.c_double
+            head = [pointer, pointer, integer, integer]
+            norm = cpp_build.load(self.norm.name, self.norm.source,
+                                  head + [pointer, pointer, integer, pointer, pointer, real, real])
+            scale = cpp_build.load(self.scale.name, self.scale.source, head + [pointer])
+            tables = ((ctypes.c_int64 * len(self.chunks))(*self.chunks),
+                      (ctypes.c_int64 * len(self.firsts))(*self.firsts))
+            self._fns = (norm, scale, tables)
+
+    def norm_and_coefficient(self, grads: list, max_norm: float, eps: float):
+        """(the total norm, a 1-element tensor holding the clip coefficient), both new tensors."""
+        if self._fns is None:
+            self.prepare()
+        norm, _, (chunks, firsts) = self._fns
+        count = len(self.chunks) // 3
+        pointers = (ctypes.c_void_p * len(grads))(*[g.data_ptr() for g in grads])
+        partials = torch.empty(max(count, 1), dtype=torch.float64)
+        total, coef = torch.empty((), dtype=self.dtype), torch.empty(1, dtype=self.dtype)
+        norm(pointers, chunks, count, int(self.parallel), partials.data_ptr(), firsts, len(grads),
+             total.data_ptr(), coef.data_ptr(), max_norm, eps)
+        return total, coef, pointers
+
+    def scale_by(self, pointers, coef) -> None:
+        """Every gradient (``pointers``: as ``norm_and_coefficient`` gave them) times ``coef``."""
+        _, scale, (chunks, _) = self._fns
+        scale(pointers, chunks, len(self.chunks) // 3, int(self.parallel), coef.data_ptr())
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_fns"] = None
+        return state

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import compiler
+from tests.devices import BACKENDS, KERNELS
 from tests.parity import assert_ran_compiled
 
 STEPS = 6
@@ -44,7 +45,7 @@ def _batches(dtype, steps=STEPS):
         yield x, y
 
 
-def _run_both(step, dtype, batches, norm_type=2.0):
+def _run_both(step, dtype, batches, norm_type=2.0, backend="auto"):
     """Eager and compiled from the same start, compared after every step; returns the compiled
     function and, per step, whether eager's call clipped. ``compiled.launches_per_step``: the
     fused clip launches of each step."""
@@ -52,7 +53,7 @@ def _run_both(step, dtype, batches, norm_type=2.0):
     ours_model = copy.deepcopy(eager_model)
     eager_opt = torch.optim.SGD(eager_model.parameters(), lr=0.1, momentum=0.9)
     ours_opt = torch.optim.SGD(ours_model.parameters(), lr=0.1, momentum=0.9)
-    compiled = compiler.compile(step)
+    compiled = compiler.compile(step, backend=backend)
     tol = TOLERANCE[dtype]
     clipped = []
     compiled.launches_per_step = []
@@ -70,22 +71,27 @@ def _run_both(step, dtype, batches, norm_type=2.0):
             # (the scaling kernels write unseen: the gradients' versions move as eager's mul_)
             assert q.grad._version == p.grad._version, f"step {i}: gradient versions"
         clipped.append(expected_norm.item() > MAX_NORM[norm_type])
-    assert_ran_compiled(compiled)
+    assert_ran_compiled(compiled, backend=KERNELS if backend == "auto" else backend)
     return compiled, clipped
 
 
 @pytest.mark.parametrize("norm_type,dtype", [(2.0, torch.float32), (2.0, torch.float64),
                                              (math.inf, torch.float32), (1.0, torch.float64)])
-def test_clip_grad_norm_runs_fused_with_eagers_values(norm_type, dtype):
-    compiled, clipped = _run_both(_step(norm_type), dtype, _batches(dtype), norm_type)
+@pytest.mark.parametrize("backend", ["auto"] + [b for b in BACKENDS if b == "cpp"])
+def test_clip_grad_norm_runs_fused_with_eagers_values(norm_type, dtype, backend):
+    """(``cpp``: two C++ functions, the norm with the coefficient and the scaling,
+    ``compiler.optimizers.cpp_combo.cpp_clip_sources``)"""
+    compiled, clipped = _run_both(_step(norm_type), dtype, _batches(dtype), norm_type, backend)
     assert clipped == [False, True] * (STEPS // 2)  # clipping active on some steps, not on others
     # 4 gradients: one launch each for the partial norms, the total, the scaling (once the
     # recording settled: the first steps record, and meet gradients created, then zeroed)
-    assert compiled.launches_per_step[-2:] == [3, 3], compiled.launches_per_step
+    calls = 2 if backend == "cpp" else 3
+    assert compiled.launches_per_step[-2:] == [calls, calls], compiled.launches_per_step
     report = compiled.last_entry.report
     assert report.fallbacks == []
     names = [k.name for k in report.kernels if k.phase == "optimizer"]
-    assert sum(n.startswith("optimizer_clip_") for n in names) == 3, names
+    assert sum(n.startswith("optimizer_clip_") and (("_cpp_" in n) == (backend == "cpp")) for n in names) == calls, \
+        names
     for op in ("torch._foreach_norm", "linalg_vector_norm", "torch.stack", "torch.clamp", "torch._foreach_mul_"):
         assert op not in report.eager_calls, report.eager_calls
 
@@ -95,12 +101,13 @@ def test_foreach_false_gives_eagers_values_fused():
     assert compiled.launches_per_step[-2:] == [3, 3], compiled.launches_per_step
 
 
-def test_non_finite_norm_raises_eagers_error_with_gradients_unchanged():
+@pytest.mark.parametrize("backend", ["auto"] + [b for b in BACKENDS if b == "cpp"])
+def test_non_finite_norm_raises_eagers_error_with_gradients_unchanged(backend):
     step = _step(error_if_nonfinite=True)
     eager_model, ours_model = _model(torch.float32), _model(torch.float32)
     eager_opt = torch.optim.SGD(eager_model.parameters(), lr=0.1)
     ours_opt = torch.optim.SGD(ours_model.parameters(), lr=0.1)
-    compiled = compiler.compile(step)
+    compiled = compiler.compile(step, backend=backend)
     batches = list(_batches(torch.float32))
     for x, y in batches[:-1]:  # recorded, then replayed with the clip fused
         step(eager_model, eager_opt, x, y)
@@ -116,7 +123,8 @@ def test_non_finite_norm_raises_eagers_error_with_gradients_unchanged():
         compiled(ours_model, ours_opt, x, y)
     assert str(our_error.value) == str(eager_error.value)
     assert "non-finite" in str(our_error.value)
-    assert compiled.stats["clip_launches"] == launches + 2  # the fused call raised it, before its scaling
+    # the fused call raised it, before its scaling (C++: the norm's one function)
+    assert compiled.stats["clip_launches"] == launches + (1 if backend == "cpp" else 2)
     for p, q in zip(eager_model.parameters(), ours_model.parameters()):
         torch.testing.assert_close(q.grad, p.grad, equal_nan=True)  # left unscaled, as eager leaves them
         torch.testing.assert_close(q, p)

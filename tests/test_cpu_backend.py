@@ -54,10 +54,28 @@ def check(fn, args, tol=None, calls=3):
     return compiled
 
 
-def test_auto_picks_the_cpu_path_unless_told_to_interpret(monkeypatch):
+def test_auto_picks_cpp_where_a_compiler_works_else_the_torch_path_said_once(monkeypatch, caplog):
+    from runtime import cpp_build
+
     monkeypatch.delenv(backends.CPU_BACKEND_ENV, raising=False)
     backend, why = backends.choose("auto", "cpu")
-    assert backend == "torch" and "PyTorch CPU ops" in why
+    if cpp_build.available()[0]:
+        assert backend == "cpp" and "compiled to C++" in why
+    else:
+        assert backend == "torch" and "PyTorch CPU ops" in why
+    monkeypatch.setenv(backends.CPU_BACKEND_ENV, "torch")
+    assert backends.choose("auto", "cpu")[0] == "torch"
+    monkeypatch.delenv(backends.CPU_BACKEND_ENV)
+    # no working compiler: the torch path, and a warning saying why, once
+    monkeypatch.setattr(cpp_build, "available", lambda: (False, "no working C++ compiler with OpenMP (g++: not found)"))
+    backends._default_cpu_backend.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="symgrad"):
+            assert [backends.choose("auto", "cpu")[0] for _ in range(3)] == ["torch"] * 3
+        warned = [r.getMessage() for r in caplog.records if "torch path" in r.getMessage()]
+        assert len(warned) == 1 and "g++: not found" in warned[0], warned
+    finally:
+        backends._default_cpu_backend.cache_clear()
     monkeypatch.setenv(backends.CPU_BACKEND_ENV, "interpret")
     assert backends.choose("auto", "cpu")[0] == "interpret"
     monkeypatch.setenv(backends.CPU_BACKEND_ENV, "numpy")
@@ -68,7 +86,7 @@ def test_auto_picks_the_cpu_path_unless_told_to_interpret(monkeypatch):
 
 
 def test_explain_says_which_backend_ran(monkeypatch):
-    monkeypatch.delenv(backends.CPU_BACKEND_ENV, raising=False)
+    monkeypatch.setenv(backends.CPU_BACKEND_ENV, "torch")
     f = compiler.compile(lambda x: torch.tanh(x) * 2)
     x = torch.randn(8)
     f(x)

@@ -103,6 +103,11 @@ def compile_optimizer_steps(trace, recorded, stats=None) -> tuple:
             except clip.NotFused as e:
                 reasons.append(f"clip_grad_norm_ runs eagerly: {e}")
                 continue
+            try:
+                ahead_of_time.compile_clip(plan)
+            except ahead_of_time.KernelsDidNotCompile as e:   # a bug (strict: raises); the call runs eagerly
+                reasons.append(internal_error("clip_grad_norm_ (compiling its functions)", e))
+                continue
             clips[entry.start] = plan
             _name_for_profiler(plan.launches, "clip_grad_norm_")
             kernels.extend(_kernel_infos(plan.launches))

@@ -26,7 +26,11 @@ from dataclasses import dataclass
 import torch
 
 from compiler.optimizers.combo import BLOCK, MAX_PARAMETERS, NUM_WARPS, named, select_member
+from compiler.codegen.cpp_kernel import PARALLEL_MIN
+from compiler.optimizers.cpp_combo import chunk_table, cpp_clip_sources, first_chunks
+from runtime import backends
 from runtime.clip_grad import FusedClipGradNorm
+from runtime.cpp_kernels import CppClip, CppFunctionInfo
 from runtime.optimizer_step import ComboLaunch
 from runtime.trace import CallKind
 
@@ -138,11 +142,18 @@ def build(clip: ClipRecord, dtype, numels, with_grad, norm_type, stats) -> Fused
         scales.append(ComboLaunch(name, source, part, [], grid, BLOCK, NUM_WARPS, 2 * sum(sizes) * size))
     name, source = finalize_source(norm_type, dtype, len(numels))
     finalize = ComboLaunch(name, source, [], ["max_norm", "eps"], 1, BLOCK, NUM_WARPS, bounds[-1] * size)
+    cpp = None
+    if backends.chosen() == "cpp" and clip.grad_meta[0][2].type == "cpu":
+        (norm_name, norm_source), (scale_name, scale_source_) = cpp_clip_sources(norm_type, dtype)
+        members = list(range(len(numels)))
+        cpp = CppClip(CppFunctionInfo(norm_name, norm_source, sum(numels) * size, members),
+                      CppFunctionInfo(scale_name, scale_source_, 2 * sum(numels) * size, members), dtype,
+                      tuple(chunk_table(numels)), tuple(first_chunks(numels)), sum(numels) >= PARALLEL_MIN)
     return FusedClipGradNorm(
         end=clip.end, output_id=clip.output_id, params=clip.params, with_grad=with_grad, dtype=dtype,
         numels=numels, norm_type=float(clip.norm_type), error_if_nonfinite=clip.error_if_nonfinite,
         foreach=clip.foreach, partial_launches=partials, finalize=finalize, scale_launches=scales,
-        bounds=bounds, stats=stats)
+        bounds=bounds, stats=stats, cpp=cpp)
 
 
 # -- the kernels ---------------------------------------------------------------------------
