@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import compiler
-from tests.devices import KERNELS  # noqa: E402  (the CUDA test mode's: tests/devices.py)
+from tests.devices import BACKENDS, KERNELS  # noqa: E402  (the CUDA test mode's: tests/devices.py)
 from compiler.ir.ops import catalog as C
 
 transformers = pytest.importorskip("transformers")
@@ -128,7 +128,7 @@ def reason_op(reason: str) -> str:
     return reason.strip()
 
 
-def train_both(name, steps=3):
+def train_both(name, steps=3, backend="auto"):
     """Train copies of one model eagerly and compiled; returns (eager losses, compiled losses,
     eager model, compiled model, explain report, kernel launches of the last step, the compiled
     step's stats)."""
@@ -139,13 +139,14 @@ def train_both(name, steps=3):
     eager_step = training_step(model, eager_losses)
     for _ in range(steps):
         eager_step(**batch)
-    step = compiler.compile(training_step(compiled_model, compiled_losses))
+    step = compiler.compile(training_step(compiled_model, compiled_losses), backend=backend)
     report = compiler.explain(step, **batch)  # the first compiled call: runs once while recording
     launches = 0
     for _ in range(steps - 1):
         before = step.stats.get("kernel_launches", 0)
         step(**batch)
         launches = step.stats.get("kernel_launches", 0) - before
+    train_both.last_step = step   # (for a test that looks into its programs)
     return eager_losses, compiled_losses, model, compiled_model, report, launches, step.stats
 
 
@@ -171,6 +172,27 @@ def test_model_trains_like_eager(name):
     assert len(flash) == FLASH_ATTENTION.get(name, len(flash)), (name, len(flash))
     assert all(n.kwargs.get("rotary", False) == (name in ROTARY_INSIDE) for n in flash), name
     print(f"{name}: {launches} kernel launches per step; eager calls by design: {report.eager_calls}")
+
+
+@pytest.mark.skipif("cpp" not in BACKENDS, reason="no working C++ compiler here")
+@pytest.mark.parametrize("name", ["gpt2", "llama", "resnet"])
+def test_model_trains_like_eager_with_cpp_kernels(name):
+    """backend="cpp": every fused kernel of the step, AdamW's update included, is a C++ function."""
+    from runtime.cpp_kernels import CppComboLaunch, CppKernel
+
+    eager_losses, compiled_losses, eager, compiled, report, launches, stats = train_both(name, backend="cpp")
+    assert report.internal_errors == [] and report.backend == "cpp"
+    torch.testing.assert_close(torch.stack(compiled_losses), torch.stack(eager_losses), atol=1e-4, rtol=1e-4)
+    for (key, a), (_, b) in zip(compiled.state_dict().items(), eager.state_dict().items()):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m, key=key: f"{name}: {key}: {m}")
+    assert launches > 0 and stats["divergences"] == 0, stats
+    step = train_both.last_step
+    kernels = [k.torch_kernel for r in step.last_entry.trace.regions if r.compiled is not None
+               for p in (r.compiled.forward, r.compiled.backward) if p is not None for k in p.kernels]
+    assert kernels and all(isinstance(k, CppKernel) for k in kernels), \
+        [k.name for k in kernels if not isinstance(k, CppKernel)]
+    fused = [launch for plan in step.last_entry.trace.fused_steps.values() for launch in plan.launches]
+    assert fused and all(isinstance(launch, CppComboLaunch) for launch in fused), fused
 
 
 def test_train_gpt2_example_matches_eager(capsys):

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import compiler
-from tests.devices import KERNELS  # noqa: E402  (the CUDA test mode's: tests/devices.py)
+from tests.devices import BACKENDS, KERNELS  # noqa: E402  (the CUDA test mode's: tests/devices.py)
 from tests.training import sgd_step, train_step
 
 
@@ -20,7 +20,8 @@ def make_model(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("optimizer", ["sgd", "sgd_momentum", "adamw"])
-def test_compiled_training_step_tracks_eager(dtype, optimizer):
+@pytest.mark.parametrize("backend", [KERNELS] + [b for b in BACKENDS if b != KERNELS])
+def test_compiled_training_step_tracks_eager(dtype, optimizer, backend):
     model = make_model(dtype)
     reference = copy.deepcopy(model)
 
@@ -32,7 +33,7 @@ def test_compiled_training_step_tracks_eager(dtype, optimizer):
         return torch.optim.AdamW(params, lr=1e-2)
     opt, ref_opt = make_opt(model.parameters()), make_opt(reference.parameters())
 
-    compiled = compiler.compile(train_step, backend=KERNELS)
+    compiled = compiler.compile(train_step, backend=backend)
     x = torch.randn(64, 8, dtype=dtype)
     y = torch.randn(64, 1, dtype=dtype)
     tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-9, atol=1e-10)
@@ -47,6 +48,7 @@ def test_compiled_training_step_tracks_eager(dtype, optimizer):
     assert compiled.stats["captures"] <= 2
     assert compiled.stats["replays"] >= 3
     assert compiled.stats["kernel_launches"] >= 4 * 4  # forward and backward kernels each step
+    assert compiled.last_backend == backend
     report = compiler.explain(compiled, model, opt, x, y)
     assert report.fallbacks == []
     assert "Tensor.backward" in report.eager_calls
@@ -181,7 +183,8 @@ def test_optimizer_step_runs_unwatched_and_its_state_stays_right():
     assert compiled.last_backend == KERNELS and compiled.stats["kernel_launches"] > launches
 
 
-def test_cnn_training_step_with_batch_norm_tracks_eager():
+@pytest.mark.parametrize("backend", [KERNELS] + [b for b in BACKENDS if b != KERNELS])
+def test_cnn_training_step_with_batch_norm_tracks_eager(backend):
     """Conv, BatchNorm (batch statistics, running statistics updated in place), ReLU, Linear,
     SGD with momentum: compiled whole; parameters and every buffer equal eager's, in training
     and then in eval mode."""
@@ -194,10 +197,10 @@ def test_cnn_training_step_with_batch_norm_tracks_eager():
     x, y = torch.randn(4, 3, 8, 8, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
 
     eager_step = sgd_step(reference, lr=0.05, momentum=0.9)
-    compiled = compiler.compile(sgd_step(model, lr=0.05, momentum=0.9), backend=KERNELS)
+    compiled = compiler.compile(sgd_step(model, lr=0.05, momentum=0.9), backend=backend)
     for _ in range(5):
         torch.testing.assert_close(compiled(x, y), eager_step(x, y))
-    assert compiled.last_backend == KERNELS and compiled.last_entry.report.fallbacks == []
+    assert compiled.last_backend == backend and compiled.last_entry.report.fallbacks == []
     for (name, mine), theirs in zip(model.state_dict().items(), reference.state_dict().values()):
         torch.testing.assert_close(mine, theirs, msg=name)
     model.eval()

@@ -39,7 +39,7 @@ import torch
 import torch.fx as fx
 
 from compiler.codegen.cpp_printer import C_TYPE, CppPrinter, VectorPrinter
-from compiler.codegen.kernel_text import ZERO, broadcast_index, c_text, variable_index
+from compiler.codegen.kernel_text import ZERO, broadcast_index, c_text, constant_index, variable_index
 from compiler.codegen.triton_kernel import _used_as_condition   # (whether a bool argument is a where's condition)
 from compiler.fusion.fuse import KernelPlan
 from compiler.ir.graph import OpKind, compute_dtype, contiguous_strides, kind_of, meta_of, numel
@@ -80,9 +80,7 @@ class _CppWriter:
         trailing = rdims == tuple(range(len(plan.shape) - len(rdims), len(plan.shape)))
         self.over_columns = bool(rdims) and not trailing and rdims == tuple(range(len(rdims))) and not (
             plan.reads_rows or plan.online or plan.second_pass or plan.epilogue)
-        if not (trailing or self.over_columns):
-            raise NotPrintable("a reduction over dims neither leading nor trailing")
-        if plan.columns and (len(rdims) != 1 or len(plan.shape) != 2
+        if plan.columns and (not trailing or len(rdims) != 1 or len(plan.shape) != 2
                              or len({chunks for _, chunks in plan.columns.values()}) != 1):
             raise NotPrintable("column sums beside rows of another form than [rows, row length]")
         if rdims and vector_dtype is not None:
@@ -134,7 +132,7 @@ class _CppWriter:
             elif kind == OpKind.RAND and inside:
                 result = self.random(node, index)
             elif kind == OpKind.SCATTER and inside:
-                raise NotPrintable(f"a {kind.name.lower()} node inside the kernel")
+                result = self.slice_scatter(node, index)
             else:
                 result = self.load(node, index)
         elif kind == OpKind.VIEW:   # its input's value at the index the view maps to
@@ -282,6 +280,40 @@ class _CppWriter:
             zero = CppPrinter({}, compute_dtype(dtype)).literal(sympy.Integer(0))
             value = self.tmp(C_TYPE[dtype], f"{g} == {node.kwargs['padding_idx']} ? {zero} : {value}")
         return value, dtype
+
+    def slice_scatter(self, node: fx.Node, index: tuple):
+        """``base`` at ``index``, or ``src`` at the slice's position where ``index`` lies in the slice
+        (``SliceScatter``; as the Triton kernels' ``slice_scatter``). Scalar bodies only."""
+        if self.vector_dtype is not None:
+            raise NotPrintable("a slice_scatter in a vector body")
+        base, src = node.args
+        d, start, step, length = (node.kwargs[k] for k in ("dim", "start", "step", "length"))
+        dtype = compute_dtype(meta_of(node).dtype)
+        if dtype.is_complex:
+            raise NotPrintable("a complex slice_scatter")
+        base_value, base_dtype = self.value(base, index)
+        base_value = self.cast(base_value, base_dtype, dtype)
+        if length == 0:
+            return base_value, dtype
+        if index[d].position is not None:   # (a known position: whether it is in the slice is known now)
+            at = index[d].position - start
+            if not (0 <= at < length * step and at % step == 0):
+                return base_value, dtype
+            src_index = tuple(constant_index(at // step) if i == d else idx for i, idx in enumerate(index))
+        else:
+            rel = self.tmp("int64_t", f"({c_text(index[d])}) - {start}")
+            inside = f"{rel} >= 0 && {rel} < {length * step}" + (f" && {rel} % {step} == 0" if step != 1 else "")
+            inside = self.tmp("bool", inside)
+            # clamped, so positions outside the slice still read inside src (their value is unused)
+            position = self.tmp("int64_t", f"{rel} < 0 ? 0 : ({rel} / {step} > {length - 1} ? {length - 1} : "
+                                           f"{rel} / {step})")
+            src_index = tuple(variable_index(position) if i == d else idx for i, idx in enumerate(index))
+        src_index = broadcast_index(src_index, meta_of(node).shape, meta_of(src).shape)
+        src_value, src_dtype = self.value(src, src_index)
+        src_value = self.cast(src_value, src_dtype, dtype)
+        if index[d].position is not None:
+            return src_value, dtype
+        return self.tmp(C_TYPE[dtype], f"{inside} ? {src_value} : {base_value}"), dtype
 
     def load(self, node: fx.Node, index: tuple):
         if node not in self.load_names:
@@ -443,27 +475,34 @@ class _CppWriter:
                                " / ".join(self.index_errors) or None)
 
     def write_rows(self) -> CppKernelSource:
-        """A kernel that reduces its trailing dims: per row (spread over threads), a loop per
-        reduction (in the order their values are needed), the reduced values stored at the row,
-        then one loop computing and storing the row's elementwise outputs. Scalar loops."""
+        """A kernel that reduces some dims: per row, the kept dims' element (spread over threads), a
+        loop per reduction over the reduced dims (in the order their values are needed), the reduced
+        values stored at the row, then one loop computing and storing the row's elementwise outputs.
+        Vector bodies where the one reduced dim is the last (a row is consecutive elements); dims
+        reduced elsewhere (a batch norm's N, H, W) in scalar loops."""
         shape, rdims = tuple(self.plan.shape), tuple(self.plan.reduce_dims)
-        lead = len(shape) - len(rdims)
-        rows, self.rnumel = numel(shape[:lead]), numel(shape[lead:])
+        kept = [d for d in range(len(shape)) if d not in rdims]
+        trailing = kept == list(range(len(kept)))
+        rows, self.rnumel = numel([shape[d] for d in kept]), numel([shape[d] for d in rdims])
         index, header, self.r_header = [], [], []
         for d, size in enumerate(shape):
             if size == 1:
                 index.append(ZERO)
                 continue
-            var, extent = ("x", rows) if d < lead else ("r", self.rnumel)
-            stride = numel(shape[d + 1:lead]) if d < lead else numel(shape[d + 1:])
+            group, var, extent = (kept, "x", rows) if d in kept else (rdims, "r", self.rnumel)
+            stride = numel([shape[e] for e in group if e > d])
             term = var if stride == 1 else f"({var} / {stride})"
             if stride * size < extent:
                 term = f"({term} % {size})"
-            (header if d < lead else self.r_header).append(f"const int64_t i{d} = {term};")
+            (header if d in kept else self.r_header).append(f"const int64_t i{d} = {term};")
             index.append(variable_index(f"i{d}"))
         self.base_index = tuple(index)
+        # where an elementwise output's element is stored (contiguous: the row's elements are
+        # consecutive only where the reduced dims are the trailing ones)
+        self.element_at = f"x * {self.rnumel} + r" if trailing else " + ".join(
+            [f"i{d} * {st}" for d, st in enumerate(contiguous_strides(shape)) if shape[d] != 1]) or "0"
         # vector bodies where the row is one dim (its index is r itself) and one float dtype is used
-        vector = self._one_float_dtype() if len(rdims) == 1 and shape[-1] > 1 else None
+        vector = self._one_float_dtype() if trailing and len(rdims) == 1 and shape[-1] > 1 else None
         fast = self.rows_loop(header, rows, vector)
         vectorized = self.used_vector
         plain = self.rows_loop(header, rows, None)   # (the strided function: its loads' lanes need not be consecutive)
@@ -657,9 +696,9 @@ class _CppWriter:
                 var, _ = self.value(root, self.base_index)
                 j = self.stores.index(root)
                 if self.vector_dtype is not None:
-                    out.append(f"({var}).store(out{j} + x * {self.rnumel} + r);")
+                    out.append(f"({var}).store(out{j} + {self.element_at});")
                 else:
-                    out.append(f"out{j}[x * {self.rnumel} + r] = static_cast<{C_TYPE[meta_of(root).dtype]}>({var});")
+                    out.append(f"out{j}[{self.element_at}] = static_cast<{C_TYPE[meta_of(root).dtype]}>({var});")
             return out
         vector, (body, store) = self.vector_and_scalar(stores)
         if vector is not None:

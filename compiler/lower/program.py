@@ -3,6 +3,7 @@ calls, index checks, buffer reuse (donations) and the order that keeps memory lo
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -17,6 +18,8 @@ from compiler.fusion.fuse import Schedule, inlined_reads
 from compiler.ir.graph import OpKind, has_meta, kind_of, meta_of, output_node
 from runtime import backends
 from runtime.program import ExternCall, IndexCheck, KernelLaunch, Program, ValueRef, ViewStep
+
+log = logging.getLogger("compiler")
 
 
 def view_step(node) -> ViewStep:
@@ -168,7 +171,8 @@ def _launch_arguments(src, slots: dict, buffers, index_checks, cpp_plan=None) ->
             cpp = render_cpp_kernel(cpp_plan, buffers, src.loads, src.stores)
             cpu_kernel = CppKernel(cpp.name, cpp.source, tuple(loads), tuple(d for d, _ in cpp.loads),
                                    tuple(store_slots), cpp.vectorized, cpp.index_error)
-        except NotPrintable:   # (this kernel on the torch path; why is in the kernel's explain entry)
+        except NotPrintable as e:   # (this kernel on the torch path, the others of its program in C++)
+            log.debug("compiler: kernel %s runs as PyTorch ops, not C++: %s", src.name, e)
             cpu_kernel = None
     if cpu_kernel is None:
         cpu_kernel = render_torch_kernel(src.name, src.loads, loads, src.stores, stores, buffers)
