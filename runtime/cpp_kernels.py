@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime import cpp_build
+from runtime.cpu_memory import POOL
 
 
 @dataclass
@@ -64,7 +65,8 @@ class CppKernel:
         where every input is contiguous (the usual case), else the strided one with the strides."""
         if self._fn is None:
             self._fn = self._load()
-        names = {"fn": self._fn[0], "strided": self._fn[1], "empty": torch.empty}
+        # (outputs from the pool of large buffers: no fresh pages to fault in each step, ``runtime.cpu_memory``)
+        names = {"fn": self._fn[0], "strided": self._fn[1], "empty": POOL.empty}
         lines, pointers, strides = ["def kernel(env):"], [], []
         for k, (slot, dims) in enumerate(zip(self.loads, self.load_dims)):
             lines.append(f"    a{k} = env[{slot}]")
