@@ -78,11 +78,14 @@ class _CppWriter:
     def __init__(self, plan: KernelPlan, buffers: set, loads: list, stores: list, vector_dtype=None):
         rdims = tuple(plan.reduce_dims)
         trailing = rdims == tuple(range(len(plan.shape) - len(rdims), len(plan.shape)))
-        self.over_columns = bool(rdims) and not trailing and rdims == tuple(range(len(rdims))) and not (
-            plan.reads_rows or plan.online or plan.second_pass or plan.epilogue)
-        if plan.columns and (not trailing or len(rdims) != 1 or len(plan.shape) != 2
+        simple = not (plan.reads_rows or plan.online or plan.second_pass or plan.epilogue or plan.columns)
+        # rows of each chunk of rows summed (``KernelPlan.loops_over_chunks``): (chunks, M / chunks, N)
+        self.chunked = simple and rdims == (1,) and len(plan.shape) == 3
+        self.over_columns = self.chunked or (bool(rdims) and not trailing and rdims == tuple(range(len(rdims)))
+                                             and simple)
+        if plan.columns and (not trailing or len(rdims) != 1
                              or len({chunks for _, chunks in plan.columns.values()}) != 1):
-            raise NotPrintable("column sums beside rows of another form than [rows, row length]")
+            raise NotPrintable("column sums beside rows of another form than [..., row length]")
         if rdims and vector_dtype is not None:
             raise NotPrintable("a reduction in a vector body")
         self.plan = plan
@@ -334,7 +337,7 @@ class _CppWriter:
         # lanes read consecutive elements only where the inner loop's index is the load's last dim
         # itself (the contiguous function's stride there is 1)
         last = len(shape) - 1
-        if along != [last] or index[last].form is not None or index[last].text != self.inner_name:
+        if along != [last] or c_text(index[last]).strip("() ") != self.inner_name:
             raise NotPrintable("a load whose elements are not consecutive along the inner loop")
         return self.tmp("V", f"V::loadu({arg} + {offset})"), dtype
 
@@ -531,9 +534,9 @@ class _CppWriter:
                 var, _ = self.row_values[root]
                 row_stores.append(f"out{out}[x] = static_cast<{C_TYPE[dtype]}>({var});")
                 continue
-            if tuple(meta_of(root).shape) != tuple(self.plan.shape):
+            if numel(meta_of(root).shape) != numel(self.plan.shape):
                 raise NotPrintable("an output stored in another shape than the kernel's space")
-            elements.append(root)
+            elements.append(root)   # (of another shape: the space reshaped, ``root_index``)
         element_loop = self.element_loop(elements, columns)   # (first: the reductions it reads are written then)
         body = [f"        {line}" for line in header + self.row_lines + row_stores + element_loop]
         if columns:
@@ -563,16 +566,21 @@ class _CppWriter:
             *[f"        {line}" for line in stores], "    }"]
 
     def write_columns(self) -> CppKernelSource:
-        """A kernel that reduces its leading dims (a weight's gradient summed over the batch): blocks
-        of columns spread over threads; each block's accumulators, one per column, updated row by
-        row by an inner loop over the block's consecutive columns (no column's sum depends on
+        """A kernel that reduces its leading dims (a weight's gradient summed over the batch), or the
+        rows of each chunk of rows, ``(chunks, M / chunks, N)`` reducing dim 1 (``KernelPlan.
+        loops_over_chunks``: partial sums, beside the (..., N) values it sums): per chunk, blocks of
+        columns, the pairs spread over threads; each block's accumulators, one per column, updated
+        row by row by an inner loop over the block's consecutive columns (no column's sum depends on
         another's): a vector body over a register's worth of columns where the kept part is one dim
         and one float dtype is used, the scalar body for the rest, then the sums stored."""
         shape, rdims = tuple(self.plan.shape), tuple(self.plan.reduce_dims)
-        lead = len(rdims)
-        reduced, kept = numel(shape[:lead]), numel(shape[lead:])
-        index, r_lines, c_lines = [], [], []
-        for d, size in enumerate(shape):
+        first = 1 if self.chunked else 0        # (dim 0: the chunk, ``o``)
+        lead = first + len(rdims)
+        outer, reduced, kept = numel(shape[:first]), numel(shape[first:lead]), numel(shape[lead:])
+        index, r_lines, c_lines = [ZERO if shape[0] == 1 else variable_index("i0")] if first else [], [], []
+        if first and shape[0] != 1:
+            r_lines.append("const int64_t i0 = o;")
+        for d, size in enumerate(shape[first:], first):
             if size == 1:
                 index.append(ZERO)
                 continue
@@ -583,16 +591,17 @@ class _CppWriter:
                 term = f"({term} % {size})"
             (r_lines if d < lead else c_lines).append(f"const int64_t i{d} = {term};")
             index.append(variable_index(f"i{d}"))
-        index = tuple(index)
-        accumulators, finals = [], []
+        self.base_index = index = tuple(index)
+        self.element_at = f"(o * {reduced} + r) * {kept} + c"
+        accumulators, finals, row_index = [], [], {}
         for out, root in enumerate(self.stores):
             dtype = meta_of(root).dtype
             if kind_of(root) != OpKind.REDUCTION:
                 if tuple(meta_of(root).shape) != shape:
-                    raise NotPrintable("an output stored in another shape than the kernel's space")
+                    row_index[root] = self.chunk_row_index(root, shape, reduced, r_lines)
                 continue
             name, acc_dtype = root.target.name, compute_dtype(dtype)
-            if name not in ("sum", "mean", "amax") or acc_dtype.is_complex or numel(meta_of(root).shape) != kept:
+            if name not in ("sum", "mean", "amax") or acc_dtype.is_complex or numel(meta_of(root).shape) != outer * kept:
                 raise NotPrintable(f"a {name} over columns of {acc_dtype}")
             acc, ctype = f"acc{out}", C_TYPE[acc_dtype]
             accumulators.append(f"{ctype} {acc}[{_COLUMN_BLOCK}];")
@@ -601,10 +610,10 @@ class _CppWriter:
             scale = root.target.scale(root)
             total = f"{acc}[c - cb]" if scale == 1.0 else \
                 f"{acc}[c - cb] * {CppPrinter({}, acc_dtype).literal(sympy.Float(scale))}"
-            finals.append(f"out{out}[c] = static_cast<{C_TYPE[dtype]}>({total});")
+            finals.append(f"out{out}[o * {kept} + c] = static_cast<{C_TYPE[dtype]}>({total});")
         # the vector body's lanes are consecutive columns: the kept part must be one dim (its index c)
         self.row_vector_dtype = self._one_float_dtype() if lead == len(shape) - 1 and kept > 1 else None
-        vector, (scalar, scalar_step) = self.vector_and_scalar(lambda: self.column_step(index, kept))
+        vector, (scalar, scalar_step) = self.vector_and_scalar(lambda: self.column_step(index, kept, row_index))
         column_loop = ["            int64_t c = cb;"]
         if vector is not None:
             column_loop += ["#ifndef SYMGRAD_SCALAR_ONLY", "            for (; c + V::size() <= ce; c += V::size()) {",
@@ -613,11 +622,12 @@ class _CppWriter:
         column_loop += ["            for (; c < ce; ++c) {",
                         *[f"                {line}" for line in c_lines + scalar + scalar_step], "            }"]
         blocks = -(-kept // _COLUMN_BLOCK)
-        parallel = blocks > 1 and reduced * kept >= PARALLEL_MIN
+        parallel = outer * blocks > 1 and outer * reduced * kept >= PARALLEL_MIN
 
         def loop(columns):
             return ([_PARALLEL] if parallel else []) + [
-                f"    for (int64_t block = 0; block < {blocks}; ++block) {{",
+                f"    for (int64_t task = 0; task < {outer * blocks}; ++task) {{",
+                f"        const int64_t o = task / {blocks}, block = task % {blocks};",
                 f"        const int64_t cb = block * {_COLUMN_BLOCK};",
                 f"        const int64_t ce = cb + {_COLUMN_BLOCK} < {kept} ? cb + {_COLUMN_BLOCK} : {kept};",
                 *[f"        {line}" for line in accumulators],
@@ -629,19 +639,42 @@ class _CppWriter:
         plain = column_loop if vector is None else column_loop[:1] + column_loop[column_loop.index("#endif") + 1:]
         return self.assemble(loop(column_loop), loop(plain), self.row_vector_dtype if vector is not None else None)
 
-    def column_step(self, index: tuple, kept: int) -> list:
+    def chunk_row_index(self, root: fx.Node, shape: tuple, reduced: int, r_lines: list) -> tuple:
+        """The index of an elementwise root of shape (..., N) in a kernel over its rows' chunks
+        (chunks, M / chunks, N): its leading dims from the row ``o * (M / chunks) + r`` (computed
+        once per row, in ``r_lines``), its last dim the column's."""
+        rshape = tuple(meta_of(root).shape)
+        if not self.chunked or numel(rshape) != numel(shape) or rshape[-1] != shape[-1]:
+            raise NotPrintable("an output stored in another shape than the kernel's space")
+        at = f"r{len(r_lines)}"
+        r_lines.append(f"const int64_t {at} = o * {reduced} + r;")
+        index = []
+        # NOTE: written as the reshape's index map writes the same position from the kernel's index
+        # (no ``/ 1``, no ``%`` on the outermost dim), so the compiler finds the two equal and computes
+        # a value the sums read and the root stores once
+        for d, (size, stride) in enumerate(zip(rshape[:-1], contiguous_strides(rshape[:-1]))):
+            if size == 1:
+                index.append(ZERO)
+                continue
+            term = at if stride == 1 else f"{at} / {stride}"
+            r_lines.append(f"const int64_t {at}_{d} = {term if d == 0 else f'({term}) % {size}'};")
+            index.append(variable_index(f"{at}_{d}"))
+        return tuple(index) + (self.base_index[-1],)
+
+    def column_step(self, index: tuple, kept: int, row_index: dict) -> list:
         """What one column (or, in the vector body, a register's worth of columns from ``c``) does
-        at row ``r``: each sum's accumulator added to, each elementwise output stored."""
+        at row ``r``: each sum's accumulator added to, each elementwise output stored (one of
+        another shape than the kernel's at its own index, ``row_index``)."""
         updates, elements = [], []
         vector = self.vector_dtype is not None
         for out, root in enumerate(self.stores):
             dtype = meta_of(root).dtype
             if kind_of(root) != OpKind.REDUCTION:
-                var, have = self.value(root, index)
+                var, have = self.value(root, row_index.get(root, index))
                 if vector and have != dtype:
                     raise NotPrintable(f"a {have} value stored as {dtype} in a vector body")
-                elements.append(f"({var}).store(out{out} + r * {kept} + c);" if vector
-                                else f"out{out}[r * {kept} + c] = static_cast<{C_TYPE[dtype]}>({var});")
+                elements.append(f"({var}).store(out{out} + {self.element_at});" if vector
+                                else f"out{out}[{self.element_at}] = static_cast<{C_TYPE[dtype]}>({var});")
                 continue
             var, have = self.value(root.args[0], index)
             var = self.cast(var, have, compute_dtype(dtype))
@@ -693,7 +726,7 @@ class _CppWriter:
                 out.append(f"(V::loadu(col{j} + r) + {var}).store(col{j} + r);" if self.vector_dtype is not None
                            else f"col{j}[r] += {var};")
             for root in roots:
-                var, _ = self.value(root, self.base_index)
+                var, _ = self.value(root, self.root_index(root))
                 j = self.stores.index(root)
                 if self.vector_dtype is not None:
                     out.append(f"({var}).store(out{j} + {self.element_at});")
@@ -704,6 +737,20 @@ class _CppWriter:
         if vector is not None:
             return self.row_loop(vector[0], body, vector[1], store)
         return self.row_loop(None, body, [], store)
+
+    def root_index(self, root: fx.Node) -> tuple:
+        """Where an elementwise root is computed at the current element: the kernel's index, or for a
+        root of another shape with as many elements (a weight gradient's kernel over its rows' chunks,
+        ``(chunks, M / chunks, N)``, storing the (..., N) values it sums: ``KernelPlan.loops_over_chunks``)
+        the root's index of the same contiguous position, the kernel's space being its reshape."""
+        shape = tuple(meta_of(root).shape)
+        if shape == tuple(self.plan.shape):
+            return self.base_index
+        if self.vector_dtype is not None:
+            raise NotPrintable("an output of another shape in a vector body")
+        position = self.tmp("int64_t", self.element_at)
+        return tuple(ZERO if size == 1 else variable_index(self.tmp("int64_t", f"({position} / {stride}) % {size}"))
+                     for size, stride in zip(shape, contiguous_strides(shape)))
 
     def loop(self, header, scalar, vector, rows: int, inner: int, ndim: int) -> list:
         """The loop nest: rows (over threads where it pays), then the last dim: its vector body
