@@ -249,15 +249,30 @@ class _CppWriter:
     def random(self, node: fx.Node, index: tuple):
         """Philox(seed, the element's position in the rand node's shape) in [0, 1): the numbers
         Triton's ``tl.rand`` gives the Triton kernels (``_PHILOX``), so both backends drop alike."""
-        if self.vector_dtype is not None:
-            raise NotPrintable("random numbers in a vector body")
-        seed, _ = self.value(node.args[0], ())
+        vector = self.vector_dtype is not None
+        if vector and self.vector_dtype != torch.float32:
+            raise NotPrintable(f"random numbers in a {self.vector_dtype} vector body")
         shape = meta_of(node).shape
+        if vector:   # lanes draw consecutive offsets only where the inner loop's index is the last dim's
+            along = [d for d, i in enumerate(index) if self.inner_name in i.names]
+            if along != [len(shape) - 1] or c_text(index[-1]).strip("() ") != self.inner_name:
+                raise NotPrintable("random numbers whose offsets are not consecutive along the inner loop")
+        self.vector_dtype = None   # (the seed: one number for every lane)
+        try:
+            seed, _ = self.value(node.args[0], ())
+        finally:
+            self.vector_dtype = torch.float32 if vector else None
         terms = [f"({c_text(i)}) * {st}" for i, size, st in zip(index, shape, contiguous_strides(shape))
                  if size != 1 and i.constant != 0]
+        offset = " + ".join(terms) or "0"
         self.uses_random = True
-        return self.tmp("float", f"symgrad_rand(static_cast<uint64_t>({seed}), {' + '.join(terms) or '0'})"), \
-            torch.float32
+        if not vector:
+            return self.tmp("float", f"symgrad_rand(static_cast<uint64_t>({seed}), {offset})"), torch.float32
+        lanes = f"lanes{self.counter}"
+        self.counter += 1
+        self.lines += [f"float {lanes}[V::size()];",
+                       f"symgrad_rand_lanes(static_cast<uint64_t>({seed}), {offset}, {lanes}, V::size());"]
+        return self.tmp("V", f"V::loadu({lanes})"), torch.float32
 
     def gathered(self, node: fx.Node, index: tuple):
         """The source element at the position the index tensor gives (``catalog.Gather``): the index
@@ -417,8 +432,10 @@ class _CppWriter:
         return self.module(header, scalar, vector, dtype, rows, inner, len(shape))
 
     def _one_float_dtype(self):
-        """The dtype of every buffer where they share one float dtype (a vector body's), else None."""
-        dtypes = {meta_of(n).dtype for n in [*self.loads, *self.stores]}
+        """The dtype of every buffer where they share one float dtype (a vector body's), else None.
+        (One-element integer inputs, random numbers' seeds, are read as scalars: not counted.)"""
+        dtypes = {meta_of(n).dtype for n in [*self.loads, *self.stores]
+                  if not (n in self.loads and numel(meta_of(n).shape) == 1 and not meta_of(n).dtype.is_floating_point)}
         return dtypes.pop() if len(dtypes) == 1 and dtypes <= {torch.float32, torch.float64} else None
 
     def body(self, index: tuple, shape: tuple, inner: int) -> list:
@@ -779,6 +796,7 @@ class _CppWriter:
 _PHILOX = """static inline float symgrad_rand(uint64_t seed, int64_t offset) {
     uint32_t c0 = static_cast<uint32_t>(offset), c1 = static_cast<uint32_t>(static_cast<uint64_t>(offset) >> 32);
     uint32_t c2 = 0, c3 = 0, k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+    #pragma GCC unroll 10
     for (int round = 0; round < 10; ++round) {
         const uint32_t a = c0, b = c2;
         c0 = static_cast<uint32_t>((static_cast<uint64_t>(0xCD9E8D57u) * b) >> 32) ^ c1 ^ k0;
@@ -791,4 +809,10 @@ _PHILOX = """static inline float symgrad_rand(uint64_t seed, int64_t offset) {
     int32_t x = static_cast<int32_t>(c0);
     x = x < 0 ? -x - 1 : x;
     return static_cast<float>(x) * 4.6566127342e-10f;
+}
+
+// ``n`` consecutive offsets' numbers at once (a vector body's lanes): the compiler vectorizes the rounds
+static inline void symgrad_rand_lanes(uint64_t seed, int64_t offset, float* out, int64_t n) {
+    #pragma omp simd
+    for (int64_t l = 0; l < n; ++l) out[l] = symgrad_rand(seed, offset + l);
 }"""
