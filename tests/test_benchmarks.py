@@ -211,3 +211,21 @@ def test_the_cpu_kernels_benchmark_times_each_backend_side_by_side(tmp_path, mon
                for row in results.values())
     table = (tmp_path / "cpu-kernels.md").read_text()
     assert "| rmsnorm | " in table and "(1.00×)" in table
+
+
+def test_the_interpreter_check_runs_our_kernels_whatever_recordings_are_stored(monkeypatch):
+    """transformer_step and the explicit one call one step function on models of one class (the
+    ``explicit`` flag is no tensor): a recording stored by the first has the second's key, and its
+    replays would leave it until the third call recorded again, eagerly, checking no kernel."""
+    import compiler
+    from benchmarks import interpreter_check
+    from compiler.reuse.recordings import ENV
+
+    monkeypatch.setenv(ENV, "1")
+    cpu = torch.device("cpu")
+    case = WORKLOADS["transformer_step"].build("tiny", cpu)
+    run, args = compiler.compile(case.fn, backend="interpret"), case.make_args(torch.float32)
+    for _ in range(2):  # records, and stores the recording
+        case.step(run, args)
+    checked = interpreter_check.check(WORKLOADS["transformer_explicit_step"], cpu)
+    assert checked.ran == "interpret" and checked.max_err < 1e-3, checked
