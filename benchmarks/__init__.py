@@ -1,6 +1,6 @@
 """Benchmarks: our compiler vs eager PyTorch vs torch.compile. See ``benchmarks/README.md``.
 
-    python -m benchmarks --small          # CPU-only machine: small sizes, interpreter
+    python -m benchmarks                  # CPU-only machine: --cpu sizes, ours timed as backend="auto"
     PYTHONPATH=. python -m benchmarks     # GPU machine: the full suite
 
 From Python: ``benchmarks.run(size="tiny", only=["overhead_step"])`` (see ``harness.run``).

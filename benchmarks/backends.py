@@ -15,10 +15,15 @@ DEFAULT = (EAGER, TORCH_COMPILE, OURS)
 # CUDA-graph and autotuning modes: GPU options, each much slower to compile.
 GPU_MODES = ("torch.compile:max-autotune-no-cudagraphs", "torch.compile:reduce-overhead")
 ALL = DEFAULT + GPU_MODES
-# Ours runs its Triton program: on a GPU "auto" (Triton); on CPU the interpreter, whose memory,
-# kernels and stubbed host work are the GPU program's ("auto" on CPU runs the kernels as PyTorch
-# ops instead, the CPU path: its speed is measured by examples/train_mlp.py, results/cpu-path.md)
-OURS_BACKEND = "auto" if torch.cuda.is_available() else "interpret"
+# Ours is what a user gets: ``compiler.compile(fn)``, backend "auto" (Triton on a GPU; on CPU a CPU
+# path, which one is the compiler's choice: the "ran" column says). Without a GPU our Triton kernels
+# still run, in Triton's interpreter, but only as a check, never timed (``INTERPRETER_CHECK``).
+OURS_BACKEND = "auto"
+INTERPRETER_CHECK = "ours (interpreter check)"
+# What builds our GPU program here, the one whose kernels, bytes moved and host work (launches
+# stubbed) the report gives: "auto" on a GPU; on CPU the interpreter, whose program is the GPU's
+# (the CPU path's programs save pointwise values as eager does, and launch no Triton kernels).
+GPU_PROGRAM_BACKEND = "auto" if torch.cuda.is_available() else "interpret"
 
 
 def prepare(name: str, fn):
@@ -27,6 +32,8 @@ def prepare(name: str, fn):
         return fn
     if name == OURS:
         return compiler.compile(fn, backend=OURS_BACKEND)
+    if name == INTERPRETER_CHECK:
+        return compiler.compile(fn, backend="interpret")
     if name.startswith(TORCH_COMPILE):
         mode = name.partition(":")[2] or None  # None: torch.compile's default mode
         return torch.compile(fn, mode=mode)
@@ -35,7 +42,7 @@ def prepare(name: str, fn):
 
 def what_ran(name: str, run) -> str:
     """What the last call actually ran: ours says (interpret, triton, eager (recording), ...)."""
-    if name == OURS:
+    if name in (OURS, INTERPRETER_CHECK):
         return run.last_backend or "-"
     if name.startswith(TORCH_COMPILE):
         return "inductor" + (f" ({name.partition(':')[2]})" if ":" in name else "")
@@ -46,6 +53,14 @@ def ran_eagerly(name: str, what: str) -> bool:
     """Whether a call of ours ran eagerly (recording, or leaving its recording): such a call's
     fair cost is eager's step time, not a compiled step's."""
     return name == OURS and "eager" in what
+
+
+def interprets(device: torch.device) -> bool:
+    """Whether ours ("auto") runs its kernels in Triton's interpreter on ``device``: only on CPU
+    with ``SYMGRAD_CPU_BACKEND=interpret`` (the test suite sets it)."""
+    from runtime.backends import auto_cpu_backend
+
+    return device.type == "cpu" and auto_cpu_backend() == "interpret"
 
 
 def reset() -> None:

@@ -22,6 +22,7 @@ import torch
 from benchmarks import backends, fresh_process
 from benchmarks.measure import sync
 from benchmarks.workloads import WORKLOADS
+from runtime.backends import CPU_BACKEND_ENV
 
 WARMUP = 3
 
@@ -58,6 +59,8 @@ def cold_and_warm(workload: str, backend: str, size: str, device: torch.device, 
     with tempfile.TemporaryDirectory(prefix="symgrad-bench-caches-") as caches:
         env = {var: os.path.join(caches, sub) for var, sub in (
             ("SYMGRAD_CACHE_DIR", "symgrad"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton"))}
+        # ours runs "auto" there as here (a fork server started earlier keeps the environment it had then)
+        env[CPU_BACKEND_ENV] = os.environ.get(CPU_BACKEND_ENV, "")
         times = []
         for which in ("cold", "warm"):
             if on_start is not None:
@@ -93,7 +96,7 @@ def _probe(workload, backend, size, device):
 
     run = backends.prepare(backend, case.fn)
     args = case.make_args(torch.float32)
-    interpreted = backend == backends.OURS and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    interpreted = backend == backends.OURS and backends.interprets(device)
     if interpreted:
         # NOTE: ours compiles in its first two calls: the recording (capture, SymPy, codegen)
         # and the first replay (loading kernels; Triton's JIT on a GPU). In the interpreter the

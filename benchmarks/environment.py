@@ -35,9 +35,17 @@ def describe(device: torch.device) -> dict:
     }
     if device.type == "cuda":
         info["cuda"] = f"{torch.version.cuda}"
-    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    info["our kernels"] = "Triton's CPU interpreter (TRITON_INTERPRET=1)" if interpret else "compiled Triton"
+    info["our kernels"] = _our_kernels(device)
     return info
+
+
+def _our_kernels(device):
+    if device.type == "cuda":
+        return "compiled Triton"
+    forced = os.environ.get("SYMGRAD_CPU_BACKEND", "").strip()
+    timed = f"SYMGRAD_CPU_BACKEND={forced}" if forced else "the compiler's CPU path"
+    return (f"timed: backend='auto' ({timed}; column ran); checked: the Triton kernels in Triton's CPU "
+            "interpreter, tiny sizes")
 
 
 def device_kind(device: torch.device) -> str:

@@ -3,9 +3,11 @@
 For each workload, in this order: a float64 eager reference; for each backend a fresh
 wrapper, its warm-up steps, the check against the reference, kernels per step and peak
 memory; our compiler's report (fused kernels, bytes moved, fallbacks) and our step with
-Triton launches skipped; all backends timed in interleaved rounds; last, each compiled
-backend's cold and warm compile time in fresh processes. A backend that fails is a result
-(status ``error``, with the reason), never a crash of the run.
+Triton launches skipped; all backends timed in interleaved rounds; each compiled backend's
+cold and warm compile time in fresh processes; last, without a GPU, our Triton kernels
+checked in Triton's interpreter at ``tiny`` size (a row of its own, not timed:
+``benchmarks.interpreter_check``). A backend that fails is a result (status ``error``, with
+the reason), never a crash of the run.
 
 >>> import tempfile
 >>> out = run(size="tiny", only=["gelu"], backends=("eager",), cold=False, progress=False,
@@ -26,11 +28,12 @@ from dataclasses import dataclass, field
 import compiler
 import torch
 
-from benchmarks import compile_time, measure, report
-from benchmarks.backends import DEFAULT, EAGER, OURS, OURS_BACKEND, TORCH_COMPILE, prepare, reset
+from benchmarks import compile_time, interpreter_check, measure, report
+from benchmarks.backends import (DEFAULT, EAGER, GPU_PROGRAM_BACKEND, INTERPRETER_CHECK, OURS, TORCH_COMPILE, prepare,
+                                 ran_eagerly, reset, what_ran)
 from benchmarks.environment import describe, device_kind
 from benchmarks.progress import Progress
-from benchmarks.report import INTERPRETER
+from benchmarks.report import CHECK_ONLY, INTERPRETER
 from benchmarks.workloads import WORKLOADS
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -55,7 +58,7 @@ class Result:
     step_p80_ms: float | None = None
     wall_ms: float | None = None     # per step over a synchronized round
     iterations: int | None = None
-    timing: str = ""                 # cuda events | wall clock | interpreter, not a speed measurement
+    timing: str = ""                 # cuda events | wall clock | interpreter, not a speed measurement | CHECK_ONLY
     speedup_vs_eager: float | None = None
     speedup_vs_torch_compile: float | None = None
     compile_cold_s: float | None = None
@@ -87,12 +90,14 @@ def run(size=None, only=None, backends=DEFAULT, device=None, out_dir=RESULTS, co
         progress=True, rounds=None, tag=None) -> Run:
     """Benchmark workloads × backends and write ``<tag>.csv``, ``.md`` and ``.png`` to ``out_dir``.
 
-    ``size``: "full" (the default on a GPU), "small" (the default on CPU) or "tiny";
+    ``size``: "full" (the default on a GPU), "cpu" (the default on CPU), "small" or "tiny";
     ``only``: workload names (default all); ``cold``: measure cold and warm compile times in
-    fresh processes; ``rounds``: timing rounds per backend. Returns the results and file paths.
+    fresh processes; ``rounds``: timing rounds per backend. On CPU, with ``ours`` among the
+    backends, each workload also gets an ``ours (interpreter check)`` row. Returns the results
+    and file paths.
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    size = size or ("full" if device.type == "cuda" else "small")
+    size = size or default_size(device)
     names = list(only or WORKLOADS)
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
@@ -103,7 +108,8 @@ def run(size=None, only=None, backends=DEFAULT, device=None, out_dir=RESULTS, co
 
     environment = describe(device)
     compiled = [b for b in chosen if b != EAGER]
-    per_workload = 2 + len(chosen) + (OURS in chosen) + (2 * len(compiled) if cold else 0)
+    checked = OURS in chosen and device.type == "cpu"  # our Triton kernels, in the interpreter
+    per_workload = 2 + len(chosen) + (OURS in chosen) + checked + (2 * len(compiled) if cold else 0)
     bar = Progress(len(names) * per_workload + 1, enabled=progress)
     bar.start("copy bandwidth" if device.type == "cuda" else "starting")
     copy_bw = measure.copy_bandwidth(device)
@@ -120,12 +126,19 @@ def run(size=None, only=None, backends=DEFAULT, device=None, out_dir=RESULTS, co
         for name in names:
             bench = _Workload(WORKLOADS[name], size, device, chosen, bar, per_workload)
             results.extend(bench.run(cold, rounds, copy_bw))
+            if checked:
+                results.append(_interpreter_check(WORKLOADS[name], device, bar))
     finally:
         log.setLevel(level)
     bar.start("writing results")
     files = report.write(results, environment, out_dir, tag or f"{device_kind(device)}-{size}", size)
     bar.close()
     return Run(results, environment, files)
+
+
+def default_size(device: torch.device) -> str:
+    """The sizes a run on ``device`` gets unless told: the GPU sizes, or the CPU's."""
+    return "full" if device.type == "cuda" else "cpu"
 
 
 class _Workload:
@@ -136,6 +149,7 @@ class _Workload:
         self.name = workload.name
         self.rows = {n: Result(self.name, workload.group, "", n, device.type) for n in names}
         self.steps = {}   # backend -> its warm, checked zero-argument step
+        self.runs = {}    # backend -> the wrapper those steps call (what it ran is asked after timing)
 
     def run(self, cold, rounds, copy_bw):
         reset()
@@ -193,18 +207,16 @@ class _Workload:
         """Warm up a fresh wrapper, check its result, count its kernels and peak memory; return
         the zero-argument step that the timing rounds call."""
         case, device = self.case, self.device
-        run = prepare(name, case.fn)
+        run = self.runs[name] = prepare(name, case.fn)
         args = case.make_args(torch.float32)
         _, ran, result = compile_time.warm_up(case, name, run, args, device)
         row.ran = ran[-1]
         row.max_err = measure.max_error(_clone(case.observe(args, result)), reference)
-        row.status = "ok" if row.max_err <= TOLERANCE else "mismatch"
-        if row.status == "mismatch":
-            row.detail = f"max error {row.max_err:.2e} > tolerance {TOLERANCE:g} (relative to scale)"
+        _judge(row)
 
         def step():
             return case.step(run, args)
-        if not _in_interpreter(row):  # ours in the interpreter: counted with launches stubbed instead
+        if not (name == OURS and device.type == "cpu"):  # ours on CPU: its GPU program's, in _ours_extras
             with _noted(row, "kernel count"):
                 row.kernels_per_step = measure.count_kernels(step, device, python_calls=name.startswith(TORCH_COMPILE))
         with _noted(row, "memory"):
@@ -214,13 +226,14 @@ class _Workload:
         return step
 
     def _ours_extras(self, row):
-        """What our compiler reports (fused kernels, bytes moved, regions, fallbacks), and our step
-        with Triton launches skipped: its time, and on CPU its other kernels."""
+        """What our compiler reports for its GPU program (fused kernels, bytes moved, regions,
+        fallbacks), and that program's step with Triton launches skipped: its time, and on CPU its
+        kernels per step (the launches plus the operators between them, as a GPU would run them)."""
         case, device = self.case, self.device
         with _noted(row, "explain"):
-            # (compiled for the backend the step runs: on CPU the interpreter, whose kernels are a GPU's;
-            # a plain explain would build for the CPU path, which saves pointwise values as eager does)
-            explained = compiler.explain(compiler.compile(case.fn, backend=OURS_BACKEND),
+            # (built for the GPU program, on CPU in the interpreter: a plain explain would build for the
+            # CPU path, whose programs save pointwise values as eager does and launch no Triton kernels)
+            explained = compiler.explain(compiler.compile(case.fn, backend=GPU_PROGRAM_BACKEND),
                                          *case.fn_args(case.make_args(torch.float32)))
             row.fused_kernels = len(explained.kernels)
             row.bytes_moved = sum(k.bytes_moved for k in explained.kernels)
@@ -231,7 +244,7 @@ class _Workload:
         launches = []
         with _noted(row, "launches skipped"):
             # A separate wrapper on throwaway arguments: stubbed steps compute garbage.
-            run = compiler.compile(case.fn, backend=OURS_BACKEND)
+            run = compiler.compile(case.fn, backend=GPU_PROGRAM_BACKEND)
             args = case.make_args(torch.float32)
             case.step(run, args)  # the recording call runs eagerly, for real
             with measure.kernels_stubbed():
@@ -241,7 +254,7 @@ class _Workload:
                 with launch.recorded() as launches:
                     step()
                 row.stubbed_ms = measure.interleaved({"stub": step}, device, rounds=3)["stub"].median_ms
-                if _in_interpreter(row) and row.fused_kernels is not None:
+                if device.type == "cpu" and row.fused_kernels is not None:
                     row.kernels_per_step = measure.count_kernels(step, device) + row.fused_kernels
         with _noted(row, "launch path"):
             if launches:  # timed on the compiled-Triton path, without a GPU (benchmarks/launch.py)
@@ -259,6 +272,7 @@ class _Workload:
                 continue
             for n, t in timings.items():
                 _store_timing(self.rows[n], t)
+                _note_eager_run(self.rows[n], what_ran(n, self.runs[n]))
             break
         for n, s in self.steps.items():
             if _interpreted(self.rows[n]):  # a few steps only: the interpreter is slow
@@ -282,6 +296,40 @@ class _Workload:
         except compile_time.ProbeError as e:
             _note(row, f"compile time: {e}", self.bar)
         self.bar.done(2 - max(0, len(started) - 1))  # two steps per backend, however far it got
+
+
+def _interpreter_check(workload, device, bar) -> Result:
+    """Our Triton kernels in Triton's interpreter at ``tiny`` size against float64 eager: a row
+    that says whether they passed and their error, never a time (``benchmarks.interpreter_check``)."""
+    row = Result(workload.name, workload.group, "", INTERPRETER_CHECK, device.type, timing=CHECK_ONLY)
+    bar.start(f"{workload.name} · {INTERPRETER_CHECK} at {interpreter_check.SIZE} size")
+    try:
+        checked = interpreter_check.check(workload, device)
+    except Exception as e:  # noqa: BLE001 — a failed check is a result, not a crash
+        _fail(row, e, bar, "interpreter check")
+    else:
+        row.shape, row.ran, row.max_err = checked.shape, checked.ran, checked.max_err
+        _judge(row)
+        if row.status != "ok":
+            bar.note(f"{row.workload} · {INTERPRETER_CHECK} FAILED: {row.detail}")
+        if not row.ran.startswith("interpret"):
+            _note(row, f"the checked call ran {row.ran}: no kernel of ours was checked", bar)
+    bar.done()
+    return row
+
+
+def _judge(row):
+    """A checked row's status from its error against the float64 reference."""
+    row.status = "ok" if row.max_err <= TOLERANCE else "mismatch"
+    if row.status == "mismatch":
+        row.detail = f"max error {row.max_err:.2e} > tolerance {TOLERANCE:g} (relative to scale)"
+
+
+def _note_eager_run(row, what):
+    # The "ran" column says what the checked call ran; a timed call that ran eagerly (its replay left
+    # the recording) would make the time partly eager's: said next to the number.
+    if ran_eagerly(row.backend, what):
+        _note(row, f"the last timed call ran {what}: the step time is partly eager's")
 
 
 class _StepFailed(Exception):

@@ -235,8 +235,9 @@ def step_memory(step, device) -> Memory | None:
     kept on a ``ctx`` outside ``save_for_backward`` too). On CUDA the peak is
     ``max_memory_allocated``'s (the allocator's own count), the rest from the CUDA records.
 
-    NOTE: ours on CPU runs its kernels in Triton's interpreter, which copies arguments and
-    makes NumPy temporaries that a GPU kernel never allocates: allocations made inside a
+    NOTE: where ours runs its kernels in Triton's interpreter (on CPU with
+    ``SYMGRAD_CPU_BACKEND=interpret``), the interpreter copies arguments and makes NumPy
+    temporaries that a GPU kernel never allocates: allocations made inside a
     launch (after the launch allocated its outputs) are left out, and the reference cycle it
     leaves holding the arguments is collected after each launch, so the numbers are the
     program's own (what a GPU run of the same program allocates).
@@ -356,8 +357,8 @@ def kernels_stubbed():
     """Our runtime with each Triton launch replaced by the allocation of its outputs.
 
     What is left of a call is its host-side work — guards, replay, autograd bridge,
-    allocations — plus matmuls and eager ops: on CPU, where our kernels only run in the
-    interpreter, this is how per-call overhead and the non-Triton work of a step are measured.
+    allocations — plus matmuls and eager ops: on CPU, where our Triton kernels only run in the
+    interpreter, this is how the GPU program's per-call overhead and non-Triton work are measured.
     Results are garbage: use throwaway arguments. Installed with ``runtime.program.steps_run_by``.
 
     Denormal floats are flushed to zero meanwhile (``torch.set_flush_denormal``): the outputs

@@ -14,9 +14,11 @@ import math
 import os
 import sys
 
+from benchmarks.interpreter_check import SIZE as CHECK_SIZE
 from benchmarks.workloads import WORKLOADS
 
 INTERPRETER = "interpreter, not a speed measurement"
+CHECK_ONLY = "a check, not timed"   # the interpreter check's rows (benchmarks.interpreter_check)
 _COLORS = {"eager": "#7f7f7f", "torch.compile": "#1f77b4", "ours": "#d62728",
            "torch.compile:max-autotune-no-cudagraphs": "#17becf", "torch.compile:reduce-overhead": "#9467bd"}
 
@@ -80,14 +82,17 @@ def markdown(results, environment, tag, size) -> str:
         out.append("| " + " | ".join(_table_row(r, show_workload=r.workload != previous)) + " |")
         previous = r.workload
     if any(r.timing == INTERPRETER for r in results):
-        out += ["", f"† {INTERPRETER}: without a GPU our kernels run in Triton's CPU interpreter, which checks "
-                "them but is orders of magnitude slower than compiled code; compare compile times, kernel "
-                "counts and bytes moved instead, and see the per-call overhead below."]
+        out += ["", f"† {INTERPRETER}: our kernels ran in Triton's CPU interpreter (`SYMGRAD_CPU_BACKEND="
+                "interpret`), which checks them but is orders of magnitude slower than compiled code; compare "
+                "compile times, kernel counts and bytes moved instead, and see the per-call overhead below."]
+    out += _cpu_notes(results, size)
     out += _fallbacks_section(results)
     out += _overhead_section(results)
     out += _problems_section(results)
     out += ["", "## Workloads", ""]
-    shapes = {r.workload: r.shape for r in results}
+    shapes = {}
+    for r in results:  # (the timed rows' sizes, not the interpreter check's)
+        shapes.setdefault(r.workload, r.shape)
     out += [f"- `{name}` ({WORKLOADS[name].group}): {WORKLOADS[name].description}; {shape}"
             for name, shape in shapes.items()]
     out += ["", "Columns are explained in `benchmarks/README.md`.", ""]
@@ -118,6 +123,27 @@ def _table_row(r, show_workload):
             _bytes(r.bytes_moved), gbps, _num(r.tflops), memory, saved]
 
 
+def _cpu_notes(results, size):
+    """What ours means in a CPU run (where it was timed), and what the interpreter check rows are."""
+    out = []
+    timed = [r for r in results if r.device == "cpu" and r.backend == "ours" and r.timing != INTERPRETER]
+    if timed:
+        ran = ", ".join(f"`{w}`" for w in sorted({r.ran for r in timed if r.ran})) or "-"
+        out += ["", "On CPU, `ours` is `compiler.compile(fn)` (`backend=\"auto\"`), timed as eager and "
+                f"torch.compile are (ran: {ran}); its peak and saved MB are that step's, its kernels / step "
+                "and bytes its GPU program's (the Triton kernels and the operators between them)."]
+        if size in ("small", "tiny"):
+            out[-1] += (f" At `{size}` sizes a step is microseconds of work: fixed per-call costs (Python, "
+                        "dispatch, our guards and replay) dominate every backend's time; `--cpu` times the work.")
+    checks = [r for r in results if r.timing == CHECK_ONLY]
+    if checks:
+        passed = sum(r.status == "ok" for r in checks)
+        out += ["", f"`{checks[0].backend}`: our Triton kernels (the GPU program) in Triton's CPU interpreter at "
+                f"`{CHECK_SIZE}` sizes, checked against float64 eager as every row is; not timed (the interpreter "
+                f"is orders of magnitude slower than compiled code). {passed} of {len(checks)} passed."]
+    return out
+
+
 def _megabytes(mb, ratio):
     if mb is None:
         return "n/a"
@@ -140,7 +166,7 @@ def _fallbacks_section(results):
 
 
 def _overhead_section(results):
-    rows = [r for r in results if r.workload == "overhead_step"]
+    rows = [r for r in results if r.workload == "overhead_step" and r.timing != CHECK_ONLY]
     if not rows:
         return []
     out = ["", "## Per-call overhead (`overhead_step`)", "",
@@ -200,6 +226,7 @@ def plot(results, environment, path, tag):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    results = [r for r in results if r.timing != CHECK_ONLY]  # (checks have no numbers to plot)
     good = [r for r in results if r.status == "ok"]
     workloads = list(dict.fromkeys(r.workload for r in results))
     backends = list(dict.fromkeys(r.backend for r in results))

@@ -6,8 +6,10 @@ float64 for the reference), one step (``step``: the call, and for forward+backwa
 workloads the backward with a fixed ``grad_out``), and the tensors a step is checked by
 (``observe``: the output and every gradient, or a training step's loss and parameters).
 
-Sizes: ``full`` is the issue's GPU size, ``small`` fits Triton's CPU interpreter (our
-kernels run there on a machine without a GPU), ``tiny`` is for the test.
+Sizes: ``full`` is the issue's GPU size; ``cpu`` times the CPU (the default without a GPU): eager's
+step takes 5 to 50 ms on 2 cores, so fixed per-call costs do not decide the times, with tensors
+under 32 MiB (see benchmarks/README.md); ``small`` fits Triton's CPU interpreter; ``tiny`` is for
+the tests and the interpreter check.
 
 >>> case = WORKLOADS["gelu"].build("tiny", torch.device("cpu"))
 >>> args = case.make_args(torch.float32)
@@ -25,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SIZES = ("full", "small", "tiny")
+SIZES = ("full", "cpu", "small", "tiny")
 
 
 @dataclass
@@ -412,48 +414,66 @@ def varying_run(device, size="small", seed=0):
     return make_model, batches
 
 
+# The attention workloads' cpu size: the same work (T²·heads) at each length, the shorter sequence
+# with more heads, so that eager takes over 5 ms on 2 cores at both.
+_CPU_ATTENTION = {1024: dict(batch=1, heads=16, seq=256), 4096: dict(batch=1, heads=4, seq=512)}
+
 WORKLOADS = {w.name: w for w in [
     Workload("gelu", 1, "GELU (tanh) forward+backward", make=_make_gelu, sizes={
-        "full": dict(t=8192, i=14336), "small": dict(t=64, i=512), "tiny": dict(t=8, i=64)}),
+        "full": dict(t=8192, i=14336), "cpu": dict(t=4096, i=1024), "small": dict(t=64, i=512),
+        "tiny": dict(t=8, i=64)}),
     Workload("swiglu", 1, "SwiGLU silu(gate)*up forward+backward", make=_make_swiglu, sizes={
-        "full": dict(t=8192, i=14336), "small": dict(t=64, i=512), "tiny": dict(t=8, i=64)}),
+        "full": dict(t=8192, i=14336), "cpu": dict(t=4096, i=1024), "small": dict(t=64, i=512),
+        "tiny": dict(t=8, i=64)}),
     Workload("rmsnorm", 2, "RMSNorm forward+backward", make=_make_norm("rms"), sizes={
-        "full": dict(rows=32768, cols=4096), "small": dict(rows=64, cols=512), "tiny": dict(rows=8, cols=64)}),
+        "full": dict(rows=32768, cols=4096), "cpu": dict(rows=4096, cols=1024), "small": dict(rows=64, cols=512),
+        "tiny": dict(rows=8, cols=64)}),
     Workload("layernorm", 2, "LayerNorm (F.layer_norm) forward+backward", make=_make_norm("layer"), sizes={
-        "full": dict(rows=32768, cols=4096), "small": dict(rows=64, cols=512), "tiny": dict(rows=8, cols=64)}),
+        "full": dict(rows=32768, cols=4096), "cpu": dict(rows=7680, cols=1024), "small": dict(rows=64, cols=512),
+        "tiny": dict(rows=8, cols=64)}),
     Workload("softmax", 3, "softmax forward+backward", make=_make_softmax, sizes={
-        "full": dict(rows=8192, vocab=32768), "small": dict(rows=32, vocab=1024), "tiny": dict(rows=4, vocab=64)}),
+        "full": dict(rows=8192, vocab=32768), "cpu": dict(rows=7680, vocab=1024), "small": dict(rows=32, vocab=1024),
+        "tiny": dict(rows=4, vocab=64)}),
     Workload("cross_entropy", 3, "cross-entropy forward+backward", make=_make_cross_entropy, sizes={
-        "full": dict(rows=8192, vocab=32768), "small": dict(rows=32, vocab=1024), "tiny": dict(rows=4, vocab=64)}),
+        "full": dict(rows=8192, vocab=32768), "cpu": dict(rows=1920, vocab=4096), "small": dict(rows=32, vocab=1024),
+        "tiny": dict(rows=4, vocab=64)}),
     Workload("mlp_step", 4, "MLP training step: Linear-GELU-Linear, MSE, SGD", make=_make_mlp, sizes={
-        "full": dict(batch=8192, dim=2048, hidden=8192), "small": dict(batch=64, dim=128, hidden=512),
+        "full": dict(batch=8192, dim=2048, hidden=8192), "cpu": dict(batch=1024, dim=256, hidden=1024),
+        "small": dict(batch=64, dim=128, hidden=512),
         "tiny": dict(batch=4, dim=16, hidden=32)}),
     Workload("complex", 5, "complex elementwise chain forward+backward", make=_make_complex, sizes={
-        "full": dict(rows=8192, cols=8192), "small": dict(rows=64, cols=256), "tiny": dict(rows=4, cols=16)}),
+        "full": dict(rows=8192, cols=8192), "cpu": dict(rows=512, cols=1024), "small": dict(rows=64, cols=256),
+        "tiny": dict(rows=4, cols=16)}),
     Workload("transformer_step", 6, "transformer block training step", make=_make_transformer, sizes={
         "full": dict(batch=8, seq=1024, dim=1024, heads=16, vocab=16384),
+        "cpu": dict(batch=2, seq=128, dim=256, heads=4, vocab=2048),
         "small": dict(batch=2, seq=32, dim=64, heads=4, vocab=256),
         "tiny": dict(batch=1, seq=8, dim=16, heads=2, vocab=32)}),
     Workload("transformer_explicit_step", 6, "transformer block training step, attention by matmuls",
              make=_make_explicit_transformer, sizes={
                  "full": dict(batch=8, seq=1024, dim=1024, heads=16, vocab=16384),
+                 "cpu": dict(batch=2, seq=128, dim=256, heads=4, vocab=2048),
                  "small": dict(batch=2, seq=32, dim=64, heads=4, vocab=256),
                  "tiny": dict(batch=1, seq=8, dim=16, heads=2, vocab=32)}),
     *[Workload(f"attention_d{d}_t{t}", 6, f"causal SDPA forward+backward, head dim {d}, T {t}",
                make=_make_attention(d), sizes={"full": dict(batch=8, heads=12, seq=t),
+                                               "cpu": _CPU_ATTENTION[t],
                                                "small": dict(batch=1, heads=2, seq=96),
                                                "tiny": dict(batch=1, heads=2, seq=16)})
       for d in (64, 128) for t in (1024, 4096)],
     Workload("rotary_attention", 6, "Llama's rotary embedding + causal GQA SDPA, forward+backward",
              make=_make_rotary_attention, sizes={
                  "full": dict(batch=4, heads=32, kv_heads=8, seq=2048, head_dim=64),
+                 "cpu": dict(batch=1, heads=8, kv_heads=2, seq=512, head_dim=64),
                  "small": dict(batch=1, heads=4, kv_heads=2, seq=64, head_dim=16),
                  "tiny": dict(batch=1, heads=2, kv_heads=1, seq=16, head_dim=16)}),
     Workload("overhead_step", 7, "tiny training step, 4 Linear layers: per-call overhead", make=_make_overhead,
-             sizes={"full": dict(batch=16, dim=256, layers=4), "small": dict(batch=16, dim=256, layers=4),
+             sizes={"full": dict(batch=16, dim=256, layers=4), "cpu": dict(batch=16, dim=256, layers=4),
+                    "small": dict(batch=16, dim=256, layers=4),
                     "tiny": dict(batch=4, dim=16, layers=4)}),
     Workload("cnn_step", 8, "ResNet-style CNN training step (conv, batch norm, pools)", make=_make_cnn, sizes={
         "full": dict(batch=64, channels=128, size=64, classes=1000),
+        "cpu": dict(batch=16, channels=32, size=32, classes=100),
         "small": dict(batch=4, channels=8, size=8, classes=10),
         "tiny": dict(batch=2, channels=4, size=8, classes=3)}),
 ]}

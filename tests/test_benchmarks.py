@@ -8,35 +8,63 @@ import torch
 
 import benchmarks
 from benchmarks import fresh_process, measure, report
-from benchmarks.harness import Result
+from benchmarks.__main__ import _checks_passed, _parser
+from benchmarks.backends import INTERPRETER_CHECK
+from benchmarks.harness import Result, default_size
+from benchmarks.workloads import SIZES, WORKLOADS
 
 
-def test_tiny_workload_runs_through_the_harness_and_writes_csv_table_and_plot(tmp_path):
+def test_tiny_workload_runs_through_the_harness_and_writes_csv_table_and_plot(tmp_path, monkeypatch):
+    # ours as a user gets it: backend="auto" (the test suite makes it the interpreter on CPU)
+    monkeypatch.delenv("SYMGRAD_CPU_BACKEND", raising=False)
     out = benchmarks.run(size="tiny", only=["overhead_step"], backends=("eager", "ours"), device="cpu",
                          out_dir=str(tmp_path), progress=False)
 
     rows = {r.backend: r for r in out.results}
-    assert set(rows) == {"eager", "ours"}
+    assert list(rows) == ["eager", "ours", INTERPRETER_CHECK]
     assert all(r.status == "ok" for r in out.results), [(r.backend, r.detail) for r in out.results]
-    eager, ours = rows["eager"], rows["ours"]
+    eager, ours, checked = rows["eager"], rows["ours"], rows[INTERPRETER_CHECK]
     assert eager.step_ms > 0 and eager.kernels_per_step > 0 and eager.timing == "wall clock"
     assert eager.speedup_vs_eager == 1.0
-    # ours on CPU: kernels in the interpreter, so its step time is labelled and never compared
-    assert ours.ran == "interpret" and ours.timing == report.INTERPRETER and ours.speedup_vs_eager is None
+    # ours on CPU: the default backend (a CPU path), timed as eager is and compared
+    assert not ours.ran.startswith("interpret") and "eager" not in ours.ran, ours.ran
+    assert ours.timing == "wall clock" and ours.step_ms > 0 and ours.speedup_vs_eager > 0
     assert ours.fused_kernels > 0 and ours.bytes_moved > 0 and ours.fallbacks == []
     assert ours.kernels_per_step > ours.fused_kernels  # plus matmuls and the eager optimizer update
     assert ours.stubbed_ms > 0
     assert ours.compile_cold_s is not None and ours.compile_warm_s is not None, ours.detail
+    # our Triton kernels: checked in the interpreter, never timed
+    assert checked.ran == "interpret" and checked.max_err < 1e-3 and checked.timing == report.CHECK_ONLY
+    assert checked.step_ms is None and checked.speedup_vs_eager is None and checked.compile_cold_s is None
 
     assert sorted(os.listdir(tmp_path)) == ["cpu-tiny.csv", "cpu-tiny.md", "cpu-tiny.png"]
     text = (tmp_path / "cpu-tiny.csv").read_text()
     assert f"# torch: {torch.__version__}" in text
     table = list(csv.DictReader(line for line in text.splitlines() if not line.startswith("#")))
-    assert [r["backend"] for r in table] == ["eager", "ours"]
+    assert [r["backend"] for r in table] == ["eager", "ours", INTERPRETER_CHECK]
     assert table[1]["status"] == "ok" and int(table[1]["fused_kernels"]) == ours.fused_kernels
     md = (tmp_path / "cpu-tiny.md").read_text()
     assert f"| torch | {torch.__version__} |" in md and "| `overhead_step` | eager | ok" in md
+    assert f"|  | {INTERPRETER_CHECK} | ok (" in md and "1 of 1 passed" in md
+    assert "†" not in md and "fixed per-call costs" in md  # a real time; at tiny size, overhead-bound
     assert (tmp_path / "cpu-tiny.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_every_workload_has_a_cpu_size_and_it_is_the_default_without_a_gpu():
+    assert "cpu" in SIZES and all(set(w.sizes) == set(SIZES) for w in WORKLOADS.values())
+    assert _parser().parse_args(["--cpu"]).size == "cpu" and _parser().parse_args([]).size is None
+    assert default_size(torch.device("cpu")) == "cpu" and default_size(torch.device("cuda")) == "full"
+
+
+def test_a_failed_interpreter_check_is_a_failed_run(capsys):
+    passed = _result(INTERPRETER_CHECK, timing=report.CHECK_ONLY, ran="interpret", step_ms=None)
+    failed = _result(INTERPRETER_CHECK, workload="gelu", status="mismatch", max_err=0.5, ran="interpret",
+                     timing=report.CHECK_ONLY, step_ms=None, detail="max error 5.00e-01 > tolerance 0.001")
+    assert _checks_passed([_result("ours"), passed]) == 0
+    assert _checks_passed([passed, failed]) == 1
+    assert "FAILED: gelu" in capsys.readouterr().err
+    md = report.markdown([_result("eager"), _result("ours", ran="torch"), passed, failed], {}, "cpu-cpu", "cpu")
+    assert "1 of 2 passed" in md and "**MISMATCH** (5e-01)" in md and "†" not in md
 
 
 def _result(backend, **fields):
@@ -183,3 +211,21 @@ def test_the_cpu_kernels_benchmark_times_each_backend_side_by_side(tmp_path, mon
                for row in results.values())
     table = (tmp_path / "cpu-kernels.md").read_text()
     assert "| rmsnorm | " in table and "(1.00×)" in table
+
+
+def test_the_interpreter_check_runs_our_kernels_whatever_recordings_are_stored(monkeypatch):
+    """transformer_step and the explicit one call one step function on models of one class (the
+    ``explicit`` flag is no tensor): a recording stored by the first has the second's key, and its
+    replays would leave it until the third call recorded again, eagerly, checking no kernel."""
+    import compiler
+    from benchmarks import interpreter_check
+    from compiler.reuse.recordings import ENV
+
+    monkeypatch.setenv(ENV, "1")
+    cpu = torch.device("cpu")
+    case = WORKLOADS["transformer_step"].build("tiny", cpu)
+    run, args = compiler.compile(case.fn, backend="interpret"), case.make_args(torch.float32)
+    for _ in range(2):  # records, and stores the recording
+        case.step(run, args)
+    checked = interpreter_check.check(WORKLOADS["transformer_explicit_step"], cpu)
+    assert checked.ran == "interpret" and checked.max_err < 1e-3, checked
