@@ -38,6 +38,7 @@ _LINKING = ("-shared", "-L", "-l", "-Wl,")   # (flags that only the link reads: 
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-std=c++17")
 _lock = threading.Lock()
+_name_locks: dict = {}   # kernel name -> the lock its builds take (``build``)
 _found: dict = {}      # "compiler": (path or None, why not); "vector": flags for at::vec kernels
 _loaded: dict = {}     # kernel name -> its loaded library (ctypes.CDLL)
 
@@ -168,6 +169,15 @@ def build(name: str, source: str, vectorized: bool = False) -> str:
     compiler, why = compiler_path()
     if compiler is None:
         raise RuntimeError(f"C++ kernels cannot be built here: {why}")
+    # (one build of a name at a time in this process: a kernel shared by a region's forward and
+    # backward is one job each; the second finds the first's library, stamped, instead of a half-written one)
+    with _lock:
+        lock = _name_locks.setdefault(name, threading.Lock())
+    with lock:
+        return _build_locked(name, source, vectorized, compiler)
+
+
+def _build_locked(name: str, source: str, vectorized: bool, compiler: str) -> str:
     folder = _folder()
     src, lib, stamp = (os.path.join(folder, f"{name}{ext}") for ext in (".cpp", ".so", ".stamp"))
     source_hash = hashlib.sha256(source.encode()).hexdigest()

@@ -55,6 +55,8 @@ PARALLEL_MIN = 32768
 _PARALLEL = "    #pragma omp parallel for schedule(static) reduction(|:bad)"
 # columns a thread sums at once in a kernel reducing leading dims (its accumulators stay in L1)
 _COLUMN_BLOCK = 256
+# rows a column sum adds in its dtype before the run's sums go into its double totals
+_ROW_RUN = 64
 
 
 @dataclass(frozen=True)
@@ -224,7 +226,14 @@ class _CppWriter:
         else:
             init, update, combine = "0", f"{acc} += {var};", "a + b"
         if vector is None:
-            self.row_lines += [f"{ctype} {acc} = {init};", *self.row_loop(None, body, [], [update])]
+            if dtype == torch.float32 and name != "amax":
+                # NOTE: one accumulator over a whole row (a batch norm's N*H*W): in float its error grows
+                # with the row (2e-3 over 16384 values); in double it stays at the result's rounding
+                self.row_lines += [f"double {acc}_d = 0;",
+                                   *self.row_loop(None, body, [], [f"{acc}_d += {var};"]),
+                                   f"{ctype} {acc} = static_cast<{ctype}>({acc}_d);"]
+            else:
+                self.row_lines += [f"{ctype} {acc} = {init};", *self.row_loop(None, body, [], [update])]
         else:
             # the vector body accumulates lanes apart, added up (or maxed) once after its loop; the
             # scalar tail then adds its elements
@@ -610,7 +619,7 @@ class _CppWriter:
             index.append(variable_index(f"i{d}"))
         self.base_index = index = tuple(index)
         self.element_at = f"(o * {reduced} + r) * {kept} + c"
-        accumulators, finals, row_index = [], [], {}
+        accumulators, finals, row_index, run_ends = [], [], {}, []
         for out, root in enumerate(self.stores):
             dtype = meta_of(root).dtype
             if kind_of(root) != OpKind.REDUCTION:
@@ -621,12 +630,20 @@ class _CppWriter:
             if name not in ("sum", "mean", "amax") or acc_dtype.is_complex or numel(meta_of(root).shape) != outer * kept:
                 raise NotPrintable(f"a {name} over columns of {acc_dtype}")
             acc, ctype = f"acc{out}", C_TYPE[acc_dtype]
+            init = "-INFINITY" if name == "amax" else "0"
             accumulators.append(f"{ctype} {acc}[{_COLUMN_BLOCK}];")
-            accumulators.append(f"for (int64_t k = 0; k < {_COLUMN_BLOCK}; ++k) {acc}[k] = "
-                                f"{'-INFINITY' if name == 'amax' else '0'};")
+            accumulators.append(f"for (int64_t k = 0; k < {_COLUMN_BLOCK}; ++k) {acc}[k] = {init};")
+            at = f"{acc}[c - cb]"
+            if name != "amax":
+                # NOTE: rows added in runs of ``_ROW_RUN`` into the lanes' accumulators, each run's sums then
+                # added into totals in double: the error grows with a run, not with the whole batch
+                accumulators += [f"double {acc}_t[{_COLUMN_BLOCK}];",
+                                 f"for (int64_t k = 0; k < {_COLUMN_BLOCK}; ++k) {acc}_t[k] = 0;"]
+                run_ends.append(f"for (int64_t k = 0; k < {_COLUMN_BLOCK}; ++k) {{ {acc}_t[k] += {acc}[k]; "
+                                f"{acc}[k] = 0; }}")
+                at = f"static_cast<{ctype}>({acc}_t[c - cb])"
             scale = root.target.scale(root)
-            total = f"{acc}[c - cb]" if scale == 1.0 else \
-                f"{acc}[c - cb] * {CppPrinter({}, acc_dtype).literal(sympy.Float(scale))}"
+            total = at if scale == 1.0 else f"{at} * {CppPrinter({}, acc_dtype).literal(sympy.Float(scale))}"
             finals.append(f"out{out}[o * {kept} + c] = static_cast<{C_TYPE[dtype]}>({total});")
         # the vector body's lanes are consecutive columns: the kept part must be one dim (its index c)
         self.row_vector_dtype = self._one_float_dtype() if lead == len(shape) - 1 and kept > 1 else None
@@ -649,7 +666,10 @@ class _CppWriter:
                 f"        const int64_t ce = cb + {_COLUMN_BLOCK} < {kept} ? cb + {_COLUMN_BLOCK} : {kept};",
                 *[f"        {line}" for line in accumulators],
                 f"        for (int64_t r = 0; r < {reduced}; ++r) {{",
-                *[f"            {line}" for line in r_lines], *columns, "        }",
+                *[f"            {line}" for line in r_lines], *columns,
+                *([f"            if ((r + 1) % {_ROW_RUN} == 0 || r + 1 == {reduced}) {{",
+                   *[f"                {line}" for line in run_ends], "            }"] if run_ends else []),
+                "        }",
                 "        for (int64_t c = cb; c < ce; ++c) {", *[f"            {line}" for line in finals], "        }",
                 "    }"]
         # (the strided function: scalar only, its loads' lanes need not be consecutive)
