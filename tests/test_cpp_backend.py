@@ -305,3 +305,25 @@ def test_the_optimizer_and_clip_loops_and_column_sums_are_vectorized_by_the_comp
     compiled = check(lambda x: torch.nn.functional.gelu(lin(x)), [x], cpp_kernels=2)
     columns = [k.torch_kernel for k in _kernels(compiled) if any(tuple(shape) == (1, 64) for _, shape, _ in k.stores)]
     assert columns and all(k.vectorized and "V::loadu(acc" in k.source for k in columns), columns
+
+
+def test_values_the_same_for_every_lane_are_scalars_in_vector_bodies():
+    """A row's target (cross entropy's backward: ``iota == target`` over the classes), an embedding
+    row's index, a random seed: read once per row as scalars inside the vector body, so those kernels
+    are vectorized, with eager's values (ignored targets, out-of-range indices included)."""
+    torch.manual_seed(0)
+    x = torch.randn(24, 40, requires_grad=True)
+    t = torch.randint(0, 40, (24,))
+    t[3] = -100
+    ce = check(lambda x, t: torch.nn.functional.cross_entropy(x, t, label_smoothing=0.1), [x, t], cpp_kernels=2)
+    assert any("V::arange" in k.torch_kernel.source and k.torch_kernel.vectorized for k in _kernels(ce))
+    emb, ln = torch.nn.Embedding(50, 32), torch.nn.LayerNorm(32)
+    ids = torch.randint(0, 50, (6, 9))
+    looked_up = check(lambda ids: ln(emb(ids)).tanh(), [ids], tol={"rtol": 1e-5, "atol": 1e-5}, cpp_kernels=2)
+    gathers = [k.torch_kernel for k in _kernels(looked_up) if "bad |=" in k.torch_kernel.source]
+    assert gathers and all(k.vectorized and "V::loadu" in k.source for k in gathers), gathers
+    bad = compiler.compile(lambda ids: emb(ids).sum(), backend="cpp")
+    bad(ids)
+    bad(ids)
+    with pytest.raises(IndexError):
+        bad(torch.full((6, 9), 50))

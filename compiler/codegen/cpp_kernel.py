@@ -108,6 +108,11 @@ class _CppWriter:
         self.index_errors: dict = {}  # what each gather reports for an index out of range (ordered)
         self.uses_random = False      # a body calls symgrad_rand (``_PHILOX``, in the prelude)
         self.row_values: dict = {}   # reduction node -> (its row's value, dtype)
+        # in a vector body: variables holding one scalar for every lane (values that do not vary along
+        # the inner loop: a row's target, a gathered row's index), and vectors holding exact integers
+        # as floats (an iota along the inner loop)
+        self.scalar_vars: set = set()
+        self.float_ints: set = set()
         self.base_index: tuple = ()
         for node in [*loads, *stores]:
             if C_TYPE.get(meta_of(node).dtype) is None:
@@ -119,6 +124,16 @@ class _CppWriter:
         self.lines.append(f"const {'V' if self.vector_dtype is not None else ctype} {name} = {text};")
         return name
 
+    def lane_vector(self, var: str, have: torch.dtype, condition: bool = False) -> str:
+        """``var`` as a vector body's operand: a scalar (``scalar_vars``) broadcast to every lane (a
+        bool used as a condition: a mask), a vector as it is."""
+        if var not in self.scalar_vars:
+            return var
+        ctype = C_TYPE[self.vector_dtype]
+        if condition or have == torch.bool:
+            return f"(V(static_cast<{ctype}>({var})) != V(0))"
+        return f"V(static_cast<{ctype}>({var}))"
+
     # -- values ----------------------------------------------------------------------------
     def value(self, node: fx.Node, index: tuple):
         """(C++ variable, dtype) of ``node`` at ``index`` (an ``Index`` a dim)."""
@@ -127,6 +142,18 @@ class _CppWriter:
         if key in self.values:
             return self.values[key]
         kind = kind_of(node)
+        if self.vector_dtype is not None and not any(self.inner_name in i.names for i in index):
+            # the same for every lane: computed once, as a scalar, in any dtype (a row's target, the
+            # index of an embedding's row), then broadcast where a vector operation reads it
+            held, self.vector_dtype = self.vector_dtype, None
+            try:
+                result = self.value(node, index)
+            finally:
+                self.vector_dtype = held
+            if isinstance(result[0], tuple):
+                raise NotPrintable("a complex value in a vector body")
+            self.scalar_vars.add(result[0])
+            return result
         if (node in self.buffers and node not in self.roots) or \
                 kind not in (OpKind.POINTWISE, OpKind.VIEW, OpKind.REDUCTION):
             inside = not (node in self.buffers and node not in self.roots)
@@ -160,12 +187,7 @@ class _CppWriter:
             raise NotPrintable("a reduction read at another row than the one it reduced")
         if node not in self.row_values:
             self.row_values[node] = self.reduce_row(node)
-        var, dtype = self.row_values[node]
-        if self.vector_dtype is not None:   # (a row's value, the same in every lane)
-            if dtype != self.vector_dtype:
-                raise NotPrintable(f"a {dtype} row value in a {self.vector_dtype} vector body")
-            return self.tmp("V", f"V({var})"), dtype
-        return var, dtype
+        return self.row_values[node]   # (a row's value: in a vector body, the same in every lane)
 
     def in_loop(self, compute, vector: bool):
         """(the statements, what ``compute()`` returns) of one loop body, written with values of its
@@ -215,7 +237,8 @@ class _CppWriter:
 
         def element():
             var, have = self.value(node.args[0], self.base_index)
-            return self.cast(var, have, dtype)
+            var = self.cast(var, have, dtype)
+            return self.lane_vector(var, dtype) if self.vector_dtype is not None else var
         vector, (body, var) = self.vector_and_scalar(element)
         acc = f"acc{self.counter}"
         self.counter += 1
@@ -251,9 +274,16 @@ class _CppWriter:
 
     def iota(self, node: fx.Node, index: tuple):
         """The position along the iota's dim, as int64 (the Triton kernels' dtype for it)."""
+        at = index[node.kwargs["dim"]]
         if self.vector_dtype is not None:
-            raise NotPrintable("an iota in a vector body")
-        return self.tmp("int64_t", f"static_cast<int64_t>({c_text(index[node.kwargs['dim']])})"), torch.int64
+            # consecutive positions, held exactly as floats (``float_ints``: compared with integers only)
+            exact = 2 ** (24 if self.vector_dtype == torch.float32 else 53)
+            if c_text(at).strip("() ") != self.inner_name or meta_of(node).shape[node.kwargs["dim"]] >= exact:
+                raise NotPrintable("an iota that is not the inner loop's position in a vector body")
+            var = self.tmp("V", f"V::arange(static_cast<{C_TYPE[self.vector_dtype]}>({self.inner_name}), 1)")
+            self.float_ints.add(var)
+            return var, torch.int64
+        return self.tmp("int64_t", f"static_cast<int64_t>({c_text(at)})"), torch.int64
 
     def random(self, node: fx.Node, index: tuple):
         """Philox(seed, the element's position in the rand node's shape) in [0, 1): the numbers
@@ -287,12 +317,30 @@ class _CppWriter:
         """The source element at the position the index tensor gives (``catalog.Gather``): the index
         checked (a bad one sets ``bad``: the caller raises eager's error), wrapped where negative
         indices count from the end, and clamped, so that a bad one never reads outside memory."""
-        if self.vector_dtype is not None:
-            raise NotPrintable("a gather in a vector body")
         source, index_node = node.args
         index_at, source_at = node.target.positions(node, list(index))
         dim, size = node.kwargs["dim"], meta_of(source).shape[node.kwargs["dim"]]
         i, _ = self.value(index_node, tuple(index_at))
+        vector, self.vector_dtype = self.vector_dtype, None   # (the position: a scalar's statements)
+        if vector is not None and i not in self.scalar_vars:
+            self.vector_dtype = vector
+            raise NotPrintable("a gather whose index varies along the inner loop, in a vector body")
+        try:
+            g = self.gathered_position(node, i, size)
+        finally:
+            self.vector_dtype = vector
+        source_at[dim] = variable_index(g)
+        value, dtype = self.value(source, tuple(source_at))
+        if node.kwargs.get("zero_padding"):
+            zero = CppPrinter({}, compute_dtype(dtype)).literal(sympy.Integer(0))
+            if vector is not None:
+                value = self.tmp("V", f"{g} == {node.kwargs['padding_idx']} ? V({zero}) : {self.lane_vector(value, dtype)}")
+            else:
+                value = self.tmp(C_TYPE[dtype], f"{g} == {node.kwargs['padding_idx']} ? {zero} : {value}")
+        return value, dtype
+
+    def gathered_position(self, node: fx.Node, i: str, size: int) -> str:
+        """The checked, wrapped and clamped position a gather's index ``i`` names (scalar statements)."""
         g = self.tmp("int64_t", f"static_cast<int64_t>({i})")
         low = -size if node.kwargs.get("wrap") else 0
         self.lines.append(f"bad |= ({g} < {low} || {g} >= {size});")
@@ -300,13 +348,7 @@ class _CppWriter:
         self.index_errors.setdefault(f"{what}: {INDEX_ASSERT} of size {size}", None)
         if node.kwargs.get("wrap"):
             g = self.tmp("int64_t", f"{g} < 0 ? {g} + {size} : {g}")
-        g = self.tmp("int64_t", f"{g} < 0 ? 0 : ({g} > {size - 1} ? {size - 1} : {g})")
-        source_at[dim] = variable_index(g)
-        value, dtype = self.value(source, tuple(source_at))
-        if node.kwargs.get("zero_padding"):
-            zero = CppPrinter({}, compute_dtype(dtype)).literal(sympy.Integer(0))
-            value = self.tmp(C_TYPE[dtype], f"{g} == {node.kwargs['padding_idx']} ? {zero} : {value}")
-        return value, dtype
+        return self.tmp("int64_t", f"{g} < 0 ? 0 : ({g} > {size - 1} ? {size - 1} : {g})")
 
     def slice_scatter(self, node: fx.Node, index: tuple):
         """``base`` at ``index``, or ``src`` at the slice's position where ``index`` lies in the slice
@@ -368,6 +410,16 @@ class _CppWriter:
     def cast(self, var: str, have: torch.dtype, want: torch.dtype) -> str:
         if have == want:
             return var
+        if self.vector_dtype is not None and var in self.float_ints and want == self.vector_dtype:
+            return var   # (exact integers held as floats already)
+        if self.vector_dtype is not None and var in self.scalar_vars:   # (cast as the scalar it is)
+            held, self.vector_dtype = self.vector_dtype, None
+            try:
+                var = self.cast(var, have, want)
+            finally:
+                self.vector_dtype = held
+            self.scalar_vars.add(var)
+            return var
         if self.vector_dtype is not None:
             if have != torch.bool or want != self.vector_dtype:
                 raise NotPrintable(f"a {have} -> {want} conversion in a vector body")
@@ -387,13 +439,22 @@ class _CppWriter:
             want = compute_dtype(torch.promote_types(args[0][1], args[1][1]) if len(args) == 2 else args[0][1])
         else:
             want = compute_dtype(out_dtype)
+        vector = self.vector_dtype is not None
+        if vector and is_compare and not want.is_floating_point and \
+                all(var in self.scalar_vars or var in self.float_ints for var, _ in args):
+            # integers compared in a vector body: an iota's exact floats with broadcast integers (a
+            # class index against the row's target), compared as floats (both below 2**24: exact)
+            want = self.vector_dtype
+            args = [(var, want if var in self.float_ints else have) for var, have in args]
         names = {}
         for i, (var, have) in enumerate(args):
             symbol = Y.REAL_ARGS[i]
             condition = (name == "where" and i == 0) or (name == "pointwise" and have == torch.bool
                                                           and _used_as_condition(expr, symbol))
             names[symbol] = var if condition else self.cast(var, have, want)
-        if self.vector_dtype is not None and want != self.vector_dtype:
+            if vector:
+                names[symbol] = self.lane_vector(names[symbol], torch.bool if condition else want, condition)
+        if vector and want != self.vector_dtype:
             raise NotPrintable(f"{want} math in a {self.vector_dtype} vector body")
         replacements, (reduced,) = sympy.cse([expr], symbols=sympy.numbered_symbols("c"), order="none")
         printer = (VectorPrinter if self.vector_dtype is not None else CppPrinter)(names, want)
@@ -442,9 +503,10 @@ class _CppWriter:
 
     def _one_float_dtype(self):
         """The dtype of every buffer where they share one float dtype (a vector body's), else None.
-        (One-element integer inputs, random numbers' seeds, are read as scalars: not counted.)"""
+        (Integer and bool inputs are not counted: read where they are the same for every lane, a row's
+        target, a random number's seed, they are scalars; elsewhere the vector body is not written.)"""
         dtypes = {meta_of(n).dtype for n in [*self.loads, *self.stores]
-                  if not (n in self.loads and numel(meta_of(n).shape) == 1 and not meta_of(n).dtype.is_floating_point)}
+                  if not (n in self.loads and not meta_of(n).dtype.is_floating_point)}
         return dtypes.pop() if len(dtypes) == 1 and dtypes <= {torch.float32, torch.float64} else None
 
     def body(self, index: tuple, shape: tuple, inner: int) -> list:
@@ -461,7 +523,7 @@ class _CppWriter:
             if self.vector_dtype is not None:
                 if have != dtype:
                     raise NotPrintable(f"a {have} value stored as {dtype} in a vector body")
-                stores.append(f"({var}).store(out{out} + {at});")
+                stores.append(f"({self.lane_vector(var, have)}).store(out{out} + {at});")
             else:
                 stores.append(f"out{out}[{at}] = static_cast<{C_TYPE[dtype]}>({var});")
         return self.lines + stores
@@ -710,13 +772,14 @@ class _CppWriter:
                 var, have = self.value(root, row_index.get(root, index))
                 if vector and have != dtype:
                     raise NotPrintable(f"a {have} value stored as {dtype} in a vector body")
-                elements.append(f"({var}).store(out{out} + {self.element_at});" if vector
+                elements.append(f"({self.lane_vector(var, have)}).store(out{out} + {self.element_at});" if vector
                                 else f"out{out}[{self.element_at}] = static_cast<{C_TYPE[dtype]}>({var});")
                 continue
             var, have = self.value(root.args[0], index)
             var = self.cast(var, have, compute_dtype(dtype))
             at = f"acc{out}[c - cb]"
             if vector:
+                var = self.lane_vector(var, compute_dtype(dtype))
                 held = f"V::loadu(acc{out} + (c - cb))"
                 new = f"at::vec::maximum({held}, {var})" if root.target.name == "amax" else f"{held} + {var}"
                 updates.append(f"({new}).store(acc{out} + (c - cb));")
@@ -760,13 +823,17 @@ class _CppWriter:
                 var, have = self.value(value, self.base_index)
                 var = self.cast(var, have, dtype)
                 j = self.stores.index(root)
+                if self.vector_dtype is not None:
+                    var = self.lane_vector(var, dtype)
                 out.append(f"(V::loadu(col{j} + r) + {var}).store(col{j} + r);" if self.vector_dtype is not None
                            else f"col{j}[r] += {var};")
             for root in roots:
-                var, _ = self.value(root, self.root_index(root))
+                var, have = self.value(root, self.root_index(root))
                 j = self.stores.index(root)
                 if self.vector_dtype is not None:
-                    out.append(f"({var}).store(out{j} + {self.element_at});")
+                    if have != meta_of(root).dtype:
+                        raise NotPrintable(f"a {have} value stored as {meta_of(root).dtype} in a vector body")
+                    out.append(f"({self.lane_vector(var, have)}).store(out{j} + {self.element_at});")
                 else:
                     out.append(f"out{j}[{self.element_at}] = static_cast<{C_TYPE[meta_of(root).dtype]}>({var});")
             return out
