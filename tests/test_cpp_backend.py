@@ -327,3 +327,21 @@ def test_values_the_same_for_every_lane_are_scalars_in_vector_bodies():
     bad(ids)
     with pytest.raises(IndexError):
         bad(torch.full((6, 9), 50))
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=str)
+def test_complex_kernels_are_cpp_with_eagers_values(dtype):
+    """Complex values as their interleaved parts, the math as the Triton kernels' real arithmetic on
+    parts (``realify``; |z| is C's hypot), a broadcast gain's and bias's gradients as complex column
+    sums, over few rows and over chunks of many."""
+    torch.manual_seed(0)
+    w = torch.randn(16, dtype=dtype, requires_grad=True)
+    b = torch.randn(16, dtype=dtype, requires_grad=True)
+
+    def gate(z, w, b):
+        u = z * w + b
+        return u * torch.sigmoid(u.abs()) + u.conj() * 0.5
+    for rows in (8, 1024):
+        z = torch.randn(rows, 16, dtype=dtype, requires_grad=True)
+        compiled = check(gate, [z, w, b], cpp_kernels=2)
+        assert all(isinstance(k.torch_kernel, CppKernel) for k in _kernels(compiled))

@@ -39,6 +39,7 @@ import torch
 import torch.fx as fx
 
 from compiler.codegen.cpp_printer import C_TYPE, CppPrinter, VectorPrinter
+from compiler.codegen.realify import IM, RE, realify
 from compiler.codegen.kernel_text import ZERO, broadcast_index, c_text, constant_index, variable_index
 from compiler.codegen.triton_kernel import _used_as_condition   # (whether a bool argument is a where's condition)
 from compiler.fusion.fuse import KernelPlan
@@ -57,6 +58,16 @@ _PARALLEL = "    #pragma omp parallel for schedule(static) reduction(|:bad)"
 _COLUMN_BLOCK = 256
 # rows a column sum adds in its dtype before the run's sums go into its double totals
 _ROW_RUN = 64
+
+
+def _parts(name: str, dtype: torch.dtype) -> tuple:
+    """The accumulators of a sum of ``dtype``: one, or a complex sum's real and imaginary parts'."""
+    return (f"{name}_re", f"{name}_im") if dtype.is_complex else (name,)
+
+
+def _element_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What a buffer's pointer points to: complex values as their interleaved real parts."""
+    return dtype.to_real() if dtype.is_complex else dtype
 
 
 @dataclass(frozen=True)
@@ -115,7 +126,7 @@ class _CppWriter:
         self.float_ints: set = set()
         self.base_index: tuple = ()
         for node in [*loads, *stores]:
-            if C_TYPE.get(meta_of(node).dtype) is None:
+            if C_TYPE.get(_element_dtype(meta_of(node).dtype)) is None:
                 raise NotPrintable(f"a {meta_of(node).dtype} buffer")
 
     def tmp(self, ctype: str, text: str) -> str:
@@ -393,6 +404,11 @@ class _CppWriter:
         terms = [f"({c_text(i)}) * {arg}_s{d}" for d, (i, size) in enumerate(zip(index, shape))
                  if size != 1 and i.constant != 0]
         offset = " + ".join(terms) or "0"
+        if dtype.is_complex:   # (interleaved: the real part, then the imaginary part)
+            if self.vector_dtype is not None:
+                raise NotPrintable("a complex load in a vector body")
+            part = C_TYPE[dtype.to_real()]
+            return (self.tmp(part, f"{arg}[2 * ({offset})]"), self.tmp(part, f"{arg}[2 * ({offset}) + 1]")), dtype
         if self.vector_dtype is None:
             return self.tmp(C_TYPE[dtype], f"{arg}[{offset}]"), dtype
         if dtype != self.vector_dtype:
@@ -407,9 +423,17 @@ class _CppWriter:
             raise NotPrintable("a load whose elements are not consecutive along the inner loop")
         return self.tmp("V", f"V::loadu({arg} + {offset})"), dtype
 
-    def cast(self, var: str, have: torch.dtype, want: torch.dtype) -> str:
+    def cast(self, var, have: torch.dtype, want: torch.dtype):
         if have == want:
             return var
+        if have.is_complex or want.is_complex:   # (scalar bodies: a pair of parts)
+            if self.vector_dtype is not None or not want.is_complex:
+                raise NotPrintable(f"a {have} -> {want} conversion")
+            part = want.to_real()
+            if have.is_complex:
+                return tuple(self.cast(v, have.to_real(), part) for v in var)
+            zero = CppPrinter({}, part).literal(sympy.Integer(0))
+            return self.cast(var, have, part), zero
         if self.vector_dtype is not None and var in self.float_ints and want == self.vector_dtype:
             return var   # (exact integers held as floats already)
         if self.vector_dtype is not None and var in self.scalar_vars:   # (cast as the scalar it is)
@@ -428,13 +452,13 @@ class _CppWriter:
 
     def pointwise(self, node: fx.Node, index: tuple):
         out_shape, out_dtype, expr = meta_of(node).shape, meta_of(node).dtype, meta_of(node).expr
-        if out_dtype.is_complex or out_dtype in (torch.float16, torch.bfloat16):
+        if out_dtype in (torch.float16, torch.bfloat16, torch.complex32):
             raise NotPrintable(f"{out_dtype} math")
         name = getattr(node.target, "name", "")
         is_compare = name in ("lt", "le", "gt", "ge", "eq", "ne")
         args = [self.value(arg, broadcast_index(index, out_shape, meta_of(arg).shape)) for arg in node.args]
         if any(dtype.is_complex for _, dtype in args):
-            raise NotPrintable("complex math")
+            return self.complex_pointwise(node, expr, args, compute_dtype(out_dtype))
         if is_compare:
             want = compute_dtype(torch.promote_types(args[0][1], args[1][1]) if len(args) == 2 else args[0][1])
         else:
@@ -466,6 +490,31 @@ class _CppWriter:
         if self.vector_dtype is not None:
             return self.tmp("V", text), want
         return self.tmp(C_TYPE[want], f"static_cast<{C_TYPE[want]}>({text})"), want
+
+    def complex_pointwise(self, node: fx.Node, expr, args: list, want: torch.dtype):
+        """A pointwise op with complex operands or result, as real arithmetic on the parts
+        (``realify``, as the Triton kernels compute it). Scalar bodies only."""
+        if self.vector_dtype is not None:
+            raise NotPrintable("complex math in a vector body")
+        if getattr(node.target, "name", "") in ("lt", "le", "gt", "ge", "eq", "ne"):
+            raise NotPrintable("a complex comparison")
+        part = want.to_real() if want.is_complex else want
+        names = {}
+        for i, (var, have) in enumerate(args):
+            if have.is_complex:
+                re, im = var
+                names[RE[i]], names[IM[i]] = (self.cast(v, have.to_real(), part) for v in (re, im))
+            else:
+                names[Y.REAL_ARGS[i]] = self.cast(var, have, part)
+        re_expr, im_expr = realify(expr)
+        printer = CppPrinter(names, part)
+        ctype = C_TYPE[part]
+        replacements, reduced = sympy.cse([re_expr, im_expr] if want.is_complex else [re_expr],
+                                          symbols=sympy.numbered_symbols("c"), order="none")
+        for symbol, sub in replacements:
+            names[symbol] = printer(sub) if sub.is_number else self.tmp(ctype, printer(sub))
+        parts = tuple(self.tmp(ctype, f"static_cast<{ctype}>({printer(e)})") for e in reduced)
+        return (parts if want.is_complex else parts[0]), want
 
     # -- the kernel ------------------------------------------------------------------------
     def write(self) -> CppKernelSource:
@@ -524,6 +573,9 @@ class _CppWriter:
                 if have != dtype:
                     raise NotPrintable(f"a {have} value stored as {dtype} in a vector body")
                 stores.append(f"({self.lane_vector(var, have)}).store(out{out} + {at});")
+            elif dtype.is_complex:
+                var = self.cast(var, have, dtype)
+                stores += [f"out{out}[2 * ({at})] = {var[0]};", f"out{out}[2 * ({at}) + 1] = {var[1]};"]
             else:
                 stores.append(f"out{out}[{at}] = static_cast<{C_TYPE[dtype]}>({var});")
         return self.lines + stores
@@ -543,11 +595,11 @@ class _CppWriter:
         pointers, strided, constants = [], [], []   # (strided: each input's pointer, then its strides)
         for node, arg in self.load_names.items():
             shape = meta_of(node).shape
-            pointers.append(f"const {C_TYPE[meta_of(node).dtype]}* __restrict__ {arg}")
+            pointers.append(f"const {C_TYPE[_element_dtype(meta_of(node).dtype)]}* __restrict__ {arg}")
             strided += [pointers[-1]] + [f"int64_t {arg}_s{d}" for d in range(len(shape))]
             constants += [f"    constexpr int64_t {arg}_s{d} = {st};"
                           for d, st in enumerate(contiguous_strides(shape))]
-        outputs = [f"{C_TYPE[meta_of(n).dtype]}* __restrict__ out{j}" for j, n in enumerate(self.stores)]
+        outputs = [f"{C_TYPE[_element_dtype(meta_of(n).dtype)]}* __restrict__ out{j}" for j, n in enumerate(self.stores)]
         digest = hashlib.sha256(("\n".join(strided + outputs + fast)).encode()).hexdigest()[:16]
         name = f"cpp_kernel_{digest}"
         prelude = []
@@ -689,24 +741,28 @@ class _CppWriter:
                     row_index[root] = self.chunk_row_index(root, shape, reduced, r_lines)
                 continue
             name, acc_dtype = root.target.name, compute_dtype(dtype)
-            if name not in ("sum", "mean", "amax") or acc_dtype.is_complex or numel(meta_of(root).shape) != outer * kept:
+            if name not in ("sum", "mean", "amax") or (acc_dtype.is_complex and name == "amax") \
+                    or numel(meta_of(root).shape) != outer * kept:
                 raise NotPrintable(f"a {name} over columns of {acc_dtype}")
-            acc, ctype = f"acc{out}", C_TYPE[acc_dtype]
-            init = "-INFINITY" if name == "amax" else "0"
-            accumulators.append(f"{ctype} {acc}[{_COLUMN_BLOCK}];")
-            accumulators.append(f"for (int64_t k = 0; k < {_COLUMN_BLOCK}; ++k) {acc}[k] = {init};")
-            at = f"{acc}[c - cb]"
-            if name != "amax":
-                # NOTE: rows added in runs of ``_ROW_RUN`` into the lanes' accumulators, each run's sums then
-                # added into totals in double: the error grows with a run, not with the whole batch
-                accumulators += [f"double {acc}_t[{_COLUMN_BLOCK}];",
-                                 f"for (int64_t k = 0; k < {_COLUMN_BLOCK}; ++k) {acc}_t[k] = 0;"]
-                run_ends.append(f"for (int64_t k = 0; k < {_COLUMN_BLOCK}; ++k) {{ {acc}_t[k] += {acc}[k]; "
-                                f"{acc}[k] = 0; }}")
-                at = f"static_cast<{ctype}>({acc}_t[c - cb])"
-            scale = root.target.scale(root)
-            total = at if scale == 1.0 else f"{at} * {CppPrinter({}, acc_dtype).literal(sympy.Float(scale))}"
-            finals.append(f"out{out}[o * {kept} + c] = static_cast<{C_TYPE[dtype]}>({total});")
+            part = acc_dtype.to_real() if acc_dtype.is_complex else acc_dtype
+            ctype, init = C_TYPE[part], "-INFINITY" if name == "amax" else "0"
+            # (a complex sum: one accumulator per part, its output interleaved)
+            for k, acc in enumerate(_parts(f"acc{out}", acc_dtype)):
+                accumulators.append(f"{ctype} {acc}[{_COLUMN_BLOCK}];")
+                accumulators.append(f"for (int64_t k = 0; k < {_COLUMN_BLOCK}; ++k) {acc}[k] = {init};")
+                at = f"{acc}[c - cb]"
+                if name != "amax":
+                    # NOTE: rows added in runs of ``_ROW_RUN`` into the lanes' accumulators, each run's sums
+                    # then added into totals in double: the error grows with a run, not with the whole batch
+                    accumulators += [f"double {acc}_t[{_COLUMN_BLOCK}];",
+                                     f"for (int64_t k = 0; k < {_COLUMN_BLOCK}; ++k) {acc}_t[k] = 0;"]
+                    run_ends.append(f"for (int64_t k = 0; k < {_COLUMN_BLOCK}; ++k) {{ {acc}_t[k] += {acc}[k]; "
+                                    f"{acc}[k] = 0; }}")
+                    at = f"static_cast<{ctype}>({acc}_t[c - cb])"
+                scale = root.target.scale(root)
+                total = at if scale == 1.0 else f"{at} * {CppPrinter({}, part).literal(sympy.Float(scale))}"
+                where = f"2 * (o * {kept} + c) + {k}" if acc_dtype.is_complex else f"o * {kept} + c"
+                finals.append(f"out{out}[{where}] = static_cast<{C_TYPE[_element_dtype(dtype)]}>({total});")
         # the vector body's lanes are consecutive columns: the kept part must be one dim (its index c)
         self.row_vector_dtype = self._one_float_dtype() if lead == len(shape) - 1 and kept > 1 else None
         vector, (scalar, scalar_step) = self.vector_and_scalar(lambda: self.column_step(index, kept, row_index))
@@ -772,12 +828,20 @@ class _CppWriter:
                 var, have = self.value(root, row_index.get(root, index))
                 if vector and have != dtype:
                     raise NotPrintable(f"a {have} value stored as {dtype} in a vector body")
+                if dtype.is_complex:
+                    var = self.cast(var, have, dtype)
+                    elements += [f"out{out}[2 * ({self.element_at})] = {var[0]};",
+                                 f"out{out}[2 * ({self.element_at}) + 1] = {var[1]};"]
+                    continue
                 elements.append(f"({self.lane_vector(var, have)}).store(out{out} + {self.element_at});" if vector
                                 else f"out{out}[{self.element_at}] = static_cast<{C_TYPE[dtype]}>({var});")
                 continue
             var, have = self.value(root.args[0], index)
             var = self.cast(var, have, compute_dtype(dtype))
             at = f"acc{out}[c - cb]"
+            if dtype.is_complex:   # (scalar bodies: one accumulator per part)
+                updates += [f"{acc}[c - cb] += {v};" for acc, v in zip(_parts(f"acc{out}", dtype), var)]
+                continue
             if vector:
                 var = self.lane_vector(var, compute_dtype(dtype))
                 held = f"V::loadu(acc{out} + (c - cb))"

@@ -120,7 +120,7 @@ _VECTOR_METHODS = {"std::exp": "exp", "std::log": "log", "std::sin": "sin", "std
                    "std::asin": "asin", "std::acos": "acos", "std::atan": "atan", "std::sinh": "sinh",
                    "std::cosh": "cosh", "std::log1p": "log1p", "std::expm1": "expm1", "std::floor": "floor",
                    "std::ceil": "ceil", "std::trunc": "trunc", "std::rint": "round", "std::atan2": "atan2",
-                   "std::pow": "pow"}
+                   "std::pow": "pow", "std::hypot": "hypot"}
 
 
 class VectorPrinter(CppPrinter):

@@ -245,6 +245,11 @@ class Hypot(Primitive, sympy.Function):
         return printer.p(Where(compare("eq", Abs(a), infinite), infinite,
                                Where(compare("eq", Abs(b), infinite), infinite, scaled)))
 
+    @classmethod
+    def render_cpp(cls, printer, e) -> str:
+        """C's own hypot (<cmath>; at::vec's in a vector body), as eager's CPU kernels compute it."""
+        return printer.call("std::hypot", *(printer.p(a) for a in e.args))
+
 
 _FLOAT_REAL = dict(result=FLOAT, in_place=True)
 composite("log2", lambda a: sympy.log(a) / sympy.log(2), binds=("log2",), **_FLOAT_REAL)
