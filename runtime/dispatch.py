@@ -108,6 +108,8 @@ class CompiledFunction:
     def __init__(self, fn, builder, backend="auto", fullgraph=False, dynamic=None, templates=None, stored=None,
                  skip_python=False):
         functools.update_wrapper(self, fn, updated=())  # not __dict__: fn may be a Module
+        if not hasattr(self, "__name__"):   # (a module or another callable object: its class names it in logs)
+            self.__name__ = type(fn).__name__
         if backend not in backends.BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(backends.BACKENDS)}")
         self.fn = fn

@@ -345,3 +345,13 @@ def test_complex_kernels_are_cpp_with_eagers_values(dtype):
         z = torch.randn(rows, 16, dtype=dtype, requires_grad=True)
         compiled = check(gate, [z, w, b], cpp_kernels=2)
         assert all(isinstance(k.torch_kernel, CppKernel) for k in _kernels(compiled))
+
+
+def test_a_module_compiled_directly_replays_at_a_second_call():
+    """``compiler.compile(module)``: a callable without ``__name__`` (logs name it by its class)."""
+    ln = torch.nn.LayerNorm(16)
+    compiled = compiler.compile(ln, backend="cpp")
+    x = torch.randn(4, 16, requires_grad=True)
+    for _ in range(3):
+        torch.testing.assert_close(compiled(x), ln(x))
+    assert compiled.__name__ == "LayerNorm" and compiled.last_backend == "cpp"

@@ -58,6 +58,8 @@ _PARALLEL = "    #pragma omp parallel for schedule(static) reduction(|:bad)"
 _COLUMN_BLOCK = 256
 # rows a column sum adds in its dtype before the run's sums go into its double totals
 _ROW_RUN = 64
+# the largest row whose element values a sum's loop keeps for the loops after it (on the thread's stack)
+_ROW_BUFFER_BYTES = 64 * 1024
 
 
 def _parts(name: str, dtype: torch.dtype) -> tuple:
@@ -124,6 +126,10 @@ class _CppWriter:
         # as floats (an iota along the inner loop)
         self.scalar_vars: set = set()
         self.float_ints: set = set()
+        # a row's element values a sum's loop keeps in a buffer for the loops after it (softmax's
+        # exp(x - max): computed once, not again for the row's outputs): key -> (buffer, dtype)
+        self.row_cache: dict = {}
+        self.used_buffers: set = set()
         self.base_index: tuple = ()
         for node in [*loads, *stores]:
             if C_TYPE.get(_element_dtype(meta_of(node).dtype)) is None:
@@ -152,6 +158,13 @@ class _CppWriter:
         key = (node, tuple(c_text(i) for i in index))
         if key in self.values:
             return self.values[key]
+        if key in self.row_cache:   # (computed by an earlier loop over this row, kept in its buffer)
+            buffer, dtype = self.row_cache[key]
+            self.used_buffers.add(buffer)
+            result = (self.tmp("V", f"V::loadu({buffer} + r)") if self.vector_dtype is not None
+                      else self.tmp(C_TYPE[dtype], f"{buffer}[r]"), dtype)
+            self.values[key] = result
+            return result
         kind = kind_of(node)
         if self.vector_dtype is not None and not any(self.inner_name in i.names for i in index):
             # the same for every lane: computed once, as a scalar, in any dtype (a row's target, the
@@ -246,13 +259,25 @@ class _CppWriter:
         if dtype.is_complex:
             raise NotPrintable("a complex reduction")
 
+        acc = f"acc{self.counter}"
+        self.counter += 1
+        key = (node.args[0], tuple(c_text(i) for i in self.base_index))
+        arg = node.args[0]
+        computed = kind_of(arg) == OpKind.POINTWISE and not (arg in self.buffers and arg not in self.roots)
+        buffer = f"{acc}_row" if name != "amax" and computed and key not in self.row_cache and \
+            self.rnumel * dtype.itemsize <= _ROW_BUFFER_BYTES else None   # (not a load: read again as cheaply)
+
         def element():
             var, have = self.value(node.args[0], self.base_index)
+            if buffer is not None and have == dtype and var not in self.scalar_vars:
+                self.lines.append(f"({var}).store({buffer} + r);" if self.vector_dtype is not None
+                                  else f"{buffer}[r] = {var};")
             var = self.cast(var, have, dtype)
             return self.lane_vector(var, dtype) if self.vector_dtype is not None else var
         vector, (body, var) = self.vector_and_scalar(element)
-        acc = f"acc{self.counter}"
-        self.counter += 1
+        if buffer is not None and any(f"{buffer}[r] = " in line for line in body):
+            self.row_lines.append(f"alignas(64) {C_TYPE[dtype]} {buffer}[{self.rnumel}];")
+            self.row_cache[key] = (buffer, dtype)
         ctype = C_TYPE[dtype]
         if name == "amax":   # NaN wins, as eager's (at::vec::maximum's too)
             init, update, combine = "-INFINITY", f"{acc} = ({var} > {acc} || {var} != {var}) ? {var} : {acc};", \
@@ -656,6 +681,7 @@ class _CppWriter:
         ``vector_dtype`` where they print (None: scalar loops only)."""
         self.lines, self.values, self.counter, self.row_lines, self.row_values = [], {}, 0, [], {}
         self.row_vector_dtype, self.used_vector = vector_dtype, False
+        self.row_cache, self.used_buffers = {}, set()
         row_stores, elements, columns = [], [], []
         for out, root in enumerate(self.stores):
             dtype = meta_of(root).dtype
@@ -678,7 +704,9 @@ class _CppWriter:
                 raise NotPrintable("an output stored in another shape than the kernel's space")
             elements.append(root)   # (of another shape: the space reshaped, ``root_index``)
         element_loop = self.element_loop(elements, columns)   # (first: the reductions it reads are written then)
-        body = [f"        {line}" for line in header + self.row_lines + row_stores + element_loop]
+        unused = [buffer for buffer, _ in self.row_cache.values() if buffer not in self.used_buffers]
+        body = [f"        {line}" for line in header + self.row_lines + row_stores + element_loop
+                if not any(buffer in line for buffer in unused)]   # (a buffer no later loop read)
         if columns:
             return self.columns_loop(columns, rows, body)
         parallel = rows > 1 and rows * self.rnumel >= PARALLEL_MIN
