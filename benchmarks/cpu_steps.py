@@ -176,10 +176,10 @@ def measure(name, model, make_opt, step, batch, rounds=ROUNDS, steps=STEPS) -> d
     return row
 
 
-def table(rows) -> str:
+def table(rows, rounds: int = ROUNDS) -> str:
     lines = ["# Training steps on the CPU (`python -m benchmarks.cpu_steps`)", "",
              f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}. Median per-step time of "
-             f"{ROUNDS} interleaved rounds of {STEPS} steps, ms (× eager); first call (cold: recording and "
+             f"{rounds} interleaved rounds of {STEPS} steps, ms (× eager); first call (cold: recording and "
              "compiling, in a fresh kernel cache), s.", "",
              "| step | eager | ours | torch.compile | ours: first call | torch.compile: first call | ours ran |",
              "|---|---|---|---|---|---|---|"]
@@ -212,7 +212,7 @@ def main(argv=None):
         print(f"{name}: " + ", ".join(f"{b} {row[b]['ms']:.2f} ms ({row[b]['x_eager']:.2f}x)"
                                       for b in ("eager", "ours", "torch.compile")), flush=True)
     with open(os.path.join(out, "cpu-steps.md"), "w") as f:
-        f.write(table(rows))
+        f.write(table(rows, args.rounds))
     with open(os.path.join(out, "cpu-steps.json"), "w") as f:
         json.dump(rows, f, indent=1)
     print(f"written to {out}")

@@ -761,36 +761,11 @@ class _CppWriter:
             index.append(variable_index(f"i{d}"))
         self.base_index = index = tuple(index)
         self.element_at = f"(o * {reduced} + r) * {kept} + c"
-        accumulators, finals, row_index, run_ends = [], [], {}, []
-        for out, root in enumerate(self.stores):
-            dtype = meta_of(root).dtype
-            if kind_of(root) != OpKind.REDUCTION:
-                if tuple(meta_of(root).shape) != shape:
-                    row_index[root] = self.chunk_row_index(root, shape, reduced, r_lines)
-                continue
-            name, acc_dtype = root.target.name, compute_dtype(dtype)
-            if name not in ("sum", "mean", "amax") or (acc_dtype.is_complex and name == "amax") \
-                    or numel(meta_of(root).shape) != outer * kept:
-                raise NotPrintable(f"a {name} over columns of {acc_dtype}")
-            part = acc_dtype.to_real() if acc_dtype.is_complex else acc_dtype
-            ctype, init = C_TYPE[part], "-INFINITY" if name == "amax" else "0"
-            # (a complex sum: one accumulator per part, its output interleaved)
-            for k, acc in enumerate(_parts(f"acc{out}", acc_dtype)):
-                accumulators.append(f"{ctype} {acc}[{_COLUMN_BLOCK}];")
-                accumulators.append(f"for (int64_t k = 0; k < {_COLUMN_BLOCK}; ++k) {acc}[k] = {init};")
-                at = f"{acc}[c - cb]"
-                if name != "amax":
-                    # NOTE: rows added in runs of ``_ROW_RUN`` into the lanes' accumulators, each run's sums
-                    # then added into totals in double: the error grows with a run, not with the whole batch
-                    accumulators += [f"double {acc}_t[{_COLUMN_BLOCK}];",
-                                     f"for (int64_t k = 0; k < {_COLUMN_BLOCK}; ++k) {acc}_t[k] = 0;"]
-                    run_ends.append(f"for (int64_t k = 0; k < {_COLUMN_BLOCK}; ++k) {{ {acc}_t[k] += {acc}[k]; "
-                                    f"{acc}[k] = 0; }}")
-                    at = f"static_cast<{ctype}>({acc}_t[c - cb])"
-                scale = root.target.scale(root)
-                total = at if scale == 1.0 else f"{at} * {CppPrinter({}, part).literal(sympy.Float(scale))}"
-                where = f"2 * (o * {kept} + c) + {k}" if acc_dtype.is_complex else f"o * {kept} + c"
-                finals.append(f"out{out}[{where}] = static_cast<{C_TYPE[_element_dtype(dtype)]}>({total});")
+        row_index = {}
+        for root in self.stores:
+            if kind_of(root) != OpKind.REDUCTION and tuple(meta_of(root).shape) != shape:
+                row_index[root] = self.chunk_row_index(root, shape, reduced, r_lines)
+        accumulators, finals, run_ends = self.column_accumulators(outer, kept)
         # the vector body's lanes are consecutive columns: the kept part must be one dim (its index c)
         self.row_vector_dtype = self._one_float_dtype() if lead == len(shape) - 1 and kept > 1 else None
         vector, (scalar, scalar_step) = self.vector_and_scalar(lambda: self.column_step(index, kept, row_index))
@@ -821,6 +796,39 @@ class _CppWriter:
         # (the strided function: scalar only, its loads' lanes need not be consecutive)
         plain = column_loop if vector is None else column_loop[:1] + column_loop[column_loop.index("#endif") + 1:]
         return self.assemble(loop(column_loop), loop(plain), self.row_vector_dtype if vector is not None else None)
+
+    def column_accumulators(self, outer: int, kept: int) -> tuple:
+        """(declarations, final stores, statements ending a run of rows) of a column-sum kernel's
+        accumulators: per sum a block's worth of columns (a complex sum: one per part), and for sums
+        the run totals in double."""
+        accumulators, finals, run_ends = [], [], []
+        for out, root in enumerate(self.stores):
+            dtype = meta_of(root).dtype
+            if kind_of(root) != OpKind.REDUCTION:
+                continue
+            name, acc_dtype = root.target.name, compute_dtype(dtype)
+            if name not in ("sum", "mean", "amax") or (acc_dtype.is_complex and name == "amax") \
+                    or numel(meta_of(root).shape) != outer * kept:
+                raise NotPrintable(f"a {name} over columns of {acc_dtype}")
+            part = acc_dtype.to_real() if acc_dtype.is_complex else acc_dtype
+            ctype, init = C_TYPE[part], "-INFINITY" if name == "amax" else "0"
+            for k, acc in enumerate(_parts(f"acc{out}", acc_dtype)):
+                accumulators.append(f"{ctype} {acc}[{_COLUMN_BLOCK}];")
+                accumulators.append(f"for (int64_t k = 0; k < {_COLUMN_BLOCK}; ++k) {acc}[k] = {init};")
+                at = f"{acc}[c - cb]"
+                if name != "amax":
+                    # NOTE: rows added in runs of ``_ROW_RUN`` into the lanes' accumulators, each run's sums
+                    # then added into totals in double: the error grows with a run, not with the whole batch
+                    accumulators += [f"double {acc}_t[{_COLUMN_BLOCK}];",
+                                     f"for (int64_t k = 0; k < {_COLUMN_BLOCK}; ++k) {acc}_t[k] = 0;"]
+                    run_ends.append(f"for (int64_t k = 0; k < {_COLUMN_BLOCK}; ++k) {{ {acc}_t[k] += {acc}[k]; "
+                                    f"{acc}[k] = 0; }}")
+                    at = f"static_cast<{ctype}>({acc}_t[c - cb])"
+                scale = root.target.scale(root)
+                total = at if scale == 1.0 else f"{at} * {CppPrinter({}, part).literal(sympy.Float(scale))}"
+                where = f"2 * (o * {kept} + c) + {k}" if acc_dtype.is_complex else f"o * {kept} + c"
+                finals.append(f"out{out}[{where}] = static_cast<{C_TYPE[_element_dtype(dtype)]}>({total});")
+        return accumulators, finals, run_ends
 
     def chunk_row_index(self, root: fx.Node, shape: tuple, reduced: int, r_lines: list) -> tuple:
         """The index of an elementwise root of shape (..., N) in a kernel over its rows' chunks

@@ -39,9 +39,9 @@ def combo_source(rule, key, dtype, numels) -> tuple:
     # ``addcdiv_``). An update's error lands in the parameters and compounds over every step, so
     # the rules' SQRT and DIV are the correctly rounded forms (fp64 is always exact).
     exact = dtype == torch.float32
-    body = [line.replace("SQRT(", "tl.sqrt_rn(" if exact else "tl.sqrt(").replace("DIV(", "tl.div_rn(" if exact
-                                                                                  else "_div(")
-            .replace("WHERE(", "tl.where(") for line in rule.body(key)]
+    functions = {"SQRT(": "tl.sqrt_rn(" if exact else "tl.sqrt(", "DIV(": "tl.div_rn(" if exact else "_div(",
+                 "WHERE(": "tl.where("}
+    body = [f"{target} = {spelled(expression, functions)}" for target, expression in rule.body(key)]
     scalar_type = _TRITON_DTYPE[dtype]
 
     def scalar_param(name):
@@ -70,6 +70,13 @@ def combo_source(rule, key, dtype, numels) -> tuple:
     lines.append(f"        _update({args}, offsets, offsets < numel, {', '.join(scalar_names)})")
     name, source = named(f"optimizer_{rule.name}", lines)
     return name, source, scalar_names, grid
+
+
+def spelled(expression: str, functions: dict) -> str:
+    """A rule's expression with its functions (``SQRT(``, ``DIV(``, ``WHERE(``) as a backend spells them."""
+    for name, spelling in functions.items():
+        expression = expression.replace(name, spelling)
+    return expression
 
 
 def select_member(tensors, numels) -> tuple:

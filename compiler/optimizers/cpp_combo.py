@@ -13,11 +13,11 @@ round as IEEE does, as eager's CPU kernels and the Triton kernel's ``sqrt_rn``/`
 from __future__ import annotations
 
 import hashlib
-import re
 
 import torch
 
 from compiler.codegen.cpp_printer import C_TYPE
+from compiler.optimizers.combo import spelled
 
 # elements of one parameter a thread updates at once (a chunk of the table)
 CHUNK = 16384
@@ -29,9 +29,6 @@ template <typename T> static inline T symgrad_where(bool c, T a, T b) { return c
 template <typename T> static inline T symgrad_div(T a, T b) { return a / b; }
 """
 
-_ASSIGNMENT = re.compile(r"^(\w+) = (.+)$")
-
-
 def cpp_combo_source(rule, key, dtype: torch.dtype) -> tuple:
     """(function name, C++ source, scalar names in argument order) of ``rule``'s update of
     ``dtype`` parameters with the settings ``key``. The function is
@@ -40,13 +37,8 @@ def cpp_combo_source(rule, key, dtype: torch.dtype) -> tuple:
     tensors = ("p", "g") + rule.state_names(key)
     scalar_names = sorted(rule.scalar_names)
     body, declared = [], set(tensors)
-    for line in rule.body(key):
-        match = _ASSIGNMENT.match(line)
-        if match is None:
-            raise ValueError(f"update rule {rule.name!r}: {line!r} is not `name = expression`")
-        target, expression = match.groups()
-        expression = expression.replace("WHERE(", "symgrad_where(").replace("SQRT(", "std::sqrt(") \
-            .replace("DIV(", "symgrad_div(")
+    for target, expression in rule.body(key):
+        expression = spelled(expression, {"WHERE(": "symgrad_where(", "SQRT(": "std::sqrt(", "DIV(": "symgrad_div("})
         body.append(f"{target} = {expression};" if target in declared else f"{ctype} {target} = {expression};")
         declared.add(target)
     scalars = [f"int64_t {n}" if n in rule.integer_scalars else f"{ctype} {n}" for n in scalar_names]

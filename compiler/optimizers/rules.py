@@ -71,8 +71,8 @@ class Rule:
         raise NotImplementedError
 
     def body(self, key) -> list:
-        """Statements, ``name = expression``: read the loaded ``p``, ``g``, state values and the
-        scalars; assign the new ones. Expressions use Python's operators (``|`` between
+        """Statements, ``(name, expression)`` pairs in order: each reads the loaded ``p``, ``g``,
+        state values, the scalars and the names assigned before it, and assigns ``name``. Expressions use Python's operators (``|`` between
         comparisons) and three functions each backend writes its own way: ``WHERE(c, a, b)``,
         ``SQRT(x)`` and ``DIV(a, b)``, the last two correctly rounded in fp32 (``combo.combo_source``
         for Triton, ``cpp_combo.cpp_combo_source`` for C++)."""
@@ -157,13 +157,13 @@ class SGDRule(Rule):
         maximize, decay, momentum, nesterov, _ = key
         lines = []
         if maximize:
-            lines.append("g = -g")
+            lines.append(("g", "-g"))
         if decay:
-            lines.append("g = g + weight_decay * p")
+            lines.append(("g", "g + weight_decay * p"))
         if momentum:
-            lines.append("buf = buf * momentum + one_minus_dampening * g")
-            lines.append("g = g + momentum * buf" if nesterov else "g = buf")
-        lines.append("p = p + neg_lr * g")
+            lines.append(("buf", "buf * momentum + one_minus_dampening * g"))
+            lines.append(("g", "g + momentum * buf" if nesterov else "buf"))
+        lines.append(("p", "p + neg_lr * g"))
         return lines
 
 
@@ -217,20 +217,20 @@ class AdamRule(Rule):
         maximize, decay, decoupled, amsgrad = key
         lines = []
         if maximize:
-            lines.append("g = -g")
+            lines.append(("g", "-g"))
         if decay:
-            lines.append("p = p * decay" if decoupled else "g = g + weight_decay * p")
+            lines.append(("p", "p * decay") if decoupled else ("g", "g + weight_decay * p"))
         # lerp as ATen computes it: from the nearer end, by the weight's size
-        lines.append("exp_avg = WHERE(lerp_low != 0, exp_avg + weight * (g - exp_avg), "
-                     "g - (g - exp_avg) * one_minus_weight)")
-        lines.append("exp_avg_sq = exp_avg_sq * beta2 + one_minus_beta2 * g * g")
+        lines.append(("exp_avg", "WHERE(lerp_low != 0, exp_avg + weight * (g - exp_avg), "
+                                 "g - (g - exp_avg) * one_minus_weight)"))
+        lines.append(("exp_avg_sq", "exp_avg_sq * beta2 + one_minus_beta2 * g * g"))
         second = "exp_avg_sq"
         if amsgrad:  # torch.maximum: NaN wins
-            lines.append("max_exp_avg_sq = WHERE((max_exp_avg_sq < exp_avg_sq) | (exp_avg_sq != exp_avg_sq), "
-                         "exp_avg_sq, max_exp_avg_sq)")
+            lines.append(("max_exp_avg_sq", "WHERE((max_exp_avg_sq < exp_avg_sq) | (exp_avg_sq != exp_avg_sq), "
+                                            "exp_avg_sq, max_exp_avg_sq)"))
             second = "max_exp_avg_sq"
-        lines.append(f"denom = DIV(SQRT({second}), bias_correction2_sqrt) + eps")
-        lines.append("p = p + neg_step_size * DIV(exp_avg, denom)")
+        lines.append(("denom", f"DIV(SQRT({second}), bias_correction2_sqrt) + eps"))
+        lines.append(("p", "p + neg_step_size * DIV(exp_avg, denom)"))
         return lines
 
 
