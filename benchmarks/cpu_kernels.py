@@ -89,7 +89,16 @@ def table(results: dict) -> str:
     for name, row in results.items():
         lines.append(f"| {name} | " + " | ".join(f"{row[k]:.1f} ({row[k] / row['eager']:.2f}×)" for k in backends)
                      + " |")
+    lines += ["", _NOTE]
     return "\n".join(lines) + "\n"
+
+
+# what decides these numbers, said beside them
+_NOTE = ("Each tensor here is 32 MB: glibc serves it with a fresh mmap, and eager, the torch path and "
+         "torch.compile fault its pages in at every allocation (~10 ms per tensor on this machine). Our C++ "
+         "kernels take their outputs from a pool of freed buffers (`runtime/cpu_memory.py`), as CUDA's caching "
+         "allocator serves a GPU: most of the difference is that, not the loops. Below 32 MB (`python -m "
+         "benchmarks --cpu`, `results/cpu-cpu.md`) the same kernels are near eager's time.")
 
 
 def main(argv=None) -> dict:
