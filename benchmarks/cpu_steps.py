@@ -172,7 +172,7 @@ def measure(name, model, make_opt, step, batch, rounds=ROUNDS, steps=STEPS) -> d
     eager = statistics.median(times["eager"])
     for b, ts in times.items():
         row[b] = {"ms": round(statistics.median(ts), 3), "x_eager": round(statistics.median(ts) / eager, 3),
-                  "first_call_s": round(runs[b][3], 2)}
+                  "first_call_s": round(runs[b][3], 4)}
     return row
 
 
