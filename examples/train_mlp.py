@@ -4,8 +4,9 @@
 
 The whole step — forward, MSE loss, loss.backward(), optimizer.step(), zero_grad() — is
 one compiled function. Its forward and backward run as fused kernels: on a GPU as compiled
-Triton kernels, on CPU tensors as PyTorch CPU ops (``--backend interpret`` runs the generated
-Triton kernels in Triton's interpreter instead: slow). The first call runs eagerly while the
+Triton kernels, on CPU tensors as C++ kernels built by the system's compiler (as PyTorch CPU ops
+where none works, or with ``--backend torch``; ``--backend interpret`` runs the generated Triton
+kernels in Triton's interpreter instead: slow). The optimizer's step is fused too. The first call runs eagerly while the
 compiler records it; every later call replays the compiled kernels. The recording is stored
 (``$SYMGRAD_CACHE_DIR``): run the example again and its first step replays too. With
 ``--skip-python`` the replays make the recorded torch calls without running ``train_step``'s
