@@ -107,14 +107,20 @@ def main(argv=None) -> dict:
     parser.add_argument("--only", help="comma-separated workloads")
     args = parser.parse_args(argv)
     results = measure(set(args.only.split(",")) if args.only else None)
-    out = args.out or tempfile.mkdtemp(prefix="symgrad-cpu-kernels-")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "cpu-kernels.md"), "w") as f:
-        f.write(table(results))
-    with open(os.path.join(out, "cpu-kernels.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    print(f"written to {out}")
+    write_results(args.out, "cpu-kernels", table(results), results)
     return results
+
+
+def write_results(out: str | None, stem: str, markdown: str, data) -> str:
+    """``<stem>.md`` and ``<stem>.json`` in ``out`` (None: a new temporary folder); the folder."""
+    out = out or tempfile.mkdtemp(prefix=f"symgrad-{stem}-")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{stem}.md"), "w") as f:
+        f.write(markdown)
+    with open(os.path.join(out, f"{stem}.json"), "w") as f:
+        json.dump(data, f, indent=1)
+    print(f"written to {out}")
+    return out
 
 
 if __name__ == "__main__":

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import math
 import os
 import platform
 import statistics
@@ -34,6 +32,8 @@ import compiler  # noqa: F401  (first)
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+from benchmarks.cpu_kernels import write_results  # noqa: E402
 
 ROUNDS, STEPS, WARMUP = 9, 5, 3
 
@@ -197,8 +197,6 @@ def main(argv=None):
     parser.add_argument("--only", help=f"comma-separated: {', '.join(cases())}")
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     args = parser.parse_args(argv)
-    out = args.out or tempfile.mkdtemp(prefix="symgrad-cpu-steps-")
-    os.makedirs(out, exist_ok=True)
     # cold starts: empty caches for both compilers, in this process only
     os.environ.setdefault("SYMGRAD_CACHE_DIR", tempfile.mkdtemp(prefix="symgrad-cold-"))
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor-cold-"))
@@ -211,11 +209,7 @@ def main(argv=None):
         rows.append(row)
         print(f"{name}: " + ", ".join(f"{b} {row[b]['ms']:.2f} ms ({row[b]['x_eager']:.2f}x)"
                                       for b in ("eager", "ours", "torch.compile")), flush=True)
-    with open(os.path.join(out, "cpu-steps.md"), "w") as f:
-        f.write(table(rows, args.rounds))
-    with open(os.path.join(out, "cpu-steps.json"), "w") as f:
-        json.dump(rows, f, indent=1)
-    print(f"written to {out}")
+    write_results(args.out, "cpu-steps", table(rows, args.rounds), rows)
     return rows
 
 

@@ -45,7 +45,7 @@ class FusedClipGradNorm:
     error_if_nonfinite: object
     foreach: object
     partial_launches: list       # ComboLaunch per chunk: gradients -> a partial per block
-    finalize: object             # ComboLaunch: partials -> total norm and clip coefficient
+    finalize: object             # ComboLaunch: partials -> total norm and clip coefficient (None: C++)
     scale_launches: list         # ComboLaunch per chunk: gradients *= coefficient
     bounds: list                 # gradient i's partials are [bounds[i], bounds[i + 1])
     stats: dict | None = None
@@ -75,8 +75,8 @@ class FusedClipGradNorm:
         if grads is None:
             return None
         device = grads[0].device
-        if device.type == "cpu" and self.cpp is not None:
-            return self._run_cpp(grads, max_norm, error_if_nonfinite)
+        if self.cpp is not None:   # (built for C++ only: gradients moved off the CPU run eagerly)
+            return self._run_cpp(grads, max_norm, error_if_nonfinite) if device.type == "cpu" else None
         if device.type == "cpu" and backends.cpu_path(self.backend):
             return None   # the torch path: PyTorch's own clip (its foreach kernels)
         bounds = self._bounds_on.get(device)
@@ -94,10 +94,7 @@ class FusedClipGradNorm:
         launches = len(self.partial_launches) + 1
         if error_if_nonfinite and not math.isfinite(total.item()):  # (eager reads it too)
             self._count(launches)
-            raise RuntimeError(
-                f"The total norm of order {self.norm_type} for gradients from `parameters` is non-finite, so it "
-                "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
-                "set `error_if_nonfinite=False`")
+            raise self._non_finite()
         for launch in self.scale_launches:
             launch.launch([grads[m] for m in launch.members] + [scratch[count:]], {}, device)
         torch._C._increment_version(grads)  # as eager's grad.mul_ (the kernels write unseen)
@@ -110,14 +107,18 @@ class FusedClipGradNorm:
         total, coef, pointers = self.cpp.norm_and_coefficient(grads, *scalars)
         if error_if_nonfinite and not math.isfinite(total.item()):
             self._count(1)
-            raise RuntimeError(
-                f"The total norm of order {self.norm_type} for gradients from `parameters` is non-finite, so it "
-                "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
-                "set `error_if_nonfinite=False`")
+            raise self._non_finite()
         self.cpp.scale_by(pointers, coef)
         torch._C._increment_version(grads)  # as eager's grad.mul_ (the function writes unseen)
         self._count(2)
         return total
+
+    def _non_finite(self) -> RuntimeError:
+        """Eager's error for a non-finite total norm with ``error_if_nonfinite=True``, word for word."""
+        return RuntimeError(
+            f"The total norm of order {self.norm_type} for gradients from `parameters` is non-finite, so it "
+            "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
+            "set `error_if_nonfinite=False`")
 
     def _gradients(self, params):
         """The gradients to clip, or None where the parameters or gradients are not the recorded ones."""

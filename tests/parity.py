@@ -30,6 +30,30 @@ def _backward(out, args, grad_seed):
     return [a.grad for a in leaves]
 
 
+def check_cpu_backend(fn, args, backend: str, tol=None, calls=3):
+    """``fn`` compiled with a CPU path's ``backend`` (``torch``, ``cpp``), fullgraph: every call's
+    value and gradients (a random seed) equal eager's, the calls after the first replay its kernels
+    on ``backend``, and none left its recording. Returns the compiled function."""
+    compiled = compiler.compile(fn, backend=backend, fullgraph=True)
+    tol = tol or {}
+    for _ in range(calls):
+        ref_args, our_args = clone_inputs(args), clone_inputs(args)
+        ref, ours = fn(*ref_args), compiled(*our_args)
+        torch.testing.assert_close(ours, ref, **tol)
+        if ref.requires_grad:
+            seed = torch.randn_like(ref) if ref.dtype.is_floating_point or ref.dtype.is_complex \
+                else torch.ones_like(ref)
+            ref.backward(seed)
+            ours.backward(seed.clone())
+            for a, b in zip(our_args, ref_args):
+                if isinstance(a, torch.Tensor) and a.requires_grad:
+                    torch.testing.assert_close(a.grad, b.grad, **tol)
+    assert compiled.last_backend == backend
+    assert compiled.stats["replays"] >= calls - 1 and compiled.stats["kernel_launches"] > 0, compiled.stats
+    assert compiled.stats["divergences"] == 0, compiled.stats  # (a replay that left its recording ran eagerly)
+    return compiled
+
+
 def assert_ran_compiled(compiled, launches_before=0, backend=KERNELS, divergences=0):
     """``compiled``'s calls since its ``kernel_launches`` were ``launches_before`` ran its kernels,
     on ``backend``, and no replay left its recording (``divergences``: how many did, where a test

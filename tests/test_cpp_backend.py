@@ -14,6 +14,7 @@ import runtime.program as program
 from runtime import cpp_build
 from runtime.backends import BackendUnavailable
 from runtime.cpp_kernels import CppKernel
+from tests.parity import check_cpu_backend
 
 _MAKE_LAUNCHER = program.make_launcher
 pytestmark = pytest.mark.skipif(not cpp_build.available()[0], reason="no working C++ compiler here")
@@ -31,28 +32,10 @@ def _kernels(compiled) -> list:
             for p in (r.compiled.forward, r.compiled.backward) if p is not None for k in p.kernels]
 
 
-def _clone(args):
-    return [a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args]
-
-
 def check(fn, args, tol=None, calls=3, cpp_kernels=1):
     """``fn`` compiled with backend="cpp": every call's value and gradients equal eager's, and at
     least ``cpp_kernels`` of its kernels are C++."""
-    compiled = compiler.compile(fn, backend="cpp", fullgraph=True)
-    tol = tol or {}
-    for _ in range(calls):
-        ref_args, our_args = _clone(args), _clone(args)
-        ref, ours = fn(*ref_args), compiled(*our_args)
-        torch.testing.assert_close(ours, ref, **tol)
-        if ref.requires_grad:
-            seed = torch.randn_like(ref)
-            ref.backward(seed)
-            ours.backward(seed.clone())
-            for a, b in zip(our_args, ref_args):
-                if isinstance(a, torch.Tensor) and a.requires_grad:
-                    torch.testing.assert_close(a.grad, b.grad, **tol)
-    assert compiled.last_backend == "cpp"
-    assert compiled.stats["divergences"] == 0 and compiled.stats["kernel_launches"] > 0, compiled.stats
+    compiled = check_cpu_backend(fn, args, "cpp", tol, calls)
     printed = [k for k in _kernels(compiled) if isinstance(k.torch_kernel, CppKernel)]
     assert len(printed) >= cpp_kernels, [type(k.torch_kernel).__name__ for k in _kernels(compiled)]
     return compiled

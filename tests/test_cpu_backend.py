@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import compiler
+from tests.parity import check_cpu_backend
 from tests.training import train_step
 import compiler.build
 import runtime.program as program
@@ -29,29 +30,9 @@ def no_triton(monkeypatch):
     monkeypatch.setattr(program, "make_launcher", refuse)
 
 
-def _clone(args):
-    return [a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args]
-
-
 def check(fn, args, tol=None, calls=3):
     """``fn`` compiled with backend="torch": every call's value and gradients equal eager's."""
-    compiled = compiler.compile(fn, backend="torch", fullgraph=True)
-    tol = tol or {}
-    for _ in range(calls):
-        ref_args, our_args = _clone(args), _clone(args)
-        ref, ours = fn(*ref_args), compiled(*our_args)
-        torch.testing.assert_close(ours, ref, **tol)
-        if ref.requires_grad:
-            seed = torch.randn_like(ref) if ref.dtype.is_floating_point else torch.ones_like(ref)
-            ref.backward(seed)
-            ours.backward(seed.clone())
-            for a, b in zip(our_args, ref_args):
-                if isinstance(a, torch.Tensor) and a.requires_grad:
-                    torch.testing.assert_close(a.grad, b.grad, **tol)
-    assert compiled.last_backend == "torch"
-    assert compiled.stats["replays"] >= calls - 1 and compiled.stats["kernel_launches"] > 0
-    assert compiled.stats["divergences"] == 0, compiled.stats  # (a replay that left its recording ran eagerly)
-    return compiled
+    return check_cpu_backend(fn, args, "torch", tol, calls)
 
 
 def test_auto_picks_cpp_where_a_compiler_works_else_the_torch_path_said_once(monkeypatch, caplog):

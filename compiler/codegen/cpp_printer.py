@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 
-import sympy
 import torch
 
 from compiler.codegen.expression_printer import ExpressionPrinter
@@ -94,20 +93,9 @@ class CppPrinter(ExpressionPrinter):
     # -- powers, as the Triton printer writes them --------------------------------------------
     def _pow(self, base, exp) -> str:
         b = self.p(base)
-        if exp.is_Integer:
-            n = int(exp)
-            if n == 0:
-                return self.one()
-            if 0 < n <= 8:
-                return "(" + " * ".join([b] * n) + ")"
-            if -8 <= n < 0:
-                return f"({self.one()} / (" + " * ".join([b] * -n) + "))"
-        if exp == sympy.Rational(1, 2):
-            return f"std::sqrt({b})"
-        if exp == sympy.Rational(-1, 2):
-            return f"({self.one()} / std::sqrt({b}))"
-        if exp == sympy.Rational(-3, 2):
-            return f"({self.one()} / (std::sqrt({b}) * {b}))"
+        small = self.small_power(b, exp, self.one(), lambda x: f"std::sqrt({x})")
+        if small is not None:
+            return small
         if self.integer:
             raise NotPrintable("a non-integer power in an integer kernel")
         return f"std::pow({b}, {self.p(exp)})"
@@ -147,13 +135,6 @@ class VectorPrinter(CppPrinter):
         return f"({x}).neg()"
 
     def _pow(self, base, exp) -> str:
-        if exp == sympy.Rational(1, 2):
-            return f"({self.p(base)}).sqrt()"
-        if exp == sympy.Rational(-1, 2):
-            return f"({self.one()} / ({self.p(base)}).sqrt())"
-        if exp == sympy.Rational(-3, 2):
-            b = self.p(base)
-            return f"({self.one()} / (({b}).sqrt() * {b}))"
-        if not exp.is_Integer or not -8 <= int(exp) <= 8:
-            return f"({self.p(base)}).pow({self.p(exp)})"
-        return super()._pow(base, exp)
+        b = self.p(base)
+        small = self.small_power(b, exp, self.one(), lambda x: f"({x}).sqrt()")
+        return small if small is not None else f"({b}).pow({self.p(exp)})"

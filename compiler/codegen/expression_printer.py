@@ -74,3 +74,23 @@ class ExpressionPrinter:
 
     def _pow(self, base, exp) -> str:
         raise NotImplementedError
+
+    def small_power(self, b: str, exp, one: str, root) -> str | None:
+        """``b ** exp`` as products and square roots (``root(x)``: the language's correctly rounded
+        square root of ``x``; ``one``: its 1 to divide) where ``exp`` is an integer up to 8 in size or 1/2, -1/2 or
+        -3/2, as eager's pow kernels special-case them; None for any other exponent."""
+        if exp.is_Integer:
+            n = int(exp)
+            if n == 0:
+                return self.one()
+            if 0 < n <= 8:
+                return "(" + " * ".join([b] * n) + ")"
+            if -8 <= n < 0:
+                return f"({one} / (" + " * ".join([b] * -n) + "))"
+        if exp == sympy.Rational(1, 2):
+            return root(b)
+        if exp == sympy.Rational(-1, 2):
+            return f"({one} / {root(b)})"
+        if exp == sympy.Rational(-3, 2):
+            return f"({one} / ({root(b)} * {b}))"
+        return None

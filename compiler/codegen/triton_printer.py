@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import struct
 
-import sympy
 import torch
 
 from compiler.codegen.expression_printer import ExpressionPrinter
@@ -82,20 +81,9 @@ class TritonPrinter(ExpressionPrinter):
             e = self.p(exp)
             return f"libdevice.pow(tl.full([1], {literal(base)}, {e}.dtype), {e})"
         b = self.p(base)
-        if exp.is_Integer:
-            n = int(exp)
-            if n == 0:
-                return self.literal(sympy.Integer(1))
-            if 0 < n <= 8:
-                return "(" + " * ".join([b] * n) + ")"
-            if -8 <= n < 0:
-                return "(1.0 / (" + " * ".join([b] * -n) + "))"
-        if exp == sympy.Rational(1, 2):
-            return f"{self.sqrt}({b})"
-        if exp == sympy.Rational(-1, 2):
-            return f"(1.0 / {self.sqrt}({b}))"
-        if exp == sympy.Rational(-3, 2):
-            return f"(1.0 / ({self.sqrt}({b}) * {b}))"
+        small = self.small_power(b, exp, "1.0", lambda x: f"{self.sqrt}({x})")
+        if small is not None:
+            return small
         if exp.is_number:
             # libdevice wants both operands in one dtype: broadcast the literal like the base.
             return f"libdevice.pow({b}, tl.full([1], {literal(exp)}, {b}.dtype))"

@@ -11,12 +11,12 @@ import torch.fx as fx
 
 from compiler.codegen.cpp_kernel import render_cpp_kernel
 from compiler.codegen.torch_kernel import render_torch_kernel
-from compiler.ir.ops.primitives.base import NotPrintable
-from runtime.cpp_kernels import CppKernel
 from compiler.codegen.triton_kernel import render_kernel
 from compiler.fusion.fuse import Schedule, inlined_reads
 from compiler.ir.graph import OpKind, has_meta, kind_of, meta_of, output_node
+from compiler.ir.ops.primitives.base import NotPrintable
 from runtime import backends
+from runtime.cpp_kernels import CppKernel
 from runtime.program import ExternCall, IndexCheck, KernelLaunch, Program, ValueRef, ViewStep
 
 log = logging.getLogger("compiler")

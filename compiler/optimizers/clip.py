@@ -128,9 +128,20 @@ def compile_clip(trace, clip: ClipRecord, stats) -> FusedClipGradNorm:
 
 
 def build(clip: ClipRecord, dtype, numels, with_grad, norm_type, stats) -> FusedClipGradNorm:
-    """The plan: partial and scale launches per chunk of gradients, one finalize launch."""
-    partials, scales, bounds = [], [], [0]
+    """The plan: for C++ (``backend="cpp"``, CPU gradients) a norm and a scale function; for Triton
+    partial and scale launches per chunk of gradients, one finalize launch."""
+    plan = dict(end=clip.end, output_id=clip.output_id, params=clip.params, with_grad=with_grad, dtype=dtype,
+                numels=numels, norm_type=float(clip.norm_type), error_if_nonfinite=clip.error_if_nonfinite,
+                foreach=clip.foreach, stats=stats)
     size = dtype.itemsize
+    if backends.chosen() == "cpp" and clip.grad_meta[0][2].type == "cpu":
+        (norm_name, norm_source), (scale_name, scale_source_) = cpp_clip_sources(norm_type, dtype)
+        members = list(range(len(numels)))
+        cpp = CppClip(CppFunctionInfo(norm_name, norm_source, sum(numels) * size, members),
+                      CppFunctionInfo(scale_name, scale_source_, 2 * sum(numels) * size, members), dtype,
+                      tuple(chunk_table(numels)), tuple(first_chunks(numels)), sum(numels) >= PARALLEL_MIN)
+        return FusedClipGradNorm(**plan, partial_launches=[], finalize=None, scale_launches=[], bounds=[0], cpp=cpp)
+    partials, scales, bounds = [], [], [0]
     for chunk in range(0, len(numels), MAX_PARAMETERS):
         part = list(range(chunk, min(chunk + MAX_PARAMETERS, len(numels))))
         sizes = [numels[m] for m in part]
@@ -142,18 +153,8 @@ def build(clip: ClipRecord, dtype, numels, with_grad, norm_type, stats) -> Fused
         scales.append(ComboLaunch(name, source, part, [], grid, BLOCK, NUM_WARPS, 2 * sum(sizes) * size))
     name, source = finalize_source(norm_type, dtype, len(numels))
     finalize = ComboLaunch(name, source, [], ["max_norm", "eps"], 1, BLOCK, NUM_WARPS, bounds[-1] * size)
-    cpp = None
-    if backends.chosen() == "cpp" and clip.grad_meta[0][2].type == "cpu":
-        (norm_name, norm_source), (scale_name, scale_source_) = cpp_clip_sources(norm_type, dtype)
-        members = list(range(len(numels)))
-        cpp = CppClip(CppFunctionInfo(norm_name, norm_source, sum(numels) * size, members),
-                      CppFunctionInfo(scale_name, scale_source_, 2 * sum(numels) * size, members), dtype,
-                      tuple(chunk_table(numels)), tuple(first_chunks(numels)), sum(numels) >= PARALLEL_MIN)
-    return FusedClipGradNorm(
-        end=clip.end, output_id=clip.output_id, params=clip.params, with_grad=with_grad, dtype=dtype,
-        numels=numels, norm_type=float(clip.norm_type), error_if_nonfinite=clip.error_if_nonfinite,
-        foreach=clip.foreach, partial_launches=partials, finalize=finalize, scale_launches=scales,
-        bounds=bounds, stats=stats, cpp=cpp)
+    return FusedClipGradNorm(**plan, partial_launches=partials, finalize=finalize, scale_launches=scales,
+                             bounds=bounds)
 
 
 # -- the kernels ---------------------------------------------------------------------------
