@@ -338,3 +338,40 @@ def test_a_module_compiled_directly_replays_at_a_second_call():
     for _ in range(3):
         torch.testing.assert_close(compiled(x), ln(x))
     assert compiled.__name__ == "LayerNorm" and compiled.last_backend == "cpp"
+
+
+def test_a_batch_norms_sums_share_one_vectorized_loop():
+    """A batch norm sums several expressions of one element over N, H and W: one loop computes the
+    element once for the sums that do not wait for another (not a loop each), and with W in whole
+    registers each loop has a vector body, its float lanes summed in runs into double totals (the
+    scalar loop's precision)."""
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm2d(4)
+    x = torch.randn(8, 4, 16, 32, requires_grad=True)
+    compiled = check(lambda x: (bn(x).relu() * x).sum(), [x], tol={"rtol": 1e-5, "atol": 1e-5}, cpp_kernels=2)
+    fast = [k.torch_kernel.source.split("_strided")[0] for k in _kernels(compiled)]
+    # (the forward's mean, then its mean and variance in one loop; the backward's sums in fewer loops)
+    shared = [s for s in fast if s.count("_d = 0;") > s.count("for (; r + V::size() <=") >= 1]
+    assert len(shared) == 2, fast
+    assert all("for (int64_t r = 0;" not in s for s in shared), shared   # (no scalar-only loop over a row)
+
+
+def test_slices_and_strided_reads_in_vector_bodies():
+    """A slice_scatter whose dim is not the inner loop's, or is in whole registers, is chosen once for
+    a register's lanes; a strided read (a transposed or every-other element) fills a register lane by
+    lane: those kernels keep their vector body, with eager's values."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 64, requires_grad=True)
+    y = torch.randn(64, 6, requires_grad=True)
+    fns = {"rows": lambda x, y: x[1:5].tanh().exp(),
+           "registers": lambda x, y: x[:, 16:48].sigmoid() * 3,
+           "transposed": lambda x, y: (x * y.t()).sin(),
+           "strided": lambda x, y: x[:, ::2].cos() + y[::2].t()}
+    for name, fn in fns.items():
+        compiled = check(fn, [x, y], cpp_kernels=1)
+        kernels = [k.torch_kernel for k in _kernels(compiled)]
+        assert all(isinstance(k, CppKernel) for k in kernels), name
+        assert any(k.vectorized for k in kernels), (name, [k.source for k in kernels])
+    rows = check(fns["registers"], [x, y], cpp_kernels=1)
+    assert any("? V(" in k.torch_kernel.source or "? t" in k.torch_kernel.source.split("_strided")[0]
+               for k in _kernels(rows))

@@ -40,7 +40,7 @@ import torch.fx as fx
 
 from compiler.codegen.cpp_printer import C_TYPE, CppPrinter, VectorPrinter
 from compiler.codegen.realify import IM, RE, realify
-from compiler.codegen.kernel_text import ZERO, broadcast_index, c_text, constant_index, variable_index
+from compiler.codegen.kernel_text import ZERO, Index, broadcast_index, c_text, constant_index, variable_index
 from compiler.codegen.triton_kernel import _used_as_condition   # (whether a bool argument is a where's condition)
 from compiler.fusion.fuse import KernelPlan
 from compiler.ir.graph import OpKind, compute_dtype, contiguous_strides, kind_of, meta_of, numel
@@ -60,6 +60,8 @@ _COLUMN_BLOCK = 256
 _ROW_RUN = 64
 # the largest row whose element values a sum's loop keeps for the loops after it (on the thread's stack)
 _ROW_BUFFER_BYTES = 64 * 1024
+# bytes in the widest SIMD register a vector body may use (AVX-512's)
+_WIDEST_REGISTER = 64
 
 
 def _parts(name: str, dtype: torch.dtype) -> tuple:
@@ -121,11 +123,15 @@ class _CppWriter:
         self.index_errors: dict = {}  # what each gather reports for an index out of range (ordered)
         self.uses_random = False      # a body calls symgrad_rand (``_PHILOX``, in the prelude)
         self.row_values: dict = {}   # reduction node -> (its row's value, dtype)
+        self.reducing: set = set()   # reductions whose shared loop is being written
         # in a vector body: variables holding one scalar for every lane (values that do not vary along
         # the inner loop: a row's target, a gathered row's index), and vectors holding exact integers
         # as floats (an iota along the inner loop)
         self.scalar_vars: set = set()
         self.float_ints: set = set()
+        # in a vector body: int variables holding the first lane's position along a dim whose lanes
+        # are consecutive (a slice of whole registers: lane l's element is at the variable + l)
+        self.consecutive: set = set()
         # a row's element values a sum's loop keeps in a buffer for the loops after it (softmax's
         # exp(x - max): computed once, not again for the row's outputs): key -> (buffer, dtype)
         self.row_cache: dict = {}
@@ -239,12 +245,11 @@ class _CppWriter:
         """A loop over a row: the vector body while a register's worth of elements is left (where
         there is one), then the scalar body; ``*_step``: what each does with its body's values;
         ``after_vector``: statements between the two loops (a vector accumulator's total)."""
-        r = f"const int64_t {self.inner_name} = r;"   # (the one reduced dim: its index is r)
         self.used_vector = self.used_vector or vector is not None
         lines = ["int64_t r = 0;"] if vector is not None else []
-        if vector is not None:
+        if vector is not None:   # (the reduced dims' indices at the register's first lane: ``r_header``)
             lines += ["#ifndef SYMGRAD_SCALAR_ONLY", f"for (; r + V::size() <= {self.rnumel}; r += V::size()) {{",
-                      *[f"    {line}" for line in [r] + vector + vector_step], "}", *after_vector, "#endif",
+                      *[f"    {line}" for line in self.r_header + vector + vector_step], "}", *after_vector, "#endif",
                       f"for (; r < {self.rnumel}; ++r) {{"]
         else:
             lines.append(f"for (int64_t r = 0; r < {self.rnumel}; ++r) {{")
@@ -252,61 +257,148 @@ class _CppWriter:
         return ["{"] + [f"    {line}" for line in lines + ["}"]] + ["}"]   # (a scope of its own: its r)
 
     def reduce_row(self, node: fx.Node):
-        name = node.target.name
-        if name not in ("sum", "mean", "amax"):
-            raise NotPrintable(f"a {name} reduction")
+        """``node``'s loop over its row, shared with the kernel's other reductions ready at this point
+        (their arguments read no reduction still to come): one pass computes the values they have in
+        common once (a batch norm's backward: four sums over one expression's parts). Where the
+        shared loop has no vector body but ``node``'s own would, ``node`` gets its own loop."""
+        group = [node] + self.ready_siblings(node)
+        held = (list(self.row_lines), dict(self.row_values), dict(self.row_cache))
+        if len(group) > 1 and not self.reduce_rows(group) and self.row_vector_dtype is not None:
+            self.row_lines, self.row_values, self.row_cache = held
+            if self.reduce_rows([node]):
+                return self.row_values[node]
+            self.row_lines, self.row_values, self.row_cache = held
+            self.reduce_rows(group)
+        elif len(group) == 1:
+            self.reduce_rows(group)
+        return self.row_values[node]
+
+    def ready_siblings(self, node: fx.Node) -> list:
+        """The kernel's reductions other than ``node`` not yet written whose argument reads no
+        reduction still to come (written in one loop with ``node``)."""
+        done = set(self.row_values) | self.reducing | {node}
+        found = []
+        for root in self.plan.roots:
+            if root in done or kind_of(root) != OpKind.REDUCTION or root in self.plan.columns \
+                    or root in self.plan.epilogue or root.target.name not in ("sum", "mean", "amax") \
+                    or compute_dtype(meta_of(root).dtype).is_complex:
+                continue
+            if not self.reads_pending(root.args[0], done | set(found)):
+                found.append(root)
+        return found
+
+    def reads_pending(self, value: fx.Node, written: set) -> bool:
+        """Whether computing ``value`` in this kernel reads one of its reductions not in ``written``."""
+        stack, seen = [value], set()
+        while stack:
+            n = stack.pop()
+            if n in seen or n in written:
+                continue
+            seen.add(n)
+            if kind_of(n) == OpKind.REDUCTION and n in self.roots:
+                return True
+            if not (n in self.buffers and n not in self.roots):   # (a buffer not computed here: loaded)
+                stack.extend(n.all_input_nodes)
+        return False
+
+    def reduce_rows(self, group: list) -> bool:
+        """One loop over the row accumulating every reduction of ``group``, their row values set in
+        ``row_values``; whether it has a vector body."""
+        for node in group:
+            if node.target.name not in ("sum", "mean", "amax"):
+                raise NotPrintable(f"a {node.target.name} reduction")
+            if compute_dtype(meta_of(node).dtype).is_complex:
+                raise NotPrintable("a complex reduction")
+        accs = []
+        for node in group:
+            accs.append(f"acc{self.counter}")
+            self.counter += 1
+        buffers = self.row_buffers(group, accs)
+
+        def elements():
+            return [self.reduced_element(node, buffers.get(node)) for node in group]
+        self.reducing |= set(group)   # (a reduction an argument reads, written first, leaves these to this loop)
+        try:
+            vector, (body, values) = self.vector_and_scalar(elements)
+        finally:
+            self.reducing -= set(group)
+        for node, acc in zip(group, accs):
+            buffer = buffers.get(node)
+            if buffer is not None and any(f"{buffer}[r] = " in line for line in body):
+                dtype = compute_dtype(meta_of(node).dtype)
+                self.row_lines.append(f"alignas(64) {C_TYPE[dtype]} {buffer}[{self.rnumel}];")
+                self.row_cache[(node.args[0], tuple(c_text(i) for i in self.base_index))] = (buffer, dtype)
+        before, vector_step, after_vector, scalar_step, after = [], [], [], [], []
+        for k, (node, acc) in enumerate(zip(group, accs)):
+            parts = self.accumulator(node, acc, values[k], vector[1][k] if vector is not None else None)
+            for lines, part in zip((before, vector_step, after_vector, scalar_step, after), parts):
+                lines += part
+            self.row_values[node] = (acc, compute_dtype(meta_of(node).dtype))
+        self.row_lines += before + self.row_loop(vector[0] if vector is not None else None, body, vector_step,
+                                                 scalar_step, after_vector=after_vector) + after
+        return vector is not None
+
+    def row_buffers(self, group: list, accs: list) -> dict:
+        """reduction -> the buffer its loop keeps its computed argument in, for the loops after it
+        (not a load's: that is read again as cheaply), where the row fits (a pool's window, after
+        its max: the position of the max, then the value there)."""
+        buffers, keys = {}, set()
+        for node, acc in zip(group, accs):
+            arg, dtype = node.args[0], compute_dtype(meta_of(node).dtype)
+            key = (arg, tuple(c_text(i) for i in self.base_index))
+            computed = kind_of(arg) == OpKind.POINTWISE and not (arg in self.buffers and arg not in self.roots)
+            if computed and key not in self.row_cache and key not in keys \
+                    and self.rnumel * dtype.itemsize <= _ROW_BUFFER_BYTES:
+                buffers[node] = f"{acc}_row"
+                keys.add(key)
+        return buffers
+
+    def reduced_element(self, node: fx.Node, buffer) -> str:
+        """A reduction's argument at the row's current element, in the reduction's dtype (kept in
+        ``buffer`` where one is given)."""
         dtype = compute_dtype(meta_of(node).dtype)
-        if dtype.is_complex:
-            raise NotPrintable("a complex reduction")
+        var, have = self.value(node.args[0], self.base_index)
+        if buffer is not None and have == dtype and var not in self.scalar_vars:
+            self.lines.append(f"({var}).store({buffer} + r);" if self.vector_dtype is not None
+                              else f"{buffer}[r] = {var};")
+        var = self.cast(var, have, dtype)
+        return self.lane_vector(var, dtype) if self.vector_dtype is not None else var
 
-        acc = f"acc{self.counter}"
-        self.counter += 1
-        key = (node.args[0], tuple(c_text(i) for i in self.base_index))
-        arg = node.args[0]
-        computed = kind_of(arg) == OpKind.POINTWISE and not (arg in self.buffers and arg not in self.roots)
-        buffer = f"{acc}_row" if name != "amax" and computed and key not in self.row_cache and \
-            self.rnumel * dtype.itemsize <= _ROW_BUFFER_BYTES else None   # (not a load: read again as cheaply)
-
-        def element():
-            var, have = self.value(node.args[0], self.base_index)
-            if buffer is not None and have == dtype and var not in self.scalar_vars:
-                self.lines.append(f"({var}).store({buffer} + r);" if self.vector_dtype is not None
-                                  else f"{buffer}[r] = {var};")
-            var = self.cast(var, have, dtype)
-            return self.lane_vector(var, dtype) if self.vector_dtype is not None else var
-        vector, (body, var) = self.vector_and_scalar(element)
-        if buffer is not None and any(f"{buffer}[r] = " in line for line in body):
-            self.row_lines.append(f"alignas(64) {C_TYPE[dtype]} {buffer}[{self.rnumel}];")
-            self.row_cache[key] = (buffer, dtype)
+    def accumulator(self, node: fx.Node, acc: str, var: str, vvar) -> tuple:
+        """(statements before the loop, the vector body's step, after the vector loop, the scalar
+        body's step, after the loop) of ``node``'s accumulator ``acc`` (``vvar``: its value in the
+        vector body, None where the loop has none)."""
+        name, dtype = node.target.name, compute_dtype(meta_of(node).dtype)
         ctype = C_TYPE[dtype]
-        if name == "amax":   # NaN wins, as eager's (at::vec::maximum's too)
-            init, update, combine = "-INFINITY", f"{acc} = ({var} > {acc} || {var} != {var}) ? {var} : {acc};", \
+        if name == "amax":   # NaN wins, as eager's (at::vec::maximum's too); ``|``, not ``||``: no branch to mispredict
+            init, update, combine = "-INFINITY", f"{acc} = (({var} > {acc}) | ({var} != {var})) ? {var} : {acc};", \
                 "at::vec::maximum(a, b)"
         else:
             init, update, combine = "0", f"{acc} += {var};", "a + b"
-        if vector is None:
+        scale = node.target.scale(node)
+        after = [f"{acc} = {acc} * {CppPrinter({}, dtype).literal(sympy.Float(scale))};"] if scale != 1.0 else []
+        if vvar is None:
             if dtype == torch.float32 and name != "amax":
                 # NOTE: one accumulator over a whole row (a batch norm's N*H*W): in float its error grows
                 # with the row (2e-3 over 16384 values); in double it stays at the result's rounding
-                self.row_lines += [f"double {acc}_d = 0;",
-                                   *self.row_loop(None, body, [], [f"{acc}_d += {var};"]),
-                                   f"{ctype} {acc} = static_cast<{ctype}>({acc}_d);"]
-            else:
-                self.row_lines += [f"{ctype} {acc} = {init};", *self.row_loop(None, body, [], [update])]
-        else:
-            # the vector body accumulates lanes apart, added up (or maxed) once after its loop; the
-            # scalar tail then adds its elements
-            vbody, vvar = vector
-            step = [f"{acc}_v = at::vec::maximum({acc}_v, {vvar});" if name == "amax"
-                    else f"{acc}_v = {acc}_v + {vvar};"]
-            self.row_lines += [f"{ctype} {acc} = {init};", "#ifndef SYMGRAD_SCALAR_ONLY", f"V {acc}_v = V({init});",
-                               "#endif"]
-            total = [f"{acc} = at::vec::vec_reduce_all<{ctype}>([](V& a, V& b) {{ return {combine}; }}, {acc}_v);"]
-            self.row_lines += self.row_loop(vbody, body, step, [update], after_vector=total)
-        scale = node.target.scale(node)
-        if scale != 1.0:
-            self.row_lines.append(f"{acc} = {acc} * {CppPrinter({}, dtype).literal(sympy.Float(scale))};")
-        return acc, dtype
+                return ([f"double {acc}_d = 0;"], [], [], [f"{acc}_d += {var};"],
+                        [f"{ctype} {acc} = static_cast<{ctype}>({acc}_d);", *after])
+            return [f"{ctype} {acc} = {init};"], [], [], [update], after
+        # the vector body accumulates lanes apart, added up (or maxed) once after its loop; the scalar
+        # tail then adds its elements
+        lanes = f"at::vec::vec_reduce_all<{ctype}>([](V& a, V& b) {{ return {combine}; }}, {acc}_v)"
+        if dtype == torch.float32 and name != "amax":
+            # each lane's float sums over runs of _ROW_RUN registers, the runs' totals in double (the
+            # scalar loop's precision over a long row: a batch norm's N*H*W, a 50k-class row)
+            return ([f"double {acc}_d = 0;", "#ifndef SYMGRAD_SCALAR_ONLY", f"V {acc}_v = V(0);",
+                     f"int {acc}_n = 0;", "#endif"],
+                    [f"{acc}_v = {acc}_v + {vvar};",
+                     f"if (++{acc}_n == {_ROW_RUN}) {{ {acc}_d += {lanes}; {acc}_v = V(0); {acc}_n = 0; }}"],
+                    [f"{acc}_d += {lanes};"], [f"{acc}_d += {var};"],
+                    [f"{ctype} {acc} = static_cast<{ctype}>({acc}_d);", *after])
+        step = f"{acc}_v = at::vec::maximum({acc}_v, {vvar});" if name == "amax" else f"{acc}_v = {acc}_v + {vvar};"
+        return ([f"{ctype} {acc} = {init};", "#ifndef SYMGRAD_SCALAR_ONLY", f"V {acc}_v = V({init});", "#endif"],
+                [step], [f"{acc} = {lanes};"], [update], after)
 
     def iota(self, node: fx.Node, index: tuple):
         """The position along the iota's dim, as int64 (the Triton kernels' dtype for it)."""
@@ -388,9 +480,9 @@ class _CppWriter:
 
     def slice_scatter(self, node: fx.Node, index: tuple):
         """``base`` at ``index``, or ``src`` at the slice's position where ``index`` lies in the slice
-        (``SliceScatter``; as the Triton kernels' ``slice_scatter``). Scalar bodies only."""
-        if self.vector_dtype is not None:
-            raise NotPrintable("a slice_scatter in a vector body")
+        (``SliceScatter``; as the Triton kernels' ``slice_scatter``). In a vector body the choice is one
+        for every lane: the slice's dim is not the inner loop's, or it is and the slice covers whole
+        registers (step 1, its start and length multiples of the widest register's lanes)."""
         base, src = node.args
         d, start, step, length = (node.kwargs[k] for k in ("dim", "start", "step", "length"))
         dtype = compute_dtype(meta_of(node).dtype)
@@ -405,20 +497,43 @@ class _CppWriter:
             if not (0 <= at < length * step and at % step == 0):
                 return base_value, dtype
             src_index = tuple(constant_index(at // step) if i == d else idx for i, idx in enumerate(index))
-        else:
-            rel = self.tmp("int64_t", f"({c_text(index[d])}) - {start}")
-            inside = f"{rel} >= 0 && {rel} < {length * step}" + (f" && {rel} % {step} == 0" if step != 1 else "")
-            inside = self.tmp("bool", inside)
-            # clamped, so positions outside the slice still read inside src (their value is unused)
-            position = self.tmp("int64_t", f"{rel} < 0 ? 0 : ({rel} / {step} > {length - 1} ? {length - 1} : "
-                                           f"{rel} / {step})")
-            src_index = tuple(variable_index(position) if i == d else idx for i, idx in enumerate(index))
-        src_index = broadcast_index(src_index, meta_of(node).shape, meta_of(src).shape)
+            src_index = broadcast_index(src_index, meta_of(node).shape, meta_of(src).shape)
+            src_value, src_dtype = self.value(src, src_index)
+            return self.cast(src_value, src_dtype, dtype), dtype
+        inside, position = self.slice_position(node, index[d])
+        src_index = broadcast_index(tuple(position if i == d else idx for i, idx in enumerate(index)),
+                                    meta_of(node).shape, meta_of(src).shape)
         src_value, src_dtype = self.value(src, src_index)
         src_value = self.cast(src_value, src_dtype, dtype)
-        if index[d].position is not None:
-            return src_value, dtype
+        if self.vector_dtype is not None:
+            return self.tmp("V", f"{inside} ? {self.lane_vector(src_value, dtype)} : "
+                                 f"{self.lane_vector(base_value, dtype)}"), dtype
         return self.tmp(C_TYPE[dtype], f"{inside} ? {src_value} : {base_value}"), dtype
+
+    def slice_position(self, node: fx.Node, at: Index) -> tuple:
+        """(whether ``at`` lies in the slice, a bool variable; its index in ``src`` along the slice's
+        dim), clamped so that a position outside the slice still reads inside ``src`` (its value is
+        unused). In a vector body both are the first lane's, shared by every lane."""
+        start, step, length = (node.kwargs[k] for k in ("start", "step", "length"))
+        vector, self.vector_dtype = self.vector_dtype, None   # (scalar statements)
+        try:
+            rel = self.tmp("int64_t", f"({c_text(at)}) - {start}")
+            if vector is not None and self.inner_name in at.names:
+                lanes = _WIDEST_REGISTER // vector.itemsize   # (a multiple of it is one of any register's lanes)
+                if step != 1 or c_text(at).strip("() ") != self.inner_name or start % lanes or length % lanes:
+                    raise NotPrintable("a slice_scatter along the inner loop, not in whole registers, in a vector body")
+                inside = self.tmp("bool", f"{rel} >= 0 && {rel} < {length}")
+                last = f"{length} - static_cast<int64_t>(V::size())"
+                position = self.tmp("int64_t", f"{rel} < 0 ? 0 : ({rel} > {last} ? {last} : {rel})")
+                self.consecutive.add(position)   # (lane l reads src's element position + l)
+                return inside, Index(position, frozenset({position, self.inner_name}))
+            inside = f"{rel} >= 0 && {rel} < {length * step}" + (f" && {rel} % {step} == 0" if step != 1 else "")
+            inside = self.tmp("bool", inside)
+            position = self.tmp("int64_t", f"{rel} < 0 ? 0 : ({rel} / {step} > {length - 1} ? {length - 1} : "
+                                           f"{rel} / {step})")
+            return inside, variable_index(position)
+        finally:
+            self.vector_dtype = vector
 
     def load(self, node: fx.Node, index: tuple):
         if node not in self.load_names:
@@ -444,9 +559,19 @@ class _CppWriter:
         # lanes read consecutive elements only where the inner loop's index is the load's last dim
         # itself (the contiguous function's stride there is 1)
         last = len(shape) - 1
-        if along != [last] or c_text(index[last]).strip("() ") != self.inner_name:
-            raise NotPrintable("a load whose elements are not consecutive along the inner loop")
-        return self.tmp("V", f"V::loadu({arg} + {offset})"), dtype
+        if along == [last] and c_text(index[last]).strip("() ") in {self.inner_name, *self.consecutive}:
+            return self.tmp("V", f"V::loadu({arg} + {offset})"), dtype
+        if any(name in self.consecutive for i in index for name in i.names):
+            raise NotPrintable("a load at a slice's positions not consecutive along the inner loop")
+        # lanes apart (a strided or transposed read): each lane's element at its own inner position,
+        # the inner variable shadowed in a block of its own, then loaded as one register
+        lanes, lane0 = f"lanes{self.counter}", f"lane0_{self.counter}"
+        self.counter += 1
+        self.lines += [f"alignas(64) {C_TYPE[dtype]} {lanes}[V::size()];",
+                       f"{{ const int64_t {lane0} = {self.inner_name};",
+                       f"  for (int64_t l = 0; l < static_cast<int64_t>(V::size()); ++l) {{ "
+                       f"const int64_t {self.inner_name} = {lane0} + l; {lanes}[l] = {arg}[{offset}]; }} }}"]
+        return self.tmp("V", f"V::loadu({lanes})"), dtype
 
     def cast(self, var, have: torch.dtype, want: torch.dtype):
         if have == want:
@@ -669,8 +794,14 @@ class _CppWriter:
         # consecutive only where the reduced dims are the trailing ones)
         self.element_at = f"x * {self.rnumel} + r" if trailing else " + ".join(
             [f"i{d} * {st}" for d, st in enumerate(contiguous_strides(shape)) if shape[d] != 1]) or "0"
-        # vector bodies where the row is one dim (its index is r itself) and one float dtype is used
-        vector = self._one_float_dtype() if trailing and len(rdims) == 1 and shape[-1] > 1 else None
+        # vector bodies where one float dtype is used and the row is one dim (its index is r itself),
+        # or the last dim is reduced in whole registers (a batch norm's W: a register's lanes share
+        # every other index)
+        vector = self._one_float_dtype()
+        last = len(shape) - 1
+        if not (trailing and len(rdims) == 1 and shape[-1] > 1) and \
+                not (vector is not None and last in rdims and shape[last] % (_WIDEST_REGISTER // vector.itemsize) == 0):
+            vector = None
         fast = self.rows_loop(header, rows, vector)
         vectorized = self.used_vector
         plain = self.rows_loop(header, rows, None)   # (the strided function: its loads' lanes need not be consecutive)
