@@ -123,6 +123,23 @@ def test_overlapping_window_gradients_are_materialized_not_inlined_per_read():
     assert max(len(k.source.splitlines()) for k in report.kernels) < 150
 
 
+def test_windows_that_tile_are_a_reshape_and_overlapping_ones_read_a_stored_input():
+    """Pooling windows that tile their dims (kernel == stride: an adaptive pool to 1x1, a 2x2/2 pool)
+    are a reshape of the input, so the gradient goes back through the reshape, with no slice_scatter
+    per window position; a max pool over overlapping windows (3x3/2) reads a computed input (a batch
+    norm's ReLU) from memory, computed once, not at each of the windows that read it."""
+    x = torch.randn(2, 3, 16, 16, requires_grad=True)
+    for fn in (lambda x: F.adaptive_avg_pool2d(x.relu(), 1).sin(), lambda x: F.max_pool2d(x.relu(), 2).sin()):
+        report = compiler.explain(fn, x)
+        assert report.fallbacks == []
+        names = [getattr(n.target, "name", n.target) for n in report.backward_graph.nodes]
+        assert "slice_scatter" not in names and "unfold" not in names, names
+    bn = torch.nn.BatchNorm2d(3)
+    report = compiler.explain(lambda x: F.max_pool2d(bn(x).relu(), 3, 2, 1), x)
+    stored = [n for n in report.graph.nodes if n.op == "call_function" and meta_of(n).materialize]
+    assert [getattr(n.target, "name", n.target) for n in stored] == ["relu"], stored
+
+
 def test_a_rows_values_from_its_reductions_are_computed_in_its_kernel():
     """Layer norm's statistics kept for the backward (rstd, a value per row) are computed and
     stored by the kernel that reduces the rows, and the normalized rows that read them join it:

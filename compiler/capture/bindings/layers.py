@@ -24,7 +24,7 @@ from compiler.capture.bindings.handles import (
 from compiler.capture.bindings.indexing import _triangle
 from compiler.capture.bindings.registry import Unsupported, _no_out, _t, binds
 from compiler.capture.bindings.views import _interleave, _pad
-from compiler.ir.graph import compute_dtype, numel
+from compiler.ir.graph import compute_dtype, numel, update_meta
 
 
 # ----------------------------------------------------------------------------- matmul
@@ -196,10 +196,27 @@ def _pool_windows(x: Tensor, dims, kernel, stride, padding, fill, dilation=None,
         x = Tensor(x.b, _pad(x.b, x.node, pad, value=fill))
     lead = x.ndim - dims
     for i, (k, s, d) in enumerate(zip(kernel, stride, dilation)):
+        if k == s and d == 1:
+            x = _tiles(x, lead + i, k)
+            continue
         x = x.unfold(lead + i, (k - 1) * d + 1, s)
         if d != 1:
             x = x.slice(x.ndim - 1, 0, d, k)
     return x
+
+
+def _tiles(x: Tensor, dim: int, k: int) -> Tensor:
+    """``x.unfold(dim, k, k)`` (windows that tile ``dim``) as a reshape: [..., size // k, k, ...] with
+    the window's dim moved last. The same values; its gradient is the reshape's, each element's
+    from its one window, where unfold's adds a slice_scatter per window position (an adaptive
+    pool to 1x1 over 16x16: 16 per dim, each read at every element)."""
+    size = x.shape[dim]
+    if size % k:
+        x = x.slice(dim, 0, 1, size - size % k)   # (the elements past the last window: in none)
+    shape = list(x.shape)
+    x = x.reshape(shape[:dim] + [size // k, k] + shape[dim + 1:])
+    order = [a for a in range(x.ndim) if a != dim + 1] + [dim + 1]
+    return x.permute(order)
 
 
 def _pool_args(dims, kernel_size, stride, padding, dilation, ceil_mode, spatial=None):
@@ -321,6 +338,10 @@ def _max_pool(dims):
             raise Unsupported("max_pool of an empty or unbatched-without-channels input is not supported yet")
         kernel, stride, padding, dilation, extra = _pool_args(dims, kernel_size, stride, padding, dilation,
                                                               ceil_mode, x.shape[-dims:])
+        if any(k > s for k, s in zip(kernel, stride)):
+            # NOTE: overlapping windows read each element several times (3x3/2: 2.25): a computed input
+            # (a batch norm's ReLU) is stored once, not computed again at every window reading it
+            update_meta(x.node, materialize=True)
         windows = _pool_windows(x, dims, kernel, stride, padding, float("-inf"), dilation, extra)
         window_dims = tuple(range(windows.ndim - dims, windows.ndim))
         values = windows.detach()
