@@ -375,3 +375,16 @@ def test_slices_and_strided_reads_in_vector_bodies():
     rows = check(fns["registers"], [x, y], cpp_kernels=1)
     assert any("? V(" in k.torch_kernel.source or "? t" in k.torch_kernel.source.split("_strided")[0]
                for k in _kernels(rows))
+
+
+def test_a_value_stored_and_summed_over_chunks_of_rows_is_computed_once():
+    """A bias's gradient summed over chunks of rows beside the input's gradient it sums (GELU's
+    backward): the value is read at the reshape's index for the sum and at the row for the store;
+    both are one value of the kernel, so its exp and erf are computed once per element."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 64)
+    x = torch.randn(4, 512, 16)
+    compiled = check(lambda x: torch.nn.functional.gelu(lin(x)).sum(), [x], cpp_kernels=2)
+    chunked = [k.torch_kernel.source.split("_strided")[0] for k in _kernels(compiled)
+               if "task" in k.torch_kernel.source and "erf" in k.torch_kernel.source]
+    assert chunked and all(s.count(").exp()") == 1 and s.count(".erf()") == 1 for s in chunked), chunked

@@ -45,6 +45,7 @@ from compiler.codegen.triton_kernel import _used_as_condition   # (whether a boo
 from compiler.fusion.fuse import KernelPlan
 from compiler.ir.graph import OpKind, compute_dtype, contiguous_strides, kind_of, meta_of, numel
 from compiler.ir.ops import symbols as Y
+from compiler.ir.ops.views import _reshape_index
 from compiler.ir.ops.primitives.base import NotPrintable
 from runtime.cpp_build import VECTOR_HEADER
 from runtime.program import INDEX_ASSERT
@@ -561,16 +562,17 @@ class _CppWriter:
         last = len(shape) - 1
         if along == [last] and c_text(index[last]).strip("() ") in {self.inner_name, *self.consecutive}:
             return self.tmp("V", f"V::loadu({arg} + {offset})"), dtype
-        if any(name in self.consecutive for i in index for name in i.names):
-            raise NotPrintable("a load at a slice's positions not consecutive along the inner loop")
-        # lanes apart (a strided or transposed read): each lane's element at its own inner position,
-        # the inner variable shadowed in a block of its own, then loaded as one register
-        lanes, lane0 = f"lanes{self.counter}", f"lane0_{self.counter}"
+        # lanes apart (a strided or transposed read): each lane's element at its own position, the
+        # variables that advance with the lanes (the inner loop's, a slice's ``consecutive`` position)
+        # shadowed in a block of their own, lane l's value the first lane's + l; then one register
+        lanes = f"lanes{self.counter}"
         self.counter += 1
-        self.lines += [f"alignas(64) {C_TYPE[dtype]} {lanes}[V::size()];",
-                       f"{{ const int64_t {lane0} = {self.inner_name};",
-                       f"  for (int64_t l = 0; l < static_cast<int64_t>(V::size()); ++l) {{ "
-                       f"const int64_t {self.inner_name} = {lane0} + l; {lanes}[l] = {arg}[{offset}]; }} }}"]
+        moving = sorted({self.inner_name} | {n for i in index for n in i.names if n in self.consecutive})
+        firsts = [f"const int64_t {n}_l0 = {n};" for n in moving]
+        shadows = " ".join(f"const int64_t {n} = {n}_l0 + l;" for n in moving)
+        self.lines += [f"alignas(64) {C_TYPE[dtype]} {lanes}[V::size()];", "{", *firsts,
+                       f"  for (int64_t l = 0; l < static_cast<int64_t>(V::size()); ++l) {{ {shadows} "
+                       f"{lanes}[l] = {arg}[{offset}]; }}", "}"]
         return self.tmp("V", f"V::loadu({lanes})"), dtype
 
     def cast(self, var, have: torch.dtype, want: torch.dtype):
@@ -895,7 +897,7 @@ class _CppWriter:
         row_index = {}
         for root in self.stores:
             if kind_of(root) != OpKind.REDUCTION and tuple(meta_of(root).shape) != shape:
-                row_index[root] = self.chunk_row_index(root, shape, reduced, r_lines)
+                row_index[root] = self.chunk_row_index(root, shape)
         accumulators, finals, run_ends = self.column_accumulators(outer, kept)
         # the vector body's lanes are consecutive columns: the kept part must be one dim (its index c)
         self.row_vector_dtype = self._one_float_dtype() if lead == len(shape) - 1 and kept > 1 else None
@@ -961,27 +963,16 @@ class _CppWriter:
                 finals.append(f"out{out}[{where}] = static_cast<{C_TYPE[_element_dtype(dtype)]}>({total});")
         return accumulators, finals, run_ends
 
-    def chunk_row_index(self, root: fx.Node, shape: tuple, reduced: int, r_lines: list) -> tuple:
+    def chunk_row_index(self, root: fx.Node, shape: tuple) -> tuple:
         """The index of an elementwise root of shape (..., N) in a kernel over its rows' chunks
-        (chunks, M / chunks, N): its leading dims from the row ``o * (M / chunks) + r`` (computed
-        once per row, in ``r_lines``), its last dim the column's."""
+        (chunks, M / chunks, N): the kernel's index through the reshape between the two shapes, as
+        the reshape's own index map writes it (``views._reshape_index``), so that a value both the
+        sums read (through that reshape) and the root stores is one value of this kernel, computed
+        once (not a second time, its exp and erf calls too, which the C++ compiler cannot merge)."""
         rshape = tuple(meta_of(root).shape)
         if not self.chunked or numel(rshape) != numel(shape) or rshape[-1] != shape[-1]:
             raise NotPrintable("an output stored in another shape than the kernel's space")
-        at = f"r{len(r_lines)}"
-        r_lines.append(f"const int64_t {at} = o * {reduced} + r;")
-        index = []
-        # NOTE: written as the reshape's index map writes the same position from the kernel's index
-        # (no ``/ 1``, no ``%`` on the outermost dim), so the compiler finds the two equal and computes
-        # a value the sums read and the root stores once
-        for d, (size, stride) in enumerate(zip(rshape[:-1], contiguous_strides(rshape[:-1]))):
-            if size == 1:
-                index.append(ZERO)
-                continue
-            term = at if stride == 1 else f"{at} / {stride}"
-            r_lines.append(f"const int64_t {at}_{d} = {term if d == 0 else f'({term}) % {size}'};")
-            index.append(variable_index(f"{at}_{d}"))
-        return tuple(index) + (self.base_index[-1],)
+        return tuple(i.folded() for i in _reshape_index(rshape, shape, list(self.base_index)))
 
     def column_step(self, index: tuple, kept: int, row_index: dict) -> list:
         """What one column (or, in the vector body, a register's worth of columns from ``c``) does
