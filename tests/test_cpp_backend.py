@@ -350,10 +350,13 @@ def test_a_batch_norms_sums_share_one_vectorized_loop():
     x = torch.randn(8, 4, 16, 32, requires_grad=True)
     compiled = check(lambda x: (bn(x).relu() * x).sum(), [x], tol={"rtol": 1e-5, "atol": 1e-5}, cpp_kernels=2)
     fast = [k.torch_kernel.source.split("_strided")[0] for k in _kernels(compiled)]
-    # (the forward's mean, then its mean and variance in one loop; the backward's sums in fewer loops)
+    # (the backward's four sums in two loops; the forward's mean, then the variance that reads it:
+    # two loops, the mean computed once)
     shared = [s for s in fast if s.count("_d = 0;") > s.count("for (; r + V::size() <=") >= 1]
-    assert len(shared) == 2, fast
-    assert all("for (int64_t r = 0;" not in s for s in shared), shared   # (no scalar-only loop over a row)
+    assert len(shared) == 1 and shared[0].count("_d = 0;") == 4, fast
+    forward = [s for s in fast if s.count("_d = 0;") == 2]
+    assert len(forward) == 1 and forward[0].count("for (; r + V::size() <=") == 2, fast
+    assert all("for (int64_t r = 0;" not in s for s in fast), fast   # (no scalar-only loop over a row)
 
 
 def test_slices_and_strided_reads_in_vector_bodies():
@@ -388,3 +391,17 @@ def test_a_value_stored_and_summed_over_chunks_of_rows_is_computed_once():
     chunked = [k.torch_kernel.source.split("_strided")[0] for k in _kernels(compiled)
                if "task" in k.torch_kernel.source and "erf" in k.torch_kernel.source]
     assert chunked and all(s.count(").exp()") == 1 and s.count(".erf()") == 1 for s in chunked), chunked
+
+
+def test_a_softmax_computes_its_max_once_and_each_exp_once():
+    """Softmax's row: its max in one loop, then exp(x - max) summed and kept in a row buffer, then
+    the outputs divided from that buffer, in the vector body as in the scalar tail (the loops a
+    kernel's outputs read are written before them): one max and one exp per element."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 1024, requires_grad=True)
+    compiled = check(lambda x: torch.softmax(x, -1), [x], cpp_kernels=2)
+    forward = [k.torch_kernel.source.split("_strided")[0] for k in _kernels(compiled)
+               if ").exp()" in k.torch_kernel.source]
+    assert len(forward) == 1, forward
+    assert forward[0].count(").exp()") == 1 and forward[0].count("at::vec::maximum(acc") == 1, forward[0]
+    assert forward[0].count("V::loadu(acc") == 1, forward[0]   # (the division reads the kept row)

@@ -275,32 +275,36 @@ class _CppWriter:
         return self.row_values[node]
 
     def ready_siblings(self, node: fx.Node) -> list:
-        """The kernel's reductions other than ``node`` not yet written whose argument reads no
-        reduction still to come (written in one loop with ``node``)."""
-        done = set(self.row_values) | self.reducing | {node}
+        """The kernel's reductions other than ``node`` not yet written that read no reduction still
+        to come and that ``node``'s argument does not read (written in one loop with ``node``; one
+        its argument reads is written first, in a loop of its own)."""
+        done = set(self.row_values) | self.reducing
+        waits_for = self.pending_reads(node.args[0], done)
         found = []
         for root in self.plan.roots:
-            if root in done or kind_of(root) != OpKind.REDUCTION or root in self.plan.columns \
-                    or root in self.plan.epilogue or root.target.name not in ("sum", "mean", "amax") \
+            if root is node or root in done or root in waits_for or kind_of(root) != OpKind.REDUCTION \
+                    or root in self.plan.columns or root in self.plan.epilogue \
+                    or root.target.name not in ("sum", "mean", "amax") \
                     or compute_dtype(meta_of(root).dtype).is_complex:
                 continue
-            if not self.reads_pending(root.args[0], done | set(found)):
+            if not self.pending_reads(root.args[0], done):
                 found.append(root)
         return found
 
-    def reads_pending(self, value: fx.Node, written: set) -> bool:
-        """Whether computing ``value`` in this kernel reads one of its reductions not in ``written``."""
-        stack, seen = [value], set()
+    def pending_reads(self, value: fx.Node, written: set) -> set:
+        """The kernel's reductions not in ``written`` that computing ``value`` here reads."""
+        stack, seen, found = [value], set(), set()
         while stack:
             n = stack.pop()
             if n in seen or n in written:
                 continue
             seen.add(n)
             if kind_of(n) == OpKind.REDUCTION and n in self.roots:
-                return True
+                found.add(n)
+                continue
             if not (n in self.buffers and n not in self.roots):   # (a buffer not computed here: loaded)
                 stack.extend(n.all_input_nodes)
-        return False
+        return found
 
     def reduce_rows(self, group: list) -> bool:
         """One loop over the row accumulating every reduction of ``group``, their row values set in
@@ -1036,6 +1040,14 @@ class _CppWriter:
         adding each column sum's value at the element to its chunk's accumulator (``columns``)."""
         if not roots and not columns:
             return []
+        # the reductions the loop reads, written first (in the kernel's order), so that the values
+        # their loops keep in row buffers are there for both of this loop's bodies to read
+        reads = set()
+        for root in [*roots, *(self.plan.columns[c][0] for c in columns)]:
+            reads |= self.pending_reads(root, set(self.row_values))
+        for node in [r for r in self.plan.roots if r in reads]:
+            if node not in self.row_values:
+                self.row_values[node] = self.reduce_row(node)
 
         def stores():
             out = []
