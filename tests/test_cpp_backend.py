@@ -316,7 +316,9 @@ def test_values_the_same_for_every_lane_are_scalars_in_vector_bodies():
 def test_complex_kernels_are_cpp_with_eagers_values(dtype):
     """Complex values as their interleaved parts, the math as the Triton kernels' real arithmetic on
     parts (``realify``; |z| is C's hypot), a broadcast gain's and bias's gradients as complex column
-    sums, over few rows and over chunks of many."""
+    sums, over few rows and over chunks of many; in vector bodies, each register's parts
+    deinterleaved after the load and interleaved again for the store. A real view of a complex value
+    (``view_as_real``) reads the part its index names."""
     torch.manual_seed(0)
     w = torch.randn(16, dtype=dtype, requires_grad=True)
     b = torch.randn(16, dtype=dtype, requires_grad=True)
@@ -328,6 +330,12 @@ def test_complex_kernels_are_cpp_with_eagers_values(dtype):
         z = torch.randn(rows, 16, dtype=dtype, requires_grad=True)
         compiled = check(gate, [z, w, b], cpp_kernels=2)
         assert all(isinstance(k.torch_kernel, CppKernel) for k in _kernels(compiled))
+        assert all(k.torch_kernel.vectorized and "deinterleave2" in k.torch_kernel.source
+                   for k in _kernels(compiled)), [k.torch_kernel.source for k in _kernels(compiled)]
+    z = torch.randn(8, 16, dtype=dtype, requires_grad=True)
+    r = torch.randn(8, 16, dtype=dtype.to_real(), requires_grad=True)
+    parts = check(lambda z, r: torch.view_as_real(z * 2).sum(-1) * r, [z, r], cpp_kernels=1)
+    assert all(isinstance(k.torch_kernel, CppKernel) for k in _kernels(parts))
 
 
 def test_a_module_compiled_directly_replays_at_a_second_call():

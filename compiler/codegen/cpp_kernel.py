@@ -181,9 +181,7 @@ class _CppWriter:
                 result = self.value(node, index)
             finally:
                 self.vector_dtype = held
-            if isinstance(result[0], tuple):
-                raise NotPrintable("a complex value in a vector body")
-            self.scalar_vars.add(result[0])
+            self.scalar_vars.update(result[0] if isinstance(result[0], tuple) else (result[0],))
             return result
         if (node in self.buffers and node not in self.roots) or \
                 kind not in (OpKind.POINTWISE, OpKind.VIEW, OpKind.REDUCTION):
@@ -198,6 +196,8 @@ class _CppWriter:
                 result = self.slice_scatter(node, index)
             else:
                 result = self.load(node, index)
+        elif kind == OpKind.VIEW and node.target.name in ("view_as_real", "view_as_complex"):
+            result = self.complex_view(node, index)
         elif kind == OpKind.VIEW:   # its input's value at the index the view maps to
             result = self.value(node.args[0], tuple(node.target.index_map(node, list(index))))
         elif kind == OpKind.REDUCTION:
@@ -551,7 +551,7 @@ class _CppWriter:
         offset = " + ".join(terms) or "0"
         if dtype.is_complex:   # (interleaved: the real part, then the imaginary part)
             if self.vector_dtype is not None:
-                raise NotPrintable("a complex load in a vector body")
+                return self.complex_lanes(node, index, arg, offset), dtype
             part = C_TYPE[dtype.to_real()]
             return (self.tmp(part, f"{arg}[2 * ({offset})]"), self.tmp(part, f"{arg}[2 * ({offset}) + 1]")), dtype
         if self.vector_dtype is None:
@@ -579,16 +579,60 @@ class _CppWriter:
                        f"{lanes}[l] = {arg}[{offset}]; }}", "}"]
         return self.tmp("V", f"V::loadu({lanes})"), dtype
 
+    def complex_view(self, node: fx.Node, index: tuple):
+        """``view_as_complex``: the two parts read at positions 0 and 1 of the last dim;
+        ``view_as_real``: the part the last dim's index names (where it varies, a choice per element:
+        scalar bodies only)."""
+        if node.target.name == "view_as_complex":
+            re, dtype = self.value(node.args[0], index + (ZERO,))
+            im, _ = self.value(node.args[0], index + (constant_index(1),))
+            return (re, im), meta_of(node).dtype
+        (re, im), dtype = self.value(node.args[0], index[:-1])
+        if index[-1].position is not None:
+            return (re, im)[index[-1].position], dtype.to_real()
+        if self.vector_dtype is not None:
+            raise NotPrintable("a complex value's parts chosen along the inner loop, in a vector body")
+        return self.tmp(C_TYPE[dtype.to_real()], f"({c_text(index[-1])}) == 0 ? {re} : {im}"), dtype.to_real()
+
+    def complex_lanes(self, node: fx.Node, index: tuple, arg: str, offset: str) -> tuple:
+        """A complex load's (real parts, imaginary parts) in a vector body: two registers of its
+        interleaved parts from the first lane's element, deinterleaved (consecutive elements along
+        the inner loop only; one element for every lane: its parts broadcast)."""
+        if meta_of(node).dtype.to_real() != self.vector_dtype:
+            raise NotPrintable(f"a {meta_of(node).dtype} load in a {self.vector_dtype} vector body")
+        along = [d for d, i in enumerate(index) if self.inner_name in i.names]
+        last = len(meta_of(node).shape) - 1
+        if not along:
+            return (self.tmp("V", f"V({arg}[2 * ({offset})])"), self.tmp("V", f"V({arg}[2 * ({offset}) + 1])"))
+        if along != [last] or c_text(index[last]).strip("() ") not in {self.inner_name, *self.consecutive}:
+            raise NotPrintable("a complex load whose elements are not consecutive along the inner loop")
+        pair = f"p{self.counter}"
+        self.counter += 1
+        self.lines.append(f"const auto {pair} = at::vec::deinterleave2(V::loadu({arg} + 2 * ({offset})), "
+                          f"V::loadu({arg} + 2 * ({offset}) + V::size()));")
+        return self.tmp("V", f"{pair}.first"), self.tmp("V", f"{pair}.second")
+
+    def complex_store(self, var: tuple, out: str, at: str) -> str:
+        """A vector body's complex value stored at element ``at`` of ``out``: its parts interleaved
+        into two registers."""
+        re, im = (self.lane_vector(v, self.vector_dtype) for v in var)
+        pair = f"p{self.counter}"
+        self.counter += 1
+        return (f"{{ const auto {pair} = at::vec::interleave2({re}, {im}); ({pair}.first).store({out} + 2 * ({at})); "
+                f"({pair}.second).store({out} + 2 * ({at}) + V::size()); }}")
+
     def cast(self, var, have: torch.dtype, want: torch.dtype):
         if have == want:
             return var
-        if have.is_complex or want.is_complex:   # (scalar bodies: a pair of parts)
-            if self.vector_dtype is not None or not want.is_complex:
+        if have.is_complex or want.is_complex:   # (a pair of parts)
+            if not want.is_complex:
                 raise NotPrintable(f"a {have} -> {want} conversion")
             part = want.to_real()
             if have.is_complex:
                 return tuple(self.cast(v, have.to_real(), part) for v in var)
             zero = CppPrinter({}, part).literal(sympy.Integer(0))
+            if self.vector_dtype is not None:
+                return self.cast(var, have, part), self.tmp("V", f"V({zero})")
             return self.cast(var, have, part), zero
         if self.vector_dtype is not None and var in self.float_ints and want == self.vector_dtype:
             return var   # (exact integers held as floats already)
@@ -650,11 +694,12 @@ class _CppWriter:
     def complex_pointwise(self, node: fx.Node, expr, args: list, want: torch.dtype):
         """A pointwise op with complex operands or result, as real arithmetic on the parts
         (``realify``, as the Triton kernels compute it). Scalar bodies only."""
-        if self.vector_dtype is not None:
-            raise NotPrintable("complex math in a vector body")
         if getattr(node.target, "name", "") in ("lt", "le", "gt", "ge", "eq", "ne"):
             raise NotPrintable("a complex comparison")
         part = want.to_real() if want.is_complex else want
+        vector = self.vector_dtype is not None
+        if vector and part != self.vector_dtype:
+            raise NotPrintable(f"{want} math in a {self.vector_dtype} vector body")
         names = {}
         for i, (var, have) in enumerate(args):
             if have.is_complex:
@@ -662,14 +707,16 @@ class _CppWriter:
                 names[RE[i]], names[IM[i]] = (self.cast(v, have.to_real(), part) for v in (re, im))
             else:
                 names[Y.REAL_ARGS[i]] = self.cast(var, have, part)
+        if vector:   # (parts the same for every lane: broadcast)
+            names = {symbol: self.lane_vector(var, part) for symbol, var in names.items()}
         re_expr, im_expr = realify(expr)
-        printer = CppPrinter(names, part)
+        printer = (VectorPrinter if vector else CppPrinter)(names, part)
         ctype = C_TYPE[part]
         replacements, reduced = sympy.cse([re_expr, im_expr] if want.is_complex else [re_expr],
                                           symbols=sympy.numbered_symbols("c"), order="none")
         for symbol, sub in replacements:
             names[symbol] = printer(sub) if sub.is_number else self.tmp(ctype, printer(sub))
-        parts = tuple(self.tmp(ctype, f"static_cast<{ctype}>({printer(e)})") for e in reduced)
+        parts = tuple(self.tmp(ctype, printer(e) if vector else f"static_cast<{ctype}>({printer(e)})") for e in reduced)
         return (parts if want.is_complex else parts[0]), want
 
     # -- the kernel ------------------------------------------------------------------------
@@ -710,8 +757,8 @@ class _CppWriter:
         """The dtype of every buffer where they share one float dtype (a vector body's), else None.
         (Integer and bool inputs are not counted: read where they are the same for every lane, a row's
         target, a random number's seed, they are scalars; elsewhere the vector body is not written.)"""
-        dtypes = {meta_of(n).dtype for n in [*self.loads, *self.stores]
-                  if not (n in self.loads and not meta_of(n).dtype.is_floating_point)}
+        dtypes = {_element_dtype(meta_of(n).dtype) for n in [*self.loads, *self.stores]
+                  if not (n in self.loads and not (meta_of(n).dtype.is_floating_point or meta_of(n).dtype.is_complex))}
         return dtypes.pop() if len(dtypes) == 1 and dtypes <= {torch.float32, torch.float64} else None
 
     def body(self, index: tuple, shape: tuple, inner: int) -> list:
@@ -728,7 +775,8 @@ class _CppWriter:
             if self.vector_dtype is not None:
                 if have != dtype:
                     raise NotPrintable(f"a {have} value stored as {dtype} in a vector body")
-                stores.append(f"({self.lane_vector(var, have)}).store(out{out} + {at});")
+                stores.append(self.complex_store(var, f"out{out}", at) if dtype.is_complex
+                              else f"({self.lane_vector(var, have)}).store(out{out} + {at});")
             elif dtype.is_complex:
                 var = self.cast(var, have, dtype)
                 stores += [f"out{out}[2 * ({at})] = {var[0]};", f"out{out}[2 * ({at}) + 1] = {var[1]};"]
@@ -992,8 +1040,9 @@ class _CppWriter:
                     raise NotPrintable(f"a {have} value stored as {dtype} in a vector body")
                 if dtype.is_complex:
                     var = self.cast(var, have, dtype)
-                    elements += [f"out{out}[2 * ({self.element_at})] = {var[0]};",
-                                 f"out{out}[2 * ({self.element_at}) + 1] = {var[1]};"]
+                    elements += [self.complex_store(var, f"out{out}", self.element_at)] if vector else [
+                        f"out{out}[2 * ({self.element_at})] = {var[0]};",
+                        f"out{out}[2 * ({self.element_at}) + 1] = {var[1]};"]
                     continue
                 elements.append(f"({self.lane_vector(var, have)}).store(out{out} + {self.element_at});" if vector
                                 else f"out{out}[{self.element_at}] = static_cast<{C_TYPE[dtype]}>({var});")
@@ -1001,8 +1050,10 @@ class _CppWriter:
             var, have = self.value(root.args[0], index)
             var = self.cast(var, have, compute_dtype(dtype))
             at = f"acc{out}[c - cb]"
-            if dtype.is_complex:   # (scalar bodies: one accumulator per part)
-                updates += [f"{acc}[c - cb] += {v};" for acc, v in zip(_parts(f"acc{out}", dtype), var)]
+            if dtype.is_complex:   # (one accumulator per part)
+                updates += [f"(V::loadu({acc} + (c - cb)) + {self.lane_vector(v, self.vector_dtype)})"
+                            f".store({acc} + (c - cb));" if vector else f"{acc}[c - cb] += {v};"
+                            for acc, v in zip(_parts(f"acc{out}", dtype), var)]
                 continue
             if vector:
                 var = self.lane_vector(var, compute_dtype(dtype))
