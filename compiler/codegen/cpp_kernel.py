@@ -809,7 +809,7 @@ class _CppWriter:
         prelude = []
         if vector_dtype is not None:   # (first: the build may use its precompiled form, runtime.cpp_build)
             prelude += ["#ifndef SYMGRAD_SCALAR_ONLY", f'#include "{VECTOR_HEADER}"',
-                        f"using V = at::vec::Vectorized<{C_TYPE[vector_dtype]}>;", "#endif"]
+                        f"using V = at::vec::Vectorized<{C_TYPE[vector_dtype]}>;", VECTOR_HELPERS, "#endif"]
         prelude += ["#include <cmath>", "#include <cstdint>"] + ([_PHILOX] if self.uses_random else [])
         source = "\n".join([
             *prelude, "",
@@ -1160,6 +1160,28 @@ class _CppWriter:
         parallel = rows > 1 and rows * inner >= PARALLEL_MIN
         return ([_PARALLEL] if parallel else []) + \
             [f"    for (int64_t x = 0; x < {rows}; ++x) {{", *body, "    }"]
+
+
+# Functions a vector body calls that at::vec has no cheap form of (``VectorPrinter.call``). tanh in
+# float: below 0.55 in magnitude its odd Taylor polynomial to z**15 (truncation below 5e-8 relative),
+# above it 1 - 2 / (1 + exp(2z)) (no cancellation there), exact in its limits (+-1 at +-inf, NaN for
+# NaN, -0 for -0); within a few ulp of eager's, where Sleef's 1-ulp tanh (at::vec's) costs several
+# times as much (GELU's tanh form spent most of its time there). In double: Sleef's.
+VECTOR_HELPERS = """static inline at::vec::Vectorized<float> symgrad_tanh(const at::vec::Vectorized<float>& z) {
+    using F = at::vec::Vectorized<float>;
+    const F z2 = z * z;
+    F p = F(-929569.0f / 638512875);
+    p = p * z2 + F(21844.0f / 6081075);
+    p = p * z2 + F(-1382.0f / 155925);
+    p = p * z2 + F(62.0f / 2835);
+    p = p * z2 + F(-17.0f / 315);
+    p = p * z2 + F(2.0f / 15);
+    p = p * z2 + F(-1.0f / 3);
+    const F small = z + z * z2 * p;
+    const F large = F(1.0f) - F(2.0f) / ((z * F(2.0f)).exp() + F(1.0f));
+    return F::blendv(large, small, z.abs() < F(0.55f));
+}
+static inline at::vec::Vectorized<double> symgrad_tanh(const at::vec::Vectorized<double>& z) { return z.tanh(); }"""
 
 
 # Triton's tl.rand(seed, offset) (triton/language/random.py: randint4x's first word of Philox4x32,

@@ -123,6 +123,8 @@ class VectorPrinter(CppPrinter):
         return f"V::blendv({b}, {a}, {condition})"
 
     def call(self, function: str, *args: str) -> str:
+        if function == "std::tanh":   # (``cpp_kernel.VECTOR_HELPERS``: Sleef's 1-ulp tanh costs 8x as much)
+            return f"symgrad_tanh({args[0]})"
         method = _VECTOR_METHODS.get(function)
         if method is None:
             raise NotPrintable(f"no vectorized {function}")
