@@ -804,13 +804,14 @@ class _CppWriter:
             constants += [f"    constexpr int64_t {arg}_s{d} = {st};"
                           for d, st in enumerate(contiguous_strides(shape))]
         outputs = [f"{C_TYPE[_element_dtype(meta_of(n).dtype)]}* __restrict__ out{j}" for j, n in enumerate(self.stores)]
-        digest = hashlib.sha256(("\n".join(strided + outputs + fast)).encode()).hexdigest()[:16]
-        name = f"cpp_kernel_{digest}"
         prelude = []
         if vector_dtype is not None:   # (first: the build may use its precompiled form, runtime.cpp_build)
             prelude += ["#ifndef SYMGRAD_SCALAR_ONLY", f'#include "{VECTOR_HEADER}"',
                         f"using V = at::vec::Vectorized<{C_TYPE[vector_dtype]}>;", VECTOR_HELPERS, "#endif"]
         prelude += ["#include <cmath>", "#include <cstdint>"] + ([_PHILOX] if self.uses_random else [])
+        # (named by all it compiles, its helpers too: a changed helper is another library, not a stale one)
+        digest = hashlib.sha256(("\n".join(prelude + strided + outputs + fast)).encode()).hexdigest()[:16]
+        name = f"cpp_kernel_{digest}"
         source = "\n".join([
             *prelude, "",
             f'extern "C" int {name}({", ".join(pointers + outputs)}) {{', *constants, "    int bad = 0;", *fast,
