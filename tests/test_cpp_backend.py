@@ -439,3 +439,22 @@ def test_the_vector_tanh_is_within_a_few_ulp_and_keeps_its_special_values():
     got, want = f(special), torch.tanh(special)
     torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
     assert torch.equal(torch.signbit(got), torch.signbit(want))
+
+
+def test_heads_put_back_side_by_side_are_read_a_register_at_a_time():
+    """Attention's heads (B, heads, T, d) put back side by side (B, T, heads * d) and concatenated (q,
+    k and v's gradients): a register's lanes read d consecutive elements of one head, which the
+    writer finds by evaluating the index at each lane (``lanes_consecutive``), so the kernel loads
+    whole registers, not each lane's element on its own."""
+    torch.manual_seed(0)
+    a, b = (torch.randn(2, 4, 8, 16, requires_grad=True) for _ in range(2))
+
+    def heads(t):
+        return t.transpose(1, 2).reshape(2, 8, 64)
+    compiled = check(lambda a, b: torch.cat([heads(a), heads(b)], -1).sin(), [a, b], cpp_kernels=1)
+    forward = [_body(k.torch_kernel.source) for k in _kernels(compiled) if "sin()" in k.torch_kernel.source]
+    assert forward and all("V::loadu(in" in s and "lanes" not in s for s in forward), forward
+    odd = torch.randn(2, 4, 8, 12, requires_grad=True)   # (12 elements a head: a register spans two heads)
+    spans = check(lambda a: a.transpose(1, 2).reshape(2, 8, 48).sin(), [odd], cpp_kernels=1)
+    forward = [_body(k.torch_kernel.source) for k in _kernels(spans) if "sin()" in k.torch_kernel.source]
+    assert forward and all("lanes" in s for s in forward), forward

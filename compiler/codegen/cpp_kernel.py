@@ -40,7 +40,8 @@ import torch.fx as fx
 
 from compiler.codegen.cpp_printer import C_TYPE, CppPrinter, VectorPrinter
 from compiler.codegen.realify import IM, RE, realify
-from compiler.codegen.kernel_text import ZERO, Index, broadcast_index, c_text, constant_index, variable_index
+from compiler.codegen.kernel_text import (ZERO, Index, broadcast_index, c_text, constant_index, evaluate, leaves,
+                                         variable_index)
 from compiler.codegen.triton_kernel import _used_as_condition   # (whether a bool argument is a where's condition)
 from compiler.fusion.fuse import KernelPlan
 from compiler.ir.graph import OpKind, compute_dtype, contiguous_strides, kind_of, meta_of, numel
@@ -61,8 +62,11 @@ _COLUMN_BLOCK = 256
 _ROW_RUN = 64
 # the largest row whose element values a sum's loop keeps for the loops after it (on the thread's stack)
 _ROW_BUFFER_BYTES = 64 * 1024
-# bytes in the widest SIMD register a vector body may use (AVX-512's)
+# bytes in the widest SIMD register a vector body may use (AVX-512's), and in the narrowest (AVX2's)
 _WIDEST_REGISTER = 64
+_NARROWEST_REGISTER = 32
+# the most lanes ``lanes_consecutive`` evaluates an index at, per register width
+_LANE_CHECKS = 1 << 14
 
 
 def _parts(name: str, dtype: torch.dtype) -> tuple:
@@ -132,7 +136,7 @@ class _CppWriter:
         self.float_ints: set = set()
         # in a vector body: int variables holding the first lane's position along a dim whose lanes
         # are consecutive (a slice of whole registers: lane l's element is at the variable + l)
-        self.consecutive: set = set()
+        self.consecutive: dict = {}
         # a row's element values a sum's loop keeps in a buffer for the loops after it (softmax's
         # exp(x - max): computed once, not again for the row's outputs): key -> (buffer, dtype)
         self.row_cache: dict = {}
@@ -530,7 +534,7 @@ class _CppWriter:
                 inside = self.tmp("bool", f"{rel} >= 0 && {rel} < {length}")
                 last = f"{length} - static_cast<int64_t>(V::size())"
                 position = self.tmp("int64_t", f"{rel} < 0 ? 0 : ({rel} > {last} ? {last} : {rel})")
-                self.consecutive.add(position)   # (lane l reads src's element position + l)
+                self.consecutive[position] = length   # (lane l reads src's element position + l)
                 return inside, Index(position, frozenset({position, self.inner_name}))
             inside = f"{rel} >= 0 && {rel} < {length * step}" + (f" && {rel} % {step} == 0" if step != 1 else "")
             inside = self.tmp("bool", inside)
@@ -564,7 +568,8 @@ class _CppWriter:
         # lanes read consecutive elements only where the inner loop's index is the load's last dim
         # itself (the contiguous function's stride there is 1)
         last = len(shape) - 1
-        if along == [last] and c_text(index[last]).strip("() ") in {self.inner_name, *self.consecutive}:
+        if (along == [last] and c_text(index[last]).strip("() ") in {self.inner_name, *self.consecutive}) \
+                or self.lanes_consecutive(index, dtype):
             return self.tmp("V", f"V::loadu({arg} + {offset})"), dtype
         # lanes apart (a strided or transposed read): each lane's element at its own position, the
         # variables that advance with the lanes (the inner loop's, a slice's ``consecutive`` position)
@@ -578,6 +583,35 @@ class _CppWriter:
                        f"  for (int64_t l = 0; l < static_cast<int64_t>(V::size()); ++l) {{ {shadows} "
                        f"{lanes}[l] = {arg}[{offset}]; }}", "}"]
         return self.tmp("V", f"V::loadu({lanes})"), dtype
+
+    def lanes_consecutive(self, index: tuple, dtype: torch.dtype) -> bool:
+        """Whether a register's lanes read consecutive elements at ``index`` (its last dim's index
+        advancing by one a lane, every other dim's the same for every lane) wherever a vector body
+        starts one: checked by evaluating the index (``kernel_text.evaluate``) at each register's
+        lanes over the moving variables' ranges (the inner loop's, a slice's ``consecutive``
+        position), for registers of the narrowest and the widest SIMD width. A dim whose index also
+        reads another variable (a row's), or too many cases to check: not known, False."""
+        ranges = {self.inner_name: self.plan.shape[-1], **self.consecutive}
+        moving = [leaves(i) & set(ranges) for i in index]
+        if not moving[-1] or any(m and leaves(i) - m for m, i in zip(moving, index)):
+            return False
+        names = sorted(set().union(*moving))
+        if len(names) != 1:   # (one moving variable: its registers' starts enumerated)
+            return False
+        name, extent = names[0], ranges[names[0]]
+        dims = [d for d, m in enumerate(moving) if m]
+        for width in (_NARROWEST_REGISTER // dtype.itemsize, _WIDEST_REGISTER // dtype.itemsize):
+            if extent // width * width > _LANE_CHECKS:
+                return False
+            for start in range(0, extent - width + 1, width):
+                first = [evaluate(index[d], {name: start}) for d in dims]
+                if None in first:
+                    return False
+                for lane in range(1, width):
+                    at = [evaluate(index[d], {name: start + lane}) for d in dims]
+                    if at[:-1] != first[:-1] or at[-1] != first[-1] + lane:
+                        return False
+        return True
 
     def complex_view(self, node: fx.Node, index: tuple):
         """``view_as_complex``: the two parts read at positions 0 and 1 of the last dim;

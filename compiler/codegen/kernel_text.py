@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +37,9 @@ class Index:
     # so another printer writes it in its own language (``c_text``); None: a leaf (a name, a number)
     form: str | None = None
     parts: tuple = ()
+    # the function of its parts' values it computes (``compose``'s ``value``), kept so that a writer
+    # can evaluate the index at given values of its variables (``evaluate``) without reading its text
+    op: object = field(default=None, compare=False, repr=False)
 
     @property
     def element(self) -> str:
@@ -86,7 +89,27 @@ def compose(template: str, *parts: Index, value, wrap: bool = True) -> Index:
     bare = parts[0].element if template in ("{}", "({})") else inner
     return Index(text, frozenset().union(*(p.names for p in parts)), any(p.sized for p in parts),
                  value(*constants) if None not in constants else None, bare if bare != text else None,
-                 f"({template})" if wrap else template, tuple(parts))
+                 f"({template})" if wrap else template, tuple(parts), value)
+
+
+def evaluate(index: Index, values: dict):
+    """The value of ``index`` where each variable it reads has its value in ``values`` (a variable
+    not there, or a size argument: None). Indices are never negative, so floor division is C's."""
+    if index.constant is not None:
+        return index.constant
+    if index.op is None:   # (a leaf: a variable)
+        return values.get(index.text)
+    parts = [evaluate(p, values) for p in index.parts]
+    return None if None in parts else index.op(*parts)
+
+
+def leaves(index: Index) -> set:
+    """The variables (leaf texts) ``index`` is computed from."""
+    if index.constant is not None:
+        return set()
+    if index.op is None:
+        return {index.text}
+    return set().union(*(leaves(p) for p in index.parts)) if index.parts else set()
 
 
 def c_text(index: Index) -> str:
