@@ -98,7 +98,9 @@ _NOTE = ("Each tensor here is 32 MB: glibc serves it with a fresh mmap, and eage
          "torch.compile fault its pages in at every allocation (~10 ms per tensor on this machine). Our C++ "
          "kernels take their outputs from a pool of freed buffers (`runtime/cpu_memory.py`), as CUDA's caching "
          "allocator serves a GPU: most of the difference is that, not the loops. Below 32 MB (`python -m "
-         "benchmarks --cpu`, `results/cpu-cpu.md`) the same kernels are near eager's time.")
+         "benchmarks --cpu`, `results/cpu-cpu.md`), "
+         "where the loops decide, ours takes from 0.16x eager's time (RMSNorm, fused) to about 1.0x (LayerNorm "
+         "and softmax, which eager's own kernels already run at this machine's memory bandwidth).")
 
 
 def main(argv=None) -> dict:

@@ -10,20 +10,22 @@ their index maps (``View.index_map``, written in C by ``kernel_text.c_text``), b
 pointwise node's SymPy expression (``cpp_printer``), one value per (node, element), in the dtype
 the Triton kernel computes in.
 
-Printed today, over fp32, fp64, integer and bool buffers:
-- pointwise kernels (views, broadcasts, loads), with a vector body;
-- kernels reducing their trailing dims (sum, mean, amax: softmax, norms, a loss's rows): per row a
-  loop per reduction, in the order their values are needed, the row's values computed from them
-  (an epilogue: layer norm's rstd), then a loop over the row's elements; each loop with a vector
-  body where the row is one dim;
+Printed today, over fp32, fp64, complex64/128 (interleaved parts), integer and bool buffers:
+- pointwise kernels (views, broadcasts, loads, slice_scatters), with a vector body (at::vec);
+- kernels reducing some dims (sum, mean, amax: softmax, norms, a loss's rows, a batch norm's N, H,
+  W): per row a loop per group of reductions that wait for no other (their shared values computed
+  once), in the order their values are needed, the row's values computed from them (an epilogue:
+  layer norm's rstd), then a loop over the row's elements; each loop with a vector body where the
+  row is one dim or its last dim is reduced in whole registers; float sums in double totals;
 - kernels reducing their leading dims (a weight's gradient over the batch): blocks of columns, each
   column's accumulator updated row by row by an inner loop over consecutive columns.
-Gathers, iotas and random numbers are read in scalar bodies: a gathered index is checked (the
-function returns 1 where one was out of range: the caller raises eager's IndexError), wrapped where
-negative indices count from the end, and clamped; a random number is Triton's ``tl.rand``
-(``_PHILOX``). Anything else (half types, complex values, a primitive without a C++ lowering)
-raises ``NotPrintable``: that kernel runs on the torch path
-(``compiler.codegen.torch_kernel``), the others of its program still in C++.
+In a vector body a value the same for every lane is a scalar (a row's target, a gathered row's
+index); a load whose lanes read consecutive elements is one register (``lanes_consecutive``),
+another fills a register lane by lane. A gathered index is checked (the function returns 1 where
+one was out of range: the caller raises eager's IndexError), wrapped where negative indices count
+from the end, and clamped; a random number is Triton's ``tl.rand`` (``_PHILOX``). Anything else
+(half types, a primitive without a C++ lowering) raises ``NotPrintable``: that kernel runs on the
+torch path (``compiler.codegen.torch_kernel``), the others of its program still in C++.
 
 The argument order is the Triton kernel's (``KernelSource.loads``, then ``stores``): each input's
 pointer and one int64 stride per dim, then each output's pointer (contiguous).
