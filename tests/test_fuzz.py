@@ -94,6 +94,19 @@ def _check_seeds(seeds) -> None:
     assert not failures, "\n\n".join(failures)
 
 
+def test_seeded_programs_match_eager_in_cpp(monkeypatch):
+    """A sample of the same programs with their kernels printed as C++ (``backend="cpp"``, what CPU
+    tensors run by default): values, gradients, second derivatives and errors as eager's. The long
+    run: ``SYMGRAD_FUZZ_BACKEND=cpp python -m tests.fuzz --count 2000`` (``tests/fuzz/RESULTS-cpp.md``)."""
+    from runtime import cpp_build
+    from tests.fuzz import check
+
+    if not cpp_build.available()[0]:
+        pytest.skip("no working C++ compiler here")
+    monkeypatch.setattr(check, "BACKEND", "cpp")
+    _check_seeds(range(1, min(SEEDED, 400), 10))
+
+
 def test_seeded_programs_match_eager_without_their_python(monkeypatch):
     """The same programs compiled with ``skip_python=True`` (they keep its promise: pure torch
     code): the replayed call makes the recorded calls directly, and must show what eager shows.

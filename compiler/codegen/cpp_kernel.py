@@ -910,6 +910,8 @@ class _CppWriter:
             if root in self.plan.columns:   # partial column sums over a chunk of rows (``columns_loop``)
                 columns.append(root)
                 continue
+            if dtype.is_complex and (root in self.plan.epilogue or kind_of(root) == OpKind.REDUCTION):
+                raise NotPrintable("a complex value stored per row")
             if root in self.plan.epilogue:   # a row's value computed from its reductions (layer norm's rstd)
                 var = self.row_value(root, rows)
                 row_stores.append(f"out{out}[x] = static_cast<{C_TYPE[dtype]}>({var});")
@@ -1151,13 +1153,17 @@ class _CppWriter:
                            else f"col{j}[r] += {var};")
             for root in roots:
                 var, have = self.value(root, self.root_index(root))
-                j = self.stores.index(root)
+                j, dtype = self.stores.index(root), meta_of(root).dtype
                 if self.vector_dtype is not None:
-                    if have != meta_of(root).dtype:
-                        raise NotPrintable(f"a {have} value stored as {meta_of(root).dtype} in a vector body")
-                    out.append(f"({self.lane_vector(var, have)}).store(out{j} + {self.element_at});")
+                    if have != dtype:
+                        raise NotPrintable(f"a {have} value stored as {dtype} in a vector body")
+                    out.append(self.complex_store(var, f"out{j}", self.element_at) if dtype.is_complex
+                               else f"({self.lane_vector(var, have)}).store(out{j} + {self.element_at});")
+                elif dtype.is_complex:   # (interleaved parts)
+                    re, im = self.cast(var, have, dtype)
+                    out += [f"out{j}[2 * ({self.element_at})] = {re};", f"out{j}[2 * ({self.element_at}) + 1] = {im};"]
                 else:
-                    out.append(f"out{j}[{self.element_at}] = static_cast<{C_TYPE[meta_of(root).dtype]}>({var});")
+                    out.append(f"out{j}[{self.element_at}] = static_cast<{C_TYPE[dtype]}>({var});")
             return out
         vector, (body, store) = self.vector_and_scalar(stores)
         if vector is not None:

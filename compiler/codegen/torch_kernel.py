@@ -251,6 +251,10 @@ class _Writer:
             return f"{x}.clone()"
         if count:  # the second stage of a split mean
             return f"(torch.sum({x}, dim={dims!r}, keepdim={keepdim!r}) / {count!r})"
+        if node.target.name == "amax" and any(meta_of(node.args[0]).shape[d] == 0 for d in dims):
+            # a max over no elements: -inf, as the Triton kernels' (torch.amax raises; logsumexp of an
+            # empty row reads it and gives eager's -inf)
+            return f"torch.full({tuple(meta_of(node).shape)!r}, float('-inf'), dtype={x}.dtype, device={x}.device)"
         return f"torch.{node.target.name}({x}, dim={dims!r}, keepdim={keepdim!r})"
 
     def _obj(self, obj) -> str:

@@ -1,4 +1,5 @@
-"""One program, eager vs compiled (backend="interpret"): everything eager shows must match.
+"""One program, eager vs compiled (backend="interpret", or ``SYMGRAD_FUZZ_BACKEND``'s): everything
+eager shows must match.
 
 The compiled function is called twice on fresh inputs: the first call records (it runs
 eagerly), the second replays through the generated kernels. Each call is compared with
@@ -53,6 +54,11 @@ class KnownBug(Exception):
 # SYMGRAD_FUZZ_SKIP_PYTHON=1: the replayed call makes the recorded calls without the program's
 # Python (compile(..., skip_python=True); the programs keep its promise: pure torch code)
 SKIP_PYTHON = os.environ.get("SYMGRAD_FUZZ_SKIP_PYTHON", "0") == "1"
+# SYMGRAD_FUZZ_BACKEND=cpp: the programs' kernels as C++ (the CPU default), not the Triton kernels in
+# Triton's interpreter (the default here: the GPU's kernels); torch: the torch path's
+BACKEND = os.environ.get("SYMGRAD_FUZZ_BACKEND", "interpret")
+if BACKEND not in ("interpret", "cpp", "torch"):
+    raise ValueError(f"SYMGRAD_FUZZ_BACKEND={BACKEND!r}: give interpret, cpp or torch")
 
 KNOWN_BUGS: list = []  # (none open: the last was seed 2544's rounding, now told apart: _second_order_rounding)
 
@@ -218,7 +224,7 @@ def _check(program) -> dict:
         reference = run_all(_Reference(program), program.function())
         if reference["error"] is not None:
             reference = None
-    compiled = compiler.compile(program.function(), backend="interpret", skip_python=SKIP_PYTHON)
+    compiled = compiler.compile(program.function(), backend=BACKEND, skip_python=SKIP_PYTHON)
     first = run_all(program, compiled)
     loose = "float()" in program.source or "float32" in program.source or any(
         x.dtype in (torch.float32, torch.complex64, torch.float16) for x in program.inputs)
@@ -255,7 +261,7 @@ def _second_order_rounding(program, got, want, reference, mismatch) -> bool:
     if reference is None or "second-order grad" not in str(mismatch) or "second" not in got \
             or "second" not in reference:
         return False
-    compiled64 = compiler.compile(program.function(), backend="interpret")
+    compiled64 = compiler.compile(program.function(), backend=BACKEND)
     ours64 = None
     for _ in range(2):  # (the first call records eagerly: the second runs our kernels)
         ours64 = run_all(_Reference(program), compiled64)
