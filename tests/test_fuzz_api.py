@@ -53,8 +53,25 @@ f32, f64 = torch.float32, torch.float64
 def test_seeded_api_programs_match_eager(chunk):
     """The long run's programs (``python -m tests.fuzz_api``); a failure names its seed
     (``python -m tests.fuzz_api --seed S --count 1``, ``--minimize S``)."""
+    _check_seeds(range(chunk, SEEDED, 2))
+
+
+def test_seeded_api_programs_match_eager_in_cpp(monkeypatch):
+    """A sample of the same programs with the C++ kernels CPU tensors run by default: their outputs
+    come from ``runtime.cpu_memory``'s pool, which a hook or saved tensor holding one must never see
+    reused. The long run: ``SYMGRAD_FUZZ_BACKEND=cpp python -m tests.fuzz_api`` (``tests/fuzz_api/RESULTS-cpp.md``)."""
+    from runtime import cpp_build
+    from tests.fuzz_api import check
+
+    if not cpp_build.available()[0]:
+        pytest.skip("no working C++ compiler here")
+    monkeypatch.setattr(check, "BACKEND", "cpp")
+    _check_seeds(range(1, SEEDED, 4))
+
+
+def _check_seeds(seeds) -> None:
     failures, replayed, checked = [], 0, 0
-    for seed in range(chunk, SEEDED, 2):
+    for seed in seeds:
         program = draw_program(RandomChooser(seed))
         try:
             info = check_program(program)

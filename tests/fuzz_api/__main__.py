@@ -28,7 +28,7 @@ os.environ.setdefault("SYMGRAD_CACHE_DIR", tempfile.mkdtemp(prefix="symgrad-fuzz
 os.environ["SYMGRAD_STORED_RECORDINGS"] = "1"
 
 import compiler  # noqa: E402,F401  (before anything imports triton)
-from tests.fuzz_api.check import IllConditioned, KnownBug, Mismatch, check_program  # noqa: E402
+from tests.fuzz_api.check import BACKEND, IllConditioned, KnownBug, Mismatch, check_program  # noqa: E402
 from tests.fuzz_api.program import RandomChooser, draw_program  # noqa: E402
 
 
@@ -93,7 +93,8 @@ def _save(args, counts, started):
     elapsed = time.time() - started
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                            text=True).stdout.strip()
-    counts["runs"] = [{"command": f"python -m tests.fuzz_api --count {args.count} --seed {args.seed}",
+    prefix = "" if BACKEND == "interpret" else f"SYMGRAD_FUZZ_BACKEND={BACKEND} "
+    counts["runs"] = [{"command": f"{prefix}python -m tests.fuzz_api --count {args.count} --seed {args.seed}",
                        "seeds": f"{args.seed}-{args.seed + counts['programs'] - 1}", "programs": counts["programs"],
                        "of": args.count, "seconds": round(elapsed), "commit": commit,
                        "failures": len(counts["failures"])}]
@@ -145,7 +146,7 @@ def _write_results(path, counts):
     lines = [
         "# API fuzz run results", "",
         f"- written: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        "- run with `SYMGRAD_STRICT=1` (a compiler exception is a failure), backend `interpret`, stored "
+        f"- run with `SYMGRAD_STRICT=1` (a compiler exception is a failure), backend `{BACKEND}`, stored "
         "recordings on in a cache folder of the run's own", "",
         "| commit | command | seeds | programs | time | failures |",
         "|---|---|---|---|---|---|"]
@@ -156,7 +157,8 @@ def _write_results(path, counts):
         f"- programs checked: {n} ({counts['eager errors']} of them raise in eager; the compiled calls must raise "
         "the same)",
         f"- time: {seconds} s of process time ({n / max(seconds, 1):.2f} programs a second a process, "
-        "Triton interpreter, 2 processes side by side)",
+        f"{ {'interpret': 'Triton interpreter', 'cpp': 'C++ kernels', 'torch': 'the torch path'}[BACKEND]}, "
+        "2 processes side by side)",
         f"- replayed with kernels (a call after the recording replayed, launched kernels and did not diverge): "
         f"{_percent(counts['replayed with kernels'], n)}",
         f"- second compile loaded the stored recording: {_percent(counts['loaded'], n)} (replayed kernels from its "

@@ -1,4 +1,5 @@
-"""One API program, eager vs compiled (backend="interpret"), over several calls.
+"""One API program, eager vs compiled (backend="interpret", or ``SYMGRAD_FUZZ_BACKEND``'s), over several
+calls.
 
 Three worlds run the program from the same seeds, each with its own module and optimizer
 (made afresh from the program's seed) and the same inputs per call:
@@ -23,6 +24,7 @@ effect on values and gradients is.
 
 from __future__ import annotations
 
+import os
 import re
 
 import torch
@@ -32,6 +34,11 @@ from tests.fuzz.check import check_within
 from tests.fuzz_api.program import Box, Log
 
 CALLS = 3          # the compiled world: one recording, then replays
+# SYMGRAD_FUZZ_BACKEND=cpp: the kernels as C++ (the CPU default: outputs from runtime.cpu_memory's pool,
+# which hooks holding tensors must never see reused), torch: the torch path's
+BACKEND = os.environ.get("SYMGRAD_FUZZ_BACKEND", "interpret")
+if BACKEND not in ("interpret", "cpp", "torch"):
+    raise ValueError(f"SYMGRAD_FUZZ_BACKEND={BACKEND!r}: give interpret, cpp or torch")
 STORED_CALLS = 2   # the second compile, from the stored recording
 
 TOLERANCE = {torch.float64: (1e-7, 1e-9), torch.float32: (1e-4, 1e-5), torch.float16: (1e-2, 1e-3),
@@ -351,7 +358,7 @@ def _check(program) -> dict:
             "eager error": want[-1]["error"] is not None, "calls": [], "leaf hook order differs": False}
 
     log = Log()
-    compiled = compiler.compile(program.function(log), backend="interpret")
+    compiled = compiler.compile(program.function(log), backend=BACKEND)
     calls = info["calls"]
 
     def on_call(call, compiled=compiled, calls=calls):
@@ -387,7 +394,7 @@ def _check(program) -> dict:
                 raise Mismatch(f"fell back to eager: {reason}")
 
     log = Log()
-    stored = compiler.compile(program.function(log), backend="interpret")
+    stored = compiler.compile(program.function(log), backend=BACKEND)
     stored_calls = []
     got = run_world(program, stored, STORED_CALLS, log, lambda call: stored_calls.append(dict(stored.stats)))
     try:
