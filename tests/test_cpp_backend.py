@@ -462,15 +462,23 @@ def test_heads_put_back_side_by_side_are_read_a_register_at_a_time():
 
 def test_what_the_cpp_fuzz_run_found():
     """Programs the C++ fuzz run found (``SYMGRAD_FUZZ_BACKEND=cpp python -m tests.fuzz``, seeds 249,
-    1464 and 134): a complex elementwise output of a kernel that also sums rows (the gradient of a
-    complex plus a broadcast real) was an internal error, its store having no complex form; a max over
-    an empty dim (logsumexp of an empty row) raised on the torch path (``torch.amax``), where eager and
-    the Triton kernels give -inf."""
+    1464, 134 and 3169): a complex elementwise output of a kernel that also sums rows (the gradient of a
+    complex plus a broadcast real) was an internal error, its store having no complex form; on the
+    torch path a max over an empty dim (logsumexp of an empty row) raised (``torch.amax``), where eager
+    and the Triton kernels give -inf, and a gather of no elements checked its indices, which eager
+    does not."""
     torch.manual_seed(0)
     z = torch.randn(3, dtype=torch.complex64, requires_grad=True)
     r = torch.randn(1, requires_grad=True)
     check(lambda z, r: z + r.expand(1).squeeze(), [z, r], cpp_kernels=1)
     empty = torch.randn(2, 0, dtype=torch.float64, requires_grad=True)
+    rows = torch.randn(1, 0, dtype=torch.float64, requires_grad=True)
+    other = torch.randn(1, 0, requires_grad=True)
+
+    def picked(x, y):   # (seed 3169: rows picked past the end of a tensor with no elements: eager checks no index)
+        v = x[torch.tensor([1, 1])]
+        return torch.where(v > 0, v, y @ y.mT)
     for backend in ("cpp", "torch"):
         check_cpu_backend(lambda x: torch.logsumexp(x.reshape(0, 2).norm(dim=1), dim=0), [empty], backend)
         check_cpu_backend(lambda x: torch.log_softmax(x.abs() ** 1.5, dim=-1), [empty.float()], backend)
+        check_cpu_backend(picked, [rows, other], backend)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from compiler.ir.graph import OpKind, meta_of
+from compiler.ir.graph import OpKind, meta_of, numel
 from compiler.ir.ops import externs, views
 from compiler.ir.ops.base import OpDef
 from compiler.ir.ops.pointwise import emit_fill, emit_pointwise
@@ -85,6 +85,8 @@ class Gather(OpDef):
     def evaluate(self, node: fx.Node, args: list) -> torch.Tensor:
         source, index = args
         mode, dim = node.kwargs["mode"], node.kwargs["dim"]
+        if numel(meta_of(node).shape) == 0:   # (no element read, no index checked: eager's and the kernels')
+            return source.new_empty(tuple(meta_of(node).shape))
         if node.kwargs.get("wrap"):
             index = torch.where(index < 0, index + source.shape[dim], index)
         if mode == "gather":
