@@ -143,6 +143,7 @@ class _CppWriter:
         # exp(x - max): computed once, not again for the row's outputs): key -> (buffer, dtype)
         self.row_cache: dict = {}
         self.used_buffers: set = set()
+        self.kept_rows: set = set()   # row buffers a reduction's scalar body stores its values in
         self.base_index: tuple = ()
         for node in [*loads, *stores]:
             if C_TYPE.get(_element_dtype(meta_of(node).dtype)) is None:
@@ -335,7 +336,7 @@ class _CppWriter:
             self.reducing -= set(group)
         for node, acc in zip(group, accs):
             buffer = buffers.get(node)
-            if buffer is not None and any(f"{buffer}[r] = " in line for line in body):
+            if buffer is not None and buffer in self.kept_rows:
                 dtype = compute_dtype(meta_of(node).dtype)
                 self.row_lines.append(f"alignas(64) {C_TYPE[dtype]} {buffer}[{self.rnumel}];")
                 self.row_cache[(node.args[0], tuple(c_text(i) for i in self.base_index))] = (buffer, dtype)
@@ -372,6 +373,8 @@ class _CppWriter:
         if buffer is not None and have == dtype and var not in self.scalar_vars:
             self.lines.append(f"({var}).store({buffer} + r);" if self.vector_dtype is not None
                               else f"{buffer}[r] = {var};")
+            if self.vector_dtype is None:   # (the scalar body, written last, decides: it keeps the row)
+                self.kept_rows.add(buffer)
         var = self.cast(var, have, dtype)
         return self.lane_vector(var, dtype) if self.vector_dtype is not None else var
 
