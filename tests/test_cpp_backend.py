@@ -482,3 +482,17 @@ def test_what_the_cpp_fuzz_run_found():
         check_cpu_backend(lambda x: torch.logsumexp(x.reshape(0, 2).norm(dim=1), dim=0), [empty], backend)
         check_cpu_backend(lambda x: torch.log_softmax(x.abs() ** 1.5, dim=-1), [empty.float()], backend)
         check_cpu_backend(picked, [rows, other], backend)
+
+
+def test_kernels_alike_but_for_their_inputs_strides_are_two_libraries():
+    """Two kernels whose bodies are the same but whose contiguous inputs have other strides (every
+    other column of a [4, 4] and of a [4, 3] matrix, both [4, 2]): the strides are constants of the
+    contiguous function, so they name the library too. They did not, and the second kernel loaded
+    the first's, reading the wrong elements (past the end: garbage), silently (the pool fuzz's seeds
+    358 then 556)."""
+    torch.manual_seed(0)
+    wide, narrow = torch.randn(4, 4, requires_grad=True), torch.randn(4, 3, requires_grad=True)
+    every_other = check(lambda x: x[:, ::2] * 3, [wide], cpp_kernels=1)
+    again = check(lambda x: x[:, ::2] * 3, [narrow], cpp_kernels=1)
+    names = {k.torch_kernel.name for k in _kernels(every_other)} & {k.torch_kernel.name for k in _kernels(again)}
+    assert not names, names

@@ -848,15 +848,18 @@ class _CppWriter:
             prelude += ["#ifndef SYMGRAD_SCALAR_ONLY", f'#include "{VECTOR_HEADER}"',
                         f"using V = at::vec::Vectorized<{C_TYPE[vector_dtype]}>;", VECTOR_HELPERS, "#endif"]
         prelude += ["#include <cmath>", "#include <cstdint>"] + ([_PHILOX] if self.uses_random else [])
-        # (named by all it compiles, its helpers too: a changed helper is another library, not a stale one)
-        digest = hashlib.sha256(("\n".join(prelude + strided + outputs + fast)).encode()).hexdigest()[:16]
-        name = f"cpp_kernel_{digest}"
-        source = "\n".join([
-            *prelude, "",
-            f'extern "C" int {name}({", ".join(pointers + outputs)}) {{', *constants, "    int bad = 0;", *fast,
-            "    return bad;", "}", "",
-            f'extern "C" int {name}_strided({", ".join(strided + outputs)}) {{', "    int bad = 0;", *plain,
-            "    return bad;", "}", ""])
+        def text(name):
+            return "\n".join([
+                *prelude, "",
+                f'extern "C" int {name}({", ".join(pointers + outputs)}) {{', *constants, "    int bad = 0;", *fast,
+                "    return bad;", "}", "",
+                f'extern "C" int {name}_strided({", ".join(strided + outputs)}) {{', "    int bad = 0;", *plain,
+                "    return bad;", "}", ""])
+        # NOTE: named by all it compiles: its helpers (a changed helper is another library, not a stale
+        # one) and the contiguous inputs' strides it is built with (constants: a [4, 4] input's slice and
+        # a [4, 3] input's, both [4, 2], were one name, and the second loaded the first's library)
+        name = f"cpp_kernel_{hashlib.sha256(text('cpp_kernel').encode()).hexdigest()[:16]}"
+        source = text(name)
         return CppKernelSource(name, source, tuple((len(meta_of(n).shape), meta_of(n).dtype) for n in self.loads),
                                tuple(meta_of(n).dtype for n in self.stores), vector_dtype is not None,
                                " / ".join(self.index_errors) or None)
