@@ -293,9 +293,10 @@ class Capture(InPlaceTracking, TorchFunctionMode):
                 self._update_base(region, vid, old, node, t._base, index)
             except ViewMutation as e:
                 region.run_eagerly(f"{function_name(func)}: {e}", keep_first=False)
-            refused = self._refuse_write_into_view_of_saved(region, t)
-            if refused is not None:
-                region.run_eagerly(f"{function_name(func)}: {refused}")
+        refused = self._refuse_write_into_view_of_saved(region, t)
+        if refused is not None:
+            region.run_eagerly(f"{function_name(func)}: {refused}")
+        self._refuse_earlier_saved_views(region, t, function_name(func))
         self._note_stale_views(region, t, vid)
         root = t._base if t._base is not None else t
         if region.eager_reason is None and (torch._debug_has_internal_overlap(t) != 0

@@ -133,21 +133,46 @@ class InPlaceTracking:
                 return
 
     def _refuse_write_into_view_of_saved(self, region, t) -> str | None:
-        """Why an in-place op on the view ``t`` must run eagerly, or None: ``t`` shares memory (so
-        a version counter) with a value an earlier op of this region read under autograd, which
-        eager may have saved for backward (y = x.exp(); y[1:].mul_(2)). Eager's backward then raises
+        """Why an in-place op on ``t`` must run eagerly, or None: ``t`` shares memory (so a version
+        counter) with another value, a view or the base, that an earlier op of this region read
+        under autograd, which eager may have saved for backward (y = x.exp(); y[1:].mul_(2); or
+        r = y.reshape(-1); z = w * r; y.mul_(2)). (A base itself saved and then written is eager's
+        error raised by the region's backward: ``outputs_written_later``.) Eager's backward then raises
         "modified by an inplace operation"; the fused region would compute from the old value, and
         a split cannot help (the view would be an output that views another output of the region,
-        which PyTorch refuses to change in place)."""
-        if not region.saved_for_grad or not t.requires_grad:
+        which PyTorch refuses to change in place). Whether ``t`` requires grad does not matter: a
+        multiplication saves a factor that needs no gradient for the other's (v = sin(x); r =
+        v.reshape(()); y = w * r; v[0:] = 0.5, x needing none: eager's backward raises)."""
+        if not region.saved_for_grad:
             return None
         root = t._base if t._base is not None else t
         for ref, vid in list(self.ids.values()):
             u = ref()
-            if u is not None and vid in region.saved_for_grad and (u._base if u._base is not None else u) is root:
-                return ("an in-place op on a view of a value that an earlier op of this region may have saved for "
-                        "backward (eager's version check would refuse that backward); the region runs eagerly")
+            if u is None or (u is t and t._base is None) or vid not in region.saved_for_grad:
+                continue
+            if (u._base if u._base is not None else u) is root:
+                return ("an in-place op on a value sharing memory with one that an earlier op of this region may have "
+                        "saved for backward (eager's version check would refuse that backward); the region runs eagerly")
         return None
+
+    def _refuse_earlier_saved_views(self, region, t, op: str) -> None:
+        """An in-place op on ``t`` changes the version of every tensor sharing its memory: where an
+        earlier region's eager op saved another of them as its input (a view read by a
+        multiplication, its base written by a later region), that region runs eagerly, so that
+        eager's backward raises its version error; the fused one would compute from the old value.
+        (``t`` itself saved and written later: ``outputs_written_later`` raises eager's error.)"""
+        root = t._base if t._base is not None else t
+        for r in self.regions:
+            if r is region or not r.saved_by_consumers or r.eager_reason is not None:
+                continue
+            for ref, vid in list(self.ids.values()):
+                u = ref()
+                if u is not None and u is not t and vid in r.saved_by_consumers \
+                        and (u._base if u._base is not None else u) is root:
+                    r.run_eagerly(f"{op} later changed in place a value sharing memory with one that an op of this "
+                                  "region may have saved for backward (eager's version check would refuse that "
+                                  "backward); the region runs eagerly")
+                    break
 
     def _note_stale_views(self, region, t, vid) -> None:
         """An in-place op wrote ``t``: other live views of its memory now show the write in
