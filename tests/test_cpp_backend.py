@@ -484,6 +484,71 @@ def test_what_the_cpp_fuzz_run_found():
         check_cpu_backend(picked, [rows, other], backend)
 
 
+def _pool_input(special: str) -> torch.Tensor:
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 32, 64)
+    if special == "ties":   # (a window's first maximum gets the gradient, as eager's)
+        x = torch.randint(-2, 3, x.shape).float()
+    elif special == "nan":
+        x.view(-1)[::37] = float("nan")
+    elif special == "inf":
+        x.view(-1)[::11] = float("-inf")
+        x.view(-1)[5::13] = float("inf")
+    return x.requires_grad_(True)
+
+
+_POOLS = {
+    "3x3, stride 2, padding 1": lambda x: torch.nn.functional.max_pool2d(x.relu(), 3, 2, 1),
+    "3x3, stride 1": lambda x: torch.nn.functional.max_pool2d(x * 2, 3, 1, 1),
+    "2x2": lambda x: torch.nn.functional.max_pool2d(x.sin(), 2),
+    "dilation": lambda x: torch.nn.functional.max_pool2d(x.cos(), 3, 2, 1, dilation=2),
+    "ceil_mode": lambda x: torch.nn.functional.max_pool2d(x.exp(), 3, 2, 0, ceil_mode=True),
+    "1d": lambda x: torch.nn.functional.max_pool1d(x.flatten(2).tanh(), 5, 3, 2),
+    "rectangular": lambda x: torch.nn.functional.max_pool2d(x.sigmoid(), (2, 4), (1, 3), (1, 2)),
+}
+
+
+@pytest.mark.parametrize("special", ["plain", "ties", "nan", "inf"])
+@pytest.mark.parametrize("pool", sorted(_POOLS))
+def test_a_small_max_pool_is_elementwise_in_vector_bodies(pool, special):
+    """A max pool's window of at most 25 elements is scanned elementwise over the outputs (each
+    window element a strided view of the padded input: lanes inside and outside the padding
+    chosen lane by lane), its first maximum's position saved for the backward, which reads it at
+    each element's view: every kernel has a vector body, none loops over a window, and eager's
+    values and gradients come out, ties, NaN and infinities included."""
+    compiled = check(_POOLS[pool], [_pool_input(special)], tol=dict(equal_nan=True), cpp_kernels=2)
+    bodies = [_body(k.torch_kernel.source) for k in _kernels(compiled)]
+    assert all(isinstance(k.torch_kernel, CppKernel) and k.torch_kernel.vectorized for k in _kernels(compiled)), bodies
+    assert not any("for (int64_t r = 0;" in s for s in bodies), bodies
+    if pool.endswith("padding 1"):
+        assert any("mask" in s for s in bodies), bodies
+
+
+def test_a_max_pools_indices_and_a_large_window_keep_eagers_values():
+    """``return_indices`` gives eager's flat indices from the elementwise scan; a window of more than
+    25 elements is reduced over its dims, each of its three reductions (max, first position, the
+    value there) in one loop over the window, not computed again inside the loop that reads it."""
+    x = _pool_input("ties")
+    compiled = compiler.compile(lambda x: torch.nn.functional.max_pool2d(x.abs(), 3, 2, 1, return_indices=True),
+                                backend="cpp", fullgraph=True)
+    for _ in range(2):
+        (out, index), (ref, ref_index) = compiled(x), torch.nn.functional.max_pool2d(x.abs(), 3, 2, 1,
+                                                                                    return_indices=True)
+        torch.testing.assert_close(out, ref)
+        assert torch.equal(index, ref_index)
+    large = check(lambda x: torch.nn.functional.max_pool2d(x.relu(), 6, 4, 3), [_pool_input("ties")], cpp_kernels=2)
+    forward = [_body(k.torch_kernel.source) for k in _kernels(large) if "-INFINITY" in k.torch_kernel.source]
+    assert forward and all(s.count("for (int64_t r = 0;") <= 3 for s in forward), forward
+
+
+def test_masks_combine_in_vector_bodies():
+    """Comparisons joined by logical and/or/not stay masks in a vector body (their lanes' bits)."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 64, requires_grad=True)
+    compiled = check(lambda x: torch.where(((x > 0) | (x < -1)) & ~(x.abs() > 2), x.sin(), x * 3), [x], cpp_kernels=1)
+    assert all(k.torch_kernel.vectorized for k in _kernels(compiled))
+
+
 def test_kernels_alike_but_for_their_inputs_strides_are_two_libraries():
     """Two kernels whose bodies are the same but whose contiguous inputs have other strides (every
     other column of a [4, 4] and of a [4, 3] matrix, both [4, 2]): the strides are constants of the

@@ -115,21 +115,28 @@ def test_softmax_and_layer_norm_are_one_kernel_each_way():
 
 
 def test_overlapping_window_gradients_are_materialized_not_inlined_per_read():
-    """An unfold's gradient is read `size` times per input element: inlining it (and, nested,
-    the next pool's) would multiply the kernel's code; it is computed once into memory."""
+    """An unfold's gradient is read `size` times per input element, a small max pool's input and
+    its gradient once per window element: inlining them (and, nested, the next pool's) would
+    multiply the kernel's code (two 3x3 pools: 2,092 lines); each is computed once into memory,
+    by a kernel of its own, and read there."""
     x = torch.randn(2, 3, 9, 8, requires_grad=True)
     report = compiler.explain(lambda x: F.max_pool2d(F.max_pool2d(x.relu(), 3, 2, 1), 3, 1, 1), x)
     assert report.fallbacks == []
-    assert max(len(k.source.splitlines()) for k in report.kernels) < 150
+    assert max(len(k.source.splitlines()) for k in report.kernels) < 250
+    windows = compiler.explain(lambda x: F.avg_pool2d(F.avg_pool2d(x.relu(), 3, 2, 1), 3, 1, 1), x)
+    assert windows.fallbacks == []
+    assert max(len(k.source.splitlines()) for k in windows.kernels) < 150
 
 
 def test_windows_that_tile_are_a_reshape_and_overlapping_ones_read_a_stored_input():
-    """Pooling windows that tile their dims (kernel == stride: an adaptive pool to 1x1, a 2x2/2 pool)
-    are a reshape of the input, so the gradient goes back through the reshape, with no slice_scatter
-    per window position; a max pool over overlapping windows (3x3/2) reads a computed input (a batch
-    norm's ReLU) from memory, computed once, not at each of the windows that read it."""
+    """Pooling windows that tile their dims (kernel == stride: an adaptive pool to 1x1, a 4x4/4 avg
+    pool) are a reshape of the input, so the gradient goes back through the reshape, with no
+    slice_scatter per window position; a max pool over overlapping windows (3x3/2) reads a computed
+    input (a batch norm's ReLU) from memory, computed once, not at each of the windows that read it,
+    and its first maximum's position is saved, not found again by the backward. (A small max pool
+    is elementwise over strided views, tiling or not: ``test_cpp_backend``.)"""
     x = torch.randn(2, 3, 16, 16, requires_grad=True)
-    for fn in (lambda x: F.adaptive_avg_pool2d(x.relu(), 1).sin(), lambda x: F.max_pool2d(x.relu(), 2).sin()):
+    for fn in (lambda x: F.adaptive_avg_pool2d(x.relu(), 1).sin(), lambda x: F.avg_pool2d(x.relu(), 4).sin()):
         report = compiler.explain(fn, x)
         assert report.fallbacks == []
         names = [getattr(n.target, "name", n.target) for n in report.backward_graph.nodes]
@@ -138,6 +145,9 @@ def test_windows_that_tile_are_a_reshape_and_overlapping_ones_read_a_stored_inpu
     report = compiler.explain(lambda x: F.max_pool2d(bn(x).relu(), 3, 2, 1), x)
     stored = [n for n in report.graph.nodes if n.op == "call_function" and meta_of(n).materialize]
     assert [getattr(n.target, "name", n.target) for n in stored] == ["relu"], stored
+    saved = [n.name for n in report.backward_graph.nodes if n.op == "placeholder"]
+    assert any(name.startswith("saved_where") for name in saved), saved   # (the position: a where's value)
+    assert not any(getattr(n.target, "name", None) in ("gt", "amax") for n in report.backward_graph.nodes)
 
 
 def test_a_rows_values_from_its_reductions_are_computed_in_its_kernel():

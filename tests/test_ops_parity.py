@@ -623,6 +623,16 @@ def test_pooling_with_ceil_mode_and_dilation_compiles():
     check_parity(lambda x: F.avg_pool2d(x, 3, ceil_mode=True).sum() + F.max_pool2d(x, 2, dilation=2).sum(), [x])
 
 
+def test_a_ceil_mode_window_reaching_past_the_padded_input_compiles():
+    """With ceil_mode a window may reach past the padded input by less than a stride, and eager keeps
+    it (a 2-wide input: 4 elements 2 apart, padding 2, stride 3; a 1-long input, 4 wide, padding 1):
+    the binding said eager raises and ran it eagerly (found by the fuzz's pools, seed 124)."""
+    x = torch.randn(2, 3, 5, 2, requires_grad=True)
+    compiled = check_parity(lambda x: F.max_pool2d(x, (1, 4), (2, 3), (0, 2), dilation=(1, 2), ceil_mode=True)
+                            .sum() + F.avg_pool1d(x[..., 0, :1], 4, 2, 1, ceil_mode=True).sum(), [x])
+    assert compiled.last_entry.report.fallbacks == []
+
+
 def test_max_pool_propagates_nan():
     x = torch.tensor([[[[1.0, float("nan")], [3.0, 3.0]]]], requires_grad=True)
     check_parity(lambda x: F.max_pool2d(x, 2), [x])

@@ -77,6 +77,8 @@ def differentiate(graph: fx.Graph, only_outputs=None):
                 grads[z] = _accumulate(b, grads.get(z), contribution)
                 sources[z] = sources.get(z, frozenset()) | sources[node]
                 continue
+            if meta_of(node).materialize_grad:
+                update_meta(grads[node], materialize=True)
             contributions = C.vjp(b, node, grads[node])
             _name_origin(b, start, node)
             for arg, contribution in zip(node.args, contributions):

@@ -27,6 +27,10 @@ Policies (``compile(..., memory=...)``):
   in the backward costs its full time again (a small MLP's step: two extra GELUs), where on a
   GPU it hides in a memory-bound kernel; only views are recomputed.
 
+Under every policy a value marked ``NodeMeta.never_recomputed`` by its binding is saved: the
+bytes a cut counts do not see what recomputing it costs (a max pool's first maximal position:
+nine reads of the pool's input and a scan, again at each of the nine views the backward reads).
+
 Inside a ``torch.utils.checkpoint`` block (nodes tagged ``NodeMeta.checkpoint`` by capture) a
 value that only the block's own ops read is never saved, whatever its kind (a matmul too): the
 backward recomputes it, as eager's checkpoint does. The block's outputs that later ops read stay
@@ -88,8 +92,8 @@ def _min_cut(forward_nodes, needed, free, unreadable, policy, only_from, checkpo
         cost = _cost(node, free, unreadable)
         if only_from is not None:
             cost = 0 if node.name in only_from else math.inf
-        recomputable = node.op == "call_function" and (node in inside or kind_of(node)
-                                                       not in always_saved) \
+        recomputable = node.op == "call_function" and (node in inside or (
+            kind_of(node) not in always_saved and not meta_of(node).never_recomputed)) \
             and not any(a in unreadable for a in node.all_input_nodes)
         if node in inside and cost:
             cost = math.inf

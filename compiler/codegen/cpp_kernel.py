@@ -42,8 +42,8 @@ import torch.fx as fx
 
 from compiler.codegen.cpp_printer import C_TYPE, CppPrinter, VectorPrinter
 from compiler.codegen.realify import IM, RE, realify
-from compiler.codegen.kernel_text import (ZERO, Index, broadcast_index, c_text, constant_index, evaluate, leaves,
-                                         variable_index)
+from compiler.codegen.kernel_text import (ZERO, Index, broadcast_index, c_text, compose, constant_index, evaluate,
+                                         leaves, variable_index)
 from compiler.codegen.triton_kernel import _used_as_condition   # (whether a bool argument is a where's condition)
 from compiler.fusion.fuse import KernelPlan
 from compiler.ir.graph import OpKind, compute_dtype, contiguous_strides, kind_of, meta_of, numel
@@ -69,6 +69,11 @@ _WIDEST_REGISTER = 64
 _NARROWEST_REGISTER = 32
 # the most lanes ``lanes_consecutive`` evaluates an index at, per register width
 _LANE_CHECKS = 1 << 14
+
+
+# logical operations on a vector body's masks (each lane all ones, or zero)
+_MASK_LOGIC = {"logical_and": lambda a, b: f"{a} & {b}", "logical_or": lambda a, b: f"{a} | {b}",
+               "logical_not": lambda a: f"{a} == V(0)"}
 
 
 def _parts(name: str, dtype: torch.dtype) -> tuple:
@@ -139,6 +144,7 @@ class _CppWriter:
         # in a vector body: int variables holding the first lane's position along a dim whose lanes
         # are consecutive (a slice of whole registers: lane l's element is at the variable + l)
         self.consecutive: dict = {}
+        self.lane_masks: set = set()   # in a vector body: mask variables chosen lane by lane (``lane_slice_position``)
         # a row's element values a sum's loop keeps in a buffer for the loops after it (softmax's
         # exp(x - max): computed once, not again for the row's outputs): key -> (buffer, dtype)
         self.row_cache: dict = {}
@@ -285,12 +291,14 @@ class _CppWriter:
         """The kernel's reductions other than ``node`` not yet written that read no reduction still
         to come and that ``node``'s argument does not read (written in one loop with ``node``; one
         its argument reads is written first, in a loop of its own)."""
-        done = set(self.row_values) | self.reducing
+        # NOTE: a reduction whose loop is being written (``reducing``: ``node``'s argument reads this
+        # one) is no sibling, and not done either: one that reads it must wait for that loop to end
+        done = set(self.row_values)
         waits_for = self.pending_reads(node.args[0], done)
         found = []
         for root in self.plan.roots:
-            if root is node or root in done or root in waits_for or kind_of(root) != OpKind.REDUCTION \
-                    or root in self.plan.columns or root in self.plan.epilogue \
+            if root is node or root in done or root in self.reducing or root in waits_for \
+                    or kind_of(root) != OpKind.REDUCTION or root in self.plan.columns or root in self.plan.epilogue \
                     or root.target.name not in ("sum", "mean", "amax") \
                     or compute_dtype(meta_of(root).dtype).is_complex:
                 continue
@@ -299,7 +307,8 @@ class _CppWriter:
         return found
 
     def pending_reads(self, value: fx.Node, written: set) -> set:
-        """The kernel's reductions not in ``written`` that computing ``value`` here reads."""
+        """The kernel's reductions not in ``written`` that computing ``value`` here reads, directly or
+        through another such reduction."""
         stack, seen, found = [value], set(), set()
         while stack:
             n = stack.pop()
@@ -307,8 +316,7 @@ class _CppWriter:
                 continue
             seen.add(n)
             if kind_of(n) == OpKind.REDUCTION and n in self.roots:
-                found.add(n)
-                continue
+                found.add(n)   # (and the reductions its argument reads: a pool's max, under its argmax)
             if not (n in self.buffers and n not in self.roots):   # (a buffer not computed here: loaded)
                 stack.extend(n.all_input_nodes)
         return found
@@ -519,6 +527,9 @@ class _CppWriter:
                                     meta_of(node).shape, meta_of(src).shape)
         src_value, src_dtype = self.value(src, src_index)
         src_value = self.cast(src_value, src_dtype, dtype)
+        if self.vector_dtype is not None and inside in self.lane_masks:   # (a choice per lane)
+            return self.tmp("V", f"V::blendv({self.lane_vector(base_value, dtype)}, "
+                                 f"{self.lane_vector(src_value, dtype)}, {inside})"), dtype
         if self.vector_dtype is not None:
             return self.tmp("V", f"{inside} ? {self.lane_vector(src_value, dtype)} : "
                                  f"{self.lane_vector(base_value, dtype)}"), dtype
@@ -527,15 +538,18 @@ class _CppWriter:
     def slice_position(self, node: fx.Node, at: Index) -> tuple:
         """(whether ``at`` lies in the slice, a bool variable; its index in ``src`` along the slice's
         dim), clamped so that a position outside the slice still reads inside ``src`` (its value is
-        unused). In a vector body both are the first lane's, shared by every lane."""
+        unused). In a vector body both are the first lane's, shared by every lane, where the slice
+        covers whole registers; elsewhere (a padding, a stride's slice along the inner loop) a mask
+        of the lanes inside and each lane's position (``lane_slice_position``)."""
         start, step, length = (node.kwargs[k] for k in ("start", "step", "length"))
         vector, self.vector_dtype = self.vector_dtype, None   # (scalar statements)
         try:
-            rel = self.tmp("int64_t", f"({c_text(at)}) - {start}")
             if vector is not None and self.inner_name in at.names:
                 lanes = _WIDEST_REGISTER // vector.itemsize   # (a multiple of it is one of any register's lanes)
                 if step != 1 or c_text(at).strip("() ") != self.inner_name or start % lanes or length % lanes:
-                    raise NotPrintable("a slice_scatter along the inner loop, not in whole registers, in a vector body")
+                    return self.lane_slice_position(at, start, step, length, vector)
+            rel = self.tmp("int64_t", f"({c_text(at)}) - {start}")
+            if vector is not None and self.inner_name in at.names:
                 inside = self.tmp("bool", f"{rel} >= 0 && {rel} < {length}")
                 last = f"{length} - static_cast<int64_t>(V::size())"
                 position = self.tmp("int64_t", f"{rel} < 0 ? 0 : ({rel} > {last} ? {last} : {rel})")
@@ -548,6 +562,31 @@ class _CppWriter:
             return inside, variable_index(position)
         finally:
             self.vector_dtype = vector
+
+    def lane_slice_position(self, at: Index, start: int, step: int, length: int, vector) -> tuple:
+        """``slice_position`` in a vector body where lanes fall inside and outside the slice apart:
+        (a mask variable, in ``lane_masks``: its lanes all ones where the lane's position lies in the
+        slice, computed lane by lane as a strided load's lanes are; the position in ``src``, clamped,
+        as an index of its own text, so that a load at it is each lane's own)."""
+        rel = compose("{} - {}", at, constant_index(start), value=lambda a, s: a - s)
+        last = constant_index(length - 1)
+        position = compose("{} < 0 ? 0 : ({} / {} > {} ? {} : {} / {})", rel, rel, constant_index(step), last, last,
+                           rel, constant_index(step), value=lambda r, _r, st, la, _la, _r2, _st: 0 if r < 0 else
+                           min(r // st, la))
+        inside = f"{c_text(rel)} >= 0 && {c_text(rel)} < {length * step}" + \
+            (f" && {c_text(rel)} % {step} == 0" if step != 1 else "")
+        mask = f"mask{self.counter}"
+        self.counter += 1
+        moving = sorted({self.inner_name} | {n for n in at.names if n in self.consecutive})
+        firsts = [f"const int64_t {n}_l0 = {n};" for n in moving]
+        shadows = " ".join(f"const int64_t {n} = {n}_l0 + l;" for n in moving)
+        ctype = C_TYPE[vector]
+        self.lines += [f"alignas(64) {ctype} {mask}_lanes[V::size()];", "{", *firsts,
+                       f"  for (int64_t l = 0; l < static_cast<int64_t>(V::size()); ++l) {{ {shadows} "
+                       f"{mask}_lanes[l] = ({inside}) ? {ctype}(1) : {ctype}(0); }}", "}",
+                       f"const V {mask} = V::loadu({mask}_lanes) != V(0);"]
+        self.lane_masks.add(mask)
+        return mask, position
 
     def load(self, node: fx.Node, index: tuple):
         if node not in self.load_names:
@@ -703,6 +742,10 @@ class _CppWriter:
         else:
             want = compute_dtype(out_dtype)
         vector = self.vector_dtype is not None
+        if vector and name in _MASK_LOGIC and all(have == torch.bool for _, have in args):
+            # masks combined in a vector body: their bits (a comparison's lanes are all ones or zero)
+            masks = [f"({self.lane_vector(var, torch.bool, True)})" for var, _ in args]
+            return self.tmp("bool", _MASK_LOGIC[name](*masks)), torch.bool
         if vector and is_compare and not want.is_floating_point and \
                 all(var in self.scalar_vars or var in self.float_ints for var, _ in args):
             # integers compared in a vector body: an iota's exact floats with broadcast integers (a

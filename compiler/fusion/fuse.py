@@ -459,7 +459,10 @@ def fuse(graph: fx.Graph, shape_generic: bool = False) -> Schedule:
         root = _Root(node, kind, buffers, reduction_roots_of)
         # The earliest kernel that can take this root: at or after the last step that
         # writes something it reads, same iteration space, not reading its reductions.
-        barrier = max((step_of[b] for b in _reads(node, buffers) if b in step_of), default=0)
+        # (after the kernel that writes a value marked ``materialize``: read from memory, never
+        # computed again where it is read, at other positions, by a root beside it)
+        barrier = max((step_of[b] + bool(meta_of(b).materialize) for b in _reads(node, buffers) if b in step_of),
+                      default=0)
         target, join = _first_join(root, steps, barrier)
         if target is None and not shape_generic and node not in outputs:
             found = _copies_kernel(node, steps, barrier)

@@ -35,6 +35,12 @@ class NodeMeta:
     origin: tuple | None = None         # autodiff's: (torch_op, source) of the forward node differentiated
     checkpoint: int | None = None       # capture's: the torch.utils.checkpoint block it ran in (recomputed)
     detached: bool = False              # a detach(): no gradient path through it, at any order
+    # saved for the backward where it reads it, never recomputed there: its recompute costs far more
+    # than its bytes (a pool's window scan, nine reads of its input; ``autodiff.saved_set``)
+    never_recomputed: bool = False
+    # its gradient is computed into memory once (the vjp reads it at many places: a pool's gradient,
+    # at each window element's view; ``autodiff.partition.differentiate``)
+    materialize_grad: bool = False
 
 
 _META_KEY = "symgrad"

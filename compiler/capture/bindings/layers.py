@@ -15,6 +15,7 @@ from compiler.capture.bindings.handles import (
     arange_along,
     bmm,
     conv,
+    full,
     gather,
     mm,
     on_handles,
@@ -189,11 +190,7 @@ def _pool_windows(x: Tensor, dims, kernel, stride, padding, fill, dilation=None,
     elements that many apart; ``extra``: more padding on the right (ceil_mode's last windows)."""
     dilation = dilation or (1,) * dims
     extra = extra or (0,) * dims
-    if any(padding) or any(extra):
-        pad = []
-        for p, e in zip(reversed(padding), reversed(extra)):
-            pad += [p, p + e]
-        x = Tensor(x.b, _pad(x.b, x.node, pad, value=fill))
+    x = _padded(x, padding, extra, fill)
     lead = x.ndim - dims
     for i, (k, s, d) in enumerate(zip(kernel, stride, dilation)):
         if k == s and d == 1:
@@ -203,6 +200,16 @@ def _pool_windows(x: Tensor, dims, kernel, stride, padding, fill, dilation=None,
         if d != 1:
             x = x.slice(x.ndim - 1, 0, d, k)
     return x
+
+
+def _padded(x: Tensor, padding, extra, fill) -> Tensor:
+    """x padded with ``fill`` on both sides of its last dims (``extra`` more on the right)."""
+    if not (any(padding) or any(extra)):
+        return x
+    pad = []
+    for p, e in zip(reversed(padding), reversed(extra)):
+        pad += [p, p + e]
+    return Tensor(x.b, _pad(x.b, x.node, pad, value=fill))
 
 
 def _tiles(x: Tensor, dim: int, k: int) -> Tensor:
@@ -234,11 +241,11 @@ def _pool_args(dims, kernel_size, stride, padding, dilation, ceil_mode, spatial=
     if ceil_mode and spatial is not None:
         for i, (size, k, s, p, d) in enumerate(zip(spatial, kernel, stride, padding, dilation)):
             span = size + 2 * p - d * (k - 1) - 1
-            if span < 0:
-                raise Unsupported("pooling window larger than the padded input (eager raises)")
-            out = -(-span // s) + 1
+            out = -(-span // s) + 1   # (a window may overhang the padding by less than a stride)
             if (out - 1) * s >= size + p:
                 out -= 1
+            if out < 1:
+                raise Unsupported("pooling window larger than the padded input (eager raises)")
             extra[i] = max(0, (out - 1) * s + d * (k - 1) + 1 - (size + 2 * p))
     elif ceil_mode:
         raise Unsupported("pooling with ceil_mode is not supported here")
@@ -327,6 +334,11 @@ def _adaptive_mean(x: Tensor, dim: int, size: int, out: int) -> Tensor:
     return total / (end - start).to(x.dtype)
 
 
+# windows of at most this many elements are pooled elementwise (``_max_of_elements``), larger ones
+# as reductions over the window's dims (Inductor's threshold for unrolling a pool's window is 25)
+_UNROLLED_WINDOW = 25
+
+
 def _max_pool(dims):
     """Max over windows (padding counts as -inf). Eager's gradient goes to the first maximum of
     each window (not shared among ties, unlike amax): the window's first maximal position is
@@ -342,6 +354,8 @@ def _max_pool(dims):
             # NOTE: overlapping windows read each element several times (3x3/2: 2.25): a computed input
             # (a batch norm's ReLU) is stored once, not computed again at every window reading it
             update_meta(x.node, materialize=True)
+        if numel(kernel) <= _UNROLLED_WINDOW:
+            return _max_of_elements(b, x, dims, kernel, stride, padding, dilation, extra, return_indices)
         windows = _pool_windows(x, dims, kernel, stride, padding, float("-inf"), dilation, extra)
         window_dims = tuple(range(windows.ndim - dims, windows.ndim))
         values = windows.detach()
@@ -357,6 +371,48 @@ def _max_pool(dims):
             return out
         return out, _pool_indices(b, first.reshape(out.shape), x.shape[-dims:], kernel, stride, padding, dilation)
     return on_handles(bind)
+
+
+def _max_of_elements(b, x: Tensor, dims, kernel, stride, padding, dilation, extra, return_indices):
+    """``_max_pool``'s result for a small window, elementwise: each window element a strided view of
+    the padded input (``_window_elements``), scanned in order for the first maximum (NaN counts as
+    the maximum: the first NaN), the result the element there. No reduction: the pooled values
+    and the position of each window's maximum are computed in one pass over the outputs, as one
+    vectorizable elementwise kernel (Inductor unrolls small windows alike); the gradient goes to
+    the element at that position, the elements' views adding up where windows overlap."""
+    elements = _window_elements(x, dims, kernel, stride, padding, float("-inf"), dilation, extra)
+    best, first = elements[0].detach(), None
+    for k, element in enumerate(elements[1:], 1):
+        value = element.detach()
+        better = (value > best) | ((value != value) & (best == best))
+        best = where(better, value, best)
+        first = where(better, float(k), 0.0 if first is None else first, dtype=torch.float32)
+    if first is None:   # (a window of one element)
+        first = full(b, elements[0].shape, 0.0, torch.float32)
+    update_meta(first.node, never_recomputed=True)   # (the backward reads it at every element's view)
+    out = None
+    for k, element in enumerate(elements):
+        term = where(first == float(k), element, 0.0, dtype=x.dtype)
+        out = term if out is None else out + term
+    # (the gradient is read at each element's view, and the input's, a sum over the views, by
+    # whatever comes before: a batch norm's backward reads it in two kernels; each computed once)
+    update_meta(out.node, materialize_grad=True)
+    update_meta(x.node, materialize_grad=True)
+    if not return_indices:
+        return out
+    return out, _pool_indices(b, first, x.shape[-dims:], kernel, stride, padding, dilation)
+
+
+def _window_elements(x: Tensor, dims, kernel, stride, padding, fill, dilation, extra) -> list:
+    """The windows' elements in row-major window order, each a view [..., out_1, ..., out_n] of x
+    padded with ``fill``: element k of every window (``_pool_windows``' windows, taken apart)."""
+    x = _padded(x, padding, extra, fill)
+    lead = x.ndim - dims
+    elements = [x]
+    for i, (k, s, d) in enumerate(zip(kernel, stride, dilation)):
+        out = (x.shape[lead + i] - d * (k - 1) - 1) // s + 1
+        elements = [e.slice(lead + i, j * d, s, out) for e in elements for j in range(k)]
+    return elements
 
 
 def _pool_indices(b, first: Tensor, spatial, kernel, stride, padding, dilation) -> Tensor:
