@@ -60,7 +60,15 @@ BACKEND = os.environ.get("SYMGRAD_FUZZ_BACKEND", "interpret")
 if BACKEND not in ("interpret", "cpp", "torch"):
     raise ValueError(f"SYMGRAD_FUZZ_BACKEND={BACKEND!r}: give interpret, cpp or torch")
 
-KNOWN_BUGS: list = []  # (none open: the last was seed 2544's rounding, now told apart: _second_order_rounding)
+# (name, test on (the Mismatch's message, the program's source)): bugs found and not fixed yet
+KNOWN_BUGS: list = [
+    # eager's pool backward nodes take the pool's input too, with a zero derivative
+    # (derivatives.yaml: ``self: zeros_like(self)``): a second-order gradient through a pool alone is
+    # zeros there; ours has no path from the input into the pool's gradient, so it is None
+    # (tests/test_fuzz.py::test_known_bugs; the pool fuzz's seeds 706, 1021, 1029)
+    ("second-order-gradient-through-a-pool-is-none",
+     lambda message, source: "second-order grad" in message and "got None" in message and "pool" in source),
+]
 
 
 def run_all(program, fn):
@@ -211,7 +219,7 @@ def check_program(program) -> dict:
     try:
         return _check(program)
     except Mismatch as e:
-        known = next((name for name, matches in KNOWN_BUGS if matches(str(e))), None)
+        known = next((name for name, matches in KNOWN_BUGS if matches(str(e), program.source)), None)
         if known is not None:
             raise KnownBug(f"{known}: {e}") from e
         raise

@@ -278,6 +278,46 @@ def join(ch, xs):
     return f"torch.cat([{{0}}, {{1}}], dim={d})" if same else None
 
 
+# -- pooling -----------------------------------------------------------------------------
+def pool(ch, xs):
+    """A 1-d pool over the last dim or a 2-d pool over the last two ([C, L], [N, C, L], [C, H, W]):
+    max (with indices now and then, dilation, ceil_mode), average (padding counted or not), adaptive
+    average. Windows larger than the padded input, or padding over half a window: eager's error."""
+    (x,) = xs
+    if not is_real(x) or x.dim() < 2 or 0 in x.shape:
+        return None
+    dims = 2 if x.dim() == 3 and ch.bool() else 1
+    F = "torch.nn.functional"
+    kind = ch.pick(["max", "max", "indices", "avg", "adaptive"])
+    if kind == "adaptive":
+        size = tuple(ch.int(1, s) for s in x.shape[-dims:])
+        return f"{F}.adaptive_avg_pool{dims}d({{0}}, {size if dims == 2 else size[0]})"
+    kernel = tuple(ch.int(1, 4) for _ in range(dims))
+    stride = tuple(ch.int(1, 3) for _ in range(dims))
+    padding = tuple(ch.int(0, k // 2 + (1 if ch.bool(0.05) else 0)) for k in kernel)
+    args = f"{kernel}, {stride}, {padding}"
+    if kind == "avg":
+        return f"{F}.avg_pool{dims}d({{0}}, {args}, count_include_pad={ch.bool()})"
+    dilation, ceil = tuple(ch.int(1, 2) for _ in range(dims)), ch.bool(0.3)
+    if not all(_windows_read_input(*a, ceil) for a in zip(x.shape[-dims:], kernel, stride, padding, dilation)):
+        # NOTE: a dilated window of padding alone: eager's CPU max pool sends its gradient to an
+        # element outside the window (past its row, or out of bounds), undefined; not asked
+        dilation = (1,) * dims
+    call = f"{F}.max_pool{dims}d({{0}}, {args}, dilation={dilation}, ceil_mode={ceil}"
+    if kind == "indices":
+        return ch.pick([f"{call}, return_indices=True)[0]", f"{call}, return_indices=True)[1].float()"])
+    return call + ")"
+
+
+def _windows_read_input(size, kernel, stride, padding, dilation, ceil) -> bool:
+    """Whether every window of a pool over a dim of ``size`` (eager's output size) holds an input element."""
+    span = size + 2 * padding - dilation * (kernel - 1) - 1
+    out = (span + (stride - 1 if ceil else 0)) // stride + 1
+    if ceil and (out - 1) * stride >= size + padding:
+        out -= 1
+    return all(any(0 <= o * stride - padding + j * dilation < size for j in range(kernel)) for o in range(out))
+
+
 # -- in place ----------------------------------------------------------------------------
 def in_place(ch, xs):
     """In place on any value, inputs included: eager raises for a leaf that requires grad,
@@ -303,6 +343,7 @@ OPS = [
     Op("gram", 1, gram),
     Op("join", 2, join),
     Op("in_place", 2, in_place),
+    Op("pool", 1, pool),
 ]
 WEIGHTS = {"unary": 6, "binary": 5, "view": 4, "reduction": 3, "indexing": 2, "matmul": 1, "gram": 1,
-           "join": 1, "in_place": 1}
+           "join": 1, "in_place": 1, "pool": 1}
