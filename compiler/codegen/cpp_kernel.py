@@ -145,6 +145,12 @@ class _CppWriter:
         # are consecutive (a slice of whole registers: lane l's element is at the variable + l)
         self.consecutive: dict = {}
         self.lane_masks: set = set()   # in a vector body: mask variables chosen lane by lane (``lane_slice_position``)
+        # a rows kernel's values the same for every element of the row (its mean, its rstd, a weight
+        # read at the row): (node, index) -> their variable, computed once per row before the loops
+        self.row_invariant: dict = {}
+        self.row_names: frozenset = frozenset()   # the row's index variables (kept dims'), in a rows kernel
+        self.in_row_loop = False                  # writing a loop over the row's elements
+        self.hoisting = False   # writing such a value at the row (a row buffer's element is no value there)
         # a row's element values a sum's loop keeps in a buffer for the loops after it (softmax's
         # exp(x - max): computed once, not again for the row's outputs): key -> (buffer, dtype)
         self.row_cache: dict = {}
@@ -178,13 +184,15 @@ class _CppWriter:
         key = (node, tuple(c_text(i) for i in index))
         if key in self.values:
             return self.values[key]
-        if key in self.row_cache:   # (computed by an earlier loop over this row, kept in its buffer)
+        if key in self.row_cache and not self.hoisting:   # (computed by an earlier loop, kept in its buffer)
             buffer, dtype = self.row_cache[key]
             self.used_buffers.add(buffer)
             result = (self.tmp("V", f"V::loadu({buffer} + r)") if self.vector_dtype is not None
                       else self.tmp(C_TYPE[dtype], f"{buffer}[r]"), dtype)
             self.values[key] = result
             return result
+        if self.in_row_loop and all(i.names <= self.row_names for i in index):
+            return self.row_value_once(node, index, key)
         kind = kind_of(node)
         if self.vector_dtype is not None and not any(self.inner_name in i.names for i in index):
             # the same for every lane: computed once, as a scalar, in any dtype (a row's target, the
@@ -220,6 +228,25 @@ class _CppWriter:
         self.values[key] = result
         return result
 
+    def row_value_once(self, node: fx.Node, index: tuple, key):
+        """A value the same for every element of a rows kernel's row, met in a loop over the row:
+        computed once, at the row (its statements before the loop), in the scalar dtype (a vector body
+        broadcasts it). GCC does not hoist it by itself: layer norm's backward computed its rstd's
+        division in every register of its loop."""
+        if key not in self.row_invariant:
+            held = (self.lines, self.values, self.vector_dtype, self.in_row_loop, self.hoisting)
+            self.lines, self.values, self.vector_dtype, self.in_row_loop, self.hoisting = [], {}, None, False, True
+            try:
+                result = self.value(node, index)
+                self.row_lines += self.lines
+            finally:
+                self.lines, self.values, self.vector_dtype, self.in_row_loop, self.hoisting = held
+            self.row_invariant[key] = result
+        result = self.row_invariant[key]
+        if self.vector_dtype is not None:
+            self.scalar_vars.update(result[0] if isinstance(result[0], tuple) else (result[0],))
+        return result
+
     # -- reductions: one loop over its row each, before the loop that reads it -----------------
     def reduced(self, node: fx.Node, index: tuple):
         """A reduction of this kernel read at ``index``: its row's value (its loop written once, at
@@ -236,14 +263,14 @@ class _CppWriter:
     def in_loop(self, compute, vector: bool):
         """(the statements, what ``compute()`` returns) of one loop body, written with values of its
         own (the scalar body, or with ``vector`` the vector body over the kernel's float dtype)."""
-        held = (self.lines, self.values, self.vector_dtype)
-        self.lines, self.values = [], {}
+        held = (self.lines, self.values, self.vector_dtype, self.in_row_loop, self.hoisting)
+        self.lines, self.values, self.in_row_loop, self.hoisting = [], {}, bool(self.row_names), False
         self.vector_dtype = self.row_vector_dtype if vector else None
         try:
             result = compute()
             return self.lines, result
         finally:
-            self.lines, self.values, self.vector_dtype = held
+            self.lines, self.values, self.vector_dtype, self.in_row_loop, self.hoisting = held
 
     def vector_and_scalar(self, compute) -> tuple:
         """(vector body or None where it cannot be written, scalar body) of one loop over a row."""
@@ -276,12 +303,12 @@ class _CppWriter:
         common once (a batch norm's backward: four sums over one expression's parts). Where the
         shared loop has no vector body but ``node``'s own would, ``node`` gets its own loop."""
         group = [node] + self.ready_siblings(node)
-        held = (list(self.row_lines), dict(self.row_values), dict(self.row_cache))
+        held = (list(self.row_lines), dict(self.row_values), dict(self.row_cache), dict(self.row_invariant))
         if len(group) > 1 and not self.reduce_rows(group) and self.row_vector_dtype is not None:
-            self.row_lines, self.row_values, self.row_cache = held
+            self.row_lines, self.row_values, self.row_cache, self.row_invariant = held
             if self.reduce_rows([node]):
                 return self.row_values[node]
-            self.row_lines, self.row_values, self.row_cache = held
+            self.row_lines, self.row_values, self.row_cache, self.row_invariant = held
             self.reduce_rows(group)
         elif len(group) == 1:
             self.reduce_rows(group)
@@ -916,6 +943,7 @@ class _CppWriter:
         shape, rdims = tuple(self.plan.shape), tuple(self.plan.reduce_dims)
         kept = [d for d in range(len(shape)) if d not in rdims]
         trailing = kept == list(range(len(kept)))
+        self.row_names = frozenset(f"i{d}" for d in kept)
         rows, self.rnumel = numel([shape[d] for d in kept]), numel([shape[d] for d in rdims])
         index, header, self.r_header = [], [], []
         for d, size in enumerate(shape):
@@ -951,6 +979,7 @@ class _CppWriter:
         """The loop over rows, its reductions and elements written with vector bodies over
         ``vector_dtype`` where they print (None: scalar loops only)."""
         self.lines, self.values, self.counter, self.row_lines, self.row_values = [], {}, 0, [], {}
+        self.row_invariant = {}
         self.row_vector_dtype, self.used_vector = vector_dtype, False
         self.row_cache, self.used_buffers = {}, set()
         row_stores, elements, columns = [], [], []
