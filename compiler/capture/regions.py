@@ -145,15 +145,21 @@ class InPlaceTracking:
         v.reshape(()); y = w * r; v[0:] = 0.5, x needing none: eager's backward raises)."""
         if not region.saved_for_grad:
             return None
+        if any(vid in region.saved_for_grad and not (is_t and t._base is None) for vid, is_t in self._sharers(t)):
+            return ("an in-place op on a value sharing memory with one that an earlier op of this region may have "
+                    "saved for backward (eager's version check would refuse that backward); the region runs eagerly")
+        return None
+
+    def _sharers(self, t) -> list:
+        """(value id, whether it is ``t``) of each live tensor sharing ``t``'s memory: its base, its
+        views, ``t`` itself."""
         root = t._base if t._base is not None else t
+        found = []
         for ref, vid in list(self.ids.values()):
             u = ref()
-            if u is None or (u is t and t._base is None) or vid not in region.saved_for_grad:
-                continue
-            if (u._base if u._base is not None else u) is root:
-                return ("an in-place op on a value sharing memory with one that an earlier op of this region may have "
-                        "saved for backward (eager's version check would refuse that backward); the region runs eagerly")
-        return None
+            if u is not None and (u._base if u._base is not None else u) is root:
+                found.append((vid, u is t))
+        return found
 
     def _refuse_earlier_saved_views(self, region, t, op: str) -> None:
         """An in-place op on ``t`` changes the version of every tensor sharing its memory: where an
@@ -161,18 +167,13 @@ class InPlaceTracking:
         multiplication, its base written by a later region), that region runs eagerly, so that
         eager's backward raises its version error; the fused one would compute from the old value.
         (``t`` itself saved and written later: ``outputs_written_later`` raises eager's error.)"""
-        root = t._base if t._base is not None else t
-        for r in self.regions:
-            if r is region or not r.saved_by_consumers or r.eager_reason is not None:
-                continue
-            for ref, vid in list(self.ids.values()):
-                u = ref()
-                if u is not None and u is not t and vid in r.saved_by_consumers \
-                        and (u._base if u._base is not None else u) is root:
-                    r.run_eagerly(f"{op} later changed in place a value sharing memory with one that an op of this "
-                                  "region may have saved for backward (eager's version check would refuse that "
-                                  "backward); the region runs eagerly")
-                    break
+        earlier = [r for r in self.regions if r is not region and r.saved_by_consumers and r.eager_reason is None]
+        others = {vid for vid, is_t in self._sharers(t) if not is_t} if earlier else set()
+        for r in earlier:
+            if others & r.saved_by_consumers:
+                r.run_eagerly(f"{op} later changed in place a value sharing memory with one that an op of this "
+                              "region may have saved for backward (eager's version check would refuse that "
+                              "backward); the region runs eagerly")
 
     def _note_stale_views(self, region, t, vid) -> None:
         """An in-place op wrote ``t``: other live views of its memory now show the write in

@@ -202,8 +202,7 @@ class _CppWriter:
                 result = self.value(node, index)
             finally:
                 self.vector_dtype = held
-            self.scalar_vars.update(result[0] if isinstance(result[0], tuple) else (result[0],))
-            return result
+            return self.as_scalar(result)
         if (node in self.buffers and node not in self.roots) or \
                 kind not in (OpKind.POINTWISE, OpKind.VIEW, OpKind.REDUCTION):
             inside = not (node in self.buffers and node not in self.roots)
@@ -242,9 +241,12 @@ class _CppWriter:
             finally:
                 self.lines, self.values, self.vector_dtype, self.in_row_loop, self.hoisting = held
             self.row_invariant[key] = result
-        result = self.row_invariant[key]
-        if self.vector_dtype is not None:
-            self.scalar_vars.update(result[0] if isinstance(result[0], tuple) else (result[0],))
+        return self.as_scalar(self.row_invariant[key]) if self.vector_dtype is not None else self.row_invariant[key]
+
+    def as_scalar(self, result):
+        """``result``, a (variable, dtype) computed in the scalar dtype, as a vector body's value: its
+        variables (a complex value's two) in ``scalar_vars``, broadcast where a vector operation reads it."""
+        self.scalar_vars.update(result[0] if isinstance(result[0], tuple) else (result[0],))
         return result
 
     # -- reductions: one loop over its row each, before the loop that reads it -----------------
@@ -511,7 +513,8 @@ class _CppWriter:
         if node.kwargs.get("zero_padding"):
             zero = CppPrinter({}, compute_dtype(dtype)).literal(sympy.Integer(0))
             if vector is not None:
-                value = self.tmp("V", f"{g} == {node.kwargs['padding_idx']} ? V({zero}) : {self.lane_vector(value, dtype)}")
+                value = self.tmp("V", f"{g} == {node.kwargs['padding_idx']} ? V({zero}) : "
+                                      f"{self.lane_vector(value, dtype)}")
             else:
                 value = self.tmp(C_TYPE[dtype], f"{g} == {node.kwargs['padding_idx']} ? {zero} : {value}")
         return value, dtype
@@ -604,16 +607,22 @@ class _CppWriter:
             (f" && {c_text(rel)} % {step} == 0" if step != 1 else "")
         mask = f"mask{self.counter}"
         self.counter += 1
-        moving = sorted({self.inner_name} | {n for n in at.names if n in self.consecutive})
-        firsts = [f"const int64_t {n}_l0 = {n};" for n in moving]
-        shadows = " ".join(f"const int64_t {n} = {n}_l0 + l;" for n in moving)
         ctype = C_TYPE[vector]
-        self.lines += [f"alignas(64) {ctype} {mask}_lanes[V::size()];", "{", *firsts,
-                       f"  for (int64_t l = 0; l < static_cast<int64_t>(V::size()); ++l) {{ {shadows} "
-                       f"{mask}_lanes[l] = ({inside}) ? {ctype}(1) : {ctype}(0); }}", "}",
-                       f"const V {mask} = V::loadu({mask}_lanes) != V(0);"]
+        self.fill_lanes(f"{mask}_lanes", ctype, (at,), f"({inside}) ? {ctype}(1) : {ctype}(0)")
+        self.lines.append(f"const V {mask} = V::loadu({mask}_lanes) != V(0);")
         self.lane_masks.add(mask)
         return mask, position
+
+    def fill_lanes(self, array: str, ctype: str, index: tuple, value: str) -> None:
+        """Statements filling ``array``, a register's worth of ``ctype``, lane by lane with ``value``: the
+        variables ``index`` reads that advance with the lanes (the inner loop's, a slice's
+        ``consecutive`` position) shadowed in a block of their own, lane l's the first lane's + l."""
+        moving = sorted({self.inner_name} | {n for i in index for n in i.names if n in self.consecutive})
+        firsts = [f"const int64_t {n}_l0 = {n};" for n in moving]
+        shadows = " ".join(f"const int64_t {n} = {n}_l0 + l;" for n in moving)
+        self.lines += [f"alignas(64) {ctype} {array}[V::size()];", "{", *firsts,
+                       f"  for (int64_t l = 0; l < static_cast<int64_t>(V::size()); ++l) {{ {shadows} "
+                       f"{array}[l] = {value}; }}", "}"]
 
     def load(self, node: fx.Node, index: tuple):
         if node not in self.load_names:
@@ -642,17 +651,11 @@ class _CppWriter:
         if (along == [last] and c_text(index[last]).strip("() ") in {self.inner_name, *self.consecutive}) \
                 or self.lanes_consecutive(index, dtype):
             return self.tmp("V", f"V::loadu({arg} + {offset})"), dtype
-        # lanes apart (a strided or transposed read): each lane's element at its own position, the
-        # variables that advance with the lanes (the inner loop's, a slice's ``consecutive`` position)
-        # shadowed in a block of their own, lane l's value the first lane's + l; then one register
+        # lanes apart (a strided or transposed read): each lane's element at its own position, then
+        # one register
         lanes = f"lanes{self.counter}"
         self.counter += 1
-        moving = sorted({self.inner_name} | {n for i in index for n in i.names if n in self.consecutive})
-        firsts = [f"const int64_t {n}_l0 = {n};" for n in moving]
-        shadows = " ".join(f"const int64_t {n} = {n}_l0 + l;" for n in moving)
-        self.lines += [f"alignas(64) {C_TYPE[dtype]} {lanes}[V::size()];", "{", *firsts,
-                       f"  for (int64_t l = 0; l < static_cast<int64_t>(V::size()); ++l) {{ {shadows} "
-                       f"{lanes}[l] = {arg}[{offset}]; }}", "}"]
+        self.fill_lanes(lanes, C_TYPE[dtype], index, f"{arg}[{offset}]")
         return self.tmp("V", f"V::loadu({lanes})"), dtype
 
     def lanes_consecutive(self, index: tuple, dtype: torch.dtype) -> bool:
@@ -912,7 +915,8 @@ class _CppWriter:
             strided += [pointers[-1]] + [f"int64_t {arg}_s{d}" for d in range(len(shape))]
             constants += [f"    constexpr int64_t {arg}_s{d} = {st};"
                           for d, st in enumerate(contiguous_strides(shape))]
-        outputs = [f"{C_TYPE[_element_dtype(meta_of(n).dtype)]}* __restrict__ out{j}" for j, n in enumerate(self.stores)]
+        outputs = [f"{C_TYPE[_element_dtype(meta_of(n).dtype)]}* __restrict__ out{j}"
+                   for j, n in enumerate(self.stores)]
         prelude = []
         if vector_dtype is not None:   # (first: the build may use its precompiled form, runtime.cpp_build)
             prelude += ["#ifndef SYMGRAD_SCALAR_ONLY", f'#include "{VECTOR_HEADER}"',

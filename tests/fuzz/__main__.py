@@ -26,7 +26,7 @@ os.environ.setdefault("SYMGRAD_CACHE_DIR", tempfile.mkdtemp(prefix="symgrad-fuzz
 os.environ.setdefault("SYMGRAD_STORED_RECORDINGS", "0")
 
 import compiler  # noqa: E402,F401  (before anything imports triton)
-from tests.fuzz.check import BACKEND, SKIP_PYTHON, KnownBug, Mismatch, check_program  # noqa: E402
+from tests.fuzz.check import BACKEND, BACKEND_LABELS, SKIP_PYTHON, KnownBug, Mismatch, check_program  # noqa: E402
 from tests.fuzz.program import RandomChooser, draw_program  # noqa: E402
 
 
@@ -73,13 +73,14 @@ def _write_results(args, done, errors_checked, failures, fallbacks, known, elaps
         "# Fuzz run results", "",
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
         f"- command: `{'SYMGRAD_FUZZ_SKIP_PYTHON=1 ' if SKIP_PYTHON else ''}"
-        f"{'' if BACKEND == 'interpret' else f'SYMGRAD_FUZZ_BACKEND={BACKEND} '}python -m tests.fuzz --count {args.count} "
+        f"{'' if BACKEND == 'interpret' else f'SYMGRAD_FUZZ_BACKEND={BACKEND} '}"
+        f"python -m tests.fuzz --count {args.count} "
         f"--seed {args.seed}`" + (" (the replayed call makes the recorded calls without the program's Python: "
                                   "compile(..., skip_python=True))" if SKIP_PYTHON else ""),
         f"- programs checked: {done} of {args.count} ({errors_checked} of them raise in eager; "
         "the compiled call must raise the same)",
         f"- time: {elapsed:.0f} s ({elapsed / max(done, 1):.2f} s a program, "
-        f"{ {'interpret': 'Triton interpreter', 'cpp': 'C++ kernels', 'torch': 'the torch path'}[BACKEND]})",
+        f"{BACKEND_LABELS[BACKEND]})",
         f"- new failures: {len(failures)}",
         f"- known bugs met (xfail regression tests in tests/test_fuzz.py): {known or 'none'}", ""]
     if fallbacks:

@@ -57,7 +57,9 @@ SKIP_PYTHON = os.environ.get("SYMGRAD_FUZZ_SKIP_PYTHON", "0") == "1"
 # SYMGRAD_FUZZ_BACKEND=cpp: the programs' kernels as C++ (the CPU default), not the Triton kernels in
 # Triton's interpreter (the default here: the GPU's kernels); torch: the torch path's
 BACKEND = os.environ.get("SYMGRAD_FUZZ_BACKEND", "interpret")
-if BACKEND not in ("interpret", "cpp", "torch"):
+# what the results files call each backend's kernels
+BACKEND_LABELS = {"interpret": "Triton interpreter", "cpp": "C++ kernels", "torch": "the torch path"}
+if BACKEND not in BACKEND_LABELS:
     raise ValueError(f"SYMGRAD_FUZZ_BACKEND={BACKEND!r}: give interpret, cpp or torch")
 
 # (name, test on (the Mismatch's message, the program's source)): bugs found and not fixed yet

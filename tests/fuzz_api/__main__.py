@@ -28,7 +28,8 @@ os.environ.setdefault("SYMGRAD_CACHE_DIR", tempfile.mkdtemp(prefix="symgrad-fuzz
 os.environ["SYMGRAD_STORED_RECORDINGS"] = "1"
 
 import compiler  # noqa: E402,F401  (before anything imports triton)
-from tests.fuzz_api.check import BACKEND, IllConditioned, KnownBug, Mismatch, check_program  # noqa: E402
+from tests.fuzz.check import BACKEND, BACKEND_LABELS  # noqa: E402
+from tests.fuzz_api.check import IllConditioned, KnownBug, Mismatch, check_program  # noqa: E402
 from tests.fuzz_api.program import RandomChooser, draw_program  # noqa: E402
 
 
@@ -157,7 +158,7 @@ def _write_results(path, counts):
         f"- programs checked: {n} ({counts['eager errors']} of them raise in eager; the compiled calls must raise "
         "the same)",
         f"- time: {seconds} s of process time ({n / max(seconds, 1):.2f} programs a second a process, "
-        f"{ {'interpret': 'Triton interpreter', 'cpp': 'C++ kernels', 'torch': 'the torch path'}[BACKEND]}, "
+        f"{BACKEND_LABELS[BACKEND]}, "
         "2 processes side by side)",
         f"- replayed with kernels (a call after the recording replayed, launched kernels and did not diverge): "
         f"{_percent(counts['replayed with kernels'], n)}",

@@ -24,21 +24,17 @@ effect on values and gradients is.
 
 from __future__ import annotations
 
-import os
 import re
 
 import torch
 
 import compiler
-from tests.fuzz.check import check_within
+from tests.fuzz.check import BACKEND, check_within
 from tests.fuzz_api.program import Box, Log
 
 CALLS = 3          # the compiled world: one recording, then replays
-# SYMGRAD_FUZZ_BACKEND=cpp: the kernels as C++ (the CPU default: outputs from runtime.cpu_memory's pool,
-# which hooks holding tensors must never see reused), torch: the torch path's
-BACKEND = os.environ.get("SYMGRAD_FUZZ_BACKEND", "interpret")
-if BACKEND not in ("interpret", "cpp", "torch"):
-    raise ValueError(f"SYMGRAD_FUZZ_BACKEND={BACKEND!r}: give interpret, cpp or torch")
+# (BACKEND is the ops fuzz's: SYMGRAD_FUZZ_BACKEND=cpp runs the kernels as C++, the CPU default, with
+# outputs from runtime.cpu_memory's pool, which hooks holding tensors must never see reused)
 STORED_CALLS = 2   # the second compile, from the stored recording
 
 TOLERANCE = {torch.float64: (1e-7, 1e-9), torch.float32: (1e-4, 1e-5), torch.float16: (1e-2, 1e-3),
