@@ -77,15 +77,29 @@ def test_float64():
     check(lambda x: torch.log1p(x * x) * torch.atan(x) + torch.cosh(x / 3), [x])
 
 
-def test_an_input_in_another_layout_runs_the_strided_function():
-    """The contiguous function has its strides as constants (the inner loop vectorizes); a transposed
-    or sliced input takes the one that reads them as arguments."""
+def test_an_input_in_another_layout_is_copied_into_the_contiguous_functions(monkeypatch):
+    """The contiguous function has its strides as constants (the inner loop vectorizes). A transposed
+    or sliced input is copied into that layout and read by it (attention's gradients, in the layout
+    of its transposed inputs: ten times faster than the strided function's scalar loop); a broadcast
+    input (a stride of 0, whose copy would be the whole expanded tensor) takes the function that reads
+    the strides as arguments."""
+    calls, load = [], CppKernel._load
+
+    def counted(kernel):
+        contiguous, strided = load(kernel)
+        return (lambda *a: calls.append("contiguous") or contiguous(*a),
+                lambda *a: calls.append("strided") or strided(*a))
+    monkeypatch.setattr(CppKernel, "_load", counted)
     f = compiler.compile(lambda x, y: (x * y + 1).relu(), backend="cpp")
     x, y = torch.randn(32, 48), torch.randn(32, 48)
     f(x, y)
-    for a, b in ((x, y), (x.t().contiguous().t(), y), (torch.randn(32, 96)[:, ::2], y), (x, y)):
+    cases = {"contiguous": (x, y), "transposed": (x.t().contiguous().t(), y),
+             "sliced": (torch.randn(32, 96)[:, ::2], y), "broadcast": (x, torch.randn(48).expand(32, 48))}
+    for name, (a, b) in cases.items():
+        calls.clear()
         torch.testing.assert_close(f(a, b), (a * b + 1).relu())
-    assert any(isinstance(k.torch_kernel, CppKernel) for k in _kernels(f))
+        assert calls == ["strided" if name == "broadcast" else "contiguous"], (name, calls)
+        assert a.stride() == cases[name][0].stride()   # (the caller's tensor is left in its layout)
 
 
 def test_a_kernel_the_cpp_printer_cannot_write_runs_as_pytorch_ops():
