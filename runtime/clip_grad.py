@@ -137,8 +137,8 @@ class FusedClipGradNorm:
                 continue
             following = next(expected, None)
             if g is None or type(g) is not torch.Tensor or g.dtype != self.dtype or g.layout != torch.strided \
-                    or g.numel() != self.numels[len(grads)] or not g.is_contiguous():
-                return None
+                    or g.numel() != self.numels[len(grads)] or not g.is_contiguous() or g.is_conj() or g.is_neg():
+                return None   # (a conjugate or negative view: the kernels would read its memory as it is)
             device = device or g.device
             if g.device != device:
                 return None

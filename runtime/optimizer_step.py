@@ -146,8 +146,9 @@ class GroupStep:
             p = params[i]
             g = p.grad
             if g is None or g.layout != strided or p.dtype != dtype or g.dtype != dtype or p.numel() != numel \
-                    or g.numel() != numel or not p.is_contiguous() or not g.is_contiguous():
-                return None
+                    or g.numel() != numel or not p.is_contiguous() or not g.is_contiguous() \
+                    or p.is_neg() or g.is_neg() or (dtype.is_complex and (p.is_conj() or g.is_conj())):
+                return None   # (a conjugate or negative view: the kernels would read its memory as it is)
             if device is None:
                 device = p.device
             if p.device != device or g.device != device:

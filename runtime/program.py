@@ -351,6 +351,15 @@ def on_device(device: torch.device):
     return torch.cuda.device(device)
 
 
+def in_plain_memory(t):
+    """``t`` with its values in its memory: a conjugate view's conjugation, a negative view's
+    negation (``x.conj()``, ``x.conj().imag``: PyTorch applies them lazily, as a bit on the
+    tensor) done into a new tensor; ``t`` itself where there is none."""
+    if t is None or not (t.is_conj() or t.is_neg()):
+        return t
+    return t.resolve_conj().resolve_neg()
+
+
 @dataclass
 class ExternCall:
     """A call of a PyTorch function (a matmul, a convolution, a gather's scatter-add gradient):
@@ -533,6 +542,14 @@ class Program:
             else:
                 fresh.append(frozenset())
         self.fresh_loads = tuple(fresh)
+        # the float and complex inputs a kernel of ours reads by address (a conjugate or negative
+        # view's memory holds the values unconjugated, not negated: PyTorch applies the bit lazily,
+        # our kernels do not; an integer or bool tensor has neither bit)
+        metas = self.input_metas
+        self._read_inputs = tuple(sorted(
+            {slot for step in self.steps if isinstance(step, KernelLaunch) for slot in step.loads
+             if slot < self.num_inputs and (slot >= len(metas) or metas[slot] is None
+                                            or metas[slot][1].is_floating_point or metas[slot][1].is_complex)}))
         self._torch_on_cpu = backends.cpu_path(self.backend)
         self._launch_count = sum(1 if isinstance(step, KernelLaunch) else getattr(step, "kernels", 0)
                                  for step in self.steps)
@@ -606,6 +623,10 @@ class Program:
             lines.append("    " + call(i, step, torch_path, names))
             if dead:
                 lines.append("    " + " = ".join(f"env[{slot}]" for slot in dead) + " = None")
+        names["plain"] = in_plain_memory
+        prologue = [f"    if env[{slot}].is_conj() or env[{slot}].is_neg(): env[{slot}] = plain(env[{slot}])"
+                    for slot in self._read_inputs]
+        lines[1:1] = prologue
         outputs = []  # each output read from its slot, its views applied (as ValueRef.resolve)
         for k, ref in enumerate(self.outputs):
             if ref is None:
@@ -675,6 +696,8 @@ class Program:
             if consume:
                 inputs.clear()
             torch_path = self._torch_on_cpu and device.type == "cpu"
+            for slot in self._read_inputs:
+                env[slot] = in_plain_memory(env[slot])
             with on_device(device):  # (as ``run``: the launches expect their device current)
                 for i, (step, dead) in enumerate(zip(self.steps, self.frees)):
                     if isinstance(step, KernelLaunch):
