@@ -107,7 +107,7 @@ def _copied_contiguous(t: torch.Tensor) -> torch.Tensor:
     would be the whole expanded tensor), else its contiguous copy."""
     if t.is_contiguous() or any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
         return t
-    return t.contiguous()
+    return POOL.empty(tuple(t.shape), t.dtype).copy_(t)   # (a large copy: pooled memory, no page faults)
 
 
 @dataclass
