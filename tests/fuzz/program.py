@@ -18,8 +18,10 @@ from tests.fuzz import ops as O
 
 DTYPES = [torch.float32, torch.float64, torch.complex64, torch.int64, torch.bool]
 DTYPE_WEIGHTS = [8, 6, 2, 1, 1]
-LAYOUTS = ["contiguous", "transposed", "strided", "offset", "expanded"]
-LAYOUT_WEIGHTS = [8, 2, 2, 1, 1]
+# "lazy": a view PyTorch conjugates or negates lazily, its memory unchanged (complex: z.conj() of a
+# conjugated copy; float: the imaginary part of a conjugate, a negative view; others: contiguous)
+LAYOUTS = ["contiguous", "transposed", "strided", "offset", "expanded", "lazy"]
+LAYOUT_WEIGHTS = [8, 2, 2, 1, 1, 1]
 
 
 class RandomChooser:
@@ -101,6 +103,10 @@ class Input:
             x = x[1:1 + _numel(self.shape)].view(self.shape)
         elif self.layout == "expanded" and full:
             x = x.expand(self.shape)
+        elif self.layout == "lazy" and x.is_complex():
+            x = x.conj_physical().conj()
+        elif self.layout == "lazy" and x.is_floating_point():
+            x = torch.complex(torch.zeros_like(x), -x).conj().imag
         return x.detach().requires_grad_(self.requires_grad)
 
     def __repr__(self):
