@@ -62,7 +62,8 @@ class CppKernel:
 
     def _generate(self):
         """``kernel(env)`` written out once: each output allocated, then the contiguous function
-        where every input is contiguous (the usual case), else the strided one with the strides."""
+        where every input is contiguous (the usual case) or copied into that layout
+        (``_copied_contiguous``), else (a broadcast input) the strided one with the strides."""
         if self._fn is None:
             self._fn = self._load()
         # (outputs from the pool of large buffers: no fresh pages to fault in each step, ``runtime.cpu_memory``)
