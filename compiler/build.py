@@ -63,8 +63,11 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset(), written_later=froz
         kept = outputs_of(graph)
         backward = dict(
             grad_sources=parts.grad_sources,
-            eager_saved=tuple((kept.index(node), name, output_nr, parts.output_sources[kept.index(node)])
-                              for node, (name, output_nr) in outputs.eager_saved.items() if node in kept),
+            # (a view's entry holds its own shape: eager's message names the tensor the op saved)
+            eager_saved=tuple((kept.index(holder), name, output_nr, parts.output_sources[kept.index(holder)],
+                               None if holder is node else tuple(meta_of(node).shape))
+                              for node, (name, output_nr) in outputs.eager_saved.items()
+                              for holder in [_version_holder(node, kept)] if holder is not None),
             # (saved inputs are the graph's placeholders by position; saved outputs the forward's,
             # whose first are the graph's outputs in order, as ``eager_saved``'s positions)
             eager_names={k: outputs.eager_names[kind, i] for k, (kind, i) in enumerate(parts.saved)
@@ -100,6 +103,15 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset(), written_later=froz
         "backward_kernels": backward_kernels,
     }
     return region, details
+
+
+def _version_holder(node, kept: list):
+    """The output among ``kept`` whose version counter is ``node``'s: ``node`` itself, or, for a view
+    the runtime makes after the program (``_split_written_output_views``: logsumexp's result, a
+    reshape, written in place later), the base it views, which shares its counter."""
+    while node not in kept and isinstance(node, fx.Node) and kind_of(node) == OpKind.VIEW:
+        node = node.args[0]
+    return node if node in kept else None
 
 
 def _plan_outputs(graph: fx.Graph, written_later, outputs_written_later) -> _Outputs:

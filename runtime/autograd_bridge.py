@@ -52,7 +52,9 @@ class CompiledRegion:
     written_later: tuple = ()  # positions of inputs the function writes in place after this region
     double_backward_reads: tuple = ()  # per input: whether the double backward reads its value
     grad_sources: tuple = ()    # per input gradient: positions in grad_output_for it is computed from
-    eager_saved: tuple = ()     # (output position, eager grad_fn name, output_nr, grad positions reaching it)
+    # (output position, eager grad_fn name, output_nr, grad positions reaching it, the shape eager's
+    # message names where the saved tensor is a view of that output made after the program, else None)
+    eager_saved: tuple = ()
     eager_names: dict = field(default_factory=dict)  # saved position -> the producer eager's version error names
     # positions of inputs changed in place whose new value a kernel stores into their own memory
     # (``compiler.lower.program._input_donors``): the replay checks that no other input shares it
@@ -213,8 +215,8 @@ class _RegionFunction(torch.autograd.Function):
         # outputs eager's op saved (exp, polar: its result), version-checked where eager would run
         # that op's backward, with eager's message. NOTE: detach() shares the version counter;
         # the output itself would make a reference cycle through its grad_fn (this ctx).
-        ctx.eager_saved = [(outs[position].detach(), outs[position]._version, name, output_nr, sources)
-                           for position, name, output_nr, sources in region.eager_saved]
+        ctx.eager_saved = [(outs[position].detach(), outs[position]._version, name, output_nr, sources, shape)
+                           for position, name, output_nr, sources, shape in region.eager_saved]
         if region.eager_saved:
             # (under saved-tensor hooks eager's op would check no version: the values this region
             # saves itself are read as eager reads them; those it recomputes raise, ``_hooked_and_written``)
@@ -253,11 +255,11 @@ class _RegionFunction(torch.autograd.Function):
                     shape, dtype, device = ctx.shapes[i]
                     grads[k] = torch.zeros(shape, dtype=dtype, device=device)
         # (before unpacking our saved tensors: eager's message names its op, not _RegionFunction)
-        for t, version, name, output_nr, sources in ctx.eager_saved:
+        for t, version, name, output_nr, sources, shape in ctx.eager_saved:
             if sources & given and t._version != version:
                 if ctx.hooked:
                     raise RuntimeError(_hooked_and_written(t, name))
-                raise RuntimeError(_version_error(t, version, f"output {output_nr} of {name}"))
+                raise RuntimeError(_version_error(t, version, f"output {output_nr} of {name}", shape))
         if ctx.saved_versions:
             try:
                 saved = list(ctx.saved_tensors)  # version-checked by PyTorch
@@ -515,9 +517,10 @@ def _differentiable_backward(ctx, region: CompiledRegion, grads, build, saved):
 _GENERATED_SUFFIX = re.compile(r"Backward(?:0|([0-9]+))?$")
 
 
-def _version_error(t: torch.Tensor, version: int, producer: str | None = None) -> str:
+def _version_error(t: torch.Tensor, version: int, producer: str | None = None, shape=None) -> str:
     """PyTorch's own message for a saved tensor changed in place (torch/csrc/autograd/saved_variable.cpp).
-    ``producer``: "output N of Op" as eager names the node that saved it (default: t's grad_fn)."""
+    ``producer``: "output N of Op" as eager names the node that saved it (default: t's grad_fn);
+    ``shape``: the saved tensor's, where ``t`` is the base it views (default: t's)."""
     if producer is None and t.grad_fn is not None:
         producer = f"output {t.output_nr} of {t.grad_fn.name()}"
     # (eager prints a node's name without "Backward" and a generated one's without its overload
@@ -525,7 +528,8 @@ def _version_error(t: torch.Tensor, version: int, producer: str | None = None) -
     # Function Inplace; "torch::autograd::CopyBackwards" as it is)
     producer = f", which is {_GENERATED_SUFFIX.sub(lambda m: m.group(1) or '', producer)}," if producer else ""
     return ("one of the variables needed for gradient computation has been modified by an inplace operation: "
-            f"[{_type_name(t)} {list(t.shape)}]{producer} is at version {t._version}; expected version {version} "
+            f"[{_type_name(t)} {list(t.shape if shape is None else shape)}]{producer} is at version {t._version}; "
+            f"expected version {version} "
             "instead. Hint: enable anomaly detection to find the operation that failed to compute its gradient, "
             "with torch.autograd.set_detect_anomaly(True, check_nan=False).")
 
