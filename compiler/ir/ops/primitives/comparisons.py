@@ -187,7 +187,35 @@ composite("logical_or", lambda a, b: compare("ne", Where(compare("ne", a, 0), 1,
 composite("logical_xor", lambda a, b: compare("ne", compare("ne", a, 0), compare("ne", b, 0)),
           result=BOOL, binds=("logical_xor",), complex_inputs=True)
 
-# clamp: boundaries included in the pass-through region, as eager's backward does
-composite("clamp", lambda x, lo, hi: Where(compare("lt", x, lo), lo, Where(compare("gt", x, hi), hi, x)))
-composite("clamp_min", lambda x, lo: Where(compare("lt", x, lo), lo, x))
-composite("clamp_max", lambda x, hi: Where(compare("gt", x, hi), hi, x))
+class Passed(Primitive, sympy.Function):
+    """``x`` itself, its derivative 1 where ``cond`` holds and 0 elsewhere: clamp's value between its
+    bounds. Eager's backward passes the gradient only where lo <= x <= hi (``where(self >= min &
+    self <= max, grad, 0)``): a NaN gets none, though the value NaN is x's own."""
+
+    nargs = 2
+
+    def fdiff(self, argindex=1):
+        return Where(self.args[1], sympy.Integer(1), sympy.Integer(0)) if argindex == 1 else sympy.Integer(0)
+
+    @classmethod
+    def render(cls, printer, e):
+        return f"({printer.p(e.args[0])})"
+
+    @classmethod
+    def render_cpp(cls, printer, e):
+        return f"({printer.p(e.args[0])})"
+
+    @classmethod
+    def torch_eval(cls, x, cond):
+        return x
+
+
+def _between(x):
+    """x between clamp's bounds (the comparisons that chose this branch were false): a NaN is too."""
+    return Passed(x, compare("eq", x, x))
+
+
+# clamp: boundaries included in the pass-through region, as eager's backward does (NaN excluded)
+composite("clamp", lambda x, lo, hi: Where(compare("lt", x, lo), lo, Where(compare("gt", x, hi), hi, _between(x))))
+composite("clamp_min", lambda x, lo: Where(compare("lt", x, lo), lo, _between(x)))
+composite("clamp_max", lambda x, hi: Where(compare("gt", x, hi), hi, _between(x)))
