@@ -388,6 +388,13 @@ KNOWN: dict = {
         _program([((3, 4), f32, "contiguous", True, 1159314050), ((3, 1), f32, "contiguous", True, 56519936)],
                  ["v1 = torch.nn.functional.gelu(x0)",
                   "v2 = torch.nn.functional.avg_pool1d(x1, (1,), (1,), (0,), count_include_pad=False)"], ["v2", "v1"])),
+    # the fuzz's seed 5919 (at 6d23d5c): sin saved v0, sub_ wrote it; the loss reads v5 only
+    "version-error-where-eager-backward-skips-the-node": (
+        "a version error at backward where eager's backward never reaches the node that saved the value",
+        _program([((1,), f32, "contiguous", True, 1234067050), ((1,), torch.float64, "expanded", True, 1112506985)],
+                 ["v0 = torch.nn.functional.layer_norm(x0, x0.shape[-1:])", "v1 = torch.sin(v0)",
+                  "v2 = torch.sigmoid(x0)", "v3 = v0.sub_(v0, alpha=2)", "v4 = (v2 > v1)",
+                  "v5 = x0.abs() ** x0"], ["v5", "v4"])),
 }
 
 

@@ -70,6 +70,13 @@ KNOWN_BUGS: list = [
     # (tests/test_fuzz.py::test_known_bugs; the pool fuzz's seeds 706, 1021, 1029)
     ("second-order-gradient-through-a-pool-is-none",
      lambda message, source: "second-order grad" in message and "got None" in message and "pool" in source),
+    # a value written in place (sub_, copy_) after an op of its region saved it: ours raises eager's
+    # version error at backward where eager's backward never reaches that op's node (the loss reads
+    # another output only); found at 6d23d5c by seeds 5919 and 6978 (tests/test_fuzz.py::test_known_bugs)
+    ("version-error-where-eager-backward-skips-the-node",
+     lambda message, source: "backward raised 'RuntimeError: one of the variables needed for gradient "
+                             "computation has been modified by an inplace operation" in message
+                             and message.rstrip().endswith("eager None")),
 ]
 
 
