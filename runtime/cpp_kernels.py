@@ -81,18 +81,19 @@ class CppKernel:
         strided_call = f"strided({', '.join([a for group in strides for a in group] + outputs)})"
         if self.loads:
             every_contiguous = " and ".join(f"a{k}.is_contiguous()" for k in range(len(self.loads)))
-            lines.append(f"    if not ({every_contiguous}):")
+            lines.append(f"    if {every_contiguous}:")
+            lines.append(f"        bad = fn({', '.join(pointers + outputs)})")
             # (an input another op left in another layout, such as attention's gradients in the layout of
             # its transposed inputs, is copied into this one: ATen's copy and the vector body take a
             # fraction of the strided function's time, a scalar loop doing index arithmetic per element
             # (1.0 ms against 0.1 on the transformer step's); a broadcast input is not copied, it would be
             # materialized whole)
             names["copied"] = _copied_contiguous
-            for k in range(len(self.loads)):
-                lines.append(f"        a{k} = copied(a{k})")
-            lines.append(f"    if {every_contiguous}:")
-            lines.append(f"        bad = fn({', '.join(pointers + outputs)})")
-            lines.append(f"    else:\n        bad = {strided_call}")
+            lines.append("    else:")
+            lines += [f"        a{k} = copied(a{k})" for k in range(len(self.loads))]
+            lines.append(f"        if {every_contiguous}:")
+            lines.append(f"            bad = fn({', '.join(pointers + outputs)})")
+            lines.append(f"        else:\n            bad = {strided_call}")
         else:
             lines.append(f"    bad = fn({', '.join(outputs)})")
         # (an index out of range, found by a gather: the program's host checks then raise eager's error,
