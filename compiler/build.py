@@ -16,6 +16,7 @@ from compiler.autodiff.partition import partition, propagate_requires_grad
 from compiler.capture.attention_pattern import attention_passes
 from compiler.capture.regions import EAGER_NAMES, EAGER_SAVED, SAVED_BY_CONSUMERS, SAVED_INPUTS
 from compiler.fusion.fuse import fuse
+from compiler.ir.ops import catalog as C
 from compiler.ir.reference import first_nan
 from compiler.report import logs
 from compiler.lower.program import lower, view_step
@@ -47,6 +48,7 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset(), written_later=froz
     changes in place after the region; ``shape_generic``: kernels take their sizes as arguments
     (``codegen.triton_kernel.render_kernel``), so builds that differ only in sizes share sources."""
     attention_passes(graph)   # (written-out attention as flash attention; its rotary, operands and output layout)
+    C.chunked_loss_pass(graph)   # (a linear's cross-entropy in row chunks, where nothing else reads its logits)
     outputs = _plan_outputs(graph, written_later, outputs_written_later)
     pristine = copy_graph(graph)  # partition appends the backward to ``graph``
     parts = partition(graph, mutated_inputs, written_later=written_later, memory=memory,
@@ -247,9 +249,10 @@ def _double_backward_builder(joint: fx.Graph, memory="balanced", shape_generic=F
     def build(requires_grad: tuple):
         if decomposed:
             logs.logger("backward").info(
-                "double backward (create_graph=True) runs %s in its decomposed form, softmax(q k^T * scale + mask) "
-                "v: the flash-attention kernels have no derivative of their own, so this backward saves the "
-                "T x T attention weights", ", ".join(decomposed))
+                "double backward (create_graph=True) runs %s in its decomposed form (flash attention as "
+                "softmax(q k^T * scale + mask) v, a chunked loss with its whole logits): their kernels have no "
+                "derivative of their own, so this backward saves the T x T attention weights or the logits",
+                ", ".join(decomposed))
         graph = copy_graph(joint)
         propagate_requires_grad(graph, requires_grad)
         output = output_node(graph)

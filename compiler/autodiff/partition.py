@@ -145,7 +145,7 @@ def partition(graph: fx.Graph, mutated_inputs=frozenset(), only_outputs=None, wr
         return Partitioned(graph, None, len(user_outputs), [], [], [False] * len(inputs))
 
     forward_set = set(forward_nodes)
-    decomposed = copy_graph(graph) if C.has_attention(graph) else None
+    decomposed = copy_graph(graph) if _has_decomposed_form(graph) else None
     grad_placeholders, input_grads, sources = differentiate(graph, only_outputs)
     grad_sources = tuple(sources.get(x, frozenset()) for x in inputs)
     output_sources = tuple(sources.get(o, frozenset()) for o in user_outputs)
@@ -311,6 +311,12 @@ def _joint(inputs, grad_placeholders, input_grads) -> fx.Graph:
         return env[node]
     joint.output(tuple(copy(g) if g is not None else None for g in input_grads))
     return joint
+
+
+def _has_decomposed_form(graph: fx.Graph) -> bool:
+    """Whether an op of ``graph`` has kernels with no derivative of their own (flash attention, a
+    chunked loss): double backward differentiates its decomposed form (``decompose``)."""
+    return any(n.op == "call_function" and hasattr(n.target, "decompose") for n in graph.nodes)
 
 
 def _decomposed_joint(forward: fx.Graph, only_outputs) -> tuple:

@@ -14,12 +14,15 @@ class ``weight`` (a mean divides by the summed weights of the counted targets),
 
 from __future__ import annotations
 
+import os
+
 import torch.nn.functional as F
 
 from compiler.capture.bindings.handles import Tensor, gather, on_handles, where
 from compiler.capture.bindings.losses import _reduce_loss
 from compiler.capture.bindings.reductions import _shifted, log_softmax
 from compiler.capture.bindings.registry import Unsupported, binds
+from compiler.ir.ops import catalog as C
 
 
 def _picked(values: Tensor, target: Tensor, ignore_index, keepdim=False):
@@ -122,6 +125,14 @@ def _cross_entropy_batched(x: Tensor, target: Tensor, weight, ignore_index, labe
         return _with_probabilities(x, target, weight, ignore_index, reduction, label_smoothing)
     if target.dtype.is_complex or target.ndim != x.ndim - 1:
         raise Unsupported("cross_entropy needs (N, C, ...) logits and (N, ...) class indices")
+    chunked = _chunked_linear_loss(x, target, weight, ignore_index, label_smoothing, reduction)
+    if chunked is not None:
+        return chunked
+    return class_index_loss(x, target, weight, ignore_index, label_smoothing, reduction)
+
+
+def class_index_loss(x: Tensor, target: Tensor, weight, ignore_index, label_smoothing, reduction) -> Tensor:
+    """cross_entropy of (N, C, ...) logits and (N, ...) class indices (``weight`` checked already)."""
     classes = x.shape[1]
     # NOTE: -log_softmax(x)[t] written as log(sum(exp(x - max))) - (x[t] - max): eager's value
     # ((x[t] - max) - log(sum), negated), whose gradient (softmax - onehot) * grad needs no
@@ -142,6 +153,32 @@ def _cross_entropy_batched(x: Tensor, target: Tensor, weight, ignore_index, labe
         loss = loss * (1.0 - label_smoothing) + smooth * (label_smoothing / classes)
     loss = where(valid, loss, 0.0).to(x.dtype)
     return _reduce_loss(loss, reduction, share.sum() if reduction == "mean" else None)
+
+
+def _chunked_linear_loss(x: Tensor, target: Tensor, weight, ignore_index, label_smoothing, reduction):
+    """The loss as one chunked op (``compiler.ir.ops.linear_cross_entropy``) where ``x`` is a linear
+    layer's (N, C) output over classes many enough that its logits are worth never holding
+    whole (``CHUNKED_LOSS_MIN_LOGITS`` elements); else None. Whether something else reads the
+    logits is only known once the region is whole: ``chunked_loss_pass`` decides then."""
+    if x.ndim != 2 or x.numel() < chunked_loss_min_logits() or reduction not in ("mean", "sum", "none"):
+        return None
+    found = C.linear_source(x.node)
+    if found is None:
+        return None
+    a, m, bias, _ = found
+    return Tensor(x.b, C.emit_linear_cross_entropy(
+        x.b, a, m, bias, target.node, None if weight is None else weight.node, x.node, reduction=reduction,
+        ignore_index=ignore_index, label_smoothing=label_smoothing, loss_dtype=x.dtype))
+
+
+# NOTE (memory): 2**22 logits (16 MiB in float32; GPT-2's head at 84 rows) and more are chunked:
+# below that a chunk would be most of the logits, and the matmuls smaller for nothing.
+CHUNKED_LOSS_MIN_LOGITS = 1 << 22
+
+
+def chunked_loss_min_logits() -> int:
+    """``SYMGRAD_CHUNKED_LOSS_MIN_LOGITS`` if set (tests chunk small heads), else the default."""
+    return int(os.environ.get("SYMGRAD_CHUNKED_LOSS_MIN_LOGITS", CHUNKED_LOSS_MIN_LOGITS))
 
 
 def _with_probabilities(x: Tensor, target: Tensor, weight, ignore_index, reduction, label_smoothing) -> Tensor:

@@ -12,6 +12,9 @@
   grouped matmuls, index_put, scatters, ``x[i, j]``), by PyTorch's kernels; hand-written VJPs.
 * ``externs`` — matmuls, convolutions and a gather's scatter-add gradient, run by PyTorch
   (cuBLAS and cuDNN on GPU); hand-written VJPs.
+* ``linear_cross_entropy`` — a linear layer's cross-entropy over many classes in row chunks (the
+  logits never whole), its gradients made with the loss; a decomposed form where the logits
+  are read by something else, and for double backward.
 * ``attention`` — scaled dot-product attention by flash-attention kernels (ours in Triton,
   PyTorch's fused one on the CPU path), forward and gradients; a decomposed form for double
   backward.
@@ -46,6 +49,13 @@ from compiler.ir.ops.externs import (
     emit_addmm,
     emit_conv,
     emit_extern,
+)
+from compiler.ir.ops.linear_cross_entropy import (
+    LINEAR_CROSS_ENTROPY,
+    LINEAR_CROSS_ENTROPY_BACKWARD,
+    chunked_loss_pass,
+    emit_linear_cross_entropy,
+    linear_source,
 )
 from compiler.ir.ops.pointwise import (
     BOOL_RESULT_OPS,
@@ -86,7 +96,8 @@ from compiler.ir.ops.views import VIEWS, View, emit_slice, emit_view, slice_tens
 __all__ = [
     "ATTENTION", "ATTENTION_BACKWARD", "Attention", "AttentionBackward", "decompose_for_double_backward",
     "emit_attention", "has_attention", "OpDef", "EXTERNS", "AddMM", "Convolution", "ConvolutionBackward", "Extern",
-    "IndexBackward", "MatMul",
+    "IndexBackward", "MatMul", "LINEAR_CROSS_ENTROPY", "LINEAR_CROSS_ENTROPY_BACKWARD", "chunked_loss_pass",
+    "emit_linear_cross_entropy", "linear_source",
     "emit_addmm", "emit_conv", "emit_extern", "BOOL_RESULT_OPS", "DERIVED", "FLOAT_RESULT_OPS", "GRAD_SYMBOL",
     "POINTWISE", "RESULT_SYMBOL", "SCALAR_FUNCTIONS", "Pointwise", "derived_pointwise", "emit_fill",
     "emit_pointwise", "masked_product", "partial_derivative", "pointwise_vjp", "scalar_expr", "wirtinger_gradient",

@@ -1,0 +1,177 @@
+"""A linear layer's cross-entropy computed in row chunks: the logits are never whole.
+
+``cross_entropy(a @ m + bias, target)`` over a large class dimension (a language model's head:
+50,257 classes for GPT-2) materializes logits of rows x classes, and eager's backward a
+gradient of that size again (at B=8, T=1024: 823 MB of bf16 logits, 1.6 GB of fp32
+gradient). Here each chunk of rows makes its logits, its loss and, where asked, its share of
+the gradients (of ``a``, of ``m`` and of the bias), then drops them: what stays is one chunk's
+logits and the gradients' own sizes. The idea is Liger-Kernel's fused linear cross-entropy
+(``src/liger_kernel/ops/fused_linear_cross_entropy.py``: the gradients made in the forward for
+a reduced loss, then scaled by the incoming gradient); the code is ours.
+
+Values are eager's (``aten/src/ATen/native/LossNLL.cpp``, and the binding in
+``compiler.capture.bindings.cross_entropy``): per row r with target t (not ``ignore_index``),
+
+    loss_r = (1 - eps) s_r (lse_r - x_rt) + (eps / C) (M lse_r - sum_c w_c x_rc)
+
+with x the row's logits, lse_r their logsumexp, w the class weights (all 1 without), s_r =
+w_t, M = sum_c w_c and eps the label smoothing; an ignored row is 0. ``mean`` divides the sum
+by sum_r s_r over the counted rows. Its derivative in x_rc:
+
+    (1 - eps) s_r (p_rc - [c = t]) + (eps / C) (M p_rc - w_c),   p = softmax(x_r)
+
+The logits are computed in the matmul's dtype (as eager's matmul rounds them), then widened to
+``loss_dtype`` (a float32 loss under autocast); the logits' gradient is rounded to the matmul's
+dtype before the two matmuls that take it back (as eager's cast back does).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# NOTE (memory): the bytes one chunk's work may hold (its logits, their float32 copy, the
+# gradient): 64 MiB, about GPT-2's hidden states at B=8, T=1024 in bf16 times five, so each
+# chunk's matmul still has a hundred rows or more at a 50k vocabulary.
+DEFAULT_CHUNK_BYTES = 64 << 20
+GRADS = ("a", "m", "bias")
+
+
+def chunk_rows(rows: int, classes: int, dtype: torch.dtype) -> int:
+    """Rows per chunk: as many as ``SYMGRAD_LOSS_CHUNK_MB`` (default 64) holds, counting per element
+    the logits in the matmul's dtype, a float32 copy and the gradient in the matmul's dtype."""
+    budget = int(float(os.environ.get("SYMGRAD_LOSS_CHUNK_MB", DEFAULT_CHUNK_BYTES / 2**20)) * 2**20)
+    per_row = classes * (4 + 2 * torch.empty((), dtype=dtype).element_size())
+    return max(1, min(rows, budget // per_row))
+
+
+def forward(a, m, *rest, which=None, reduction, ignore_index, label_smoothing, has_bias, has_weight, loss_dtype,
+            grads=False):
+    """The loss (a 0-d tensor for ``mean``/``sum``, one value per row for ``none``), or with
+    ``which`` naming ``loss`` and gradients (``grad_a``, ``grad_m``, ``grad_bias``, one name or a
+    tuple) those, the gradients being of the reduced loss (an incoming gradient of 1)."""
+    bias, target, weight = _operands(rest, has_bias, has_weight)
+    names = (which,) if isinstance(which, str) else tuple(which or ("loss",))
+    wanted = [n[len("grad_"):] for n in names if n.startswith("grad_")]
+    if wanted and reduction == "none":
+        raise ValueError("the gradients of a per-row loss are made by backward(), which takes the rows' gradient")
+    setup = _Setup(a, m, bias, target, weight, ignore_index, label_smoothing, loss_dtype)
+    scale = None
+    if wanted:   # d(loss)/d(loss_r): 1 / sum(s) for a mean, 1 for a sum; 0 where ignored (all ignored too)
+        scale = setup.valid if reduction == "sum" else \
+            torch.where(setup.valid > 0, setup.valid / setup.share.sum(), 0.0)
+    rows_loss, made = _chunks(setup, scale, wanted)
+    loss = rows_loss if reduction == "none" else rows_loss.sum()
+    if reduction == "mean":
+        loss = loss / setup.share.sum()
+    values = {"loss": loss.to(loss_dtype), **{f"grad_{k}": v for k, v in made.items()}}
+    return values[names[0]] if isinstance(which, str) else tuple(values[n] for n in names)
+
+
+def backward(grad_rows, a, m, *rest, which, ignore_index, label_smoothing, has_bias, has_weight, loss_dtype,
+             **_):
+    """The gradients ``which`` names (``a``, ``m``, ``bias``; one or a tuple) of a per-row loss
+    (``reduction="none"``), given the rows' gradient: the logits are made again, chunk by chunk."""
+    bias, target, weight = _operands(rest, has_bias, has_weight)
+    names = (which,) if isinstance(which, str) else tuple(which)
+    setup = _Setup(a, m, bias, target, weight, ignore_index, label_smoothing, loss_dtype)
+    _, made = _chunks(setup, grad_rows.to(torch.float32) * setup.valid, list(names))
+    return made[names[0]] if isinstance(which, str) else tuple(made[n] for n in names)
+
+
+def _operands(rest, has_bias, has_weight):
+    rest = list(rest)
+    bias = rest.pop(0) if has_bias else None
+    target = rest.pop(0)
+    weight = rest.pop(0) if has_weight else None
+    return bias, target, weight
+
+
+class _Setup:
+    """What every chunk reads: the operands, each row's share s_r (0 where ignored), the index
+    gathered with (class 0 where ignored) and the smoothing's constants."""
+
+    def __init__(self, a, m, bias, target, weight, ignore_index, label_smoothing, loss_dtype):
+        self.a, self.m, self.bias, self.loss_dtype = a, m, bias, loss_dtype
+        self.classes = m.shape[1]
+        self.valid = (target != ignore_index).to(torch.float32)
+        self.index = torch.where(target != ignore_index, target, 0)
+        self.eps = float(label_smoothing)
+        if weight is None:
+            self.weight, self.mass = None, float(self.classes)
+            self.share = self.valid
+        else:
+            self.weight = weight.to(torch.float32)
+            self.mass = self.weight.sum()
+            self.share = self.weight[self.index] * self.valid
+        self.rows_per_chunk = chunk_rows(a.shape[0], self.classes, m.dtype)
+
+
+def _chunks(setup: _Setup, scale, wanted: list) -> tuple:
+    """(each row's loss as float32, the gradients in ``wanted``), chunk by chunk; ``scale``: each
+    row's incoming gradient (None: no gradients)."""
+    a, m = setup.a, setup.m
+    rows_loss = torch.empty(a.shape[0], dtype=torch.float32, device=a.device)
+    made = {}
+    if "a" in wanted:
+        made["a"] = torch.empty_like(a, memory_format=torch.contiguous_format)
+    accumulators = {k: None for k in ("m", "bias") if k in wanted}   # float32 sums over the chunks
+    for start in range(0, a.shape[0], setup.rows_per_chunk):
+        rows = slice(start, min(start + setup.rows_per_chunk, a.shape[0]))
+        logits = a[rows] @ m if setup.bias is None else torch.addmm(setup.bias, a[rows], m)
+        x = logits.to(torch.float32) if logits.dtype != torch.float32 else logits
+        del logits
+        lse = torch.logsumexp(x, 1)
+        rows_loss[rows] = _rows_loss(setup, x, lse, rows)
+        if scale is None:
+            continue
+        dx = _logits_grad(setup, x, lse, rows, scale[rows]).to(m.dtype)
+        del x
+        if "a" in made:
+            torch.mm(dx, m.t(), out=made["a"][rows])
+        if "m" in accumulators:
+            _accumulate(accumulators, "m", a[rows].t() @ dx)
+        if "bias" in accumulators:
+            _accumulate(accumulators, "bias", dx.sum(0, dtype=torch.float32))
+    if "m" in accumulators:
+        made["m"] = _finished(accumulators["m"], m)
+    if "bias" in accumulators:
+        made["bias"] = _finished(accumulators["bias"], setup.bias)
+    return rows_loss, made
+
+
+def _rows_loss(setup: _Setup, x, lse, rows):
+    picked = x.gather(1, setup.index[rows, None]).squeeze(1)
+    loss = (lse - picked) * setup.share[rows] if setup.weight is not None else (lse - picked)
+    if setup.eps > 0:
+        weighted = x.sum(1) if setup.weight is None else x @ setup.weight
+        smooth = lse * setup.mass - weighted
+        loss = loss * (1.0 - setup.eps) + smooth * (setup.eps / setup.classes)
+    return torch.where(setup.valid[rows] > 0, loss, 0.0)
+
+
+def _logits_grad(setup: _Setup, x, lse, rows, scale):
+    """scale_r * d(loss_r)/d(x_r), in place over ``x`` (which becomes softmax first)."""
+    s = setup.share[rows] if setup.weight is not None else setup.valid[rows]
+    one_hot = (1.0 - setup.eps) * s * scale           # the coefficient of -[c = t]
+    p = x.sub_(lse[:, None]).exp_()
+    p.mul_((one_hot + (setup.eps / setup.classes) * setup.mass * scale)[:, None])
+    p.scatter_add_(1, setup.index[rows, None], -one_hot[:, None])
+    if setup.eps > 0:
+        smoothing = (setup.eps / setup.classes) * scale[:, None]
+        p.sub_(smoothing if setup.weight is None else smoothing * setup.weight)
+    return p
+
+
+def _accumulate(accumulators: dict, key: str, value) -> None:
+    if accumulators[key] is None:
+        accumulators[key] = value.to(torch.float32) if value.dtype != torch.float32 else value
+    else:
+        accumulators[key].add_(value)
+
+
+def _finished(total, like):
+    if total is None:   # (no rows)
+        return torch.zeros_like(like)
+    return total.to(like.dtype)

@@ -1,0 +1,219 @@
+"""A linear layer's cross-entropy over many classes runs in row chunks (issue 37): the logits are
+never whole, values and gradients equal eager's for every form the binding takes (ignore_index,
+label smoothing, class weights, each reduction), on every backend; where the logits are read by
+something else the loss is the ordinary one; double backward goes through the decomposed form.
+
+The tests chunk small heads: ``SYMGRAD_CHUNKED_LOSS_MIN_LOGITS`` lowers the size from which a loss
+is chunked, ``SYMGRAD_LOSS_CHUNK_MB`` the chunk's budget (a few rows per chunk).
+"""
+
+from __future__ import annotations
+
+import compiler  # (first: it chooses Triton's interpreter on a machine without a GPU, before Triton loads)
+from tests.devices import BACKENDS  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from runtime import linear_cross_entropy as runtime_loss  # noqa: E402
+
+N, D, V = 45, 16, 301
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    monkeypatch.setenv("SYMGRAD_CHUNKED_LOSS_MIN_LOGITS", "1000")
+    monkeypatch.setenv("SYMGRAD_LOSS_CHUNK_MB", "0.05")   # 0.05 MiB / (301 classes * 12 B): 14 rows a chunk
+
+
+class _LargestMade(TorchDispatchMode):
+    """The most elements of any tensor an operator made with a row per position (the logits' first
+    dim; the interpreter's blocks and the weight's gradient have other shapes)."""
+
+    def __init__(self, rows=(N,)):
+        super().__init__()
+        self.largest, self.rows = 0, rows
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.ndim == 2 and t.shape[0] in self.rows:
+                # (its memory's: the replay's stand-ins are a 0-d value expanded, nothing allocated)
+                self.largest = max(self.largest, t.untyped_storage().nbytes() // t.element_size())
+        return out
+
+
+def _inputs(seed=0, ignored=5, dtype=torch.float32):
+    torch.manual_seed(seed)
+    layer = torch.nn.Linear(D, V).to(dtype)
+    h = torch.randn(N, D, dtype=dtype, requires_grad=True)
+    target = torch.randint(0, V, (N,))
+    target[:ignored] = -100
+    return layer, h, target
+
+
+def _step(fn, layer, h, target, grad):
+    """fn's loss and the gradients of h, the weight and the bias, for the incoming ``grad``."""
+    layer.zero_grad()
+    h.grad = None
+    out = fn(h, target)
+    out.backward(grad(out))
+    return [out.detach(), h.grad, layer.weight.grad, layer.bias.grad]
+
+
+def _grad(out):
+    return torch.full_like(out, 0.7) if out.ndim == 0 else torch.linspace(-1, 1, out.numel()).reshape(out.shape)
+
+
+FORMS = {
+    "mean": {},
+    "sum": dict(reduction="sum"),
+    "none": dict(reduction="none"),
+    "label smoothing": dict(label_smoothing=0.15),
+    "class weights": dict(weight="w"),
+    "weights, smoothing, sum": dict(weight="w", label_smoothing=0.3, reduction="sum"),
+    "weights, smoothing, none": dict(weight="w", label_smoothing=0.2, reduction="none"),
+    "ignore_index 7": dict(ignore_index=7),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("form", list(FORMS))
+def test_every_form_matches_eager_in_chunks(form, backend):
+    layer, h, target = _inputs()
+    kwargs = dict(FORMS[form])
+    if kwargs.get("weight") == "w":
+        kwargs["weight"] = torch.rand(V, generator=torch.Generator().manual_seed(3))
+    if kwargs.get("ignore_index") == 7:
+        target[:14] = 7   # (the -100s too: with another ignore_index they would be out of range)
+
+    def loss(h, target):
+        return F.cross_entropy(layer(F.gelu(h)), target, **kwargs)
+
+    expected = _step(loss, layer, h, target, _grad)
+    compiled = compiler.compile(loss, backend=backend, fullgraph=True)
+    _step(compiled, layer, h, target, _grad)                      # records
+    launches = compiled.stats["kernel_launches"]
+    with _LargestMade() as made:
+        got = _step(compiled, layer, h, target, _grad)            # replays
+    assert compiled.stats["replays"] >= 1 and compiled.stats["divergences"] == 0
+    if backend != "torch":
+        assert compiled.stats["kernel_launches"] > launches, "no generated kernel ran (the GELU's)"
+    assert made.largest < N * V, f"a tensor of {made.largest} elements: the logits ({N} x {V}) were made whole"
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+
+
+def test_the_forward_makes_the_gradients_once():
+    """A mean's gradients are made by the forward's call, with the loss: one pass over the chunks,
+    no logits made again in backward (3 matmuls a chunk in all, as eager's 3)."""
+    layer, h, target = _inputs()
+    compiled = compiler.compile(lambda h, t: F.cross_entropy(layer(h), t), backend="torch", fullgraph=True)
+    _step(compiled, layer, h, target, _grad)
+    chunks = -(-N // runtime_loss.chunk_rows(N, V, torch.float32))
+    with _Matmuls() as mm:
+        _step(compiled, layer, h, target, _grad)
+    assert mm.count == 3 * chunks
+
+
+class _Matmuls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._overloadpacket.__name__ in ("mm", "addmm"):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_logits_read_elsewhere_keep_the_ordinary_loss():
+    """A z-loss reads the logits too (and the function returns them): they are made whole anyway,
+    so the loss is eager's ordinary form, not chunked (which would make them twice)."""
+    layer, h, target = _inputs()
+
+    def loss(h, target):
+        logits = layer(h)
+        ce = F.cross_entropy(logits, target)
+        return ce + 1e-3 * torch.logsumexp(logits, -1).pow(2).mean(), logits
+
+    compiled = compiler.compile(loss, backend="interpret", fullgraph=True)
+    compiled(h, target)
+    with _Matmuls() as mm:   # eager's three: the logits, then the gradients of h and of the weight
+        out, logits = compiled(h, target)
+        (out + logits.sum()).backward()
+    assert mm.count == 3
+    e_out, e_logits = loss(h, target)
+    torch.testing.assert_close(out, e_out)
+    torch.testing.assert_close(logits, e_logits)
+
+
+def test_a_language_model_step_under_autocast_matches_eager():
+    """nanoGPT's loss: the head's bf16 logits widened to float32 (autocast) and flattened; the
+    model returns them, the step does not. Chunked, and eager's numbers over three AdamW steps."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(V, D), torch.nn.LayerNorm(D), torch.nn.Linear(D, V, bias=False))
+    twin = __import__("copy").deepcopy(model)
+    ids = torch.randint(0, V, (3, 15))
+    targets = ids.roll(1, 1)
+
+    def make_step(m):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+        def step(ids, targets):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = m(ids)
+                loss = F.cross_entropy(logits.view(-1, V), targets.view(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+        return step
+
+    eager, compiled = make_step(twin), compiler.compile(make_step(model), backend="interpret")
+    for _ in range(3):
+        torch.testing.assert_close(compiled(ids, targets), eager(ids, targets), rtol=2e-2, atol=2e-2)
+    assert compiled.stats["replays"] >= 2 and compiled.stats["eager_calls"] == 0
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=2e-2, atol=2e-2)
+    with _LargestMade(rows=(ids.numel(),)) as made:
+        compiled(ids, targets)
+    assert made.largest < ids.numel() * V
+
+
+def test_double_backward_goes_through_the_decomposed_loss():
+    layer, h, target = _inputs(ignored=0)
+
+    def grad_norm(h, target):
+        loss = F.cross_entropy(layer(h), target, label_smoothing=0.1)
+        (g,) = torch.autograd.grad(loss, h, create_graph=True)
+        return g.pow(2).sum()
+
+    compiled = compiler.compile(grad_norm, backend="interpret", fullgraph=True)
+    expected = torch.autograd.grad(grad_norm(h, target), h)[0]
+    compiled(h, target)
+    got = torch.autograd.grad(compiled(h, target), h)[0]
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_every_row_ignored(reduction):
+    """A mean over no counted row is NaN (0/0) as eager's, and its gradients are 0, not NaN."""
+    layer, h, target = _inputs(ignored=N)
+    expected = _step(lambda h, t: F.cross_entropy(layer(h), t, reduction=reduction), layer, h, target, _grad)
+    compiled = compiler.compile(lambda h, t: F.cross_entropy(layer(h), t, reduction=reduction), backend="torch")
+    for _ in range(2):
+        got = _step(compiled, layer, h, target, _grad)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, equal_nan=True)
+
+
+def test_chunk_rows_follow_the_budget(monkeypatch):
+    monkeypatch.setenv("SYMGRAD_LOSS_CHUNK_MB", "64")
+    assert runtime_loss.chunk_rows(8192, 50257, torch.bfloat16) == (64 << 20) // (50257 * 8)
+    assert runtime_loss.chunk_rows(8192, 50257, torch.float32) == (64 << 20) // (50257 * 12)
+    assert runtime_loss.chunk_rows(10, 50257, torch.float32) == 10
+    monkeypatch.setenv("SYMGRAD_LOSS_CHUNK_MB", "0.001")
+    assert runtime_loss.chunk_rows(8192, 50257, torch.float32) == 1
