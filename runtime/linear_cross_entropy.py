@@ -31,6 +31,8 @@ import os
 
 import torch
 
+from runtime import linear_cross_entropy_kernel as kernels
+
 # NOTE (memory): the bytes one chunk's work may hold (its logits, their float32 copy, the
 # gradient): 64 MiB, about GPT-2's hidden states at B=8, T=1024 in bf16 times five, so each
 # chunk's matmul still has a hundred rows or more at a 50k vocabulary.
@@ -47,7 +49,7 @@ def chunk_rows(rows: int, classes: int, dtype: torch.dtype) -> int:
 
 
 def forward(a, m, *rest, which=None, reduction, ignore_index, label_smoothing, has_bias, has_weight, loss_dtype,
-            grads=False):
+            backend="torch"):
     """The loss (a 0-d tensor for ``mean``/``sum``, one value per row for ``none``), or with
     ``which`` naming ``loss`` and gradients (``grad_a``, ``grad_m``, ``grad_bias``, one name or a
     tuple) those, the gradients being of the reduced loss (an incoming gradient of 1)."""
@@ -56,7 +58,7 @@ def forward(a, m, *rest, which=None, reduction, ignore_index, label_smoothing, h
     wanted = [n[len("grad_"):] for n in names if n.startswith("grad_")]
     if wanted and reduction == "none":
         raise ValueError("the gradients of a per-row loss are made by backward(), which takes the rows' gradient")
-    setup = _Setup(a, m, bias, target, weight, ignore_index, label_smoothing, loss_dtype)
+    setup = _Setup(a, m, bias, target, weight, ignore_index, label_smoothing, loss_dtype, backend)
     scale = None
     if wanted:   # d(loss)/d(loss_r): 1 / sum(s) for a mean, 1 for a sum; 0 where ignored (all ignored too)
         scale = setup.valid if reduction == "sum" else \
@@ -70,12 +72,12 @@ def forward(a, m, *rest, which=None, reduction, ignore_index, label_smoothing, h
 
 
 def backward(grad_rows, a, m, *rest, which, ignore_index, label_smoothing, has_bias, has_weight, loss_dtype,
-             **_):
+             backend="torch", **_):
     """The gradients ``which`` names (``a``, ``m``, ``bias``; one or a tuple) of a per-row loss
     (``reduction="none"``), given the rows' gradient: the logits are made again, chunk by chunk."""
     bias, target, weight = _operands(rest, has_bias, has_weight)
     names = (which,) if isinstance(which, str) else tuple(which)
-    setup = _Setup(a, m, bias, target, weight, ignore_index, label_smoothing, loss_dtype)
+    setup = _Setup(a, m, bias, target, weight, ignore_index, label_smoothing, loss_dtype, backend)
     _, made = _chunks(setup, grad_rows.to(torch.float32) * setup.valid, list(names))
     return made[names[0]] if isinstance(which, str) else tuple(made[n] for n in names)
 
@@ -92,7 +94,7 @@ class _Setup:
     """What every chunk reads: the operands, each row's share s_r (0 where ignored), the index
     gathered with (class 0 where ignored) and the smoothing's constants."""
 
-    def __init__(self, a, m, bias, target, weight, ignore_index, label_smoothing, loss_dtype):
+    def __init__(self, a, m, bias, target, weight, ignore_index, label_smoothing, loss_dtype, backend):
         self.a, self.m, self.bias, self.loss_dtype = a, m, bias, loss_dtype
         self.classes = m.shape[1]
         self.valid = (target != ignore_index).to(torch.float32)
@@ -106,6 +108,12 @@ class _Setup:
             self.mass = self.weight.sum()
             self.share = self.weight[self.index] * self.valid
         self.rows_per_chunk = chunk_rows(a.shape[0], self.classes, m.dtype)
+        # our Triton kernel for each chunk's softmax and gradient (the CPU path: PyTorch's ops)
+        self.triton = backend in ("interpret", "triton") and m.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        if self.triton:
+            self.target = torch.where(target != ignore_index, target, -1)
+            mass = self.mass if isinstance(self.mass, torch.Tensor) else torch.tensor(self.mass)
+            self.mass_tensor = mass.reshape(1).to(device=a.device, dtype=torch.float32)
 
 
 def _chunks(setup: _Setup, scale, wanted: list) -> tuple:
@@ -120,18 +128,23 @@ def _chunks(setup: _Setup, scale, wanted: list) -> tuple:
     for start in range(0, a.shape[0], setup.rows_per_chunk):
         rows = slice(start, min(start + setup.rows_per_chunk, a.shape[0]))
         logits = a[rows] @ m if setup.bias is None else torch.addmm(setup.bias, a[rows], m)
-        x = logits.to(torch.float32) if logits.dtype != torch.float32 else logits
-        del logits
-        lse = torch.logsumexp(x, 1)
-        rows_loss[rows] = _rows_loss(setup, x, lse, rows)
-        if scale is None:
-            continue
-        dx = _logits_grad(setup, x, lse, rows, scale[rows]).to(m.dtype)
-        del x
+        if setup.triton:
+            rows_loss[rows], dx = _kernel_chunk(setup, logits, rows, None if scale is None else scale[rows])
+            if scale is None:
+                continue
+        else:
+            x = logits.to(torch.float32) if logits.dtype != torch.float32 else logits
+            del logits
+            lse = torch.logsumexp(x, 1)
+            rows_loss[rows] = _rows_loss(setup, x, lse, rows)
+            if scale is None:
+                continue
+            dx = _logits_grad(setup, x, lse, rows, scale[rows]).to(m.dtype)
+            del x
         if "a" in made:
             torch.mm(dx, m.t(), out=made["a"][rows])
         if "m" in accumulators:
-            _accumulate(accumulators, "m", a[rows].t() @ dx)
+            _accumulate_product(accumulators, "m", a[rows].t(), dx)
         if "bias" in accumulators:
             _accumulate(accumulators, "bias", dx.sum(0, dtype=torch.float32))
     if "m" in accumulators:
@@ -139,6 +152,25 @@ def _chunks(setup: _Setup, scale, wanted: list) -> tuple:
     if "bias" in accumulators:
         made["bias"] = _finished(accumulators["bias"], setup.bias)
     return rows_loss, made
+
+
+def _kernel_chunk(setup: _Setup, logits, rows, scale) -> tuple:
+    """(the chunk's rows' loss, the logits' gradient written over them, or None without ``scale``)
+    by ``chunk_loss_kernel``."""
+    from runtime.attention import _launch   # (a recorded launch where benchmarks record them)
+
+    count, classes = logits.shape
+    loss = torch.empty(count, dtype=torch.float32, device=logits.device)
+    block, warps = kernels.block_for(classes)
+    weight = setup.weight if setup.weight is not None else loss   # (unread without HAS_WEIGHT)
+    args = (logits, logits.stride(0), setup.target[rows], setup.share[rows],
+            scale if scale is not None else loss, weight, setup.mass_tensor, loss, classes,
+            setup.eps / classes, 1.0 - setup.eps)
+    options = dict(HAS_WEIGHT=setup.weight is not None, SMOOTH=setup.eps > 0, GRAD=scale is not None,
+                   BLOCK=block, num_warps=warps)
+    moved = logits.numel() * logits.element_size() * (3 if scale is not None else 1)
+    _launch(kernels.chunk_loss_kernel, (count,), args, options, {"kind": "memory", "bytes": moved})
+    return loss, (logits if scale is not None else None)
 
 
 def _rows_loss(setup: _Setup, x, lse, rows):
@@ -162,6 +194,16 @@ def _logits_grad(setup: _Setup, x, lse, rows, scale):
         smoothing = (setup.eps / setup.classes) * scale[:, None]
         p.sub_(smoothing if setup.weight is None else smoothing * setup.weight)
     return p
+
+
+def _accumulate_product(accumulators: dict, key: str, left, right) -> None:
+    """accumulators[key] += left @ right, in place where the operands are float32 (no product
+    of the weight's size made per chunk)."""
+    total = accumulators[key]
+    if total is not None and left.dtype == total.dtype:
+        total.addmm_(left, right)
+    else:
+        _accumulate(accumulators, key, left @ right)
 
 
 def _accumulate(accumulators: dict, key: str, value) -> None:

@@ -106,6 +106,24 @@ def test_every_form_matches_eager_in_chunks(form, backend):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_nll_of_log_softmax_is_chunked_too(reduction):
+    layer, h, target = _inputs()
+    weight = torch.rand(V, generator=torch.Generator().manual_seed(3))
+
+    def loss(h, target):
+        return F.nll_loss(F.log_softmax(layer(h), dim=-1), target, weight=weight, reduction=reduction)
+
+    expected = _step(loss, layer, h, target, _grad)
+    compiled = compiler.compile(loss, backend="torch", fullgraph=True)
+    _step(compiled, layer, h, target, _grad)
+    with _LargestMade() as made:
+        got = _step(compiled, layer, h, target, _grad)
+    assert made.largest < N * V
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+
+
 def test_the_forward_makes_the_gradients_once():
     """A mean's gradients are made by the forward's call, with the loss: one pass over the chunks,
     no logits made again in backward (3 matmuls a chunk in all, as eager's 3)."""
@@ -124,7 +142,7 @@ class _Matmuls(TorchDispatchMode):
         self.count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func._overloadpacket.__name__ in ("mm", "addmm"):
+        if func._overloadpacket.__name__ in ("mm", "addmm", "addmm_"):
             self.count += 1
         return func(*args, **(kwargs or {}))
 
@@ -217,3 +235,42 @@ def test_chunk_rows_follow_the_budget(monkeypatch):
     assert runtime_loss.chunk_rows(10, 50257, torch.float32) == 10
     monkeypatch.setenv("SYMGRAD_LOSS_CHUNK_MB", "0.001")
     assert runtime_loss.chunk_rows(8192, 50257, torch.float32) == 1
+
+
+class _Counted:
+    """A kernel whose launches are counted (``kernel[grid](...)``)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("form", ["mean", "sum", "weights, smoothing, sum", "ignore_index 7"])
+def test_the_chunk_kernel_matches_pytorchs_ops(form, dtype, monkeypatch):
+    """The Triton chunk kernel (in the interpreter) against the CPU path's PyTorch ops: the loss and
+    the three gradients, bf16 logits too (rounded as eager rounds them)."""
+    from runtime import linear_cross_entropy_kernel as kernels
+
+    counted = _Counted(kernels.chunk_loss_kernel)
+    monkeypatch.setattr(kernels, "chunk_loss_kernel", counted)
+    layer, h, target = _inputs(dtype=dtype)
+    kwargs = dict(FORMS[form])
+    weight = torch.rand(V, generator=torch.Generator().manual_seed(3)).to(dtype) if "weight" in kwargs else None
+    ignore_index = kwargs.get("ignore_index", -100)
+    if ignore_index == 7:
+        target[:14] = 7
+    operands = [h.detach(), layer.weight.detach().t(), layer.bias.detach(), target]
+    operands += [weight] if weight is not None else []
+    common = dict(which=("loss", "grad_a", "grad_m", "grad_bias"), reduction=kwargs.get("reduction", "mean"),
+                  ignore_index=ignore_index, label_smoothing=kwargs.get("label_smoothing", 0.0), has_bias=True,
+                  has_weight=weight is not None, loss_dtype=torch.float32)
+    expected = runtime_loss.forward(*operands, backend="torch", **common)
+    got = runtime_loss.forward(*operands, backend="interpret", **common)
+    assert counted.launches == -(-N // runtime_loss.chunk_rows(N, V, dtype))
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g.float(), e.float(), **tol)

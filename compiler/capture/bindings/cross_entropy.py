@@ -93,6 +93,11 @@ def _nll_loss(b, x, target, weight=None, size_average=None, ignore_index=-100, r
 def _nll(x: Tensor, target: Tensor, weight, ignore_index, reduction) -> Tensor:
     """-x[n, target[n], ...] (times its class weight), 0 where ignored, reduced."""
     weight = _class_weight(weight, x)
+    logits = x.node.meta.get("log_softmax_of")
+    if logits is not None and target.ndim == 1:   # nll_loss(log_softmax(logits)): cross_entropy(logits)
+        chunked = _chunked_linear_loss(Tensor(x.b, logits), target, weight, ignore_index, 0.0, reduction)
+        if chunked is not None:
+            return chunked
     picked, valid, index = _picked(x, target, ignore_index)
     share = _counted(weight, index, valid, x.dtype)
     loss = -picked

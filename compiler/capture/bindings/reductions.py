@@ -212,7 +212,12 @@ def log_softmax(x: Tensor, dim: int, dtype=None) -> Tensor:
 def _log_softmax(b, x, dim=None, _stacklevel=3, dtype=None):
     if dim is None:
         raise Unsupported("log_softmax without dim")
-    return log_softmax(x, dim, dtype)
+    out = log_softmax(x, dim, dtype)
+    if dtype is None and x.ndim == 2 and dim in (1, -1):
+        # (what nll_loss's binding reads to see cross_entropy written as nll_loss(log_softmax(x)),
+        # a linear's loss it may compute in chunks: ``cross_entropy._chunked_linear_loss``)
+        out.node.meta["log_softmax_of"] = x.node
+    return out
 
 
 @binds(torch.logsumexp, _t("logsumexp"))

@@ -20,12 +20,15 @@ decomposed form, which SymPy's autodiff differentiates like any graph.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.fx as fx
 
 from compiler.ir.graph import kind_of, meta_of, OpKind, output_node
 from compiler.ir.ops.externs import EXTERNS, Extern
 from compiler.ir.ops.pointwise import POINTWISE, emit_pointwise
+from runtime import backends
 from runtime import linear_cross_entropy as runtime_loss
 
 _PARAMETERS = ("reduction", "ignore_index", "label_smoothing", "has_bias", "has_weight", "loss_dtype")
@@ -58,6 +61,14 @@ class LinearCrossEntropy(Extern):
         parameters = {**parameters, "loss_dtype": getattr(torch, parameters["loss_dtype"])}
         return runtime_loss.forward(*args[:core], which=which, **parameters)
 
+    def function_for(self, backend: str):
+        return functools.partial(LinearCrossEntropy.torch_fn, backend=backend)
+
+    def kernels_launched(self, backend: str, nodes) -> int:
+        """One chunk kernel a chunk, where the Triton kernels run (counted as one: the chunks
+        depend on the sizes, not known here)."""
+        return 0 if backends.cpu_path(backend) else 1
+
     def joint_key(self, node):
         return tuple(node.args[:_core_count(node)]), tuple(sorted(_parameters(node).items()))
 
@@ -66,8 +77,8 @@ class LinearCrossEntropy(Extern):
         order = sorted(nodes, key=lambda n: ("loss", "grad_a", "grad_m", "grad_bias").index(n.kwargs["which"]))
         if len({n.kwargs["which"] for n in nodes}) != len(nodes) or len(nodes[0].args) != _core_count(nodes[0]):
             return None
-        return (runtime_loss.forward, {"which": tuple(n.kwargs["which"] for n in order), **_runtime_kwargs(nodes[0])},
-                order)
+        return (runtime_loss.forward, {"which": tuple(n.kwargs["which"] for n in order), **_runtime_kwargs(nodes[0]),
+                                       "backend": backend}, order)
 
     def vjp(self, b, node, grad_out):
         if node.kwargs["which"] != "loss":
@@ -126,6 +137,12 @@ class LinearCrossEntropyBackward(Extern):
         parameters = {**parameters, "loss_dtype": getattr(torch, parameters["loss_dtype"])}
         return runtime_loss.backward(grad, *args, which=which, **parameters)
 
+    def function_for(self, backend: str):
+        return functools.partial(LinearCrossEntropyBackward.torch_fn, backend=backend)
+
+    def kernels_launched(self, backend: str, nodes) -> int:
+        return 0 if backends.cpu_path(backend) else 1
+
     def joint_key(self, node):
         return tuple(node.args), tuple(sorted(_parameters(node).items()))
 
@@ -133,8 +150,8 @@ class LinearCrossEntropyBackward(Extern):
         order = sorted(nodes, key=lambda n: tuple(_GRADS).index(n.kwargs["which"]))
         if len({n.kwargs["which"] for n in nodes}) != len(nodes):
             return None
-        return (runtime_loss.backward, {"which": tuple(n.kwargs["which"] for n in order), **_runtime_kwargs(nodes[0])},
-                order)
+        return (runtime_loss.backward, {"which": tuple(n.kwargs["which"] for n in order),
+                                        **_runtime_kwargs(nodes[0]), "backend": backend}, order)
 
     def vjp(self, b, node, grad_out):
         raise AssertionError("linear_cross_entropy_backward is differentiated through the decomposed loss "
