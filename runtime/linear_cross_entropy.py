@@ -33,18 +33,21 @@ import torch
 
 from runtime import linear_cross_entropy_kernel as kernels
 
-# NOTE (memory): the bytes one chunk's work may hold (its logits, their float32 copy, the
-# gradient): 64 MiB, about GPT-2's hidden states at B=8, T=1024 in bf16 times five, so each
-# chunk's matmul still has a hundred rows or more at a 50k vocabulary.
-DEFAULT_CHUNK_BYTES = 64 << 20
+# NOTE (memory): the bytes one chunk's work may hold: 128 MiB. With the Triton kernel that is the
+# chunk's logits alone (the gradient is written over them): GPT-2's head (50,257 classes, bf16)
+# gets 1,335 rows a chunk, matmuls wide enough for cuBLAS's tiles. PyTorch's ops (the CPU path)
+# hold a float32 copy and the gradient besides: 222 rows a chunk in float32.
+DEFAULT_CHUNK_BYTES = 128 << 20
 GRADS = ("a", "m", "bias")
 
 
-def chunk_rows(rows: int, classes: int, dtype: torch.dtype) -> int:
-    """Rows per chunk: as many as ``SYMGRAD_LOSS_CHUNK_MB`` (default 64) holds, counting per element
-    the logits in the matmul's dtype, a float32 copy and the gradient in the matmul's dtype."""
+def chunk_rows(rows: int, classes: int, dtype: torch.dtype, fused: bool = False) -> int:
+    """Rows per chunk: as many as ``SYMGRAD_LOSS_CHUNK_MB`` (default 128) holds, counting per element
+    the logits in the matmul's dtype and, unless ``fused`` (the Triton kernel), a float32 copy and
+    the gradient in the matmul's dtype."""
     budget = int(float(os.environ.get("SYMGRAD_LOSS_CHUNK_MB", DEFAULT_CHUNK_BYTES / 2**20)) * 2**20)
-    per_row = classes * (4 + 2 * torch.empty((), dtype=dtype).element_size())
+    size = torch.empty((), dtype=dtype).element_size()
+    per_row = classes * (size if fused else 4 + 2 * size)
     return max(1, min(rows, budget // per_row))
 
 
@@ -107,9 +110,9 @@ class _Setup:
             self.weight = weight.to(torch.float32)
             self.mass = self.weight.sum()
             self.share = self.weight[self.index] * self.valid
-        self.rows_per_chunk = chunk_rows(a.shape[0], self.classes, m.dtype)
         # our Triton kernel for each chunk's softmax and gradient (the CPU path: PyTorch's ops)
         self.triton = backend in ("interpret", "triton") and m.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        self.rows_per_chunk = chunk_rows(a.shape[0], self.classes, m.dtype, fused=self.triton)
         if self.triton:
             self.target = torch.where(target != ignore_index, target, -1)
             mass = self.mass if isinstance(self.mass, torch.Tensor) else torch.tensor(self.mass)
@@ -197,13 +200,18 @@ def _logits_grad(setup: _Setup, x, lse, rows, scale):
 
 
 def _accumulate_product(accumulators: dict, key: str, left, right) -> None:
-    """accumulators[key] += left @ right, in place where the operands are float32 (no product
-    of the weight's size made per chunk)."""
+    """accumulators[key] += left @ right in float32, in place: no product of the weight's size is
+    made per chunk. float32 operands: ``addmm_``; bf16/fp16 on CUDA: cuBLAS's float32 output
+    (``addmm``'s ``out_dtype``); elsewhere (CPU half precision) the product, then an add."""
     total = accumulators[key]
-    if total is not None and left.dtype == total.dtype:
+    if total is None:
+        accumulators[key] = (left @ right).to(torch.float32)
+    elif left.dtype == total.dtype:
         total.addmm_(left, right)
+    elif left.device.type in ("cuda", "meta"):
+        torch.addmm(total, left, right, torch.float32, out=total)
     else:
-        _accumulate(accumulators, key, left @ right)
+        total.add_(left @ right)
 
 
 def _accumulate(accumulators: dict, key: str, value) -> None:
