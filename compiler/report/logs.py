@@ -8,7 +8,7 @@ off unless asked for::
 
 or, from Python, ``compiler.set_logs("guards", "recompiles")``. The stages:
 
-- ``graphs``: each region's captured forward graph, when the recording ends;
+- ``graphs``: each region's captured forward graph, when the recording ends; which losses run in chunks;
 - ``backward``: each region's backward graph, as SymPy's autodiff derives it;
 - ``kernels``: each generated kernel (name, the user ops it fused, bytes moved, source);
 - ``fallbacks``: what runs eagerly and why, for each recording;

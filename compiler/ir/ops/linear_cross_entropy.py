@@ -28,6 +28,7 @@ import torch.fx as fx
 from compiler.ir.graph import kind_of, meta_of, OpKind, output_node
 from compiler.ir.ops.externs import EXTERNS, Extern
 from compiler.ir.ops.pointwise import POINTWISE, emit_pointwise
+from compiler.report import logs
 from runtime import backends
 from runtime import linear_cross_entropy as runtime_loss
 
@@ -227,6 +228,8 @@ def chunked_loss_pass(graph: fx.Graph) -> int:
             node.args = node.args[:-1]
             kept.append(node)
             continue
+        logs.logger("graphs").info("the cross-entropy of a linear's logits is not chunked: something else reads "
+                                   "the logits (they are made whole anyway)")
         with graph.inserting_before(node):
             made = LINEAR_CROSS_ENTROPY.decompose(b, node, logits)
         node.replace_all_uses_with(made)
@@ -234,6 +237,9 @@ def chunked_loss_pass(graph: fx.Graph) -> int:
     graph.eliminate_dead_code()
     for node in kept:   # (after the dead code is gone: nothing reads them before the VJP does)
         _gradients_with_the_loss(b, node)
+        rows, classes = meta_of(node.args[0]).shape[0], meta_of(node.args[1]).shape[1]
+        logs.logger("graphs").info("the cross-entropy of %d x %d logits runs in row chunks (%s; nothing else reads "
+                                   "the logits)", rows, classes, node.kwargs["reduction"])
     return len(kept)
 
 
