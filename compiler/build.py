@@ -15,7 +15,7 @@ import torch.fx as fx
 from compiler.autodiff.partition import partition, propagate_requires_grad
 from compiler.capture.attention_pattern import attention_passes
 from compiler.capture.regions import EAGER_NAMES, EAGER_SAVED, SAVED_BY_CONSUMERS, SAVED_INPUTS
-from compiler.fusion.fuse import fuse
+from compiler.fusion.fuse import fuse, keep_long_chains
 from compiler.ir.ops import catalog as C
 from compiler.ir.reference import first_nan
 from compiler.report import logs
@@ -49,6 +49,8 @@ def build_region(graph: fx.Graph, mutated_inputs=frozenset(), written_later=froz
     (``codegen.triton_kernel.render_kernel``), so builds that differ only in sizes share sources."""
     attention_passes(graph)   # (written-out attention as flash attention; its rotary, operands and output layout)
     C.chunked_loss_pass(graph)   # (a linear's cross-entropy in row chunks, where nothing else reads its logits)
+    if memory != "min":
+        keep_long_chains(graph)   # (a residual stream's sums: saved, not remade from every layer's outputs)
     outputs = _plan_outputs(graph, written_later, outputs_written_later)
     pristine = copy_graph(graph)  # partition appends the backward to ``graph``
     parts = partition(graph, mutated_inputs, written_later=written_later, memory=memory,

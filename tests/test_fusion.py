@@ -294,3 +294,49 @@ def test_small_copies_of_different_shapes_share_one_kernel():
     block(x).backward()
     for got, p in zip(ours, (*qkv.parameters(), *proj.parameters())):
         torch.testing.assert_close(got, p.grad, rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- deep networks (issue 37)
+def _residual_stack(layers: int, width: int = 32):
+    """Pre-norm residual blocks, x = x + W2 gelu(W1 norm(x)): a transformer's residual stream."""
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.LayerNorm(width), torch.nn.Linear(width, 4 * width),
+                                                     torch.nn.GELU(), torch.nn.Linear(4 * width, width))
+                                 for _ in range(layers))
+
+    def net(x):
+        for block in blocks:
+            x = x + block(x)
+        return x.square().mean()
+    return net
+
+
+def test_the_residual_stream_is_not_recomputed_by_every_layer():
+    """Each layer's sum x + y is read by its norm and, past the layer's matmuls, by the next sum:
+    inlined, every norm computed the whole stream again (its kernel's bytes grew with depth). Now
+    a long chain is stored: the norms' kernels move about as many bytes at every depth."""
+    x = torch.randn(64, 32, requires_grad=True)
+    report = compiler.explain(compiler.compile(_residual_stack(8), backend="interpret"), x)
+    norms = [k.bytes_moved for k in report.forward_kernels if "mean" in k.name]
+    assert len(norms) >= 7
+    assert max(norms[3:]) <= max(norms[1:3]), norms   # (before: 25 KB at the second, 66 KB at the seventh)
+    check_parity(_residual_stack(8), [x], tol=dict(rtol=1e-4, atol=1e-5))
+
+
+def test_a_backward_recomputes_each_matmul_operand_near_its_matmul(monkeypatch):
+    """The balanced policy recomputes the norms' and GELUs' outputs in backward (the weight
+    gradients' operands) rather than saving them. Made by the first backward kernel of their shape,
+    they were all alive from the start of the backward; now each is made at most two matmuls
+    before its own."""
+    from compiler.fusion import fuse
+
+    monkeypatch.setattr(fuse, "HOIST_MIN_BYTES", 0)   # (the rule's size floor: the sizes here are small)
+    layers = 6
+    x = torch.randn(64, 32, requires_grad=True)
+    report = compiler.explain(compiler.compile(_residual_stack(layers), backend="interpret"), x)
+    stores = [k.source.count("tl.store(") for k in report.backward_kernels]
+    assert max(stores[:2]) <= 4, stores   # (before: the first two stored 8 each, every layer's operands)
+    # and the norms' gradients do not re-read the stream either (before: 33 KB to 75 KB)
+    norms = [k.bytes_moved for k in report.backward_kernels if "sub_mm_pw_sum" in k.name]
+    assert len(norms) >= layers - 1 and max(norms) <= 1.6 * min(norms), norms
+    check_parity(_residual_stack(layers), [x], tol=dict(rtol=1e-4, atol=1e-5))

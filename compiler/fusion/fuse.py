@@ -17,7 +17,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from compiler.ir.graph import GraphBuilder, OpKind, compute_dtype, kind_of, meta_of, numel, output_node
+from compiler.ir.graph import GraphBuilder, OpKind, compute_dtype, kind_of, meta_of, numel, output_node, update_meta
 from compiler.ir.ops import catalog as C
 from compiler.ir.ops import symbols as Y
 from compiler.ir.ops.pointwise import emit_pointwise
@@ -444,14 +444,18 @@ def fuse(graph: fx.Graph, shape_generic: bool = False) -> Schedule:
             needs_memory(node)
     for out in outputs:
         needs_memory(out)
+    for node in _recomputed_too_widely(nodes, buffers):
+        needs_memory(node)
 
     steps: list = []
     step_of: dict = {}            # buffer node -> index of the step that writes it
     reduction_roots_of: dict = {}
+    externs = []   # their steps
     for node in nodes:
         kind = kind_of(node)
         if kind == OpKind.EXTERN:
             step_of[node] = len(steps)
+            externs.append(len(steps))
             steps.append(("extern", node))
             continue
         if node not in buffers or kind not in (*INLINE_KINDS, OpKind.REDUCTION):
@@ -463,6 +467,8 @@ def fuse(graph: fx.Graph, shape_generic: bool = False) -> Schedule:
         # computed again where it is read, at other positions, by a root beside it)
         barrier = max((step_of[b] + bool(meta_of(b).materialize) for b in _reads(node, buffers) if b in step_of),
                       default=0)
+        if len(externs) > HOIST_PAST_EXTERNS and _bytes(node) >= HOIST_MIN_BYTES and _matmul_operand(node):
+            barrier = max(barrier, externs[-HOIST_PAST_EXTERNS - 1] + 1)
         target, join = _first_join(root, steps, barrier)
         if target is None and not shape_generic and node not in outputs:
             found = _copies_kernel(node, steps, barrier)
@@ -479,6 +485,83 @@ def fuse(graph: fx.Graph, shape_generic: bool = False) -> Schedule:
             reduction_roots_of.setdefault(id(plan), []).append(node)
     buffers -= _read_only_where_computed(nodes, outputs, steps, step_of, buffers)
     return Schedule(steps, buffers)
+
+
+# NOTE (memory traffic): a pointwise value read by several kernels is computed again by each. That
+# is cheap for a value of one or two reads, and costs a pass per read where the inline chain is
+# long: a transformer's residual stream x0 + y0 + y1 + ... (each layer's sum read by its norm and,
+# past the layer's matmuls, by the next sum) made every norm re-read all earlier layers' outputs
+# (GPT-2's ninth layer norm: 142 MB where 25 MB suffice). Such a value is stored once its chain
+# reads this many buffers of its size, as eager stores each sum.
+RECOMPUTE_MAX_READS = 3
+
+
+def keep_long_chains(graph: fx.Graph) -> int:
+    """Mark the values the forward's fusion will store as too long to recompute
+    (``_recomputed_too_widely``) ``never_recomputed``, so the backward reads them rather than
+    computing the chain again (GPT-2: one backward kernel remade all 12 layers' residual sums from
+    24 saved matmul outputs, 1 GB moved, and held them through the backward). Returns how many."""
+    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    buffers = {n for n in graph.nodes if kind_of(n) in (OpKind.INPUT, OpKind.EXTERN, OpKind.REDUCTION)}
+    chosen = _recomputed_too_widely(nodes, buffers)
+    for node in chosen:
+        update_meta(node, never_recomputed=True)
+    return len(chosen)
+
+
+def _recomputed_too_widely(nodes, buffers) -> list:
+    """Pointwise values (not buffers) whose inline computation reads ``RECOMPUTE_MAX_READS`` buffers
+    of their own size or more (counting up to values already chosen, in graph order: a chain is
+    cut every few links) and that kernels a matmul separates compute (``_kernels_apart``)."""
+    chosen, full_reads = [], {}
+    stored = set(buffers)
+    for node in nodes:
+        if kind_of(node) != OpKind.POINTWISE or node in stored:
+            continue
+        size = numel(meta_of(node).shape)
+        reads = set()
+        for arg in node.all_input_nodes:
+            source = arg
+            while kind_of(source) == OpKind.VIEW and source not in stored:
+                source = source.args[0]
+            if source in stored:
+                if numel(meta_of(source).shape) == size:
+                    reads.add(source)
+            else:
+                reads |= full_reads.get(source, set())
+        full_reads[node] = reads
+        if len(reads) >= RECOMPUTE_MAX_READS and len(node.users) >= 2 and _kernels_apart(node, stored):
+            chosen.append(node)
+            stored.add(node)
+    return chosen
+
+
+def _kernels_apart(node: fx.Node, stored: set) -> bool:
+    """Whether ``node`` is computed inline by kernels a matmul separates: of the values it reaches
+    through inlined ops (the reductions and stored values whose kernels compute it), one depends on
+    another through an extern (the next layer's norm, past this layer's matmuls; in a backward, the
+    earlier layer's norm gradient, past the matmul gradients)."""
+    consumers, stack = set(), list(node.users)
+    while stack:
+        n = stack.pop()
+        if n in consumers:
+            continue
+        if n not in stored and (kind_of(n) in INLINE_KINDS or kind_of(n) == OpKind.VIEW):
+            stack.extend(u for u in n.users if u not in consumers)
+        consumers.add(n)
+    readers = {n for n in consumers if n in stored or kind_of(n) not in (*INLINE_KINDS, OpKind.VIEW)}
+    for start in readers:
+        stack, seen = [(u, False) for u in start.users], set()
+        while stack:
+            n, through = stack.pop()
+            through = through or kind_of(n) == OpKind.EXTERN
+            if (n, through) in seen:
+                continue
+            seen.add((n, through))
+            if through and n in readers:
+                return True
+            stack.extend((u, through) for u in n.users)
+    return False
 
 
 class _Root:
@@ -548,6 +631,39 @@ def _joins_same_space(root: _Root, plan) -> _Join | None:
 
 # The questions asked of each kernel at or after a root's barrier, in order; the first answer wins.
 JOIN_RULES = (_joins_as_epilogue, _joins_column_sums, _joins_same_space)
+
+
+HOIST_PAST_EXTERNS = 2
+# (below this a value is held for nothing much, and a launch saved is worth more: an attention
+# backward's operand copies, made by one kernel)
+HOIST_MIN_BYTES = 8 << 20
+
+
+def _bytes(node: fx.Node) -> int:
+    return numel(meta_of(node).shape) * meta_of(node).dtype.itemsize
+
+
+def _matmul_operand(node: fx.Node) -> bool:
+    """Whether an extern (a matmul) reads ``node``, directly or through views.
+
+    NOTE (memory): such a value of ``HOIST_MIN_BYTES`` or more joins no kernel more than
+    ``HOIST_PAST_EXTERNS`` externs before its place in the graph. A backward recomputes the
+    forward's matmul operands (a layer norm's or a GELU's output) from saved values, which nothing
+    else orders: each joined the first kernel of its shape, so all layers' operands were made at the start of the backward and held through it
+    (GPT-2: 24 of them, 1.3 GB in one kernel), more memory than saving them would have cost. Two
+    externs back keep a small network's kernels joined (an MLP's GELU output made with the loss's
+    gradient)."""
+    stack, seen = list(node.users), set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if kind_of(n) == OpKind.EXTERN:
+            return True
+        if kind_of(n) == OpKind.VIEW:
+            stack.extend(n.users)
+    return False
 
 
 def _first_join(root: _Root, steps: list, barrier: int):
