@@ -649,10 +649,10 @@ def _matmul_operand(node: fx.Node) -> bool:
     NOTE (memory): such a value of ``HOIST_MIN_BYTES`` or more joins no kernel more than
     ``HOIST_PAST_EXTERNS`` externs before its place in the graph. A backward recomputes the
     forward's matmul operands (a layer norm's or a GELU's output) from saved values, which nothing
-    else orders: each joined the first kernel of its shape, so all layers' operands were made at the start of the backward and held through it
-    (GPT-2: 24 of them, 1.3 GB in one kernel), more memory than saving them would have cost. Two
-    externs back keep a small network's kernels joined (an MLP's GELU output made with the loss's
-    gradient)."""
+    else orders: each joined the first kernel of its shape, so all layers' operands were made at
+    the start of the backward and held through it (GPT-2: 24 of them, 1.3 GB in one kernel), more
+    memory than saving them would have cost. Two externs back keep a small network's kernels
+    joined (an MLP's GELU output made with the loss's gradient)."""
     stack, seen = list(node.users), set()
     while stack:
         n = stack.pop()
