@@ -36,18 +36,19 @@ from runtime import linear_cross_entropy_kernel as kernels
 # NOTE (memory): the bytes one chunk's work may hold: 128 MiB. With the Triton kernel that is the
 # chunk's logits alone (the gradient is written over them): GPT-2's head (50,257 classes, bf16)
 # gets 1,335 rows a chunk, matmuls wide enough for cuBLAS's tiles. PyTorch's ops (the CPU path)
-# hold a float32 copy and the gradient besides: 222 rows a chunk in float32.
+# work in place over float32 logits too (667 rows a chunk); over bf16 ones they hold a float32
+# copy and the gradient besides (333 rows).
 DEFAULT_CHUNK_BYTES = 128 << 20
 GRADS = ("a", "m", "bias")
 
 
 def chunk_rows(rows: int, classes: int, dtype: torch.dtype, fused: bool = False) -> int:
     """Rows per chunk: as many as ``SYMGRAD_LOSS_CHUNK_MB`` (default 128) holds, counting per element
-    the logits in the matmul's dtype and, unless ``fused`` (the Triton kernel), a float32 copy and
-    the gradient in the matmul's dtype."""
+    the logits in the matmul's dtype and, unless ``fused`` (the Triton kernel) or float32 (PyTorch's
+    ops then work in place over them), a float32 copy and the gradient in the matmul's dtype."""
     budget = int(float(os.environ.get("SYMGRAD_LOSS_CHUNK_MB", DEFAULT_CHUNK_BYTES / 2**20)) * 2**20)
     size = torch.empty((), dtype=dtype).element_size()
-    per_row = classes * (size if fused else 4 + 2 * size)
+    per_row = classes * (size if fused or size == 4 else 4 + 2 * size)
     return max(1, min(rows, budget // per_row))
 
 
