@@ -137,14 +137,10 @@ def _chunks(setup: _Setup, scale, wanted: list) -> tuple:
             if scale is None:
                 continue
         else:
-            x = logits.to(torch.float32) if logits.dtype != torch.float32 else logits
+            rows_loss[rows], dx = _torch_chunk(setup, logits, rows, None if scale is None else scale[rows])
             del logits
-            lse = torch.logsumexp(x, 1)
-            rows_loss[rows] = _rows_loss(setup, x, lse, rows)
             if scale is None:
                 continue
-            dx = _logits_grad(setup, x, lse, rows, scale[rows]).to(m.dtype)
-            del x
         if "a" in made:
             torch.mm(dx, m.t(), out=made["a"][rows])
         if "m" in accumulators:
@@ -177,21 +173,32 @@ def _kernel_chunk(setup: _Setup, logits, rows, scale) -> tuple:
     return loss, (logits if scale is not None else None)
 
 
-def _rows_loss(setup: _Setup, x, lse, rows):
-    picked = x.gather(1, setup.index[rows, None]).squeeze(1)
-    loss = (lse - picked) * setup.share[rows] if setup.weight is not None else (lse - picked)
-    if setup.eps > 0:
+def _torch_chunk(setup: _Setup, logits, rows, scale) -> tuple:
+    """``_kernel_chunk`` by PyTorch's ops (the CPU path), in place over the chunk's float32 logits:
+    nothing else of their size is made (``torch.logsumexp`` would make two)."""
+    x = logits.to(torch.float32) if logits.dtype != torch.float32 else logits
+    index = setup.index[rows, None]
+    picked = x.gather(1, index).squeeze(1)
+    weighted = None
+    if setup.eps > 0:   # (the smoothing's sum over the classes, of the logits before they are shifted)
         weighted = x.sum(1) if setup.weight is None else x @ setup.weight
-        smooth = lse * setup.mass - weighted
-        loss = loss * (1.0 - setup.eps) + smooth * (setup.eps / setup.classes)
-    return torch.where(setup.valid[rows] > 0, loss, 0.0)
+    shift = x.amax(1)
+    exps = x.sub_(shift[:, None]).exp_()
+    total = exps.sum(1)
+    lse = shift + total.log()
+    loss = (lse - picked) * setup.share[rows] if setup.weight is not None else (lse - picked)
+    if weighted is not None:
+        loss = loss * (1.0 - setup.eps) + (lse * setup.mass - weighted) * (setup.eps / setup.classes)
+    loss = torch.where(setup.valid[rows] > 0, loss, 0.0)
+    if scale is None:
+        return loss, None
+    return loss, _logits_grad(setup, exps.div_(total[:, None]), rows, scale).to(setup.m.dtype)
 
 
-def _logits_grad(setup: _Setup, x, lse, rows, scale):
-    """scale_r * d(loss_r)/d(x_r), in place over ``x`` (which becomes softmax first)."""
+def _logits_grad(setup: _Setup, p, rows, scale):
+    """scale_r * d(loss_r)/d(x_r) from the softmax ``p``, in place over it."""
     s = setup.share[rows] if setup.weight is not None else setup.valid[rows]
     one_hot = (1.0 - setup.eps) * s * scale           # the coefficient of -[c = t]
-    p = x.sub_(lse[:, None]).exp_()
     p.mul_((one_hot + (setup.eps / setup.classes) * setup.mass * scale)[:, None])
     p.scatter_add_(1, setup.index[rows, None], -one_hot[:, None])
     if setup.eps > 0:

@@ -615,6 +615,8 @@ def _joins_same_space(root: _Root, plan) -> _Join | None:
     independently, on the rows it holds, beside a reduction (online softmax) or in a second pass?"""
     if not plan.accepts(*root.space):
         return None
+    if root.kind == OpKind.REDUCTION and _accumulators(plan) >= MAX_ACCUMULATORS:
+        return None
     node, reductions, buffers = root.node, root.reductions_of(plan), root.buffers
     depends = _depends_on(node, reductions, buffers)
     persistent = (depends or plan.reads_rows) and plan.persistent_with(root.space[1], node, buffers)
@@ -627,6 +629,17 @@ def _joins_same_space(root: _Root, plan) -> _Join | None:
     if partner is not None:
         return _Join(partner=partner)
     return _Join(second=True) if plan.second_pass_with(node, reductions, buffers) else None
+
+
+# NOTE (registers): a kernel holds an accumulator tile per reduction it computes. The second stage
+# of every layer's bias and norm-weight gradients (sums of partial sums, one space) joined one
+# kernel: GPT-2's had 50 accumulators, 255 registers a thread and spills on sm_90. Past this many
+# a reduction starts a kernel of its own.
+MAX_ACCUMULATORS = 16
+
+
+def _accumulators(plan) -> int:
+    return sum(1 for n in plan.roots if kind_of(n) == OpKind.REDUCTION)
 
 
 # The questions asked of each kernel at or after a root's barrier, in order; the first answer wins.
