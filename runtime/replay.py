@@ -693,11 +693,18 @@ def _shares_memory(inputs, donated) -> bool:
     """Whether an input whose new value a kernel stores into its own memory (``donated``: positions)
     shares that memory with another input: the kernels would read the new value where the
     recording read the old (a buffer passed as an argument too, a view of it)."""
-    storages = {inputs[i].untyped_storage().data_ptr() for i in donated}
+    storages = {_memory_of(inputs[i]) for i in donated}
     if len(storages) < len(donated):
         return True
-    return any(isinstance(t, torch.Tensor) and i not in donated and t.untyped_storage().data_ptr() in storages
+    return any(isinstance(t, torch.Tensor) and i not in donated and _memory_of(t) in storages
                for i, t in enumerate(inputs))
+
+
+def _memory_of(t: torch.Tensor):
+    """Where a tensor's storage is: its address, or, for a storage with none (meta tensors: every
+    one's address is 0, ``benchmarks.models`` replays steps on them), the storage itself."""
+    storage = t.untyped_storage()
+    return storage.data_ptr() or ("storage", storage._cdata)
 
 
 def _same_prefix(a: CompiledRecording, b: CompiledRecording, k: int) -> bool:

@@ -745,7 +745,10 @@ _saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 
 
 def _autocast_dtype(device: torch.device):
-    """The lower-precision dtype of an active ``torch.autocast`` for this device, else None."""
+    """The lower-precision dtype of an active ``torch.autocast`` for this device, else None (also for
+    a device autocast has no mode for: meta tensors, a capture from shapes alone, where asking raises)."""
+    if not torch.amp.is_autocast_available(device.type):
+        return None
     return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
 
 
