@@ -86,6 +86,68 @@ def count(name: str, size: str) -> dict:
                 operators=dict(operators))
 
 
+def probe_model(model: str, size: str, layers: int | None, batch: int, length: int, dtype: str) -> dict:
+    """One training step of ``benchmarks.models``' ``model`` under torch.compile, on CPU tensors, on
+    Inductor's Triton path (kernels counted with their bytes, not run): {"launches", "bytes" (each
+    launch's tensor arguments, once each, an in-out buffer twice), "operators" (the other compute
+    operators by name, ``count``'s rule), "peak" (the most allocated in the step above its start),
+    "resident" (parameters and optimizer state)}. The step runs twice first (compile, then warm)."""
+    import torch
+
+    from torch._inductor.runtime import triton_heuristics
+
+    from benchmarks import measure, models
+    from benchmarks.roofline import distinct_bytes
+
+    launches = _patch_inductor()
+    moved: list = []
+    counting = triton_heuristics.CachingAutotuner.run   # (_patch_inductor's counter)
+
+    def run(self, *args, **kwargs):
+        moved.append(sum(distinct_bytes(v) * (2 if name.startswith("in_out_ptr") else 1)
+                         for name, v in zip(self.fn.arg_names, args) if isinstance(v, torch.Tensor)))
+        return counting(self, *args, **kwargs)
+
+    triton_heuristics.CachingAutotuner.run = run
+    torch.manual_seed(0)
+    net, config = models.build(model, size, layers=layers)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3, foreach=True)
+    batch_ = models.make_batch(model, config, batch, length, "cpu")
+    amp = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if dtype == "bfloat16" else None
+    step = torch.compile(lambda m, o, x, y: models.train_step(m, o, x, y, amp))
+    for _ in range(2):
+        step(net, opt, *batch_)
+    launches.clear()
+    moved.clear()
+    with measure._quiet_stderr(), torch.profiler.profile() as prof:
+        step(net, opt, *batch_)
+    operators = collections.Counter(
+        e.name.removeprefix("aten::") for e in prof.events()
+        if measure._is_cpu_kernel(e.name) and not measure._inside_kernel(e)
+        and not measure.inside(e, lambda parent: parent.name == _ZERO_FILL))
+    memory = measure.step_memory(lambda: step(net, opt, *batch_), torch.device("cpu"))
+    resident = sum(p.untyped_storage().nbytes() for p in net.parameters()) + sum(
+        t.untyped_storage().nbytes() for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor))
+    return dict(launches=len(moved), bytes=sum(moved), operators=dict(operators), peak=memory.peak,
+                resident=resident)
+
+
+def probe_models(probes: list, timeout: int = 1800) -> list:
+    """``probe_model(**probe)`` of each probe, each in a fresh process (Inductor patched there)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = []
+    for probe in probes:
+        done = subprocess.run([sys.executable, "-m", "benchmarks.inductor_triton", "--probe", json.dumps(probe)],
+                              env=env, cwd=root, capture_output=True, text=True, timeout=timeout)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if done.returncode != 0 or not lines:
+            raise RuntimeError(f"torch.compile probe {probe} failed: "
+                               + (done.stderr.strip().splitlines() or ["no output"])[-1])
+        out.append(json.loads(lines[-1]))
+    return out
+
+
 def counts(names, size: str = "small", timeout: int = 900) -> list:
     """``count`` of each workload, each in a fresh process (Inductor patched there, not here)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -111,7 +173,11 @@ def main(argv=None) -> None:
     parser.add_argument("--only", help=f"comma-separated workloads (default: all): {', '.join(WORKLOADS)}")
     parser.add_argument("--size", default="small", choices=("full", "small", "tiny"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)   # one workload, in this process
+    parser.add_argument("--probe", help=argparse.SUPPRESS)    # one model probe (JSON), in this process
     options = parser.parse_args(argv)
+    if options.probe:
+        print(json.dumps(probe_model(**json.loads(options.probe))), flush=True)
+        return
     if options.worker:
         print(json.dumps(count(options.worker, options.size)), flush=True)
         return

@@ -63,9 +63,15 @@ def launches_kernel(func, args, out) -> bool:
         return False
     if func._schema.is_mutable:
         return True
-    inputs = {t.untyped_storage().data_ptr() for t in _tensors(args) if t.numel()}
+    inputs = {storage_key(t) for t in _tensors(args) if t.numel()}
     outputs = [t for t in _tensors(out) if t.numel()]
-    return not outputs or not all(t.untyped_storage().data_ptr() in inputs for t in outputs)
+    return not outputs or not all(storage_key(t) in inputs for t in outputs)
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Which storage a tensor views: its StorageImpl's address, which tells apart meta tensors too
+    (a meta storage's ``data_ptr()`` is 0 for all of them: ``benchmarks.models`` traces on meta)."""
+    return t.untyped_storage()._cdata
 
 
 def op_kernels(func, args, kwargs, out) -> list[tuple[int, float, torch.dtype | None]]:
@@ -123,12 +129,14 @@ def op_cost(func, args, kwargs, out) -> tuple[int, float, torch.dtype | None]:
     """(bytes, flops, matmul dtype) of one aten operator: every input read once and every output
     written once (a tensor passed twice counts once); FLOPs of matmuls and convolutions."""
     name = func._overloadpacket.__name__
-    reads = _tensors(args[1:] if name in _WRITE_ONLY_SELF else args) + _tensors(kwargs)
+    # (an ``out=`` tensor is written, not read: Inductor calls ``mm(a, b, out=buf)``)
+    reads = _tensors(args[1:] if name in _WRITE_ONLY_SELF else args) + _tensors(
+        {k: v for k, v in kwargs.items() if k != "out"})
     writes = _tensors(out)
     moved = sum(distinct_bytes(t) for t in _unique(reads)) + sum(distinct_bytes(t) for t in _unique(writes))
     flops, dtype = 0.0, None
     if name in _MATMULS:
-        a, b = args[-2], args[-1]
+        a, b = [t for t in args if isinstance(t, torch.Tensor)][-2:]   # (addmm's ``out_dtype`` follows them)
         batch = a.shape[0] if a.dim() == 3 else 1
         flops = 2.0 * batch * a.shape[-2] * a.shape[-1] * b.shape[-1]
         dtype = a.dtype
@@ -156,7 +164,7 @@ def _tensors(tree) -> list:
 def _unique(tensors) -> list:
     seen, out = set(), []
     for t in tensors:
-        key = (t.untyped_storage().data_ptr() if t.numel() else id(t), t.storage_offset(), tuple(t.shape), t.stride())
+        key = (storage_key(t) if t.numel() else id(t), t.storage_offset(), tuple(t.shape), t.stride())
         if key not in seen:
             seen.add(key)
             out.append(t)

@@ -140,7 +140,8 @@ def declared(source: str) -> Declared:
 
 
 @contextlib.contextmanager
-def recorded_launches(on_launch=None, compute_extern_calls: bool = True, on_combo=None, on_flash=None):
+def recorded_launches(on_launch=None, compute_extern_calls: bool = True, on_combo=None, on_flash=None,
+                      on_extern=None):
     """Within the block, compiled programs record each of our kernel launches as a ``Launch``
     (appended to the yielded list) instead of running it. The runtime's own code still runs, so
     outputs are allocated and what a launch passes (offsets, strides, tiles, warps, the 64-bit
@@ -155,12 +156,15 @@ def recorded_launches(on_launch=None, compute_extern_calls: bool = True, on_comb
     Our flash-attention kernels, launched inside an extern call, are recorded as ``Launch``es too
     (their real arguments, tiles, warps and stages), and ``on_flash(launch, flops)`` is called
     per launch with what it computes (``runtime.attention.launches_recorded``'s ``cost``).
+    ``on_extern(fn, args, kwargs)``, a context manager, is entered around each extern call (its
+    function and resolved arguments): ``benchmarks.step_trace`` prices there an extern that declares
+    its own cost (``roofline_cost``).
     """
     from runtime import program
 
     launches: list = []
     recorder = _recorder(program)(program.installed_runner(), launches, on_launch, compute_extern_calls, on_combo,
-                                  on_flash)
+                                  on_flash, on_extern)
     with program.steps_run_by(recorder):
         yield launches
 
@@ -172,10 +176,10 @@ def _recorder(program):
     from torch.utils._python_dispatch import _disable_current_modes
 
     class Recorder(program.StepRunner):
-        def __init__(self, inner, launches, on_launch, compute_extern_calls, on_combo, on_flash):
+        def __init__(self, inner, launches, on_launch, compute_extern_calls, on_combo, on_flash, on_extern):
             super().__init__(inner)
             self.launches, self.on_launch, self.on_combo, self.on_flash = launches, on_launch, on_combo, on_flash
-            self.compute_extern_calls = compute_extern_calls
+            self.compute_extern_calls, self.on_extern = compute_extern_calls, on_extern
 
         def kernel(self, step, env, device, torch_path, fresh_loads):
             """What the launch passes, from its own arguments (outputs allocated), recorded: the
@@ -207,6 +211,12 @@ def _recorder(program):
             torch._assert_async(ok)
 
         def extern(self, step, env, device):
+            if self.on_extern is None:
+                return self._extern(step, env, device)
+            with self.on_extern(step.fn, [a.resolve(env) for a in step.args], step.kwargs):
+                return self._extern(step, env, device)
+
+        def _extern(self, step, env, device):
             if step.kernels:   # our own kernels inside the call (flash attention): recorded, not run
                 from runtime import attention
 

@@ -278,3 +278,17 @@ def test_the_chunk_kernel_matches_pytorchs_ops(form, dtype, monkeypatch):
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g.float(), e.float(), **tol)
+
+
+def test_the_memory_benchmark_measures_less_than_half_of_eagers_peak(monkeypatch):
+    """``benchmarks.chunked_loss`` at a small size (its committed run: 50,257 classes, 2,048 rows):
+    the CPU path's peak is under half of eager's, and nothing ran eagerly."""
+    from benchmarks import chunked_loss
+
+    monkeypatch.setenv("SYMGRAD_CHUNKED_LOSS_MIN_LOGITS", str(1 << 22))
+    monkeypatch.setenv("SYMGRAD_LOSS_CHUNK_MB", "4")
+    monkeypatch.setenv("SYMGRAD_CPU_BACKEND", "torch")
+    form = "label smoothing 0.1"
+    (row,) = chunked_loss.measure(rows=600, width=32, classes=8192, forms={form: form})
+    assert row["eager_calls"] == 0
+    assert row["ratio"] <= 0.5, row

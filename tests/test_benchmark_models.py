@@ -1,0 +1,80 @@
+"""``benchmarks.models``: whole training steps priced from shapes (meta tensors), at the tiny size.
+
+One run of GPT-2 and the Llama-style model (ours and eager traced on meta, our kernels compiled for
+sm_90, torch.compile's Inductor Triton path at the tiny size), shared by the tests below.
+"""
+
+import resource
+
+import pytest
+
+from benchmarks import models
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+@pytest.fixture(scope="module")
+def doc():
+    return models.run(["gpt2", "llama"], size="tiny", dtype="bfloat16", log=lambda _: None)
+
+
+def test_rows_for_every_backend(doc):
+    got = {(r["model"], r["backend"]) for r in doc["models"]}
+    assert got == {(m, b) for m in ("gpt2", "llama") for b in ("ours", "eager", "torch.compile")}
+    for r in doc["models"]:
+        assert r["predicted_ms"] > 0 and r["peak_bytes"] > 0
+
+
+def test_kernels_compiled_for_sm90(doc):
+    for model in ("gpt2", "llama"):
+        rows = [k for k in doc["kernels"] if k["model"] == model]
+        assert rows, model
+        assert all(k["error"] is None and k["registers"] > 0 for k in rows), [k for k in rows if k["error"]]
+        assert all(k["spill_bytes"] is not None and k["predicted_us"] > 0 for k in rows)
+    # identical launches are one row: two identical layers' kernels are compiled once
+    gpt2 = [k for k in doc["kernels"] if k["model"] == "gpt2"]
+    assert len({k["name"] for k in gpt2}) < sum(k["launches"] for k in gpt2)
+    assert any(k["launches"] == 2 for k in gpt2)
+
+
+def test_peak_holds_the_resident_state(doc):
+    for r in doc["models"]:
+        eager = next(e for e in doc["models"] if e["model"] == r["model"] and e["backend"] == "eager")
+        resident = eager["params_bytes"] + eager["grads_bytes"] + eager["optimizer_bytes"]
+        assert resident <= r["peak_bytes"], r
+    for r in doc["models"]:
+        if r["backend"] != "torch.compile":
+            # AdamW: exp_avg and exp_avg_sq in fp32, and a 4-byte step count per parameter
+            assert 0 <= r["optimizer_bytes"] - 2 * r["params_bytes"] < 1024
+            assert 0 < r["saved_bytes"] < r["peak_bytes"]
+
+
+def test_our_step_saves_less_than_eager(doc):
+    for model in ("gpt2", "llama"):
+        ours, eager = (next(r for r in doc["models"] if r["model"] == model and r["backend"] == b)
+                       for b in ("ours", "eager"))
+        assert ours["saved_bytes"] <= eager["saved_bytes"], model
+        assert ours["fallbacks"] == []
+
+
+def test_capture_allocates_nothing_at_real_size():
+    """GPT-2 124M's step traced on meta: its parameters, gradients and AdamW state (~2 GB) are never
+    allocated; the predicted peak counts them all the same."""
+    from benchmarks.step_trace import trace_meta_step
+
+    made = {}
+
+    def make_args():
+        made["args"] = models.make_meta_args("gpt2", "real", batch=1, length=128)
+        return made["args"]
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    trace = trace_meta_step("gpt2", make_args, models.meta_step("bfloat16"), "bf16",
+                            models.meta_step("bfloat16", eager=True))
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    params = [p for p in made["args"][0].parameters()]
+    assert all(p.device.type == "meta" for p in params)
+    assert trace.eager_memory.params == sum(p.numel() for p in params) * 4 > 480e6   # 124M fp32
+    assert trace.ours_memory.peak > 4 * trace.ours_memory.params
+    assert grown < trace.ours_memory.params / 2, f"the process grew by {grown / 1e6:.0f} MB"
+    assert any(op.name in ("mm", "addmm") and op.flops > 0 for op in trace.our_ops)
