@@ -533,6 +533,14 @@ def _recomputed_too_widely(nodes, buffers) -> list:
         if len(reads) >= RECOMPUTE_MAX_READS and len(node.users) >= 2 and _kernels_apart(node, stored):
             chosen.append(node)
             stored.add(node)
+    # NOTE: judged in graph order, a value's readers were followed past values chosen after it; with
+    # those stored, its readers may all share its kernel (a layer norm's gradient term, read by the
+    # row's sum and by the residual gradient that kernel stores): such a value is dropped again
+    for _ in range(3):
+        kept = [n for n in chosen if _kernels_apart(n, stored - {n})]
+        if len(kept) == len(chosen):
+            break
+        chosen, stored = kept, stored - (set(chosen) - set(kept))
     return chosen
 
 
