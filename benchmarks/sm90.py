@@ -432,6 +432,9 @@ def compile_for_sm90(fn, args, job: dict):
     return compiled, constexprs
 
 
+_PTXAS_REPORTS: dict = {}   # compiled kernel hash -> ptxas -v's report, in this worker
+
+
 def _compile_one(job: dict, workdir: str) -> dict:
     import io
     from contextlib import redirect_stdout
@@ -445,6 +448,10 @@ def _compile_one(job: dict, workdir: str) -> dict:
         compiled, constexprs = compile_for_sm90(fn, args, job)
     loads, vector, broadcast = load_counts(compiled.asm["ptx"])
     report = log.getvalue()
+    # (a second launch with the same specialization, a chunk kernel's of another chunk, is a hit in
+    # Triton's cache: no ptxas runs, and its report is the first one's)
+    report = _PTXAS_REPORTS.setdefault(compiled.hash, report) if "registers" in report else \
+        _PTXAS_REPORTS.get(compiled.hash, report)
     registers = re.search(r"Used (\d+) registers", report)
     stores = re.search(r"(\d+) bytes spill stores", report)
     spill_loads = re.search(r"(\d+) bytes spill loads", report)

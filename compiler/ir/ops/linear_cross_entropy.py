@@ -25,7 +25,7 @@ import functools
 import torch
 import torch.fx as fx
 
-from compiler.ir.graph import kind_of, meta_of, OpKind, output_node
+from compiler.ir.graph import kind_of, meta_of, OpKind, output_node, set_meta
 from compiler.ir.ops.externs import EXTERNS, Extern
 from compiler.ir.ops.pointwise import POINTWISE, emit_pointwise
 from compiler.report import logs
@@ -225,8 +225,7 @@ def chunked_loss_pass(graph: fx.Graph) -> int:
         logits = node.args[-1]
         found = linear_source(logits)
         if found is not None and _private(found[3], node, outputs):
-            node.args = node.args[:-1]
-            kept.append(node)
+            kept.append(_without_logits(node))
             continue
         logs.logger("graphs").info("the cross-entropy of a linear's logits is not chunked: something else reads "
                                    "the logits (they are made whole anyway)")
@@ -241,6 +240,16 @@ def chunked_loss_pass(graph: fx.Graph) -> int:
         logs.logger("graphs").info("the cross-entropy of %d x %d logits runs in row chunks (%s; nothing else reads "
                                    "the logits)", rows, classes, node.kwargs["reduction"])
     return len(kept)
+
+
+def _without_logits(node: fx.Node) -> fx.Node:
+    """``node`` again without the logits' name (its last argument), in its place."""
+    with node.graph.inserting_before(node):
+        made = node.graph.call_function(node.target, node.args[:-1], dict(node.kwargs))
+    set_meta(made, meta_of(node))
+    node.replace_all_uses_with(made)
+    node.graph.erase_node(node)
+    return made
 
 
 def _gradients_with_the_loss(b, loss: fx.Node) -> None:
