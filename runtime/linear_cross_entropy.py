@@ -39,7 +39,6 @@ from runtime import linear_cross_entropy_kernel as kernels
 # work in place over float32 logits too (667 rows a chunk); over bf16 ones they hold a float32
 # copy and the gradient besides (333 rows).
 DEFAULT_CHUNK_BYTES = 128 << 20
-GRADS = ("a", "m", "bias")
 
 
 def chunk_rows(rows: int, classes: int, dtype: torch.dtype, fused: bool = False) -> int:
@@ -103,6 +102,7 @@ class _Setup:
         self.classes = m.shape[1]
         self.valid = (target != ignore_index).to(torch.float32)
         self.index = torch.where(target != ignore_index, target, 0)
+        _check_targets(self.index, self.classes)
         self.eps = float(label_smoothing)
         if weight is None:
             self.weight, self.mass = None, float(self.classes)
@@ -118,6 +118,17 @@ class _Setup:
             self.target = torch.where(target != ignore_index, target, -1)
             mass = self.mass if isinstance(self.mass, torch.Tensor) else torch.tensor(self.mass)
             self.mass_tensor = mass.reshape(1).to(device=a.device, dtype=torch.float32)
+
+
+def _check_targets(index, classes: int) -> None:
+    """Eager's IndexError for a target out of range (not ``ignore_index``). Unchecked, the CPU path's
+    gather would raise another error and the kernel would read outside the row. On CUDA the check
+    is a device assert, as eager's: no sync."""
+    bad = (index < 0) | (index >= classes)
+    if index.device.type == "cuda":
+        torch._assert_async(~bad.any(), "Target is out of bounds.")
+    elif index.device.type != "meta" and bool(bad.any()):
+        raise IndexError(f"Target {int(index[bad][0])} is out of bounds.")
 
 
 def _chunks(setup: _Setup, scale, wanted: list) -> tuple:

@@ -229,6 +229,21 @@ def test_every_row_ignored(reduction):
         torch.testing.assert_close(g, e, equal_nan=True)
 
 
+@pytest.mark.parametrize("backend", ["torch", "interpret"])
+@pytest.mark.parametrize("bad", [V, -3])
+def test_a_target_out_of_range_raises_eagers_error(backend, bad):
+    """Eager's IndexError, not another error (the CPU path's gather) or a read outside the row (the
+    kernel's), on a replay whose targets went out of range."""
+    layer, h, target = _inputs()
+    loss = compiler.compile(lambda h, t: F.cross_entropy(layer(h), t), backend=backend)
+    loss(h, target), loss(h, target)
+    target[20] = bad
+    with pytest.raises(IndexError, match=f"Target {bad} is out of bounds"):
+        F.cross_entropy(layer(h), target)
+    with pytest.raises(IndexError, match=f"Target {bad} is out of bounds"):
+        loss(h, target)
+
+
 def test_chunk_rows_follow_the_budget(monkeypatch):
     monkeypatch.delenv("SYMGRAD_LOSS_CHUNK_MB")
     assert runtime_loss.chunk_rows(8192, 50257, torch.bfloat16, fused=True) == (128 << 20) // (50257 * 2) == 1335
