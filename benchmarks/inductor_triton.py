@@ -129,7 +129,7 @@ def probe_model(model: str, size: str, layers: int | None, batch: int, length: i
     resident = sum(p.untyped_storage().nbytes() for p in net.parameters()) + sum(
         t.untyped_storage().nbytes() for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor))
     return dict(launches=len(moved), bytes=sum(moved), operators=dict(operators), peak=memory.peak,
-                resident=resident)
+                saved=memory.saved, resident=resident)
 
 
 def probe_models(probes: list, timeout: int = 1800) -> list:
