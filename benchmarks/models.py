@@ -45,38 +45,11 @@ GPT_CONFIGS = {"real": GPTConfig(layers=12, dim=768, heads=12, vocab=50257, seq=
                "tiny": GPTConfig(layers=2, dim=64, heads=4, vocab=512, seq=32)}
 
 
-class GPTBlock(nn.Module):
-    def __init__(self, c: GPTConfig):
-        super().__init__()
-        self.heads = c.heads
-        self.ln_1, self.ln_2 = nn.LayerNorm(c.dim), nn.LayerNorm(c.dim)
-        self.c_attn, self.c_proj = nn.Linear(c.dim, 3 * c.dim), nn.Linear(c.dim, c.dim)
-        self.c_fc, self.mlp_proj = nn.Linear(c.dim, 4 * c.dim), nn.Linear(4 * c.dim, c.dim)
+def GPT(c: GPTConfig) -> nn.Module:
+    """nanoGPT's GPT (``benchmarks.cpu_steps``, tied head, exact GELU) in config ``c``'s shape."""
+    from benchmarks.cpu_steps import GPT as NanoGPT
 
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.c_attn(self.ln_1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.c_proj(y.transpose(1, 2).contiguous().view(b, t, d))
-        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
-
-
-class GPT(nn.Module):
-    def __init__(self, c: GPTConfig):
-        super().__init__()
-        self.wte, self.wpe = nn.Embedding(c.vocab, c.dim), nn.Embedding(c.seq, c.dim)
-        self.blocks = nn.ModuleList(GPTBlock(c) for _ in range(c.layers))
-        self.ln_f = nn.LayerNorm(c.dim)
-        self.lm_head = nn.Linear(c.dim, c.vocab, bias=False)
-        self.wte.weight = self.lm_head.weight   # tied, as GPT-2 and nanoGPT tie them
-
-    def forward(self, idx, targets):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        logits = self.lm_head(self.ln_f(x))
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+    return NanoGPT(vocab=c.vocab, context=c.seq, n_layer=c.layers, n_embd=c.dim, n_head=c.heads)
 
 
 # -- Llama-style (TinyLlama 1.1B's shape) -------------------------------------------------------------

@@ -155,7 +155,7 @@ def recorded_launches(on_launch=None, compute_extern_calls: bool = True, on_comb
     (``runtime.optimizer_step.ComboLaunch``, not recorded as a ``Launch``: see ``_recorder``).
     Our flash-attention kernels, launched inside an extern call, are recorded as ``Launch``es too
     (their real arguments, tiles, warps and stages), and ``on_flash(launch, flops)`` is called
-    per launch with what it computes (``runtime.attention.launches_recorded``'s ``cost``).
+    per launch with what it computes (``runtime.extern_kernels.launches_recorded``'s ``cost``).
     ``on_extern(fn, args, kwargs)``, a context manager, is entered around each extern call (its
     function and resolved arguments): ``benchmarks.step_trace`` prices there an extern that declares
     its own cost (``roofline_cost``).
@@ -217,10 +217,10 @@ def _recorder(program):
                 return self._extern(step, env, device)
 
         def _extern(self, step, env, device):
-            if step.kernels:   # our own kernels inside the call (flash attention): recorded, not run
-                from runtime import attention
+            if step.kernels:   # our own kernels inside the call (flash attention, chunked loss): recorded, not run
+                from runtime import extern_kernels
 
-                with attention.launches_recorded(self.flash):
+                with extern_kernels.launches_recorded(self.flash):
                     super().extern(step, env, device)
                 return
             if self.compute_extern_calls:
@@ -233,7 +233,7 @@ def _recorder(program):
                 env[slot] = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=device)
 
         def flash(self, kernel, grid, args, options, cost):
-            """A flash-attention launch (``runtime.attention.launches_recorded``): its module's source,
+            """A flash-attention launch (``runtime.extern_kernels.launches_recorded``): its module's source,
             its real arguments; ``num_stages`` rides with the constexprs (the binder takes it)."""
             import inspect
 

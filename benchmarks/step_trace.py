@@ -373,7 +373,7 @@ def _launches_recorded(tracer: _Tracer):
 
 
 def _priced_launch(tracer: _Tracer, launch, cost: dict) -> OurLaunch:
-    """A kernel of ours launched inside an extern call (``runtime.attention._launch``) whose ``cost``
+    """A kernel of ours launched inside an extern call (``runtime.extern_kernels.launch``) whose ``cost``
     says ``{"kind": "memory", "bytes": ...}`` (the chunked linear + cross-entropy's): by its bytes."""
     return OurLaunch(tracer.phase, launch, int(cost["bytes"]))
 

@@ -162,7 +162,7 @@ def compile_clip(plan) -> None:
 def extern_kernel_jobs(program, device) -> list:
     """Jobs for our kernels that extern calls launch themselves (flash attention's): found by running
     ``program`` on the meta device from its recorded input shapes (contiguous), each such call
-    handing its launches over (``runtime.attention.launches_recorded``) with the arguments a real
+    handing its launches over (``runtime.extern_kernels.launches_recorded``) with the arguments a real
     call of those shapes passes, strides included. [] where the program has none, or where some
     step cannot run on the meta device (those kernels then compile at their first launch)."""
     from runtime.program import ExternCall
@@ -201,9 +201,9 @@ class _MetaRun:
         if not step.kernels:
             step.run(env, device)
             return
-        from runtime import attention
+        from runtime import extern_kernels
 
-        with attention.launches_recorded(self._collect):
+        with extern_kernels.launches_recorded(self._collect):
             step.run(env, device)
 
     def index_check(self, step, env, device) -> None:

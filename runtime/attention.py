@@ -10,14 +10,13 @@ attention). Results are contiguous.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import threading
 
 import torch
 import triton
 
 from runtime import attention_kernels as kernels
+from runtime import extern_kernels
 from runtime.triton_math import INTERPRETING
 
 
@@ -84,39 +83,13 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 # ------------------------------------------------------------------------------ Triton
-_recording = threading.local()
-
-
-@contextlib.contextmanager
-def launches_recorded(on_launch):
-    """Within the block, this thread's attention calls allocate their outputs and hand each kernel
-    launch to ``on_launch(kernel, grid, args, options, cost)`` instead of running it (the sm_90
-    compiles and the roofline of ``benchmarks``: the launch as a GPU would get it, never run).
-    ``cost``: the launch's phase, matmul FLOPs, bytes of its tensors, head dim, length (the longer
-    of the two), whether causal, dtype."""
-    saved = getattr(_recording, "on_launch", None)
-    _recording.on_launch = on_launch
-    try:
-        yield
-    finally:
-        _recording.on_launch = saved
-
-
 def _interpreted(t: torch.Tensor) -> bool:
     """Whether this call's kernels run in Triton's interpreter (a recorded launch is a GPU's)."""
-    return INTERPRETING and not t.is_cuda and getattr(_recording, "on_launch", None) is None
-
-
-def _launch(kernel, grid, args, options, cost):
-    on_launch = getattr(_recording, "on_launch", None)
-    if on_launch is not None:
-        on_launch(kernel, grid, args, options, cost)
-        return
-    kernel[grid](*args, **options)
+    return INTERPRETING and not t.is_cuda and not extern_kernels.recording()
 
 
 def _cost(phase: str, share: float, q4, k4, is_causal: bool, tensors) -> dict:
-    """What ``launches_recorded`` tells of a launch: ``share`` of the phase's FLOPs."""
+    """What ``extern_kernels.launches_recorded`` tells of a launch: ``share`` of the phase's FLOPs."""
     B, H, M, D = q4.shape
     N = k4.shape[2]
     return {"phase": phase, "flops": share * flops(B * H, M, N, D, is_causal, phase), "head_dim": D,
@@ -226,7 +199,7 @@ def _triton_forward(q, k, v, mask, seed, rot=None, *, is_causal, scale, dropout_
     args = (q4, k4, v4, mask4 if mask4 is not None else q4, seed if seed is not None else q4, cos, sin, out, lse,
             *q4.stride(), *k4.stride(), *v4.stride(), *_strides(mask4), *rot_strides, *out.stride(),
             H, H // k4.shape[1], M, N, D, *_scale_arguments(scale, dropout_p), dropout_p)
-    _launch(kernels.attention_forward, (triton.cdiv(M, block_m), B * H), args,
+    extern_kernels.launch(kernels.attention_forward, (triton.cdiv(M, block_m), B * H), args,
             dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=stages,
                  EMPTY_NAN=empty_nan, **_constants(q, mask, seed, rot, is_causal, dropout_p)),
             _cost("forward", 1.0, q4, k4, is_causal, (q4, k4, v4, out, lse)))
@@ -251,12 +224,12 @@ def _triton_backward(grad, q, k, v, out, lse, mask, seed, rot=None, *, is_causal
     # (the backward's five products: dQ's kernel recomputes P and dP and makes dS k, 3 of 5; the
     # dK/dV kernel all but dS k, 4 of 5; counted as FlashAttention counts them: 2 and 3 of 5)
     block_m, block_n, warps, stages = tiles(block_d, q.dtype, "dq", _interpreted(q), rot is not None)
-    _launch(kernels.attention_backward_dq, (triton.cdiv(M, block_m), B * H),
+    extern_kernels.launch(kernels.attention_backward_dq, (triton.cdiv(M, block_m), B * H),
             (q4, k4, v4, *pointers, o4, g4, lse, delta, dq, *strides, *o4.stride(), *g4.stride(), *sizes),
             dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=stages,
                  **constants), _cost("backward", 0.4, q4, k4, is_causal, (q4, k4, v4, o4, g4, lse, delta, dq)))
     block_m, block_n, warps, stages = tiles(block_d, q.dtype, "dkv", _interpreted(q), rot is not None)
-    _launch(kernels.attention_backward_dkv, (triton.cdiv(N, block_n), B * HK),
+    extern_kernels.launch(kernels.attention_backward_dkv, (triton.cdiv(N, block_n), B * HK),
             (q4, k4, v4, *pointers, g4, lse, delta, dk, dv, *strides, *g4.stride(), *sizes),
             dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=stages,
                  **constants), _cost("backward", 0.6, q4, k4, is_causal, (q4, k4, v4, g4, lse, delta, dk, dv)))

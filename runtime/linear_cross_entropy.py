@@ -31,6 +31,7 @@ import os
 
 import torch
 
+from runtime import extern_kernels
 from runtime import linear_cross_entropy_kernel as kernels
 
 # NOTE (memory): the bytes one chunk's work may hold: 128 MiB. With the Triton kernel that is the
@@ -62,14 +63,14 @@ def forward(a, m, *rest, which=None, reduction, ignore_index, label_smoothing, h
     if wanted and reduction == "none":
         raise ValueError("the gradients of a per-row loss are made by backward(), which takes the rows' gradient")
     setup = _Setup(a, m, bias, target, weight, ignore_index, label_smoothing, loss_dtype, backend)
+    counted = setup.share.sum() if reduction == "mean" else None   # (a mean's denominator)
     scale = None
     if wanted:   # d(loss)/d(loss_r): 1 / sum(s) for a mean, 1 for a sum; 0 where ignored (all ignored too)
-        scale = setup.valid if reduction == "sum" else \
-            torch.where(setup.valid > 0, setup.valid / setup.share.sum(), 0.0)
+        scale = setup.valid if reduction == "sum" else torch.where(setup.valid > 0, setup.valid / counted, 0.0)
     rows_loss, made = _chunks(setup, scale, wanted)
     loss = rows_loss if reduction == "none" else rows_loss.sum()
     if reduction == "mean":
-        loss = loss / setup.share.sum()
+        loss = loss / counted
     values = {"loss": loss.to(loss_dtype), **{f"grad_{k}": v for k, v in made.items()}}
     return values[names[0]] if isinstance(which, str) else tuple(values[n] for n in names)
 
@@ -168,8 +169,6 @@ def _chunks(setup: _Setup, scale, wanted: list) -> tuple:
 def _kernel_chunk(setup: _Setup, logits, rows, scale) -> tuple:
     """(the chunk's rows' loss, the logits' gradient written over them, or None without ``scale``)
     by ``chunk_loss_kernel``."""
-    from runtime.attention import _launch   # (a recorded launch where benchmarks record them)
-
     count, classes = logits.shape
     loss = torch.empty(count, dtype=torch.float32, device=logits.device)
     block, warps = kernels.block_for(classes)
@@ -180,7 +179,7 @@ def _kernel_chunk(setup: _Setup, logits, rows, scale) -> tuple:
     options = dict(HAS_WEIGHT=setup.weight is not None, SMOOTH=setup.eps > 0, GRAD=scale is not None,
                    BLOCK=block, num_warps=warps)
     moved = logits.numel() * logits.element_size() * (3 if scale is not None else 1)
-    _launch(kernels.chunk_loss_kernel, (count,), args, options, {"kind": "memory", "bytes": moved})
+    extern_kernels.launch(kernels.chunk_loss_kernel, (count,), args, options, {"kind": "memory", "bytes": moved})
     return loss, (logits if scale is not None else None)
 
 

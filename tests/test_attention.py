@@ -21,6 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from compiler.ir.ops import catalog as C  # noqa: E402
 from runtime import attention as runtime_attention  # noqa: E402
+from runtime import extern_kernels  # noqa: E402
 from tests.parity import TOLERANCE, check_parity, clone_inputs, run_eager  # noqa: E402
 
 
@@ -333,7 +334,7 @@ def test_flash_kernels_compile_for_hopper_without_spills():
         options = dict(options)
         warps = options.pop("num_warps")
         launches.append(Launch(kernel.fn.__name__, source, describe_args(args), options, warps, list(grid)))
-    with runtime_attention.launches_recorded(record):
+    with extern_kernels.launches_recorded(record):
         for head_dim, dtype, rotary in [(64, torch.bfloat16, False), (128, torch.bfloat16, False),
                                         (64, torch.float16, False), (128, torch.float16, False),
                                         (64, torch.float32, False), (64, torch.bfloat16, True),

@@ -442,7 +442,7 @@ def test_flash_attention_kernels_are_found_for_compiling_ahead_with_the_argument
     so they compile ahead too."""
     import torch.nn.functional as F
 
-    from runtime import ahead_of_time, attention
+    from runtime import ahead_of_time, extern_kernels
 
     f = compiler.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum(),
                          backend="interpret")
@@ -456,7 +456,7 @@ def test_flash_attention_kernels_are_found_for_compiling_ahead_with_the_argument
                  for program in (region.forward, region.backward)
                  for job in ahead_of_time.extern_kernel_jobs(program, torch.device("cpu"))]
     real = []
-    with attention.launches_recorded(lambda kernel, grid, args, options, cost:
+    with extern_kernels.launches_recorded(lambda kernel, grid, args, options, cost:
                                      real.append(described(kernel.fn.__name__, grid, args, options))):
         f(q, k, v).backward()
     assert [p[0] for p in predicted] == ["attention_forward", "attention_backward_dq", "attention_backward_dkv"]

@@ -52,7 +52,7 @@ ALLOWED = {
     ("runtime/replay.py", "_active.replay"): _THREAD,
     ("runtime/backends.py", "_chosen.backend"): _THREAD,
     ("runtime/clip_grad.py", "_hooks.recorder"): _THREAD,
-    ("runtime/attention.py", "_recording.on_launch"): _THREAD,
+    ("runtime/extern_kernels.py", "_recording.on_launch"): _THREAD,
     ("compiler/capture/pack_hooks.py", "_register_hooks.of_torch"): _FUNCTION,
     ("compiler/capture/pack_hooks.py", "_register_hooks.__doc__"): _FUNCTION,
     ("compiler/capture/bindings/elementwise.py", "bind.__qualname__"): _FUNCTION,

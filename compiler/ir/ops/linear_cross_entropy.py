@@ -40,14 +40,14 @@ def _parameters(node: fx.Node) -> dict:
     return {k: node.kwargs[k] for k in _PARAMETERS}
 
 
-def _core_count(node: fx.Node) -> int:
+def _core_count(parameters: dict) -> int:
     """How many of the op's arguments it reads (the logits' name, if still there, follows)."""
-    return 3 + bool(node.kwargs["has_bias"]) + bool(node.kwargs["has_weight"])
+    return 3 + bool(parameters["has_bias"]) + bool(parameters["has_weight"])
 
 
-def _runtime_kwargs(node: fx.Node) -> dict:
-    p = _parameters(node)
-    return {**p, "loss_dtype": getattr(torch, p["loss_dtype"])}
+def _for_runtime(parameters: dict) -> dict:
+    """The op's parameters as ``runtime.linear_cross_entropy`` takes them (the dtype a torch.dtype)."""
+    return {**parameters, "loss_dtype": getattr(torch, parameters["loss_dtype"])}
 
 
 class LinearCrossEntropy(Extern):
@@ -58,9 +58,7 @@ class LinearCrossEntropy(Extern):
 
     @staticmethod
     def torch_fn(*args, which, **parameters):
-        core = 3 + bool(parameters["has_bias"]) + bool(parameters["has_weight"])
-        parameters = {**parameters, "loss_dtype": getattr(torch, parameters["loss_dtype"])}
-        return runtime_loss.forward(*args[:core], which=which, **parameters)
+        return runtime_loss.forward(*args[:_core_count(parameters)], which=which, **_for_runtime(parameters))
 
     def function_for(self, backend: str):
         return functools.partial(LinearCrossEntropy.torch_fn, backend=backend)
@@ -71,20 +69,20 @@ class LinearCrossEntropy(Extern):
         return 0 if backends.cpu_path(backend) else 1
 
     def joint_key(self, node):
-        return tuple(node.args[:_core_count(node)]), tuple(sorted(_parameters(node).items()))
+        return tuple(node.args[:_core_count(node.kwargs)]), tuple(sorted(_parameters(node).items()))
 
     def joint_call(self, nodes, backend):
         """The loss and the gradients asked for, one pass over the chunks."""
         order = sorted(nodes, key=lambda n: ("loss", "grad_a", "grad_m", "grad_bias").index(n.kwargs["which"]))
-        if len({n.kwargs["which"] for n in nodes}) != len(nodes) or len(nodes[0].args) != _core_count(nodes[0]):
+        if len({n.kwargs["which"] for n in nodes}) != len(nodes) or len(nodes[0].args) != _core_count(nodes[0].kwargs):
             return None
-        return (runtime_loss.forward, {"which": tuple(n.kwargs["which"] for n in order), **_runtime_kwargs(nodes[0]),
-                                       "backend": backend}, order)
+        kwargs = {"which": tuple(n.kwargs["which"] for n in order), **_for_runtime(_parameters(nodes[0]))}
+        return runtime_loss.forward, {**kwargs, "backend": backend}, order
 
     def vjp(self, b, node, grad_out):
         if node.kwargs["which"] != "loss":
             return [None] * len(node.args)
-        core = list(node.args[:_core_count(node)])
+        core = list(node.args[:_core_count(node.kwargs)])
         p = _parameters(node)
         grads = [None] * len(node.args)
         for name, position in _GRADS.items():
@@ -114,7 +112,7 @@ class LinearCrossEntropy(Extern):
         from compiler.capture.bindings.handles import Tensor
 
         p = _parameters(node)
-        core = list(node.args[:_core_count(node)])
+        core = list(node.args[:_core_count(node.kwargs)])
         target, weight = core[2 + p["has_bias"]], (core[-1] if p["has_weight"] else None)
         if logits is None:
             logits = Tensor(b, emit_logits(b, core[0], core[1], core[2] if p["has_bias"] else None))
@@ -135,8 +133,7 @@ class LinearCrossEntropyBackward(Extern):
 
     @staticmethod
     def torch_fn(grad, *args, which, **parameters):
-        parameters = {**parameters, "loss_dtype": getattr(torch, parameters["loss_dtype"])}
-        return runtime_loss.backward(grad, *args, which=which, **parameters)
+        return runtime_loss.backward(grad, *args, which=which, **_for_runtime(parameters))
 
     def function_for(self, backend: str):
         return functools.partial(LinearCrossEntropyBackward.torch_fn, backend=backend)
@@ -152,7 +149,7 @@ class LinearCrossEntropyBackward(Extern):
         if len({n.kwargs["which"] for n in nodes}) != len(nodes):
             return None
         return (runtime_loss.backward, {"which": tuple(n.kwargs["which"] for n in order),
-                                        **_runtime_kwargs(nodes[0]), "backend": backend}, order)
+                                        **_for_runtime(_parameters(nodes[0])), "backend": backend}, order)
 
     def vjp(self, b, node, grad_out):
         raise AssertionError("linear_cross_entropy_backward is differentiated through the decomposed loss "
@@ -220,7 +217,7 @@ def chunked_loss_pass(graph: fx.Graph) -> int:
     kept, b = [], GraphBuilder(graph)
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not LINEAR_CROSS_ENTROPY or \
-                len(node.args) == _core_count(node):
+                len(node.args) == _core_count(node.kwargs):
             continue
         logits = node.args[-1]
         found = linear_source(logits)
