@@ -266,7 +266,8 @@ def test_small_copies_of_different_shapes_share_one_kernel():
     """An attention block's backward copies several operands into the layouts its batched
     matmuls need: the output's gradient, q, k and v split into heads, k transposed, and the saved
     attention output for the projection's weight gradient. Copies with as many elements are made
-    by one kernel, each stored in order (two launches fewer here), with eager's gradients.
+    by one kernel, each stored in order, or by the kernel that is there when they are needed (the
+    softmax's backward, for those its matmuls read): four kernels in all, with eager's gradients.
     (Scores scaled by a tensor: the written-out attention stays written out, not flash attention.)"""
     torch.manual_seed(0)
     b, t, heads, d = 2, 8, 2, 16
@@ -283,7 +284,8 @@ def test_small_copies_of_different_shapes_share_one_kernel():
     copies = [k for k in report.backward_kernels if k.name.startswith("fused_identity")
               or k.name.startswith("fused_mm_identity")]
     assert len(copies) == 1, [k.name for k in report.backward_kernels]
-    assert copies[0].source.count("tl.store(") >= 4  # the output's gradient, k, v; k transposed; y
+    assert copies[0].source.count("tl.store(") >= 3
+    assert len(report.backward_kernels) == 4, [k.name for k in report.backward_kernels]
     compiled = check_parity(block, [x], tol=dict(rtol=1e-4, atol=1e-4))
     for p in (*qkv.parameters(), *proj.parameters()):
         p.grad = None
@@ -323,10 +325,28 @@ def test_the_residual_stream_is_not_recomputed_by_every_layer():
     check_parity(_residual_stack(8), [x], tol=dict(rtol=1e-4, atol=1e-5))
 
 
+def test_a_deep_backward_shares_its_column_sum_kernels():
+    """Six pre-norm blocks at GPT-2's width, traced on meta tensors. The backward, in the forward's
+    reverse order, emits each norm's weight and bias gradients before the row sums of its input's:
+    their partial sums are moved beside those rows (one pass over the layer's gradient), and the
+    second stages of every layer's column sums, small, are made at the end, where they share
+    kernels. (Measured: 22 kernels; 28 and 0.43 GB more without the first, 38 without the second.)"""
+    from benchmarks.step_trace import _meta_runs_as_cpu
+
+    with torch.device("meta"):
+        net = _residual_stack(6, width=768)
+        x = torch.randn(8192, 768, requires_grad=True)
+    with _meta_runs_as_cpu():
+        report = compiler.explain(compiler.compile(net, backend="interpret"), x)
+    assert report.fallbacks == []
+    assert len(report.backward_kernels) <= 22, [k.name for k in report.backward_kernels]
+    assert sum(k.bytes_moved for k in report.backward_kernels) < 3.7e9
+
+
 def test_a_backward_recomputes_each_matmul_operand_near_its_matmul(monkeypatch):
     """The balanced policy recomputes the norms' and GELUs' outputs in backward (the weight
     gradients' operands) rather than saving them. Made by the first backward kernel of their shape,
-    they were all alive from the start of the backward; now each is made at most two matmuls
+    they were all alive from the start of the backward; now each is made at most four matmuls
     before its own."""
     from compiler.fusion import fuse
 
@@ -336,7 +356,8 @@ def test_a_backward_recomputes_each_matmul_operand_near_its_matmul(monkeypatch):
     report = compiler.explain(compiler.compile(_residual_stack(layers), backend="interpret"), x)
     stores = [k.source.count("tl.store(") for k in report.backward_kernels]
     assert max(stores[:2]) <= 4, stores   # (before: the first two stored 8 each, every layer's operands)
-    # and the norms' gradients do not re-read the stream either (before: 33 KB to 75 KB)
+    # and the norms' gradients do not re-read the stream either (before: 33 KB to 75 KB); the first
+    # layer's, last, reads the region's input instead of a stored sum: fewer bytes
     norms = [k.bytes_moved for k in report.backward_kernels if "sub_mm_pw_sum" in k.name]
-    assert len(norms) >= layers - 1 and max(norms) <= 1.6 * min(norms), norms
+    assert len(norms) >= layers - 1 and max(norms[:-1]) <= 1.2 * min(norms[:-1]), norms
     check_parity(_residual_stack(layers), [x], tol=dict(rtol=1e-4, atol=1e-5))
