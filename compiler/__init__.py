@@ -18,6 +18,7 @@ _prepare_process()  # before anything imports triton: interpreter mode on CPU-on
 
 from compiler import scalar_math as math  # noqa: E402
 from compiler.api import compile, explain  # noqa: E402
+from compiler.dynamo_backend import register as _register_dynamo_backend  # noqa: E402
 from compiler.elementwise import elementwise  # noqa: E402
 from compiler.report.logs import configure_from_environment as _configure_logs, set_logs  # noqa: E402
 from compiler.reuse.persist import clear_cache  # noqa: E402
@@ -29,3 +30,4 @@ __all__ = ["compile", "explain", "elementwise", "math", "set_logs", "report_html
            "CompileError", "InternalCompilerError"]
 
 _configure_logs()  # SYMGRAD_LOG
+_register_dynamo_backend()  # torch.compile(backend="symgrad") without the entry point too; imports no Dynamo
