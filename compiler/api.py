@@ -26,7 +26,7 @@ from compiler.autodiff.saved_set import check_policy
 from runtime import ahead_of_time
 from runtime import skip_python
 from runtime import backends
-from runtime.dispatch import CompiledFunction, Entry
+from runtime.dispatch import CompiledFunction, Entry, check_recording_limit
 from runtime.trace import CallKind, CompiledRecording, Recording
 from runtime.fallback import CompileError, internal_error
 from runtime.torch_functions import function_name
@@ -40,15 +40,24 @@ log = logging.getLogger("compiler")
 
 
 def compile(fn=None, *, backend: str = "auto", fullgraph: bool = False, memory: str = "balanced",
-            dynamic: bool | None = None, skip_python: bool = False):
-    """Compile ``fn``: its torch ops become fused Triton kernels, forward and backward.
+            dynamic: bool | None = None, skip_python: bool = False, recording_limit: int | None = None):
+    """Compile ``fn``: its torch ops become fused kernels, forward and backward.
 
     Usable as ``@compiler.compile`` or ``@compiler.compile(backend=..., fullgraph=...)``.
-    Backends: ``"triton"`` (CUDA tensors), ``"torch"`` (CPU tensors: each fused kernel as PyTorch
-    ops), ``"cpp"`` (CPU tensors: the kernels the C++ printer writes compiled by the system's C++
-    compiler, the others as ``"torch"``), ``"interpret"`` (the Triton kernels in Triton's
-    interpreter, CPU tensors), ``"eager"`` (the function unmodified) and ``"auto"`` (triton on
-    CUDA; on CPU cpp where a C++ compiler works, else torch; ``SYMGRAD_CPU_BACKEND`` names another).
+    Backends (``runtime.backends``):
+
+    - ``"auto"`` (the default): ``"triton"`` for CUDA tensors; for CPU tensors ``"cpp"`` where a
+      working C++ compiler is found, else ``"torch"`` (a warning says why, once), or what
+      ``SYMGRAD_CPU_BACKEND=cpp|torch|interpret`` names (the test suite sets ``interpret``).
+      Chosen at the first call on each device type; a call with no tensor arguments is decided by
+      the device its recording's tensors are on;
+    - ``"triton"``: compiled Triton kernels (CUDA tensors);
+    - ``"cpp"``: each fused kernel the C++ printer writes, compiled by the system's C++ compiler,
+      the others as ``"torch"`` (CPU tensors);
+    - ``"torch"``: each fused kernel as a generated function of PyTorch ops (CPU tensors);
+    - ``"interpret"``: the Triton kernels in Triton's interpreter (CPU tensors; slow, for tests);
+    - ``"eager"``: the function unmodified.
+
     The first call
     with new shapes runs eagerly while it records; later calls run the compiled kernels. With
     ``fullgraph=True``, anything that would run eagerly raises ``CompileError`` instead.
@@ -66,11 +75,24 @@ def compile(fn=None, *, backend: str = "auto", fullgraph: bool = False, memory: 
     run, no recording. ``compiler.mark_dynamic(t, dim)`` marks one dimension up front. Sizes 0
     and 1 always specialize.
 
+    ``recording_limit``: how many argument keys (shapes, dtypes, requires_grad, constants, grad
+    mode...) the function records, as ``torch._dynamo.config.recompile_limit`` caps recompiles;
+    ``None`` (the default) takes ``$SYMGRAD_RECORDING_LIMIT``, else 8. Past it, a call with a new
+    key runs eagerly (with ``fullgraph=True``: raises ``CompileError``), said once with the guards
+    that kept failing, and in ``explain(fn)``'s fallbacks; the keys recorded still replay. Entries
+    instantiated for new sizes (``dynamic``) are not counted. (A key recorded again and again, its
+    Python taking new paths, is run eagerly after eight re-recordings, whatever the limit.)
+
     ``skip_python=True`` (a promise, off by default): every call with the same arguments'
     description makes the same torch calls with the same constants, and ``fn``'s Python has no
     other effect. Replays then make the recorded calls directly instead of running ``fn`` and
     checking each of its torch calls (``runtime.skip_python``: what stays guarded, and where
     the promise cannot hold and the checked replay runs instead, with the reason logged once).
+
+    ``SYMGRAD_DISABLE=1`` turns every compiled function off while it is set (read at each call,
+    so before or after ``compile``, as ``TORCH_COMPILE_DISABLE``): each call runs ``fn``'s Python
+    unmodified — no recording, no kernels, nothing stored — and a warning says so once. For
+    bisecting a wrong value or a crash: is it the compiler?
 
     >>> import torch, compiler
     >>> @compiler.compile
@@ -80,14 +102,16 @@ def compile(fn=None, *, backend: str = "auto", fullgraph: bool = False, memory: 
     >>> _ = f(x, torch.randn(8)); loss = f(x, torch.randn(8)); loss.backward()
     """
     check_policy(memory)
+    check_recording_limit(recording_limit)
     if fn is None:
         return lambda f: compile(f, backend=backend, fullgraph=fullgraph, memory=memory, dynamic=dynamic,
-                                 skip_python=skip_python)
+                                 skip_python=skip_python, recording_limit=recording_limit)
     if isinstance(fn, CompiledFunction):
         fn = fn.fn
     build = _build if memory == "balanced" else functools.partial(_build, memory=memory)
     return CompiledFunction(fn, build, backend=backend, fullgraph=fullgraph, dynamic=dynamic,
-                            templates=_Templates(memory), stored=_StoredRecordings(memory), skip_python=skip_python)
+                            templates=_Templates(memory), stored=_StoredRecordings(memory), skip_python=skip_python,
+                            recording_limit=recording_limit)
 
 
 class _Templates:
@@ -149,7 +173,8 @@ def explain(fn, *args, **kwargs) -> Report:
 
     ``explain(compiled_fn)`` with no arguments reports the recording its last call ran, without
     running anything (a training step explained after the loop takes no extra step); before
-    any call it records ``fn()``.
+    any call it records ``fn()``. Where whole calls of it run eagerly (its recording limit
+    reached: calls with new argument keys; recorded too many times), its ``fallbacks`` say so too.
 
     >>> import torch, compiler
     >>> report = compiler.explain(lambda x: (x.sin() * 2).sum(), torch.randn(4, requires_grad=True))
@@ -158,7 +183,12 @@ def explain(fn, *args, **kwargs) -> Report:
     """
     compiled = fn if isinstance(fn, CompiledFunction) else compile(fn)
     if not args and not kwargs and compiled is fn and fn.last_entry is not None:
-        return fn.last_entry.report
+        report = fn.last_entry.report
+        whole_calls = [reason for reason in (fn.disabled, fn.limit_reached) if reason]
+        if whole_calls:  # (whole calls run eagerly: the function's, not this recording's)
+            report = dataclasses.replace(report, fallbacks=list(report.fallbacks) + [
+                f"whole calls run eagerly: {reason}" for reason in whole_calls])
+        return report
     entry = compiled.build(args, kwargs)
     return entry.report
 

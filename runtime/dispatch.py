@@ -10,6 +10,10 @@ offered to the templates: an entry instantiated from a recording for these sizes
 once, without an eager run. Tensors reached inside the function (parameters, closed-over tensors) are
 guarded by identity and metadata at replay. Thread-safe: recording is serialized, replays
 run concurrently (modes are thread-local).
+
+A function records at most its recording limit of guard keys (RECORDING_LIMIT, as Dynamo's
+``recompile_limit``); calls with new keys past it run eagerly, said once with the guards that
+kept failing. ``SYMGRAD_DISABLE=1`` makes every call run the function's Python unmodified.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import os
 import threading
 import weakref
 
@@ -30,6 +35,16 @@ from runtime.fallback import CompileError, internal_error, say_once
 from runtime.replay import Replay
 
 MAX_RECAPTURES = 8
+# NOTE: guard keys a compiled function records (or loads stored recordings for), as
+# torch._dynamo.config.recompile_limit (8) caps a code object's cache entries: a call with a new
+# key past it runs eagerly, said once with the guards that kept failing; the keys recorded still
+# replay. Entries instantiated from a template (dynamic shapes) are not counted: they cost no
+# recording. ``compile(recording_limit=...)`` sets it per function, else SYMGRAD_RECORDING_LIMIT.
+RECORDING_LIMIT = 8
+RECORDING_LIMIT_ENV = "SYMGRAD_RECORDING_LIMIT"
+# SYMGRAD_DISABLE=1: every compiled function runs its Python unmodified (no recording, no kernels),
+# read at each call, like TORCH_COMPILE_DISABLE (bisecting: is it the compiler?)
+DISABLE_ENV = "SYMGRAD_DISABLE"
 MAX_VARIANTS = 4  # recordings kept per guard key (modules in train or eval mode)
 DYNAMIC_AFTER = 3  # different values of a number argument before calls stop specializing on it
 STORED_TRIES = 8  # calls a stored recording waits for its paths to lead somewhere (optimizer state)
@@ -80,6 +95,62 @@ def _note(name: str, what: str, reason: str) -> None:
         watch.events.append((name, what, reason))
 
 
+# -- the switches read from the environment ---------------------------------------------------------
+_OFF = ("", "0", "false", "no", "off")
+# (os.environ.get costs a microsecond or more: on every call, the common case, the variable not
+# set, is one lookup in os.environ's own mapping; set, its value is read as usual)
+_ENVIRON_DATA = getattr(os.environ, "_data", None)
+try:
+    _DISABLE_KEY = os.environ.encodekey(DISABLE_ENV)
+except Exception:  # noqa: BLE001 — another Python's os.environ: read it the plain way
+    _ENVIRON_DATA = None
+_said_disabled = False
+
+
+def switched_off() -> bool:
+    """Whether ``SYMGRAD_DISABLE`` is set (to anything but 0/false/no/off): compiled functions then run
+    their Python unmodified. Read at each call, so setting it before or after ``compile`` works."""
+    if _ENVIRON_DATA is not None and _DISABLE_KEY not in _ENVIRON_DATA:
+        return False
+    return os.environ.get(DISABLE_ENV, "").strip().lower() not in _OFF
+
+
+def _say_switched_off() -> None:
+    global _said_disabled
+    if not _said_disabled:
+        _said_disabled = True
+        logging.getLogger("compiler").warning(
+            "compiler: %s=%s: compiled functions run their Python unmodified (no recording, no kernels) while "
+            "it is set", DISABLE_ENV, os.environ.get(DISABLE_ENV, "").strip())
+
+
+def recording_limit(asked: int | None) -> int:
+    """The guard keys a compiled function records before calls with new ones run eagerly: ``asked``
+    (``compile(recording_limit=...)``), else ``$SYMGRAD_RECORDING_LIMIT``, else RECORDING_LIMIT.
+    Read when a call would record a new key, not on every call."""
+    if asked is not None:
+        return asked
+    text = os.environ.get(RECORDING_LIMIT_ENV, "").strip()
+    if not text:
+        return RECORDING_LIMIT
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{RECORDING_LIMIT_ENV}={text!r}: give the number of argument keys (shapes, dtypes, "
+                         f"constants...) a compiled function records before new ones run eagerly, >= 1 "
+                         f"(default {RECORDING_LIMIT})")
+    return value
+
+
+def check_recording_limit(value) -> None:
+    """``compile(recording_limit=...)``: None (the environment's, else RECORDING_LIMIT) or an int >= 1."""
+    if value is not None and (type(value) is not int or value < 1):
+        raise ValueError(f"recording_limit={value!r}: give None (${RECORDING_LIMIT_ENV}, else {RECORDING_LIMIT}) or "
+                         "the number of argument keys a compiled function records before new ones run eagerly (>= 1)")
+
+
 class Entry:
     """One recorded program for one guard key (``trace`` None: a compiler bug broke the
     recording; calls with this key run eagerly). ``instantiated``: made from a template
@@ -106,12 +177,13 @@ _UNCHECKED = object()   # _record's `seen` when the caller asks for a recording 
 
 class CompiledFunction:
     def __init__(self, fn, builder, backend="auto", fullgraph=False, dynamic=None, templates=None, stored=None,
-                 skip_python=False):
+                 skip_python=False, recording_limit=None):
         functools.update_wrapper(self, fn, updated=())  # not __dict__: fn may be a Module
         if not hasattr(self, "__name__"):   # (a module or another callable object: its class names it in logs)
             self.__name__ = type(fn).__name__
         if backend not in backends.BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(backends.BACKENDS)}")
+        check_recording_limit(recording_limit)
         self.fn = fn
         self.builder = builder
         self.backend = backend
@@ -124,8 +196,12 @@ class CompiledFunction:
         self.scalars_seen: dict = {}     # (spec, leaf position) -> values seen
         self.needs_variant: set = set()  # guard keys whose last call took an unrecorded path
         self.disabled: str | None = None
+        self.recording_limit = recording_limit  # None: SYMGRAD_RECORDING_LIMIT's, else RECORDING_LIMIT
+        self.recorded_keys: dict = {}  # guard keys recorded or loaded (not instantiated), in order
+        self.limit_reached: str | None = None  # why calls with new keys run eagerly (the limit), once hit
         # (captures: recordings, each an eager run; instantiations: entries re-made from a template)
-        # (loaded: recordings an earlier process stored, replayed without a recording run here)
+        # (loaded: recordings stored on disk, by an earlier process or another compiled function of the
+        # same key in this one, replayed without a recording run here)
         self.stats = {"calls": 0, "captures": 0, "instantiations": 0, "loaded": 0, "replays": 0, "eager_calls": 0,
                       "divergences": 0, "kernel_launches": 0}
         self.stored = stored              # compiler.reuse.recordings, through compiler.api (None: none)
@@ -151,9 +227,8 @@ class CompiledFunction:
     # -- the call --------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         self.stats["calls"] += 1
-        if self.backend == "eager":
-            self.last_backend = "eager"
-            return self.fn(*args, **kwargs)
+        if self.backend == "eager" or switched_off():
+            return self._unmodified(args, kwargs)
         leaves, spec = flatten_call(args, kwargs)
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         device = tensors[0].device.type if tensors else None
@@ -274,8 +349,7 @@ class CompiledFunction:
             reason = skip_python.hooks_in_the_way(entry.trace)
         if reason is None:
             return True
-        say_once(self.__name__, f"skip_python: this call runs its Python (each torch call checked): {reason}",
-                 logging.INFO)
+        skip_python.say_python_runs(self.__name__, reason)
         return False
 
     def _load_stored(self, key, spec, leaves, backend, why) -> None:
@@ -285,15 +359,16 @@ class CompiledFunction:
         with self.lock:
             pending = self.stored_pending.pop(key, None)
             if pending is None:
-                if key in self.cache:
+                if key in self.cache or self._over_limit(key) is not None:  # (past the limit: no new key loads)
                     return
                 pending = [self.stored.find(self.fn, spec, leaves), STORED_TRIES]
-            waiting, loaded = [], []
+            waiting, loaded, here = [], [], 0
             for stored in pending[0]:
                 try:
                     entry = self.stored.load(stored, self.fn, leaves, self.fullgraph, self.stats)
                     entry.runs_with(backend, why)
                     loaded.append(entry)
+                    here += bool(getattr(stored, "stored_here", False))
                 except self.stored.Unresolved as e:
                     waiting.append(stored)
                     if guard_log.on():
@@ -313,9 +388,16 @@ class CompiledFunction:
                     for reason in entry.report.fallbacks:
                         _note(self.__name__, "fallback", reason)
             self.cache[key] = (self.cache.get(key, []) + loaded)[:MAX_VARIANTS]
+            self.recorded_keys[key] = None
             if guard_log.on():
-                guard_log.recompiles.info("%s: loaded %d recording(s) an earlier process stored (no recording run)",
-                                          self.__name__, len(loaded))
+                # (stored by this process: another compiled function of the same key, its code, defaults,
+                # closure and argument descriptions, recorded it; compiler.reuse.recordings)
+                earlier = len(loaded) - here
+                where = ("an earlier process stored" if not here else
+                         "this process stored earlier (another compiled function with the same key)" if not earlier
+                         else f"stored earlier: {earlier} by an earlier process, {here} by this process")
+                guard_log.recompiles.info("%s: loaded %d recording(s) %s (no recording run)",
+                                          self.__name__, len(loaded), where)
 
     def _instantiate(self, key, spec, leaves) -> None:
         """Put an entry for ``key`` in the cache, made from the template of its dynamic key when
@@ -353,19 +435,21 @@ class CompiledFunction:
                          "specialize on it", logging.INFO)
         return changed
 
-    def _record(self, key, backend, why, args, kwargs, recapture=False, seen=_UNCHECKED, other_path=False):
+    def _record(self, key, backend, why, args, kwargs, recapture=False, seen=_UNCHECKED, other_path=False,
+                limited=True):
         """Record a call. ``seen``: the key's recordings when the caller found none to replay;
-        if another thread recorded the key since, this call replays that instead."""
+        if another thread recorded the key since, this call replays that instead. ``limited``: a
+        new key past the recording limit runs eagerly instead (``explain`` records whatever it is)."""
         with self.lock:
             # NOTE: another thread recorded this key while this one waited for the lock
             # (recordings are made one at a time): replay it, or record another mode's
             recorded_meanwhile = seen is not _UNCHECKED and self.cache.get(key) is not seen
             if not recorded_meanwhile:
-                return self._record_now(key, backend, why, args, kwargs, recapture, other_path)
+                return self._record_now(key, backend, why, args, kwargs, recapture, other_path, limited)
         self.stats["calls"] -= 1  # counted again by the call below
         return self(*args, **kwargs)
 
-    def _record_now(self, key, backend, why, args, kwargs, recapture, other_path=False):
+    def _record_now(self, key, backend, why, args, kwargs, recapture, other_path=False, limited=True):
         with self.lock:
             if recapture:
                 self.recaptures += 1
@@ -374,6 +458,9 @@ class CompiledFunction:
                                      "to call (Python control flow or changing constants); running eagerly")
                     guard_log.recompiles.info("%s: %s", self.__name__, self.disabled)
                     return self._eager(self.disabled, args, kwargs)
+            over = self._over_limit(key) if limited else None
+            if over is not None:
+                return self._eager(over, args, kwargs)
             self.stats["captures"] += 1
             # (a recording under a dynamic key: its kernels shape-generic, as its instantiations' are)
             dynamic = self.shapes.enabled and self.shapes.is_dynamic(key, args, kwargs)
@@ -393,6 +480,7 @@ class CompiledFunction:
             # recordings that agree on the calls made so far: an optimizer step every few calls).
             variants = self.cache.get(key, [])
             self.cache[key] = [entry] + variants[:MAX_VARIANTS - 1]
+            self.recorded_keys[key] = None
             if guard_log.on():
                 leaves, spec = flatten_call(args, kwargs)
                 names = guard_log.leaf_names(self.fn, spec, len(leaves))
@@ -405,6 +493,38 @@ class CompiledFunction:
                 if _WATCHERS:
                     _note(self.__name__, "fallback", reason)
             return result
+
+    def _unmodified(self, args, kwargs):
+        """``backend="eager"``, or ``SYMGRAD_DISABLE``: the function's Python, unmodified (not refused
+        under ``fullgraph``: the user asked for it)."""
+        if self.backend == "eager":
+            self.last_backend = "eager"
+            return self.fn(*args, **kwargs)
+        _say_switched_off()
+        if _WATCHERS:
+            _note(self.__name__, "eager call", f"{DISABLE_ENV} is set")
+        self.stats["eager_calls"] += 1
+        self.last_backend = f"eager ({DISABLE_ENV})"
+        return self.fn(*args, **kwargs)
+
+    def _over_limit(self, key) -> str | None:
+        """Why a call with ``key`` runs eagerly instead of recording, where it is a new key and
+        the function has recorded as many keys as its limit allows; else None."""
+        if key in self.recorded_keys:
+            return None
+        limit = recording_limit(self.recording_limit)
+        if len(self.recorded_keys) < limit:
+            return None
+        if self.limit_reached is None:
+            leaves_spec = key[0]
+            names = guard_log.leaf_names(self.fn, leaves_spec, len(key) - 3)
+            self.limit_reached = (
+                f"reached its recording limit, {limit} argument keys (compile(recording_limit=...) or "
+                f"${RECORDING_LIMIT_ENV}; default {RECORDING_LIMIT}): calls with new keys run eagerly, the "
+                f"{len(self.recorded_keys)} recorded still replay; the guards that kept failing: "
+                f"{_failing_guards(list(self.recorded_keys) + [key], names, self.shapes.mode)}")
+            guard_log.recompiles.info("%s: %s", self.__name__, self.limit_reached)
+        return self.limit_reached
 
     def _eager(self, reason, args, kwargs):
         if self.fullgraph:
@@ -422,8 +542,48 @@ class CompiledFunction:
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         backend, why = backends.choose("auto" if self.backend == "eager" else self.backend,
                                        tensors[0].device.type if tensors else None)
-        self._record(_guard_key(spec, leaves, self.dynamic), backend, why, args, kwargs)
+        self._record(_guard_key(spec, leaves, self.dynamic), backend, why, args, kwargs, limited=False)
         return self.last_entry
+
+
+def _failing_guards(keys, names, dynamic) -> str:
+    """What told guard keys ``keys`` apart (the recorded ones, then a new one): each guard whose value
+    differed between them, with the values seen (``x: shape [2, 4], [3, 4], ...``)."""
+    def listed(values):
+        shown = list(dict.fromkeys(values))
+        text = ", ".join(map(str, shown[:4])) + (", ..." if len(shown) > 4 else "")
+        return f"{text} ({len(shown)} different)"
+    new = keys[-1]
+    found = []
+    if len({k[0] for k in keys}) > 1:
+        found.append(f"the arguments' structure ({len({k[0] for k in keys})} different: other numbers of arguments, "
+                     "keywords or containers)")
+    if len({k[1] for k in keys}) > 1:
+        found.append("grad mode (on and off)")
+    if len({k[2] for k in keys}) > 1:
+        found.append(f"autocast {listed(k[2] for k in keys)}")
+    alike = [k for k in keys if k[0] == new[0]]
+    shapes = False
+    for i, name in enumerate(names):
+        parts = [k[3 + i] for k in alike]
+        if len(set(parts)) < 2:
+            continue
+        if all(isinstance(p, tuple) and len(p) == 4 and isinstance(p[1], torch.dtype) for p in parts):
+            for j, what in enumerate(("shape", "dtype", "device", "requires_grad")):
+                values = [list(p[j]) if j == 0 else p[j] for p in parts]
+                if len({str(v) for v in values}) > 1:
+                    found.append(f"{name}: {what} {listed(str(v) for v in values)}")
+                    shapes = shapes or j == 0
+        else:
+            found.append(f"{name}: {listed(guard_log._describe_leaf(p) for p in parts)}")
+    if not found:
+        return "the guard keys differ"
+    hint = ""
+    if shapes and dynamic is False:
+        hint = " (compile(dynamic=None), the default, or dynamic=True shares recordings across sizes)"
+    elif shapes:
+        hint = " (sizes 0 and 1, and sizes no template covers, record again)"
+    return "; ".join(found) + hint
 
 
 _NO_AUTOCAST = (None, None)

@@ -12,7 +12,7 @@ again by walking it in the new process:
 
 * roots: the call's arguments (``("arg", i)``, leaves as ``runtime.calls.flatten_call`` makes
   them), the function itself when it is a module or the ``self`` of a bound method, its closure
-  cells and the globals its code names;
+  cells, its default argument values and the globals its code names;
 * steps: a module's submodules, parameters and buffers by name; an optimizer's parameters by
   group and position and their state (``exp_avg``...) by key; items of lists, tuples and dicts;
   the attributes of a bound method's object (a trainer's ``self.model``, ``self.opt``).
@@ -26,7 +26,9 @@ not exist yet) waits: it is tried again on the next calls with the same key.
 
 The key of a call (which recordings it may use) holds what the in-process guard key holds, made
 portable: the function's identity (module, qualified name, file, and its code: constants, names
-and bytecode, recursively), each argument's description (a tensor's shape, dtype, device and
+and bytecode, recursively; its closure cells' and default arguments' values, described as arguments
+are, functions by name and code, other objects by type: ``lambda x, fn=fn: fn(x)`` made with two
+``fn`` has two keys), each argument's description (a tensor's shape, dtype, device and
 requires_grad; a module's class and its parameters' and buffers' names and metadata; an
 optimizer's class and group sizes; a plain constant's value), grad mode, autocast, and the
 versions of Python, torch, triton, sympy and this package's source (as the region cache's key).
@@ -98,16 +100,30 @@ def portable_key(fn, spec, leaves) -> str:
 def _function_identity(fn) -> str:
     if isinstance(fn, torch.nn.Module):
         forward = type(fn).forward
-        return f"module {type(fn).__module__}.{type(fn).__qualname__} {_code_text(forward.__code__)}"
+        return (f"module {type(fn).__module__}.{type(fn).__qualname__} {_code_text(forward.__code__)} "
+                f"{_describe_defaults(forward)}")
     func = getattr(fn, "__func__", fn)  # a bound method: its function (its self is a root)
     code = getattr(func, "__code__", None)
     if code is None:
         raise NotStorable(f"{type(fn).__name__} objects have no code to key a stored recording by")
     # (a closure's cells are part of what the code means: ``lambda x: fn(x, -1)`` made with
-    # torch.softmax and with torch.log_softmax is one code object)
+    # torch.softmax and with torch.log_softmax is one code object; so are its default arguments'
+    # values: ``lambda x, fn=fn: fn(x, -1)``)
     cells = [_describe_cell(cell) for cell in getattr(func, "__closure__", None) or ()]
     return (f"{getattr(func, '__module__', '')}.{getattr(func, '__qualname__', '')} "
-            f"{code.co_filename}:{code.co_firstlineno} {_code_text(code)} {cells}")
+            f"{code.co_filename}:{code.co_firstlineno} {_code_text(code)} {cells} {_describe_defaults(func)}")
+
+
+def _describe_defaults(func) -> str:
+    """A function's default argument values (``__defaults__``, ``__kwdefaults__``), described as
+    closure cells are: tensors by metadata (the recording holds them by identity, found again by
+    path: ``_roots``), constants by value, functions by name and code, other objects by type."""
+    defaults = getattr(func, "__defaults__", None) or ()
+    kwdefaults = getattr(func, "__kwdefaults__", None) or {}
+    if not defaults and not kwdefaults:
+        return "no defaults"
+    return (f"defaults {[_describe_value(v) for v in defaults]} "
+            f"{[(k, _describe_value(v)) for k, v in sorted(kwdefaults.items())]}")
 
 
 def _describe_cell(cell) -> str:
@@ -197,6 +213,9 @@ def _roots(fn, leaves) -> list:
                 pass
         names = getattr(func, "__globals__", {})
         roots.extend((("global", n), names[n]) for n in code.co_names if n in names)
+    # (default argument values: a tensor or module a ``lambda x, w=w:`` default holds)
+    roots.extend((("default", i), v) for i, v in enumerate(getattr(func, "__defaults__", None) or ()))
+    roots.extend((("kwdefault", k), v) for k, v in (getattr(func, "__kwdefaults__", None) or {}).items())
     return roots
 
 
@@ -212,6 +231,10 @@ def _root(step, fn, leaves):
             return func.__closure__[func.__code__.co_freevars.index(step[1])].cell_contents
         if kind == "global":
             return func.__globals__[step[1]]
+        if kind == "default":
+            return func.__defaults__[step[1]]
+        if kind == "kwdefault":
+            return func.__kwdefaults__[step[1]]
     except (AttributeError, IndexError, KeyError, ValueError, TypeError):
         pass
     raise Unresolved(f"{_describe_path((step,))} is not there")
@@ -302,7 +325,8 @@ def resolve(path, fn, leaves):
 
 def _describe_path(path) -> str:
     root = path[0]
-    text = {"arg": lambda: f"argument {root[1]}", "self": lambda: "self"}.get(root[0], lambda: root[-1])()
+    text = {"arg": lambda: f"argument {root[1]}", "self": lambda: "self",
+            "default": lambda: f"default argument {root[1]}"}.get(root[0], lambda: str(root[-1]))()
     for step in path[1:]:
         text += f".{step[1]}" if step[0] in ("module", "param", "buffer", "attr") else f"{list(step[1:])}"
     return text
@@ -415,10 +439,15 @@ class Prepared:
 
 @dataclass
 class Stored:
-    """A recording read from disk: the paths it needs, and its trace's bytes."""
+    """A recording read from disk: the paths it needs, and its trace's bytes. ``stored_here``: this
+    process wrote it (another compiled function with the same key recorded it), not an earlier one."""
     path: str
     required: list
     data: bytes
+    stored_here: bool = False
+
+
+_WRITTEN_HERE: set = set()  # the paths of the recordings this process wrote (what the logs say of a load)
 
 
 def call_key(fn, args, kwargs) -> str | NotStorable | None:
@@ -470,6 +499,7 @@ def write(prepared: Prepared) -> None:
     except OSError as e:  # a full or read-only disk: the next process records, as without a cache
         log.warning("could not store a recording in %s (%s); later processes record it again", prepared.path, e)
         return
+    _WRITTEN_HERE.add(prepared.path)
     try:
         for old in _newest_first(os.path.dirname(prepared.path))[MAX_STORED:]:
             os.remove(old)
@@ -503,7 +533,7 @@ def find(fn, spec, leaves) -> list:
             if payload is None:
                 continue
             entry = pickle.loads(payload)
-            found.append(Stored(path, entry["required"], entry["trace"]))
+            found.append(Stored(path, entry["required"], entry["trace"], path in _WRITTEN_HERE))
         except Exception as e:  # noqa: BLE001 — truncated, garbled, or from an incompatible build
             persist.discard_damaged(path, "stored recording", "recording the call instead", e)
     return found
