@@ -1,5 +1,5 @@
-"""``python -m benchmarks``: workloads × backends, results under ``benchmarks/results/``.
-See ``benchmarks/README.md``."""
+"""``python -m benchmarks``: workloads × backends, results under ``benchmarks/out/`` (git-ignored); the
+committed ``benchmarks/results/`` is written only with ``--out benchmarks/results``. See ``benchmarks/README.md``."""
 
 import compiler  # noqa: F401  (first: before anything imports triton, e.g. torch.optim)
 
@@ -10,7 +10,7 @@ import time  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks import backends  # noqa: E402
-from benchmarks.harness import RESULTS, run  # noqa: E402
+from benchmarks.harness import OUT, run  # noqa: E402
 from benchmarks.workloads import WORKLOADS  # noqa: E402
 
 
@@ -49,7 +49,8 @@ def main(argv=None):
 def _parser():
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=(
         "Our compiler vs eager PyTorch vs torch.compile: workloads x backends; CSV, markdown table "
-        "and plots under benchmarks/results/. See benchmarks/README.md."))
+        "and plots under benchmarks/out/ (git-ignored; --out benchmarks/results updates the committed results). "
+        "See benchmarks/README.md."))
     sizes = parser.add_mutually_exclusive_group()
     sizes.add_argument("--cpu", dest="size", action="store_const", const="cpu",
                        help="CPU sizes, where eager's step takes 5-50 ms on 2 cores (the default without a GPU)")
@@ -68,7 +69,9 @@ def _parser():
     parser.add_argument("--no-cold", dest="cold", action="store_false",
                         help="skip cold/warm compile times (two fresh processes per compiled backend)")
     parser.add_argument("--rounds", type=int, help="interleaved timing rounds (default 10 on GPU, 5 on CPU)")
-    parser.add_argument("--out", default=RESULTS, help="output directory (default: %(default)s)")
+    parser.add_argument("--out", default=OUT, help=(
+        "output directory (default: benchmarks/out/, git-ignored; --out benchmarks/results replaces the committed "
+        "results of the same device and size)"))
     parser.add_argument("--list", action="store_true", help="list the workloads and exit")
     return parser
 

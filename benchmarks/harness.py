@@ -36,7 +36,10 @@ from benchmarks.progress import Progress
 from benchmarks.report import CHECK_ONLY, INTERPRETER
 from benchmarks.workloads import WORKLOADS
 
+# The committed results (written only when asked: ``--out benchmarks/results``), and where a run writes by
+# default: ``benchmarks/out/``, git-ignored, so that a run does not overwrite the committed tables.
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 # Relative to each tensor's scale (see measure.max_error); float32 sits near 1e-7..1e-5 here.
 TOLERANCE = 1e-3
 
@@ -86,7 +89,7 @@ class Run:
     files: list = field(default_factory=list)
 
 
-def run(size=None, only=None, backends=DEFAULT, device=None, out_dir=RESULTS, cold=True,
+def run(size=None, only=None, backends=DEFAULT, device=None, out_dir=OUT, cold=True,
         progress=True, rounds=None, tag=None) -> Run:
     """Benchmark workloads × backends and write ``<tag>.csv``, ``.md`` and ``.png`` to ``out_dir``.
 

@@ -33,7 +33,8 @@ import torch  # noqa: E402
 from benchmarks import sm90  # noqa: E402
 from benchmarks.workloads import VARYING, transformer_train_step, varying_run  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+# (as ``python -m benchmarks``: benchmarks/out/, git-ignored; --out benchmarks/results updates the committed file)
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 
 
 def _steps(step, model, batches, on_step=None):
@@ -202,7 +203,8 @@ def main(argv=None):
     parser.add_argument("--no-sm90", dest="sm90", action="store_false", help="skip the sm_90 compile")
     parser.add_argument("--no-torch-compile", dest="torch_compile", action="store_false",
                         help="skip torch.compile's run")
-    parser.add_argument("--out", default=RESULTS)
+    parser.add_argument("--out", default=OUT, help="output folder (default: benchmarks/out/, git-ignored; "
+                                                   "--out benchmarks/results updates the committed result)")
     parser.add_argument("--tag", default="", help="a suffix of the result file's name")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"

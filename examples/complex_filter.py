@@ -18,6 +18,7 @@ import torch
 
 import compiler
 from compiler import math as cm
+from runtime.backends import BACKENDS  # (every backend compiler.compile takes)
 
 
 @compiler.elementwise(name="abs2")
@@ -49,7 +50,7 @@ class Filter(torch.nn.Module):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--backend", default="auto", choices=["auto", "triton", "interpret", "eager"])
+    parser.add_argument("--backend", default="auto", choices=BACKENDS)
     args = parser.parse_args()
 
     x, y, h_true = make_problem()

@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import compiler
+from runtime.backends import BACKENDS  # (every backend compiler.compile takes)
 
 
 class Block(nn.Module):
@@ -59,7 +60,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--layers", type=int, default=2, help="transformer blocks")
-    parser.add_argument("--backend", default="auto", choices=["auto", "triton", "interpret", "eager"])
+    parser.add_argument("--backend", default="auto", choices=BACKENDS)
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error("launch with torchrun, e.g. `torchrun --nproc-per-node 2 examples/train_ddp.py`")

@@ -21,6 +21,7 @@ import time
 import torch
 
 import compiler
+from runtime.backends import BACKENDS  # (every backend compiler.compile takes)
 
 
 def make_model(device, width: int, layers: int, vocab: int, context: int):
@@ -57,7 +58,7 @@ def training_step(model, lr):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--backend", default="auto", choices=["auto", "triton", "interpret", "eager"])
+    parser.add_argument("--backend", default="auto", choices=BACKENDS)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)

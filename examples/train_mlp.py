@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import compiler
+from runtime.backends import BACKENDS  # (every backend compiler.compile takes)
 
 
 def make_data(n: int, device):
@@ -38,7 +39,7 @@ def make_data(n: int, device):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--backend", default="auto", choices=["auto", "triton", "torch", "cpp", "interpret", "eager"])
+    parser.add_argument("--backend", default="auto", choices=BACKENDS)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: PyTorch's default)")
     parser.add_argument("--skip-python", action="store_true",

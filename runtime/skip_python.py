@@ -22,14 +22,21 @@ once (``refusal``): the recording read a value into Python (``loss.item()``, ``i
 the next calls may depend on it), passed a Python function to a torch call (a hook), called
 ``optimizer.step()`` with arguments (a closure), returned a tensor no recorded call made, bound
 a value at its first use, seeded the random generator (``torch.manual_seed`` is no torch call),
-or has a recording beside it made because Python took another path with the same key.
+or has a recording beside it made because Python took another path with the same key. The log
+is ``guards`` (``SYMGRAD_LOG=guards``: ``say_python_runs``), which also says where a replay left
+its recording.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+
 import torch
 from torch.utils._pytree import tree_unflatten
 
+from runtime import guard_log
+from runtime.fallback import say_once
 from runtime.torch_functions import is_profiler_range
 from runtime.trace import UNKEPT, CallKind, CompiledRecording, ValueId, sets_grad_to_none
 
@@ -69,6 +76,26 @@ def _refusal(trace: CompiledRecording) -> str | None:
             if (type(value) is str and value == UNKEPT) or (callable(value) and not isinstance(value, type)):
                 return f"it passes a Python function to {getattr(call.func, '__name__', call.func)} (a hook)"
     return None
+
+
+_said: set = set()   # (function name, reason) said on the guards log
+_said_lock = threading.Lock()
+
+
+def say_python_runs(fn_name: str, reason: str) -> None:
+    """Say, once per function and reason, that a ``skip_python`` call runs the function's Python
+    (each torch call checked) and why: on the ``guards`` log (``symgrad.guards``: ``SYMGRAD_LOG=guards``
+    or ``compiler.set_logs("guards")``, beside the guard failures and divergences it already says;
+    said once it is on), and, as before, on the ``compiler`` logger at INFO. Called by the dispatcher
+    at each such call: off, it costs a cached level check."""
+    message = f"skip_python: this call runs its Python (each torch call checked): {reason}"
+    say_once(fn_name, message, logging.INFO)
+    if guard_log.guards.isEnabledFor(logging.INFO):
+        with _said_lock:
+            if (fn_name, reason) in _said:
+                return
+            _said.add((fn_name, reason))
+        guard_log.guards.info("%s: %s", fn_name, message)
 
 
 def plan(trace: CompiledRecording) -> list:

@@ -23,6 +23,7 @@ so tests that compile but launch no kernel can be listed::
 """
 
 import os
+import shlex
 import tempfile
 
 from tests import devices  # (first: whether this run is the CUDA test mode decides the interpreter)
@@ -57,8 +58,9 @@ def pytest_configure(config):
     # With -n (pytest-xdist): each file on one worker, so its module fixtures (the Hopper compile run, the
     # OpInfo sweep's totals) are built once and see their whole file. Set here, not as ``--dist loadfile``
     # in addopts: a plain ``pytest`` where xdist is not installed (a GPU machine's own environment)
-    # would refuse the option.
-    if getattr(config.option, "dist", "no") == "load":
+    # would refuse the option. (``load``: what xdist makes of ``-n`` without ``--dist``; a ``--dist``
+    # given on the command line, in PYTEST_ADDOPTS or in addopts is kept.)
+    if getattr(config.option, "dist", "no") == "load" and not _dist_given(config):
         config.option.dist = "loadfile"
     if devices.MODE in ("cuda", "cpu-rehearsal"):
         import torch
@@ -66,6 +68,13 @@ def pytest_configure(config):
         # (tensors made without a device, the tests' and their models', are the mode's)
         torch.set_default_device(devices.DEVICE)
         _widen_fp32_tolerances(torch)
+
+
+def _dist_given(config) -> bool:
+    """Whether the run names xdist's ``--dist`` itself."""
+    args = [*config.invocation_params.args, *shlex.split(os.environ.get("PYTEST_ADDOPTS", "")),
+            *config.getini("addopts")]
+    return any(a == "--dist" or a.startswith("--dist=") for a in map(str, args))
 
 
 def _widen_fp32_tolerances(torch) -> None:
