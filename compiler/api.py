@@ -22,6 +22,7 @@ from compiler.reuse import persist
 from compiler.reuse import recordings
 from compiler.report.explain import KernelInfo, Report, fused_user_ops
 from compiler.ir.graph import copy_graph, has_meta, meta_of
+from compiler.ir.sympy_lock import SYMPY_LOCK
 from compiler.autodiff.saved_set import check_policy
 from runtime import ahead_of_time
 from runtime import skip_python
@@ -125,14 +126,16 @@ class _Templates:
     def make_template(entry: Entry, sizes, others) -> Template:
         def graphs(e):
             return [info.get("captured") for info in e.report.regions]
-        return Template(entry.trace, graphs(entry), sizes,
-                        [(e.trace, graphs(e), s) for e, s in others if e.report.regions is not None])
+        with SYMPY_LOCK:
+            return Template(entry.trace, graphs(entry), sizes,
+                            [(e.trace, graphs(e), s) for e, s in others if e.report.regions is not None])
 
     def instantiate(self, template: Template, sizes, fn, fullgraph, stats, arg_shapes=None):
         """(Entry, None), or (None, why the sizes break the template's relations)."""
         name = _name(fn)
         try:
-            trace, _ = template.instantiate(sizes, arg_shapes)
+            with SYMPY_LOCK:
+                trace, _ = template.instantiate(sizes, arg_shapes)
         except NotInstantiable as e:
             return None, str(e)
         except Exception as e:  # noqa: BLE001 — a bug (logged; strict: raises): this call records instead
@@ -241,8 +244,14 @@ def _name(fn) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
 
 
-def _compile_trace(name, recording: Recording, *, fullgraph, stats, memory, shape_generic=False,
-                   instantiated_at=None, fused_from=None) -> Entry:
+def _compile_trace(name, recording: Recording, **options) -> Entry:
+    """Compile a recording's regions (and optimizer steps): ``_compile_trace_locked`` under ``SYMPY_LOCK``."""
+    with SYMPY_LOCK:
+        return _compile_trace_locked(name, recording, **options)
+
+
+def _compile_trace_locked(name, recording: Recording, *, fullgraph, stats, memory, shape_generic=False,
+                          instantiated_at=None, fused_from=None) -> Entry:
     """Compile a recording's regions (and optimizer steps): the Entry to replay it with, holding
     the ``CompiledRecording``. ``shape_generic``: the recording was instantiated from a template
     (``compiler.reuse.dynamic``) at the sizes ``instantiated_at``; ``fused_from``: the template's

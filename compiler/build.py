@@ -7,7 +7,6 @@ region's builders, for partial and double backwards.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import torch.fx as fx
@@ -18,6 +17,7 @@ from compiler.capture.regions import EAGER_NAMES, EAGER_SAVED, SAVED_BY_CONSUMER
 from compiler.fusion.fuse import fuse, keep_long_chains
 from compiler.ir.ops import catalog as C
 from compiler.ir.reference import first_nan
+from compiler.ir.sympy_lock import SYMPY_LOCK
 from compiler.report import logs
 from compiler.lower.program import lower, view_step
 from runtime.autograd_bridge import CompiledRegion, OnDemand
@@ -41,6 +41,15 @@ class _Outputs:
 
 def build_region(graph: fx.Graph, mutated_inputs=frozenset(), written_later=frozenset(), memory="balanced",
                  outputs_written_later=frozenset(), shape_generic=False, mutated_outputs=()):
+    """Compile one captured region (under ``SYMPY_LOCK``: builds in several threads share SymPy's
+    cached expressions): ``_build_region``."""
+    with SYMPY_LOCK:
+        return _build_region(graph, mutated_inputs, written_later, memory, outputs_written_later, shape_generic,
+                             mutated_outputs)
+
+
+def _build_region(graph: fx.Graph, mutated_inputs, written_later, memory, outputs_written_later, shape_generic,
+                  mutated_outputs):
     """Compile one captured region. Returns (CompiledRegion, details for ``explain``).
     ``mutated_inputs``: positions of inputs the region changes in place; ``written_later``:
     of inputs the function changes in place after the region; ``memory``: the saved-set
@@ -228,9 +237,10 @@ def _fold_permutes(graph: fx.Graph) -> None:
 
 def _memoized(make):
     """``make(key)``, built once per key and shared by threads: a lookup takes no lock (these
-    are called on every backward); a build happens under one."""
+    are called on every backward); a build happens under ``SYMPY_LOCK`` (one lock for every build:
+    a build that builds another part on demand takes no second lock, so none can deadlock)."""
     cache: dict = {}
-    lock = threading.Lock()
+    lock = SYMPY_LOCK
 
     def get(key):
         try:
@@ -350,7 +360,8 @@ class _WithAbsentOutputs:
 def _nan_explainer(backward: fx.Graph):
     """Under detect_anomaly: which forward op's derivative made the NaN (op by op, eagerly)."""
     def explain(inputs) -> str:
-        node = first_nan(backward, inputs)
+        with SYMPY_LOCK:   # (the reference evaluates the graph's SymPy expressions)
+            node = first_nan(backward, inputs)
         if node is None:
             return "Function '_RegionFunctionBackward' returned nan values (compiled region backward)"
         op, source = meta_of(node).origin or (node.target.name, None)

@@ -74,6 +74,49 @@ def test_threads_share_one_compiled_function_and_its_backward():
     assert compiled.stats["captures"] <= len(shapes) * 2  # each shape recorded once (maybe twice in a race)
 
 
+
+def test_threads_touch_sympy_only_under_its_lock(monkeypatch):
+    """SymPy is not thread-safe: a query of an assumption writes the expression's ``_assumptions``
+    dict, which another thread may be iterating ("dictionary changed size during iteration", the
+    error CI once met in the test above; sympy/sympy#16734). Every such write in a thread other than
+    the main one must happen under ``SYMPY_LOCK``: threads record, build backwards on demand and
+    instantiate templates of several functions at once here, and none writes outside the lock."""
+    from sympy.core.facts import FactKB
+    from compiler.ir.sympy_lock import SYMPY_LOCK
+
+    outside, tell = [], FactKB._tell
+
+    def watched_tell(self, k, v):
+        if threading.current_thread() is not threading.main_thread() and not SYMPY_LOCK._is_owned():
+            outside.append("".join(traceback.format_stack(limit=12)))
+        return tell(self, k, v)
+    monkeypatch.setattr(FactKB, "_tell", watched_tell)
+
+    def make(k):
+        def f(x, w):
+            return (torch.sinh(x @ w) * (k + 1.5) + torch.sigmoid(x).sum(-1, keepdim=True)).pow(2).mean()
+        return compiler.compile(f, backend="interpret", dynamic=k % 2 == 0)
+
+    functions, errors = [make(k) for k in range(4)], []
+
+    def worker(k):
+        try:
+            for n in (2, 2, 3, 3, 5, 5):   # (new shapes: recordings, replays, instantiations where dynamic)
+                x = torch.randn(n, 3, dtype=torch.float64, requires_grad=True)
+                w = torch.randn(3, 2, dtype=torch.float64, requires_grad=True)
+                functions[k](x, w).backward()
+        except BaseException as e:  # noqa: BLE001 — reported by the main thread
+            errors.append((k, e))
+
+    threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, _told_whole(*errors[0])
+    assert all(f.stats["kernel_launches"] > 0 for f in functions)
+    assert not outside, f"{len(outside)} SymPy writes outside SYMPY_LOCK; the first from:\n{outside[0]}"
+
 # -- a long training loop --------------------------------------------------------------------------
 def _live_tensors():
     gc.collect()

@@ -38,6 +38,7 @@ from compiler.ir.graph import meta_of, update_meta
 from compiler.capture.pack_hooks import recording_in_this_thread
 from compiler.optimizers import StepRecorder
 from compiler.ir.ops import catalog as C
+from compiler.ir.sympy_lock import SYMPY_LOCK
 from compiler.capture.bindings import Unsupported, Writes, lookup
 from runtime.calls import flatten_call, unflatten_call
 from runtime.fallback import InternalCompilerError, internal_error
@@ -141,7 +142,8 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         if type(result) is torch.Tensor and is_state_read(func):
             self.gradients.add(id(result))  # (t.grad: what a hand-written update reads)
         try:
-            self._record(func, args, kwargs, leaves, spec, recorded, result)
+            with SYMPY_LOCK:  # (bindings build SymPy expressions: compiler.ir.sympy_lock)
+                self._record(func, args, kwargs, leaves, spec, recorded, result)
         except Exception as e:
             self._break(e, func)
         return result
@@ -852,7 +854,8 @@ def capture(fn, args, kwargs):
         raise mode.broken  # (strict) the user's code caught it: a bug fails the call all the same
     if mode.broken is None:
         try:
-            recording = mode.finish(result, modules, steps, optimizer_steps, reseeded)
+            with SYMPY_LOCK:  # (splitting regions emits their bindings again)
+                recording = mode.finish(result, modules, steps, optimizer_steps, reseeded)
         except Exception as e:
             mode.analysis_failed(e)
     if mode.broken is not None:
