@@ -197,15 +197,16 @@ def explain(fn, *args, **kwargs) -> Report:
 
 
 def _build(fn, args, kwargs, *, fullgraph=False, stats=None, memory="balanced", shape_generic=False,
-           other_path=False, decide_backend=None):
+           other_path=False, decide_backend=None, numbers_seen_changing=frozenset()):
     """Record ``fn`` on these arguments and compile the recording: (its result, the Entry).
     ``decide_backend``: the backend asked for a call with no tensor arguments, where the device the
-    recorded tensors are on decides it (the entry's report says which)."""
+    recorded tensors are on decides it (the entry's report says which). ``numbers_seen_changing``:
+    numbers replays saw change, which the regions take at run time (``compiler.capture.numbers``)."""
     name = _name(fn)
     stored_key = None if shape_generic else recordings.call_key(fn, args, kwargs)  # (before the call changes it)
     backend = backends.chosen()  # (the dispatcher chose it for this call; a compiled call inside fn chooses its own)
     try:
-        result, recording = capture(fn, args, kwargs)
+        result, recording = capture(fn, args, kwargs, numbers_seen_changing)
     except RecordingFailed as failed:  # a bug (logged): this key runs eagerly from now on
         if fullgraph:
             raise CompileError(f"{name}: {failed}") from failed

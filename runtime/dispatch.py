@@ -195,6 +195,9 @@ class CompiledFunction:
         self.dynamic: set = set()        # (spec, leaf position) of number arguments not in the key
         self.scalars_seen: dict = {}     # (spec, leaf position) -> values seen
         self.needs_variant: set = set()  # guard keys whose last call took an unrecorded path
+        # numbers replays saw change (compiler.capture.numbers.changed_at): recordings take them at run time
+        self.numbers_changing: set = set()
+        self.numbers_due: set = set()  # guard keys whose next call records with those numbers taken at run time
         self.disabled: str | None = None
         self.recording_limit = recording_limit  # None: SYMGRAD_RECORDING_LIMIT's, else RECORDING_LIMIT
         self.recorded_keys: dict = {}  # guard keys recorded or loaded (not instantiated), in order
@@ -251,7 +254,7 @@ class CompiledFunction:
         variants = self.cache.get(key)
         # (the common case, a key seen before with nothing pending on it, hashes the key once)
         if variants is None or (self.stored_pending and key in self.stored_pending) \
-                or (self.needs_variant and key in self.needs_variant):
+                or (self.needs_variant and key in self.needs_variant) or (self.numbers_due and key in self.numbers_due):
             if variants is None and self._note_changing_scalars(spec, leaves):
                 key = _guard_key(spec, leaves, self.dynamic)
             if self.stored is not None and (key not in self.cache or key in self.stored_pending) \
@@ -260,6 +263,13 @@ class CompiledFunction:
             if key not in self.cache and tensors and self.shapes.enabled:
                 self._instantiate(key, spec, leaves)  # sizes a template covers: an entry without recording
             variants = self.cache.get(key, [])
+            if key in self.numbers_due:  # numbers of the math changed: record them as run-time arguments
+                self.numbers_due.discard(key)
+                self.needs_variant.discard(key)
+                if guard_log.on():
+                    guard_log.log_miss(self.__name__, "numbers of its math changed: recording them as run-time "
+                                       "arguments of the kernels")
+                return self._record(key, backend, why, args, kwargs, recapture=True)
             if key in self.needs_variant:  # the last call took a path no recording has: record it
                 self.needs_variant.discard(key)
                 if guard_log.on():
@@ -320,6 +330,17 @@ class CompiledFunction:
         # recording only for its eager tail); two in a row mean the path changed: record it.
         if mode.diverged and (entry.diverged_last or mode.path_changed):
             self.needs_variant.add(key)  # (a guarded bool that no recording read: a new branch, record it)
+        new_numbers = mode.changed_numbers - self.numbers_changing
+        if new_numbers:
+            # (numbers of the math changed: the next recording takes them at run time, once)
+            self.numbers_changing |= new_numbers
+            self.numbers_due.add(key)
+            where = ", ".join(f"argument {leaf} of call {k + 1} to {name}" for name, k, leaf in sorted(new_numbers))
+            say_once(self.__name__, f"Python numbers of its math changed value ({where}): the next call records "
+                     "them as run-time arguments of the kernels", logging.INFO)
+            if guard_log.on():
+                guard_log.recompiles.info("%s: numbers changed (%s): the next call records them as run-time "
+                                          "arguments", self.__name__, where)
         if mode.diverged and guard_log.on():
             guard_log.guards.info("%s: a per-call guard failed: %s; the rest of the call ran eagerly%s", self.__name__,
                                   mode.diverged, " (twice in a row: the next call records this path)"
@@ -467,6 +488,8 @@ class CompiledFunction:
             options = {"shape_generic": True} if dynamic else {}
             if other_path:  # (Python left the key's recording twice in a row: skip_python must not guess)
                 options["other_path"] = True
+            if self.numbers_changing:
+                options["numbers_seen_changing"] = frozenset(self.numbers_changing)
             if backend == backends.UNDECIDED:  # no tensor arguments: the devices it records on decide
                 options["decide_backend"] = self.backend
             result, entry = self.builder(self.fn, args, kwargs, fullgraph=self.fullgraph, stats=self.stats, **options)
@@ -600,7 +623,9 @@ def _guard_key(spec, leaves, dynamic=frozenset()):
     for i, x in enumerate(leaves):
         if isinstance(x, torch.Tensor):
             parts.append((tuple(x.shape), x.dtype, x.device, x.requires_grad))
-        elif dynamic and (spec, i) in dynamic and type(x) in (int, float):
+        elif type(x) is float or (dynamic and (spec, i) in dynamic and type(x) is int):
+            # (a float argument is taken at run time by the kernels, compiler.capture.numbers: any value
+            # replays; where one decides a size or a path, the replay's checks leave the recording)
             parts.append(type(x))
         else:
             try:

@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from runtime.calls import flatten_call, holds_tensor, unflatten_call
 from runtime.program import apply_views
 from runtime.torch_functions import GRAD_GET, GRAD_SET, REFLECTED_COMPARISONS, function_name, is_metadata, is_state_read
-from runtime.trace import CallKind, CompiledRecording, ValueId, same_read
+from runtime.trace import CallKind, CompiledRecording, NumberId, ValueId, changed_at, same_read
 
 
 class Diverged(Exception):
@@ -140,6 +140,11 @@ class Replay(TorchFunctionMode):
         self.path_changed = False  # a guarded bool differed from every recording's (_guard_failed)
         # a number read into Python differed from the recording's (_guard_failed): why, or None
         self.unverified: str | None = None
+        # numbers of compiled calls' math that differed from the recording's constants: where
+        # (``compiler.capture.numbers.changed_at``), for the dispatcher to take them at run time
+        self.changed_numbers: set = set()
+        self.scanning: int | None = None  # after such a divergence: the recorded call the next eager call is
+        self.numbers_given: dict = {}  # NumberId -> the Python number this call gave (``_take_numbers``)
         self.eager_regions: set = set()  # regions run call by call since (they write in place)
         self.suspended_until: int | None = None  # inside an optimizer step run unwatched
         self.unwatched = False  # skip_python: the recorded calls made without the function's Python
@@ -428,6 +433,8 @@ class Replay(TorchFunctionMode):
                 leaf = args[i]
                 if isinstance(leaf, torch.Tensor) or not _same_constant(leaf, expected):
                     return _SLOW
+            if rec.number_slots and not self._take_numbers(rec, args):
+                return _SLOW
             region = self.trace.regions[rec.region]
             if rec.region not in self.done_regions:  # a region's first call (the checks above are _replay's)
                 if region.seeds:
@@ -512,8 +519,13 @@ class Replay(TorchFunctionMode):
             if isinstance(leaf, torch.Tensor) or (compute and not _same_constant(leaf, expected)):
                 # NOTE: only compiled calls have their constants baked into kernels; an eager
                 # call runs with this call's values (an optimizer's step size changes per step).
+                if type(leaf) is type(expected) and type(leaf) in (int, float):  # (next time: taken at run time)
+                    self.scanning = self.pos   # (and the calls after it, run eagerly, may show more: _scan)
                 raise Diverged(f"{function_name(func)} called with a different constant ({leaf!r} != {expected!r})")
         if rec.kind is CallKind.COMPUTE:
+            if rec.number_slots and not self._take_numbers(rec, leaves):
+                raise Diverged(f"{function_name(func)} called with a number its kernels do not hold for "
+                               f"({', '.join(repr(leaves[i]) for i, _ in rec.number_slots)})")
             region = self.trace.regions[rec.region]
             if rec.region not in self.done_regions:
                 self._run_region(rec.region)
@@ -546,6 +558,20 @@ class Replay(TorchFunctionMode):
             env[vid] = t
             shown[vid] = t
         return result
+
+    def _take_numbers(self, rec, leaves) -> bool:
+        """The numbers call ``rec`` gives its region (``rec.number_slots``), made 0-dim tensors for the
+        region's kernels; False (nothing taken) where one is of another type than the recording's,
+        or outside the interval its kernels hold for (dropout's p of 0 returns its input)."""
+        numbers = self.trace.numbers
+        if not all(numbers[nid].admits(leaves[i]) for i, nid in rec.number_slots):
+            return False
+        if rec.region in self.done_regions:   # (never: such a call begins its region; capture makes it so)
+            return False
+        for i, nid in rec.number_slots:
+            self.env[nid] = numbers[nid].tensor(leaves[i])
+            self.numbers_given[nid] = leaves[i]
+        return True
 
     def _bind_external(self, vid, t) -> bool:
         """The first use of a value that appeared during the recorded call without a torch
@@ -632,9 +658,27 @@ class Replay(TorchFunctionMode):
     # -- after a divergence: everything eagerly, stand-ins recomputed -------------------------
     def _eager(self, func, args, kwargs):
         leaves, spec = flatten_call(args, kwargs)
+        if self.scanning is not None:
+            self._scan(func, spec, leaves)
         real = [self._real(leaf) for leaf in leaves]
         a, k = unflatten_call(real, spec)
         return func(*a, **k)
+
+    def _scan(self, func, spec, leaves) -> None:
+        """After a number of the math changed, the calls Python makes next still follow the recording
+        (run eagerly): note every number of compiled calls that changed too (a loss scale after a
+        temperature), so that one more recording takes them all at run time. Stops where they part."""
+        calls, pos = self.trace.calls, self.scanning
+        rec = calls[pos] if pos < len(calls) else None
+        if rec is None or (rec.func is not func and rec.func != func) or rec.spec != spec:
+            self.scanning = None
+            return
+        if rec.kind is CallKind.COMPUTE:
+            for i, expected in rec.constant_slots:
+                leaf = leaves[i]
+                if type(leaf) is type(expected) and type(leaf) in (int, float) and not _same_constant(leaf, expected):
+                    self.changed_numbers.add(changed_at(calls, pos, i))
+        self.scanning = pos + 1
 
     def _real(self, leaf):
         if not isinstance(leaf, torch.Tensor):
@@ -651,7 +695,7 @@ class Replay(TorchFunctionMode):
             return self.env[vid]
         index = self._maker(vid, before)
         rec = self.trace.calls[index]
-        real = [self._materialize(x, index) if isinstance(x, ValueId) else x for x in rec.leaves]
+        real = [self._materialize(x, index) if isinstance(x, ValueId) else self._number(x) for x in rec.leaves]
         a, k = unflatten_call(real, rec.spec)
         result = rec.func(*a, **k)
         tensors = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
@@ -659,6 +703,17 @@ class Replay(TorchFunctionMode):
             self.env.setdefault(out_vid, t)
         return self.env[vid]
 
+
+    def _number(self, leaf):
+        """A recorded call's constant, or the number this call gave where the recording takes it at
+        run time (a NumberId is an int: passed on as one it would compute with the wrong value)."""
+        if type(leaf) is not NumberId:
+            return leaf
+        if leaf not in self.numbers_given:
+            raise RuntimeError("symgrad: a value the compiled function kept inside its kernels is needed, and it "
+                               "was computed from a number this call did not give. Please report this; "
+                               "backend='eager' runs the function as it is.")
+        return self.numbers_given[leaf]
 
     def _maker(self, vid, before) -> int:
         """The call that made ``vid`` last before call ``before`` (None: of all). NOTE: an in-place

@@ -58,6 +58,9 @@ def _refusal(trace: CompiledRecording) -> str | None:
         return "it calls torch.manual_seed (not a torch call the recording sees)"
     if trace.transient:
         return "a tensor it uses appears without a torch call (bound at its first use on replay)"
+    if trace.numbers:
+        return ("its kernels take Python numbers that its Python computes each call (a float argument, a number "
+                "seen to change)")
     for start, (_, given_arguments) in trace.step_calls.items():
         if given_arguments and start in trace.optimizer_steps:
             return "it calls optimizer.step() with arguments (a closure runs Python)"

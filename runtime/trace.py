@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.torch_functions import GRAD_GET, is_grad_set, is_profiler_range, is_state_read
+from runtime.torch_functions import GRAD_GET, function_name, is_grad_set, is_profiler_range, is_state_read
 
 # what a recorded call holds in place of a Python function it was given (a hook): the recording
 # does not keep the function alive, and a replay re-runs the Python that makes a new one
@@ -25,6 +25,34 @@ UNKEPT = "<a function, not kept by the recording>"
 
 class ValueId(int):
     """A recorded tensor value, distinct from an integer constant in a call's arguments."""
+
+
+class NumberId(int):
+    """A Python number a compiled region takes at run time (issue 39: a temperature, a loss scale,
+    dropout's p): the call's leaf is this id in place of the constant, the region reads it as a
+    0-dim tensor input (``NumberInput``), and each replay passes the value the call was given."""
+
+
+@dataclass(frozen=True)
+class NumberInput:
+    """How a replay hands a region the number ``NumberId`` stands for: a 0-dim tensor of ``dtype``
+    on ``device``, made from a Python number of type ``kind`` (another type diverges: ``x * 2`` and
+    ``x * 2.0`` promote differently); ``low``/``high``: the open interval the binding's kernels
+    hold for (dropout's p in (0, 1): p = 0 returns the input itself), None: any value."""
+
+    kind: type
+    dtype: torch.dtype
+    device: torch.device
+    low: float | None = None
+    high: float | None = None
+
+    def admits(self, value) -> bool:
+        return type(value) is self.kind and (self.low is None or self.low < value) \
+            and (self.high is None or value < self.high)
+
+    def tensor(self, value) -> torch.Tensor:
+        # (torch.full, not torch.tensor: on a GPU a fill kernel, with no copy from the host to wait for)
+        return torch.full((), value, dtype=self.dtype, device=self.device)
 
 
 class CallKind(enum.Enum):
@@ -55,8 +83,13 @@ class TraceCall:
 
     @functools.cached_property
     def constant_slots(self) -> tuple:
-        """(leaf position, constant) of every other argument."""
-        return tuple((i, x) for i, x in enumerate(self.leaves) if not isinstance(x, ValueId))
+        """(leaf position, constant) of every other argument but numbers taken at run time."""
+        return tuple((i, x) for i, x in enumerate(self.leaves) if not isinstance(x, (ValueId, NumberId)))
+
+    @functools.cached_property
+    def number_slots(self) -> tuple:
+        """(leaf position, NumberId) of the Python numbers its region takes at run time."""
+        return tuple((i, x) for i, x in enumerate(self.leaves) if isinstance(x, NumberId))
 
     @functools.cached_property
     def flat_arity(self) -> int | None:
@@ -176,6 +209,7 @@ class Recording:
     # recorded because Python left the key's other recordings (a path they do not have): with
     # such a recording beside it, skip_python cannot know which path Python would take
     other_path: bool = False
+    numbers: dict = field(default_factory=dict)  # NumberId -> NumberInput: numbers the regions take at run time
 
     def recorded_fields(self) -> dict:
         """This recording's own fields (a ``CompiledRecording``'s without what compiling added)."""
@@ -266,3 +300,15 @@ def _zero_grad_spans(trace: Recording) -> dict:
                     and "exit" in getattr(calls[j].func, "__name__", ""):
                 spans[i] = j
     return spans
+
+
+def occurrence_of(calls, func, position: int) -> int:
+    """How many of ``calls[:position]`` call ``func``: with its name, where a number was seen to change."""
+    return sum(1 for c in calls[:position] if c.func is func or c.func == func)
+
+
+def changed_at(calls, position: int, leaf: int) -> tuple:
+    """The key ``compiler.capture.numbers.NumbersTaken`` knows a changing number by: (function name,
+    occurrence, leaf position)."""
+    func = calls[position].func
+    return function_name(func), occurrence_of(calls, func, position), leaf

@@ -86,12 +86,18 @@ def test_intermediates_kept_by_the_user_are_materialized():
     torch.testing.assert_close(kept[0], x.exp())
 
 
-def test_scalar_arguments_are_part_of_the_key():
+def test_int_arguments_are_part_of_the_key_and_float_arguments_are_taken_at_run_time():
+    """An int may be a size or a dim (part of the key until it changed DYNAMIC_AFTER times); a float
+    argument is taken by the kernels at run time (compiler.capture.numbers): one recording serves all."""
     compiled = compiler.compile(lambda x, s: x * s, backend="interpret")
     x = torch.randn(3)
-    for s in (2.0, 3.0, 2.0, 3.0):
+    for s in (2, 3, 2, 3):
         torch.testing.assert_close(compiled(x, s), x * s)
     assert compiled.stats["captures"] == 2 and compiled.stats["divergences"] == 0
+    compiled = compiler.compile(lambda x, s: x * s, backend="interpret")
+    for s in (2.0, 3.0, 2.0, 3.5):
+        torch.testing.assert_close(compiled(x, s), x * s)
+    assert compiled.stats["captures"] == 1 and compiled.stats["divergences"] == 0
 
 
 def test_switching_train_and_eval_keeps_one_recording_each():

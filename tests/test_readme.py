@@ -130,11 +130,37 @@ def _check_sm90(ns, printed):
         assert int(line.split()[-3]) > 0, line  # registers, from ptxas
 
 
+# the training step and batches the numbers snippet names: its loss scale and temperature change every call
+_NUMBERS_PRELUDE = """
+import torch, compiler
+import torch.nn.functional as F
+torch.manual_seed(0)
+model = torch.nn.Linear(6, 3)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+def train_step(x, y, temperature, loss_scale):
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x) / temperature, y) * loss_scale
+    loss.backward()
+    opt.step()
+    return loss.detach()
+batches = [(torch.randn(5, 6), torch.randint(0, 3, (5,))) for _ in range(6)]
+def scale(i):
+    return 2.0 ** (i % 3)
+"""
+
+
+def _check_numbers(ns, printed):
+    step = ns["step"]
+    assert step.stats["captures"] == 1 and step.stats["divergences"] == 0, step.stats  # "one recording"
+    assert step.stats["replays"] == 5 and step.stats["kernel_launches"] > 0, step.stats
+
+
 # How each Python snippet is checked, by a line it contains.
 SNIPPETS = {
     "first_example": ("def f(x, y):", Run(_check_first_example)),
     "squareplus": ("def squareplus(x, b=4.0):", Run(_check_squareplus)),
     "sm90_launches": ("with recorded_launches() as launches:", Run(_check_sm90, _SM90_PRELUDE)),
+    "numbers": ("step(x, y, temperature=1 + 0.01 * i", Run(_check_numbers, _NUMBERS_PRELUDE)),
     "erfinv": ("class Erfinv(Builtin):", Excerpt("compiler/ir/ops/primitives/special.py")),
     "layer_norm_binding": ("def _layer_norm(", Excerpt("compiler/capture/bindings/norms.py")),
 }

@@ -30,9 +30,11 @@ from compiler.capture.calls import (FACTORIES, FUNCTIONS, UNREFERENCED, VALUE_RE
                                     expected_eager, gradient_inputs, inside_custom_function, inspects_node,
                                     made_by_distributed, python_references, user_frame, value_read_break,
                                     watched_gradient)
+from compiler.capture.numbers import NumbersTaken
 from compiler.capture.checkpoints import MIXED_BLOCK, CheckpointedCalls, tag_block
 from compiler.capture.regions import (InPlaceTracking, Region, ViewMutation, apply_writes,
-                                      keep_overwritten_history, mark_eager_saved, map_to_nodes, saved_inputs,
+                                      forget_input, keep_overwritten_history, mark_eager_saved, map_to_nodes,
+                                      saved_inputs,
                                       saves_result)
 from compiler.ir.graph import meta_of, update_meta
 from compiler.capture.pack_hooks import recording_in_this_thread
@@ -43,7 +45,8 @@ from compiler.capture.bindings import Unsupported, Writes, lookup
 from runtime.calls import flatten_call, unflatten_call
 from runtime.fallback import InternalCompilerError, internal_error
 from runtime.torch_functions import function_name, is_metadata, is_state_read
-from runtime.trace import UNKEPT, CallKind, Recording, RegionPlan, TensorMeta, TraceCall, ValueId, read_snapshot
+from runtime.trace import (UNKEPT, CallKind, NumberId, NumberInput, Recording, RegionPlan, TensorMeta, TraceCall,
+                           ValueId, read_snapshot)
 
 _SUPPORTED_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool,
                      torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
@@ -60,9 +63,11 @@ class RecordingFailed(Exception):
 
 
 class Capture(InPlaceTracking, TorchFunctionMode):
-    def __init__(self, fn_name: str = "?"):
+    def __init__(self, fn_name: str = "?", numbers: NumbersTaken | None = None):
         super().__init__()
         self.fn_name = fn_name
+        self.numbers = numbers or NumbersTaken()  # which Python numbers the regions take at run time
+        self.number_inputs: dict = {}  # NumberId -> NumberInput
         self.broken = None           # a compiler bug's message (or the strict error): record no more
         self.internal_errors: list = []  # bugs met in single calls, which then ran eagerly
         self.calls: list[TraceCall] = []
@@ -174,7 +179,8 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         self._keep_eager_what_hooks_save_and_writes_change(index, recorded, outputs, out_tensors)
         self.checkpoints.end(index, region is not None, bool(out_tensors))
         if region is not None:
-            self.call_meta[index] = ({v: TensorMeta.of(x) for v, x in zip(recorded, leaves) if isinstance(v, ValueId)},
+            self.call_meta[index] = ({v: TensorMeta.of(x) if isinstance(v, ValueId) else self.number_meta(v)
+                                      for v, x in zip(recorded, leaves) if isinstance(v, (ValueId, NumberId))},
                                      [TensorMeta.of(t) for t in out_tensors], _autocast_dtype(region.device))
             for vid, node, t in zip(outputs, nodes, out_tensors):
                 if region.nodes.get(vid) is not node:  # (else returned its input as it is: x.to(x.dtype))
@@ -473,8 +479,11 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         grad_enabled = torch.is_grad_enabled()
         hooks = self._saved_tensor_hooks_in_effect()
         region = self.current
+        # (a call given a number taken at run time begins its region: a region runs whole at its
+        # first call, and the replay knows the number only when Python makes this call)
+        lifting = self.numbers.positions(self, func, binding, leaves)
         if region is None or region.device != device or region.grad_enabled != grad_enabled \
-                or region.saved_tensor_hooks is not hooks:
+                or region.saved_tensor_hooks is not hooks or (lifting and region.calls):
             region = self._new_region(len(self.regions), grad_enabled, device, hooks)
         stale = region.stale.intersection(v for v in recorded if isinstance(v, ValueId))
         if stale:
@@ -483,10 +492,27 @@ class Capture(InPlaceTracking, TorchFunctionMode):
                                "runs eagerly")
         b = region.builder
         metas = {vid: TensorMeta.of(x) for x, vid in zip(leaves, recorded) if isinstance(x, torch.Tensor)}
+        lifted = self._take_numbers(lifting, leaves, recorded, metas, device)
         mapped = map_to_nodes(region, recorded, metas)
         a, k = unflatten_call(mapped, flatten_call(args, kwargs)[1])
         start = len(b.created)
-        result = _apply_binding(b, binding, a, k, out_tensors, _autocast_dtype(device))
+        try:
+            result = _apply_binding(b, binding, a, k, out_tensors, _autocast_dtype(device))
+        except Unsupported:
+            if not lifted:
+                raise
+            # (the binding needs these numbers as constants: the call bakes them in, as before)
+            for i, nid in lifted:
+                forget_input(region, nid, start)
+                recorded[i] = leaves[i]
+                self.number_inputs.pop(nid)
+            mapped = map_to_nodes(region, recorded, metas)
+            a, k = unflatten_call(mapped, flatten_call(args, kwargs)[1])
+            result = _apply_binding(b, binding, a, k, out_tensors, _autocast_dtype(device))
+        for i, nid in lifted:   # (dropout's p: an interval its kernels hold for, checked per replay)
+            low, high = b.number_bounds.get(region.nodes.get(nid), (None, None))
+            if low is not None or high is not None:
+                self.number_inputs[nid] = dataclasses.replace(self.number_inputs[nid], low=low, high=high)
         result, writes = (result.result, result.writes) if isinstance(result, Writes) else (result, ())
         source, op_name = user_frame(), function_name(func)
         for made in b.created[start:]:
@@ -517,6 +543,27 @@ class Capture(InPlaceTracking, TorchFunctionMode):
             self.regions.append(region)
             self.current = region
         return region, nodes
+
+    def number_meta(self, nid: NumberId) -> TensorMeta:
+        taken = self.number_inputs[nid]
+        return TensorMeta((), taken.dtype, taken.device, False)
+
+    def _take_numbers(self, positions, leaves, recorded, metas, device) -> list:
+        """Leaves at ``positions`` become NumberIds in ``recorded`` (with their 0-dim metadata in
+        ``metas``): the region reads them as inputs. Returns [(leaf position, NumberId)]."""
+        lifted = []
+        wide = any(isinstance(x, torch.Tensor) and x.dtype == torch.float64 for x in leaves)
+        for i in positions:
+            value = leaves[i]
+            # (eager computes with a float in its op's opmath type: float32 but for float64 tensors)
+            dtype = torch.int64 if type(value) is int else torch.float64 if wide else torch.float32
+            nid = NumberId(self.next_id)
+            self.next_id += 1
+            recorded[i] = nid
+            metas[nid] = TensorMeta((), dtype, device, False)
+            self.number_inputs[nid] = NumberInput(type(value), dtype, device)
+            lifted.append((i, nid))
+        return lifted
 
     def _saved_tensor_hooks_in_effect(self):
         """The pack hook of the innermost ``saved_tensors_hooks`` block the call runs in (None: none,
@@ -723,7 +770,8 @@ class Capture(InPlaceTracking, TorchFunctionMode):
                          internal_errors=list(self.internal_errors), transient=transient, module_modes=modules.modes,
                          optimizer_steps=steps.spans(self.calls), recorded_optimizer_steps=found,
                          step_calls={f[0]: (f[1], f[2]) for f in found if type(f) is tuple},
-                         result=_result_structure(self, result), reseeded=reseeded)
+                         result=_result_structure(self, result), reseeded=reseeded,
+                         numbers=dict(self.number_inputs))
 
     def watch_library_calls(self, running) -> None:
         """``running()``: whether an optimizer step or clip_grad_norm_ runs now (its math stays eager)."""
@@ -821,11 +869,14 @@ def _result_structure(mode, result):
     return spec, out
 
 
-def capture(fn, args, kwargs):
+def capture(fn, args, kwargs, numbers_seen_changing=frozenset()):
     """Run ``fn`` eagerly, recording it. Returns (the function's result, Recording). Raises
-    ``RecordingFailed`` (carrying the result) where a compiler bug broke the recording."""
-    mode = Capture(getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__)
+    ``RecordingFailed`` (carrying the result) where a compiler bug broke the recording. Float
+    arguments, and the numbers ``numbers_seen_changing`` names, are taken at run time
+    (``compiler.capture.numbers``)."""
     leaves, _ = tree_flatten((args, kwargs))
+    mode = Capture(getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__,
+                   NumbersTaken(leaves, numbers_seen_changing))
     mode.add_args(leaves)
     # NOTE: nothing here changes how autograd sees the user's tensors (no saved-tensor hooks
     # of ours): the recording call is eager PyTorch, version checks and saved tensors included.

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from compiler.ir.graph import GraphBuilder, OpKind, kind_of, meta_of, output_node
+from compiler.ir.graph import GraphBuilder, OpKind, kind_of, meta_of, output_node, update_meta
 from compiler.ir.ops import catalog as C
 from runtime.program import ViewStep
-from runtime.trace import ValueId
+from runtime.trace import NumberId, ValueId
 
 
 @dataclass
@@ -354,7 +354,7 @@ def map_to_nodes(region: Region, recorded, metas) -> list:
     a value the region has not seen yet becomes a placeholder (a region input)."""
     mapped = []
     for leaf in recorded:
-        if not isinstance(leaf, ValueId):
+        if not isinstance(leaf, (ValueId, NumberId)):
             mapped.append(leaf)
             continue
         node = region.nodes.get(leaf)
@@ -362,7 +362,22 @@ def map_to_nodes(region: Region, recorded, metas) -> list:
             m = metas[leaf]
             node = region.builder.placeholder(f"v{leaf}", m.shape, m.dtype, m.requires_grad and region.grad_enabled,
                                               device=m.device)
+            if isinstance(leaf, NumberId):  # (a Python number taken at run time: promotes as one)
+                update_meta(node, number=True)
             region.nodes[leaf] = node
             region.inputs.append(leaf)
         mapped.append(node)
     return mapped
+
+
+def forget_input(region: Region, leaf, start: int) -> None:
+    """Take input ``leaf`` back out of ``region`` with what a failed binding made from index ``start``
+    of its builder's nodes on (capture's retry of a call with its numbers as constants)."""
+    b = region.builder
+    for node in reversed(b.created[start:]):
+        if not node.users:
+            b.graph.erase_node(node)
+    del b.created[start:]
+    node = region.nodes.pop(leaf)
+    region.inputs.remove(leaf)
+    b.graph.erase_node(node)

@@ -41,6 +41,9 @@ class NodeMeta:
     # its gradient is computed into memory once (the vjp reads it at many places: a pool's gradient,
     # at each window element's view; ``autodiff.partition.differentiate``)
     materialize_grad: bool = False
+    # a Python number the region takes at run time (``runtime.trace.NumberId``), as a 0-dim tensor:
+    # it promotes as the Python number it stands for (``result_dtype``), not as a tensor
+    number: bool = False
 
 
 _META_KEY = "symgrad"
@@ -117,7 +120,9 @@ def result_dtype(operands) -> torch.dtype:
     """Eager PyTorch's type promotion for an elementwise op over nodes and Python scalars."""
     key = []
     for item in operands:
-        if isinstance(item, fx.Node):
+        if isinstance(item, fx.Node) and meta_of(item).number:
+            key.append("float" if meta_of(item).dtype.is_floating_point else "int")
+        elif isinstance(item, fx.Node):
             key.append((meta_of(item).dtype, len(meta_of(item).shape) == 0))
         # Python scalars by kind, as strings: 1, 1.0 and True are equal keys to the cache
         elif isinstance(item, bool):
@@ -204,6 +209,9 @@ class GraphBuilder:
         self.graph = graph if graph is not None else fx.Graph()
         self.created: list = []   # call nodes in creation order (stages tag what they made)
         self.new_seed = new_seed  # capture's: () -> a region input holding a fresh RNG seed per call
+        # number inputs (``NodeMeta.number``) -> (low, high): the open interval a binding's kernels
+        # hold for (dropout's p); a replay given a number outside it leaves the recording
+        self.number_bounds: dict = {}
 
     def placeholder(self, name, shape, dtype, requires_grad=False, device=None) -> fx.Node:
         node = self.graph.placeholder(name)
