@@ -263,19 +263,8 @@ class CompiledFunction:
             if key not in self.cache and tensors and self.shapes.enabled:
                 self._instantiate(key, spec, leaves)  # sizes a template covers: an entry without recording
             variants = self.cache.get(key, [])
-            if key in self.numbers_due:  # numbers of the math changed: record them as run-time arguments
-                self.numbers_due.discard(key)
-                self.needs_variant.discard(key)
-                if guard_log.on():
-                    guard_log.log_miss(self.__name__, "numbers of its math changed: recording them as run-time "
-                                       "arguments of the kernels")
-                return self._record(key, backend, why, args, kwargs, recapture=True)
-            if key in self.needs_variant:  # the last call took a path no recording has: record it
-                self.needs_variant.discard(key)
-                if guard_log.on():
-                    guard_log.log_miss(self.__name__,
-                                       "the last two calls left their recording: recording the path taken")
-                return self._record(key, backend, why, args, kwargs, recapture=True, other_path=True)
+            if key in self.numbers_due or key in self.needs_variant:
+                return self._record_again(key, backend, why, args, kwargs)
         entry = None
         for candidate in list(variants):
             if candidate.trace is None:  # its recording failed on a bug (logged then): eager
@@ -314,6 +303,21 @@ class CompiledFunction:
         result = mode.real_result(result)
         self._after_replay(mode, entry, variants, key, backend)
         return result
+
+    def _record_again(self, key, backend, why, args, kwargs):
+        """Record a key that has recordings: numbers of its math changed (``numbers_due``: the new
+        recording takes them at run time), or the last call took a path none has (``needs_variant``)."""
+        if key in self.numbers_due:
+            self.numbers_due.discard(key)
+            self.needs_variant.discard(key)
+            if guard_log.on():
+                guard_log.log_miss(self.__name__, "numbers of its math changed: recording them as run-time "
+                                   "arguments of the kernels")
+            return self._record(key, backend, why, args, kwargs, recapture=True)
+        self.needs_variant.discard(key)
+        if guard_log.on():
+            guard_log.log_miss(self.__name__, "the last two calls left their recording: recording the path taken")
+        return self._record(key, backend, why, args, kwargs, recapture=True, other_path=True)
 
     def _after_replay(self, mode, entry, variants: list, key, backend: str) -> None:
         """Bookkeeping after a replay: the recording it followed first among its key's variants,

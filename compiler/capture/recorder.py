@@ -496,23 +496,10 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         mapped = map_to_nodes(region, recorded, metas)
         a, k = unflatten_call(mapped, flatten_call(args, kwargs)[1])
         start = len(b.created)
-        try:
+        if lifted:
+            result = self._bind_numbers(region, binding, (args, kwargs), leaves, recorded, metas, lifted, out_tensors)
+        else:
             result = _apply_binding(b, binding, a, k, out_tensors, _autocast_dtype(device))
-        except Unsupported:
-            if not lifted:
-                raise
-            # (the binding needs these numbers as constants: the call bakes them in, as before)
-            for i, nid in lifted:
-                forget_input(region, nid, start)
-                recorded[i] = leaves[i]
-                self.number_inputs.pop(nid)
-            mapped = map_to_nodes(region, recorded, metas)
-            a, k = unflatten_call(mapped, flatten_call(args, kwargs)[1])
-            result = _apply_binding(b, binding, a, k, out_tensors, _autocast_dtype(device))
-        for i, nid in lifted:   # (dropout's p: an interval its kernels hold for, checked per replay)
-            low, high = b.number_bounds.get(region.nodes.get(nid), (None, None))
-            if low is not None or high is not None:
-                self.number_inputs[nid] = dataclasses.replace(self.number_inputs[nid], low=low, high=high)
         result, writes = (result.result, result.writes) if isinstance(result, Writes) else (result, ())
         source, op_name = user_frame(), function_name(func)
         for made in b.created[start:]:
@@ -543,6 +530,27 @@ class Capture(InPlaceTracking, TorchFunctionMode):
             self.regions.append(region)
             self.current = region
         return region, nodes
+
+    def _bind_numbers(self, region, binding, call, leaves, recorded, metas, lifted, out_tensors):
+        """Emit a binding given numbers taken at run time (``lifted``: their nodes); where it needs them
+        as constants (Unsupported), emit it with the constants, as before."""
+        b, autocast_dtype, spec = region.builder, _autocast_dtype(region.device), flatten_call(*call)[1]
+        start = len(b.created)
+        try:
+            result = _apply_binding(b, binding, *unflatten_call(map_to_nodes(region, recorded, metas), spec),
+                                    out_tensors, autocast_dtype)
+        except Unsupported:
+            for i, nid in lifted:
+                forget_input(region, nid, start)
+                recorded[i] = leaves[i]
+                self.number_inputs.pop(nid)
+            return _apply_binding(b, binding, *unflatten_call(map_to_nodes(region, recorded, metas), spec),
+                                  out_tensors, autocast_dtype)
+        for i, nid in lifted:   # (dropout's p: an interval its kernels hold for, checked per replay)
+            low, high = b.number_bounds.get(region.nodes.get(nid), (None, None))
+            if low is not None or high is not None:
+                self.number_inputs[nid] = dataclasses.replace(self.number_inputs[nid], low=low, high=high)
+        return result
 
     def number_meta(self, nid: NumberId) -> TensorMeta:
         taken = self.number_inputs[nid]
