@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+import threading
+import time
 
 import compiler  # noqa: F401  (first: on CPU it puts Triton in interpreter mode before torch imports it)
 import torch
@@ -106,6 +108,61 @@ def _run(rank, compiled, args, log):
     return list(log), report
 
 
+def _delayed_allreduce(delay_s):
+    """A comm hook whose all-reduce completes ``delay_s`` late, off the backward's thread: a slow link.
+    The backward goes on meanwhile; DDP waits for every bucket's future at the backward's end."""
+    def hook(state, bucket):
+        work = dist.all_reduce(bucket.buffer(), async_op=True)
+        future = torch.futures.Future()
+
+        def finish():
+            time.sleep(delay_s)
+            work.wait()
+            future.set_result(bucket.buffer().div_(dist.get_world_size()))
+        threading.Thread(target=finish, daemon=True).start()
+        return future
+    return hook
+
+
+def _timed(rank, compiled, args):
+    """(per bucket: the fraction of the backward's wall time elapsed when it was handed over, no delay;
+    the median step time with ``args.delay_ms`` injected per bucket)."""
+    fractions, times = [], []
+    for delay in (0.0, args.delay_ms / 1000):
+        model = DDP(_model(args.layers, args.width), bucket_cap_mb=args.bucket_mb)
+        marks: list = []
+        hook = _delayed_allreduce(delay)
+        model.register_comm_hook(dist.group.WORLD, lambda state, bucket: (marks.append(time.perf_counter()),
+                                                                          hook(state, bucket))[1])
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        def step(x, y):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            marks.append(time.perf_counter())
+            loss.backward()
+            marks.append(time.perf_counter())
+            opt.step()
+            opt.zero_grad()
+            return loss
+        fn = compiler.compile(step) if compiled else step
+        generator = torch.Generator().manual_seed(rank)
+        batches = [(torch.randn(32, args.width, generator=generator), torch.randn(32, 4, generator=generator))
+                   for _ in range(4)]
+        step_times = []
+        for i in range(STEPS + args.timed_steps):
+            marks.clear()
+            start = time.perf_counter()
+            fn(*batches[i % 4])
+            step_times.append(time.perf_counter() - start)
+            if delay == 0 and i >= STEPS:   # (the backward begins at marks[0], returns at marks[-1])
+                span = marks[-1] - marks[0]
+                fractions.append([(m - marks[0]) / span for m in marks[1:-1]])
+        if delay:
+            times = sorted(step_times[STEPS:])
+    per_bucket = [sorted(f[b] for f in fractions)[len(fractions) // 2] for b in range(len(fractions[0]))]
+    return per_bucket, times[len(times) // 2]
+
+
 def _summary(log, report):
     """Lines: for each bucket, the backward work done before it fired."""
     if report is not None:
@@ -175,6 +232,8 @@ def worker(rank, world, init_file, args, out):
                                       f"{len(report.backward_kernels)}, backward segments {report.backward_segments} "
                                       f"(regions' captured ops: {[_ops(r['captured']) for r in report.regions]}), "
                                       f"fallbacks {report.fallbacks or 'none'}")
+        for compiled in (True, False):
+            results["timed compiled" if compiled else "timed eager"] = _timed(rank, compiled, args)
         if rank == 0:
             torch.save(results, out)
     finally:
@@ -186,6 +245,8 @@ def main():
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--bucket-mb", type=float, default=0.1)
+    parser.add_argument("--delay-ms", type=float, default=20.0, help="injected per bucket's all-reduce")
+    parser.add_argument("--timed-steps", type=int, default=10)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank0.pt")
@@ -200,6 +261,13 @@ def main():
         print(f"{mode}:")
         for line in results[mode]:
             print("  " + line)
+    (ours, ours_ms), (eager, eager_ms) = results["timed compiled"], results["timed eager"]
+    print(f"wall time, median of {args.timed_steps} steps (rank 0): fraction of the backward elapsed when each "
+          "bucket was handed over, no delay injected")
+    for b, (o, e) in enumerate(zip(ours, eager)):
+        print(f"  bucket {b}: compiled {o:.2f}, eager {e:.2f} (compiled/eager {o / e:.2f})")
+    print(f"step time with {args.delay_ms:g} ms injected per bucket's all-reduce: compiled {ours_ms * 1e3:.1f} ms, "
+          f"eager {eager_ms * 1e3:.1f} ms (compiled/eager {ours_ms / eager_ms:.2f})")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from runtime import backends
 from runtime.dispatch import CompiledFunction, Entry, check_recording_limit
 from runtime.trace import CallKind, CompiledRecording, Recording
 from runtime.fallback import CompileError, internal_error
+from runtime.segments import ddp_bucket_bytes
 from runtime.torch_functions import function_name
 
 
@@ -321,6 +322,7 @@ def _compile_plan(name, recording, index, plan, fullgraph, stats, memory, shape_
         # (compiled Triton: every forward and backward kernel now, in parallel, not in the first replay)
         ahead_of_time.compile_region(compiled, f"{name} region {index}", backends.chosen())
         compiled.count_launches_in(stats if stats is not None else {})
+        compiled.hand_out_in_segments(ddp_bucket_bytes(recording.module_modes))  # (under DDP: overlap)
         if backends.cpu_path(backends.chosen()):  # (the CPU path: its code made now, not in the first replay)
             compiled.prepare_cpu()
         logs.backward(name, index, info["backward_graph"])
@@ -352,7 +354,8 @@ def _region_options(trace, plan, memory, shape_generic):
                                    if v in plan.output_ids and v in trace.externals))
     options = {k: v for k, v in (("written_later", written_later), ("memory", _policy(memory, plan.graph)),
                                  ("outputs_written_later", outputs_written_later),
-                                 ("shape_generic", shape_generic), ("mutated_outputs", mutated_outputs))
+                                 ("shape_generic", shape_generic), ("mutated_outputs", mutated_outputs),
+                                 ("gradients_handed_out", bool(ddp_bucket_bytes(trace.module_modes))))
                if v and v != "balanced"}  # (defaults left out: the cache key of a plain region stays short)
     return mutated, options
 

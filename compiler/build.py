@@ -40,22 +40,25 @@ class _Outputs:
 
 
 def build_region(graph: fx.Graph, mutated_inputs=frozenset(), written_later=frozenset(), memory="balanced",
-                 outputs_written_later=frozenset(), shape_generic=False, mutated_outputs=()):
+                 outputs_written_later=frozenset(), shape_generic=False, mutated_outputs=(),
+                 gradients_handed_out=False):
     """Compile one captured region (under ``SYMPY_LOCK``: builds in several threads share SymPy's
     cached expressions): ``_build_region``."""
     with SYMPY_LOCK:
         return _build_region(graph, mutated_inputs, written_later, memory, outputs_written_later, shape_generic,
-                             mutated_outputs)
+                             mutated_outputs, gradients_handed_out)
 
 
 def _build_region(graph: fx.Graph, mutated_inputs, written_later, memory, outputs_written_later, shape_generic,
-                  mutated_outputs):
+                  mutated_outputs, gradients_handed_out=False):
     """Compile one captured region. Returns (CompiledRegion, details for ``explain``).
     ``mutated_inputs``: positions of inputs the region changes in place; ``written_later``:
     of inputs the function changes in place after the region; ``memory``: the saved-set
     policy (``compiler.autodiff.saved_set``); ``outputs_written_later``: of outputs the function
     changes in place after the region; ``shape_generic``: kernels take their sizes as arguments
-    (``codegen.triton_kernel.render_kernel``), so builds that differ only in sizes share sources."""
+    (``codegen.triton_kernel.render_kernel``), so builds that differ only in sizes share sources;
+    ``gradients_handed_out``: the backward is handed out in segments (DDP: ``runtime.segments``), so its
+    program makes each gradient as early as it can (``compiler.lower.program.lower``)."""
     attention_passes(graph)   # (written-out attention as flash attention; its rotary, operands and output layout)
     C.chunked_loss_pass(graph)   # (a linear's cross-entropy in row chunks, where nothing else reads its logits)
     if memory != "min":
@@ -67,7 +70,7 @@ def _build_region(graph: fx.Graph, mutated_inputs, written_later, memory, output
     forward_program, forward_kernels = lower(parts.forward, fuse(parts.forward, shape_generic),
                                              shape_generic=shape_generic,
                                              donated_inputs=_donated_inputs(parts, outputs, mutated_outputs))
-    backward_program, backward_kernels = _lower_backward(parts, shape_generic)
+    backward_program, backward_kernels = _lower_backward(parts, shape_generic, gradients_handed_out)
     user_outputs = outputs_of(parts.forward)[: parts.num_user_outputs]
     differentiable = [meta_of(o).requires_grad and (meta_of(o).dtype.is_floating_point or meta_of(o).dtype.is_complex)
                       for o in user_outputs]
@@ -173,7 +176,7 @@ def _donated_inputs(parts, outputs: _Outputs, mutated_outputs) -> dict:
             and not (i < len(double_reads) and double_reads[i]) and i not in viewed}
 
 
-def _lower_backward(parts, shape_generic: bool):
+def _lower_backward(parts, shape_generic: bool, gradients_handed_out: bool = False):
     """The backward program and its kernels (None, [] without a backward)."""
     if parts.backward is None:
         return None, []
@@ -182,7 +185,7 @@ def _lower_backward(parts, shape_generic: bool):
     # the forward checked the indices the backward gathers with (saved: version-checked)
     transient = [k for k, (kind, _) in enumerate(parts.saved) if kind == "output"]  # freed when last read
     return lower(parts.backward, fuse(parts.backward, shape_generic), check_indices=False,
-                 transient_inputs=transient, shape_generic=shape_generic)
+                 transient_inputs=transient, shape_generic=shape_generic, outputs_handed_out=gradients_handed_out)
 
 
 def _transpose_matmul_gradients(graph: fx.Graph) -> None:

@@ -17,6 +17,7 @@ from torch._C._autograd import _make_saved_tensor
 
 from runtime.checkpoints import in_checkpoint, outside_checkpoints
 from runtime.program import Program, apply_views
+from runtime.segments import SegmentChain, later_segments, plan_segments
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,9 @@ class CompiledRegion:
     # ((output positions, input positions they depend on), ...): a Node per group (``_apply_by_group``)
     output_groups: tuple = ()
     on_demand: OnDemand = OnDemand()  # the compiler's work during backward
+    # where set, its backward is handed out in segments of about this many bytes of parameter
+    # gradients, one autograd Node each (``runtime.segments``: under DDP, its bucket size)
+    segment_bytes: int = 0
 
     def __post_init__(self):
         # (saved position, output position) of each saved output: what eager's version message names
@@ -75,6 +79,11 @@ class CompiledRegion:
         """Count this region's kernel launches (and those of the regions it builds for a
         create_graph backward) into ``stats``: the compiled function's."""
         self.stats = stats
+
+    def hand_out_in_segments(self, segment_bytes: int) -> None:
+        """Hand its backward out in segments of about ``segment_bytes`` of parameter gradients (0: one
+        Node), one autograd Node each (``runtime.segments``: DDP's buckets fire as they fill)."""
+        self.segment_bytes = segment_bytes if self.backward is not None else 0
 
     def prepare_cpu(self) -> None:
         """The CPU path's generated code, made at build time (``Program.prepare_cpu``)."""
@@ -92,6 +101,8 @@ class CompiledRegion:
             # whose unpack would rerun the block eagerly (``runtime.checkpoints``).
             with outside_checkpoints():
                 outs = list(_apply(self, self._originals(inputs), self._without_unread_edges(inputs)))
+        elif self.segment_bytes and self._segment_plan(inputs) is not None:
+            outs = self._apply_in_segments(self._without_unread_edges(inputs))
         elif self.output_groups and self.__dict__.get("_groupable", True):
             outs = self._apply_by_group(inputs)
         elif self.unread_inputs:
@@ -103,6 +114,24 @@ class CompiledRegion:
         for position, index, views in self.input_views:  # views of inputs: made outside, by torch
             outs.insert(position, apply_views(inputs[index], views))
         return outs
+
+    def _segment_plan(self, inputs):
+        """How this region's backward is handed out in segments (``runtime.segments``), worked out
+        at its first call (which parameters it reads is fixed per region); None: one Node."""
+        facts = self.first_call_facts
+        if "segments" not in facts:
+            facts["segments"] = plan_segments(self.backward, inputs, self.segment_bytes) \
+                if not self.output_groups and not self.mutated_inputs else None
+        return facts["segments"]
+
+    def _apply_in_segments(self, inputs) -> list:
+        """The region as its own Node and a Node per later segment of its backward (``runtime.segments``)."""
+        chain = SegmentChain(self.first_call_facts["segments"])
+        carrier = later_segments(chain, inputs)
+        later = {k for segment in chain.plan.later for k in segment.inputs}
+        own = [t.detach() if k in later and isinstance(t, torch.Tensor) and t.requires_grad else t
+               for k, t in enumerate(inputs)]
+        return list(_FirstSegment.apply(self, self._originals(inputs), chain, carrier, *own))
 
     def _view_bases(self, outs) -> list:
         """The outputs with the views of the bases the forward returns last in their places, made
@@ -294,10 +323,49 @@ class _RegionFunction(torch.autograd.Function):
         else:
             args = saved + grads
             del saved
+            chain = getattr(ctx, "chain", None)
+            if chain is not None:  # (segmented: this Node's gradients now, the later Nodes' as they run)
+                return (None, None, *chain.first(region.backward, args, region.stats))
             results = region.backward.run(args, region.stats, consume=True)
         if region.grad_sources:  # an input reached only through outputs outside the loss's graph: None
             results = [r if sources & given else None for r, sources in zip(results, region.grad_sources)]
         return (None, None, *results)
+
+
+class _FirstSegment(_RegionFunction):
+    """The region's Node where its backward is handed out in segments (``runtime.segments``): the
+    region's forward and backward, returning its own segment's gradients; the carrier it takes
+    from the later segments' Nodes gets a gradient, so that they run next."""
+
+    @staticmethod
+    def forward(ctx, region, originals, chain, carrier, *inputs):
+        ctx.chain, ctx.has_carrier = chain, carrier is not None
+        return _RegionFunction.forward(ctx, region, originals, *inputs)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        chain = ctx.chain
+        chain.restart()   # (a backward again, under retain_graph: from the start)
+        if torch.is_grad_enabled():
+            # (the later segments' parameters reach this Node detached: a second order through them
+            # would be silently missing; DDP itself supports no double backward)
+            raise RuntimeError(
+                "symgrad: create_graph=True through a compiled region whose backward is handed out in segments "
+                "for DDP's buckets is not supported (DistributedDataParallel does not support double backward "
+                "either). Set SYMGRAD_DDP_SEGMENTS=0 to compile such regions as one autograd Node.")
+        results = _RegionFunction.backward(ctx, *grad_outputs)
+        if len(results) == len(ctx.needs_input_grad):  # (no output of the region in the loss's graph)
+            return results
+        grads = results[2:]
+        if chain.run is None:   # (not the plain backward: every gradient computed here; the later Nodes hand theirs)
+            chain.stash(grads)
+            grads = chain.own(grads)
+        onward = torch.zeros((), device=_device_of_grads(grad_outputs)) if ctx.has_carrier else None
+        return (None, None, None, onward, *grads)
+
+
+def _device_of_grads(grads) -> torch.device:
+    return next((g.device for g in grads if isinstance(g, torch.Tensor)), torch.device("cpu"))
 
 
 def _groupable(user: list, inputs) -> bool:

@@ -474,6 +474,50 @@ _runner: StepRunner | None = None
 _OWN_WAY = StepRunner()
 
 
+class ProgramRun:
+    """One run of a ``Program`` made a range of steps at a time (``until``), its slots kept between
+    ranges: what a backward handed out in segments runs (``runtime.segments``). Each step runs as
+    ``Program._run_profiled`` runs it (through the installed StepRunner, if any)."""
+
+    def __init__(self, program: Program, inputs: list, stats):
+        self.program = program
+        self.env = list(inputs) + [None] * (program.num_slots - program.num_inputs)
+        self.device = _device_of(inputs, program.recorded_device)
+        inputs.clear()
+        for slot in program._read_inputs:
+            self.env[slot] = in_plain_memory(self.env[slot])
+        self.next = 0
+        if stats is not None:
+            stats["kernel_launches"] = stats.get("kernel_launches", 0) + program._launch_count
+
+    def until(self, last: int) -> None:
+        """Run the steps up to ``last`` (included) not run yet."""
+        program, env, device = self.program, self.env, self.device
+        runner = _runner or _OWN_WAY
+        torch_path = program._torch_on_cpu and device.type == "cpu"
+        with on_device(device):
+            while self.next <= last:
+                i = self.next
+                step = program.steps[i]
+                if isinstance(step, KernelLaunch):
+                    runner.kernel(step, env, device, torch_path and step.torch_kernel is not None,
+                                  program.fresh_loads[i])
+                elif isinstance(step, ExternCall):
+                    runner.extern(step, env, device)
+                elif isinstance(step, IndexCheck):
+                    runner.index_check(step, env, device)
+                else:
+                    step.run(env, device)
+                for slot in program.frees[i]:
+                    env[slot] = None
+                self.next += 1
+
+    def output(self, k: int):
+        """Output ``k`` (final once the step ``Program.ready_after`` names has run)."""
+        ref = self.program.outputs[k]
+        return None if ref is None else ref.resolve(self.env)
+
+
 def installed_runner() -> StepRunner | None:
     """The StepRunner installed now (``steps_run_by``), or None."""
     return _runner
@@ -584,6 +628,28 @@ class Program:
         if stats is not None:
             stats["kernel_launches"] = stats.get("kernel_launches", 0) + self._launch_count
         return outputs
+
+    def start(self, inputs: list, stats=None) -> "ProgramRun":
+        """A run of this program made range by range (``ProgramRun.until``), for a backward handed out
+        in segments (``runtime.segments``). Takes the caller's references (``inputs`` is emptied)."""
+        return ProgramRun(self, inputs, stats)
+
+    def ready_after(self) -> list:
+        """Per output, the index of the step that writes its slot (-1: an input's slot; the last step
+        where no step writes it): after that step the output is final, as slots are written once."""
+        written = {}
+        for i, step in enumerate(self.steps):
+            if isinstance(step, KernelLaunch):
+                slots = [slot for slot, _, _ in step.stores]
+            elif isinstance(step, ExternCall):
+                slots = [step.out, *step.also]
+            else:
+                slots = [getattr(step, "out", None)]
+            for slot in slots:
+                written[slot] = i
+        last = len(self.steps) - 1
+        return [None if ref is None else -1 if ref.slot < self.num_inputs else written.get(ref.slot, last)
+                for ref in self.outputs]
 
     def _steps_for(self, device, through_runner: bool = False):
         """The generated steps that run on ``device``: the CPU path's where this program was built

@@ -23,7 +23,12 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from runtime.program import StepRunner, steps_run_by
+
 STEPS = 5
+# DDP buckets of about 2 KB (the default is 25 MB): the model's 6 parameter tensors fill several, so
+# a compiled region's backward is handed out in segments (runtime.segments) and buckets fire during it
+BUCKET_MB = 0.0005
 
 
 class TwoBranch(torch.nn.Module):
@@ -37,9 +42,26 @@ class TwoBranch(torch.nn.Module):
         return self.head(self.body(x))
 
 
-def _counting_hook(counts):
+class _Launches(StepRunner):
+    """Counts the compiled programs' launches (kernels and extern calls) as they run."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def kernel(self, step, env, device, torch_path, fresh_loads):
+        self.count += 1
+        super().kernel(step, env, device, torch_path, fresh_loads)
+
+    def extern(self, step, env, device):
+        self.count += 1
+        super().extern(step, env, device)
+
+
+def _counting_hook(counts, fired, launches):
     def hook(state, bucket):
         counts[-1] += 1
+        fired[-1].append(launches.count)   # (how many launches had run when the bucket was handed over)
         return allreduce_hook(state, bucket)
     return hook
 
@@ -48,10 +70,12 @@ def _train(model, compiled: bool, scenario: str, rank: int):
     import compiler
 
     counts: list = []
+    fired: list = []   # per step: the launch count at each bucket's hand-over, then at the step's end
+    launches = _Launches()
     if scenario == "fsdp2":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     else:
-        model.register_comm_hook(dist.group.WORLD, _counting_hook(counts))
+        model.register_comm_hook(dist.group.WORLD, _counting_hook(counts, fired, launches))
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
     def step(x, y):
@@ -78,22 +102,26 @@ def _train(model, compiled: bool, scenario: str, rank: int):
     losses = []
     for _ in range(STEPS + (scenario == "fsdp2")):
         counts.append(0)
+        fired.append([])
         x, y = torch.randn(8, 16, generator=generator), torch.randn(8, 4, generator=generator)
-        if scenario == "no_sync":
-            with model.no_sync():
-                first = run_micro(x[:4], y[:4])
-            second = run_micro(x[4:], y[4:])
-            apply()
-            losses.append((first.item() + second.item()) / 2)
-        else:
-            losses.append(run_step(x, y).item())
+        with steps_run_by(launches):
+            launches.count = 0
+            if scenario == "no_sync":
+                with model.no_sync():
+                    first = run_micro(x[:4], y[:4])
+                second = run_micro(x[4:], y[4:])
+                apply()
+                losses.append((first.item() + second.item()) / 2)
+            else:
+                losses.append(run_step(x, y).item())
+            fired[-1].append(launches.count)
     stats = {}
     if compiled:
         for fn in (run_step, run_micro):
             entry = fn.last_entry
             stats[fn.fn.__name__] = {**fn.stats, "fallbacks": entry.report.fallbacks if entry else None}
     params = [(p.full_tensor() if scenario == "fsdp2" else p).detach().clone() for p in model.parameters()]
-    return {"losses": losses, "params": params, "stats": stats, "buckets": counts}
+    return {"losses": losses, "params": params, "stats": stats, "buckets": counts, "fired": fired}
 
 
 def _fully_sharded():
@@ -120,8 +148,8 @@ def worker(rank: int, world: int, init_file: str, out_dir: str):
             if scenario != "unused":
                 del base.unused  # DDP without find_unused_parameters refuses parameters that get no grad
             results[scenario] = {
-                "compiled": _train(DDP(copy.deepcopy(base), **options), True, scenario, rank),
-                "eager": _train(DDP(copy.deepcopy(base), **options), False, scenario, rank),
+                "compiled": _train(DDP(copy.deepcopy(base), bucket_cap_mb=BUCKET_MB, **options), True, scenario, rank),
+                "eager": _train(DDP(copy.deepcopy(base), bucket_cap_mb=BUCKET_MB, **options), False, scenario, rank),
             }
         results["fsdp2"] = {"compiled": _train(_fully_sharded(), True, "fsdp2", rank),
                             "eager": _train(_fully_sharded(), False, "fsdp2", rank)}

@@ -28,12 +28,13 @@ def view_step(node) -> ViewStep:
 
 
 def lower(graph: fx.Graph, schedule: Schedule, check_indices: bool = True, transient_inputs=(), shape_generic=False,
-          donated_inputs=None):
+          donated_inputs=None, outputs_handed_out=False):
     """Assign slots to buffers and turn the schedule's steps into runtime steps.
     ``transient_inputs``: positions of inputs the program holds the only reference to (saved
     intermediates handed over by the backward), whose memory is freed at their last use;
     ``donated_inputs``: input position -> the node that is its new value (an input changed in place:
-    the kernel storing that value may store it into the input's memory, ``_input_donors``)."""
+    the kernel storing that value may store it into the input's memory, ``_input_donors``);
+    ``outputs_handed_out``: each output leaves once made (DDP's segments, ``runtime.segments``): made early."""
     slots: dict = {}
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for p in placeholders:
@@ -105,7 +106,7 @@ def lower(graph: fx.Graph, schedule: Schedule, check_indices: bool = True, trans
               if slot >= len(placeholders) or slot in transient_inputs}
     input_metas = tuple((tuple(meta_of(p).shape), meta_of(p).dtype) if has_meta(p) else None for p in placeholders)
     return _program(steps, outputs, len(placeholders), len(slots), nbytes, _recorded_device(graph),
-                    input_metas), sources
+                    input_metas, outputs_handed_out), sources
 
 
 def _recorded_device(graph: fx.Graph):
@@ -115,12 +116,12 @@ def _recorded_device(graph: fx.Graph):
 
 
 def _program(steps: list, outputs: list, num_inputs: int, num_slots: int, nbytes: dict, device=None,
-             input_metas=()) -> Program:
+             input_metas=(), outputs_handed_out=False) -> Program:
     """The program running ``steps`` in an order that keeps less memory allocated (``_memory_order``),
     freeing each buffer after its last reader, each launch writing outputs into the memory of
     buffers that die at it where it may (``_donations``)."""
     kept = {o.slot for o in outputs if o is not None}
-    ordered = _memory_order(steps, nbytes, kept)
+    ordered = _memory_order(steps, nbytes, kept, outputs_handed_out)
     frees = _liveness(ordered, kept)
     steps = [step.launch(set(dead) - kept) if isinstance(step, _PlannedLaunch) else step
              for step, dead in zip(ordered, frees)]
@@ -360,7 +361,7 @@ def _writes(step) -> list:
     return [step.out, *step.also] if isinstance(step, ExternCall) else []
 
 
-def _memory_order(steps, nbytes, kept) -> list:
+def _memory_order(steps, nbytes, kept, kept_free=False) -> list:
     """The steps in an order that keeps less memory allocated at once: greedily, of the steps
     whose inputs are ready, the one that allocates least net of what it frees (the buffers it
     is the last reader of; ``kept``: slots never freed, the program's outputs); ties keep the
@@ -369,7 +370,8 @@ def _memory_order(steps, nbytes, kept) -> list:
     NOTE (memory): the fusion's order is a valid one, not a frugal one: a bias gradient's sum
     run last keeps the output gradient alive across both weight-gradient matmuls; a matmul
     that frees two buffers waits behind one that frees one. Slots are written once, so a
-    step depends only on the steps that write what it reads.
+    step depends only on the steps that write what it reads. ``kept_free``: the outputs leave as
+    they are made (their bytes count as none), and a step that makes one runs as soon as it can.
     """
     writer = {slot: i for i, step in enumerate(steps) for slot in _writes(step)}
     readers: dict = {}
@@ -385,7 +387,9 @@ def _memory_order(steps, nbytes, kept) -> list:
                 continue
             freed = sum(nbytes.get(slot, 0) for slot in set(_reads(step))
                         if slot not in kept and readers[slot] - done == {i})
-            net = sum(nbytes.get(slot, 0) for slot in _writes(step)) - freed
+            net = sum(nbytes.get(slot, 0) for slot in _writes(step) if not (kept_free and slot in kept)) - freed
+            if kept_free:   # (first what makes an output: the gradients leave as soon as they are made)
+                net = (not any(slot in kept for slot in _writes(step)), net)
             if best_net is None or net < best_net:
                 best, best_net = i, net
         done.add(best)

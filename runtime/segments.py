@@ -1,0 +1,149 @@
+"""A region's backward handed out in segments, one autograd Node each (issue 38).
+
+A compiled region is one autograd Node, so every gradient it computes is accumulated only after
+its whole backward: DDP's reducer then hands every bucket to its all-reduce at the end, where
+eager's overlap the rest of the backward. Under DDP (a ``DistributedDataParallel`` module ran in
+the recording) the region's parameters are grouped, in the order the backward program finishes
+their gradients (``Program.ready_after``), into segments of about one DDP bucket's bytes
+(``bucket_bytes_cap``). Each segment but the first is a Node of its own (``_LaterSegment``), chained
+behind the region's Node through a 0-dim *carrier* tensor: in the forward the last segment's Node is
+made first and the region's Node last, so the engine runs the region's Node first, then each
+segment's in order. The region's Node runs the backward program up to the step where its own
+parameters' gradients are final and returns them (AccumulateGrad runs next: the reducer sees them);
+each later Node runs the program on to its segment's end (``ProgramRun``), from the slots the
+earlier ones left. No kernel is split or run twice: segments end between steps.
+
+Where the backward is not the plain one (some outputs without a gradient, create_graph, anomaly
+mode), the region's Node computes every gradient as before and the later Nodes hand theirs out
+(``SegmentChain.stash``): the same values, without the overlap.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+def ddp_bucket_bytes(module_modes) -> int:
+    """The bucket size of the DistributedDataParallel modules a recording ran (``Recording.module_modes``:
+    (weak reference, training) pairs), the smallest; 0 where none ran or ``SYMGRAD_DDP_SEGMENTS=0``."""
+    if os.environ.get("SYMGRAD_DDP_SEGMENTS", "1") == "0":
+        return 0
+    from torch.nn.parallel import DistributedDataParallel
+
+    caps = [getattr(module, "bucket_bytes_cap", 0) for module in (ref() for ref, _ in module_modes)
+            if isinstance(module, DistributedDataParallel)]
+    return min((int(cap) for cap in caps if cap), default=0)
+
+
+@dataclass(frozen=True)
+class Segment:
+    inputs: tuple   # region input positions whose gradients this segment returns
+    last_step: int  # the backward program's step after which they are all final
+
+
+@dataclass(frozen=True)
+class SegmentPlan:
+    first: Segment   # the region's own Node's
+    later: tuple     # Segments, in the order the backward reaches them
+
+
+def plan_segments(program, inputs, segment_bytes: int) -> SegmentPlan | None:
+    """Group the parameters (leaf tensors that require grad) among ``inputs`` by when ``program``
+    (the region's backward: one output per input) finishes their gradients, about ``segment_bytes``
+    of gradients a segment; every other input goes with the last. None where that makes one segment."""
+    ready = program.ready_after()
+    if len(ready) != len(inputs):
+        return None
+    last = len(program.steps) - 1
+    params = sorted((ready[k], k) for k, t in enumerate(inputs)
+                    if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is None and ready[k] is not None)
+    groups, current, size = [], [], 0
+    for step, k in params:
+        if current and size >= segment_bytes and step > current[-1][0]:
+            groups.append(current)
+            current, size = [], 0
+        current.append((step, k))
+        size += inputs[k].numel() * inputs[k].element_size()
+    if current:
+        groups.append(current)
+    if len(groups) < 2:
+        return None
+    taken = {k for group in groups for _, k in group}
+    rest = tuple(k for k in range(len(inputs)) if k not in taken)
+    segments = [Segment(tuple(k for _, k in group), max(step for step, _ in group)) for group in groups]
+    segments[-1] = Segment(segments[-1].inputs + rest, last)
+    return SegmentPlan(segments[0], tuple(segments[1:]))
+
+
+class SegmentChain:
+    """One backward pass through a segmented region: the program's run the Nodes share, or the
+    gradients the region's Node computed whole (``stash``)."""
+
+    def __init__(self, plan: SegmentPlan):
+        self.plan = plan
+        self.run = None
+        self.stashed = None
+
+    def restart(self) -> None:
+        """A backward pass begins (again, under retain_graph): nothing run, nothing stashed."""
+        self.run = self.stashed = None
+
+    def first(self, program, args: list, stats) -> list:
+        """The region's Node: run the backward up to its segment's end; its gradients (None elsewhere)."""
+        self.stashed = None
+        self.run = program.start(args, stats)
+        self.run.until(self.plan.first.last_step)
+        results = [None] * len(program.outputs)
+        for k in self.plan.first.inputs:
+            results[k] = self.run.output(k)
+        return results
+
+    def stash(self, results: list) -> None:
+        """The region's Node computed every gradient (not the plain backward): the later Nodes return theirs."""
+        self.run, self.stashed = None, list(results)
+
+    def own(self, results: list) -> list:
+        """``results`` with the later segments' gradients taken out (their Nodes return them)."""
+        later = {k for segment in self.plan.later for k in segment.inputs}
+        return [None if k in later else r for k, r in enumerate(results)]
+
+    def segment(self, j: int) -> list:
+        """Later segment ``j``'s gradients: the program run on to its end, or the stashed ones."""
+        segment = self.plan.later[j]
+        if self.stashed is not None:
+            return [self.stashed[k] for k in segment.inputs]
+        if self.run is None:   # (the region's Node had nothing to compute: no gradient reached it)
+            return [None] * len(segment.inputs)
+        self.run.until(segment.last_step)
+        grads = [self.run.output(k) for k in segment.inputs]
+        if j == len(self.plan.later) - 1:
+            self.run = None   # (the program's slots are freed with it)
+        return grads
+
+
+class _LaterSegment(torch.autograd.Function):
+    """A later segment's Node: its inputs are the segment's parameters (and the next segment's
+    carrier); its output, a 0-dim carrier, is an input of the Node before it."""
+
+    @staticmethod
+    def forward(ctx, chain: SegmentChain, j: int, carrier, *tensors):
+        ctx.chain, ctx.j, ctx.has_carrier = chain, j, carrier is not None
+        device = next(t.device for t in tensors if isinstance(t, torch.Tensor))
+        return torch.zeros((), device=device)
+
+    @staticmethod
+    def backward(ctx, carried):
+        grads = ctx.chain.segment(ctx.j)
+        onward = torch.zeros_like(carried) if ctx.has_carrier else None
+        return (None, None, onward, *grads)
+
+
+def later_segments(chain: SegmentChain, inputs: list):
+    """Make the later segments' Nodes (the last first) on ``inputs``; the carrier the region's Node takes."""
+    carrier = None
+    for j in reversed(range(len(chain.plan.later))):
+        carrier = _LaterSegment.apply(chain, j, carrier, *[inputs[k] for k in chain.plan.later[j].inputs])
+    return carrier

@@ -1,0 +1,107 @@
+"""A region's backward handed out in segments, one autograd Node each (runtime/segments.py, issue 38).
+
+Under DDP the compiler does it by itself (tests/test_distributed.py checks the buckets); here one
+process turns it on for a compiled region by hand (``hand_out_in_segments``) and checks what the
+engine sees: each segment's gradients accumulated while the backward's later kernels are still to
+run, the values eager gives, and every backward path (retain_graph, anomaly mode, create_graph).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import compiler
+from runtime.program import StepRunner, steps_run_by
+from tests.devices import KERNELS
+
+
+class _Launches(StepRunner):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def kernel(self, step, env, device, torch_path, fresh_loads):
+        self.count += 1
+        super().kernel(step, env, device, torch_path, fresh_loads)
+
+    def extern(self, step, env, device):
+        self.count += 1
+        super().extern(step, env, device)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(4):
+        layers += [torch.nn.Linear(12, 12), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(12, 3)).double()
+
+
+def _segmented(segment_bytes=1):
+    """A compiled loss whose region hands its backward out in segments (1 byte: a segment for each
+    point where parameter gradients become final); the model and its eager twin."""
+    model, twin = _mlp(), _mlp()
+    loss = compiler.compile(lambda x: model(x).pow(2).mean(), backend=KERNELS)
+    x = torch.randn(5, 12, dtype=torch.float64)
+    loss(x)   # (its recording)
+    regions = [r.compiled for r in loss.last_entry.trace.regions if r.compiled is not None and r.compiled.backward]
+    for region in regions:
+        region.hand_out_in_segments(segment_bytes)
+    return loss, model, twin, x
+
+
+def _grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_each_segments_gradients_are_accumulated_while_later_kernels_still_run():
+    loss, model, twin, x = _segmented()
+    launches, accumulated = _Launches(), []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: accumulated.append(launches.count))
+    with steps_run_by(launches):
+        out = loss(x)
+        forward = launches.count
+        out.backward()
+    twin(x).pow(2).mean().backward()
+    torch.testing.assert_close(_grads(model), _grads(twin))
+    assert loss.last_backend == KERNELS and launches.count > forward
+    assert len(accumulated) == 10
+    # the last layer's gradients arrive before the backward's last launch; the first layer's at it
+    assert accumulated[0] < launches.count and accumulated[-1] == launches.count, (accumulated, launches.count)
+    assert len(set(accumulated)) >= 3, accumulated   # several segments, several hand-overs
+    region = next(r.compiled for r in loss.last_entry.trace.regions if r.compiled is not None and r.compiled.backward)
+    assert len(region.first_call_facts["segments"].later) >= 2
+
+
+def test_a_segmented_backward_runs_again_under_retain_graph():
+    loss, model, twin, x = _segmented()
+    out, want = loss(x), twin(x).pow(2).mean()
+    for _ in range(2):
+        out.backward(retain_graph=True)
+        want.backward(retain_graph=True)
+    torch.testing.assert_close(_grads(model), _grads(twin))
+
+
+def test_anomaly_mode_computes_every_gradient_in_the_first_node_and_hands_them_out():
+    loss, model, twin, x = _segmented()
+    with torch.autograd.detect_anomaly():
+        loss(x).backward()
+    twin(x).pow(2).mean().backward()
+    torch.testing.assert_close(_grads(model), _grads(twin))
+
+
+def test_segments_as_large_as_the_model_leave_one_node():
+    loss, model, twin, x = _segmented(segment_bytes=1 << 30)
+    loss(x).backward()
+    twin(x).pow(2).mean().backward()
+    torch.testing.assert_close(_grads(model), _grads(twin))
+    region = next(r.compiled for r in loss.last_entry.trace.regions if r.compiled is not None and r.compiled.backward)
+    assert region.first_call_facts["segments"] is None
+
+
+def test_create_graph_through_segments_says_what_to_do():
+    loss, model, twin, x = _segmented()
+    with pytest.raises(RuntimeError, match="SYMGRAD_DDP_SEGMENTS=0"):
+        torch.autograd.grad(loss(x), list(model.parameters()), create_graph=True)
