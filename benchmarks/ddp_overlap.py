@@ -181,19 +181,25 @@ def _summary(log, report):
         unit = "backward aten ops"
         detail = "eager"
     lines = [f"backward: {len(bwd)} {unit} ({detail})"]
-    grads = 0
+    # (the work that computes gradients: up to the last one accumulated; after it eager's count has
+    # DDP's own finalization, copying each all-reduced bucket back into .grad, which ours does not count)
+    last_grad = max(i for i in range(start, end) if log[i][0] == "grad")
+    computing = sum(1 for j in bwd if j < last_grad)
+    grads, fractions = 0, []
     for i in range(start, end):
         kind, what = log[i]
         if kind == "grad":
             grads += 1
         if kind == "bucket":
             done = sum(1 for j in bwd if j < i)
+            fractions.append(done / computing)
             lines.append(f"  bucket of {what} parameters fired after {done}/{len(bwd)} {unit.split(' (')[0]}, "
-                         f"{grads} gradients accumulated")
+                         f"{grads} gradients accumulated ({done}/{computing} = {done / computing:.2f} of the work "
+                         "before the last gradient)")
     lines.append("  timeline (K: backward work, N of them in a row as Kxn; g: a gradient accumulated; B<n>: a bucket "
                  "of n parameters handed to its all-reduce):")
     lines.append("    " + _timeline(log, set(bwd), start, end))
-    return lines
+    return lines, fractions
 
 
 def _timeline(log, work, start, end) -> str:
@@ -259,8 +265,11 @@ def main():
     print(results["kernels"])
     for mode in ("compiled", "eager"):
         print(f"{mode}:")
-        for line in results[mode]:
+        for line in results[mode][0]:
             print("  " + line)
+    ratios = [f"{o / e:.2f}" for o, e in zip(results["compiled"][1], results["eager"][1])]
+    print(f"each bucket's hand-over point, compiled/eager (as fractions of the work before the last gradient): "
+          f"{', '.join(ratios)}")
     (ours, ours_ms), (eager, eager_ms) = results["timed compiled"], results["timed eager"]
     print(f"wall time, median of {args.timed_steps} steps (rank 0): fraction of the backward elapsed when each "
           "bucket was handed over, no delay injected")
