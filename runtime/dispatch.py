@@ -197,6 +197,7 @@ class CompiledFunction:
         self.needs_variant: set = set()  # guard keys whose last call took an unrecorded path
         # numbers replays saw change (compiler.capture.numbers.changed_at): recordings take them at run time
         self.numbers_changing: set = set()
+        self.baked_floats: set = set()  # (spec, leaf position) of float arguments a recording kept as constants
         self.numbers_due: set = set()  # guard keys whose next call records with those numbers taken at run time
         self.disabled: str | None = None
         self.recording_limit = recording_limit  # None: SYMGRAD_RECORDING_LIMIT's, else RECORDING_LIMIT
@@ -250,13 +251,13 @@ class CompiledFunction:
         backend, why = choice
         if self.disabled:
             return self._eager(self.disabled, args, kwargs)
-        key = _guard_key(spec, leaves, self.dynamic)
+        key = _guard_key(spec, leaves, self.dynamic, self.baked_floats)
         variants = self.cache.get(key)
         # (the common case, a key seen before with nothing pending on it, hashes the key once)
         if variants is None or (self.stored_pending and key in self.stored_pending) \
                 or (self.needs_variant and key in self.needs_variant) or (self.numbers_due and key in self.numbers_due):
             if variants is None and self._note_changing_scalars(spec, leaves):
-                key = _guard_key(spec, leaves, self.dynamic)
+                key = _guard_key(spec, leaves, self.dynamic, self.baked_floats)
             if self.stored is not None and (key not in self.cache or key in self.stored_pending) \
                     and backend != backends.UNDECIDED:
                 self._load_stored(key, spec, leaves, backend, why)  # an earlier process's recording: replayed
@@ -298,6 +299,8 @@ class CompiledFunction:
         if self.skip_python and self._python_skippable(entry, variants):
             self.last_entry = entry
             return mode.run_calls()
+        if entry.trace.numbers:
+            mode.take_argument_numbers(leaves)
         result = mode.run(self.fn, args, kwargs)
         mode.finish()
         result = mode.real_result(result)
@@ -502,6 +505,8 @@ class CompiledFunction:
                                 else backends.decide(self.backend, None))  # (a recording that failed: none said)
                 self.choices.setdefault(None, (backend, why))
             entry.runs_with(backend, why)
+            if entry.trace is not None and entry.trace.baked_floats:
+                key = self._specialize_on(key, entry.trace.baked_floats, args, kwargs)
             # NOTE: several recordings per guard key: one per train/eval mode of the modules
             # the function ran, and one per path Python took (the replay switches between
             # recordings that agree on the calls made so far: an optimizer step every few calls).
@@ -520,6 +525,16 @@ class CompiledFunction:
                 if _WATCHERS:
                     _note(self.__name__, "fallback", reason)
             return result
+
+    def _specialize_on(self, key, baked, args, kwargs):
+        """Float arguments a compiled call kept as constants (``baked``: leaf positions): the guard key
+        holds their values from now on; the key the recording is filed under, with this call's values."""
+        leaves, spec = flatten_call(args, kwargs)
+        self.baked_floats.update((spec, i) for i in baked)
+        parts = list(key)
+        for i in baked:
+            parts[3 + i] = (float, leaves[i])   # (``_guard_key``'s layout: spec, grad mode, autocast, then leaves)
+        return tuple(parts)
 
     def _unmodified(self, args, kwargs):
         """``backend="eager"``, or ``SYMGRAD_DISABLE``: the function's Python, unmodified (not refused
@@ -569,7 +584,8 @@ class CompiledFunction:
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         backend, why = backends.choose("auto" if self.backend == "eager" else self.backend,
                                        tensors[0].device.type if tensors else None)
-        self._record(_guard_key(spec, leaves, self.dynamic), backend, why, args, kwargs, limited=False)
+        key = _guard_key(spec, leaves, self.dynamic, self.baked_floats)
+        self._record(key, backend, why, args, kwargs, limited=False)
         return self.last_entry
 
 
@@ -622,14 +638,15 @@ def _autocast_state():
     return tuple((torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None) for d in ("cpu", "cuda"))
 
 
-def _guard_key(spec, leaves, dynamic=frozenset()):
+def _guard_key(spec, leaves, dynamic=frozenset(), baked=frozenset()):
     parts = [spec, torch.is_grad_enabled(), _autocast_state()]
     for i, x in enumerate(leaves):
         if isinstance(x, torch.Tensor):
             parts.append((tuple(x.shape), x.dtype, x.device, x.requires_grad))
-        elif type(x) is float or (dynamic and (spec, i) in dynamic and type(x) is int):
+        elif (type(x) is float and (spec, i) not in baked) or (dynamic and (spec, i) in dynamic and type(x) is int):
             # (a float argument is taken at run time by the kernels, compiler.capture.numbers: any value
-            # replays; where one decides a size or a path, the replay's checks leave the recording)
+            # replays; where one decides a size or a path, the replay's checks leave the recording; one
+            # a compiled call kept as a constant, ``baked``, is part of the key by value)
             parts.append(type(x))
         else:
             try:

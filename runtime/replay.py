@@ -563,15 +563,28 @@ class Replay(TorchFunctionMode):
         """The numbers call ``rec`` gives its region (``rec.number_slots``), made 0-dim tensors for the
         region's kernels; False (nothing taken) where one is of another type than the recording's,
         or outside the interval its kernels hold for (dropout's p of 0 returns its input)."""
-        numbers = self.trace.numbers
-        if not all(numbers[nid].admits(leaves[i]) for i, nid in rec.number_slots):
-            return False
-        if rec.region in self.done_regions:   # (never: such a call begins its region; capture makes it so)
-            return False
+        numbers, given = self.trace.numbers, self.numbers_given
         for i, nid in rec.number_slots:
-            self.env[nid] = numbers[nid].tensor(leaves[i])
-            self.numbers_given[nid] = leaves[i]
+            if not numbers[nid].admits(leaves[i]):
+                return False
+            if nid in given and not _same_constant(leaves[i], given[nid]):
+                return False   # (taken from the function's argument before its region ran: this is another)
+        if rec.region in self.done_regions and any(nid not in given for _, nid in rec.number_slots):
+            return False   # (never: such a call begins its region; capture makes it so)
+        for i, nid in rec.number_slots:
+            if nid not in given:
+                self.env[nid] = numbers[nid].tensor(leaves[i])
+                given[nid] = leaves[i]
         return True
+
+    def take_argument_numbers(self, leaves) -> None:
+        """The float arguments the regions take at run time (``NumberInput.argument``), from the call's
+        leaves, before any region runs (their calls need not begin a region). One that is not what the
+        kernels hold for is left out: its call then finds it missing and leaves the recording."""
+        for nid, taken in self.trace.numbers.items():
+            if taken.argument is not None and taken.argument < len(leaves) and taken.admits(leaves[taken.argument]):
+                self.env[nid] = taken.tensor(leaves[taken.argument])
+                self.numbers_given[nid] = leaves[taken.argument]
 
     def _bind_external(self, vid, t) -> bool:
         """The first use of a value that appeared during the recorded call without a torch

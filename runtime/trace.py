@@ -45,6 +45,9 @@ class NumberInput:
     device: torch.device
     low: float | None = None
     high: float | None = None
+    # where it is a float argument of the function: its position among the call's leaves, from which
+    # a replay takes it before any region runs (so its call need not begin a region)
+    argument: int | None = None
 
     def admits(self, value) -> bool:
         return type(value) is self.kind and (self.low is None or self.low < value) \
@@ -210,6 +213,9 @@ class Recording:
     # such a recording beside it, skip_python cannot know which path Python would take
     other_path: bool = False
     numbers: dict = field(default_factory=dict)  # NumberId -> NumberInput: numbers the regions take at run time
+    # positions among the call's leaves of float arguments a compiled call used as a constant (its binding
+    # needs one: a factory's fill value): the guard key specializes on those
+    baked_floats: frozenset = frozenset()
 
     def recorded_fields(self) -> dict:
         """This recording's own fields (a ``CompiledRecording``'s without what compiling added)."""

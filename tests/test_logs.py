@@ -80,7 +80,7 @@ def test_a_failed_guard_says_which_and_why_it_records_again(collected):
     step(x, 2.0), step(x, 2.0)
     recorded = collected.messages("guards")
     assert len(recorded) == 1 and "x: float32[4, 8] on cpu, requires grad" in recorded[0]
-    assert "scale: 2.0" in recorded[0]
+    assert "scale: any float (not specialized)" in recorded[0]   # (taken by the kernels at run time)
     assert collected.messages("recompiles") == ["step: recording (first call)"]
 
     step(torch.randn(6, 8, requires_grad=True), 2.0)

@@ -175,9 +175,42 @@ def test_a_float_argument_that_decides_a_shape_or_a_branch_still_gives_eager_val
         torch.testing.assert_close(c(x, frac), f(x, frac))
 
 
-def test_a_float_argument_where_the_binding_needs_a_constant_compiles_with_it_as_before():
+def test_a_float_argument_where_the_binding_needs_a_constant_is_part_of_the_key_by_value():
+    """An activation's slope is a constant of its kernel: the first recording finds that, and from then
+    on the guard key holds the value (each value records once, as before; none leaves a recording)."""
     x = torch.randn(9, dtype=torch.float64)
     f = compiler.compile(lambda x, slope: F.leaky_relu(x * 2, slope), backend=KERNELS)
-    for _ in range(3):
-        torch.testing.assert_close(f(x, 0.2), F.leaky_relu(x * 2, 0.2))
-    assert f.stats["captures"] == 1 and f.stats["kernel_launches"] >= 2 and not f.last_entry.report.fallbacks
+    for slope in (0.2, 0.2, 0.3, 0.3, 0.2, 0.3):
+        torch.testing.assert_close(f(x, slope), F.leaky_relu(x * 2, slope))
+    assert f.stats["captures"] == 2 and f.stats["divergences"] == 0, f.stats
+    assert f.stats["kernel_launches"] >= 4 and not f.last_entry.report.fallbacks
+
+
+_MATH_WITH_A_NUMBER = {
+    "add": lambda x, t: x + t, "rsub": lambda x, t: t - x, "mul": lambda x, t: x * t, "div": lambda x, t: x / t,
+    "rdiv": lambda x, t: t / x, "pow": lambda x, t: x ** t, "rpow": lambda x, t: t ** x,
+    "clamp": lambda x, t: x.clamp(min=t), "clamp_max": lambda x, t: torch.clamp(x, max=t),
+    "where": lambda x, t: torch.where(x > 0, x, t), "gt": lambda x, t: (x > t).to(x.dtype) * x,
+    "remainder": lambda x, t: torch.remainder(x, t), "fmod": lambda x, t: torch.fmod(x, t),
+    "lerp": lambda x, t: torch.lerp(x, x.sin(), t), "maximum": lambda x, t: torch.maximum(x, torch.tensor(t)),
+    "add_alpha": lambda x, t: torch.add(x, x.cos(), alpha=t), "masked_fill": lambda x, t: x.masked_fill(x < 0, t),
+}
+
+
+@pytest.mark.allows_eager("a form whose binding needs the number as a constant leaves its recording when it changes")
+@pytest.mark.parametrize("name", list(_MATH_WITH_A_NUMBER))
+def test_each_elementwise_form_given_a_changing_float_argument_gives_eager_values_and_gradients(name):
+    """Negative bases, zero and changing exponents (``x ** t`` with t = 2.0 then 0.5 then 0.0), each
+    value and gradient as eager's, NaN where eager's is NaN."""
+    op = _MATH_WITH_A_NUMBER[name]
+    x = torch.tensor([-2.0, -0.5, 0.0, 0.75, 3.0], dtype=torch.float64, requires_grad=True)
+    f = compiler.compile(lambda x, t: op(x, t).sum(), backend=KERNELS)
+    for t in (2.0, -1.5, 0.5, 0.0, 2.0, 3.0):
+        got = f(x, t)
+        (grad,) = torch.autograd.grad(got, x)
+        xe = x.detach().requires_grad_()
+        want = op(xe, t).sum()
+        (wanted,) = torch.autograd.grad(want, xe)
+        torch.testing.assert_close(got, want, equal_nan=True)
+        torch.testing.assert_close(grad, wanted, equal_nan=True)
+    assert f.stats["kernel_launches"] > 0

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import compiler
+from runtime.checkpoints import in_checkpoint
 from runtime.program import StepRunner, steps_run_by
 from tests.devices import KERNELS
 
@@ -69,9 +70,11 @@ def test_each_segments_gradients_are_accumulated_while_later_kernels_still_run()
     assert loss.last_backend == KERNELS and launches.count > forward
     assert len(accumulated) == 10
     # the last layer's gradients arrive before the backward's last launch; the first layer's at it
-    assert accumulated[0] < launches.count and accumulated[-1] == launches.count, (accumulated, launches.count)
-    assert len(set(accumulated)) >= 3, accumulated   # several segments, several hand-overs
     region = next(r.compiled for r in loss.last_entry.trace.regions if r.compiled is not None and r.compiled.backward)
+    state = (accumulated, launches.count, loss.stats, region.segment_bytes, region.first_call_facts, in_checkpoint(),
+             torch.is_anomaly_enabled(), type(region).__name__, region.output_groups, region.mutated_inputs)
+    assert accumulated[0] < launches.count and accumulated[-1] == launches.count, state
+    assert len(set(accumulated)) >= 3, accumulated   # several segments, several hand-overs
     assert len(region.first_call_facts["segments"].later) >= 2
 
 

@@ -23,8 +23,9 @@ LIFTABLE_MODULES = frozenset({"compiler.capture.bindings.elementwise", "compiler
 
 class NumbersTaken:
     def __init__(self, arguments=(), seen_changing=frozenset()):
-        self._arguments = [x for x in arguments if type(x) is float]  # (kept alive: matched by identity)
-        self._ids = {id(x) for x in self._arguments}
+        """``arguments``: the call's flattened leaves (``runtime.calls.flatten_call``)."""
+        self._arguments = list(arguments)  # (kept alive: floats are matched by identity)
+        self._ids = {id(x): i for i, x in enumerate(self._arguments) if type(x) is float}
         self.changing = frozenset(seen_changing)   # (function name, occurrence, leaf position)
 
     def __bool__(self) -> bool:
@@ -49,3 +50,6 @@ class NumbersTaken:
                     found.append(i)
         return found
 
+    def argument_of(self, value) -> int | None:
+        """The position among the call's leaves of the float argument ``value`` is (by identity), or None."""
+        return self._ids.get(id(value)) if type(value) is float else None

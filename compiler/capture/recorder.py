@@ -68,6 +68,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         self.fn_name = fn_name
         self.numbers = numbers or NumbersTaken()  # which Python numbers the regions take at run time
         self.number_inputs: dict = {}  # NumberId -> NumberInput
+        self.baked_floats: set = set()  # positions of float arguments a compiled call kept as constants
         self.broken = None           # a compiler bug's message (or the strict error): record no more
         self.internal_errors: list = []  # bugs met in single calls, which then ran eagerly
         self.calls: list[TraceCall] = []
@@ -482,8 +483,10 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         # (a call given a number taken at run time begins its region: a region runs whole at its
         # first call, and the replay knows the number only when Python makes this call)
         lifting = self.numbers.positions(self, func, binding, leaves)
+        # (a float argument is known before any region runs: only other numbers begin a region)
+        begins = any(self.numbers.argument_of(leaves[i]) is None for i in lifting)
         if region is None or region.device != device or region.grad_enabled != grad_enabled \
-                or region.saved_tensor_hooks is not hooks or (lifting and region.calls):
+                or region.saved_tensor_hooks is not hooks or (begins and region.calls):
             region = self._new_region(len(self.regions), grad_enabled, device, hooks)
         stale = region.stale.intersection(v for v in recorded if isinstance(v, ValueId))
         if stale:
@@ -500,6 +503,9 @@ class Capture(InPlaceTracking, TorchFunctionMode):
             result = self._bind_numbers(region, binding, (args, kwargs), leaves, recorded, metas, lifted, out_tensors)
         else:
             result = _apply_binding(b, binding, a, k, out_tensors, _autocast_dtype(device))
+        for x, r in zip(leaves, recorded):   # (float arguments kept as constants: the key specializes on them)
+            if type(r) is float and self.numbers.argument_of(x) is not None:
+                self.baked_floats.add(self.numbers.argument_of(x))
         result, writes = (result.result, result.writes) if isinstance(result, Writes) else (result, ())
         source, op_name = user_frame(), function_name(func)
         for made in b.created[start:]:
@@ -569,7 +575,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
             self.next_id += 1
             recorded[i] = nid
             metas[nid] = TensorMeta((), dtype, device, False)
-            self.number_inputs[nid] = NumberInput(type(value), dtype, device)
+            self.number_inputs[nid] = NumberInput(type(value), dtype, device, argument=self.numbers.argument_of(value))
             lifted.append((i, nid))
         return lifted
 
@@ -779,7 +785,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
                          optimizer_steps=steps.spans(self.calls), recorded_optimizer_steps=found,
                          step_calls={f[0]: (f[1], f[2]) for f in found if type(f) is tuple},
                          result=_result_structure(self, result), reseeded=reseeded,
-                         numbers=dict(self.number_inputs))
+                         numbers=dict(self.number_inputs), baked_floats=frozenset(self.baked_floats))
 
     def watch_library_calls(self, running) -> None:
         """``running()``: whether an optimizer step or clip_grad_norm_ runs now (its math stays eager)."""
@@ -884,7 +890,7 @@ def capture(fn, args, kwargs, numbers_seen_changing=frozenset()):
     (``compiler.capture.numbers``)."""
     leaves, _ = tree_flatten((args, kwargs))
     mode = Capture(getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__,
-                   NumbersTaken(leaves, numbers_seen_changing))
+                   NumbersTaken(flatten_call(args, kwargs)[0], numbers_seen_changing))
     mode.add_args(leaves)
     # NOTE: nothing here changes how autograd sees the user's tensors (no saved-tensor hooks
     # of ours): the recording call is eager PyTorch, version checks and saved tensors included.
