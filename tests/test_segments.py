@@ -8,6 +8,10 @@ run, the values eager gives, and every backward path (retain_graph, anomaly mode
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -56,7 +60,7 @@ def _grads(model):
     return [p.grad.clone() for p in model.parameters()]
 
 
-def test_each_segments_gradients_are_accumulated_while_later_kernels_still_run():
+def check_each_segments_gradients_are_accumulated_while_later_kernels_still_run():
     loss, model, twin, x = _segmented()
     launches, accumulated = _Launches(), []
     for p in model.parameters():
@@ -104,7 +108,22 @@ def test_segments_as_large_as_the_model_leave_one_node():
     assert region.first_call_facts["segments"] is None
 
 
-def test_create_graph_through_segments_says_what_to_do():
+def check_create_graph_through_segments_says_what_to_do():
     loss, model, twin, x = _segmented()
     with pytest.raises(RuntimeError, match="SYMGRAD_DDP_SEGMENTS=0"):
         torch.autograd.grad(loss(x), list(model.parameters()), create_graph=True)
+
+
+# NOTE: these two run in a fresh process: in the full suite (2 xdist workers sharing a kernel and
+# region cache) the region's segment plan came out None in CI twice, where every standalone run and
+# every run of this file after its neighbours plans segments; the cause is not found yet (a state
+# another test leaves). In a fresh process each checks the mechanism itself.
+@pytest.mark.parametrize("check", ["check_each_segments_gradients_are_accumulated_while_later_kernels_still_run",
+                                   "check_create_graph_through_segments_says_what_to_do"])
+def test_in_a_fresh_process(check, tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               SYMGRAD_CACHE_DIR=str(tmp_path))
+    code = f"import tests.conftest, tests.test_segments as t; t.{check}(); print('ok')"
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-4000:]
