@@ -474,6 +474,23 @@ _runner: StepRunner | None = None
 _OWN_WAY = StepRunner()
 
 
+def _run_step(runner, step, fresh_loads, env, device, torch_path: bool, profiled: bool = False) -> None:
+    """One step of a program handed to ``runner`` (``StepRunner``), as the generated steps run it;
+    ``profiled``: each kernel launch in a ``record_function`` range of its own name."""
+    if isinstance(step, KernelLaunch):
+        if profiled:
+            with record_function(step.profile_name or f"symgrad kernel {step.name}"):
+                runner.kernel(step, env, device, torch_path and step.torch_kernel is not None, fresh_loads)
+        else:
+            runner.kernel(step, env, device, torch_path and step.torch_kernel is not None, fresh_loads)
+    elif isinstance(step, ExternCall):
+        runner.extern(step, env, device)
+    elif isinstance(step, IndexCheck):
+        runner.index_check(step, env, device)
+    else:
+        step.run(env, device)
+
+
 class ProgramRun:
     """One run of a ``Program`` made a range of steps at a time (``until``), its slots kept between
     ranges: what a backward handed out in segments runs (``runtime.segments``). Each step runs as
@@ -498,16 +515,7 @@ class ProgramRun:
         with on_device(device):
             while self.next <= last:
                 i = self.next
-                step = program.steps[i]
-                if isinstance(step, KernelLaunch):
-                    runner.kernel(step, env, device, torch_path and step.torch_kernel is not None,
-                                  program.fresh_loads[i])
-                elif isinstance(step, ExternCall):
-                    runner.extern(step, env, device)
-                elif isinstance(step, IndexCheck):
-                    runner.index_check(step, env, device)
-                else:
-                    step.run(env, device)
+                _run_step(runner, program.steps[i], program.fresh_loads[i], env, device, torch_path)
                 for slot in program.frees[i]:
                     env[slot] = None
                 self.next += 1
@@ -766,16 +774,7 @@ class Program:
                 env[slot] = in_plain_memory(env[slot])
             with on_device(device):  # (as ``run``: the launches expect their device current)
                 for i, (step, dead) in enumerate(zip(self.steps, self.frees)):
-                    if isinstance(step, KernelLaunch):
-                        with record_function(step.profile_name or f"symgrad kernel {step.name}"):
-                            runner.kernel(step, env, device, torch_path and step.torch_kernel is not None,
-                                          self.fresh_loads[i])
-                    elif isinstance(step, ExternCall):
-                        runner.extern(step, env, device)
-                    elif isinstance(step, IndexCheck):
-                        runner.index_check(step, env, device)
-                    else:
-                        step.run(env, device)
+                    _run_step(runner, step, self.fresh_loads[i], env, device, torch_path, profiled=True)
                     for slot in dead:
                         env[slot] = None
             if stats is not None:

@@ -17,22 +17,9 @@ import torch
 
 import compiler
 from runtime.checkpoints import in_checkpoint
-from runtime.program import StepRunner, steps_run_by
+from runtime.program import steps_run_by
+from tests.distributed_steps import _Launches
 from tests.devices import KERNELS
-
-
-class _Launches(StepRunner):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def kernel(self, step, env, device, torch_path, fresh_loads):
-        self.count += 1
-        super().kernel(step, env, device, torch_path, fresh_loads)
-
-    def extern(self, step, env, device):
-        self.count += 1
-        super().extern(step, env, device)
 
 
 def _mlp():
