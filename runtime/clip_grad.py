@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.utils.clip_grad as _clip_grad_module
 
-from runtime import backends
+from runtime import backends, shards
 from runtime.replay import active_replay
 
 _hooks = threading.local()   # .recorder: the recording in this thread that notes calls
@@ -52,6 +52,7 @@ class FusedClipGradNorm:
     # what it was built for (``runtime.backends``): "torch" leaves CPU gradients to PyTorch's own clip
     backend: str = field(default_factory=backends.chosen)
     cpp: object = None           # ``runtime.cpp_kernels.CppClip``: the C++ functions (backend="cpp", CPU)
+    mesh: object = None          # DTensor gradients' device mesh: each rank's norm of its shards combines over it
     _bounds_on: dict = field(default_factory=dict, repr=False)  # device -> ``bounds`` as an int32 tensor
 
     @property
@@ -92,6 +93,9 @@ class FusedClipGradNorm:
         scalars = {"max_norm": _rounded(float(max_norm), self.dtype), "eps": _rounded(1e-6, self.dtype)}
         self.finalize.launch([scratch, bounds, total, scratch[count:]], scalars, device)
         launches = len(self.partial_launches) + 1
+        if self.mesh is not None:
+            total, coef = self._across_ranks(total, max_norm)
+            scratch[count:].copy_(coef)
         if error_if_nonfinite and not math.isfinite(total.item()):  # (eager reads it too)
             self._count(launches)
             raise self._non_finite()
@@ -99,19 +103,28 @@ class FusedClipGradNorm:
             launch.launch([grads[m] for m in launch.members] + [scratch[count:]], {}, device)
         torch._C._increment_version(grads)  # as eager's grad.mul_ (the kernels write unseen)
         self._count(launches + len(self.scale_launches))
-        return total
+        return total if self.mesh is None else shards.replicated(total, self.mesh)
 
     def _run_cpp(self, grads, max_norm, error_if_nonfinite):
         """``run`` with the C++ functions (``runtime.cpp_kernels.CppClip``): the same checks and errors."""
         scalars = (_rounded(float(max_norm), self.dtype), _rounded(1e-6, self.dtype))
         total, coef, pointers = self.cpp.norm_and_coefficient(grads, *scalars)
+        if self.mesh is not None:
+            total, coef = self._across_ranks(total, max_norm)
         if error_if_nonfinite and not math.isfinite(total.item()):
             self._count(1)
             raise self._non_finite()
         self.cpp.scale_by(pointers, coef)
         torch._C._increment_version(grads)  # as eager's grad.mul_ (the function writes unseen)
         self._count(2)
-        return total
+        return total if self.mesh is None else shards.replicated(total, self.mesh)
+
+    def _across_ranks(self, local_total, max_norm):
+        """(the total norm over every rank's shards, its clip coefficient) from this rank's norm: one
+        all-reduce, then the coefficient as eager's ops round it (on the replicated total norm)."""
+        total = shards.combine_norms(local_total, self.norm_type, self.mesh)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        return total, coef.reshape(1)
 
     def _non_finite(self) -> RuntimeError:
         """Eager's error for a non-finite total norm with ``error_if_nonfinite=True``, word for word."""
@@ -136,6 +149,10 @@ class FusedClipGradNorm:
                     return None  # a gradient the recording did not have
                 continue
             following = next(expected, None)
+            if self.mesh is not None and g is not None:
+                if shards.refuse_norm(p, g) or g.device_mesh != self.mesh:
+                    return None
+                g = shards.local(g)
             if g is None or type(g) is not torch.Tensor or g.dtype != self.dtype or g.layout != torch.strided \
                     or g.numel() != self.numels[len(grads)] or not g.is_contiguous() or g.is_conj() or g.is_neg():
                 return None   # (a conjugate or negative view: the kernels would read its memory as it is)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.optim import optimizer as _optim
 
-from runtime import backends
+from runtime import backends, shards
 from runtime.kernels import load_kernel
 from runtime.launcher import make_launcher, specialization_key
 from runtime.program import installed_runner, interpreter_lock, on_device
@@ -139,13 +139,21 @@ class GroupStep:
             for i, p in enumerate(params):
                 if i not in updated and p.grad is not None:
                     return None  # a parameter that had no gradient when recorded has one now
-        per_param, steps, device = [], [], None
+        per_param, bumped, steps, device = [], [], [], None
         state = optimizer.state
         strided = torch.strided
         for i, numel, dtype in self.updated:
-            p = params[i]
-            g = p.grad
-            if g is None or g.layout != strided or p.dtype != dtype or g.dtype != dtype or p.numel() != numel \
+            wrapper = params[i]
+            s = state.get(wrapper)
+            if s is None and self.state_keys:
+                return None
+            wrappers = [wrapper, wrapper.grad, *(s.get(name) for name in self.state_keys)]
+            if any(not isinstance(t, torch.Tensor) for t in wrappers):
+                return None
+            if wrapper is not shards.local(wrapper) and not all(shards.placed_like(t, wrapper) for t in wrappers[1:]):
+                return None   # (a DTensor: its kernels read the local shards, which must line up)
+            p, g, *rest = [shards.local(t) for t in wrappers]
+            if g.layout != strided or p.dtype != dtype or g.dtype != dtype or p.numel() != numel \
                     or g.numel() != numel or not p.is_contiguous() or not g.is_contiguous() \
                     or p.is_neg() or g.is_neg() or (dtype.is_complex and (p.is_conj() or g.is_conj())):
                 return None   # (a conjugate or negative view: the kernels would read its memory as it is)
@@ -153,16 +161,12 @@ class GroupStep:
                 device = p.device
             if p.device != device or g.device != device:
                 return None
-            s = state.get(p)
-            if s is None and self.state_keys:
-                return None
             tensors = [p, g]
-            for name in self.state_keys:
-                t = s.get(name)
-                if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.numel() != numel \
-                        or t.device != device or not t.is_contiguous():
+            for t in rest:
+                if t.dtype != dtype or t.numel() != numel or t.device != device or not t.is_contiguous():
                     return None
                 tensors.append(t)
+            bumped.append(wrappers)
             if self.has_step:
                 step = s.get("step")
                 if not isinstance(step, torch.Tensor) or step.numel() != 1:
@@ -174,7 +178,7 @@ class GroupStep:
         count = self._step_count(steps) if self.has_step else 0
         if count is None:
             return None
-        return per_param, steps, count, device
+        return per_param, bumped, steps, count, device
 
     def _step_count(self, steps):
         """The step count all parameters share (None: they differ; that step runs eagerly).
@@ -188,7 +192,7 @@ class GroupStep:
         return counts.pop() if len(counts) == 1 else None
 
     def apply(self, group, bound, stats) -> None:
-        per_param, steps, count, device = bound
+        per_param, bumped, steps, count, device = bound
         if steps:
             torch._foreach_add_(steps, 1)  # eager: step_t += 1, each a 0-d tensor
             count = count + 1 if count + 1 < _EXACT_STEPS else steps[0].item()
@@ -199,9 +203,10 @@ class GroupStep:
             tensors = [t for m in launch.members for t in per_param[m]]
             launch.launch(tensors, scalars, device)
         # what eager's in-place ops do to the version counters (the kernels write unseen); its
-        # fused=True kernels bump none (checked on CPU with torch 2.13): neither do we then
+        # fused=True kernels bump none (checked on CPU with torch 2.13): neither do we then. A
+        # DTensor's are its own, not its local shard's (eager's ops on it bump the wrapper's only)
         if not group.get("fused"):
-            _increment_version([t for tensors in per_param for t, n in zip(tensors, self.version_bumps)
+            _increment_version([t for tensors in bumped for t, n in zip(tensors, self.version_bumps)
                                 for _ in range(n)])
         if stats is not None:
             stats["kernel_launches"] = stats.get("kernel_launches", 0) + len(self.launches)

@@ -14,6 +14,7 @@ _METADATA_METHODS = {
     torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.__len__,
     torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.element_size,
     torch.Tensor.get_device, torch.Tensor.nelement, torch.Tensor.ndimension, torch.Tensor.__hash__,
+    torch.is_floating_point, torch.is_complex, torch.numel,  # (FSDP2's mixed precision casts ask these)
     torch.device,  # torch.device("cuda", 0) goes through the mode too: it makes a device, no tensor
 }
 

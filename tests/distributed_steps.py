@@ -6,11 +6,17 @@ Scenarios (all on one process group, one spawn, so the test stays a few seconds)
 - ``no_sync``: gradient accumulation over 2 micro-batches, the first under ``model.no_sync()``;
 - ``unused``: ``find_unused_parameters=True`` with a branch the step never uses;
 - ``static``: ``static_graph=True``;
-- ``fsdp2``: ``fully_shard`` on each layer and the root, AdamW, 6 steps (its first step
-  initializes FSDP2's state lazily, so the compiled function records twice).
-Each records the loss per step, the parameters after, the compiled function's stats and
-fallbacks, and the bucket all-reduces DDP's communication hook saw per step (to compare the
-reducer's behaviour, not only its result).
+- ``fsdp2``: ``fully_shard`` on each layer and the root, AdamW and clip_grad_norm_ (both fused
+  on the local shards: runtime.shards), 6 steps (its first step initializes FSDP2's state lazily,
+  so the compiled function records twice);
+- ``fsdp2_bf16``: the same with bf16 mixed precision (``MixedPrecisionPolicy``: bf16 parameters in
+  the forward and backward, float32 gradient reduction, float32 shards the optimizer updates);
+- ``fsdp2_triton``: ``fsdp2`` with Triton kernels (in its interpreter) and a one-row layer more,
+  whose shard on rank 1 is empty.
+Each records the loss per step, the parameters after, their version counters, the compiled
+function's stats and fallbacks, the bucket all-reduces DDP's communication hook saw per step (to
+compare the reducer's behaviour, not only its result) and how many launches had run when each
+bucket (DDP) or reduce-scatter (FSDP2) was handed over.
 """
 
 from __future__ import annotations
@@ -42,6 +48,17 @@ class TwoBranch(torch.nn.Module):
         return self.head(self.body(x))
 
 
+class Gated(TwoBranch):
+    """TwoBranch with a one-row layer: on 2 ranks FSDP2 leaves rank 1 an empty shard of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.head(self.body(x)) * torch.sigmoid(self.gate(x))
+
+
 class _Launches(StepRunner):
     """Counts the compiled programs' launches (kernels and extern calls) as they run."""
 
@@ -66,14 +83,15 @@ def _counting_hook(counts, fired, launches):
     return hook
 
 
-def _train(model, compiled: bool, scenario: str, rank: int):
+def _train(model, compiled: bool, scenario: str, rank: int, backend: str = "auto"):
     import compiler
 
     counts: list = []
     fired: list = []   # per step: the launch count at each bucket's hand-over, then at the step's end
     launches = _Launches()
-    if scenario == "fsdp2":
+    if scenario.startswith("fsdp2"):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        _count_reduce_scatters(fired, launches)
     else:
         model.register_comm_hook(dist.group.WORLD, _counting_hook(counts, fired, launches))
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -83,6 +101,8 @@ def _train(model, compiled: bool, scenario: str, rank: int):
         loss.backward()
         if scenario == "plain":  # on the all-reduced gradients, as DDP training scripts clip
             torch.nn.utils.clip_grad_norm_(model.parameters(), 3.0)
+        elif scenario.startswith("fsdp2"):  # on the sharded gradients: a DTensor norm, one all-reduce
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         opt.step()
         opt.zero_grad()
         return loss
@@ -96,11 +116,11 @@ def _train(model, compiled: bool, scenario: str, rank: int):
         opt.step()
         opt.zero_grad()
 
-    run_step = compiler.compile(step) if compiled else step
-    run_micro = compiler.compile(micro) if compiled else micro
+    run_step = compiler.compile(step, backend=backend) if compiled else step
+    run_micro = compiler.compile(micro, backend=backend) if compiled else micro
     generator = torch.Generator().manual_seed(100 + rank)
     losses = []
-    for _ in range(STEPS + (scenario == "fsdp2")):
+    for _ in range(STEPS + scenario.startswith("fsdp2")):
         counts.append(0)
         fired.append([])
         x, y = torch.randn(8, 16, generator=generator), torch.randn(8, 4, generator=generator)
@@ -119,21 +139,43 @@ def _train(model, compiled: bool, scenario: str, rank: int):
     if compiled:
         for fn in (run_step, run_micro):
             entry = fn.last_entry
-            stats[fn.fn.__name__] = {**fn.stats, "fallbacks": entry.report.fallbacks if entry else None}
-    params = [(p.full_tensor() if scenario == "fsdp2" else p).detach().clone() for p in model.parameters()]
-    return {"losses": losses, "params": params, "stats": stats, "buckets": counts, "fired": fired}
+            stats[fn.fn.__name__] = {**fn.stats, "fallbacks": entry.report.fallbacks if entry else None,
+                                     "backend": fn.last_backend}
+    sharded = scenario.startswith("fsdp2")
+    params = [(p.full_tensor() if sharded else p).detach().clone() for p in model.parameters()]
+    # (what in-place ops did to the parameters and the optimizer's state: the fused step bumps as eager)
+    versions = [(p._version, *(t._version for t in opt.state[p].values())) for p in model.parameters()]
+    shard_sizes = [getattr(p, "_local_tensor", p).numel() for p in model.parameters()]
+    return {"losses": losses, "params": params, "stats": stats, "buckets": counts, "fired": fired,
+            "versions": versions, "shard_sizes": shard_sizes}
 
 
-def _fully_sharded():
-    from torch.distributed.fsdp import fully_shard
+def _count_reduce_scatters(fired, launches):
+    """Note in ``fired`` how many launches had run as FSDP2 begins each reduce-scatter (its
+    ``foreach_reduce``, once per FSDP module in the backward)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    reduce = getattr(_fsdp_param_group.foreach_reduce, "__wrapped__", _fsdp_param_group.foreach_reduce)
+
+    def counted(*args, **kwargs):
+        fired[-1].append(launches.count)
+        return reduce(*args, **kwargs)
+    counted.__wrapped__ = reduce
+    _fsdp_param_group.foreach_reduce = counted
+
+
+def _fully_sharded(bf16: bool, model_class=TwoBranch):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(0)
-    model = TwoBranch()
+    model = model_class()
     del model.unused
-    for layer in (*model.body, model.head):
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+        else MixedPrecisionPolicy()
+    for layer in (*model.body, model.head, *([model.gate] if model_class is Gated else [])):
         if any(True for _ in layer.parameters()):
-            fully_shard(layer)
-    return fully_shard(model)
+            fully_shard(layer, mp_policy=policy)
+    return fully_shard(model, mp_policy=policy)
 
 
 def worker(rank: int, world: int, init_file: str, out_dir: str):
@@ -151,8 +193,12 @@ def worker(rank: int, world: int, init_file: str, out_dir: str):
                 "compiled": _train(DDP(copy.deepcopy(base), bucket_cap_mb=BUCKET_MB, **options), True, scenario, rank),
                 "eager": _train(DDP(copy.deepcopy(base), bucket_cap_mb=BUCKET_MB, **options), False, scenario, rank),
             }
-        results["fsdp2"] = {"compiled": _train(_fully_sharded(), True, "fsdp2", rank),
-                            "eager": _train(_fully_sharded(), False, "fsdp2", rank)}
+        for scenario, bf16, backend, model_class in (("fsdp2", False, "auto", TwoBranch),
+                                                     ("fsdp2_bf16", True, "auto", TwoBranch),
+                                                     ("fsdp2_triton", False, "interpret", Gated)):
+            results[scenario] = {
+                "compiled": _train(_fully_sharded(bf16, model_class), True, scenario, rank, backend),
+                "eager": _train(_fully_sharded(bf16, model_class), False, scenario, rank)}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()

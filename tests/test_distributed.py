@@ -31,36 +31,50 @@ def results(tmp_path_factory):
     return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(WORLD)]
 
 
-@pytest.mark.parametrize("scenario", ["plain", "no_sync", "unused", "static", "fsdp2"])
+SCENARIOS = ["plain", "no_sync", "unused", "static", "fsdp2", "fsdp2_bf16", "fsdp2_triton"]
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
 def test_compiled_step_matches_eager_under_ddp_and_fsdp2(results, scenario):
+    # (bf16 mixed precision: the forward and backward round to bf16, where a fused kernel may keep
+    # float32 between ops; AdamW's normalized update carries a gradient's last bits into the
+    # parameters: 1e-4 at most was measured after 6 steps)
+    loss_tolerance, param_tolerance = {"fsdp2_bf16": ((2e-3, 1e-5), (1.6e-2, 5e-4))}.get(
+        scenario, ((1.3e-6, 1e-5), (1e-5, 1e-6)))
     for rank_results in results:
         ours, eager = rank_results[scenario]["compiled"], rank_results[scenario]["eager"]
-        torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(eager["losses"]))
+        torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(eager["losses"]),
+                                   rtol=loss_tolerance[0], atol=loss_tolerance[1])
         for p, q in zip(ours["params"], eager["params"], strict=True):
-            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(p, q, rtol=param_tolerance[0], atol=param_tolerance[1])
+        assert ours["versions"] == eager["versions"]  # (in-place ops of the fused steps bump as eager's)
         if scenario == "static":  # (static_graph rebuilds its buckets from the order gradients arrived in
             # at its first step: the segments' order, not eager's; the values above are the same)
             assert all(n > 0 for n in ours["buckets"])
-        elif scenario != "fsdp2":  # DDP's reducer fired the same bucket all-reduces per step
+        elif not scenario.startswith("fsdp2"):  # DDP's reducer fired the same bucket all-reduces per step
             assert ours["buckets"] == eager["buckets"] and all(n > 0 for n in ours["buckets"])
-        if scenario != "fsdp2":
-            # ... and, the region's backward handed out in segments (runtime.segments), the first
-            # bucket while kernels of that backward were still to run: one Node would hand every
-            # bucket over after its last launch (the steps that replayed: launches ran)
-            replayed = [at_buckets for *at_buckets, at_end in ours["fired"][2:] if at_end > 0]
-            assert replayed and all(len(at) >= 2 and at[0] < at[-1] for at in replayed), (scenario, ours["fired"])
+        # the first bucket (DDP: the region's backward handed out in segments, runtime.segments)
+        # or reduce-scatter (FSDP2: a region per module) handed over while kernels of the backward
+        # were still to run: one Node would hand every one over after its last launch (the steps
+        # that replayed: launches ran)
+        replayed = [(at_handovers, at_end) for *at_handovers, at_end in ours["fired"][2:] if at_end > 0]
+        assert replayed and all(len(at) >= 2 and at[0] < end for at, end in replayed), (scenario, ours["fired"])
         for name, stats in ours["stats"].items():
             if stats["calls"] == 0:
                 continue
-            # FSDP2's sharded parameters are DTensors: their optimizer step runs eagerly, said once
-            expected = ["tensor subclass"] if scenario == "fsdp2" else []
-            assert [e for e in expected if not any(e in f for f in stats["fallbacks"])] == [], (scenario, stats)
-            assert len(stats["fallbacks"]) == len(expected), (scenario, name, stats)
+            assert stats["fallbacks"] == [], (scenario, name, stats)
             assert stats["replays"] >= 1 and stats["kernel_launches"] > 0, (scenario, name, stats)
-            if scenario == "plain":  # clip_grad_norm_ fused on DDP's all-reduced gradients
+            if scenario == "plain" or scenario.startswith("fsdp2"):
+                # clip_grad_norm_ fused on DDP's all-reduced gradients, on FSDP2's local shards
                 assert stats.get("clip_launches", 0) > 0, stats
+            if scenario.startswith("fsdp2"):  # AdamW fused on the DTensor parameters' local shards
+                assert stats.get("optimizer_launches", 0) > 0, stats
+            if scenario == "fsdp2_triton":
+                assert stats["backend"].startswith("interpret"), stats
+    if scenario == "fsdp2_triton":  # (the one-row layer's shard: rank 1's is empty, and was updated: no error)
+        assert 0 in results[1][scenario]["compiled"]["shard_sizes"]
     # the ranks saw different data and still agree on the parameters: gradients were all-reduced
-    for scenario in ("plain", "no_sync", "unused", "static", "fsdp2"):
+    for scenario in SCENARIOS:
         first, second = (r[scenario]["compiled"] for r in results)
         assert first["losses"] != second["losses"]
         for p, q in zip(first["params"], second["params"], strict=True):

@@ -27,7 +27,7 @@ from compiler.optimizers.combo import BLOCK, MAX_PARAMETERS, NUM_WARPS, combo_so
 from compiler.optimizers.cpp_combo import chunk_table, cpp_combo_source
 from compiler.optimizers.rules import rule_for
 from compiler.report.explain import KernelInfo
-from runtime import ahead_of_time, backends, clip_grad
+from runtime import ahead_of_time, backends, clip_grad, shards
 from runtime.cpp_kernels import CppComboLaunch
 from runtime.fallback import internal_error
 from runtime.optimizer_step import ComboLaunch, FusedOptimizerStep, GroupStep
@@ -192,14 +192,18 @@ def _fuse_group(optimizer, rule, index, group, grads, backend: str) -> GroupStep
         if grad_ok is None:
             continue
         where = f"parameter group {index}, parameter {i}"
+        state = optimizer.state.get(p, {})
         plain = (torch.Tensor, torch.nn.Parameter)
         if type(p) not in plain or (p.grad is not None and type(p.grad) is not torch.Tensor):
-            # a tensor subclass (FSDP2's sharded DTensor): its data is not one dense buffer a kernel reads
-            raise NotFused(f"{where} is a {type(p).__name__} (a tensor subclass), not a plain tensor")
+            # NOTE: a DTensor (FSDP2's sharded parameter) is updated on its local shard, with its
+            # gradient's and state's placed alike (runtime.shards); any other subclass runs eagerly
+            refused = shards.refuse_update(p, [p.grad, *(state.get(name) for name in state_keys)])
+            if refused:
+                raise NotFused(f"{where} {refused}")
         if p.dtype not in _FUSED_DTYPES:
             raise NotFused(f"{where} is {p.dtype} (fused for float32, float64 and complex; eager rounds each op "
                            "to its dtype, which the kernel does not reproduce for it yet)")
-        if not grad_ok or not p.is_contiguous():
+        if not grad_ok or not p.is_contiguous() or not shards.local(p).is_contiguous():
             raise NotFused(f"{where}: the parameter or its gradient is not a contiguous dense tensor of its dtype")
         if p.numel() >= _INT32_LIMIT:
             raise NotFused(f"{where} has 2**31 elements or more")
@@ -210,17 +214,17 @@ def _fuse_group(optimizer, rule, index, group, grads, backend: str) -> GroupStep
         # NOTE: no state yet is no refusal: a stored recording is compiled in a new process before
         # its optimizer's first step has made the state (the step it recorded made it). Each replay's
         # step checks the state it binds (``GroupStep.bind``): that first step runs eagerly.
-        state = optimizer.state.get(p, {})
         for name in state_keys if state else ():
             t = state.get(name)
             if not isinstance(t, torch.Tensor) or t.dtype != p.dtype or t.shape != p.shape or not t.is_contiguous():
                 raise NotFused(f"{where}: its state {name!r} is not a contiguous tensor like the parameter")
         if state and rule.has_step(key) and not isinstance(state.get("step"), torch.Tensor):
             raise NotFused(f"{where}: its state 'step' is not a tensor")
-        updated.append((i, p.numel(), p.dtype))
+        updated.append((i, shards.local(p).numel(), p.dtype))  # (a DTensor's: its shard's)
     launches = []
     for dtype in dict.fromkeys(d for _, _, d in updated):
-        members = [m for m, (_, _, d) in enumerate(updated) if d == dtype]
+        # (a shard may be empty on this rank: FSDP2 pads a parameter of fewer rows than ranks)
+        members = [m for m, (_, n, d) in enumerate(updated) if d == dtype and n > 0]
         real = _FUSED_DTYPES[dtype]
         for chunk in range(0, len(members), MAX_PARAMETERS):
             part = members[chunk:chunk + MAX_PARAMETERS]

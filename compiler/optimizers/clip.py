@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import math
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from compiler.optimizers.combo import BLOCK, MAX_PARAMETERS, NUM_WARPS, named, select_member
 from compiler.codegen.cpp_kernel import PARALLEL_MIN
 from compiler.optimizers.cpp_combo import chunk_table, cpp_clip_sources, first_chunks
-from runtime import backends
+from runtime import backends, shards
 from runtime.clip_grad import FusedClipGradNorm
 from runtime.cpp_kernels import CppClip, CppFunctionInfo
 from runtime.optimizer_step import ComboLaunch
@@ -56,6 +56,7 @@ class ClipRecord:
     foreach: object
     end: int | None = None     # index after its last recorded call (None: it raised)
     output_id: object = None   # value id of the total norm it returned
+    meshes: list = field(default_factory=list)  # the device mesh of each DTensor gradient
 
     def ended(self, end: int, output_id) -> None:
         """The call returned: its calls end before index ``end``, its total norm is value ``output_id``
@@ -65,23 +66,27 @@ class ClipRecord:
 
 def record(start, params, max_norm, norm_type, error_if_nonfinite, foreach) -> ClipRecord:
     """A ``ClipRecord`` for a call about to run (the gradients as they are before it)."""
-    grads, meta = [], []
+    grads, meta, meshes = [], [], []
     with torch._C.DisableTorchFunction():  # the compiler's reads, not the function's
         for p in params:
             g = p.grad
             if g is None:
                 grads.append(None)
                 continue
+            reason = ""
             if type(p) not in (torch.Tensor, torch.nn.Parameter) or type(g) is not torch.Tensor:
-                # a tensor subclass (FSDP2's sharded DTensor): not one dense buffer a kernel reads
-                grads.append(f"is a {type(p).__name__} with a {type(g).__name__} gradient (a tensor subclass)")
-            elif g.layout != torch.strided or not g.is_contiguous():
-                grads.append("has a gradient that is not a contiguous dense tensor")
-            else:
-                grads.append("")
+                # NOTE: a sharded DTensor gradient (FSDP2's) is reduced on its local shard, the ranks'
+                # norms then combined by one all-reduce (runtime.shards); any other subclass runs eagerly
+                reason = shards.refuse_norm(p, g) or ""
+                if not reason:
+                    meshes.append(g.device_mesh)
+                    g = shards.local(g)
+            if not reason and (g.layout != torch.strided or not g.is_contiguous()):
+                reason = "has a gradient that is not a contiguous dense tensor"
+            grads.append(reason)
             meta.append((g.dtype, g.numel(), g.device))
     return ClipRecord(start, [weakref.ref(p) for p in params], grads, meta, max_norm, norm_type,
-                      error_if_nonfinite, foreach)
+                      error_if_nonfinite, foreach, meshes=meshes)
 
 
 def compile_clip(trace, clip: ClipRecord, stats) -> FusedClipGradNorm:
@@ -111,6 +116,7 @@ def compile_clip(trace, clip: ClipRecord, stats) -> FusedClipGradNorm:
     for i in with_grad:
         if clip.grads[i]:
             raise NotFused(f"parameter {i} {clip.grads[i]}")
+    mesh = _mesh_of(clip.meshes, len(with_grad))
     dtypes = {dtype for dtype, _, _ in clip.grad_meta}
     devices = {device for _, _, device in clip.grad_meta}
     if len(dtypes) > 1 or len(devices) > 1:
@@ -124,15 +130,26 @@ def compile_clip(trace, clip: ClipRecord, stats) -> FusedClipGradNorm:
     numels = [numel for _, numel, _ in clip.grad_meta]
     if any(n >= _INT32_LIMIT for n in numels):
         raise NotFused("a gradient has 2**31 elements or more")
-    return build(clip, dtype, numels, with_grad, norm_type, stats)
+    return build(clip, dtype, numels, with_grad, norm_type, stats, mesh)
 
 
-def build(clip: ClipRecord, dtype, numels, with_grad, norm_type, stats) -> FusedClipGradNorm:
+def _mesh_of(meshes: list, gradients: int):
+    """The one mesh all gradients are sharded on, None where none is a DTensor; raises NotFused for a mix."""
+    if not meshes:
+        return None
+    if len(meshes) != gradients:
+        raise NotFused("its gradients mix DTensors and plain tensors")
+    if any(m != meshes[0] for m in meshes):
+        raise NotFused("its DTensor gradients are on several device meshes")
+    return meshes[0]
+
+
+def build(clip: ClipRecord, dtype, numels, with_grad, norm_type, stats, mesh=None) -> FusedClipGradNorm:
     """The plan: for C++ (``backend="cpp"``, CPU gradients) a norm and a scale function; for Triton
     partial and scale launches per chunk of gradients, one finalize launch."""
     plan = dict(end=clip.end, output_id=clip.output_id, params=clip.params, with_grad=with_grad, dtype=dtype,
                 numels=numels, norm_type=float(clip.norm_type), error_if_nonfinite=clip.error_if_nonfinite,
-                foreach=clip.foreach, stats=stats)
+                foreach=clip.foreach, stats=stats, mesh=mesh)
     size = dtype.itemsize
     if backends.chosen() == "cpp" and clip.grad_meta[0][2].type == "cpu":
         (norm_name, norm_source), (scale_name, scale_source_) = cpp_clip_sources(norm_type, dtype)
