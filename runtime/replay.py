@@ -24,10 +24,18 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from runtime import tensor_parallel
 from runtime.calls import flatten_call, holds_tensor, unflatten_call
 from runtime.program import apply_views
 from runtime.torch_functions import GRAD_GET, GRAD_SET, REFLECTED_COMPARISONS, function_name, is_metadata, is_state_read
 from runtime.trace import CallKind, CompiledRecording, NumberId, ValueId, changed_at, same_read
+
+_LINEAR = torch.nn.functional.linear
+
+
+def _holds(cls, values) -> bool:
+    """Whether ``values`` (or a list or tuple among them) hold a ``cls``."""
+    return any(type(v) is cls or (type(v) in (list, tuple) and any(type(u) is cls for u in v)) for v in values)
 
 
 class Diverged(Exception):
@@ -158,6 +166,9 @@ class Replay(TorchFunctionMode):
         # range's exit, which is checked (``zero_grad_until``).
         self.zero_grad_spans = trace.zero_grad_spans()
         self.zero_grad_until: int | None = None  # inside such a zero_grad, watched: where it ends
+        self.pending: dict = {}  # AsyncCollectiveTensors met -> their waited results (tensor_parallel)
+        # (None until torch.distributed's functional collectives are imported: none exist then)
+        self.pending_type = tensor_parallel.pending_class()
 
     # -- optimizer steps run unwatched ------------------------------------------------------
     def run(self, fn, args, kwargs):
@@ -301,6 +312,11 @@ class Replay(TorchFunctionMode):
 
     # -- the mode ----------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is _LINEAR or self.pending_type is not None:  # (tensor parallel: as the recording rewrote it)
+            rewritten = self._tensor_parallel(func, args, kwargs)
+            if rewritten is not None:
+                return rewritten[0]
+            args, kwargs = self._waited(args, kwargs)
         if self.zero_grad_until is not None:
             if func == GRAD_GET or func == GRAD_SET:
                 return func(*args, **(kwargs or {}))  # inside a zero_grad(): p.grad reads and writes, run as they are
@@ -341,6 +357,26 @@ class Replay(TorchFunctionMode):
                 reason = str(e)
         self.diverged = reason
         return self._eager(func, args, kwargs)
+
+    def _tensor_parallel(self, func, args, kwargs):
+        """(result,) where ``func`` is a tensor-parallel layer's F.linear on DTensors: the recording's
+        rewrite of it on the local shards (``runtime.tensor_parallel``), replayed call by call."""
+        if func is not _LINEAR or self.diverged:
+            return None
+        layout = tensor_parallel.linear_layout(args, kwargs or {})
+        if type(layout) is not tuple:
+            return None
+        return (tensor_parallel.reentered(self, tensor_parallel.rewrite_linear, layout, args, kwargs or {}),)
+
+    def _waited(self, args, kwargs):
+        """``args`` and ``kwargs`` with AsyncCollectiveTensors waited for, as the recording had them."""
+        pending = self.pending_type
+        if pending is None or self.diverged \
+                or not (_holds(pending, args) or kwargs and _holds(pending, kwargs.values())):
+            return args, kwargs
+        leaves, spec = flatten_call(args, kwargs or {})
+        leaves = tensor_parallel.reentered(self, tensor_parallel.waited, leaves, self.pending)
+        return unflatten_call(leaves, spec)
 
     def finish(self):
         if not self.diverged and self.pos != len(self.trace.calls) and not self._switch(ending=True):

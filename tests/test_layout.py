@@ -41,6 +41,7 @@ ALLOWED = {
     ("compiler/elementwise.py", "ctx.op"): _CTX,
     ("compiler/elementwise.py", "ctx.kinds"): _CTX,
     ("compiler/elementwise.py", "ctx.scalars"): _CTX,
+    ("runtime/tensor_parallel.py", "ctx.group"): _CTX,
     ("runtime/autograd_bridge.py", "ctx.saved_versions"): _CTX,
     ("runtime/autograd_bridge.py", "ctx.saved_outputs"): _CTX,
     ("runtime/autograd_bridge.py", "ctx.eager_saved"): _CTX,

@@ -22,6 +22,7 @@ import weakref
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
@@ -42,6 +43,7 @@ from compiler.optimizers import StepRecorder
 from compiler.ir.ops import catalog as C
 from compiler.ir.sympy_lock import SYMPY_LOCK
 from compiler.capture.bindings import Unsupported, Writes, lookup
+from runtime import tensor_parallel
 from runtime.calls import flatten_call, unflatten_call
 from runtime.fallback import InternalCompilerError, internal_error
 from runtime.torch_functions import function_name, is_metadata, is_state_read
@@ -96,6 +98,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         self.saved_under_hooks: dict = {}  # value id -> calls that may have saved it under saved-tensor hooks
         self.escaping = 0            # > 0 while a saved tensor's pack hook runs (compiler.capture.pack_hooks)
         self.escaped: set = set()    # value ids made then: autograd holds them, no recorded call reads them
+        self.pending: dict = {}      # AsyncCollectiveTensors met -> their waited results (tensor_parallel)
 
     # -- value ids -----------------------------------------------------------------------
     def _new_id(self, t: torch.Tensor) -> ValueId:
@@ -132,8 +135,19 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         kwargs = kwargs or {}
         if is_metadata(func) or self.broken is not None:
             return func(*args, **kwargs)
+        if func is F.linear:  # (a tensor-parallel layer's: its math on the local shards, recorded)
+            layout = tensor_parallel.linear_layout(args, kwargs)
+            if type(layout) is tuple:
+                try:
+                    return tensor_parallel.reentered(self, tensor_parallel.rewrite_linear, layout, args, kwargs)
+                except Exception as e:  # (a bug, or eager's own error: eager's call says which)
+                    self._break(e, func)
+                    return func(*args, **kwargs)
         try:
             leaves, spec = flatten_call(args, kwargs)
+            if tensor_parallel.has_pending(leaves):  # (a row-parallel layer's all-reduce: its result, waited)
+                leaves = tensor_parallel.reentered(self, tensor_parallel.waited, leaves, self.pending)
+                args, kwargs = unflatten_call(leaves, spec)
             recorded = [self.id_of(x) if isinstance(x, torch.Tensor) else x for x in leaves]
         except Exception as e:
             self._break(e, func)
@@ -468,7 +482,8 @@ class Capture(InPlaceTracking, TorchFunctionMode):
             raise Unsupported("no tensor inputs or outputs")
         for t in tensors + out_tensors:
             if type(t) not in (torch.Tensor, torch.nn.Parameter):
-                raise Unsupported(f"tensor subclass {type(t).__name__}")
+                layout = tensor_parallel.linear_layout(args, kwargs) if func is F.linear else None
+                raise Unsupported(f"tensor subclass {type(t).__name__}" + (f" ({layout})" if layout else ""))
             if t.layout != torch.strided:
                 raise Unsupported(f"{t.layout} tensors")
             if t.dtype not in _SUPPORTED_DTYPES:
