@@ -1,14 +1,19 @@
-"""Train a small transformer with DistributedDataParallel and a compiled training step.
+"""Train a small transformer with DistributedDataParallel or FSDP2 and a compiled training step.
 
     torchrun --nproc-per-node 2 examples/train_ddp.py [--steps 10] [--layers 2] [--backend auto]
+    torchrun --nproc-per-node 2 examples/train_ddp.py --fsdp2 [--bf16]
 
-Each rank wraps the same nanoGPT-style model (``--layers`` pre-norm blocks, 2 by default) in DDP
-and trains it twice from one initialization: with a compiled step — forward, cross-entropy,
-loss.backward() (DDP's bucketed all-reduce fires from our compiled backward's gradient
-hooks), optimizer.step(), zero_grad() — and with the same step run eagerly. Every step prints
-each rank's two losses side by side; at the end, the largest parameter difference and the
-compiled step's kernels and fallbacks. On a CPU-only machine the backend is gloo and the
-kernels run in Triton's interpreter; with GPUs, nccl and compiled kernels.
+Each rank builds the same nanoGPT-style model (``--layers`` pre-norm blocks, 2 by default) and
+trains it twice from one initialization: with a compiled step — forward, cross-entropy,
+loss.backward(), clip_grad_norm_(1.0), optimizer.step() (AdamW), zero_grad() — and with the same
+step run eagerly. By default each copy is wrapped in DDP (its bucketed all-reduce fires from our
+compiled backward's gradient hooks). With ``--fsdp2`` each block and the root are wrapped with
+``fully_shard`` instead: FSDP2's all-gathers and per-layer reduce-scatters run between the compiled
+regions, and clipping and AdamW are fused on the parameters' local shards; ``--bf16`` adds
+``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``. Every step prints each rank's
+two losses side by side; at the end, the largest parameter difference and the compiled step's
+kernels and fallbacks. On a CPU-only machine the backend is gloo and the kernels run in Triton's
+interpreter; with GPUs, nccl and compiled kernels.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import compiler
@@ -53,18 +59,52 @@ class TinyGPT(nn.Module):
     def forward(self, idx, targets):
         x = self.blocks(self.embed(idx) + self.pos[: idx.shape[1]])
         logits = self.head(self.ln_f(x))
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())  # (--bf16: bf16 logits)
 
 
-def main():
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--layers", type=int, default=2, help="transformer blocks")
     parser.add_argument("--backend", default="auto", choices=BACKENDS)
+    parser.add_argument("--fsdp2", action="store_true", help="fully_shard each block and the root instead of DDP")
+    parser.add_argument("--bf16", action="store_true", help="with --fsdp2: bf16 parameters, float32 reduction")
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error("launch with torchrun, e.g. `torchrun --nproc-per-node 2 examples/train_ddp.py`")
+    if args.bf16 and not args.fsdp2:
+        parser.error("--bf16 is FSDP2's MixedPrecisionPolicy: add --fsdp2")
+    return args
 
+
+def wrap(base, fsdp2, bf16):
+    """Two copies of ``base``, one for the compiled step and one for the eager step, in DDP or FSDP2."""
+    if not fsdp2:
+        return {"compiled": DDP(copy.deepcopy(base)), "eager": DDP(copy.deepcopy(base))}
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+        else MixedPrecisionPolicy()
+    models = {}
+    for name in ("compiled", "eager"):
+        model = copy.deepcopy(base)
+        for block in model.blocks:  # one reduce-scatter per block, started during the backward
+            fully_shard(block, mp_policy=policy)
+        models[name] = fully_shard(model, mp_policy=policy)  # the root: embeddings, final norm, head
+    return models
+
+
+def train_step(model, opt, idx, targets):
+    loss = model(idx, targets)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # under FSDP2: a norm of sharded DTensor grads
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def main():
+    args = parse_args()
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -75,15 +115,8 @@ def main():
     vocab, dim, heads, seq, batch = 96, 32, 2, 16, 4
     torch.manual_seed(0)  # the same initialization on every rank (DDP also broadcasts rank 0's)
     base = TinyGPT(vocab, dim, heads, seq, args.layers).to(device)
-    models = {"compiled": DDP(copy.deepcopy(base)), "eager": DDP(copy.deepcopy(base))}
+    models = wrap(base, args.fsdp2, args.bf16)
     optimizers = {k: torch.optim.AdamW(m.parameters(), lr=3e-3) for k, m in models.items()}
-
-    def train_step(model, opt, idx, targets):
-        loss = model(idx, targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
 
     compiled_step = compiler.compile(train_step, backend=args.backend)
     generator = torch.Generator().manual_seed(1000 + rank)  # each rank its own shard of the data
@@ -94,13 +127,20 @@ def main():
         eager = train_step(models["eager"], optimizers["eager"], idx, targets).item()
         print(f"rank {rank}/{world} step {step:3d}  compiled {ours:.6f}  eager {eager:.6f}", flush=True)
 
-    diff = max((p - q).abs().max().item()
+    def full(p):  # (a DTensor shard gathered whole: a collective, every rank calls it in the same order)
+        return p.full_tensor() if isinstance(p, DTensor) else p
+
+    diff = max((full(p) - full(q)).abs().max().item()
                for p, q in zip(models["compiled"].parameters(), models["eager"].parameters()))
     report = compiled_step.last_entry.report if compiled_step.last_entry else None
     kernels = len(report.kernels) if report else 0
     fallbacks = (report.fallbacks or "none") if report else "n/a"
+    stats = compiled_step.stats
+    # (FSDP2: the first call's recording holds its lazy initialization; the next two calls leave it
+    # and run eagerly from there, the fourth records the steady path, which the later calls replay)
+    left = f" ({stats['divergences']} left their recording and ran eagerly)" if stats["divergences"] else ""
     print(f"rank {rank}: max |param difference| {diff:.2e}; {kernels} kernels per step; "
-          f"replays {compiled_step.stats['replays']}; fallbacks: {fallbacks}", flush=True)
+          f"replays {stats['replays']}{left}; fallbacks: {fallbacks}", flush=True)
     dist.destroy_process_group()
 
 
