@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 examples/train_ddp.py [--steps 10] [--layers 2] [--backend auto]
     torchrun --nproc-per-node 2 examples/train_ddp.py --fsdp2 [--bf16]
+    torchrun --nproc-per-node 2 examples/train_ddp.py --tp
 
 Each rank builds the same nanoGPT-style model (``--layers`` pre-norm blocks, 2 by default) and
 trains it twice from one initialization: with a compiled step — forward, cross-entropy,
@@ -10,7 +11,11 @@ step run eagerly. By default each copy is wrapped in DDP (its bucketed all-reduc
 compiled backward's gradient hooks). With ``--fsdp2`` each block and the root are wrapped with
 ``fully_shard`` instead: FSDP2's all-gathers and per-layer reduce-scatters run between the compiled
 regions, and clipping and AdamW are fused on the parameters' local shards; ``--bf16`` adds
-``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``. Every step prints each rank's
+``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``. With ``--tp`` each block's MLP
+is tensor parallel instead (``parallelize_module``: its first Linear column-parallel, its second
+row-parallel; every rank sees the same batch): the layers' math compiles on the local shards, and
+the step does not clip (clip_grad_norm_ over DTensor and plain gradients together is not fused: it
+would run eagerly). Every step prints each rank's
 two losses side by side; at the end, the largest parameter difference and the compiled step's
 kernels and fallbacks. On a CPU-only machine the backend is gloo and the kernels run in Triton's
 interpreter; with GPUs, nccl and compiled kernels.
@@ -69,16 +74,22 @@ def parse_args():
     parser.add_argument("--backend", default="auto", choices=BACKENDS)
     parser.add_argument("--fsdp2", action="store_true", help="fully_shard each block and the root instead of DDP")
     parser.add_argument("--bf16", action="store_true", help="with --fsdp2: bf16 parameters, float32 reduction")
+    parser.add_argument("--tp", action="store_true", help="tensor-parallel MLPs (parallelize_module) instead of DDP")
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error("launch with torchrun, e.g. `torchrun --nproc-per-node 2 examples/train_ddp.py`")
     if args.bf16 and not args.fsdp2:
         parser.error("--bf16 is FSDP2's MixedPrecisionPolicy: add --fsdp2")
+    if args.tp and args.fsdp2:
+        parser.error("--tp and --fsdp2 are separate modes here: choose one")
     return args
 
 
-def wrap(base, fsdp2, bf16):
-    """Two copies of ``base``, one for the compiled step and one for the eager step, in DDP or FSDP2."""
+def wrap(base, fsdp2, bf16, tp=False):
+    """Two copies of ``base``, one for the compiled step and one for the eager step, in DDP, FSDP2 or
+    with tensor-parallel MLPs."""
+    if tp:
+        return {name: tensor_parallel_mlps(copy.deepcopy(base)) for name in ("compiled", "eager")}
     if not fsdp2:
         return {"compiled": DDP(copy.deepcopy(base)), "eager": DDP(copy.deepcopy(base))}
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -94,10 +105,23 @@ def wrap(base, fsdp2, bf16):
     return models
 
 
-def train_step(model, opt, idx, targets):
+def tensor_parallel_mlps(model):
+    """Each block's MLP split over the ranks: its first Linear by output features, its second by input
+    features (one all-reduce of the block's output); the rest of the model stays replicated."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh(model.head.weight.device.type, (dist.get_world_size(),))
+    for block in model.blocks:
+        parallelize_module(block.mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    return model
+
+
+def train_step(model, opt, idx, targets, clip=True):
     loss = model(idx, targets)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # under FSDP2: a norm of sharded DTensor grads
+    if clip:  # under FSDP2: a norm of sharded DTensor gradients
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     opt.zero_grad()
     return loss
@@ -115,16 +139,17 @@ def main():
     vocab, dim, heads, seq, batch = 96, 32, 2, 16, 4
     torch.manual_seed(0)  # the same initialization on every rank (DDP also broadcasts rank 0's)
     base = TinyGPT(vocab, dim, heads, seq, args.layers).to(device)
-    models = wrap(base, args.fsdp2, args.bf16)
+    models = wrap(base, args.fsdp2, args.bf16, args.tp)
     optimizers = {k: torch.optim.AdamW(m.parameters(), lr=3e-3) for k, m in models.items()}
 
     compiled_step = compiler.compile(train_step, backend=args.backend)
-    generator = torch.Generator().manual_seed(1000 + rank)  # each rank its own shard of the data
+    # each rank its own shard of the data; tensor parallel: the same batch, each rank its share of the math
+    generator = torch.Generator().manual_seed(1000 + (0 if args.tp else rank))
     for step in range(args.steps):
         idx = torch.randint(0, vocab, (batch, seq), generator=generator).to(device)
         targets = torch.roll(idx, -1, dims=1)  # learnable: predict the next token of a random stream
-        ours = compiled_step(models["compiled"], optimizers["compiled"], idx, targets).item()
-        eager = train_step(models["eager"], optimizers["eager"], idx, targets).item()
+        ours = compiled_step(models["compiled"], optimizers["compiled"], idx, targets, not args.tp).item()
+        eager = train_step(models["eager"], optimizers["eager"], idx, targets, not args.tp).item()
         print(f"rank {rank}/{world} step {step:3d}  compiled {ours:.6f}  eager {eager:.6f}", flush=True)
 
     def full(p):  # (a DTensor shard gathered whole: a collective, every rank calls it in the same order)
