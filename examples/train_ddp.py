@@ -14,8 +14,8 @@ regions, and clipping and AdamW are fused on the parameters' local shards; ``--b
 ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``. With ``--tp`` each block's MLP
 is tensor parallel instead (``parallelize_module``: its first Linear column-parallel, its second
 row-parallel; every rank sees the same batch): the layers' math compiles on the local shards, and
-the step does not clip (clip_grad_norm_ over DTensor and plain gradients together is not fused: it
-would run eagerly). Every step prints each rank's
+the step does not clip (clip_grad_norm_ over DTensor and plain gradients together raises in eager
+PyTorch). Every step prints each rank's
 two losses side by side; at the end, the largest parameter difference and the compiled step's
 kernels and fallbacks. On a CPU-only machine the backend is gloo and the kernels run in Triton's
 interpreter; with GPUs, nccl and compiled kernels.
