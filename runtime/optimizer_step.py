@@ -142,17 +142,21 @@ class GroupStep:
         per_param, bumped, steps, device = [], [], [], None
         state = optimizer.state
         strided = torch.strided
+        dtensor = shards.dtensor_class()  # (None: no DTensor exists in this process)
         for i, numel, dtype in self.updated:
             wrapper = params[i]
             s = state.get(wrapper)
             if s is None and self.state_keys:
                 return None
             wrappers = [wrapper, wrapper.grad, *(s.get(name) for name in self.state_keys)]
-            if any(not isinstance(t, torch.Tensor) for t in wrappers):
+            if any(not isinstance(t, torch.Tensor) for t in wrappers[1:]):
                 return None
-            if wrapper is not shards.local(wrapper) and not all(shards.placed_like(t, wrapper) for t in wrappers[1:]):
-                return None   # (a DTensor: its kernels read the local shards, which must line up)
-            p, g, *rest = [shards.local(t) for t in wrappers]
+            if dtensor is not None and isinstance(wrapper, dtensor):
+                if not all(shards.placed_like(t, wrapper) for t in wrappers[1:]):
+                    return None   # (its kernels read the local shards, which must line up)
+                p, g, *rest = [t._local_tensor for t in wrappers]
+            else:
+                p, g, *rest = wrappers
             if g.layout != strided or p.dtype != dtype or g.dtype != dtype or p.numel() != numel \
                     or g.numel() != numel or not p.is_contiguous() or not g.is_contiguous() \
                     or p.is_neg() or g.is_neg() or (dtype.is_complex and (p.is_conj() or g.is_conj())):

@@ -34,8 +34,12 @@ _LINEAR = torch.nn.functional.linear
 
 
 def _holds(cls, values) -> bool:
-    """Whether ``values`` (or a list or tuple among them) hold a ``cls``."""
-    return any(type(v) is cls or (type(v) in (list, tuple) and any(type(u) is cls for u in v)) for v in values)
+    """Whether ``values`` (or a list or tuple among them) hold a ``cls``. (A loop: it runs per call.)"""
+    for v in values:
+        kind = type(v)
+        if kind is cls or (kind is list or kind is tuple) and any(type(u) is cls for u in v):
+            return True
+    return False
 
 
 class Diverged(Exception):

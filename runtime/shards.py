@@ -19,13 +19,14 @@ import sys
 import torch
 
 
-def _dtensor_class():
+def dtensor_class():
+    """DTensor where torch.distributed.tensor is imported, else None."""
     module = sys.modules.get("torch.distributed.tensor")
     return getattr(module, "DTensor", None)
 
 
 def is_dtensor(t) -> bool:
-    cls = _dtensor_class()
+    cls = dtensor_class()
     return cls is not None and isinstance(t, cls)
 
 

@@ -26,13 +26,11 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from runtime import shards
+
 
 def _module_attr(module: str, name: str):
     return getattr(sys.modules.get(module), name, None)
-
-
-def _dtensor_class():
-    return _module_attr("torch.distributed.tensor", "DTensor")
 
 
 _PENDING = None  # AsyncCollectiveTensor, once imported
@@ -67,7 +65,7 @@ def linear_layout(args, kwargs):
     """For ``F.linear(*args, **kwargs)`` on DTensors: (output placements, gradient placements of
     input, weight, bias), or a string saying why the layout is not computed on local shards.
     None where no operand is a DTensor."""
-    dtensor = _dtensor_class()
+    dtensor = shards.dtensor_class()
     x, w, b = _linear_operands(args, kwargs)
     if dtensor is None or not any(isinstance(t, dtensor) for t in (x, w, b)):
         return None
