@@ -100,10 +100,12 @@ def _settings() -> str:
     """The compiler's tunable constants as they are now (``tiling.PERSISTENT_MAX``, ...): upper-case
     module attributes of plain values, which a test or a user may change at run time."""
     out = []
-    for name, module in sorted(sys.modules.items()):
+    # NOTE: copies first (one C call each): another thread importing a module meanwhile changes
+    # sys.modules, and iterating it then raised (CI's thread stress test, 2a66be7)
+    for name, module in sorted(sys.modules.copy().items()):
         if module is None or not name.startswith(("compiler.", "runtime.")):
             continue
-        for attr, value in sorted(vars(module).items()):
+        for attr, value in sorted(vars(module).copy().items()):
             if attr.isupper() and type(value) in (int, float, bool, str, tuple) and " at 0x" not in repr(value):
                 out.append(f"{name}.{attr}={value!r}")
     return ";".join(out)
