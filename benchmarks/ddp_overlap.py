@@ -142,6 +142,28 @@ def _delayed_allreduce(delay_s):
     return hook
 
 
+def _marked_step(model, opt, marks, compiled, rank, width):
+    """(the training step, compiled or eager, noting in ``marks`` when its backward begins and returns;
+    the 4 batches the timed steps cycle through)."""
+    def step(x, y):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        marks.append(time.perf_counter())
+        loss.backward()
+        marks.append(time.perf_counter())
+        opt.step()
+        opt.zero_grad()
+        return loss
+    generator = torch.Generator().manual_seed(rank)
+    batches = [(torch.randn(32, width, generator=generator), torch.randn(32, 4, generator=generator))
+               for _ in range(4)]
+    return (compiler.compile(step) if compiled else step), batches
+
+
+def _median_fractions(fractions) -> list:
+    """Per hand-over, the median over the timed steps of its fraction of the backward's wall time."""
+    return [sorted(f[k] for f in fractions)[len(fractions) // 2] for k in range(len(fractions[0]))]
+
+
 def _timed(rank, compiled, args):
     """(per bucket: the fraction of the backward's wall time elapsed when it was handed over, no delay;
     the median step time with ``args.delay_ms`` injected per bucket)."""
@@ -153,19 +175,7 @@ def _timed(rank, compiled, args):
         model.register_comm_hook(dist.group.WORLD, lambda state, bucket: (marks.append(time.perf_counter()),
                                                                           hook(state, bucket))[1])
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
-
-        def step(x, y):
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            marks.append(time.perf_counter())
-            loss.backward()
-            marks.append(time.perf_counter())
-            opt.step()
-            opt.zero_grad()
-            return loss
-        fn = compiler.compile(step) if compiled else step
-        generator = torch.Generator().manual_seed(rank)
-        batches = [(torch.randn(32, args.width, generator=generator), torch.randn(32, 4, generator=generator))
-                   for _ in range(4)]
+        fn, batches = _marked_step(model, opt, marks, compiled, rank, args.width)
         step_times = []
         for i in range(STEPS + args.timed_steps):
             marks.clear()
@@ -177,8 +187,7 @@ def _timed(rank, compiled, args):
                 fractions.append([(m - marks[0]) / span for m in marks[1:-1]])
         if delay:
             times = sorted(step_times[STEPS:])
-    per_bucket = [sorted(f[b] for f in fractions)[len(fractions) // 2] for b in range(len(fractions[0]))]
-    return per_bucket, times[len(times) // 2]
+    return _median_fractions(fractions), times[len(times) // 2]
 
 
 def _summary(log, report):
@@ -430,19 +439,7 @@ def _fsdp2_timed(rank, compiled, args):
     for delay in (0.0, args.delay_ms / 1000):
         marks: list = []
         model, opt, comm = _fsdp2_delayed(args, delay, marks)
-
-        def step(x, y):
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            marks.append(time.perf_counter())
-            loss.backward()
-            marks.append(time.perf_counter())
-            opt.step()
-            opt.zero_grad()
-            return loss
-        fn = compiler.compile(step) if compiled else step
-        generator = torch.Generator().manual_seed(rank)
-        batches = [(torch.randn(32, args.width, generator=generator), torch.randn(32, 4, generator=generator))
-                   for _ in range(4)]
+        fn, batches = _marked_step(model, opt, marks, compiled, rank, args.width)
         step_times, losses_now = [], []
         for i in range(FSDP_STEPS + args.timed_steps):
             marks.clear()
@@ -455,8 +452,7 @@ def _fsdp2_timed(rank, compiled, args):
         times.append(sorted(step_times[FSDP_STEPS:])[args.timed_steps // 2])
         waits = sorted(comm.waited[FSDP_STEPS:])[args.timed_steps // 2]
         losses.append(losses_now)
-    per_rs = [sorted(f[r] for f in fractions)[len(fractions) // 2] for r in range(len(fractions[0]))]
-    return per_rs, times, waits, losses[0] == losses[1]
+    return _median_fractions(fractions), times, waits, losses[0] == losses[1]
 
 
 def _kernels_line(report) -> str:

@@ -316,10 +316,11 @@ class Replay(TorchFunctionMode):
 
     # -- the mode ----------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is _LINEAR or self.pending_type is not None:  # (tensor parallel: as the recording rewrote it)
-            rewritten = self._tensor_parallel(func, args, kwargs)
+        if func is _LINEAR:  # (tensor parallel: as the recording rewrote it)
+            rewritten = self._tensor_parallel(args, kwargs)
             if rewritten is not None:
                 return rewritten[0]
+        if self.pending_type is not None:
             args, kwargs = self._waited(args, kwargs)
         if self.zero_grad_until is not None:
             if func == GRAD_GET or func == GRAD_SET:
@@ -362,10 +363,10 @@ class Replay(TorchFunctionMode):
         self.diverged = reason
         return self._eager(func, args, kwargs)
 
-    def _tensor_parallel(self, func, args, kwargs):
-        """(result,) where ``func`` is a tensor-parallel layer's F.linear on DTensors: the recording's
+    def _tensor_parallel(self, args, kwargs):
+        """(result,) where this F.linear is a tensor-parallel layer's, on DTensors: the recording's
         rewrite of it on the local shards (``runtime.tensor_parallel``), replayed call by call."""
-        if func is not _LINEAR or self.diverged:
+        if self.diverged:
             return None
         layout = tensor_parallel.linear_layout(args, kwargs or {})
         if type(layout) is not tuple:

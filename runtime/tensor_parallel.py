@@ -66,8 +66,10 @@ def linear_layout(args, kwargs):
     input, weight, bias), or a string saying why the layout is not computed on local shards.
     None where no operand is a DTensor."""
     dtensor = shards.dtensor_class()
+    if dtensor is None:  # (the common case, per F.linear of a replay: no DTensor exists)
+        return None
     x, w, b = _linear_operands(args, kwargs)
-    if dtensor is None or not any(isinstance(t, dtensor) for t in (x, w, b)):
+    if not any(isinstance(t, dtensor) for t in (x, w, b)):
         return None
     if not all(isinstance(t, dtensor) for t in (x, w, b) if t is not None):
         return "it mixes DTensors and plain tensors"

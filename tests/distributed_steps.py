@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -202,3 +203,20 @@ def worker(rank: int, world: int, init_file: str, out_dir: str):
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def spawn_ranks(worker, out_dir: str, world: int, timeout_s: float, what: str) -> list:
+    """Run ``worker(rank, world, init_file, out_dir)`` in ``world`` spawned processes and load what each
+    saved (``out_dir/rank{r}.pt``); raises, the processes killed, where they outlast ``timeout_s`` (a
+    hang fails the test instead of blocking CI)."""
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(worker, args=(world, os.path.join(out_dir, "init"), out_dir), nprocs=world,
+                                 join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            raise TimeoutError(f"{what} workers did not finish in {timeout_s} s")
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]

@@ -5,11 +5,9 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from tests import distributed_steps
 
@@ -19,16 +17,8 @@ TIMEOUT_S = 240  # both ranks, all scenarios; a hang fails the test instead of b
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp")
-    context = mp.start_processes(distributed_steps.worker, args=(WORLD, str(out / "init"), str(out)),
-                                 nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"DDP workers did not finish in {TIMEOUT_S} s")
-    return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(WORLD)]
+    out = str(tmp_path_factory.mktemp("ddp"))
+    return distributed_steps.spawn_ranks(distributed_steps.worker, out, WORLD, TIMEOUT_S, "DDP")
 
 
 SCENARIOS = ["plain", "no_sync", "unused", "static", "fsdp2", "fsdp2_bf16", "fsdp2_triton"]

@@ -2,14 +2,10 @@
 RowwiseParallel, 2 processes on gloo over loopback: tests/tensor_parallel_steps.py), compared with
 the same step run eagerly: the layers' math on the local shards compiles (runtime.tensor_parallel)."""
 
-import os
-import time
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from tests import tensor_parallel_steps
+from tests import distributed_steps, tensor_parallel_steps
 
 WORLD = 2
 TIMEOUT_S = 240
@@ -17,16 +13,8 @@ TIMEOUT_S = 240
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp")
-    context = mp.start_processes(tensor_parallel_steps.worker, args=(WORLD, str(out / "init"), str(out)),
-                                 nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"tensor-parallel workers did not finish in {TIMEOUT_S} s")
-    return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(WORLD)]
+    out = str(tmp_path_factory.mktemp("tp"))
+    return distributed_steps.spawn_ranks(tensor_parallel_steps.worker, out, WORLD, TIMEOUT_S, "tensor-parallel")
 
 
 @pytest.mark.parametrize("scenario", ["mlp", "block", "block_triton"])
