@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch._C._autograd import _make_saved_tensor
 
+from runtime import function_apply
 from runtime.checkpoints import in_checkpoint, outside_checkpoints
 from runtime.program import Program, apply_views
 from runtime.segments import SegmentChain, later_segments, plan_segments
@@ -101,8 +102,8 @@ class CompiledRegion:
             # whose unpack would rerun the block eagerly (``runtime.checkpoints``).
             with outside_checkpoints():
                 outs = list(_apply(self, self._originals(inputs), self._without_unread_edges(inputs)))
-        elif self.segment_bytes and self._segment_plan(inputs) is not None:
-            outs = self._apply_in_segments(self._without_unread_edges(inputs))
+        elif self.segment_bytes and (plan := self.segment_plan(inputs)) is not None:
+            outs = self._apply_in_segments(plan, self._without_unread_edges(inputs))
         elif self.output_groups and self.__dict__.get("_groupable", True):
             outs = self._apply_by_group(inputs)
         elif self.unread_inputs:
@@ -115,23 +116,26 @@ class CompiledRegion:
             outs.insert(position, apply_views(inputs[index], views))
         return outs
 
-    def _segment_plan(self, inputs):
-        """How this region's backward is handed out in segments (``runtime.segments``), worked out
-        at its first call (which parameters it reads is fixed per region); None: one Node."""
-        facts = self.first_call_facts
-        if "segments" not in facts:
-            facts["segments"] = plan_segments(self.backward, inputs, self.segment_bytes) \
+    def segment_plan(self, inputs):
+        """How this region's backward is handed out in segments of ``segment_bytes`` (``runtime.segments``),
+        worked out at its first call with them (which parameters it reads is fixed per region); None: one
+        Node. (Kept per size: a region handed out in other segments since, by a test or a second DDP
+        module, plans again.)"""
+        facts, key = self.first_call_facts, ("segments", self.segment_bytes)
+        plan = facts.get(key, False)
+        if plan is False:
+            plan = facts[key] = plan_segments(self.backward, inputs, self.segment_bytes) \
                 if not self.output_groups and not self.mutated_inputs else None
-        return facts["segments"]
+        return plan
 
-    def _apply_in_segments(self, inputs) -> list:
+    def _apply_in_segments(self, plan, inputs) -> list:
         """The region as its own Node and a Node per later segment of its backward (``runtime.segments``)."""
-        chain = SegmentChain(self.first_call_facts["segments"])
+        chain = SegmentChain(plan)
         carrier = later_segments(chain, inputs)
-        later = {k for segment in chain.plan.later for k in segment.inputs}
+        later = chain.plan.later_inputs
         own = [t.detach() if k in later and isinstance(t, torch.Tensor) and t.requires_grad else t
                for k, t in enumerate(inputs)]
-        return list(_FirstSegment.apply(self, self._originals(inputs), chain, carrier, *own))
+        return list(function_apply.apply(_FirstSegment, self, self._originals(inputs), chain, carrier, *own))
 
     def _view_bases(self, outs) -> list:
         """The outputs with the views of the bases the forward returns last in their places, made
@@ -339,7 +343,8 @@ class _FirstSegment(_RegionFunction):
 
     @staticmethod
     def forward(ctx, region, originals, chain, carrier, *inputs):
-        ctx.chain, ctx.has_carrier = chain, carrier is not None
+        # (the carrier's gradient: a zero, its own, detached (no reference to its Node); nothing writes it)
+        ctx.chain, ctx.carrier_grad = chain, None if carrier is None else carrier.detach()
         return _RegionFunction.forward(ctx, region, originals, *inputs)
 
     @staticmethod
@@ -360,12 +365,7 @@ class _FirstSegment(_RegionFunction):
         if chain.run is None:   # (not the plain backward: every gradient computed here; the later Nodes hand theirs)
             chain.stash(grads)
             grads = chain.own(grads)
-        onward = torch.zeros((), device=_device_of_grads(grad_outputs)) if ctx.has_carrier else None
-        return (None, None, None, onward, *grads)
-
-
-def _device_of_grads(grads) -> torch.device:
-    return next((g.device for g in grads if isinstance(g, torch.Tensor)), torch.device("cpu"))
+        return (None, None, None, ctx.carrier_grad, *grads)
 
 
 def _groupable(user: list, inputs) -> bool:
@@ -389,18 +389,8 @@ def _views_of_internal_buffers(user: list, inputs, outs) -> tuple:
 
 
 def _apply(region: CompiledRegion, originals: dict, inputs):
-    """``_RegionFunction.apply(region, originals, *inputs)``. Without a functorch transform active
-    (the usual case) this is what ``Function.apply`` does then, without its Python: no
-    ``setup_context`` to bind for, each dead functorch wrapper unwrapped, then autograd's own
-    apply (a few microseconds a region call, on the CPU path a fair part of a small step)."""
-    if _functorch_active():
-        return _RegionFunction.apply(region, originals, *inputs)
-    return _c_apply(region, originals, *[_unwrap_if_dead(t) if isinstance(t, torch.Tensor) else t for t in inputs])
-
-
-_functorch_active = torch._C._are_functorch_transforms_active
-_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
-_c_apply = super(torch.autograd.Function, _RegionFunction).apply  # autograd's apply, bound to _RegionFunction
+    """``_RegionFunction.apply(region, originals, *inputs)``, without ``Function.apply``'s Python."""
+    return function_apply.apply(_RegionFunction, region, originals, *inputs)
 
 
 def _partial_backward(region: CompiledRegion, given: set):

@@ -493,8 +493,8 @@ def _run_step(runner, step, fresh_loads, env, device, torch_path: bool, profiled
 
 class ProgramRun:
     """One run of a ``Program`` made a range of steps at a time (``until``), its slots kept between
-    ranges: what a backward handed out in segments runs (``runtime.segments``). Each step runs as
-    ``Program._run_profiled`` runs it (through the installed StepRunner, if any)."""
+    ranges: what a backward handed out in segments runs (``runtime.segments``). Each range runs as
+    ``Program.run`` runs the whole: generated straight-line steps (``Program._steps_in_range``)."""
 
     def __init__(self, program: Program, inputs: list, stats):
         self.program = program
@@ -507,23 +507,29 @@ class ProgramRun:
         if stats is not None:
             stats["kernel_launches"] = stats.get("kernel_launches", 0) + program._launch_count
 
-    def until(self, last: int) -> None:
-        """Run the steps up to ``last`` (included) not run yet."""
-        program, env, device = self.program, self.env, self.device
-        runner = _runner or _OWN_WAY
-        torch_path = program._torch_on_cpu and device.type == "cpu"
+    def until(self, last: int, outputs: tuple) -> list:
+        """Run the steps up to ``last`` (included) not run yet; return the ``outputs`` (indices) then,
+        final where ``Program.ready_after`` says so. The range runs as ``Program.run`` runs the whole:
+        its generated code (each step handed to the installed StepRunner, if any), under a profiler
+        each step in a ``record_function`` range of its own."""
+        program, env, device, first = self.program, self.env, self.device, self.next
+        self.next = max(first, last + 1)
+        if _profiler_enabled():
+            torch_path = program._torch_on_cpu and device.type == "cpu"
+            with on_device(device):
+                for i in range(first, last + 1):
+                    _run_step(_runner or _OWN_WAY, program.steps[i], program.fresh_loads[i], env, device, torch_path,
+                              profiled=True)
+                    for slot in program.frees[i]:
+                        env[slot] = None
+            results = [None if program.outputs[k] is None else program.outputs[k].resolve(env) for k in outputs]
+            for slot in program._handed_over(last, outputs):
+                env[slot] = None
+            return results
         with on_device(device):
-            while self.next <= last:
-                i = self.next
-                _run_step(runner, program.steps[i], program.fresh_loads[i], env, device, torch_path)
-                for slot in program.frees[i]:
-                    env[slot] = None
-                self.next += 1
-
-    def output(self, k: int):
-        """Output ``k`` (final once the step ``Program.ready_after`` names has run)."""
-        ref = self.program.outputs[k]
-        return None if ref is None else ref.resolve(self.env)
+            if _runner is not None:
+                return program._steps_in_range(device, first, last, outputs, True)(env, device, _runner)
+            return program._steps_in_range(device, first, last, outputs, False)(env, device)
 
 
 def installed_runner() -> StepRunner | None:
@@ -681,10 +687,23 @@ class Program:
         straight-line steps): a build's work, done while building, not in the first replayed call."""
         self._steps_for(_CPU)
 
-    def _generate(self, torch_path: bool, through_runner: bool):
+    def _steps_in_range(self, device, first: int, last: int, outputs: tuple, through_runner: bool):
+        """The generated steps ``first`` to ``last`` (included) returning the ``outputs`` (indices),
+        ``run(env, device[, runner])``, for a run made range by range (``ProgramRun``): each step and
+        free as ``_steps_for``'s, without its prologue (the run made its inputs plain). Made at the
+        range's first run."""
+        variant = (self._torch_on_cpu and device.type == "cpu", through_runner, first, last, outputs)
+        run = self._generated.get(variant)
+        if run is None:
+            run = self._generated[variant] = self._generate(*variant[:2], steps=range(first, last + 1),
+                                                            returned=outputs)
+        return run
+
+    def _generate(self, torch_path: bool, through_runner: bool, steps: range | None = None, returned=None):
         """The steps written out once: ``s3(env, device)`` then ``env[7] = None`` for each slot dead
         after it (no loop, no zip per step), then the list of outputs. ``through_runner``: each
-        step handed to the StepRunner passed, ``kernel(s3, env, device, ...)``."""
+        step handed to the StepRunner passed, ``kernel(s3, env, device, ...)``. ``steps`` and
+        ``returned``: only those steps, no prologue, those outputs (``_steps_in_range``)."""
         names: dict = {}
         if through_runner:
             lines = ["def run(env, device, runner):",
@@ -693,23 +712,40 @@ class Program:
         else:
             lines = ["def run(env, device):"]
             call = self._step_call
-        for i, (step, dead) in enumerate(zip(self.steps, self.frees)):  # (as the loop it replaces ran)
-            lines.append("    " + call(i, step, torch_path, names))
-            if dead:
-                lines.append("    " + " = ".join(f"env[{slot}]" for slot in dead) + " = None")
-        names["plain"] = in_plain_memory
-        prologue = [f"    if env[{slot}].is_conj() or env[{slot}].is_neg(): env[{slot}] = plain(env[{slot}])"
-                    for slot in self._read_inputs]
-        lines[1:1] = prologue
+        for i in steps if steps is not None else range(len(self.steps)):  # (as the loop it replaces ran)
+            lines.append("    " + call(i, self.steps[i], torch_path, names))
+            if self.frees[i]:
+                lines.append("    " + " = ".join(f"env[{slot}]" for slot in self.frees[i]) + " = None")
+        if steps is None:
+            names["plain"] = in_plain_memory
+            lines[1:1] = [f"    if env[{slot}].is_conj() or env[{slot}].is_neg(): env[{slot}] = plain(env[{slot}])"
+                          for slot in self._read_inputs]
         outputs = []  # each output read from its slot, its views applied (as ValueRef.resolve)
-        for k, ref in enumerate(self.outputs):
-            if ref is None:
-                outputs.append("None")
-                continue
-            outputs.append(views_source(f"env[{ref.slot}]", ref.views, names, f"out{k}"))
-        lines.append(f"    return [{', '.join(outputs)}]")
+        for k in returned if returned is not None else range(len(self.outputs)):
+            ref = self.outputs[k]
+            outputs.append("None" if ref is None else views_source(f"env[{ref.slot}]", ref.views, names, f"out{k}"))
+        handed = self._handed_over(steps[-1], returned) if steps else ()
+        if handed:
+            lines.append(f"    out = [{', '.join(outputs)}]")
+            lines.append("    " + " = ".join(f"env[{slot}]" for slot in handed) + " = None")
+            lines.append("    return out")
+        else:
+            lines.append(f"    return [{', '.join(outputs)}]")
         exec(compile("\n".join(lines) + "\n", "<symgrad program steps>", "exec"), names)
         return names["run"]
+
+    def _handed_over(self, last: int, returned: tuple) -> list:
+        """The slots of the ``returned`` outputs that a run made range by range lets go of once the
+        range ending at step ``last`` returns them: none of its later steps reads them, no output
+        it returns later shares them. NOTE (memory, speed): a gradient whose only reference is the
+        engine's is stolen by AccumulateGrad as ``.grad``; one the run still held was copied (6 ms
+        of a 50 ms DDP step at width 1024, measured on this CPU: each segment but the last)."""
+        later_reads = set()
+        for step in self.steps[last + 1:]:
+            later_reads.update(step.loads if isinstance(step, KernelLaunch) else (a.slot for a in step.args))
+        others = {ref.slot for k, ref in enumerate(self.outputs) if ref is not None and k not in returned}
+        slots = {self.outputs[k].slot for k in returned if self.outputs[k] is not None}
+        return sorted(slots - later_reads - others)
 
     def _step_call(self, i: int, step, torch_path: bool, names: dict) -> str:
         """The generated line that runs step ``i`` (its objects bound in ``names``). A matmul's and,

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime import function_apply
+
 
 def ddp_bucket_bytes(module_modes) -> int:
     """The bucket size of the DistributedDataParallel modules a recording ran (``Recording.module_modes``:
@@ -48,6 +50,15 @@ class Segment:
 class SegmentPlan:
     first: Segment   # the region's own Node's
     later: tuple     # Segments, in the order the backward reaches them
+
+    @property
+    def later_inputs(self) -> frozenset:
+        """The input positions whose gradients the later segments' Nodes return (worked out once)."""
+        known = self.__dict__.get("_later_inputs")
+        if known is None:
+            known = frozenset(k for segment in self.later for k in segment.inputs)
+            object.__setattr__(self, "_later_inputs", known)
+        return known
 
 
 def plan_segments(program, inputs, segment_bytes: int) -> SegmentPlan | None:
@@ -95,10 +106,9 @@ class SegmentChain:
         """The region's Node: run the backward up to its segment's end; its gradients (None elsewhere)."""
         self.stashed = None
         self.run = program.start(args, stats)
-        self.run.until(self.plan.first.last_step)
         results = [None] * len(program.outputs)
-        for k in self.plan.first.inputs:
-            results[k] = self.run.output(k)
+        for k, grad in zip(self.plan.first.inputs, self.run.until(self.plan.first.last_step, self.plan.first.inputs)):
+            results[k] = grad
         return results
 
     def stash(self, results: list) -> None:
@@ -107,7 +117,7 @@ class SegmentChain:
 
     def own(self, results: list) -> list:
         """``results`` with the later segments' gradients taken out (their Nodes return them)."""
-        later = {k for segment in self.plan.later for k in segment.inputs}
+        later = self.plan.later_inputs
         return [None if k in later else r for k, r in enumerate(results)]
 
     def segment(self, j: int) -> list:
@@ -117,8 +127,7 @@ class SegmentChain:
             return [self.stashed[k] for k in segment.inputs]
         if self.run is None:   # (the region's Node had nothing to compute: no gradient reached it)
             return [None] * len(segment.inputs)
-        self.run.until(segment.last_step)
-        grads = [self.run.output(k) for k in segment.inputs]
+        grads = self.run.until(segment.last_step, segment.inputs)
         if j == len(self.plan.later) - 1:
             self.run = None   # (the program's slots are freed with it)
         return grads
@@ -131,19 +140,20 @@ class _LaterSegment(torch.autograd.Function):
     @staticmethod
     def forward(ctx, chain: SegmentChain, j: int, carrier, *tensors):
         ctx.chain, ctx.j, ctx.has_carrier = chain, j, carrier is not None
-        device = next(t.device for t in tensors if isinstance(t, torch.Tensor))
-        return torch.zeros((), device=device)
+        # (tensors[0]: a parameter, as every segment begins with its own)
+        return torch.zeros((), device=tensors[0].device)
 
     @staticmethod
     def backward(ctx, carried):
         grads = ctx.chain.segment(ctx.j)
-        onward = torch.zeros_like(carried) if ctx.has_carrier else None
-        return (None, None, onward, *grads)
+        # (the carriers' gradients are zeros that nothing reads or writes: this one is handed on)
+        return (None, None, carried if ctx.has_carrier else None, *grads)
 
 
 def later_segments(chain: SegmentChain, inputs: list):
     """Make the later segments' Nodes (the last first) on ``inputs``; the carrier the region's Node takes."""
     carrier = None
     for j in reversed(range(len(chain.plan.later))):
-        carrier = _LaterSegment.apply(chain, j, carrier, *[inputs[k] for k in chain.plan.later[j].inputs])
+        segment = chain.plan.later[j]
+        carrier = function_apply.apply(_LaterSegment, chain, j, carrier, *[inputs[k] for k in segment.inputs])
     return carrier

@@ -50,7 +50,7 @@ ALLOWED = {
     ("runtime/autograd_bridge.py", "ctx.double_backward_inputs"): _CTX,
     ("runtime/autograd_bridge.py", "ctx.shapes"): _CTX,
     ("runtime/autograd_bridge.py", "ctx.chain"): _CTX,
-    ("runtime/autograd_bridge.py", "ctx.has_carrier"): _CTX,
+    ("runtime/autograd_bridge.py", "ctx.carrier_grad"): _CTX,
     ("runtime/segments.py", "ctx.chain"): _CTX,
     ("runtime/segments.py", "ctx.has_carrier"): _CTX,
     ("runtime/segments.py", "ctx.j"): _CTX,
