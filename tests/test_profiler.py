@@ -77,3 +77,31 @@ def test_fused_optimizer_and_clip_kernels_appear_by_name():
     clip = [n for n in names if n.startswith("symgrad kernel ") and "[clip_grad_norm_, " in n]
     assert adam and clip, names
     assert all(n.endswith(" tensors]") for n in adam + clip)
+
+
+def test_a_profiler_range_inside_the_math_does_not_cut_its_region():
+    # DDP's forward ends in its record_function range: the loss after it fused with the model's math
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8)
+    twin = torch.nn.Linear(8, 8)
+    twin.load_state_dict(lin.state_dict())
+
+    def body(layer, x):
+        with torch.autograd.profiler.record_function("the model"):
+            h = torch.nn.functional.gelu(layer(x))
+        loss = h.softmax(-1).pow(2).sum()
+        loss.backward()
+        return loss
+
+    step = compiler.compile(lambda x: body(lin, x), backend="interpret")
+    x = torch.randn(4, 8)
+    for _ in range(2):
+        got, want = step(x), body(twin, x)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(lin.weight.grad, twin.weight.grad)
+    report = step.last_entry.report
+    assert step.stats["replays"] == 1 and not report.fallbacks and len(report.regions) == 1
+    assert any("gelu" in k.op_names and "Tensor.pow" in k.op_names for k in report.forward_kernels)
+    with torch.profiler.profile() as prof:
+        step(x)
+    assert "the model" in [e.key for e in prof.key_averages()]   # (the range is still entered and left)

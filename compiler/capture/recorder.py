@@ -46,7 +46,7 @@ from compiler.capture.bindings import Unsupported, Writes, lookup
 from runtime import tensor_parallel
 from runtime.calls import flatten_call, unflatten_call
 from runtime.fallback import InternalCompilerError, internal_error
-from runtime.torch_functions import function_name, is_metadata, is_state_read
+from runtime.torch_functions import function_name, is_metadata, is_profiler_range, is_state_read
 from runtime.trace import (UNKEPT, CallKind, NumberId, NumberInput, Recording, RegionPlan, TensorMeta, TraceCall,
                            ValueId, read_snapshot)
 
@@ -354,8 +354,11 @@ class Capture(InPlaceTracking, TorchFunctionMode):
                     region.consumer_outputs.setdefault(entry[1], set()).update(outputs)
 
     def _record_eager(self, func, index: int, spec, recorded, outputs, out_spec, reason, result) -> None:
-        """An eager call: it closes the region, and a fallback's reason is kept."""
-        self.current = None
+        """An eager call: it closes the region (a profiler range's enter or exit does not: it changes
+        no value, and DDP's forward ends in one, which cut its module's math from the loss's), and a
+        fallback's reason is kept."""
+        if reason or not is_profiler_range(func):
+            self.current = None
         for vid in outputs:
             self.produced_by.setdefault(vid, index)
         if not outputs:
