@@ -139,44 +139,37 @@ class GroupStep:
             for i, p in enumerate(params):
                 if i not in updated and p.grad is not None:
                     return None  # a parameter that had no gradient when recorded has one now
-        per_param, bumped, steps, device = [], [], [], None
-        state = optimizer.state
-        strided = torch.strided
+        per_param, bumped, steps = [], [], []
+        state, state_keys = optimizer.state, self.state_keys
         dtensor = shards.dtensor_class()  # (None: no DTensor exists in this process)
+        device = None
         for i, numel, dtype in self.updated:
             wrapper = params[i]
-            s = state.get(wrapper)
-            if s is None and self.state_keys:
-                return None
-            wrappers = [wrapper, wrapper.grad, *(s.get(name) for name in self.state_keys)]
-            if any(not isinstance(t, torch.Tensor) for t in wrappers[1:]):
-                return None
-            if dtensor is not None and isinstance(wrapper, dtensor):
-                if not all(shards.placed_like(t, wrapper) for t in wrappers[1:]):
-                    return None   # (its kernels read the local shards, which must line up)
-                p, g, *rest = [t._local_tensor for t in wrappers]
-            else:
-                p, g, *rest = wrappers
-            if g.layout != strided or p.dtype != dtype or g.dtype != dtype or p.numel() != numel \
-                    or g.numel() != numel or not p.is_contiguous() or not g.is_contiguous() \
-                    or p.is_neg() or g.is_neg() or (dtype.is_complex and (p.is_conj() or g.is_conj())):
-                return None   # (a conjugate or negative view: the kernels would read its memory as it is)
-            if device is None:
-                device = p.device
-            if p.device != device or g.device != device:
-                return None
-            tensors = [p, g]
-            for t in rest:
-                if t.dtype != dtype or t.numel() != numel or t.device != device or not t.is_contiguous():
+            grad = wrapper.grad
+            if state_keys:
+                s = state.get(wrapper)
+                if s is None:
                     return None
-                tensors.append(t)
+                wrappers = [wrapper, grad, *[s.get(name) for name in state_keys]]
+            else:
+                s = state.get(wrapper) if self.has_step else None
+                if s is None and self.has_step:
+                    return None
+                wrappers = [wrapper, grad]
+            tensors = _local_tensors(wrappers, dtensor)
+            if tensors is None or not _updatable(tensors[0], tensors[1], numel, dtype):
+                return None
+            if device is None:
+                device = tensors[0].device
+            if not _on_device(tensors, device, numel, dtype):
+                return None
             bumped.append(wrappers)
             if self.has_step:
                 step = s.get("step")
                 if not isinstance(step, torch.Tensor) or step.numel() != 1:
                     return None
                 steps.append(step)
-            if p.is_complex():  # updated as its real view (the kernel's dtype is the real one)
+            if dtype.is_complex:  # updated as its real view (the kernel's dtype is the real one)
                 tensors = [torch.view_as_real(t) for t in tensors]
             per_param.append(tensors)
         count = self._step_count(steps) if self.has_step else 0
@@ -215,6 +208,44 @@ class GroupStep:
         if stats is not None:
             stats["kernel_launches"] = stats.get("kernel_launches", 0) + len(self.launches)
             stats["optimizer_launches"] = stats.get("optimizer_launches", 0) + len(self.launches)
+
+
+def _local_tensors(wrappers: list, dtensor):
+    """The tensors a parameter's launch reads (parameter, gradient, state): the wrappers themselves, or
+    a DTensor parameter's local shards where its gradient and state are placed alike; None where one
+    is not a tensor or is placed otherwise."""
+    for t in wrappers[1:]:
+        if not isinstance(t, torch.Tensor):
+            return None
+    if dtensor is None or not isinstance(wrappers[0], dtensor):
+        return wrappers
+    reference = wrappers[0]
+    if not all(shards.placed_like(t, reference) for t in wrappers[1:]):
+        return None   # (its kernels read the local shards, which must line up)
+    return [t._local_tensor for t in wrappers]
+
+
+def _updatable(p, g, numel: int, dtype) -> bool:
+    """Whether the kernels built for ``numel`` elements of ``dtype`` can update ``p`` from ``g`` in
+    place: strided, contiguous, that dtype and size, and no conjugate or negative view (the kernels
+    would read its memory as it is)."""
+    return (g.layout == _STRIDED and p.dtype == dtype and g.dtype == dtype and p.numel() == numel
+            and g.numel() == numel and p.is_contiguous() and g.is_contiguous() and not p.is_neg()
+            and not g.is_neg() and not (dtype.is_complex and (p.is_conj() or g.is_conj())))
+
+
+def _on_device(tensors: list, device, numel: int, dtype) -> bool:
+    """Whether a parameter's tensors are all on the launch's ``device`` and its state tensors (after
+    the parameter and gradient) contiguous, of ``numel`` elements of ``dtype``."""
+    for k, t in enumerate(tensors):
+        if t.device != device:
+            return False
+        if k > 1 and (t.dtype != dtype or t.numel() != numel or not t.is_contiguous()):
+            return False
+    return True
+
+
+_STRIDED = torch.strided
 
 
 class FusedOptimizerStep:
