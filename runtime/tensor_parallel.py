@@ -69,7 +69,7 @@ def linear_layout(args, kwargs):
     if dtensor is None:  # (the common case, per F.linear of a replay: no DTensor exists)
         return None
     x, w, b = _linear_operands(args, kwargs)
-    if not any(isinstance(t, dtensor) for t in (x, w, b)):
+    if not (isinstance(w, dtensor) or isinstance(x, dtensor) or isinstance(b, dtensor)):
         return None
     if not all(isinstance(t, dtensor) for t in (x, w, b) if t is not None):
         return "it mixes DTensors and plain tensors"

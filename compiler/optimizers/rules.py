@@ -16,6 +16,8 @@ when an op reads it). ``foreach=`` and ``fused=`` compute the same values in ano
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import torch
 
@@ -109,10 +111,18 @@ def _foreach_devices():
     return _get_foreach_kernels_supported_devices()
 
 
+_FLOAT32 = struct.Struct("=f")
+
+
 def rounded(value: float, dtype: torch.dtype) -> float:
     """``value`` as an op of ``dtype`` reads a Python scalar: rounded to fp32 for fp32 tensors
     (eager's CPU and CUDA kernels compute float ops in float), kept for fp64."""
-    return float(np.float32(value)) if dtype == torch.float32 else float(value)
+    if dtype != torch.float32:
+        return float(value)
+    try:  # (struct, not np.float32: the same IEEE rounding at a third of the cost, for each scalar of each step)
+        return _FLOAT32.unpack(_FLOAT32.pack(value))[0]
+    except OverflowError:  # (beyond fp32's range: numpy's infinity)
+        return float(np.float32(value))
 
 
 class SGDRule(Rule):
