@@ -164,30 +164,47 @@ def _median_fractions(fractions) -> list:
     return [sorted(f[k] for f in fractions)[len(fractions) // 2] for k in range(len(fractions[0]))]
 
 
-def _timed(rank, compiled, args):
-    """(per bucket: the fraction of the backward's wall time elapsed when it was handed over, no delay;
-    the median step time with ``args.delay_ms`` injected per bucket)."""
-    fractions, times = [], []
+def _timed(rank, args) -> dict:
+    """Per mode ("compiled", "eager"): (per bucket, the median fraction of the backward's wall time elapsed
+    when it was handed over, no delay; the median step time with ``args.delay_ms`` injected per bucket).
+    The two modes' steps alternate, each first every other step, each on a DDP model of its own: both
+    see the same machine, whatever else it runs meanwhile (two timings one after the other differed by
+    up to 20% between runs of this script)."""
+    fractions = {"compiled": [], "eager": []}
+    times = {"compiled": [], "eager": []}
     for delay in (0.0, args.delay_ms / 1000):
-        model = DDP(_model(args.layers, args.width), bucket_cap_mb=args.bucket_mb)
-        marks: list = []
-        hook = _delayed_allreduce(delay)
-        model.register_comm_hook(dist.group.WORLD, lambda state, bucket: (marks.append(time.perf_counter()),
-                                                                          hook(state, bucket))[1])
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        fn, batches = _marked_step(model, opt, marks, compiled, rank, args.width)
-        step_times = []
+        steps = {}
+        for mode in fractions:
+            model = DDP(_model(args.layers, args.width), bucket_cap_mb=args.bucket_mb)
+            marks: list = []
+            model.register_comm_hook(dist.group.WORLD, _marking(marks, _delayed_allreduce(delay)))
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            fn, batches = _marked_step(model, opt, marks, mode == "compiled", rank, args.width)
+            steps[mode] = (fn, batches, marks)
         for i in range(STEPS + args.timed_steps):
-            marks.clear()
-            start = time.perf_counter()
-            fn(*batches[i % 4])
-            step_times.append(time.perf_counter() - start)
-            if delay == 0 and i >= STEPS:   # (the backward begins at marks[0], returns at marks[-1])
-                span = marks[-1] - marks[0]
-                fractions.append([(m - marks[0]) / span for m in marks[1:-1]])
-        if delay:
-            times = sorted(step_times[STEPS:])
-    return _median_fractions(fractions), times[len(times) // 2]
+            for mode in (("compiled", "eager") if i % 2 else ("eager", "compiled")):   # (each first every other step)
+                fn, batches, marks = steps[mode]
+                marks.clear()
+                start = time.perf_counter()
+                fn(*batches[i % 4])
+                elapsed = time.perf_counter() - start
+                if i < STEPS:
+                    continue
+                if delay:
+                    times[mode].append(elapsed)
+                else:   # (the backward begins at marks[0], returns at marks[-1])
+                    span = marks[-1] - marks[0]
+                    fractions[mode].append([(m - marks[0]) / span for m in marks[1:-1]])
+    return {mode: (_median_fractions(fractions[mode]), sorted(times[mode])[len(times[mode]) // 2])
+            for mode in fractions}
+
+
+def _marking(marks, hook):
+    """``hook``, noting in ``marks`` when each bucket is handed to it."""
+    def marked(state, bucket):
+        marks.append(time.perf_counter())
+        return hook(state, bucket)
+    return marked
 
 
 def _summary(log, report):
@@ -457,7 +474,7 @@ def _fsdp2_timed(rank, compiled, args):
 
 def _kernels_line(report) -> str:
     return (f"forward kernels {len(report.forward_kernels)}, backward kernels {len(report.backward_kernels)}, "
-            f"backward segments {report.backward_segments} "
+            f"regions with a backward {report.backward_segments} "
             f"(regions' captured ops: {[_ops(r['captured']) for r in report.regions]}), "
             f"fallbacks {report.fallbacks or 'none'}")
 
@@ -470,8 +487,8 @@ def _ddp_results(rank, args, results):
         results["compiled" if compiled else "eager"] = _summary(events, report)
         if compiled:
             results["kernels"] = _kernels_line(report)
-    for compiled in (True, False):
-        results["timed compiled" if compiled else "timed eager"] = _timed(rank, compiled, args)
+    timed = _timed(rank, args)
+    results["timed compiled"], results["timed eager"] = timed["compiled"], timed["eager"]
 
 
 def _fsdp2_results(rank, args, results):
@@ -559,7 +576,7 @@ def main():
     parser.add_argument("--bucket-mb", type=float, default=0.1)
     parser.add_argument("--delay-ms", type=float, default=20.0,
                         help="injected per bucket's all-reduce (DDP) and per reduce-scatter (FSDP2)")
-    parser.add_argument("--timed-steps", type=int, default=10)
+    parser.add_argument("--timed-steps", type=int, default=30)
     parser.add_argument("--only", choices=("ddp", "fsdp2"), help="measure one of the two (default: both)")
     args = parser.parse_args()
     # Each run records its steps afresh (the workers inherit this): a recording stored by an earlier run
