@@ -141,21 +141,16 @@ class GroupStep:
                     return None  # a parameter that had no gradient when recorded has one now
         per_param, bumped, steps = [], [], []
         state, state_keys = optimizer.state, self.state_keys
+        keeps_state = bool(state_keys) or self.has_step
         dtensor = shards.dtensor_class()  # (None: no DTensor exists in this process)
         device = None
         for i, numel, dtype in self.updated:
             wrapper = params[i]
-            grad = wrapper.grad
-            if state_keys:
-                s = state.get(wrapper)
-                if s is None:
-                    return None
-                wrappers = [wrapper, grad, *[s.get(name) for name in state_keys]]
-            else:
-                s = state.get(wrapper) if self.has_step else None
-                if s is None and self.has_step:
-                    return None
-                wrappers = [wrapper, grad]
+            s = state.get(wrapper) if keeps_state else None
+            if keeps_state and s is None:
+                return None
+            wrappers = [wrapper, wrapper.grad, *[s.get(name) for name in state_keys]] if state_keys \
+                else [wrapper, wrapper.grad]
             tensors = _local_tensors(wrappers, dtensor)
             if tensors is None or not _updatable(tensors[0], tensors[1], numel, dtype):
                 return None

@@ -515,13 +515,7 @@ class ProgramRun:
         program, env, device, first = self.program, self.env, self.device, self.next
         self.next = max(first, last + 1)
         if _profiler_enabled():
-            torch_path = program._torch_on_cpu and device.type == "cpu"
-            with on_device(device):
-                for i in range(first, last + 1):
-                    _run_step(_runner or _OWN_WAY, program.steps[i], program.fresh_loads[i], env, device, torch_path,
-                              profiled=True)
-                    for slot in program.frees[i]:
-                        env[slot] = None
+            program._run_profiled_steps(range(first, last + 1), env, device)
             results = [None if program.outputs[k] is None else program.outputs[k].resolve(env) for k in outputs]
             for slot in program._handed_over(last, outputs):
                 env[slot] = None
@@ -779,6 +773,18 @@ class Program:
             return f"check(s{i}, env, device)"
         return f"s{i}.run(env, device)"
 
+    def _run_profiled_steps(self, steps: range, env: list, device) -> None:
+        """``steps`` run one by one, each kernel launch in a ``record_function`` range of its own, each
+        through the installed StepRunner (if any), each slot freed after its last reader: what a run
+        under a profiler does (``_run_profiled``, ``ProgramRun.until``)."""
+        runner = _runner or _OWN_WAY
+        torch_path = self._torch_on_cpu and device.type == "cpu"
+        with on_device(device):  # (as ``run``: the launches expect their device current)
+            for i in steps:
+                _run_step(runner, self.steps[i], self.fresh_loads[i], env, device, torch_path, profiled=True)
+                for slot in self.frees[i]:
+                    env[slot] = None
+
     def _run_observed(self, inputs, stats, consume) -> list:
         """``run`` where something sees each step: a StepRunner installed (``steps_run_by``), or a
         profiler (``_run_profiled``)."""
@@ -799,20 +805,14 @@ class Program:
         ``record_function`` range named by the compiler (``compiler.api.name_for_profiler``: the
         region, the phase and the user ops each fused), so a profile reads like eager's. Each
         step goes through the installed StepRunner, if any."""
-        runner = _runner or _OWN_WAY
         with record_function(self.profile_name):
             env = list(inputs) + [None] * (self.num_slots - self.num_inputs)
             device = _device_of(inputs, self.recorded_device)
             if consume:
                 inputs.clear()
-            torch_path = self._torch_on_cpu and device.type == "cpu"
             for slot in self._read_inputs:
                 env[slot] = in_plain_memory(env[slot])
-            with on_device(device):  # (as ``run``: the launches expect their device current)
-                for i, (step, dead) in enumerate(zip(self.steps, self.frees)):
-                    _run_step(runner, step, self.fresh_loads[i], env, device, torch_path, profiled=True)
-                    for slot in dead:
-                        env[slot] = None
+            self._run_profiled_steps(range(len(self.steps)), env, device)
             if stats is not None:
                 stats["kernel_launches"] = stats.get("kernel_launches", 0) + self._launch_count
             return [o.resolve(env) if o is not None else None for o in self.outputs]

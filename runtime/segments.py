@@ -20,6 +20,7 @@ mode), the region's Node computes every gradient as before and the later Nodes h
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -51,14 +52,10 @@ class SegmentPlan:
     first: Segment   # the region's own Node's
     later: tuple     # Segments, in the order the backward reaches them
 
-    @property
+    @functools.cached_property
     def later_inputs(self) -> frozenset:
         """The input positions whose gradients the later segments' Nodes return (worked out once)."""
-        known = self.__dict__.get("_later_inputs")
-        if known is None:
-            known = frozenset(k for segment in self.later for k in segment.inputs)
-            object.__setattr__(self, "_later_inputs", known)
-        return known
+        return frozenset(k for segment in self.later for k in segment.inputs)
 
 
 def plan_segments(program, inputs, segment_bytes: int) -> SegmentPlan | None:
