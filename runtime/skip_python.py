@@ -12,6 +12,9 @@ call (``loss.backward()``, ``p.grad = None``) on the tensors it was recorded wit
 as eager reads them; a step the compiler fused runs its kernels, called directly where the step's
 Python would do nothing else: no step hooks, no profiler, ``step`` not replaced).
 
+A recording that ran a DistributedDataParallel (or other torch.distributed wrapper) module replays
+the default way: its forward's Python prepares the gradients' all-reduce.
+
 What stays guarded on every call, as on the default replay: the guard key (arguments' shapes,
 dtypes, devices, requires_grad, other arguments' values, grad mode, autocast), tensors reached
 inside (identity and metadata), modules' train/eval mode; and here also that no module the
@@ -54,6 +57,10 @@ def refusal(trace: CompiledRecording) -> str | None:
 def _refusal(trace: CompiledRecording) -> str | None:
     if trace.result is None:
         return "it returns a tensor that no recorded torch call made"
+    wrapper = _distributed_wrapper(trace)
+    if wrapper is not None:
+        return (f"it runs a {wrapper} module, whose forward's Python does more than its torch calls "
+                "(DistributedDataParallel's prepares the reducer that all-reduces the gradients in the backward)")
     if trace.reseeded:
         return "it calls torch.manual_seed (not a torch call the recording sees)"
     if trace.transient:
@@ -81,6 +88,19 @@ def _refusal(trace: CompiledRecording) -> str | None:
     return None
 
 
+def _distributed_wrapper(trace: CompiledRecording) -> str | None:
+    """The class name of a module the recording ran whose forward is torch.distributed's or
+    torch.nn.parallel's (DistributedDataParallel, FullyShardedDataParallel, DataParallel): their
+    Python drives communication no torch call records. NOTE: skipped, DDP's reducer was never
+    prepared for the backward, and each rank stepped on its own gradients (seen with 2 ranks)."""
+    for ref, _ in trace.module_modes:
+        module = ref()
+        if module is not None and type(module).__module__.startswith(_DISTRIBUTED_PACKAGES):
+            return type(module).__name__
+    return None
+
+
+_DISTRIBUTED_PACKAGES = ("torch.nn.parallel", "torch.distributed")
 _said: set = set()   # (function name, reason) said on the guards log
 _said_lock = threading.Lock()
 

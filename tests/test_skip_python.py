@@ -340,3 +340,59 @@ def test_a_fused_step_made_without_its_wrapper_keeps_what_the_wrapper_does():
     for p, q in zip(model.parameters(), eager_model.parameters()):
         torch.testing.assert_close(p, q)
         torch.testing.assert_close(opt.state[p]["momentum_buffer"], eager_opt.state[q]["momentum_buffer"])
+
+
+_DDP_SCRIPT = r"""
+import json, sys, tempfile
+import torch, torch.distributed as dist
+import torch.nn.functional as F
+import compiler
+from runtime import skip_python
+
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(
+    torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 1)))
+buckets = []
+def hook(state, bucket):   # (the all-reduce a step hands its gradients to)
+    buckets.append(1)
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+model.register_comm_hook(None, hook)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+def step(x, y):
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+fn = compiler.compile(step, skip_python=True, backend=sys.argv[1])
+x, y = torch.randn(16, 4), torch.randn(16, 1)
+per_step = []
+for _ in range(4):
+    before = len(buckets)
+    fn(x, y)
+    per_step.append(len(buckets) - before)
+print(json.dumps({"per_step": per_step, "replays": fn.stats["replays"],
+                  "refusal": skip_python.refusal(fn.last_entry.trace)}))
+dist.destroy_process_group()
+"""
+
+
+def test_a_ddp_step_replays_with_its_python():
+    # DDP's forward prepares its reducer for the backward's all-reduce in Python no torch call records:
+    # skipped, the replays' gradients reached no all-reduce (2 ranks stepped apart, silently)
+    import json
+    import subprocess
+    import sys
+
+    from tests.devices import KERNELS
+
+    done = subprocess.run([sys.executable, "-c", _DDP_SCRIPT, KERNELS], capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["replays"] == 3
+    assert found["per_step"][1:] == found["per_step"][:1] * 3 and found["per_step"][0] > 0
+    assert "DistributedDataParallel" in found["refusal"]
