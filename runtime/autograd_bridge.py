@@ -226,6 +226,8 @@ class _GroupedCall(dict):
 
 
 class _RegionFunction(torch.autograd.Function):
+    keeps_double_backward_inputs = True   # (what a create_graph backward through it reads)
+
     @staticmethod
     def forward(ctx, region: CompiledRegion, originals: dict, *inputs):
         if type(originals) is _GroupedCall and originals.outs is not None:
@@ -261,7 +263,7 @@ class _RegionFunction(torch.autograd.Function):
         # NOTE: an output outside the loss's graph gets None, not zeros: an input reached only
         # through such outputs then gets None too, as eager leaves it (``backward``).
         ctx.set_materialize_grads(False)
-        if region.on_demand.double_backward is not None:
+        if region.on_demand.double_backward is not None and type(ctx)._forward_cls.keeps_double_backward_inputs:
             ctx.double_backward_inputs = _keep_for_double_backward(region, inputs, originals, saved_inputs=bool(saved))
         user = outs[: region.num_outputs]
         internal_views = region.first_call_facts.get("internal_views")
@@ -340,6 +342,7 @@ class _FirstSegment(_RegionFunction):
     """The region's Node where its backward is handed out in segments (``runtime.segments``): the
     region's forward and backward, returning its own segment's gradients; the carrier it takes
     from the later segments' Nodes gets a gradient, so that they run next."""
+    keeps_double_backward_inputs = False   # (its backward refuses create_graph: nothing would read them)
 
     @staticmethod
     def forward(ctx, region, originals, chain, carrier, *inputs):

@@ -10,12 +10,13 @@ call (``prepare``, in ``runtime.ahead_of_time``'s pool), or at its first run.
 from __future__ import annotations
 
 import ctypes
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from runtime import cpp_build
-from runtime.cpu_memory import POOL
+from runtime.cpu_memory import MIN_BYTES, POOL
 
 
 @dataclass
@@ -67,7 +68,9 @@ class CppKernel:
         if self._fn is None:
             self._fn = self._load()
         # (outputs from the pool of large buffers: no fresh pages to fault in each step, ``runtime.cpu_memory``)
-        names = {"fn": self._fn[0], "strided": self._fn[1], "empty": POOL.empty}
+        # (below the pool's MIN_BYTES, which sizes that are fixed here say, torch.empty itself: the pool
+        # would hand them to it anyway, a Python call later)
+        names = {"fn": self._fn[0], "strided": self._fn[1], "empty": POOL.empty, "small_empty": torch.empty}
         lines, pointers, strides = ["def kernel(env):"], [], []
         for k, (slot, dims) in enumerate(zip(self.loads, self.load_dims)):
             lines.append(f"    a{k} = env[{slot}]")
@@ -76,7 +79,8 @@ class CppKernel:
         outputs = []
         for j, (slot, shape, dtype) in enumerate(self.stores):
             names[f"dtype{j}"] = dtype
-            lines.append(f"    o{j} = env[{slot}] = empty({tuple(shape)!r}, dtype=dtype{j})")
+            allocate = "small_empty" if math.prod(shape) * dtype.itemsize < MIN_BYTES else "empty"
+            lines.append(f"    o{j} = env[{slot}] = {allocate}({tuple(shape)!r}, dtype=dtype{j})")
             outputs.append(f"o{j}.data_ptr()")
         strided_call = f"strided({', '.join([a for group in strides for a in group] + outputs)})"
         if self.loads:

@@ -152,11 +152,11 @@ class GroupStep:
             wrappers = [wrapper, wrapper.grad, *[s.get(name) for name in state_keys]] if state_keys \
                 else [wrapper, wrapper.grad]
             tensors = _local_tensors(wrappers, dtensor)
-            if tensors is None or not _updatable(tensors[0], tensors[1], numel, dtype):
+            if tensors is None:
                 return None
             if device is None:
                 device = tensors[0].device
-            if not _on_device(tensors, device, numel, dtype):
+            if not _updatable(tensors, device, numel, dtype):
                 return None
             bumped.append(wrappers)
             if self.has_step:
@@ -220,22 +220,14 @@ def _local_tensors(wrappers: list, dtensor):
     return [t._local_tensor for t in wrappers]
 
 
-def _updatable(p, g, numel: int, dtype) -> bool:
-    """Whether the kernels built for ``numel`` elements of ``dtype`` can update ``p`` from ``g`` in
-    place: strided, contiguous, that dtype and size, and no conjugate or negative view (the kernels
-    would read its memory as it is)."""
-    return (g.layout == _STRIDED and p.dtype == dtype and g.dtype == dtype and p.numel() == numel
-            and g.numel() == numel and p.is_contiguous() and g.is_contiguous() and not p.is_neg()
-            and not g.is_neg() and not (dtype.is_complex and (p.is_conj() or g.is_conj())))
-
-
-def _on_device(tensors: list, device, numel: int, dtype) -> bool:
-    """Whether a parameter's tensors are all on the launch's ``device`` and its state tensors (after
-    the parameter and gradient) contiguous, of ``numel`` elements of ``dtype``."""
-    for k, t in enumerate(tensors):
-        if t.device != device:
-            return False
-        if k > 1 and (t.dtype != dtype or t.numel() != numel or not t.is_contiguous()):
+def _updatable(tensors: list, device, numel: int, dtype) -> bool:
+    """Whether the kernels built for ``numel`` elements of ``dtype`` on ``device`` can update a
+    parameter's ``tensors`` (parameter, gradient, state) in place: each strided, contiguous, of that
+    dtype, size and device, and no conjugate or negative view (the kernels would read its memory as
+    it is). One function, one pass: it runs per parameter per step."""
+    for t in tensors:
+        if (t.device != device or t.dtype != dtype or t.numel() != numel or not t.is_contiguous()
+                or t.layout != _STRIDED or t.is_neg() or (dtype.is_complex and t.is_conj())):
             return False
     return True
 

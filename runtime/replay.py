@@ -42,12 +42,21 @@ def _holds(cls, values) -> bool:
     return False
 
 
+def _tensors_in_containers(kwargs: dict) -> bool:
+    """Whether a list, tuple or dict among ``kwargs``' values holds a tensor. (A loop: it runs per call.)"""
+    for v in kwargs.values():
+        if (type(v) is list or type(v) is tuple or type(v) is dict) and holds_tensor(v):
+            return True
+    return False
+
+
 class Diverged(Exception):
     pass
 
 
 _REFLECTED = REFLECTED_COMPARISONS
 _SLOW = object()  # the fast path's answer when the call needs the full check
+_IMMUTABLE = frozenset({str, int, float, bool, type(None)})
 
 
 class StandIn(torch.Tensor):
@@ -171,8 +180,13 @@ class Replay(TorchFunctionMode):
         self.zero_grad_spans = trace.zero_grad_spans()
         self.zero_grad_until: int | None = None  # inside such a zero_grad, watched: where it ends
         self.pending: dict = {}  # AsyncCollectiveTensors met -> their waited results (tensor_parallel)
-        # (None until torch.distributed's functional collectives are imported: none exist then)
-        self.pending_type = tensor_parallel.pending_class()
+        # NOTE: only a recording of tensor-parallel layers looks for them in each call (a few us a call
+        # under torch.distributed otherwise). One without met none: a DTensor or an AsyncCollectiveTensor
+        # where it had plain tensors is another tensor than recorded, and the replay leaves it (eager).
+        # (pending_type: None also until torch.distributed's functional collectives are imported;
+        # the alternatives count: the replay may go on with one of them, ``_switch``)
+        self.tensor_parallel = trace.tensor_parallel or any(alt.tensor_parallel for alt in alternatives)
+        self.pending_type = tensor_parallel.pending_class() if self.tensor_parallel else None
 
     # -- optimizer steps run unwatched ------------------------------------------------------
     def run(self, fn, args, kwargs):
@@ -316,7 +330,7 @@ class Replay(TorchFunctionMode):
 
     # -- the mode ----------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is _LINEAR:  # (tensor parallel: as the recording rewrote it)
+        if func is _LINEAR and self.tensor_parallel:  # (as the recording rewrote it)
             rewritten = self._tensor_parallel(args, kwargs)
             if rewritten is not None:
                 return rewritten[0]
@@ -336,8 +350,7 @@ class Replay(TorchFunctionMode):
                 if rec.func is func or rec.func == func:
                     if not kwargs:
                         result = self._replay_flat(rec, func, args) if rec.flat_arity == len(args) else _SLOW
-                    elif rec.flat_keywords == (len(args), tuple(kwargs)) and not any(
-                            type(v) in (list, tuple, dict) and holds_tensor(v) for v in kwargs.values()):
+                    elif rec.flat_keywords == (len(args), tuple(kwargs)) and not _tensors_in_containers(kwargs):
                         # (a compiled call with keywords: never called here, its leaves checked)
                         result = self._replay_flat(rec, func, (*args, *kwargs.values()))
                     else:
@@ -472,6 +485,8 @@ class Replay(TorchFunctionMode):
         if rec.kind is CallKind.COMPUTE:
             for i, expected in rec.constant_slots:
                 leaf = args[i]
+                if leaf is expected and type(leaf) in _IMMUTABLE:
+                    continue   # (the recording's own object: GELU's approximate="none", a loss's reduction)
                 if isinstance(leaf, torch.Tensor) or not _same_constant(leaf, expected):
                     return _SLOW
             if rec.number_slots and not self._take_numbers(rec, args):

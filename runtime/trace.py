@@ -155,7 +155,8 @@ class TensorMeta:
         return TensorMeta(tuple(t.shape), t.dtype, t.device, t.requires_grad)
 
     def matches(self, t: torch.Tensor) -> bool:
-        # (torch.Size compares equal to the tuple: no tuple made per check)
+        # (torch.Size compares equal to the tuple: no tuple made per check; ``Recording.external_values``
+        # writes this test out in its loop)
         return (t.shape == self.shape and t.dtype == self.dtype and t.device == self.device
                 and t.requires_grad == self.requires_grad)
 
@@ -216,6 +217,9 @@ class Recording:
     # positions among the call's leaves of float arguments a compiled call used as a constant (its binding
     # needs one: a factory's fill value): the guard key specializes on those
     baked_floats: frozenset = frozenset()
+    # it computed a tensor-parallel layer on DTensors' local shards (an F.linear rewritten, an
+    # AsyncCollectiveTensor waited): only then does a replay look for them in each call
+    tensor_parallel: bool = False
 
     def recorded_fields(self) -> dict:
         """This recording's own fields (a ``CompiledRecording``'s without what compiling added)."""
@@ -249,10 +253,13 @@ class Recording:
         return True
 
     def external_values(self):
+        """Value id -> the tensor reached inside (closed over, a parameter), each alive and as recorded
+        (``TensorMeta.matches``, written out: this runs per call, per parameter); None where one is not."""
         values = {}
         for vid, (ref, meta) in self.externals.items():
             t = ref()
-            if t is None or not meta.matches(t):
+            if t is None or not (t.shape == meta.shape and t.dtype == meta.dtype and t.device == meta.device
+                                 and t.requires_grad == meta.requires_grad):
                 return None
             values[vid] = t
         return values

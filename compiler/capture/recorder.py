@@ -99,6 +99,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         self.escaping = 0            # > 0 while a saved tensor's pack hook runs (compiler.capture.pack_hooks)
         self.escaped: set = set()    # value ids made then: autograd holds them, no recorded call reads them
         self.pending: dict = {}      # AsyncCollectiveTensors met -> their waited results (tensor_parallel)
+        self.tensor_parallel = False  # a layer's math on DTensors' local shards recorded (its replays look for them)
 
     # -- value ids -----------------------------------------------------------------------
     def _new_id(self, t: torch.Tensor) -> ValueId:
@@ -138,6 +139,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         if func is F.linear:  # (a tensor-parallel layer's: its math on the local shards, recorded)
             layout = tensor_parallel.linear_layout(args, kwargs)
             if type(layout) is tuple:
+                self.tensor_parallel = True
                 try:
                     return tensor_parallel.reentered(self, tensor_parallel.rewrite_linear, layout, args, kwargs)
                 except Exception as e:  # (a bug, or eager's own error: eager's call says which)
@@ -146,6 +148,7 @@ class Capture(InPlaceTracking, TorchFunctionMode):
         try:
             leaves, spec = flatten_call(args, kwargs)
             if tensor_parallel.has_pending(leaves):  # (a row-parallel layer's all-reduce: its result, waited)
+                self.tensor_parallel = True
                 leaves = tensor_parallel.reentered(self, tensor_parallel.waited, leaves, self.pending)
                 args, kwargs = unflatten_call(leaves, spec)
             recorded = [self.id_of(x) if isinstance(x, torch.Tensor) else x for x in leaves]
@@ -803,7 +806,8 @@ class Capture(InPlaceTracking, TorchFunctionMode):
                          optimizer_steps=steps.spans(self.calls), recorded_optimizer_steps=found,
                          step_calls={f[0]: (f[1], f[2]) for f in found if type(f) is tuple},
                          result=_result_structure(self, result), reseeded=reseeded,
-                         numbers=dict(self.number_inputs), baked_floats=frozenset(self.baked_floats))
+                         numbers=dict(self.number_inputs), baked_floats=frozenset(self.baked_floats),
+                         tensor_parallel=self.tensor_parallel)
 
     def watch_library_calls(self, running) -> None:
         """``running()``: whether an optimizer step or clip_grad_norm_ runs now (its math stays eager)."""
