@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import queue
 import tempfile
 import threading
 import time
@@ -126,18 +127,43 @@ def _run(rank, compiled, args, log):
     return list(log), report
 
 
+class _SlowLink:
+    """Collectives that complete ``delay_s`` after they were begun (or when gloo's work is, if later),
+    each on its own clock as on the benchmark's model of a slow link, finished by one thread that
+    lives as long as the link. NOTE: a thread started per collective put its start on the backward's
+    thread: ``Thread.start`` waits until the new thread runs, 2-4 ms a step on this 2-core machine
+    (py-spy, both modes), and as noisy as the machine's scheduling."""
+
+    def __init__(self, delay_s):
+        self.delay_s = delay_s
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._finish, daemon=True).start()
+
+    def begin(self, work, then=None) -> threading.Event:
+        """``work`` (an async collective's) done ``delay_s`` from now, then ``then()``: the event set then."""
+        done = threading.Event()
+        self.queue.put((time.perf_counter() + self.delay_s, work, then, done))
+        return done
+
+    def _finish(self):
+        while True:   # (begun in order, each due ``delay_s`` after it: due in the order they come)
+            due, work, then, done = self.queue.get()
+            time.sleep(max(due - time.perf_counter(), 0.0))
+            work.wait()
+            if then is not None:
+                then()
+            done.set()
+
+
 def _delayed_allreduce(delay_s):
     """A comm hook whose all-reduce completes ``delay_s`` late, off the backward's thread: a slow link.
     The backward goes on meanwhile; DDP waits for every bucket's future at the backward's end."""
+    link = _SlowLink(delay_s)
+
     def hook(state, bucket):
         work = dist.all_reduce(bucket.buffer(), async_op=True)
         future = torch.futures.Future()
-
-        def finish():
-            time.sleep(delay_s)
-            work.wait()
-            future.set_result(bucket.buffer().div_(dist.get_world_size()))
-        threading.Thread(target=finish, daemon=True).start()
+        link.begin(work, lambda: future.set_result(bucket.buffer().div_(dist.get_world_size())))
         return future
     return hook
 
@@ -399,26 +425,24 @@ def _fsdp2_summary(log, report):
 class _DelayedReduceScatter(DefaultReduceScatter):
     """FSDP2's reduce-scatter (``FSDPModule.set_custom_reduce_scatter``) begun without waiting, as a
     slow link's: it counts as done ``delay_s`` after it was begun (or when gloo's work is, if later),
-    on a thread of its own, and the backward goes on meanwhile. FSDP2 on CPU waits for no
+    finished by the link's thread (``_SlowLink``), and the backward goes on meanwhile. FSDP2 on CPU waits for no
     reduce-scatter (its stream events are no-ops there) and takes the sharded gradients as views of
     the output at once, reading none of them (float32, gradients set to None by zero_grad), so
     ``wait`` is called at the root's final backward callback, before the optimizer reads them."""
 
     def __init__(self, delay_s, marks):
-        self.delay_s, self.marks, self.pending, self.waited = delay_s, marks, [], []
+        self.link, self.marks, self.pending, self.waited = _SlowLink(delay_s), marks, [], []
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         self.marks.append(time.perf_counter())
         work = dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=True)
-        done = threading.Thread(target=lambda: (time.sleep(self.delay_s), work.wait()), daemon=True)
-        done.start()
-        self.pending.append(done)
+        self.pending.append(self.link.begin(work))
         return None
 
     def wait(self):
         start = time.perf_counter()
         for done in self.pending:
-            done.join()
+            done.wait()
         self.pending.clear()
         self.waited.append(time.perf_counter() - start)
 
