@@ -587,7 +587,7 @@ def _print_fsdp2(results, args):
     print(f"step time, no delay: compiled {ours_t[0] * 1e3:.1f} ms, eager {eager_t[0] * 1e3:.1f} ms "
           f"(compiled/eager {ours_t[0] / eager_t[0]:.2f})")
     print(f"step time with {args.delay_ms:g} ms injected per reduce-scatter (asynchronous: begun without waiting, "
-          f"done on a thread of its own; waited for at the backward's end): compiled {ours_t[1] * 1e3:.1f} ms, "
+          f"finished by the link's thread; waited for at the backward's end): compiled {ours_t[1] * 1e3:.1f} ms, "
           f"eager {eager_t[1] * 1e3:.1f} ms (compiled/eager {ours_t[1] / eager_t[1]:.2f})")
     print(f"  of which the backward's end waited for reduce-scatters in flight: compiled {ours_wait * 1e3:.1f} ms, "
           f"eager {eager_wait * 1e3:.1f} ms; losses unchanged by the delay: compiled {ours_same}, eager {eager_same}")
