@@ -59,8 +59,9 @@ def _refusal(trace: CompiledRecording) -> str | None:
         return "it returns a tensor that no recorded torch call made"
     wrapper = _distributed_wrapper(trace)
     if wrapper is not None:
-        return (f"it runs a {wrapper} module, whose forward's Python does more than its torch calls "
-                "(DistributedDataParallel's prepares the reducer that all-reduces the gradients in the backward)")
+        why = "prepares the reducer that all-reduces the gradients in the backward" \
+            if wrapper == "DistributedDataParallel" else "drives communication that no torch call records"
+        return f"it runs a {wrapper} module, whose forward's Python does more than its torch calls (it {why})"
     if trace.reseeded:
         return "it calls torch.manual_seed (not a torch call the recording sees)"
     if trace.transient:
