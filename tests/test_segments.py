@@ -95,7 +95,7 @@ def test_segments_as_large_as_the_model_leave_one_node():
     assert region.segment_plan(None) is None
 
 
-def test_a_region_handed_out_in_other_segments_plans_them_again():
+def check_a_region_handed_out_in_other_segments_plans_them_again():
     # (the plan is kept per segment size: one made for a size that left one Node is not the next size's)
     loss, model, twin, x = _segmented(segment_bytes=1 << 30)
     loss(x).backward()
@@ -110,7 +110,7 @@ def test_a_region_handed_out_in_other_segments_plans_them_again():
     assert len(region.segment_plan(None).later) >= 2
 
 
-def test_each_segments_gradients_become_grad_without_a_copy():
+def check_each_segments_gradients_become_grad_without_a_copy():
     # AccumulateGrad takes a gradient as .grad where nothing else holds it: the run made range by
     # range lets go of each segment's gradients as it returns them (a copy each was 6 ms of a 50 ms
     # DDP step at width 1024)
@@ -145,12 +145,17 @@ def check_create_graph_through_segments_says_what_to_do():
         torch.autograd.grad(loss(x), list(model.parameters()), create_graph=True)
 
 
-# NOTE: these two run in a fresh process: in the full suite (2 xdist workers sharing a kernel and
-# region cache) the region's segment plan came out None in CI twice, where every standalone run and
-# every run of this file after its neighbours plans segments; the cause is not found yet (a state
-# another test leaves). In a fresh process each checks the mechanism itself.
+# NOTE: these run in a fresh process: in the full suite (2 xdist workers sharing a kernel and
+# region cache) the region's segment plan came out None in CI three times, where every standalone run
+# and every run of this file after its neighbours plans segments; the cause is not found yet (a state
+# another test leaves). The third time (2026-11-29) two checks made in the suite failed together: the
+# plan None after ``hand_out_in_segments(1)`` and no segment Node at all, which together point at a
+# region built with ``output_groups`` or ``mutated_inputs`` (``CompiledRegion.segment_plan`` plans none
+# for those, and ``__call__`` then applies it by group). In a fresh process each checks the mechanism.
 @pytest.mark.parametrize("check", ["check_each_segments_gradients_are_accumulated_while_later_kernels_still_run",
-                                   "check_create_graph_through_segments_says_what_to_do"])
+                                   "check_create_graph_through_segments_says_what_to_do",
+                                   "check_a_region_handed_out_in_other_segments_plans_them_again",
+                                   "check_each_segments_gradients_become_grad_without_a_copy"])
 def test_in_a_fresh_process(check, tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
