@@ -62,50 +62,66 @@ class CppKernel:
         return contiguous, strided
 
     def _generate(self):
-        """``kernel(env)`` written out once: each output allocated, then the contiguous function
-        where every input is contiguous (the usual case) or copied into that layout
-        (``_copied_contiguous``), else (a broadcast input) the strided one with the strides."""
+        """``kernel(env)`` written out once (``inline_lines``'s body in a function of its own)."""
+        names: dict = {}
+        lines = ["def kernel(env):", *self.inline_lines(names, "")]
+        exec(compile("\n".join(lines) + "\n", f"<symgrad C++ call of {self.name}>", "exec"), names)
+        return names["kernel"]
+
+    def inline_lines(self, names: dict, prefix: str) -> list:
+        """This call as lines of a generated function taking ``env`` (indented one level), its
+        objects bound in ``names`` and its locals named with ``prefix`` (a program writes its C++
+        calls in line, ``Program._step_call``: no function, code object and globals of their own to
+        reach each step). Each output allocated, then the contiguous function where every input is
+        contiguous (the usual case) or copied into that layout (``_copied_contiguous``), else (a
+        broadcast input) the strided one with the strides. Its locals are deleted at its end: none
+        keeps a tensor alive past the slot the program frees."""
         if self._fn is None:
             self._fn = self._load()
         # (outputs from the pool of large buffers: no fresh pages to fault in each step, ``runtime.cpu_memory``)
         # (below the pool's MIN_BYTES, which sizes that are fixed here say, torch.empty itself: the pool
         # would hand them to it anyway, a Python call later)
-        names = {"fn": self._fn[0], "strided": self._fn[1], "empty": POOL.empty, "small_empty": torch.empty}
-        lines, pointers, strides = ["def kernel(env):"], [], []
+        p = prefix
+        names.update({f"{p}fn": self._fn[0], f"{p}strided": self._fn[1], f"{p}empty": POOL.empty,
+                      f"{p}small_empty": torch.empty})
+        lines, pointers, strides, local = [], [], [], []
         for k, (slot, dims) in enumerate(zip(self.loads, self.load_dims)):
-            lines.append(f"    a{k} = env[{slot}]")
-            pointers.append(f"a{k}.data_ptr()")
-            strides.append([f"a{k}.data_ptr()"] + [f"a{k}.stride({d})" for d in range(dims)])
+            lines.append(f"    {p}a{k} = env[{slot}]")
+            pointers.append(f"{p}a{k}.data_ptr()")
+            strides.append([f"{p}a{k}.data_ptr()"] + [f"{p}a{k}.stride({d})" for d in range(dims)])
+            local.append(f"{p}a{k}")
         outputs = []
         for j, (slot, shape, dtype) in enumerate(self.stores):
-            names[f"dtype{j}"] = dtype
+            names[f"{p}dtype{j}"] = dtype
             allocate = "small_empty" if math.prod(shape) * dtype.itemsize < MIN_BYTES else "empty"
-            lines.append(f"    o{j} = env[{slot}] = {allocate}({tuple(shape)!r}, dtype=dtype{j})")
-            outputs.append(f"o{j}.data_ptr()")
-        strided_call = f"strided({', '.join([a for group in strides for a in group] + outputs)})"
+            lines.append(f"    {p}o{j} = env[{slot}] = {p}{allocate}({tuple(shape)!r}, dtype={p}dtype{j})")
+            outputs.append(f"{p}o{j}.data_ptr()")
+            local.append(f"{p}o{j}")
+        strided_call = f"{p}strided({', '.join([a for group in strides for a in group] + outputs)})"
         if self.loads:
-            every_contiguous = " and ".join(f"a{k}.is_contiguous()" for k in range(len(self.loads)))
+            every_contiguous = " and ".join(f"{p}a{k}.is_contiguous()" for k in range(len(self.loads)))
             lines.append(f"    if {every_contiguous}:")
-            lines.append(f"        bad = fn({', '.join(pointers + outputs)})")
+            lines.append(f"        {p}bad = {p}fn({', '.join(pointers + outputs)})")
             # (an input another op left in another layout, such as attention's gradients in the layout of
             # its transposed inputs, is copied into this one: ATen's copy and the vector body take a
             # fraction of the strided function's time, a scalar loop doing index arithmetic per element
             # (1.0 ms against 0.1 on the transformer step's); a broadcast input is not copied, it would be
             # materialized whole)
-            names["copied"] = _copied_contiguous
+            names[f"{p}copied"] = _copied_contiguous
             lines.append("    else:")
-            lines += [f"        a{k} = copied(a{k})" for k in range(len(self.loads))]
+            lines += [f"        {p}a{k} = {p}copied({p}a{k})" for k in range(len(self.loads))]
             lines.append(f"        if {every_contiguous}:")
-            lines.append(f"            bad = fn({', '.join(pointers + outputs)})")
-            lines.append(f"        else:\n            bad = {strided_call}")
+            lines.append(f"            {p}bad = {p}fn({', '.join(pointers + outputs)})")
+            lines.append(f"        else:\n            {p}bad = {strided_call}")
         else:
-            lines.append(f"    bad = fn({', '.join(outputs)})")
+            lines.append(f"    {p}bad = {p}fn({', '.join(outputs)})")
         # (an index out of range, found by a gather: the program's host checks then raise eager's error,
         # ``KernelLaunch.run_torch``; the kernel clamped it, reading nothing outside memory)
-        names["message"] = self.index_error or "a gathered index out of range"
-        lines.append("    if bad:\n        raise IndexError(message)")
-        exec(compile("\n".join(lines) + "\n", f"<symgrad C++ call of {self.name}>", "exec"), names)
-        return names["kernel"]
+        names[f"{p}message"] = self.index_error or "a gathered index out of range"
+        lines.append(f"    if {p}bad:\n        raise IndexError({p}message)")
+        if local:
+            lines.append(f"    del {', '.join(local)}")
+        return lines
 
 
 def _copied_contiguous(t: torch.Tensor) -> torch.Tensor:

@@ -388,18 +388,25 @@ class ExternCall:
         return state_without(self, "_call")
 
     def _generate(self):
-        """``call(env)``: this call written out once, as Inductor's generated wrappers call their
-        externs: ``env[out] = fn(env[2], v0(env[5]), **kwargs)``, each view step a partial."""
-        names = {"fn": self.fn, "kwargs": self.kwargs}
-        arguments = []
-        for i, arg in enumerate(self.args):
-            arguments.append(views_source(f"env[{arg.slot}]", arg.views, names, f"v{i}"))
-        if self.kwargs:
-            arguments.append("**kwargs")
-        targets = ", ".join(f"env[{slot}]" for slot in (self.out, *self.also))
-        source = f"def call(env):\n    {targets} = fn({', '.join(arguments)})\n"
+        """``call(env)``: this call written out once (``inline_line`` in a function of its own)."""
+        names: dict = {}
+        source = f"def call(env):\n{self.inline_line(names, '')}\n"
         exec(compile(source, f"<symgrad call of {self.name}>", "exec"), names)
         return names["call"]
+
+    def inline_line(self, names: dict, prefix: str) -> str:
+        """This call as a line of a generated function taking ``env`` (indented), as Inductor's
+        generated wrappers call their externs: ``env[out] = fn(env[2], v0(env[5]), **kwargs)``, each
+        view step a partial; its objects bound in ``names`` with ``prefix`` (a program writes its
+        calls in line, ``Program._step_call``)."""
+        names[f"{prefix}fn"] = self.fn
+        arguments = [views_source(f"env[{arg.slot}]", arg.views, names, f"{prefix}v{i}")
+                     for i, arg in enumerate(self.args)]
+        if self.kwargs:
+            names[f"{prefix}kwargs"] = self.kwargs
+            arguments.append(f"**{prefix}kwargs")
+        targets = ", ".join(f"env[{slot}]" for slot in (self.out, *self.also))
+        return f"    {targets} = {prefix}fn({', '.join(arguments)})"
 
 
 @dataclass
@@ -742,15 +749,20 @@ class Program:
         return sorted(slots - later_reads - others)
 
     def _step_call(self, i: int, step, torch_path: bool, names: dict) -> str:
-        """The generated line that runs step ``i`` (its objects bound in ``names``). A matmul's and,
-        on the CPU path, a kernel's own function is called directly, ``k3(env)``: two Python frames
-        fewer a step, which on CPU is a fair part of what a small kernel costs."""
+        """The generated line(s) that run step ``i`` (its objects bound in ``names``). A matmul and,
+        on the CPU path, a C++ kernel's call are written in line (``ExternCall.inline_line``,
+        ``CppKernel.inline_lines``); any other kernel's own function is called directly, ``k3(env)``.
+        NOTE (speed): each step of a small CPU program begins with its objects out of the caches (the
+        step's kernels evict them); a frame, code object and globals per step were a fair part of
+        what a program of small kernels costs there."""
         if isinstance(step, ExternCall):
-            names[f"k{i}"] = step.direct_call()
-            return f"k{i}(env)"
+            return step.inline_line(names, f"k{i}_").strip()
         if isinstance(step, KernelLaunch) and torch_path and step.torch_kernel is not None:
             direct = step.direct_cpu_call()
             if direct is not None:
+                inline = getattr(step.torch_kernel, "inline_lines", None)
+                if inline is not None:
+                    return "\n".join(inline(names, f"k{i}_")).strip()
                 names[f"k{i}"] = direct
                 return f"k{i}(env)"
             names[f"s{i}"] = step.run_torch
