@@ -18,7 +18,7 @@ from torch._C._autograd import _make_saved_tensor
 from runtime import function_apply
 from runtime.checkpoints import in_checkpoint, outside_checkpoints
 from runtime.program import Program, apply_views
-from runtime.segments import SegmentChain, later_segments, plan_segments
+from runtime.segments import SegmentChain, SharedLaterNodes, later_segments, plan_segments
 
 
 @dataclass(frozen=True)
@@ -129,13 +129,29 @@ class CompiledRegion:
         return plan
 
     def _apply_in_segments(self, plan, inputs) -> list:
-        """The region as its own Node and a Node per later segment of its backward (``runtime.segments``)."""
-        chain = SegmentChain(plan)
-        carrier = later_segments(chain, inputs)
+        """The region as its own Node and a Node per later segment of its backward (``runtime.segments``):
+        those made once and shared by its calls where they can be (``SharedLaterNodes``), else per call."""
+        shared = self._shared_later_nodes(plan, inputs)
+        chain = SegmentChain(plan, shared)
+        carrier = shared.carrier if shared is not None else later_segments(chain, inputs)
         later = chain.plan.later_inputs
         own = [t.detach() if k in later and isinstance(t, torch.Tensor) and t.requires_grad else t
                for k, t in enumerate(inputs)]
         return list(function_apply.apply(_FirstSegment, self, self._originals(inputs), chain, carrier, *own))
+
+    def _shared_later_nodes(self, plan, inputs):
+        """The later segments' Nodes this call's graph shares (``SharedLaterNodes``), made at the first call
+        or where the plan or parameters changed (a few times: then Nodes per call), or None."""
+        kept = self.__dict__.get("_later_nodes")
+        if kept is not None and kept.plan is plan and kept.fits(inputs):
+            return kept
+        made = self.__dict__.get("_later_nodes_made", 0)
+        if made >= 4 or not SharedLaterNodes.shareable(plan, inputs):
+            self._later_nodes = None
+            return None
+        self._later_nodes_made = made + 1
+        self._later_nodes = SharedLaterNodes(plan, inputs)
+        return self._later_nodes
 
     def _view_bases(self, outs) -> list:
         """The outputs with the views of the bases the forward returns last in their places, made
@@ -354,6 +370,8 @@ class _FirstSegment(_RegionFunction):
     def backward(ctx, *grad_outputs):
         chain = ctx.chain
         chain.restart()   # (a backward again, under retain_graph: from the start)
+        if chain.shared is not None:   # (its later Nodes, shared by the region's calls, continue this run)
+            chain.shared.register(chain)
         if torch.is_grad_enabled():
             # (the later segments' parameters reach this Node detached: a second order through them
             # would be silently missing; DDP itself supports no double backward)

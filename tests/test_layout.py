@@ -51,7 +51,7 @@ ALLOWED = {
     ("runtime/autograd_bridge.py", "ctx.shapes"): _CTX,
     ("runtime/autograd_bridge.py", "ctx.chain"): _CTX,
     ("runtime/autograd_bridge.py", "ctx.carrier_grad"): _CTX,
-    ("runtime/segments.py", "ctx.chain"): _CTX,
+    ("runtime/segments.py", "ctx.source"): _CTX,
     ("runtime/segments.py", "ctx.has_carrier"): _CTX,
     ("runtime/segments.py", "ctx.j"): _CTX,
     ("compiler/capture/pack_hooks.py", "_recording.mode"): _THREAD,

@@ -145,6 +145,97 @@ def check_create_graph_through_segments_says_what_to_do():
         torch.autograd.grad(loss(x), list(model.parameters()), create_graph=True)
 
 
+def _later_nodes(out) -> list:
+    """The later segments' Nodes in ``out``'s graph."""
+    seen, stack, found = set(), [out.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "_LaterSegmentBackward":
+            found.append(node)
+        stack.extend(n for n, _ in node.next_functions)
+    return found
+
+
+def check_later_nodes_are_made_once_and_shared_by_the_calls():
+    # (two Function applies a call were 0.3 ms of the DDP benchmark's cold forward: made once instead)
+    loss, model, twin, x = _segmented()
+    nodes = None
+    for step in range(3):
+        out = loss(x)
+        later = _later_nodes(out)
+        assert len(later) >= 2, later
+        if nodes is not None:
+            assert set(later) == nodes   # the same Node objects in every call's graph
+        nodes = set(later)
+        out.backward()
+        twin(x).pow(2).mean().backward()
+        torch.testing.assert_close(_grads(model), _grads(twin))
+    region = next(r.compiled for r in loss.last_entry.trace.regions if r.compiled is not None and r.compiled.backward)
+    assert region._later_nodes is not None and not region._later_nodes.pending   # (the last Node forgot the run)
+
+
+def check_one_backward_through_two_calls_graphs_sums_their_segments():
+    loss, model, twin, x = _segmented()
+    x2 = torch.randn_like(x)
+    (loss(x) + 3 * loss(x2)).backward()
+    (twin(x).pow(2).mean() + 3 * twin(x2).pow(2).mean()).backward()
+    torch.testing.assert_close(_grads(model), _grads(twin))
+
+
+def check_a_backward_that_raised_leaves_no_run_alive():
+    import gc
+    import weakref
+
+    loss, model, twin, x = _segmented()
+    first_layer = next(model.parameters())   # (its gradient comes last: a later segment's)
+    last_layer = list(model.parameters())[-1]   # (the region's own Node's)
+
+    def fail(p):
+        raise ValueError("a hook failed")
+
+    handle = last_layer.register_post_accumulate_grad_hook(fail)
+    out = loss(x)
+    kept = weakref.ref(out)
+    with pytest.raises(ValueError, match="a hook failed"):
+        out.backward()
+    handle.remove()
+    region = next(r.compiled for r in loss.last_entry.trace.regions if r.compiled is not None and r.compiled.backward)
+    runs = [ref for refs in region._later_nodes.pending.values() for ref in refs]
+    assert runs, "the failed backward's run was registered"
+    del out
+    gc.collect()
+    assert kept() is None and all(ref() is None for ref in runs)   # (held weakly: gone with its graph)
+    for p in model.parameters():
+        p.grad = None
+    loss(x).backward()   # the next backward runs as usual
+    twin(x).pow(2).mean().backward()
+    assert first_layer.grad is not None
+    torch.testing.assert_close(_grads(model), _grads(twin))
+
+
+def check_a_later_segment_given_a_non_leaf_makes_its_nodes_per_call():
+    # (a tensor with a history differs per call: no Node made once could point at it)
+    loss, model, twin, x = _segmented()
+    loss(x.requires_grad_() * 2)   # (the recording of an input that needs a gradient)
+    for region in loss.last_entry.trace.regions:
+        if region.compiled is not None and region.compiled.backward:
+            region.compiled.hand_out_in_segments(1)
+    for p in model.parameters():
+        p.grad = None
+    for _ in range(2):
+        base = torch.randn_like(x, requires_grad=True)   # (a new one each call)
+        twin_base = base.detach().clone().requires_grad_(True)
+        out = loss(base * 2)
+        assert _later_nodes(out)
+        out.backward()
+        twin(twin_base * 2).pow(2).mean().backward()
+        torch.testing.assert_close(_grads(model), _grads(twin))
+        torch.testing.assert_close(base.grad, twin_base.grad)
+
+
 # NOTE: these run in a fresh process: in the full suite (2 xdist workers sharing a kernel and
 # region cache) the region's segment plan came out None in CI three times, where every standalone run
 # and every run of this file after its neighbours plans segments; the cause is not found yet (a state
@@ -155,7 +246,11 @@ def check_create_graph_through_segments_says_what_to_do():
 @pytest.mark.parametrize("check", ["check_each_segments_gradients_are_accumulated_while_later_kernels_still_run",
                                    "check_create_graph_through_segments_says_what_to_do",
                                    "check_a_region_handed_out_in_other_segments_plans_them_again",
-                                   "check_each_segments_gradients_become_grad_without_a_copy"])
+                                   "check_each_segments_gradients_become_grad_without_a_copy",
+                                   "check_later_nodes_are_made_once_and_shared_by_the_calls",
+                                   "check_one_backward_through_two_calls_graphs_sums_their_segments",
+                                   "check_a_backward_that_raised_leaves_no_run_alive",
+                                   "check_a_later_segment_given_a_non_leaf_makes_its_nodes_per_call"])
 def test_in_a_fresh_process(check, tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
