@@ -129,11 +129,8 @@ class GroupStep:
         if self.rule.refuse(optimizer, group) is not None or self.rule.key(group) != self.key:
             return None
         params = group["params"]
-        if len(params) != len(self.param_ids):
+        if len(params) != len(self.param_ids) or tuple(map(id, params)) != self.param_ids:
             return None
-        for p, expected in zip(params, self.param_ids):
-            if id(p) != expected:
-                return None
         if len(self.updated) != len(params):  # (usually every parameter had a gradient)
             updated = {i for i, _, _ in self.updated}
             for i, p in enumerate(params):
@@ -151,12 +148,11 @@ class GroupStep:
                 return None
             wrappers = [wrapper, wrapper.grad, *[s.get(name) for name in state_keys]] if state_keys \
                 else [wrapper, wrapper.grad]
-            tensors = _local_tensors(wrappers, dtensor)
-            if tensors is None:
-                return None
             if device is None:
-                device = tensors[0].device
-            if not _updatable(tensors, device, numel, dtype):
+                device = wrapper.device if dtensor is None or not isinstance(wrapper, dtensor) \
+                    else wrapper._local_tensor.device
+            tensors = _updatable(wrappers, dtensor, device, numel, dtype)
+            if tensors is None:
                 return None
             bumped.append(wrappers)
             if self.has_step:
@@ -205,31 +201,24 @@ class GroupStep:
             stats["optimizer_launches"] = stats.get("optimizer_launches", 0) + len(self.launches)
 
 
-def _local_tensors(wrappers: list, dtensor):
-    """The tensors a parameter's launch reads (parameter, gradient, state): the wrappers themselves, or
-    a DTensor parameter's local shards where its gradient and state are placed alike; None where one
-    is not a tensor or is placed otherwise."""
-    for t in wrappers[1:]:
-        if not isinstance(t, torch.Tensor):
-            return None
-    if dtensor is None or not isinstance(wrappers[0], dtensor):
-        return wrappers
-    reference = wrappers[0]
-    if not all(shards.placed_like(t, reference) for t in wrappers[1:]):
-        return None   # (its kernels read the local shards, which must line up)
-    return [t._local_tensor for t in wrappers]
-
-
-def _updatable(tensors: list, device, numel: int, dtype) -> bool:
-    """Whether the kernels built for ``numel`` elements of ``dtype`` on ``device`` can update a
-    parameter's ``tensors`` (parameter, gradient, state) in place: each strided, contiguous, of that
-    dtype, size and device, and no conjugate or negative view (the kernels would read its memory as
-    it is). One function, one pass: it runs per parameter per step."""
+def _updatable(wrappers: list, dtensor, device, numel: int, dtype):
+    """The tensors a parameter's launch updates in place (parameter, gradient, state): the wrappers
+    themselves, or a DTensor parameter's local shards where its gradient and state are placed alike;
+    None where the kernels built for ``numel`` elements of ``dtype`` on ``device`` cannot take them:
+    one not a tensor, or not strided, contiguous, of that dtype, size and device, or a conjugate or
+    negative view (the kernels would read its memory as it is). One function, one pass: it runs per
+    parameter per step (NOTE (speed): each step begins with these objects out of the caches)."""
+    tensors = wrappers
+    if dtensor is not None and isinstance(wrappers[0], dtensor):
+        reference = wrappers[0]
+        if not all(isinstance(t, torch.Tensor) and shards.placed_like(t, reference) for t in wrappers[1:]):
+            return None   # (its kernels read the local shards, which must line up)
+        tensors = [t._local_tensor for t in wrappers]
     for t in tensors:
-        if (t.device != device or t.dtype != dtype or t.numel() != numel or not t.is_contiguous()
-                or t.layout != _STRIDED or t.is_neg() or (dtype.is_complex and t.is_conj())):
-            return False
-    return True
+        if (not isinstance(t, torch.Tensor) or t.device != device or t.dtype != dtype or t.numel() != numel
+                or not t.is_contiguous() or t.layout != _STRIDED or t.is_neg() or (dtype.is_complex and t.is_conj())):
+            return None
+    return tensors
 
 
 _STRIDED = torch.strided
