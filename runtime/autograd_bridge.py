@@ -146,7 +146,8 @@ class CompiledRegion:
         if kept is not None and kept.plan is plan and kept.fits(inputs):
             return kept
         made = self.__dict__.get("_later_nodes_made", 0)
-        if made >= 4 or not SharedLaterNodes.shareable(plan, inputs):
+        # (under a functorch transform the carrier would be a tensor of that call's level)
+        if made >= 4 or torch._C._are_functorch_transforms_active() or not SharedLaterNodes.shareable(plan, inputs):
             self._later_nodes = None
             return None
         self._later_nodes_made = made + 1
