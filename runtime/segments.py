@@ -147,7 +147,11 @@ class SharedLaterNodes:
     raised leaves nothing alive); the calls' region Nodes hold them.
 
     NOTE (memory): the Nodes' edges hold the parameters (their AccumulateGrad Nodes) while the region
-    lives, where per-call Nodes held them while a call's graph did; under DDP the module holds them too."""
+    lives, where per-call Nodes held them while a call's graph did; under DDP the module holds them too.
+    NOTE (order): the engine runs the ready Node made last first; shared Nodes were made at the first
+    call. Only a region whose gradient-taking inputs are all leaves shares them (an activation from
+    upstream goes with the last segment, ``plan_segments``: Nodes per call), and its backward runs last
+    on its path; a branch of the graph beside it (a second tower) may now run before its later segments."""
 
     def __init__(self, plan: SegmentPlan, inputs: list):
         self.plan = plan
