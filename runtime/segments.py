@@ -11,7 +11,10 @@ made first and the region's Node last, so the engine runs the region's Node firs
 segment's in order. The region's Node runs the backward program up to the step where its own
 parameters' gradients are final and returns them (AccumulateGrad runs next: the reducer sees them);
 each later Node runs the program on to its segment's end (``ProgramRun``), from the slots the
-earlier ones left. No kernel is split or run twice: segments end between steps.
+earlier ones left. No kernel is split or run twice: segments end between steps. Where the later
+segments take only parameters (and inputs needing no gradient), their Nodes are made once per region
+and shared by its calls' graphs (``SharedLaterNodes``): each call's run is found by the backward's
+graph task; else they are made per call, before the region's Node (``later_segments``).
 
 Where the backward is not the plain one (some outputs without a gradient, create_graph, anomaly
 mode), the region's Node computes every gradient as before and the later Nodes hand theirs out
