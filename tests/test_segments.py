@@ -47,6 +47,19 @@ def _grads(model):
     return [p.grad.clone() for p in model.parameters()]
 
 
+def _graph_nodes(out) -> list:
+    """Every autograd Node reachable from ``out``'s grad_fn, each once."""
+    seen, stack, found = set(), [out.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        found.append(node)
+        stack.extend(n for n, _ in node.next_functions)
+    return found
+
+
 def check_each_segments_gradients_are_accumulated_while_later_kernels_still_run():
     loss, model, twin, x = _segmented()
     launches, accumulated = _Launches(), []
@@ -125,15 +138,9 @@ def check_each_segments_gradients_become_grad_without_a_copy():
                     handed[g.data_ptr()] = type(node).__name__
         node.register_hook(hook)
 
-    seen, stack = set(), [out.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
+    for node in _graph_nodes(out):
         if "Segment" in type(node).__name__:
             note(node)
-        stack.extend(n for n, _ in node.next_functions)
     out.backward()
     kinds = {handed.get(p.grad.data_ptr()) for p in model.parameters()}
     assert {"_FirstSegmentBackward", "_LaterSegmentBackward"} <= kinds and None not in kinds, kinds
@@ -147,16 +154,7 @@ def check_create_graph_through_segments_says_what_to_do():
 
 def _later_nodes(out) -> list:
     """The later segments' Nodes in ``out``'s graph."""
-    seen, stack, found = set(), [out.grad_fn], []
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if type(node).__name__ == "_LaterSegmentBackward":
-            found.append(node)
-        stack.extend(n for n, _ in node.next_functions)
-    return found
+    return [node for node in _graph_nodes(out) if type(node).__name__ == "_LaterSegmentBackward"]
 
 
 def check_later_nodes_are_made_once_and_shared_by_the_calls():
