@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.torch_functions import GRAD_GET, function_name, is_grad_set, is_profiler_range, is_state_read
+from runtime.unchanged import tensors_unchanged
 
 # what a recorded call holds in place of a Python function it was given (a hook): the recording
 # does not keep the function alive, and a replay re-runs the Python that makes a new one
@@ -254,7 +255,14 @@ class Recording:
 
     def external_values(self):
         """Value id -> the tensor reached inside (closed over, a parameter), each alive and as recorded
-        (``TensorMeta.matches``, written out: this runs per call, per parameter); None where one is not."""
+        (``TensorMeta.matches``, written out: this runs per call, per parameter); None where one is not.
+        NOTE (speed): once they matched, later calls check them first in one C++ call (``tensors_unchanged``)."""
+        known = self.__dict__.get("_externals_unchanged")
+        if known is not None:
+            vids, refs, unchanged = known
+            tensors = [ref() for ref in refs]
+            if unchanged(*tensors):
+                return dict(zip(vids, tensors))
         values = {}
         for vid, (ref, meta) in self.externals.items():
             t = ref()
@@ -262,6 +270,8 @@ class Recording:
                                  and t.requires_grad == meta.requires_grad):
                 return None
             values[vid] = t
+        self.__dict__["_externals_unchanged"] = (tuple(values), tuple(ref for ref, _ in self.externals.values()),
+                                                 tensors_unchanged(list(values.values())))
         return values
 
 

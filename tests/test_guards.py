@@ -38,6 +38,25 @@ def test_parameters_are_guarded_by_identity_and_requires_grad():
     assert lin.weight.grad is None and lin.bias.grad is not None
 
 
+def test_a_parameter_whose_data_is_swapped_in_place_records_again():
+    """The same Parameter object given new data (``p.data = ...``) of another shape after replays: the
+    replay's check of the tensors it reaches (at its quick C++ check after the first replay,
+    ``Recording.external_values``) sees it and records again; a swap to data like the old (same shape,
+    dtype, strides) replays on the new values."""
+    lin = torch.nn.Linear(3, 2)
+    compiled = compiler.compile(lambda x: lin(x).relu(), backend="interpret")
+    x = torch.randn(4, 3)
+    for _ in range(3):
+        compiled(x)
+    assert compiled.stats["captures"] == 1 and compiled.stats["replays"] == 2
+    lin.weight.data, lin.bias.data = torch.randn(2, 3), torch.randn(2)
+    torch.testing.assert_close(compiled(x), lin(x).relu())
+    assert compiled.stats["captures"] == 1
+    lin.weight.data, lin.bias.data = torch.randn(5, 3), torch.randn(5)
+    torch.testing.assert_close(compiled(x), lin(x).relu())
+    assert compiled.stats["captures"] == 2
+
+
 def test_in_place_update_of_a_parameter_is_seen():
     w = torch.randn(3, requires_grad=True)
     compiled = compiler.compile(lambda x: (x * w).sum(), backend="interpret")
