@@ -178,6 +178,56 @@ def test_betas_and_momentum_changed_between_steps_are_read_each_step():
         assert step.stats["optimizer_launches"] >= 6
 
 
+@pytest.mark.allows_eager("steps the fused kernels cannot take run eagerly: what it tests")
+def test_steps_after_fused_ones_see_settings_and_gradients_changed_in_place(monkeypatch):
+    """After a step checked in full, the fused step takes the next ones where the group's settings
+    are the same objects and its tensors are as they were (one C++ check, ``GroupStep._bind_unchanged``).
+    Each change is still seen: the learning rate changed (SGD's scalars, kept while the settings are
+    the same objects, read again), ``maximize`` set for one step (another kernel: that step runs
+    eagerly), a gradient made non-contiguous or a negative view by a hook (eagerly too), ``betas`` a
+    list changed in place (a mutable setting: every step checked in full). Values stay eager's at
+    every step (``_run_both``), and the quick check is taken where nothing changed."""
+    from runtime.optimizer_step import GroupStep
+
+    quick = []   # per quick check: whether it stood for the full one
+    original = GroupStep._bind_unchanged
+
+    def spied(self, *args):
+        bound = original(self, *args)
+        quick.append(bound is not None)
+        return bound
+
+    monkeypatch.setattr(GroupStep, "_bind_unchanged", spied)
+    hooks = {}
+
+    def change(i, model, opt):
+        group = opt.param_groups[0]
+        if i == 6:
+            group["lr"] = 0.02
+        group["maximize"] = i == 13
+        if i in (8, 11):   # (removed after one step: the steps after it take the quick check again)
+            make = (lambda p: p.grad.t().contiguous().t()) if i == 8 else (lambda p: torch._neg_view(-p.grad))
+            hooks[id(opt)] = model[0].weight.register_post_accumulate_grad_hook(
+                lambda p: setattr(p, "grad", make(p)))
+        if i in (9, 12):
+            hooks.pop(id(opt)).remove()
+
+    step, _, ours = _run_both(OPTIMIZERS["sgd_momentum"], torch.float64, steps=17, between=change)
+    assert ours.param_groups[0]["lr"] == 0.02
+    assert sum(quick) >= 8 and step.launches_per_step[-3:] == [1, 1, 1]
+    assert [step.launches_per_step[i] for i in (8, 11, 13)] == [0, 0, 0]   # (those steps: eager)
+
+    def as_list(i, model, opt):   # (torch's Adam reads any pair)
+        group = opt.param_groups[0]
+        if i == 0:
+            group["betas"] = [0.9, 0.999]
+        group["betas"][0] = 0.9 - 0.02 * i
+
+    quick.clear()
+    step, _, _ = _run_both(OPTIMIZERS["adam"], torch.float64, steps=8, between=as_list)
+    assert not any(quick) and step.stats["optimizer_launches"] >= 6
+
+
 def test_an_optimizer_step_is_a_few_launches_not_one_per_parameter():
     """A 12-linear-layer MLP: 24 parameters, each of which eager updates with several ops; the
     fused step is one launch (32 parameters per kernel), whatever the optimizer."""
