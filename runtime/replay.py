@@ -105,7 +105,7 @@ def _optimizer_step_begins(optimizer, args, kwargs):
 
 def _optimizer_step_ends(optimizer, args, kwargs):
     replay = getattr(_active, "replay", None)
-    if replay is not None:
+    if replay is not None and not replay.range_open:   # (else the step's range exit puts the mode back)
         replay.step_ends()
 
 
@@ -123,19 +123,18 @@ _RECORD_ENTER = record_function.__enter__.__code__
 
 
 class _UnwatchedRange(record_function):
-    """A ``record_function`` (an optimizer's zero_grad range) whose calls run with the replay's
-    mode off the stack (``Replay._zero_grad_begins``): storing its handle, the last thing its
-    ``__enter__`` does, takes the mode off; reading it back, the first thing its ``__exit__``
-    does, puts the mode back (the exit itself is then checked as recorded) and makes the object
-    a ``record_function`` again. (``with`` looked ``__exit__`` up when it began: the handle is
-    the hook both ends have.) Only the class changes, for the range's lifetime."""
+    """A ``record_function`` (an optimizer's zero_grad or step range) whose calls run with the
+    replay's mode off the stack (``Replay._range_begins``): storing its handle, the last thing its
+    ``__enter__`` does, takes the mode off (a step's: its pre-hook does); reading
+    ``run_callbacks_on_exit``, the first thing its ``__exit__`` does, makes the range's exit call
+    with the mode still off, puts the mode back after it (``Replay.range_exits``) and answers False,
+    so that ``__exit__`` makes no second one; the object is a ``record_function`` again. (``with``
+    looked ``__exit__`` up when it began: these attributes are the hooks both ends have.) Only the
+    class changes, for the range's lifetime. NOTE (speed): each call the mode sees costs a Python
+    dispatch, about 30 us for a range's enter or exit where the step begins out of the caches."""
 
     @property
     def record(self):
-        replay = self.__dict__.pop("_symgrad_replay", None)
-        if replay is not None:
-            self.__class__ = record_function
-            replay.step_ends()
         return self.__dict__["record"]
 
     @record.setter
@@ -144,6 +143,18 @@ class _UnwatchedRange(record_function):
         replay = self.__dict__.get("_symgrad_replay")
         if replay is not None:
             replay._zero_grad_entered()
+
+    @property
+    def run_callbacks_on_exit(self):
+        replay = self.__dict__.pop("_symgrad_replay", None)
+        self.__class__ = record_function
+        if replay is not None and replay.range_exits(self.__dict__["record"]):
+            self.__dict__["run_callbacks_on_exit"] = False   # (its exit was made)
+        return self.__dict__["run_callbacks_on_exit"]
+
+    @run_callbacks_on_exit.setter
+    def run_callbacks_on_exit(self, value):
+        self.__dict__["run_callbacks_on_exit"] = value
 
 
 class Replay(TorchFunctionMode):
@@ -173,12 +184,14 @@ class Replay(TorchFunctionMode):
         # checked at a few microseconds, about what eager's whole zero_grad costs. Where the
         # recording's zero_grad made only those (``Recording.zero_grad_spans``), it runs unwatched,
         # as an optimizer step does: this mode off the stack from its profiler range's enter
-        # to its exit (``_zero_grad_begins``); a later call given a gradient read there finds an
-        # unknown tensor and leaves the recording, as after a step. Where the mode cannot come
-        # off (another mode above it), the p.grad reads and writes pass unchecked up to the
-        # range's exit, which is checked (``zero_grad_until``).
-        self.zero_grad_spans = trace.zero_grad_spans()
+        # to its exit, the exit included (``_range_begins``); a later call given a gradient read
+        # there finds an unknown tensor and leaves the recording, as after a step. Where the mode
+        # cannot come off (another mode above it), the p.grad reads and writes pass unchecked up to
+        # the range's exit, which is checked (``zero_grad_until``). An optimizer step's range exit
+        # is made unwatched likewise (``Recording.unwatched_ranges``).
+        self.ranges = trace.unwatched_ranges()
         self.zero_grad_until: int | None = None  # inside such a zero_grad, watched: where it ends
+        self.range_open = False  # an optimizer step's range is open whose exit puts this mode back
         self.pending: dict = {}  # AsyncCollectiveTensors met -> their waited results (tensor_parallel)
         # NOTE: only a recording of tensor-parallel layers looks for them in each call (a few us a call
         # under torch.distributed otherwise). One without met none: a DTensor or an AsyncCollectiveTensor
@@ -270,14 +283,15 @@ class Replay(TorchFunctionMode):
         self.pos = self.suspended_until
         self.suspended_until = None
 
-    def _zero_grad_begins(self, end: int) -> None:
-        """A recorded zero_grad()'s profiler range is being entered (``end``: its exit's position).
-        Its p.grad calls pass unchecked up to the exit (``zero_grad_until``). Where the range is
-        a ``record_function`` entered as usual, more: once the enter has stored its handle, out
-        of this mode (which cannot take itself off the stack while it answers a call), the mode
-        comes off until the range's ``__exit__`` begins, as during an optimizer step
-        (``_UnwatchedRange``; ``step_ends`` puts it back, and the exit is checked as recorded)."""
-        self.zero_grad_until = end
+    def _range_begins(self, end: int, step: bool) -> None:
+        """A recorded zero_grad()'s or optimizer step's profiler range is being entered (``end``: its
+        exit's position). A zero_grad's p.grad calls pass unchecked up to the exit (``zero_grad_until``).
+        Where the range is a ``record_function`` entered as usual, more (``_UnwatchedRange``): once the
+        enter has stored its handle, out of this mode (which cannot take itself off the stack while
+        it answers a call), the mode comes off (a step's: at its pre-hook, ``step_begins``); the exit
+        is made with the mode off, which comes back after it (``range_exits``)."""
+        if not step:
+            self.zero_grad_until = end
         frame = sys._getframe(2)
         for _ in range(3):  # (record_function.__enter__ -> the op packet's __call__ -> this mode)
             if frame is None:
@@ -287,8 +301,24 @@ class Replay(TorchFunctionMode):
                 if type(entering) is record_function and entering.run_callbacks_on_exit:
                     entering.__class__ = _UnwatchedRange
                     entering._symgrad_replay = self
+                    self.range_open = step
                 return
             frame = frame.f_back
+
+    def range_exits(self, handle) -> bool:
+        """An ``_UnwatchedRange``'s ``__exit__`` begins: where the mode is off the stack for it (since
+        its enter, or its step's pre-hook), make the range's exit call (``handle``: its enter's), put
+        the mode back and go on after the recorded exit: True. False: the mode is on; the exit is made
+        and checked as recorded."""
+        self.range_open = False
+        end = self.suspended_until
+        if end is None:
+            return False
+        with torch._C.DisableTorchFunctionSubclass():   # (as record_function.__exit__ makes it)
+            torch.ops.profiler._record_function_exit._RecordFunction(handle)
+        torch._C._push_on_torch_function_stack(self)
+        self.pos, self.suspended_until = end + 1, None
+        return True
 
     def _zero_grad_entered(self) -> None:
         """Called by ``_UnwatchedRange`` once the range's enter returned: the mode comes off the
@@ -356,8 +386,8 @@ class Replay(TorchFunctionMode):
                     else:
                         result = _SLOW
                     if result is not _SLOW:
-                        if pos in self.zero_grad_spans:
-                            self._zero_grad_begins(self.zero_grad_spans[pos])
+                        if pos in self.ranges:
+                            self._range_begins(*self.ranges[pos])
                         return result
         kwargs = kwargs or {}
         if is_metadata(func):
@@ -438,7 +468,7 @@ class Replay(TorchFunctionMode):
             self.env.setdefault(vid, t)
             self.shown.setdefault(vid, t)
         self.trace = alt
-        self.zero_grad_spans = alt.zero_grad_spans()
+        self.ranges = alt.unwatched_ranges()
         return True
 
     def _guard_failed(self, value):

@@ -236,6 +236,22 @@ class Recording:
             spans = self.__dict__["_zero_grad_spans"] = _zero_grad_spans(self)
         return spans
 
+    def unwatched_ranges(self) -> dict:
+        """Where a profiler range a replay runs with its mode off the stack is entered -> (where it
+        is exited, whether it is an optimizer step's): each zero_grad's (``zero_grad_spans``) and each
+        optimizer step's whose range holds its recorded calls and nothing else (``optimizer_steps``:
+        from its enter to its exit). Worked out once per recording."""
+        ranges = self.__dict__.get("_unwatched_ranges")
+        if ranges is None:
+            ranges = {begin: (end, False) for begin, end in self.zero_grad_spans().items()}
+            calls = self.calls
+            for start, end in self.optimizer_steps.items():
+                if 0 < start and end < len(calls) and _range_call(calls[start - 1], "enter", OPTIMIZER_STEP_RANGE) \
+                        and _range_call(calls[end], "exit"):
+                    ranges[start - 1] = (end, True)
+            self.__dict__["_unwatched_ranges"] = ranges
+        return ranges
+
     def unused_reads(self) -> list:
         """Per recorded call: whether it reads a tensor's state (``p.grad``) whose value nothing
         after it reads (a later call, a region, the result): zero_grad's ``if p.grad is not
@@ -291,6 +307,7 @@ class CompiledRecording(Recording):
 
 
 ZERO_GRAD_RANGE = "Optimizer.zero_grad#"  # the profiler range torch.optim's zero_grad opens
+OPTIMIZER_STEP_RANGE = "Optimizer.step#"   # the one its step opens (``Optimizer.profile_hook_step``)
 
 
 def sets_grad_to_none(call) -> bool:
@@ -314,15 +331,21 @@ def _unused_reads(trace: Recording) -> list:
 def _zero_grad_spans(trace: Recording) -> dict:
     calls, unused, spans = trace.calls, trace.unused_reads(), {}
     for i, rec in enumerate(calls):
-        leaves = rec.leaves
-        if leaves and type(leaves[0]) is str and leaves[0].startswith(ZERO_GRAD_RANGE):
+        if _range_call(rec, "enter", ZERO_GRAD_RANGE):
             j = i + 1
             while j < len(calls) and ((calls[j].func == GRAD_GET and unused[j]) or sets_grad_to_none(calls[j])):
                 j += 1
-            if i + 1 < j < len(calls) and is_profiler_range(calls[j].func) \
-                    and "exit" in getattr(calls[j].func, "__name__", ""):
+            if i + 1 < j < len(calls) and _range_call(calls[j], "exit"):
                 spans[i] = j
     return spans
+
+
+def _range_call(rec, end: str, name: str = "") -> bool:
+    """Whether a recorded call is a profiler range's ``end`` ("enter", "exit"), of a range whose name
+    begins with ``name`` (an enter's first argument)."""
+    if not is_profiler_range(rec.func) or end not in getattr(rec.func, "__name__", ""):
+        return False
+    return not name or bool(rec.leaves) and type(rec.leaves[0]) is str and rec.leaves[0].startswith(name)
 
 
 def occurrence_of(calls, func, position: int) -> int:

@@ -298,3 +298,54 @@ def test_a_region_given_no_gradient_for_any_output_gives_none():
         (_Stop.apply(a) + b).sum().backward()  # (a's gradient None, b's defined)
         torch.testing.assert_close(x.grad, -3 * x.detach().sin())
     assert one.stats["replays"] >= 2 and two.stats["replays"] >= 2
+
+
+@pytest.mark.allows_eager("a call that departs from the recording after the step leaves it: what it tests")
+def test_a_steps_and_a_zero_grads_range_exits_are_made_with_the_mode_off(monkeypatch):
+    """An optimizer step's and a zero_grad's profiler ranges: each enter is checked as recorded (the
+    mode comes off there), each exit is made with the mode still off (``_UnwatchedRange``,
+    ``Replay.range_exits``), and the mode is back after it: a call after the step that departs from
+    the recording is seen. Under a profiler both ranges still open and close around their work."""
+    model = _model()
+    reference = copy.deepcopy(model)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    scale = [1.0]
+
+    def step(model, opt, x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        if scale[0] != 1.0:
+            loss = loss * scale[0]
+        opt.zero_grad()
+        return loss
+
+    compiled = compiler.compile(step, backend="interpret")
+    for _ in range(3):
+        torch.testing.assert_close(compiled(model, opt, x, y), step(reference, ref_opt, x, y))
+    checked = _checked_calls(monkeypatch)
+    torch.testing.assert_close(compiled(model, opt, x, y), step(reference, ref_opt, x, y))
+    ranges = [name for name in checked if "record_function" in name]
+    assert len(ranges) == 2 and all("enter" in name for name in ranges), checked
+    assert compiled.stats["optimizer_launches"] >= 2 and torch._C._len_torch_function_stack() == 0
+
+    with torch.profiler.profile() as prof:
+        torch.testing.assert_close(compiled(model, opt, x, y), step(reference, ref_opt, x, y))
+    found = {}
+    for event in prof.events():
+        for kind in ("Optimizer.step#SGD", "Optimizer.zero_grad#SGD", "symgrad kernel"):
+            if event.name.startswith(kind) and (kind != "symgrad kernel" or "[SGD.step" in event.name):
+                found.setdefault(kind, []).append(event.time_range)
+    (kernel,) = found["symgrad kernel"]   # (the fused step's)
+    steps, zero_grads = found["Optimizer.step#SGD"], found["Optimizer.zero_grad#SGD"]
+    assert len(steps) == len(zero_grads) == 2   # (ours and eager's)
+    assert sum(r.start <= kernel.start and kernel.end <= r.end for r in steps) == 1
+    assert all(r.end > r.start for r in steps + zero_grads)
+
+    divergences = compiled.stats["divergences"]
+    scale[0] = 3.0
+    torch.testing.assert_close(compiled(model, opt, x, y), step(reference, ref_opt, x, y))
+    assert compiled.stats["divergences"] == divergences + 1   # (the multiply after the step was seen)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q)
