@@ -148,7 +148,7 @@ class _UnwatchedRange(record_function):
     def run_callbacks_on_exit(self):
         replay = self.__dict__.pop("_symgrad_replay", None)
         self.__class__ = record_function
-        if replay is not None and replay.range_exits(self.__dict__["record"]):
+        if replay is not None and replay.range_exits(self.__dict__["record"], self.__dict__.pop("_symgrad_exit", None)):
             self.__dict__["run_callbacks_on_exit"] = False   # (its exit was made)
         return self.__dict__["run_callbacks_on_exit"]
 
@@ -283,14 +283,15 @@ class Replay(TorchFunctionMode):
         self.pos = self.suspended_until
         self.suspended_until = None
 
-    def _range_begins(self, end: int, step: bool) -> None:
-        """A recorded zero_grad()'s or optimizer step's profiler range is being entered (``end``: its
-        exit's position). A zero_grad's p.grad calls pass unchecked up to the exit (``zero_grad_until``).
-        Where the range is a ``record_function`` entered as usual, more (``_UnwatchedRange``): once the
-        enter has stored its handle, out of this mode (which cannot take itself off the stack while
-        it answers a call), the mode comes off (a step's: at its pre-hook, ``step_begins``); the exit
-        is made with the mode off, which comes back after it (``range_exits``)."""
-        if not step:
+    def _range_begins(self, end: int, kind: str) -> None:
+        """A recorded profiler range is being entered (``end``: its exit's position; ``kind``:
+        ``Recording.unwatched_ranges``'). A zero_grad's p.grad calls pass unchecked up to the exit
+        (``zero_grad_until``). Where the range is a ``record_function`` entered as usual, more
+        (``_UnwatchedRange``): a zero_grad's or a step's calls are made with the mode off the stack,
+        from the enter (which stores its handle out of this mode, which cannot take itself off the
+        stack while it answers a call) or the step's pre-hook (``step_begins``); the exit of every
+        kind is made with the mode off, which comes back after it (``range_exits``)."""
+        if kind == "zero_grad":
             self.zero_grad_until = end
         frame = sys._getframe(2)
         for _ in range(3):  # (record_function.__enter__ -> the op packet's __call__ -> this mode)
@@ -301,19 +302,29 @@ class Replay(TorchFunctionMode):
                 if type(entering) is record_function and entering.run_callbacks_on_exit:
                     entering.__class__ = _UnwatchedRange
                     entering._symgrad_replay = self
-                    self.range_open = step
+                    if kind == "watched":   # (its exit's position in this recording)
+                        entering._symgrad_exit = (end, self.trace)
+                    else:
+                        self.range_open = kind == "step"
                 return
             frame = frame.f_back
 
-    def range_exits(self, handle) -> bool:
+    def range_exits(self, handle, watched=None) -> bool:
         """An ``_UnwatchedRange``'s ``__exit__`` begins: where the mode is off the stack for it (since
-        its enter, or its step's pre-hook), make the range's exit call (``handle``: its enter's), put
-        the mode back and go on after the recorded exit: True. False: the mode is on; the exit is made
-        and checked as recorded."""
-        self.range_open = False
-        end = self.suspended_until
-        if end is None:
-            return False
+        its enter, or its step's pre-hook), or a watched range (``watched``: its exit's position and
+        recording) has made every recorded call inside it and the mode is on top, make the range's
+        exit call (``handle``: its enter's) with the mode off, put the mode back and go on after the
+        recorded exit: True. False: the exit is made as usual (checked as recorded where the mode is on)."""
+        if watched is not None:
+            end, trace = watched
+            if self.pos != end or trace is not self.trace or self.diverged or self.suspended_until is not None \
+                    or not self._leave_stack():
+                return False
+        else:
+            self.range_open = False
+            end = self.suspended_until
+            if end is None:
+                return False
         with torch._C.DisableTorchFunctionSubclass():   # (as record_function.__exit__ makes it)
             torch.ops.profiler._record_function_exit._RecordFunction(handle)
         torch._C._push_on_torch_function_stack(self)

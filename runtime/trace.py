@@ -237,18 +237,24 @@ class Recording:
         return spans
 
     def unwatched_ranges(self) -> dict:
-        """Where a profiler range a replay runs with its mode off the stack is entered -> (where it
-        is exited, whether it is an optimizer step's): each zero_grad's (``zero_grad_spans``) and each
-        optimizer step's whose range holds its recorded calls and nothing else (``optimizer_steps``:
-        from its enter to its exit). Worked out once per recording."""
+        """Where a recorded profiler range is entered -> (where it is exited, its kind): "zero_grad"
+        (``zero_grad_spans``) and "step" (an optimizer step's, holding its recorded calls and nothing
+        else, ``optimizer_steps``), whose calls a replay makes with its mode off the stack, and
+        "watched" for any other (its calls checked, its exit made with the mode off). Worked out once
+        per recording."""
         ranges = self.__dict__.get("_unwatched_ranges")
         if ranges is None:
-            ranges = {begin: (end, False) for begin, end in self.zero_grad_spans().items()}
-            calls = self.calls
+            calls, ranges, entered = self.calls, {}, []
+            for i, rec in enumerate(calls):   # (ranges nest: an exit closes the last range entered)
+                if _range_call(rec, "enter"):
+                    entered.append(i)
+                elif _range_call(rec, "exit") and entered:
+                    ranges[entered.pop()] = (i, "watched")
+            ranges.update({begin: (end, "zero_grad") for begin, end in self.zero_grad_spans().items()})
             for start, end in self.optimizer_steps.items():
                 if 0 < start and end < len(calls) and _range_call(calls[start - 1], "enter", OPTIMIZER_STEP_RANGE) \
                         and _range_call(calls[end], "exit"):
-                    ranges[start - 1] = (end, True)
+                    ranges[start - 1] = (end, "step")
             self.__dict__["_unwatched_ranges"] = ranges
         return ranges
 

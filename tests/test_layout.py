@@ -75,6 +75,7 @@ ALLOWED = {
     ("runtime/replay.py", "entering.__class__"): "a torch record_function range the replay takes over (its "
                                                  "exit then runs unwatched): torch's object, our subclass",
     ("runtime/replay.py", "entering._symgrad_replay"): "the same range: which replay its exit belongs to",
+    ("runtime/replay.py", "entering._symgrad_exit"): "the same range: where its exit is in the recording",
     ("runtime/replay.py", "env[vid].grad"): _TORCH_STATE,
     ("runtime/dynamic_shapes.py", "setattr(t, ...)"): "torch._dynamo's mark_dynamic attribute on a user tensor",
     ("runtime/optimizer_step.py", "optimizer._opt_called"): _TORCH_STATE,

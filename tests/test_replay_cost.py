@@ -349,3 +349,51 @@ def test_a_steps_and_a_zero_grads_range_exits_are_made_with_the_mode_off(monkeyp
     assert compiled.stats["divergences"] == divergences + 1   # (the multiply after the step was seen)
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q)
+
+
+@pytest.mark.allows_eager("a call inside the range that departs from the recording leaves it: what it tests")
+def test_a_user_profiler_range_exit_is_made_with_the_mode_off_where_its_calls_were_the_recordings(monkeypatch):
+    """A ``record_function`` range of the user's around the model (as DDP's forward has): its calls are
+    checked as recorded, and where all of them were made its exit is made with the mode off
+    (``Replay.range_exits``), the mode back after it; where a call inside departs, the exit is made as
+    usual. Values stay eager's, and under a profiler the range still closes after its work."""
+    model = _model()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    extra = [False]
+
+    def step(model, x, y):
+        with torch.autograd.profiler.record_function("the model"):
+            out = model(x)
+            if extra[0]:
+                out = out * 2
+        loss = F.mse_loss(out, y)
+        loss.backward()
+        return loss
+
+    compiled = compiler.compile(step, backend="interpret")
+    for _ in range(3):
+        torch.testing.assert_close(compiled(model, x, y), step(reference, x, y))
+    checked = _checked_calls(monkeypatch)
+    torch.testing.assert_close(compiled(model, x, y), step(reference, x, y))
+    assert [name for name in checked if "record_function" in name] == ["_record_function_enter_new"], checked
+    assert checked[-1] == "Tensor.backward" and torch._C._len_torch_function_stack() == 0
+
+    with torch.profiler.profile() as prof:
+        compiled(model, x, y)
+    step(reference, x, y)
+    (inside,) = [e.time_range for e in prof.events() if e.name.startswith("symgrad") and "forward" in e.name]
+    (ranged,) = [e.time_range for e in prof.events() if e.name == "the model"]
+    assert ranged.start <= inside.start and inside.end <= ranged.end
+
+    exits = []   # per range exit: whether the replay made it with the mode off
+    original = replay_module.Replay.range_exits
+    monkeypatch.setattr(replay_module.Replay, "range_exits",
+                        lambda self, *args: exits.append(original(self, *args)) or exits[-1])
+    extra[0] = True
+    divergences = compiled.stats["divergences"]
+    torch.testing.assert_close(compiled(model, x, y), step(reference, x, y))
+    assert compiled.stats["divergences"] == divergences + 1 and exits == [False]   # (made as usual)
+    assert torch._C._len_torch_function_stack() == 0
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
