@@ -123,12 +123,13 @@ _RECORD_ENTER = record_function.__enter__.__code__
 
 
 class _UnwatchedRange(record_function):
-    """A ``record_function`` (an optimizer's zero_grad or step range) whose calls run with the
-    replay's mode off the stack (``Replay._range_begins``): storing its handle, the last thing its
-    ``__enter__`` does, takes the mode off (a step's: its pre-hook does); reading
-    ``run_callbacks_on_exit``, the first thing its ``__exit__`` does, makes the range's exit call
-    with the mode still off, puts the mode back after it (``Replay.range_exits``) and answers False,
-    so that ``__exit__`` makes no second one; the object is a ``record_function`` again. (``with``
+    """A ``record_function`` the replay took over at its enter (``Replay._range_begins``): an
+    optimizer's zero_grad or step range, whose calls run with the replay's mode off the stack (storing
+    its handle, the last thing its ``__enter__`` does, takes the mode off; a step's pre-hook does), or
+    any other recorded range, whose calls are checked. Reading ``run_callbacks_on_exit``, the first
+    thing its ``__exit__`` does, makes the range's exit call with the mode off where it may be
+    (``Replay.range_exits``), puts the mode back after it and answers False, so that ``__exit__``
+    makes no second one; the object is a ``record_function`` again. (``with``
     looked ``__exit__`` up when it began: these attributes are the hooks both ends have.) Only the
     class changes, for the range's lifetime. NOTE (speed): each call the mode sees costs a Python
     dispatch, about 30 us for a range's enter or exit where the step begins out of the caches."""
@@ -188,7 +189,8 @@ class Replay(TorchFunctionMode):
         # there finds an unknown tensor and leaves the recording, as after a step. Where the mode
         # cannot come off (another mode above it), the p.grad reads and writes pass unchecked up to
         # the range's exit, which is checked (``zero_grad_until``). An optimizer step's range exit
-        # is made unwatched likewise (``Recording.unwatched_ranges``).
+        # is made unwatched likewise, and any other recorded range's where every call inside it was
+        # the recording's (``Recording.unwatched_ranges``).
         self.ranges = trace.unwatched_ranges()
         self.zero_grad_until: int | None = None  # inside such a zero_grad, watched: where it ends
         self.range_open = False  # an optimizer step's range is open whose exit puts this mode back
