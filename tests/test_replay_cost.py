@@ -19,6 +19,14 @@ def _model():
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
 
 
+def _sgd_twins():
+    """A model and its copy, an SGD optimizer on each, a batch: a compiled step beside eager's."""
+    model = _model()
+    reference = copy.deepcopy(model)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+    return model, reference, opt, ref_opt, torch.randn(16, 4), torch.randn(16, 1)
+
+
 def _checked_calls(monkeypatch) -> list:
     """The names of the calls the replay mode checks (fast path or full), as they come."""
     from runtime.torch_functions import function_name
@@ -141,10 +149,7 @@ def test_the_calls_after_an_unwatched_zero_grad_are_checked_again():
     """zero_grad() first, then the forward: the mode is back on the stack at the range's exit,
     so the forward's calls are the recording's (compiled kernels) and a call that departs from
     them leaves the recording with eager's result."""
-    model = _model()
-    reference = copy.deepcopy(model)
-    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
-    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    model, reference, opt, ref_opt, x, y = _sgd_twins()
     scale = [1.0]
 
     def step(model, opt, x, y):
@@ -306,10 +311,7 @@ def test_a_steps_and_a_zero_grads_range_exits_are_made_with_the_mode_off(monkeyp
     mode comes off there), each exit is made with the mode still off (``_UnwatchedRange``,
     ``Replay.range_exits``), and the mode is back after it: a call after the step that departs from
     the recording is seen. Under a profiler both ranges still open and close around their work."""
-    model = _model()
-    reference = copy.deepcopy(model)
-    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
-    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    model, reference, opt, ref_opt, x, y = _sgd_twins()
     scale = [1.0]
 
     def step(model, opt, x, y):
