@@ -374,7 +374,7 @@ class CompiledFunction:
                                   for e in variants):
             reason = "Python took another path with these arguments (a recording of it was made)"
         if reason is None:
-            reason = skip_python.hooks_in_the_way(entry.trace)
+            reason = skip_python.hooks_in_the_way(entry.trace) or skip_python.ddp_in_the_way(entry.trace)
         if reason is None:
             return True
         skip_python.say_python_runs(self.__name__, reason)

@@ -221,7 +221,7 @@ class Replay(TorchFunctionMode):
         (``runtime.skip_python``); returns its result. Each region runs whole at its first call;
         an eager call runs on this call's tensors; an optimizer step is its optimizer's own
         ``step()`` (fused kernels where the recording's step was compiled, through the pre-hook)."""
-        from runtime.skip_python import plan, result_of
+        from runtime.skip_python import plan, result_of, run_ddp_forward
 
         trace, env = self.trace, self.env
         self.unwatched = True
@@ -245,6 +245,8 @@ class Replay(TorchFunctionMode):
                 elif kind == "grads_none":
                     for vid in item:
                         env[vid].grad = None
+                elif kind == "ddp":   # DDP's own Python around its module's forward: the reducer prepared
+                    run_ddp_forward(*item)
                 else:  # an optimizer step: its own Python (the pre-hook finds a fused step at self.pos)
                     self.pos = item
                     optimizer = trace.step_calls[item][0]()

@@ -12,8 +12,13 @@ call (``loss.backward()``, ``p.grad = None``) on the tensors it was recorded wit
 as eager reads them; a step the compiler fused runs its kernels, called directly where the step's
 Python would do nothing else: no step hooks, no profiler, ``step`` not replaced).
 
-A recording that ran a DistributedDataParallel (or other torch.distributed wrapper) module replays
-the default way: its forward's Python prepares the gradients' all-reduce.
+A recording that ran a DistributedDataParallel module replays without its Python too: DDP's forward
+Python prepares the reducer for the backward's all-reduce (and syncs buffers, notes a join), which no
+torch call records, so the replay makes DDP's own ``_pre_forward()`` and ``_post_forward()`` where its
+forward's profiler range was entered and exited (``ddp_forwards``). Where DDP's forward does more
+than that (torch calls of its own in the recording: buffers synced, inputs moved or cast; or now
+``find_unused_parameters``, ``static_graph``, mixed precision, a join: ``ddp_in_the_way``), and for
+any other torch.distributed wrapper (FSDP, DataParallel), the function replays the default way.
 
 What stays guarded on every call, as on the default replay: the guard key (arguments' shapes,
 dtypes, devices, requires_grad, other arguments' values, grad mode, autocast), tensors reached
@@ -36,6 +41,7 @@ import logging
 import threading
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_unflatten
 
 from runtime import guard_log
@@ -59,9 +65,10 @@ def _refusal(trace: CompiledRecording) -> str | None:
         return "it returns a tensor that no recorded torch call made"
     wrapper = _distributed_wrapper(trace)
     if wrapper is not None:
-        why = "prepares the reducer that all-reduces the gradients in the backward" \
-            if wrapper == "DistributedDataParallel" else "drives communication that no torch call records"
-        return f"it runs a {wrapper} module, whose forward's Python does more than its torch calls (it {why})"
+        return f"it runs a {wrapper} module, whose forward's Python drives communication that no torch call records"
+    forwards = ddp_forwards(trace)
+    if type(forwards) is str:
+        return forwards
     if trace.reseeded:
         return "it calls torch.manual_seed (not a torch call the recording sees)"
     if trace.transient:
@@ -91,17 +98,97 @@ def _refusal(trace: CompiledRecording) -> str | None:
 
 def _distributed_wrapper(trace: CompiledRecording) -> str | None:
     """The class name of a module the recording ran whose forward is torch.distributed's or
-    torch.nn.parallel's (DistributedDataParallel, FullyShardedDataParallel, DataParallel): their
-    Python drives communication no torch call records. NOTE: skipped, DDP's reducer was never
-    prepared for the backward, and each rank stepped on its own gradients (seen with 2 ranks)."""
+    torch.nn.parallel's (FullyShardedDataParallel, DataParallel), DistributedDataParallel's aside
+    (``ddp_forwards``): their Python drives communication no torch call records."""
     for ref, _ in trace.module_modes:
         module = ref()
-        if module is not None and type(module).__module__.startswith(_DISTRIBUTED_PACKAGES):
+        if module is not None and type(module).__module__.startswith(_DISTRIBUTED_PACKAGES) \
+                and not isinstance(module, DistributedDataParallel):
             return type(module).__name__
     return None
 
 
 _DISTRIBUTED_PACKAGES = ("torch.nn.parallel", "torch.distributed")
+_DDP_FORWARD_RANGE = "DistributedDataParallel.forward"   # the profiler range DDP's forward opens
+
+
+def ddp_forwards(trace: CompiledRecording) -> dict | str:
+    """Where each DistributedDataParallel forward's profiler range was entered -> (where it was exited,
+    a weak reference to the module, whether a compiled region inside began before it), or why a replay
+    cannot make them without DDP's Python. NOTE:
+    skipped whole, DDP's reducer was never prepared for the backward, and each rank stepped on its own
+    gradients (seen with 2 ranks); ``run_calls`` makes its ``_pre_forward`` and ``_post_forward``
+    there instead. The recording must show that DDP's forward made no torch call of its own: every
+    call inside the range its module's compiled math (an input moved or cast would be one). Worked
+    out once per recording."""
+    memo = trace.__dict__.get("_ddp_forwards")
+    if memo is None:
+        memo = trace.__dict__["_ddp_forwards"] = _ddp_forwards(trace)
+    return memo
+
+
+def _ddp_forwards(trace: CompiledRecording) -> dict | str:
+    modules = [ref for ref, _ in trace.module_modes if isinstance(ref(), DistributedDataParallel)]
+    if not modules:
+        return {}
+    if len(modules) > 1:
+        return "it runs several DistributedDataParallel modules (the recording does not say whose forward is which)"
+    calls, forwards, first = trace.calls, {}, {}
+    for i, rec in enumerate(calls):
+        if rec.kind is CallKind.COMPUTE:
+            first.setdefault(rec.region, i)
+    for enter, (end, kind) in trace.unwatched_ranges().items():
+        opened = calls[enter].leaves
+        if kind != "watched" or not opened or opened[0] != _DDP_FORWARD_RANGE:
+            continue
+        inside = calls[enter + 1:end]
+        if any(rec.kind is not CallKind.COMPUTE and not is_profiler_range(rec.func) for rec in inside):
+            return ("its DistributedDataParallel forward made torch calls besides its module's compiled math "
+                    "(DDP's own: buffers synced, inputs moved or cast)")
+        # (a region runs whole at its first call: one begun before DDP's forward runs before its pre-forward,
+        # which may broadcast the module's buffers into place: ``ddp_in_the_way``)
+        early = any(rec.kind is CallKind.COMPUTE and first[rec.region] < enter for rec in inside)
+        forwards[enter] = (end, modules[0], early)
+    if not forwards:
+        return "its DistributedDataParallel forward's profiler range was not recorded"
+    return forwards
+
+
+def ddp_in_the_way(trace: CompiledRecording) -> str | None:
+    """What of a DDP module's settings, now, would make its forward do more than prepare the reducer
+    (``ddp_forwards``): its Python runs then (checked per call: a join context, say, is per call)."""
+    forwards = ddp_forwards(trace)
+    if type(forwards) is str:
+        return forwards
+    for _, ref, early in forwards.values():
+        ddp = ref()
+        if ddp is None:
+            continue
+        if early and ddp.broadcast_buffers and ddp.modules_buffers:
+            return ("a compiled region begins before its DistributedDataParallel forward, whose pre-forward "
+                    "syncs the buffers that region may read")
+        if ddp.find_unused_parameters or ddp.static_graph:
+            return "its DistributedDataParallel module has find_unused_parameters or static_graph (its forward " \
+                   "passes the output through DDP's own autograd Function)"
+        if ddp.mixed_precision is not None or ddp._use_python_reducer or ddp._delay_all_reduce_all_params:
+            return "its DistributedDataParallel module casts its inputs or all-reduces in Python"
+        if ddp._join_config.enable:
+            return "its DistributedDataParallel module runs inside a Join context"
+        if ddp._check_sync_bufs_post_fwd():   # (the compiled math after its forward would read them before)
+            return "its DistributedDataParallel module syncs its buffers after the forward (a buffer comm hook)"
+    return None
+
+
+def run_ddp_forward(ref, entering: bool) -> None:
+    """DDP's own Python around its module's forward, made where the recording entered (``entering``)
+    or left it: the reducer prepared for the backward as eager's forward prepares it."""
+    ddp = ref()
+    if ddp is None:   # (gone: so are the parameters it reduced)
+        return
+    if entering:
+        ddp._pre_forward()
+    else:
+        ddp._post_forward(None)   # (its output is only handed back, ``ddp_in_the_way`` made sure)
 _said: set = set()   # (function name, reason) said on the guards log
 _said_lock = threading.Lock()
 
@@ -127,13 +214,16 @@ def plan(trace: CompiledRecording) -> list:
     a compiled region's first call (its other calls are answered by it), ``("step", start)``
     for an optimizer step (its recorded calls are the optimizer's own Python's), ``("call",
     (TraceCall, its value slots, whether its arguments are all positional leaves))`` for every
-    other call, ``("grads_none", value ids)`` for a run of ``p.grad = None``; profiler ranges and
+    other call, ``("grads_none", value ids)`` for a run of ``p.grad = None``, ``("ddp", (weak reference,
+    entering))`` where a DDP forward's range was entered or exited (``ddp_forwards``); profiler ranges and
     reads of a tensor's state whose result nothing uses left out."""
     memo = trace.__dict__.get("_skip_python_plan")
     if memo is not None:
         return memo
     calls = trace.calls
     unused_read = trace.unused_reads()  # (zero_grad's reads of gradients the step already read: left out)
+    ddp = {enter: (True, ref) for enter, (_, ref, _) in ddp_forwards(trace).items()}
+    ddp.update({end: (False, ref) for end, ref, _ in ddp_forwards(trace).values()})
     out, seen, i = [], set(), 0
     while i < len(calls):
         end = trace.optimizer_steps.get(i)
@@ -141,6 +231,9 @@ def plan(trace: CompiledRecording) -> list:
             out.append(("step", i))
             i = end
             continue
+        if i in ddp:
+            entering, ref = ddp[i]
+            out.append(("ddp", (ref, entering)))
         rec = calls[i]
         i += 1
         if rec.kind is CallKind.COMPUTE:

@@ -6,6 +6,11 @@ Scenarios (all on one process group, one spawn, so the test stays a few seconds)
 - ``no_sync``: gradient accumulation over 2 micro-batches, the first under ``model.no_sync()``;
 - ``unused``: ``find_unused_parameters=True`` with a branch the step never uses;
 - ``static``: ``static_graph=True``;
+- ``skip_python``, ``skip_python_no_sync``: ``compile(..., skip_python=True)``, SGD with momentum and
+  ``no_sync`` accumulation: replays make DDP's own pre- and post-forward calls, not the step's Python
+  (runtime.skip_python.ddp_forwards); where it refuses and the Python runs: ``skip_python_buffers``
+  (a BatchNorm: DDP's pre-forward syncs its buffers, torch calls of its own in the recording) and
+  ``skip_python_unused`` (``find_unused_parameters=True``);
 - ``fsdp2``: ``fully_shard`` on each layer and the root, AdamW and clip_grad_norm_ (both fused
   on the local shards: runtime.shards), 6 steps (its first step initializes FSDP2's state lazily,
   so the compiled function records twice);
@@ -47,6 +52,14 @@ class TwoBranch(torch.nn.Module):
 
     def forward(self, x):
         return self.head(self.body(x))
+
+
+class Normed(TwoBranch):
+    """TwoBranch with a BatchNorm: buffers that DDP broadcasts from rank 0 at each forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.BatchNorm1d(32))
 
 
 class Gated(TwoBranch):
@@ -97,7 +110,10 @@ def _train(model, compiled: bool, scenario: str, rank: int, backend: str = "auto
         model.register_comm_hook(dist.group.WORLD, _counting_hook(counts, fired, launches))
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
+    python_runs = []   # (the step's Python, run at each call unless skip_python skipped it)
+
     def step(x, y):
+        python_runs.append(1)
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
         if scenario == "plain":  # on the all-reduced gradients, as DDP training scripts clip
@@ -109,6 +125,7 @@ def _train(model, compiled: bool, scenario: str, rank: int, backend: str = "auto
         return loss
 
     def micro(x, y):
+        python_runs.append(1)
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
         return loss
@@ -117,8 +134,9 @@ def _train(model, compiled: bool, scenario: str, rank: int, backend: str = "auto
         opt.step()
         opt.zero_grad()
 
-    run_step = compiler.compile(step, backend=backend) if compiled else step
-    run_micro = compiler.compile(micro, backend=backend) if compiled else micro
+    options = {"backend": backend, "skip_python": scenario.startswith("skip_python")}
+    run_step = compiler.compile(step, **options) if compiled else step
+    run_micro = compiler.compile(micro, **options) if compiled else micro
     generator = torch.Generator().manual_seed(100 + rank)
     losses = []
     for _ in range(STEPS + scenario.startswith("fsdp2")):
@@ -127,7 +145,7 @@ def _train(model, compiled: bool, scenario: str, rank: int, backend: str = "auto
         x, y = torch.randn(8, 16, generator=generator), torch.randn(8, 4, generator=generator)
         with steps_run_by(launches):
             launches.count = 0
-            if scenario == "no_sync":
+            if scenario.endswith("no_sync"):
                 with model.no_sync():
                     first = run_micro(x[:4], y[:4])
                 second = run_micro(x[4:], y[4:])
@@ -148,7 +166,8 @@ def _train(model, compiled: bool, scenario: str, rank: int, backend: str = "auto
     versions = [(p._version, *(t._version for t in opt.state[p].values())) for p in model.parameters()]
     shard_sizes = [getattr(p, "_local_tensor", p).numel() for p in model.parameters()]
     return {"losses": losses, "params": params, "stats": stats, "buckets": counts, "fired": fired,
-            "versions": versions, "shard_sizes": shard_sizes}
+            "versions": versions, "shard_sizes": shard_sizes, "python_runs": len(python_runs),
+            "buffers": [b.detach().clone() for b in model.buffers()]}   # (BatchNorm's running statistics)
 
 
 def _count_reduce_scatters(fired, launches):
@@ -184,11 +203,13 @@ def worker(rank: int, world: int, init_file: str, out_dir: str):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         results = {}
-        for scenario in ("plain", "no_sync", "unused", "static"):
+        for scenario in ("plain", "no_sync", "unused", "static", "skip_python", "skip_python_no_sync",
+                         "skip_python_buffers", "skip_python_unused"):
             torch.manual_seed(0)
-            base = TwoBranch()
-            options = {"find_unused_parameters": scenario == "unused", "static_graph": scenario == "static"}
-            if scenario != "unused":
+            base = Normed() if scenario.endswith("buffers") else TwoBranch()
+            unused = scenario.endswith("unused")
+            options = {"find_unused_parameters": unused, "static_graph": scenario == "static"}
+            if not unused:
                 del base.unused  # DDP without find_unused_parameters refuses parameters that get no grad
             results[scenario] = {
                 "compiled": _train(DDP(copy.deepcopy(base), bucket_cap_mb=BUCKET_MB, **options), True, scenario, rank),

@@ -361,8 +361,10 @@ def hook(state, bucket):   # (the all-reduce a step hands its gradients to)
     return future
 model.register_comm_hook(None, hook)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
+runs = []
 def step(x, y):
-    loss = F.mse_loss(model(x), y)
+    runs.append(1)
+    loss = F.mse_loss(model(x * 2), y)   # (a region begun before DDP's forward: no buffers to sync first)
     loss.backward()
     opt.step()
     opt.zero_grad()
@@ -374,15 +376,23 @@ for _ in range(4):
     before = len(buckets)
     fn(x, y)
     per_step.append(len(buckets) - before)
-print(json.dumps({"per_step": per_step, "replays": fn.stats["replays"],
-                  "refusal": skip_python.refusal(fn.last_entry.trace)}))
+trace = fn.last_entry.trace
+from torch.distributed.algorithms.join import Join
+before, python_runs = len(buckets), len(runs)
+with Join([model]):   # (DDP's forward then tells the join context that this rank has not joined)
+    in_the_way = skip_python.ddp_in_the_way(trace)
+    fn(x, y)   # (the Python runs, each call checked: DDP's forward as it is)
+print(json.dumps({"per_step": per_step, "replays": fn.stats["replays"], "python_runs": python_runs,
+                  "refusal": skip_python.refusal(trace), "in_the_way": in_the_way, "then": len(buckets) - before,
+                  "python_runs_then": len(runs)}))
 dist.destroy_process_group()
 """
 
 
-def test_a_ddp_step_replays_with_its_python():
+def test_a_ddp_step_replays_without_its_python_and_prepares_the_reducer():
     # DDP's forward prepares its reducer for the backward's all-reduce in Python no torch call records:
-    # skipped, the replays' gradients reached no all-reduce (2 ranks stepped apart, silently)
+    # skipped whole, the replays' gradients reached no all-reduce (2 ranks stepped apart, silently). The
+    # replays make DDP's own pre- and post-forward calls instead (tests/test_distributed.py: 2 ranks)
     import json
     import subprocess
     import sys
@@ -393,6 +403,9 @@ def test_a_ddp_step_replays_with_its_python():
                           timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
-    assert found["replays"] == 3
+    assert found["replays"] == 4
     assert found["per_step"][1:] == found["per_step"][:1] * 3 and found["per_step"][0] > 0
-    assert "DistributedDataParallel" in found["refusal"]
+    assert found["refusal"] is None and found["python_runs"] == 1   # (the recording's)
+    # a setting that makes DDP's forward do more: its Python runs, and the bucket is still all-reduced
+    assert "Join" in found["in_the_way"]
+    assert found["python_runs_then"] == 2 and found["then"] == found["per_step"][0]
