@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 2 examples/train_ddp.py [--steps 10] [--layers 2] [--backend auto]
     torchrun --nproc-per-node 2 examples/train_ddp.py --fsdp2 [--bf16]
     torchrun --nproc-per-node 2 examples/train_ddp.py --tp
+    torchrun --nproc-per-node 2 examples/train_ddp.py --skip-python
 
 Each rank builds the same nanoGPT-style model (``--layers`` pre-norm blocks, 2 by default) and
 trains it twice from one initialization: with a compiled step — forward, cross-entropy,
@@ -75,6 +76,9 @@ def parse_args():
     parser.add_argument("--fsdp2", action="store_true", help="fully_shard each block and the root instead of DDP")
     parser.add_argument("--bf16", action="store_true", help="with --fsdp2: bf16 parameters, float32 reduction")
     parser.add_argument("--tp", action="store_true", help="tensor-parallel MLPs (parallelize_module) instead of DDP")
+    parser.add_argument("--skip-python", action="store_true",
+                        help="compile(..., skip_python=True): replays make the recorded calls (under DDP, and its "
+                             "own pre- and post-forward) without running train_step's Python")
     args = parser.parse_args()
     if "RANK" not in os.environ:
         parser.error("launch with torchrun, e.g. `torchrun --nproc-per-node 2 examples/train_ddp.py`")
@@ -142,7 +146,7 @@ def main():
     models = wrap(base, args.fsdp2, args.bf16, args.tp)
     optimizers = {k: torch.optim.AdamW(m.parameters(), lr=3e-3) for k, m in models.items()}
 
-    compiled_step = compiler.compile(train_step, backend=args.backend)
+    compiled_step = compiler.compile(train_step, backend=args.backend, skip_python=args.skip_python)
     # each rank its own shard of the data; tensor parallel: the same batch, each rank its share of the math
     generator = torch.Generator().manual_seed(1000 + (0 if args.tp else rank))
     for step in range(args.steps):
