@@ -18,7 +18,11 @@ lazily, so the compiled function records twice: the step measured is the 6th, a 
 
 Both parts also time the step with a delay injected into each all-reduce (DDP: a communication
 hook) or reduce-scatter (FSDP2: ``FSDPModule.set_custom_reduce_scatter``), completed off the
-backward's thread as a slow link would be: the backward goes on while it is pending. FSDP2 on
+backward's thread as a slow link would be: the backward goes on while it is pending. DDP's step is
+timed two more ways beside those: compiled with ``skip_python=True`` (replays make the recorded calls
+and DDP's own pre- and post-forward, not the step's Python) and eager's step run under a
+``TorchFunctionMode`` that only passes each call through (what seeing the step's Python costs, which
+the default replay pays: its floor). FSDP2 on
 CPU waits for no reduce-scatter (its stream events do nothing there), so the pending ones are
 waited for after its final backward callback, before the optimizer reads the gradients.
 
@@ -47,6 +51,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from runtime.program import StepRunner, steps_run_by
@@ -63,6 +68,15 @@ class _AtenLog(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.log.append(("op", func.__name__))
+        return func(*args, **(kwargs or {}))
+
+
+class _PassThrough(TorchFunctionMode):
+    """Each torch call made as it is: what watching a step's Python costs by itself. Our default
+    replay sees every call of the step's Python through such a mode (it checks that Python makes the
+    recorded calls), so eager's step run under it is the floor of that replay's host work."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
 
 
@@ -168,9 +182,10 @@ def _delayed_allreduce(delay_s):
     return hook
 
 
-def _marked_step(model, opt, marks, compiled, rank, width):
-    """(the training step, compiled or eager, noting in ``marks`` when its backward begins and returns;
-    the 4 batches the timed steps cycle through)."""
+def _marked_step(model, opt, marks, mode, rank, width):
+    """(the training step, ``mode``: "compiled", "eager", "watched" (eager's under ``_PassThrough``) or
+    "skip_python" (compiled with ``skip_python=True``: its Python, and so its marks, not run on replays),
+    noting in ``marks`` when its backward begins and returns; the 4 batches the timed steps cycle through)."""
     def step(x, y):
         loss = torch.nn.functional.mse_loss(model(x), y)
         marks.append(time.perf_counter())
@@ -182,7 +197,22 @@ def _marked_step(model, opt, marks, compiled, rank, width):
     generator = torch.Generator().manual_seed(rank)
     batches = [(torch.randn(32, width, generator=generator), torch.randn(32, 4, generator=generator))
                for _ in range(4)]
-    return (compiler.compile(step) if compiled else step), batches
+    if mode == "compiled":
+        return compiler.compile(step), batches
+    if mode == "skip_python":
+        def unmarked(x, y):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+        return compiler.compile(unmarked, skip_python=True), batches
+    if mode == "watched":
+        def watched(x, y):
+            with _PassThrough():
+                return step(x, y)
+        return watched, batches
+    return step, batches
 
 
 def _median_fractions(fractions) -> list:
@@ -192,23 +222,26 @@ def _median_fractions(fractions) -> list:
 
 def _timed(rank, args) -> dict:
     """Per mode ("compiled", "eager"): (per bucket, the median fraction of the backward's wall time elapsed
-    when it was handed over, no delay; the median step time with ``args.delay_ms`` injected per bucket).
-    The two modes' steps alternate, each first every other step, each on a DDP model of its own: both
-    see the same machine, whatever else it runs meanwhile (two timings one after the other differed by
-    up to 20% between runs of this script)."""
+    when it was handed over, no delay; the median step time with ``args.delay_ms`` injected per bucket);
+    "watched" (eager's step under ``_PassThrough``) and "skip_python": (None, the median step time with the delay).
+    The modes' steps alternate, each first in turn, each on a DDP model of its own: all see the same
+    machine, whatever else it runs meanwhile (two timings one after the other differed by up to 20%
+    between runs of this script)."""
     fractions = {"compiled": [], "eager": []}
-    times = {"compiled": [], "eager": []}
+    times = {"compiled": [], "eager": [], "watched": [], "skip_python": []}
     for delay in (0.0, args.delay_ms / 1000):
         steps = {}
-        for mode in fractions:
+        modes = tuple(times) if delay else tuple(fractions)
+        for mode in modes:
             model = DDP(_model(args.layers, args.width), bucket_cap_mb=args.bucket_mb)
             marks: list = []
             model.register_comm_hook(dist.group.WORLD, _marking(marks, _delayed_allreduce(delay)))
             opt = torch.optim.SGD(model.parameters(), lr=0.01)
-            fn, batches = _marked_step(model, opt, marks, mode == "compiled", rank, args.width)
+            fn, batches = _marked_step(model, opt, marks, mode, rank, args.width)
             steps[mode] = (fn, batches, marks)
         for i in range(STEPS + args.timed_steps):
-            for mode in (("compiled", "eager") if i % 2 else ("eager", "compiled")):   # (each first every other step)
+            turn = i % len(modes)
+            for mode in modes[turn:] + modes[:turn]:   # (each first in turn)
                 fn, batches, marks = steps[mode]
                 marks.clear()
                 start = time.perf_counter()
@@ -221,8 +254,8 @@ def _timed(rank, args) -> dict:
                 else:   # (the backward begins at marks[0], returns at marks[-1])
                     span = marks[-1] - marks[0]
                     fractions[mode].append([(m - marks[0]) / span for m in marks[1:-1]])
-    return {mode: (_median_fractions(fractions[mode]), sorted(times[mode])[len(times[mode]) // 2])
-            for mode in fractions}
+    return {mode: (_median_fractions(fractions[mode]) if mode in fractions else None,
+                   sorted(times[mode])[len(times[mode]) // 2]) for mode in times}
 
 
 def _marking(marks, hook):
@@ -480,7 +513,7 @@ def _fsdp2_timed(rank, compiled, args):
     for delay in (0.0, args.delay_ms / 1000):
         marks: list = []
         model, opt, comm = _fsdp2_delayed(args, delay, marks)
-        fn, batches = _marked_step(model, opt, marks, compiled, rank, args.width)
+        fn, batches = _marked_step(model, opt, marks, "compiled" if compiled else "eager", rank, args.width)
         step_times, losses_now = [], []
         for i in range(FSDP_STEPS + args.timed_steps):
             marks.clear()
@@ -512,7 +545,8 @@ def _ddp_results(rank, args, results):
         if compiled:
             results["kernels"] = _kernels_line(report)
     timed = _timed(rank, args)
-    results["timed compiled"], results["timed eager"] = timed["compiled"], timed["eager"]
+    for mode, timing in timed.items():
+        results[f"timed {mode}"] = timing
 
 
 def _fsdp2_results(rank, args, results):
@@ -565,6 +599,12 @@ def _print_ddp(results, args):
         print(f"  bucket {b}: compiled {o:.2f}, eager {e:.2f} (compiled/eager {o / e:.2f})")
     print(f"step time with {args.delay_ms:g} ms injected per bucket's all-reduce: compiled {ours_ms * 1e3:.1f} ms, "
           f"eager {eager_ms * 1e3:.1f} ms (compiled/eager {ours_ms / eager_ms:.2f})")
+    skipping_ms, watched_ms = results["timed skip_python"][1], results["timed watched"][1]
+    print(f"  compiled with skip_python=True (replays make the recorded calls and DDP's own pre- and post-forward, "
+          f"not the step's Python): {skipping_ms * 1e3:.1f} ms (skip_python/eager {skipping_ms / eager_ms:.2f})")
+    print(f"  eager's step under a TorchFunctionMode that only passes each torch call through (what seeing the "
+          f"step's Python costs, as the default replay does): {watched_ms * 1e3:.1f} ms "
+          f"(watched/eager {watched_ms / eager_ms:.2f}; compiled/watched {ours_ms / watched_ms:.2f})")
 
 
 def _print_fsdp2(results, args):
