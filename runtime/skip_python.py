@@ -115,12 +115,12 @@ _DDP_FORWARD_RANGE = "DistributedDataParallel.forward"   # the profiler range DD
 def ddp_forwards(trace: CompiledRecording) -> dict | str:
     """Where each DistributedDataParallel forward's profiler range was entered -> (where it was exited,
     a weak reference to the module, whether a compiled region inside began before it), or why a replay
-    cannot make them without DDP's Python. NOTE:
-    skipped whole, DDP's reducer was never prepared for the backward, and each rank stepped on its own
-    gradients (seen with 2 ranks); ``run_calls`` makes its ``_pre_forward`` and ``_post_forward``
-    there instead. The recording must show that DDP's forward made no torch call of its own: every
-    call inside the range its module's compiled math (an input moved or cast would be one). Worked
-    out once per recording."""
+    cannot make them without DDP's Python. NOTE: with DDP's forward skipped whole, its reducer was never
+    prepared for the backward, and each rank stepped on its own gradients (seen with 2 ranks);
+    ``run_calls`` makes its ``_pre_forward`` and ``_post_forward`` there instead. The recording must
+    show that DDP's forward made no torch call of its own: every call inside the range its module's
+    compiled math (a buffer sync's or an input moved or cast would be one). Worked out once per
+    recording."""
     memo = trace.__dict__.get("_ddp_forwards")
     if memo is None:
         memo = trace.__dict__["_ddp_forwards"] = _ddp_forwards(trace)
