@@ -124,8 +124,12 @@ class CompiledRegion:
         facts, key = self.first_call_facts, ("segments", self.segment_bytes)
         plan = facts.get(key, False)
         if plan is False:
+            # (inputs it writes that need no gradient, a BatchNorm's running statistics, change nothing
+            # of its backward's graph; one that needs a gradient is dirtied on the region's Node)
             plan = facts[key] = plan_segments(self.backward, inputs, self.segment_bytes) \
-                if not self.output_groups and not self.mutated_inputs else None
+                if not self.output_groups and not any(
+                    isinstance(inputs[i], torch.Tensor) and inputs[i].requires_grad for i in self.mutated_inputs) \
+                else None
         return plan
 
     def _apply_in_segments(self, plan, inputs) -> list:
