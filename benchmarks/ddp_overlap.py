@@ -184,7 +184,8 @@ def _delayed_allreduce(delay_s):
 
 def _marked_step(model, opt, marks, mode, rank, width):
     """(the training step, ``mode``: "compiled", "eager", "watched" (eager's under ``_PassThrough``) or
-    "skip_python" (compiled with ``skip_python=True``: its Python, and so its marks, not run on replays),
+    "skip_python" (compiled with ``skip_python=True``: its Python, and so its marks, not run on replays;
+    timed with the delay only, where the marks are not read),
     noting in ``marks`` when its backward begins and returns; the 4 batches the timed steps cycle through)."""
     def step(x, y):
         loss = torch.nn.functional.mse_loss(model(x), y)
@@ -197,16 +198,8 @@ def _marked_step(model, opt, marks, mode, rank, width):
     generator = torch.Generator().manual_seed(rank)
     batches = [(torch.randn(32, width, generator=generator), torch.randn(32, 4, generator=generator))
                for _ in range(4)]
-    if mode == "compiled":
-        return compiler.compile(step), batches
-    if mode == "skip_python":
-        def unmarked(x, y):
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-        return compiler.compile(unmarked, skip_python=True), batches
+    if mode in ("compiled", "skip_python"):   # (skip_python: only its recording makes the marks; unused there)
+        return compiler.compile(step, skip_python=mode == "skip_python"), batches
     if mode == "watched":
         def watched(x, y):
             with _PassThrough():

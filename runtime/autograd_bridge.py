@@ -126,10 +126,9 @@ class CompiledRegion:
         if plan is False:
             # (inputs it writes that need no gradient, a BatchNorm's running statistics, change nothing
             # of its backward's graph; one that needs a gradient is dirtied on the region's Node)
-            plan = facts[key] = plan_segments(self.backward, inputs, self.segment_bytes) \
-                if not self.output_groups and not any(
-                    isinstance(inputs[i], torch.Tensor) and inputs[i].requires_grad for i in self.mutated_inputs) \
-                else None
+            dirties = any(isinstance(inputs[i], torch.Tensor) and inputs[i].requires_grad for i in self.mutated_inputs)
+            segmentable = not self.output_groups and not dirties
+            plan = facts[key] = plan_segments(self.backward, inputs, self.segment_bytes) if segmentable else None
         return plan
 
     def _apply_in_segments(self, plan, inputs) -> list:

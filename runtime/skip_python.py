@@ -222,8 +222,9 @@ def plan(trace: CompiledRecording) -> list:
         return memo
     calls = trace.calls
     unused_read = trace.unused_reads()  # (zero_grad's reads of gradients the step already read: left out)
-    ddp = {enter: (True, ref) for enter, (_, ref, _) in ddp_forwards(trace).items()}
-    ddp.update({end: (False, ref) for end, ref, _ in ddp_forwards(trace).values()})
+    forwards = ddp_forwards(trace)   # (where DDP's own pre- and post-forward are made)
+    ddp = {**{enter: (True, ref) for enter, (_, ref, _) in forwards.items()},
+           **{end: (False, ref) for end, ref, _ in forwards.values()}}
     out, seen, i = [], set(), 0
     while i < len(calls):
         end = trace.optimizer_steps.get(i)
